@@ -1,0 +1,105 @@
+"""Typed configuration: one dataclass per concern; unknown keys are errors."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, TypeVar, Union
+
+from eagle.errors import EagleError
+
+T = TypeVar("T")
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any] | None, where: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``; an unknown key is an error naming the key."""
+    data = dict(data or {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        place = f" in {where}" if where else ""
+        raise EagleError(
+            f"unknown config key(s) {', '.join(repr(k) for k in unknown)}{place}; "
+            f"allowed: {', '.join(sorted(names))}"
+        )
+    return cls(**data)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How logits become a token: temperature 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise EagleError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise EagleError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise EagleError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeConfig:
+    """EAGLE-2 dynamic draft tree: ``depth`` expansion steps of the ``top_k`` best frontier
+    nodes, then the best ``total_tokens`` nodes (root included) are verified in one pass.
+    ``total_tokens="auto"`` picks the size from the target's measured forward-time curve."""
+
+    total_tokens: Union[int, str] = 60
+    depth: int = 6
+    top_k: int = 10
+
+    def __post_init__(self) -> None:
+        if isinstance(self.total_tokens, str):
+            if self.total_tokens != "auto":
+                raise EagleError(f"total_tokens must be a positive integer or 'auto', got {self.total_tokens!r}")
+        elif self.total_tokens < 1:
+            raise EagleError(f"total_tokens must be >= 1, got {self.total_tokens}")
+        if self.depth < 1:
+            raise EagleError(f"depth must be >= 1, got {self.depth}")
+        if self.top_k < 1:
+            raise EagleError(f"top_k must be >= 1, got {self.top_k}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Classic speculative sampling with a separate draft model (method ``sd``).
+
+    ``lenience`` = 1.0 is exact (lossless). Values below 1 accept more drafts, which
+    changes the output distribution (lossy, documented as such)."""
+
+    gamma: int = 4
+    lenience: float = 1.0
+    adaptive: bool = False
+    max_gamma: int = 12
+
+    def __post_init__(self) -> None:
+        if self.gamma < 1:
+            raise EagleError(f"gamma must be >= 1, got {self.gamma}")
+        if not 0.0 < self.lenience <= 1.0:
+            raise EagleError(f"lenience must be in (0, 1], got {self.lenience}")
+        if self.max_gamma < self.gamma:
+            raise EagleError(f"max_gamma ({self.max_gamma}) must be >= gamma ({self.gamma})")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLookupConfig:
+    """Prompt lookup decoding (method ``pld``): match the last n-gram in the context and
+    propose the tokens that followed its most recent earlier occurrence."""
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+    num_draft_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise EagleError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        if self.num_draft_tokens < 1:
+            raise EagleError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")

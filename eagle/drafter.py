@@ -1,0 +1,297 @@
+"""The EAGLE-1/2 feature-level drafter.
+
+Input: concat(embedding of token t+1, target feature f_t) -> ``fc`` (2H -> H) -> N Llama-style
+decoder layers (layer 0 without input layernorm, no final norm) -> predicted feature f_{t+1}.
+Token logits come from the target's frozen LM head, or from the drafter's own head over a
+reduced draft vocabulary (``draft_vocab_size``, with the ``d2t`` draft-to-target id map).
+The target's embedding is reused and never stored in the drafter checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from eagle.config import from_dict
+from eagle.errors import EagleError
+
+FORMAT = "eagle-drafter/1"
+
+
+@dataclasses.dataclass
+class TargetInfo:
+    """What a drafter was built for; loading it against another target is refused."""
+
+    name: str = ""
+    hidden_size: int = 0
+    vocab_size: int = 0
+    tokenizer_fingerprint: str = ""
+
+
+@dataclasses.dataclass
+class DrafterConfig:
+    """Drafter architecture (the JSON in ``configs/drafter/`` and in a checkpoint's config.json)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    head_dim: int | None = None
+    num_layers: int = 1
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    fc_bias: bool = False
+    draft_vocab_size: int | None = None
+    target: TargetInfo = dataclasses.field(default_factory=TargetInfo)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target, dict):
+            self.target = from_dict(TargetInfo, self.target, where="drafter config 'target'")
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_layers < 1:
+            raise EagleError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise EagleError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "DrafterConfig":
+        data = json.loads(Path(path).read_text())
+        data.pop("format", None)
+        return from_dict(cls, data, where=str(path))
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **dataclasses.asdict(self)}, indent=2)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding (Llama's default kind). q/k [B, heads, T, d]; positions [B, T]."""
+    d = q.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=q.device, dtype=torch.float32) / d))
+    angles = positions.float()[..., None] * inv_freq  # [B, T, d/2]
+    emb = torch.cat((angles, angles), dim=-1)[:, None]
+    cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class KVEntry:
+    """One layer's cached keys/values [B, kv_heads, T, d]."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+
+class DrafterCache:
+    """The drafter's own KV cache (same ``layers[i].keys/values`` shape as transformers' caches,
+    so ``eagle.kv_cache`` rolls it back and compacts it)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.layers = [KVEntry() for _ in range(num_layers)]
+
+    def get_seq_length(self) -> int:
+        keys = self.layers[0].keys
+        return 0 if keys is None else int(keys.shape[-2])
+
+    def update(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        entry = self.layers[index]
+        if entry.keys is None:
+            entry.keys, entry.values = keys, values
+        else:
+            entry.keys = torch.cat([entry.keys, keys], dim=-2)
+            entry.values = torch.cat([entry.values, values], dim=-2)
+        return entry.keys, entry.values
+
+
+def causal_bias(q_len: int, past_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive causal mask [1, 1, q_len, past_len + q_len]."""
+    allowed = torch.ones(q_len, past_len + q_len, dtype=torch.bool, device=device).tril(diagonal=past_len)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig, index: int) -> None:
+        super().__init__()
+        self.cfg, self.index = cfg, index
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor,
+                cache: DrafterCache | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        d = self.cfg.head_dim
+        q = self.q_proj(x).view(b, t, -1, d).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, d).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, d).transpose(1, 2)
+        q, k = rope(q, k, positions, self.cfg.rope_theta)
+        if cache is not None:
+            k, v = cache.update(self.index, k, v)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), enable_gqa=True,
+                                                         scale=1.0 / math.sqrt(d))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, index: int) -> None:
+        super().__init__()
+        # EAGLE-1 layout: the first layer reads the fc output directly (no input layernorm).
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if index > 0 else None
+        self.self_attn = Attention(cfg, index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor,
+                cache: DrafterCache | None) -> torch.Tensor:
+        h = self.input_layernorm(x) if self.input_layernorm is not None else x
+        x = x + self.self_attn(h, positions, bias, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Drafter(nn.Module):
+    """EAGLE-1/2 drafter. ``forward`` maps (features, next-token embeddings) to predicted features."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        if cfg.draft_vocab_size is not None:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size, dtype=torch.long))
+        else:
+            self.lm_head = None
+            self.d2t = None
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target: Any, token_counts: torch.Tensor | None = None, **overrides: Any) -> "Drafter":
+        """An untrained drafter shaped for ``target`` (an ``eagle.Target``). With
+        ``draft_vocab_size=N`` the draft vocabulary is the N most frequent tokens in
+        ``token_counts`` [V] (lowest ids when none are given); its head starts from the
+        target's LM-head rows."""
+        tc = target.config
+        rope_params = getattr(tc, "rope_parameters", None) or {}
+        fields = dict(
+            hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+            num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", tc.num_attention_heads),
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            vocab_size=target.vocab_size, rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+            rope_theta=float(rope_params.get("rope_theta", getattr(tc, "rope_theta", 10000.0))),
+            max_position_embeddings=target.max_context,
+            target=TargetInfo(name=target.name, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                              tokenizer_fingerprint=target.tokenizer_fingerprint))
+        fields.update(overrides)
+        drafter = cls(from_dict(DrafterConfig, fields, where="drafter overrides"))
+        if drafter.lm_head is not None:
+            n = drafter.config.draft_vocab_size
+            ids = (torch.topk(token_counts.float(), n).indices.sort().values if token_counts is not None
+                   else torch.arange(n))
+            drafter.d2t.copy_(ids)
+            with torch.no_grad():
+                drafter.lm_head.weight.copy_(target.model.get_output_embeddings().weight[ids.to(target.device)].float())
+        return drafter.to(device=target.device, dtype=target.dtype)
+
+    def check_target(self, target: Any) -> None:
+        """Refuse a target other than the one this drafter was built for."""
+        info = self.config.target
+        if info.hidden_size != target.hidden_size or info.vocab_size != target.vocab_size:
+            raise EagleError(
+                f"drafter was built for {info.name or 'another target'} (hidden {info.hidden_size}, vocab "
+                f"{info.vocab_size}), but the target {target.name} has hidden {target.hidden_size}, vocab {target.vocab_size}")
+        if info.tokenizer_fingerprint and info.tokenizer_fingerprint != target.tokenizer_fingerprint:
+            raise EagleError(f"drafter was built for {info.name or 'another target'} whose tokenizer differs from "
+                             f"that of {target.name}")
+
+    # ---- persistence ---------------------------------------------------------------------
+    def save_pretrained(self, directory: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(self.config.to_json())
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / "model.safetensors"), metadata={"format": FORMAT})
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, target: Any = None, device: Any = None,
+                        dtype: torch.dtype | None = None) -> "Drafter":
+        """Load ``config.json`` + ``model.safetensors``. With ``target`` given, check that it is
+        the target the drafter was built for and move the drafter to its device and dtype."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        if not (directory / "config.json").is_file():
+            raise EagleError(f"no drafter at {directory}: config.json missing")
+        if not (directory / "model.safetensors").is_file():
+            raise EagleError(f"no drafter weights at {directory}: model.safetensors missing")
+        drafter = cls(DrafterConfig.from_json(directory / "config.json"))
+        drafter.load_state_dict(load_file(str(directory / "model.safetensors")))
+        if target is not None:
+            drafter.check_target(target)
+            device, dtype = device or target.device, dtype or target.dtype
+        return drafter.to(device=device, dtype=dtype).eval()
+
+    # ---- compute ---------------------------------------------------------------------------
+    def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
+                cache: DrafterCache | None = None, attention_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``features`` [B, T, H] (f_t), ``token_embeds`` [B, T, H] (embedding of token t+1),
+        ``positions`` [B, T], ``attention_bias`` [B or 1, 1, T, past + T] additive (causal when
+        None) -> predicted features [B, T, H] (f_{t+1}). ``cache`` is extended in place."""
+        x = self.fc(torch.cat([token_embeds, features], dim=-1))
+        past = cache.get_seq_length() if cache is not None else 0
+        if attention_bias is None:
+            attention_bias = causal_bias(x.shape[1], past, x.dtype, x.device)
+        for layer in self.layers:
+            x = layer(x, positions, attention_bias, cache)
+        return x
+
+    def new_cache(self) -> DrafterCache:
+        return DrafterCache(self.config.num_layers)
+
+    def draft_logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
+        """Predicted features [..., H] -> logits over the draft vocabulary [..., V_draft]."""
+        head = self.lm_head if self.lm_head is not None else target_lm_head
+        return head(hidden)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.d2t is None else self.d2t[draft_ids]

@@ -1,0 +1,139 @@
+"""``EagleModel``: the Python API. Load a target (and a drafter or a draft model) once, then
+``generate`` with any method in the same process so speedups are measured like for like."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
+from eagle.drafter import Drafter
+from eagle.errors import EagleError
+from eagle.generate import GenerationResult, decode_loop
+from eagle.proposers import DraftModel, EagleDrafter, NoDraft, PromptLookup, Proposer
+from eagle.sampling import make_generator
+from eagle.target import DEFAULT_TARGET, Target, load_target
+
+METHODS = ("ar", "pld", "sd", "eagle-chain", "eagle-tree")
+SHIPPED = Path(__file__).parent / "drafters"
+
+
+def shipped_drafter(target_name: str) -> Path | None:
+    """The drafter shipped with the package for a named target, if any."""
+    path = SHIPPED / target_name.lower()
+    return path if (path / "model.safetensors").is_file() else None
+
+
+class Stream:
+    """Iterator of text pieces as tokens are accepted; ``result`` is set once it is exhausted."""
+
+    def __init__(self, events: Iterator, tokenizer: Any) -> None:
+        self.events, self.tokenizer = events, tokenizer
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        tokens: list[int] = []
+        shown = ""
+        for event in self.events:
+            if isinstance(event, GenerationResult):
+                self.result = event
+                break
+            tokens.extend(event)
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+                continue
+            if len(text) > len(shown):
+                yield text[len(shown):]
+            shown = text
+
+
+class EagleModel:
+    """A target with optional drafter (EAGLE methods) and draft model (``sd``)."""
+
+    def __init__(self, target: Target, drafter: Drafter | None = None, draft_model: Any = None,
+                 tree: TreeConfig | None = None, speculative: SpeculativeConfig | None = None,
+                 prompt_lookup: PromptLookupConfig | None = None) -> None:
+        self.target, self.drafter, self.draft_model = target, drafter, draft_model
+        self.tree = tree or TreeConfig()
+        self.speculative = speculative or SpeculativeConfig()
+        self.prompt_lookup = prompt_lookup or PromptLookupConfig()
+
+    @classmethod
+    def from_pretrained(cls, target: str | Target = DEFAULT_TARGET, drafter: str | Path | Drafter | None = None,
+                        draft_model: str | Any = None, device: Any = None, dtype: torch.dtype | None = None,
+                        total_tokens: int | str | None = None, depth: int | None = None, top_k: int | None = None,
+                        gamma: int | None = None, lenience: float | None = None, adaptive_gamma: bool | None = None,
+                        **prompt_lookup: Any) -> "EagleModel":
+        """``drafter``: a drafter folder or ``Drafter`` (default: the one shipped for the target,
+        if any). ``draft_model``: a model spec (as for targets) or a loaded model for ``sd``.
+        Tree options: ``total_tokens`` (int or "auto"), ``depth``, ``top_k``; ``sd`` options:
+        ``gamma``, ``lenience``, ``adaptive_gamma``; ``pld`` options: ``max_ngram``,
+        ``min_ngram``, ``num_draft_tokens``."""
+        tgt = load_target(target, device=device, dtype=dtype)
+        if drafter is None and isinstance(target, str):
+            drafter = shipped_drafter(target)
+        if drafter is not None and not isinstance(drafter, Drafter):
+            drafter = Drafter.from_pretrained(drafter, target=tgt)
+        elif drafter is not None:
+            drafter.check_target(tgt)
+        if draft_model is not None and not isinstance(draft_model, torch.nn.Module):
+            draft = load_target(draft_model, device=tgt.device, dtype=tgt.dtype)
+            check_same_tokenizer(tgt, draft)
+            draft_model = draft.model
+        tree = {k: v for k, v in dict(total_tokens=total_tokens, depth=depth, top_k=top_k).items() if v is not None}
+        spec = {k: v for k, v in dict(gamma=gamma, lenience=lenience, adaptive=adaptive_gamma).items() if v is not None}
+        try:
+            pl = PromptLookupConfig(**prompt_lookup)
+        except TypeError as exc:
+            raise EagleError(f"unknown option: {exc}") from exc
+        return cls(tgt, drafter, draft_model, TreeConfig(**tree), SpeculativeConfig(**spec), pl)
+
+    def _proposer(self, method: str, sampling: SamplingConfig, generator: torch.Generator) -> Proposer:
+        device = self.target.device
+        if method == "ar":
+            return NoDraft(device)
+        if method == "pld":
+            return PromptLookup(self.prompt_lookup, device)
+        if method == "sd":
+            if self.draft_model is None:
+                raise EagleError("method 'sd' needs a draft model: pass draft_model=... (--draft-model)")
+            return DraftModel(self.draft_model, self.speculative, sampling, generator)
+        if method in ("eagle-tree", "eagle-chain"):
+            if self.drafter is None:
+                raise EagleError(f"method {method!r} needs a drafter: pass drafter=... (--drafter)")
+            tree = self.tree
+            if method == "eagle-chain":
+                tree = dataclasses.replace(tree, top_k=1, total_tokens=tree.depth + 1)
+            elif tree.total_tokens == "auto":
+                from eagle.budget import auto_total_tokens
+
+                tree = dataclasses.replace(tree, total_tokens=auto_total_tokens(self.target, self.drafter, tree))
+            return EagleDrafter(self.drafter, self.target, tree)
+        raise EagleError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+    def generate(self, prompt: Any, method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 stream: bool = False) -> GenerationResult | Stream:
+        """Generate from ``prompt`` (a string, chat messages, or token ids). Returns a
+        ``GenerationResult``, or with ``stream=True`` a ``Stream`` of text pieces."""
+        sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        if max_new_tokens < 1:
+            raise EagleError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompt_ids = self.target.encode_prompt(prompt)
+        generator = make_generator(seed)
+        proposer = self._proposer(method, sampling, generator)
+        events = decode_loop(self.target, proposer, prompt_ids, max_new_tokens, sampling, generator, self.speculative,
+                             method)
+        if stream:
+            return Stream(events, self.target.tokenizer)
+        *_, result = events
+        return result
+
+
+def check_same_tokenizer(target: Target, draft: Target) -> None:
+    if draft.vocab_size != target.vocab_size or draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
+        raise EagleError(f"draft model {draft.name} has another vocabulary or tokenizer than the target "
+                         f"{target.name} (vocab {draft.vocab_size} vs {target.vocab_size})")

@@ -1,0 +1,219 @@
+"""Draft proposers behind one interface: each proposes a ``DraftTree`` rooted at the last
+context token and is told what the target accepted.
+
+- ``NoDraft`` (``ar``): the root alone; plain decoding through the same loop.
+- ``PromptLookup`` (``pld``): an n-gram match in the context proposes a chain.
+- ``DraftModel`` (``sd``): a separate small LM samples a chain (with its distributions q).
+- ``EagleDrafter`` (``eagle-tree``, ``eagle-chain``): the feature-level drafter grows an
+  EAGLE-2 dynamic tree (a chain is the top_k = 1 case)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from eagle import kv_cache
+from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
+from eagle.drafter import Drafter
+from eagle.sampling import logits_to_probs, sample
+from eagle.target import Target
+from eagle.tree import DraftTree, best_frontier, chain_tree, rerank, root_only, topk_children
+from eagle.tree_mask import attention_bias
+
+
+@dataclasses.dataclass
+class Proposal:
+    """A draft tree, plus ``draft_probs`` [K, V] for sampled chains (``sd``), else None."""
+
+    tree: DraftTree
+    draft_probs: torch.Tensor | None = None
+
+
+class Proposer:
+    """Interface. ``start`` after the prefill, ``propose`` each round, ``commit`` after acceptance.
+
+    ``ids``: the whole context (prompt + generated); its last token is the tree root, not yet
+    in the target's cache. ``features``: the target's last hidden states [n, H] for the
+    tokens the target just processed (the prefix on ``start``, the accepted path on ``commit``)."""
+
+    needs_features = False
+
+    def start(self, ids: list[int], features: torch.Tensor | None) -> None:
+        """Called once the target has prefilled ``ids[:-1]``."""
+
+    def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
+        raise NotImplementedError
+
+    def commit(self, ids: list[int], accepted: int, features: torch.Tensor | None) -> None:
+        """``ids`` now ends with the accepted drafts and the new root; ``accepted`` drafts were kept."""
+
+
+class NoDraft(Proposer):
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
+        return Proposal(root_only(ids[-1], self.device))
+
+
+def prompt_lookup(ids: list[int], cfg: PromptLookupConfig, limit: int) -> list[int]:
+    """The tokens that followed the most recent earlier occurrence of the context's last n-gram
+    (longest n first), at most ``limit`` of them; [] when nothing matches."""
+    for n in range(cfg.max_ngram, cfg.min_ngram - 1, -1):
+        if len(ids) <= n:
+            continue
+        tail = ids[-n:]
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start:start + n] == tail:
+                return ids[start + n: start + n + limit]
+    return []
+
+
+class PromptLookup(Proposer):
+    def __init__(self, cfg: PromptLookupConfig, device: torch.device) -> None:
+        self.cfg, self.device = cfg, device
+
+    def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
+        limit = min(self.cfg.num_draft_tokens, max_depth, max_nodes - 1)
+        draft = prompt_lookup(ids, self.cfg, limit) if limit > 0 else []
+        return Proposal(chain_tree(ids[-1], torch.tensor(draft, dtype=torch.long, device=self.device)))
+
+
+class DraftModel(Proposer):
+    """A separate small causal LM (same tokenizer) drafting ``gamma`` tokens autoregressively,
+    with its own cache rolled back to the accepted prefix after each round."""
+
+    def __init__(self, model: Any, cfg: SpeculativeConfig, sampling: SamplingConfig,
+                 generator: torch.Generator) -> None:
+        from transformers import DynamicCache
+
+        self.model, self.cfg, self.sampling, self.generator = model, cfg, sampling, generator
+        self.cache = DynamicCache(config=model.config)
+        self.gamma = cfg.gamma
+        self.drafted = 0
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def _step(self, tokens: list[int]) -> torch.Tensor:
+        past = kv_cache.cache_length(self.cache)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        pos = torch.arange(past, past + len(tokens), device=self.device)[None]
+        out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+    def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
+        k = self.drafted = min(self.gamma, max_depth, max_nodes - 1)
+        if k <= 0:
+            return Proposal(root_only(ids[-1], self.device))
+        pending = ids[kv_cache.cache_length(self.cache):]
+        drafts, probs = [], []
+        for _ in range(k):
+            q = logits_to_probs(self._step(pending), self.sampling)
+            token = int(q.argmax()) if self.sampling.greedy else int(sample(q, self.generator))
+            drafts.append(token)
+            probs.append(q)
+            pending = [token]
+        tree = chain_tree(ids[-1], torch.tensor(drafts, dtype=torch.long, device=self.device))
+        return Proposal(tree, draft_probs=torch.stack(probs))
+
+    def commit(self, ids: list[int], accepted: int, features: torch.Tensor | None) -> None:
+        kv_cache.roll_back(self.cache, len(ids) - 1)  # keep entries of accepted tokens; the new root is pending
+        if self.cfg.adaptive and self.drafted:  # grow when all drafts were accepted, shrink on an early rejection
+            if accepted >= self.drafted:
+                self.gamma = min(self.gamma + 2, self.cfg.max_gamma)
+            elif accepted < self.drafted // 2:
+                self.gamma = max(1, self.gamma - 1)
+
+
+class EagleDrafter(Proposer):
+    """EAGLE-2 dynamic tree from the feature-level drafter; ``top_k = 1`` gives a chain."""
+
+    needs_features = True
+
+    def __init__(self, drafter: Drafter, target: Target, cfg: TreeConfig) -> None:
+        self.drafter, self.target, self.cfg = drafter, target, cfg
+        self.cache = drafter.new_cache()
+        self.last_hidden: torch.Tensor | None = None  # drafter's prediction of the root's feature [H]
+        self.device = target.device
+
+    @torch.inference_mode()
+    def _extend(self, features: torch.Tensor, next_tokens: list[int]) -> None:
+        """Feed pairs (f_t, x_{t+1}) for the new committed positions; keep the last prediction."""
+        if not next_tokens:
+            return
+        past = kv_cache.cache_length(self.cache)
+        tokens = torch.tensor([next_tokens], dtype=torch.long, device=self.device)
+        pos = torch.arange(past, past + len(next_tokens), device=self.device)[None]
+        out = self.drafter(features[None].to(self.target.dtype), self.target.embed(tokens), pos, self.cache)
+        self.last_hidden = out[0, -1]
+
+    def start(self, ids: list[int], features: torch.Tensor | None) -> None:
+        self.cache = self.drafter.new_cache()
+        self.last_hidden = None
+        if features is not None and len(ids) > 1:
+            self._extend(features, ids[1:])
+
+    def commit(self, ids: list[int], accepted: int, features: torch.Tensor | None) -> None:
+        # features: target features of the root and the accepted drafts; tokens that follow them.
+        self._extend(features, ids[len(ids) - accepted - 1:])
+
+    def _logprobs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.drafter.draft_logits(hidden, self.target.model.get_output_embeddings())
+        return torch.log_softmax(logits.float(), dim=-1), logits
+
+    @torch.inference_mode()
+    def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
+        total = self.cfg.total_tokens if isinstance(self.cfg.total_tokens, int) else max_nodes
+        total, depth, k = min(total, max_nodes), min(self.cfg.depth, max_depth), self.cfg.top_k
+        if self.last_hidden is None or depth < 1 or total < 2:
+            return Proposal(root_only(ids[-1], self.device))
+        committed = kv_cache.cache_length(self.cache)
+        to_target = self.drafter.to_target_ids
+        # Pool of candidates: index 0 is the root; parents point into the pool.
+        lp, _ = self._logprobs(self.last_hidden[None])
+        child_tokens, child_scores = topk_children(torch.zeros(1, device=self.device), lp, k)
+        pool_tokens = [torch.tensor([ids[-1]], device=self.device), to_target(child_tokens[0])]
+        pool_parents = [torch.tensor([-1], device=self.device), torch.zeros(k, dtype=torch.long, device=self.device)]
+        pool_scores = [torch.zeros(1, device=self.device), child_scores[0]]
+        frontier = torch.arange(1, k + 1, device=self.device)  # pool indices
+        frontier_inputs = self.last_hidden[None].expand(k, -1)
+        # ancestors[i] lists pool indices of i's ancestors that are cached in this round (self included).
+        cached: list[int] = []
+        ancestors = {0: []}
+        for i in range(1, k + 1):
+            ancestors[i] = [i]
+        size = k + 1
+        for d in range(1, depth):
+            tokens = torch.cat(pool_tokens)[frontier]
+            cached.extend(frontier.tolist())
+            col = {node: j for j, node in enumerate(cached)}
+            allowed = torch.zeros(len(frontier), committed + len(cached), dtype=torch.bool, device=self.device)
+            allowed[:, :committed] = True
+            for row, node in enumerate(frontier.tolist()):
+                allowed[row, [committed + col[a] for a in ancestors[node]]] = True
+            bias = torch.zeros(allowed.shape, dtype=self.target.dtype, device=self.device)
+            bias = bias.masked_fill(~allowed, torch.finfo(self.target.dtype).min)[None, None]
+            pos = torch.full((1, len(frontier)), committed + d - 1, device=self.device)
+            hidden = self.drafter(frontier_inputs[None], self.target.embed(tokens[None]), pos, self.cache, bias)[0]
+            lp, _ = self._logprobs(hidden)
+            parent_scores = torch.cat(pool_scores)[frontier]
+            child_tokens, child_scores = topk_children(parent_scores, lp, k)  # [F, k]
+            flat_scores = child_scores.reshape(-1)
+            new_ids = torch.arange(size, size + flat_scores.shape[0], device=self.device)
+            parents = frontier[:, None].expand(-1, k).reshape(-1)
+            pool_tokens.append(to_target(child_tokens.reshape(-1)))
+            pool_parents.append(parents)
+            pool_scores.append(flat_scores)
+            best = best_frontier(flat_scores, k)
+            for j in best.tolist():
+                node = size + j
+                ancestors[node] = ancestors[int(parents[j])] + [node]
+            frontier_inputs = hidden[best // k]
+            frontier = new_ids[best]
+            size += flat_scores.shape[0]
+        kv_cache.roll_back(self.cache, committed)
+        tree = rerank(torch.cat(pool_tokens), torch.cat(pool_parents), torch.cat(pool_scores), total)
+        return Proposal(tree)

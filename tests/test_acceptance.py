@@ -1,0 +1,88 @@
+import torch
+
+from eagle import acceptance
+from eagle.tree_mask import tree_attention
+
+
+def test_residual_distribution():
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.2, 0.5, 0.2, 0.1])
+    r = acceptance.residual_distribution(p, q)
+    assert torch.allclose(r, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    q2 = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    assert torch.allclose(acceptance.residual_distribution(p, q2), torch.tensor([0.25, 0.05, 0.0, 0.0]) / 0.30)
+    assert torch.allclose(acceptance.residual_distribution(p, p), p)  # nothing to correct: p itself
+    batch = acceptance.residual_distribution(torch.stack([p, p]), torch.stack([q, q2]))
+    assert torch.allclose(batch.sum(-1), torch.ones(2))
+
+
+def brute_force_greedy(tokens, parents, argmax):
+    best = [0]
+    for leaf in range(len(tokens)):
+        path, j = [], leaf
+        while j != -1:
+            path.append(j)
+            j = parents[j]
+        path = path[::-1]
+        kept = [0]
+        for node in path[1:]:
+            if tokens[node] != argmax[kept[-1]]:
+                break
+            kept.append(node)
+        if len(kept) > len(best):
+            best = kept
+    return best, argmax[best[-1]]
+
+
+def test_greedy_tree_matches_brute_force():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        n = 1 + trial % 15
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+        tokens = torch.randint(0, 3, (n,), generator=gen)
+        argmax = torch.randint(0, 3, (n,), generator=gen)
+        attn = tree_attention(torch.tensor(parents))
+        acc = acceptance.greedy_tree(tokens, torch.tensor(parents), attn.paths, argmax)
+        nodes, _ = brute_force_greedy(tokens.tolist(), parents, argmax.tolist())
+        got = acc.nodes.tolist()
+        assert len(got) == len(nodes)  # longest agreeing path (ties may pick another path of that length)
+        assert got[0] == 0 and all(parents[b] == a and tokens[b] == argmax[a] for a, b in zip(got, got[1:]))
+        assert acc.next_token == int(argmax[got[-1]])
+
+
+def _first_token_frequencies(rule, vocab, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(vocab)
+    for _ in range(n):
+        counts[rule(gen)] += 1
+    return counts / n
+
+
+def test_recursive_rejection_is_exact_for_one_level():
+    p = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    tokens, parents = torch.tensor([9, 1, 3, 0]), torch.tensor([-1, 0, 0, 0])
+    probs = torch.stack([p, p, p, p])
+
+    def first(gen):
+        acc = acceptance.recursive_rejection_tree(tokens, parents, probs, gen)
+        return int(tokens[acc.nodes[1]]) if len(acc.nodes) > 1 else acc.next_token
+
+    freq = _first_token_frequencies(first, 4, 20000, 0)
+    assert (freq - p).abs().sum() / 2 < 0.015
+
+
+def test_speculative_chain_is_exact_for_one_step_and_lenience_is_not():
+    p = torch.tensor([[0.1, 0.6, 0.3], [0.3, 0.3, 0.4]])
+    q = torch.tensor([[0.6, 0.2, 0.2]])
+
+    def first(lenience):
+        def draw(gen):
+            x = torch.multinomial(q[0], 1, generator=gen)
+            acc = acceptance.speculative_chain(x, q, p, gen, lenience=lenience)
+            return int(x[0]) if len(acc.nodes) > 1 else acc.next_token
+        return draw
+
+    exact = _first_token_frequencies(first(1.0), 3, 20000, 1)
+    assert (exact - p[0]).abs().sum() / 2 < 0.015
+    lossy = _first_token_frequencies(first(0.3), 3, 20000, 1)
+    assert (lossy - p[0]).abs().sum() / 2 > 0.1

@@ -1,0 +1,146 @@
+"""The engine on tiny random models: greedy identity for every method, stops, budgets, caches."""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from eagle import EagleError, EagleModel, kv_cache
+from eagle.config import TreeConfig
+from eagle.generate import truncate_at_stop
+
+from .conftest import prompts, tiny_drafter, tiny_target
+
+
+@pytest.fixture(scope="module")
+def model(target, drafter):
+    draft = tiny_target(seed=5, hidden=16, layers=1)
+    return EagleModel.from_pretrained(target, drafter=drafter, draft_model=draft.model, total_tokens=12, depth=4,
+                                      top_k=3, gamma=3)
+
+
+@pytest.mark.parametrize("method", ["pld", "sd", "eagle-chain", "eagle-tree"])
+def test_greedy_matches_ar_on_20_prompts(model, method):
+    gained = 0
+    for ids in prompts(20):
+        ref = model.generate(ids, method="ar", max_new_tokens=24)
+        out = model.generate(ids, method=method, max_new_tokens=24)
+        assert out.token_ids == ref.token_ids, (method, ids)
+        assert sum(out.accept_lengths) == len(out.token_ids)
+        assert out.target_forwards == len(out.accept_lengths)
+        gained += max(out.accept_lengths)
+    assert gained > 20  # drafts were really accepted sometimes, not only bonus tokens
+
+
+def test_adaptive_gamma_is_still_exact(model):
+    adaptive = EagleModel(model.target, draft_model=model.draft_model,
+                          speculative=dataclasses.replace(model.speculative, adaptive=True))
+    for ids in prompts(5, seed=3):
+        assert adaptive.generate(ids, method="sd", max_new_tokens=20).token_ids == \
+            model.generate(ids, method="ar", max_new_tokens=20).token_ids
+
+
+def test_accepted_drafts_with_a_self_draft():
+    """The target drafting for itself accepts everything: gamma + 1 tokens per forward."""
+    t = tiny_target()
+    m = EagleModel.from_pretrained(t, draft_model=t.model, gamma=4)
+    out = m.generate([3, 4, 5], method="sd", max_new_tokens=21)
+    assert out.accept_lengths[:4] == [5, 5, 5, 5] and len(out.token_ids) == 21
+
+
+def test_max_new_tokens_is_never_exceeded(model):
+    for method in ["ar", "pld", "sd", "eagle-tree"]:
+        for limit in (1, 2, 5, 7):
+            out = model.generate([1, 2, 3, 1, 2, 3], method=method, max_new_tokens=limit)
+            assert len(out.token_ids) == limit and out.stop_reason == "length"
+
+
+def test_eos_inside_an_accepted_chunk_stops_exactly_there():
+    assert truncate_at_stop([5, 0, 7, 8], frozenset({0}), 10) == ([5, 0], "eos")
+    assert truncate_at_stop([5, 6, 7, 8], frozenset({0}), 2) == ([5, 6], "length")
+    assert truncate_at_stop([5, 6], frozenset({0}), 10) == ([5, 6], "")
+    t = tiny_target(eos=True, seed=3)
+    m = EagleModel.from_pretrained(t, drafter=tiny_drafter(t), draft_model=t.model, gamma=6, total_tokens=10,
+                                   depth=4, top_k=3)
+    stopped = 0
+    for ids in prompts(20, seed=1, low=1):
+        ref = m.generate(ids, method="ar", max_new_tokens=40)
+        for method in ["sd", "eagle-tree", "pld"]:
+            out = m.generate(ids, method=method, max_new_tokens=40)
+            assert out.token_ids == ref.token_ids
+            if 0 in out.token_ids:
+                assert out.token_ids.index(0) == len(out.token_ids) - 1 and out.stop_reason == "eos"
+                stopped += 1
+    assert stopped > 0
+
+
+def test_tree_near_the_context_end_is_clipped(model):
+    small = tiny_target(max_positions=20)
+    m = EagleModel.from_pretrained(small, drafter=tiny_drafter(small), draft_model=small.model, total_tokens=12,
+                                   depth=5, top_k=3)
+    ref = m.generate(list(range(1, 15)), method="ar", max_new_tokens=50)
+    assert ref.stop_reason == "context" and len(ref.token_ids) == 20 - 14
+    for method in ["pld", "sd", "eagle-tree", "eagle-chain"]:
+        out = m.generate(list(range(1, 15)), method=method, max_new_tokens=50)
+        assert out.token_ids == ref.token_ids
+
+
+def test_compacted_cache_equals_recomputed_cache(target):
+    torch.manual_seed(0)
+    prefix = torch.randint(1, 32, (1, 6))
+    cache = DynamicCache(config=target.model.config)
+    target.forward(prefix, torch.arange(6)[None], cache)
+    # a tree: root 0 -> 1 -> 3, and a sibling branch 2
+    tokens = torch.tensor([[4, 9, 11, 12]])
+    parents = torch.tensor([-1, 0, 0, 1])
+    from eagle.tree_mask import attention_bias, tree_attention
+    attn = tree_attention(parents)
+    target.forward(tokens, (6 + attn.depths)[None], cache, attention_bias(attn.mask, 6, torch.float32))
+    kv_cache.compact(cache, 6, torch.tensor([6, 7, 9]))
+    ref = DynamicCache(config=target.model.config)
+    target.forward(torch.cat([prefix, torch.tensor([[4, 9, 12]])], 1), torch.arange(9)[None], ref)
+    assert kv_cache.cache_length(cache) == 9
+    for got, want in zip(cache.layers, ref.layers):
+        assert torch.allclose(got.keys, want.keys, atol=1e-5) and torch.allclose(got.values, want.values, atol=1e-5)
+
+
+def test_stream_yields_the_same_text(model):
+    stream = model.generate([3, 4, 5, 6], method="eagle-tree", max_new_tokens=12, stream=True)
+    pieces = list(stream)
+    assert "".join(pieces) == stream.result.text
+    assert stream.result.token_ids == model.generate([3, 4, 5, 6], method="ar", max_new_tokens=12).token_ids
+
+
+def test_seeded_sampling_is_reproducible(model):
+    a = model.generate([3, 4, 5], method="eagle-tree", max_new_tokens=16, temperature=1.0, seed=7)
+    b = model.generate([3, 4, 5], method="eagle-tree", max_new_tokens=16, temperature=1.0, seed=7)
+    assert a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(method="beam"), "unknown method"),
+])
+def test_bad_generation_options_are_clear_errors(model, kwargs, message):
+    with pytest.raises(EagleError, match=message):
+        model.generate([1, 2, 3], **kwargs)
+
+
+def test_bad_prompts_and_tree_options_are_clear_errors(model, target):
+    with pytest.raises(EagleError, match="empty prompt"):
+        model.generate([], method="ar")
+    with pytest.raises(EagleError, match="empty prompt"):
+        model.generate("   ", method="ar")
+    with pytest.raises(EagleError, match="context"):
+        model.generate(list(range(1, 30)) * 10, method="ar")
+    for field in ("total_tokens", "depth", "top_k"):
+        with pytest.raises(EagleError, match=field):
+            TreeConfig(**{field: 0})
+    with pytest.raises(EagleError, match="needs a drafter"):
+        EagleModel(target).generate([1, 2], method="eagle-tree")
+    with pytest.raises(EagleError, match="needs a draft model"):
+        EagleModel(target).generate([1, 2], method="sd")

@@ -1,0 +1,106 @@
+"""Sampling is lossless: the first 3 generated tokens follow the target's exact distribution.
+
+The exact distribution is enumerated from the tiny target (vocabulary 6: 216 triples); 20k
+seeded generations are compared with a chi-square test. Each check also runs a negative
+control (a deliberately broken acceptance rule) that the same test must reject."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from eagle import EagleModel, acceptance
+from eagle.config import SamplingConfig
+from eagle.sampling import logits_to_probs, sample
+
+from .conftest import tiny_drafter, tiny_target
+
+VOCAB, PROMPT, SAMPLES, ALPHA = 6, [1, 2, 3], 20000, 1e-3
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model():
+    target = tiny_target(vocab_size=VOCAB, hidden=16, layers=1, init_std=0.5)
+    draft = tiny_target(vocab_size=VOCAB, hidden=16, layers=1, init_std=0.5, seed=9)
+    return EagleModel.from_pretrained(target, drafter=tiny_drafter(target), draft_model=draft.model,
+                                      total_tokens=6, depth=3, top_k=2, gamma=2)
+
+
+def exact_triples(model: EagleModel, sampling: SamplingConfig) -> torch.Tensor:
+    """P(x1, x2, x3 | prompt) [V, V, V] by enumerating every 2-token continuation."""
+    pairs = torch.tensor(list(itertools.product(range(VOCAB), repeat=2)))
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(pairs), -1), pairs], dim=1)
+    with torch.no_grad():
+        logits = model.target.model(ids).logits[:, len(PROMPT) - 1:]
+    probs = logits_to_probs(logits, sampling)  # [V*V, 3, V]
+    p1 = probs[0, 0]
+    p2 = probs[:, 1].reshape(VOCAB, VOCAB, VOCAB)[:, 0]  # [x1, x2]
+    p3 = probs[:, 2].reshape(VOCAB, VOCAB, VOCAB)  # [x1, x2, x3]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def sampled_triples(model: EagleModel, method: str, sampling: SamplingConfig, n: int) -> torch.Tensor:
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
+    for seed in range(n):
+        out = model.generate(PROMPT, method=method, max_new_tokens=3, temperature=sampling.temperature,
+                             top_p=sampling.top_p, seed=seed)
+        counts[tuple(out.token_ids)] += 1
+    return counts
+
+
+def chi_square_p(counts: torch.Tensor, exact: torch.Tensor) -> float:
+    """Goodness of fit; cells expected below 5 are pooled into one."""
+    n = counts.sum()
+    expected, observed = (exact.flatten() * n), counts.flatten()
+    big = expected >= 5
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    obs = torch.cat([observed[big], observed[~big].sum()[None]])
+    assert obs[:-1].sum() + obs[-1] == n
+    return float(chisquare(obs.numpy(), exp.numpy() * (obs.sum() / exp.sum()).item()).pvalue)
+
+
+def skip_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return p  # broken: resample from p after a rejection instead of normalize(max(0, p - q))
+
+
+def no_renormalization(tokens, parents, target_probs, generator):
+    """Broken tree rule: rejected siblings keep their mass and the fallback draws from the full p."""
+    kids = acceptance.children_of(parents)
+    node, accepted = 0, [0]
+    while True:
+        p = target_probs[node]
+        for child in kids[node]:
+            if torch.rand(1, generator=generator).item() < p[int(tokens[child])].item():
+                node = child
+                accepted.append(child)
+                break
+        else:
+            return acceptance.Acceptance(nodes=torch.tensor(accepted), next_token=int(sample(p, generator)))
+
+
+def test_speculative_sampling_is_lossless_and_the_check_has_teeth(model, monkeypatch):
+    sampling = SamplingConfig(temperature=1.0)
+    exact = exact_triples(model, sampling)
+    assert chi_square_p(sampled_triples(model, "sd", sampling, SAMPLES), exact) > ALPHA
+    monkeypatch.setattr(acceptance, "residual_distribution", skip_residual)
+    assert chi_square_p(sampled_triples(model, "sd", sampling, SAMPLES // 2), exact) < ALPHA
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_tree_sampling_is_lossless(model, top_p):
+    sampling = SamplingConfig(temperature=1.0, top_p=top_p)
+    exact = exact_triples(model, sampling)
+    counts = sampled_triples(model, "eagle-tree", sampling, SAMPLES)
+    assert chi_square_p(counts, exact) > ALPHA
+
+
+def test_tree_sampling_negative_control_is_rejected(model, monkeypatch):
+    sampling = SamplingConfig(temperature=1.0)
+    monkeypatch.setattr(acceptance, "recursive_rejection_tree", no_renormalization)
+    counts = sampled_triples(model, "eagle-tree", sampling, SAMPLES // 2)
+    assert chi_square_p(counts, exact_triples(model, sampling)) < ALPHA

