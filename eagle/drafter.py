@@ -254,18 +254,33 @@ class Drafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, target: Any = None, device: Any = None,
-                        dtype: torch.dtype | None = None) -> "Drafter":
-        """Load ``config.json`` + ``model.safetensors``. With ``target`` given, check that it is
-        the target the drafter was built for and move the drafter to its device and dtype."""
+                        dtype: torch.dtype | None = None, allow_pickle: bool = False) -> "Drafter":
+        """Load ``config.json`` + ``model.safetensors``, ours or in the EAGLE-1/2 release layout
+        (``eagle.interop``; its ``pytorch_model.bin`` only with ``allow_pickle``, as unpickling can
+        run code). With ``target`` given, check that it is the target the drafter was built for
+        and move the drafter to its device and dtype."""
         from safetensors.torch import load_file
+
+        from eagle import interop
 
         directory = Path(directory)
         if not (directory / "config.json").is_file():
             raise EagleError(f"no drafter at {directory}: config.json missing")
-        if not (directory / "model.safetensors").is_file():
-            raise EagleError(f"no drafter weights at {directory}: model.safetensors missing")
-        drafter = cls(DrafterConfig.from_json(directory / "config.json"))
-        drafter.load_state_dict(load_file(str(directory / "model.safetensors")))
+        try:
+            raw = json.loads((directory / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise EagleError(f"cannot read {directory / 'config.json'}: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise EagleError(f"{directory / 'config.json'} is not a JSON object")
+        if interop.detect_format(raw) != FORMAT:
+            cfg, state = interop.load_eagle_checkpoint(directory, raw, allow_pickle=allow_pickle)
+            drafter = cls(cfg)
+            drafter.load_state_dict(state)
+        else:
+            if not (directory / "model.safetensors").is_file():
+                raise EagleError(f"no drafter weights at {directory}: model.safetensors missing")
+            drafter = cls(DrafterConfig.from_json(directory / "config.json"))
+            drafter.load_state_dict(load_file(str(directory / "model.safetensors")))
         if target is not None:
             drafter.check_target(target)
             device, dtype = device or target.device, dtype or target.dtype

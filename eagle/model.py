@@ -22,8 +22,13 @@ SHIPPED = Path(__file__).parent / "drafters"
 
 
 def shipped_drafter(target_name: str) -> Path | None:
-    """The drafter shipped with the package for a named target, if any."""
-    path = SHIPPED / target_name.lower()
+    """The drafter shipped with the package for a named target, if any. Only a bare name (like
+    ``smollm2-135m-instruct``) can have one: a folder, file or hub id never does (an absolute
+    path joined onto ``SHIPPED`` would otherwise point at the target's own folder)."""
+    name = target_name.lower()
+    if not name or len(Path(name).parts) != 1 or Path(name).is_absolute() or name in (".", ".."):
+        return None
+    path = SHIPPED / name
     return path if (path / "model.safetensors").is_file() else None
 
 

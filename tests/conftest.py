@@ -11,14 +11,15 @@ from eagle.target import Target
 
 def word_tokenizer(vocab_size: int, eos: bool = False):
     """A word-level fast tokenizer over tokens ``t0 .. t{V-1}`` (``t0`` is the EOS when asked)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"t{i}": i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    kwargs = {"eos_token": "t0"} if eos else {}
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t1", **kwargs)
+    # special tokens match whole words only, so that "t10" is not split into "t1" + "0"
+    kwargs = {"eos_token": AddedToken("t0", single_word=True)} if eos else {}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=AddedToken("t1", single_word=True), **kwargs)
 
 
 def tiny_target(vocab_size: int = 32, seed: int = 0, family: str = "llama", eos: bool = False,

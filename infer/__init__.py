@@ -1,0 +1,1 @@
+"""Inference entry points: the ``eagle-generate`` command line and the ``eagle-bench`` benchmark."""

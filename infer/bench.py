@@ -1,0 +1,366 @@
+"""``eagle-bench``: tokens/s, mean accepted length, speedups, greedy identity, per-category
+numbers and a per-step time breakdown for several decoding methods, in one process with one
+model load.
+
+Methods run interleaved per prompt (every method on prompt 1, then every method on prompt 2,
+...) so slow drift of the machine hits all methods alike. ``hf`` is Hugging Face
+``model.generate()`` on the same target model, the baseline a user would otherwise run.
+The statistics are small pure functions (``read_prompts``, ``summarize``, ``markdown``) that
+work on plain record dicts, without a model."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterable
+
+from eagle.errors import EagleError
+from eagle.generate import STEPS
+from eagle.model import METHODS
+from infer.cli import Parser, add_model_args, add_sampling_args, check_method, check_sampling, load_model
+
+PROG = "eagle-bench"
+BENCH_METHODS = ("hf",) + METHODS
+DEFAULT_METHODS = "hf,ar,pld,eagle-tree"
+PARTS = ("prefill",) + STEPS  # the time breakdown, as fractions of total time
+NO_CATEGORY = "uncategorized"
+
+
+# ---- input ---------------------------------------------------------------------------------
+def parse_methods(text: str) -> list[str]:
+    """``"hf,ar,pld"`` -> ``["hf", "ar", "pld"]``; unknown or repeated names are errors."""
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    if not methods:
+        raise EagleError("--methods is empty; choose from " + ", ".join(BENCH_METHODS))
+    unknown = [m for m in methods if m not in BENCH_METHODS]
+    if unknown:
+        raise EagleError(f"unknown method(s) {', '.join(map(repr, unknown))}; choose from {', '.join(BENCH_METHODS)}")
+    if len(set(methods)) != len(methods):
+        raise EagleError(f"a method is listed twice in --methods {text!r}")
+    return methods
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    """A JSONL prompt file -> ``[{"prompt": str, "category": str}]``. Each line is
+    ``{"prompt": str, "category"?: str}`` or MT-bench style ``{"turns": [str, ...], "category": str}``
+    (the first turn is used). Blank lines are skipped; any other bad line is an error naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise EagleError(f"prompt file not found: {path}")
+    prompts = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}, line {n}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise EagleError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(item, dict):
+            raise EagleError(f"{where}: expected a JSON object with 'prompt' or 'turns'")
+        if "prompt" in item:
+            prompt = item["prompt"]
+        elif "turns" in item:
+            turns = item["turns"]
+            if not isinstance(turns, list) or not turns:
+                raise EagleError(f"{where}: 'turns' must be a non-empty list of strings")
+            prompt = turns[0]
+        else:
+            raise EagleError(f"{where}: expected a JSON object with 'prompt' or 'turns'")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise EagleError(f"{where}: the prompt must be a non-empty string")
+        category = item.get("category", NO_CATEGORY)
+        if not isinstance(category, str) or not category:
+            raise EagleError(f"{where}: 'category' must be a non-empty string")
+        prompts.append({"prompt": prompt, "category": category})
+    if not prompts:
+        raise EagleError(f"no prompts in {path}")
+    return prompts
+
+
+# ---- running -------------------------------------------------------------------------------
+def _sync(device: Any) -> None:
+    import torch
+
+    if getattr(device, "type", "") == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_hf(model: Any, ids: list[int], max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+           seed: int | None) -> dict:
+    """Hugging Face ``generate()`` on the target: one target forward per new token."""
+    import torch
+
+    target = model.target
+    eos = sorted(target.eos_token_ids)
+    pad = target.tokenizer.pad_token_id
+    if pad is None:
+        pad = eos[0] if eos else 0
+    input_ids = torch.tensor([ids], device=target.device)
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=min(max_new_tokens, target.max_context - len(ids)),  # the same context limit as ours
+        do_sample=temperature > 0, eos_token_id=eos or None, pad_token_id=pad,
+        attention_mask=torch.ones_like(input_ids))
+    if temperature > 0:
+        kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
+    if seed is not None:
+        torch.manual_seed(seed)
+    _sync(target.device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = target.model.generate(input_ids, **kwargs)
+    _sync(target.device)
+    seconds = time.perf_counter() - start
+    new = [int(t) for t in out[0, len(ids):].tolist()]
+    return dict(new_tokens=len(new), seconds=seconds, accept_lengths=[1] * len(new), target_forwards=len(new),
+                token_ids=new, step_seconds=None, prefill_s=None)
+
+
+def run_eagle(model: Any, ids: list[int], method: str, max_new_tokens: int, temperature: float, top_p: float,
+              top_k: int, seed: int | None) -> dict:
+    """One ``EagleModel.generate`` call, timed from the outside (same clock as ``hf``)."""
+    _sync(model.target.device)
+    start = time.perf_counter()
+    result = model.generate(ids, method=method, max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_p=top_p, top_k=top_k, seed=seed)
+    _sync(model.target.device)
+    seconds = time.perf_counter() - start
+    return dict(new_tokens=len(result.token_ids), seconds=seconds, accept_lengths=list(result.accept_lengths),
+                target_forwards=result.target_forwards, token_ids=list(result.token_ids),
+                step_seconds=dict(result.step_seconds), prefill_s=result.prefill_s)
+
+
+def run_one(model: Any, ids: list[int], method: str, args: Any) -> dict:
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                   top_k=args.top_k, seed=args.seed)
+    if method == "hf":
+        return run_hf(model, ids, **options)
+    return run_eagle(model, ids, method, **options)
+
+
+# ---- statistics (pure) ---------------------------------------------------------------------
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _rates(records: list[dict]) -> dict:
+    tokens = sum(r["new_tokens"] for r in records)
+    seconds = sum(r["seconds"] for r in records)
+    steps = [n for r in records for n in r["accept_lengths"]]
+    return dict(tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
+                mean_accept_length=sum(steps) / len(steps) if steps else 0.0,
+                new_tokens=tokens, seconds=seconds, steps=len(steps), prompts=len(records))
+
+
+def step_fractions(records: list[dict]) -> dict | None:
+    """Prefill and per-step time (``GenerationResult.step_seconds``) summed over records, as
+    fractions of the total measured time; None when the records carry no breakdown (``hf``)."""
+    if not records or any(r.get("step_seconds") is None for r in records):
+        return None
+    total = sum(r["seconds"] for r in records)
+    if total <= 0:
+        return None
+    sums = {part: 0.0 for part in PARTS}
+    for r in records:
+        sums["prefill"] += r.get("prefill_s") or 0.0
+        for step, s in r["step_seconds"].items():
+            sums[step] = sums.get(step, 0.0) + s
+    return {part: s / total for part, s in sums.items()}
+
+
+def summarize(records: Iterable[dict], greedy: bool = True) -> dict:
+    """Per-method statistics from run records (dicts with ``method``, ``prompt`` (index),
+    ``category``, ``new_tokens``, ``seconds``, ``accept_lengths``, ``target_forwards``,
+    ``token_ids``, ``step_seconds`` (dict or None), ``prefill_s``).
+
+    tokens/s is total new tokens over total time; the mean accepted length is over all steps
+    of all prompts; speedups are ratios of tokens/s (None when ar / hf did not run);
+    ``identical_to_ar`` says whether every prompt's tokens equal ar's (None unless greedy and
+    ar ran)."""
+    records = list(records)
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    ar_tokens = {r["prompt"]: r["token_ids"] for r in records if r["method"] == "ar"}
+    out: dict[str, dict] = {}
+    for method in methods:
+        mine = [r for r in records if r["method"] == method]
+        stats = _rates(mine)
+        stats["target_forwards"] = sum(r["target_forwards"] for r in mine)
+        stats["identical_to_ar"] = (all(r["token_ids"] == ar_tokens.get(r["prompt"]) for r in mine)
+                                    if greedy and ar_tokens else None)
+        categories = list(dict.fromkeys(r.get("category", NO_CATEGORY) for r in mine))
+        stats["per_category"] = {
+            c: {k: v for k, v in _rates([r for r in mine if r.get("category", NO_CATEGORY) == c]).items()
+                if k in ("tokens_per_second", "mean_accept_length", "prompts")} for c in categories}
+        stats["step_fractions"] = step_fractions(mine)
+        histogram = Counter(n for r in mine for n in r["accept_lengths"])
+        stats["accept_length_histogram"] = {str(n): histogram[n] for n in sorted(histogram)}
+        out[method] = stats
+    for stats in out.values():
+        stats["speedup_vs_ar"] = _ratio(stats["tokens_per_second"], out.get("ar", {}).get("tokens_per_second"))
+        stats["speedup_vs_hf"] = _ratio(stats["tokens_per_second"], out.get("hf", {}).get("tokens_per_second"))
+    return out
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _yes(value: bool | None) -> str:
+    return "n/a" if value is None else ("yes" if value else "NO")
+
+
+def markdown(summary: dict) -> str:
+    """The main table, the per-category table and the time breakdown, as Markdown."""
+    methods = list(summary)
+    main = _table(
+        ["method", "tokens/s", "mean accept len", "speedup vs ar", "speedup vs hf", "identical to ar"],
+        [[m, f"{s['tokens_per_second']:.1f}", f"{s['mean_accept_length']:.2f}", _x(s["speedup_vs_ar"]),
+          _x(s["speedup_vs_hf"]), _yes(s["identical_to_ar"])] for m, s in summary.items()])
+    categories = list(dict.fromkeys(c for s in summary.values() for c in s["per_category"]))
+    per_cat = _table(
+        ["category"] + [f"{m} tok/s (accept)" for m in methods],
+        [[c] + [(f"{s['per_category'][c]['tokens_per_second']:.1f} ({s['per_category'][c]['mean_accept_length']:.2f})"
+                 if c in s["per_category"] else "-") for s in summary.values()] for c in categories])
+    breakdown = _table(
+        ["method"] + list(PARTS),
+        [[m] + ([f"{100 * (s['step_fractions'].get(p, 0.0)):.1f}%" for p in PARTS] if s["step_fractions"]
+                else ["-"] * len(PARTS)) for m, s in summary.items()])
+    return (f"{main}\n\nPer category: tokens/s (mean accepted length)\n\n{per_cat}\n\n"
+            f"Time per step, fraction of total time\n\n{breakdown}\n")
+
+
+def plot(summary: dict, path: str | Path) -> None:
+    """Two panels: accepted-length histogram per method; speedup vs ar (else vs hf) bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(summary)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    longest = max((int(n) for s in summary.values() for n in s["accept_length_histogram"]), default=1)
+    width = 0.8 / max(1, len(methods))
+    for i, (m, s) in enumerate(summary.items()):
+        hist = s["accept_length_histogram"]
+        total = sum(hist.values()) or 1
+        xs = list(range(1, longest + 1))
+        left.bar([x - 0.4 + width * (i + 0.5) for x in xs], [hist.get(str(x), 0) / total for x in xs], width,
+                 label=m)
+    left.set_xlabel("accepted tokens per target forward")
+    left.set_ylabel("fraction of steps")
+    left.set_title("Accepted length")
+    left.legend()
+    base = "ar" if "ar" in summary else ("hf" if "hf" in summary else None)
+    if base is not None:
+        values = [summary[m][f"speedup_vs_{base}"] for m in methods]
+        bars = right.bar(methods, values, color="tab:green")
+        right.bar_label(bars, fmt="%.2fx")
+        right.axhline(1.0, color="grey", lw=0.8)
+        right.set_ylabel(f"speedup vs {base} (tokens/s ratio)")
+    else:
+        right.text(0.5, 0.5, "no ar or hf baseline ran", ha="center", va="center")
+    right.set_title("Speedup")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- command line --------------------------------------------------------------------------
+def build_parser() -> Parser:
+    parser = Parser(prog=PROG, description="Benchmark decoding methods on a prompt file, one model load.")
+    parser.add_argument("--prompts", required=True,
+                        help='JSONL: {"prompt": str, "category"?: str} or {"turns": [str, ...], "category": str}')
+    parser.add_argument("--methods", default=DEFAULT_METHODS,
+                        help=f"comma list from {', '.join(BENCH_METHODS)} (default {DEFAULT_METHODS})")
+    parser.add_argument("--limit", type=int, help="only the first N prompts")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="run every method on the first N prompts first, not counted (default 1)")
+    parser.add_argument("--json", help="write the results to this JSON file")
+    parser.add_argument("--plot", help="draw accepted lengths and speedups to this PNG file")
+    add_sampling_args(parser, max_new_tokens=128, temperature=0.0)
+    add_model_args(parser)
+    return parser
+
+
+def machine(model: Any) -> dict:
+    import torch
+
+    info = dict(device=str(model.target.device), dtype=str(model.target.dtype).replace("torch.", ""),
+                torch_threads=torch.get_num_threads(), torch=torch.__version__, platform=platform.platform())
+    if model.target.device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(model.target.device)
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+        methods = parse_methods(args.methods)
+        check_sampling(args)
+        if args.limit is not None and args.limit < 1:
+            raise EagleError(f"--limit must be >= 1, got {args.limit}")
+        if args.warmup < 0:
+            raise EagleError(f"--warmup must be >= 0, got {args.warmup}")
+        prompts = read_prompts(args.prompts)[: args.limit]
+        if args.plot:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise EagleError("--plot needs matplotlib: pip install 'eagle[bench]'") from None
+        model = load_model(args)
+        for method in methods:
+            if method != "hf":
+                check_method(model, method)
+        ids = [model.target.encode_prompt(p["prompt"]) for p in prompts]
+        command = shlex.join([PROG] + argv)
+        info = machine(model)
+        print(f"$ {command}")
+        print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+        from tqdm import tqdm
+
+        for i in range(min(args.warmup, len(prompts))):
+            for method in methods:
+                run_one(model, ids[i], method, args)
+        records = []
+        for i in tqdm(range(len(prompts)), desc="prompts", unit="prompt", file=sys.stderr):
+            for method in methods:
+                record = run_one(model, ids[i], method, args)
+                records.append(dict(method=method, prompt=i, category=prompts[i]["category"], **record))
+        summary = summarize(records, greedy=args.temperature == 0)
+        print()
+        print(markdown(summary), end="", flush=True)
+        if args.json:
+            config = {k: v for k, v in vars(args).items()}
+            config.update(methods=methods, command=command)
+            report = dict(config=config, machine=info, prompts=len(prompts), methods=summary,
+                          records=[{k: v for k, v in r.items() if k != "token_ids"} for r in records])
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+            print(f"\nwrote {args.json}")
+        if args.plot:
+            plot(summary, args.plot)
+            print(f"wrote {args.plot}")
+    except EagleError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

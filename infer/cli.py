@@ -1,0 +1,191 @@
+"""``eagle-generate``: generate from a prompt (or chat with ``--interactive``), streaming the text
+to stdout as tokens are accepted, with one stats line on stderr.
+
+Any ``EagleError`` (bad option, missing drafter, prompt too long, ...) is one line
+``eagle-generate: error: <message>`` on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, NoReturn, TextIO
+
+from eagle.config import SamplingConfig
+from eagle.errors import EagleError
+from eagle.model import METHODS
+from eagle.target import DEFAULT_TARGET
+
+PROG = "eagle-generate"
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are ``EagleError`` (one line, exit 2 in ``main``)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise EagleError(message)
+
+
+def total_tokens_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or 'auto', got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by ``eagle-generate`` and ``eagle-bench``: what to load and how to draft."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"model folder, .gguf file, cached hub id, or {DEFAULT_TARGET!r} (default)")
+    g.add_argument("--drafter", help="drafter folder (default: the one shipped for the target, if any)")
+    g.add_argument("--draft-model", help="separate draft model for method 'sd' (same tokenizer as the target)")
+    g.add_argument("--device", help="torch device, e.g. cpu or cuda (default: cuda when present)")
+    t = parser.add_argument_group("draft tree (eagle-tree, eagle-chain)")
+    t.add_argument("--total-tokens", type=total_tokens_arg, help="tree nodes verified per step (int or 'auto')")
+    t.add_argument("--depth", type=int, help="tree expansion steps")
+    t.add_argument("--tree-top-k", type=int, help="frontier nodes expanded per step")
+    s = parser.add_argument_group("speculative sampling (sd)")
+    s.add_argument("--gamma", type=int, help="draft tokens per step")
+    s.add_argument("--lenience", type=float, help="< 1 accepts more drafts (lossy); 1 is exact")
+    s.add_argument("--adaptive-gamma", action="store_true", default=None, help="adapt gamma to the acceptance rate")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, temperature: float) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"default {max_new_tokens}")
+    g.add_argument("--temperature", type=float, default=temperature, help=f"0 is greedy (default {temperature:g})")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 disables it")
+    g.add_argument("--seed", type=int, help="seed for sampling")
+
+
+def check_sampling(args: argparse.Namespace) -> None:
+    """Refuse bad sampling options before anything is loaded."""
+    SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    if args.max_new_tokens < 1:
+        raise EagleError(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
+
+
+def check_device(device: str | None) -> None:
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise EagleError(f"bad --device {device!r}: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EagleError(f"--device {device}: CUDA is not available on this machine")
+
+
+def load_model(args: argparse.Namespace) -> Any:
+    """One ``EagleModel`` from the shared model flags."""
+    from transformers.utils import logging as hf_logging
+
+    from eagle.model import EagleModel
+
+    check_device(args.device)
+    hf_logging.disable_progress_bar()  # keep stderr for our own lines
+    return EagleModel.from_pretrained(
+        args.target, drafter=args.drafter, draft_model=args.draft_model, device=args.device,
+        total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k,
+        gamma=args.gamma, lenience=args.lenience, adaptive_gamma=args.adaptive_gamma)
+
+
+def check_method(model: Any, method: str) -> None:
+    """A method that needs a drafter or a draft model the model lacks is an error up front."""
+    if method in ("eagle-tree", "eagle-chain") and model.drafter is None:
+        raise EagleError(f"method {method!r} needs a drafter: pass --drafter FOLDER (no drafter is shipped for "
+                         f"target {model.target.name!r})")
+    if method == "sd" and model.draft_model is None:
+        raise EagleError("method 'sd' needs a draft model: pass --draft-model")
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog=PROG, description="Generate text with EAGLE-style speculative decoding.")
+    parser.add_argument("prompt", nargs="?", help="the user message (chat template applied)")
+    parser.add_argument("-i", "--interactive", action="store_true",
+                        help="multi-turn chat on stdin; /exit or end of input quits")
+    parser.add_argument("--method", choices=METHODS,
+                        help="decoding method (default: eagle-tree when a drafter is available, else ar)")
+    add_sampling_args(parser, max_new_tokens=256, temperature=0.0)
+    add_model_args(parser)
+    return parser
+
+
+def stats_line(result: Any) -> str:
+    return (f"[{result.method}] {len(result.token_ids)} new tokens, {result.tokens_per_second:.1f} tokens/s, "
+            f"mean accepted length {result.mean_accept_length:.2f}, {result.target_forwards} target forwards")
+
+
+def run_turn(model: Any, prompt: Any, args: argparse.Namespace, out: TextIO, err: TextIO) -> Any:
+    """Generate once, streaming text to ``out``; the stats line goes to ``err``. Returns the result."""
+    stream = model.generate(prompt, method=args.method, max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            stream=True)
+    for piece in stream:
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    out.flush()
+    result = stream.result
+    print(stats_line(result), file=err, flush=True)
+    return result
+
+
+def chat(model: Any, args: argparse.Namespace, inp: TextIO, out: TextIO, err: TextIO) -> None:
+    """Multi-turn chat: the whole message history goes to every turn. A turn that fails (e.g. the
+    conversation outgrew the context) prints its error and is dropped; the chat goes on."""
+    messages: list[dict] = []
+    if args.prompt:
+        messages.append({"role": "user", "content": args.prompt})
+    while True:
+        if not messages or messages[-1]["role"] != "user":
+            err.write("> ")
+            err.flush()
+            line = inp.readline()
+            if not line or line.strip() == "/exit":
+                return
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line.rstrip("\n")})
+        try:
+            result = run_turn(model, messages, args, out, err)
+        except EagleError as exc:
+            messages.pop()
+            print(f"{PROG}: error: {exc}", file=err, flush=True)
+            continue
+        messages.append({"role": "assistant", "content": result.text})
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if not args.interactive and args.prompt is None:
+            raise EagleError("give a prompt, or --interactive")
+        check_sampling(args)
+        model = load_model(args)
+        if args.method is None:
+            args.method = "eagle-tree" if model.drafter is not None else "ar"
+        check_method(model, args.method)
+        if args.interactive:
+            chat(model, args, sys.stdin, sys.stdout, sys.stderr)
+        else:
+            run_turn(model, args.prompt, args, sys.stdout, sys.stderr)
+    except EagleError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""``eagle-export``: write a drafter in the EAGLE-1 layout for the EAGLE repo, vLLM or SGLang.
+
+    eagle-export --drafter DIR --format {eagle,vllm,sglang} --out DIR [--target SPEC]
+
+The folder gets config.json, model.safetensors and a README.md with the launch command. No format
+stores the embedding or the LM head (all three take them from the target), so ``--target`` is only
+a check that the drafter was built for that target. Layouts: see ``eagle.interop``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from eagle.drafter import Drafter
+from eagle.errors import EagleError
+from eagle.interop import EXPORT_FORMATS, export_drafter
+from infer.cli import Parser
+
+PROG = "eagle-export"
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser.add_argument("--drafter", required=True, help="drafter folder (ours, or an EAGLE-1/2 release)")
+    parser.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="who will load the export")
+    parser.add_argument("--out", required=True, help="output folder (new, empty, or an earlier export)")
+    parser.add_argument("--target", help="check the drafter against this target (folder, .gguf, hub id in the cache)")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="let --drafter be read from a pytorch_model.bin (unpickling can run code)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if Path(args.out).resolve() == Path(args.drafter).resolve():
+            raise EagleError("--out must differ from --drafter")
+        drafter = Drafter.from_pretrained(args.drafter, device="cpu", allow_pickle=args.allow_pickle)
+        target_name = None
+        if args.target:
+            from eagle.target import load_target
+
+            target = load_target(args.target)
+            drafter.check_target(target)
+            target_name = args.target
+        out = export_drafter(drafter, args.out, args.format, target_name=target_name)
+    except EagleError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.format} drafter to {out} (launch command in {out / 'README.md'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

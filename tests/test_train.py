@@ -1,0 +1,180 @@
+"""Training pipeline on a tiny random target: data, loss mask, feature shards, DeepSpeed runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import train.main
+from eagle import Drafter, EagleError
+from eagle.target import load_target
+from train.data import load_chats, tokenize_chat
+from train.features import FeatureShards, FeaturesConfig, build, load_manifest
+from train.loss import eagle_loss
+from train.main import load_config
+
+from .conftest import tiny_target
+
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}t2 {% else %}t3 {% endif %}"
+                 "{{ m['content'] }} t0 {% endfor %}{% if add_generation_prompt %}t3 {% endif %}")
+
+
+def save_tiny_chat_target(path: Path, seed: int = 0, vocab_size: int = 32) -> Path:
+    tiny = tiny_target(seed=seed, eos=True, vocab_size=vocab_size)
+    tiny.tokenizer.chat_template = CHAT_TEMPLATE
+    tiny.model.save_pretrained(path)
+    tiny.tokenizer.save_pretrained(path)
+    return path
+
+
+def synthetic_chats(path: Path, n: int = 50, seed: int = 0) -> Path:
+    """Conversations whose answers follow a learnable rule (each word + 1), plus junk lines."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        start = rng.randint(4, 20)
+        question = " ".join(f"t{rng.randint(4, 31)}" for _ in range(rng.randint(2, 6)))
+        answer = " ".join(f"t{4 + (start + i) % 28}" for i in range(rng.randint(8, 20)))
+        lines.append(json.dumps({"conversations": [{"from": "human", "value": question},
+                                                   {"from": "gpt", "value": answer}]}))
+    lines += ["{not json", json.dumps({"conversations": [{"from": "human", "value": "t5"}]}), json.dumps({"x": 1})]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target_dir = save_tiny_chat_target(root / "target")
+    data = synthetic_chats(root / "chats.jsonl")
+    features = build(FeaturesConfig(target=str(target_dir), data=str(data), out_dir=str(root / "features"),
+                                    shard_size=16))
+    return {"root": root, "target": target_dir, "data": data, "features": features}
+
+
+def test_chat_loading_skips_and_counts_malformed_lines(workspace):
+    chats = load_chats(str(workspace["data"]))
+    assert len(chats.conversations) == 50
+    assert chats.skipped == {"malformed_json": 1, "malformed_record": 1, "no_assistant_turn": 1}
+
+
+def test_dataset_without_assistant_turns_is_a_clear_error(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(EagleError, match="no usable conversation"):
+        load_chats(str(path))
+
+
+def test_loss_mask_covers_exactly_the_assistant_tokens(workspace):
+    tok = load_target(str(workspace["target"])).tokenizer
+    msgs = [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": "t7 t8 t9"},
+            {"role": "user", "content": "t10"}, {"role": "assistant", "content": "t11"}]
+    ex = tokenize_chat(tok, msgs, 100)
+    words = tok.convert_ids_to_tokens(ex["input_ids"])
+    assert [w for w, m in zip(words, ex["loss_mask"]) if m] == ["t7", "t8", "t9", "t0", "t11", "t0"]
+
+
+@pytest.mark.integration
+def test_loss_mask_on_the_real_chat_template():
+    tok = load_target("smollm2-135m-instruct").tokenizer
+    msgs = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "Joke?"}, {"role": "assistant", "content": "No."}]
+    ex = tokenize_chat(tok, msgs, 512)
+    masked = tok.decode([i for i, m in zip(ex["input_ids"], ex["loss_mask"]) if m])
+    assert masked == "Hello! How can I help?<|im_end|>No.<|im_end|>"
+
+
+def test_feature_shards_round_trip_and_refuse_other_targets(workspace, tmp_path):
+    target = load_target(str(workspace["target"]))
+    shards = FeatureShards(workspace["features"], target)
+    assert len(shards) == 50
+    ex = shards[0]
+    with torch.no_grad():
+        ref = target.model.model(input_ids=ex["input_ids"][None]).last_hidden_state[0]
+    assert torch.allclose(ex["hidden"], ref, atol=2e-2, rtol=1e-2)  # stored as float16
+    other = load_target(str(save_tiny_chat_target(tmp_path / "other", seed=3, vocab_size=40)))
+    with pytest.raises(EagleError, match="made by target"):
+        FeatureShards(workspace["features"], other)
+
+
+def test_corrupt_shard_is_detected_and_regenerated(workspace, tmp_path):
+    out = tmp_path / "features"
+    cfg = FeaturesConfig(target=str(workspace["target"]), data=str(workspace["data"]), out_dir=str(out), shard_size=16)
+    build(cfg)
+    shard = out / "shard-00001.safetensors"
+    good = shard.read_bytes()
+    shard.write_bytes(good[: len(good) // 2])  # half-written
+    with pytest.raises(EagleError, match="corrupt"):
+        FeatureShards(out)
+    build(cfg)
+    assert shard.read_bytes() == good and len(FeatureShards(out)) == 50
+    assert load_manifest(out)["num_examples"] == 50
+
+
+def test_unknown_config_key_is_named(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("epochs: 2\nlearning_rte: 0.1\n")
+    with pytest.raises(EagleError, match="learning_rte"):
+        load_config(str(path), [])
+
+
+def test_loss_is_zero_for_a_perfect_prediction_and_masked():
+    h = torch.randn(2, 5, 8)
+    logits = torch.randn(2, 5, 11)
+    mask = torch.tensor([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    out = eagle_loss(h, h, logits * 50, logits * 50, mask)
+    assert out.smooth_l1 == 0 and out.top1 == 1 and out.ce < 1e-3
+    noisy = h.clone()
+    noisy[~mask] += 100.0  # masked-out positions do not count
+    assert eagle_loss(noisy, h, logits, logits, mask).smooth_l1 == 0
+
+
+def deepspeed_run(workspace, out: Path, **overrides) -> list[dict]:
+    ds = json.loads(Path("configs/deepspeed/zero1.json").read_text())
+    ds["optimizer"]["params"]["lr"] = 3e-3
+    ds["scheduler"]["params"].update(warmup_max_lr=3e-3, warmup_num_steps=2)
+    ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"] = 4, 1
+    ds_path = out.parent / f"{out.name}-ds.json"
+    ds_path.write_text(json.dumps(ds))
+    cfg = {"target": str(workspace["target"]), "features": str(workspace["features"]), "out_dir": str(out),
+           "deepspeed_config": str(ds_path), "epochs": 100, "log_every": 2, "eval_every": 1000, "save_every": 5,
+           "eval_fraction": 0.1, **overrides}
+    cfg_path = out.parent / f"{out.name}.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "1", "--master_port", str(29500 + random.randint(0, 400)),
+                           train.main.__file__, "--config", str(cfg_path), "--report-to", "none"],
+                          capture_output=True, text=True, env=env, timeout=900,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_deepspeed_training_end_to_end_and_resume(workspace):
+    out = workspace["root"] / "run"
+    logs = deepspeed_run(workspace, out, max_steps=10)
+    losses = [row["loss"] for row in logs if "loss" in row]
+    assert losses[-1] < losses[0]
+    target = load_target(str(workspace["target"]))
+    drafter = Drafter.from_pretrained(out / "drafter", target=target)
+    assert drafter.config.target.tokenizer_fingerprint == target.tokenizer_fingerprint
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step10"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 10 and 0 <= summary["eval"]["top1"] <= 1
+    assert summary["eval"]["chain5_accept_length"] >= 1.0
+    # resume: the step counter and the optimizer state continue from the checkpoint
+    more = deepspeed_run(workspace, out, max_steps=16)
+    steps = [row["step"] for row in more if "loss" in row]
+    assert steps and steps[0] > 10 and json.loads((out / "summary.json").read_text())["steps"] == 16
+    optim = torch.load(next((out / "checkpoints" / "step16").glob("*optim_states.pt")), weights_only=False)
+    adam_steps = {int(s["step"]) for s in optim["optimizer_state_dict"]["base_optimizer_state"]["state"].values()}
+    assert adam_steps == {16}

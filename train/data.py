@@ -1,0 +1,118 @@
+"""Chat data -> token ids and a loss mask over assistant tokens only.
+
+Reads ShareGPT (``conversations: [{from, value}]``) or OpenAI-messages (``messages: [{role,
+content}]``) records from local JSON/JSONL files (or a hub dataset id through ``datasets`` when
+online). Malformed lines are skipped and counted, not fatal."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from eagle.errors import EagleError
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+         "bing": "assistant", "bard": "assistant", "system": "system"}
+
+
+@dataclasses.dataclass
+class LoadedChats:
+    """Parsed conversations plus what was skipped and why."""
+
+    conversations: list[list[dict]]
+    skipped: dict[str, int]
+
+
+def to_messages(record: Any) -> list[dict]:
+    """One record -> OpenAI-style messages; raises ValueError on a malformed record."""
+    if not isinstance(record, dict):
+        raise ValueError("record is not an object")
+    if "messages" in record:
+        turns = [(m["role"], m["content"]) for m in record["messages"]]
+    elif "conversations" in record:
+        turns = [(m["from"], m["value"]) for m in record["conversations"]]
+    else:
+        raise ValueError("record has neither 'messages' nor 'conversations'")
+    messages = []
+    for role, content in turns:
+        if role not in ROLES or not isinstance(content, str):
+            raise ValueError(f"bad turn role {role!r}")
+        messages.append({"role": ROLES[role], "content": content})
+    return messages
+
+
+def read_records(source: str) -> tuple[list[Any], int]:
+    """Records from a local .json/.jsonl file (or a hub dataset id via ``datasets``); returns
+    (records, number of unparseable lines)."""
+    path = Path(source)
+    if path.is_file():
+        text = path.read_text()
+        if path.suffix == ".json" and text.lstrip().startswith("["):
+            return json.loads(text), 0
+        records, bad = [], 0
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                bad += 1
+        return records, bad
+    if path.suffix in (".json", ".jsonl") or path.exists():
+        raise EagleError(f"chat data not found: {source}")
+    import datasets
+
+    try:
+        return list(datasets.load_dataset(source, split="train")), 0
+    except Exception as exc:  # the datasets library raises many kinds here (offline, missing, ...)
+        raise EagleError(f"cannot load dataset {source!r}: {exc}") from exc
+
+
+def load_chats(source: str) -> LoadedChats:
+    records, bad_json = read_records(source)
+    skipped = {"malformed_json": bad_json, "malformed_record": 0, "no_assistant_turn": 0}
+    chats = []
+    for record in records:
+        try:
+            messages = to_messages(record)
+        except (ValueError, KeyError, TypeError):
+            skipped["malformed_record"] += 1
+            continue
+        if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+            skipped["no_assistant_turn"] += 1
+            continue
+        chats.append(messages)
+    if not chats:
+        raise EagleError(f"{source}: no usable conversation with an assistant turn (skipped: {skipped})")
+    return LoadedChats(conversations=chats, skipped=skipped)
+
+
+def assistant_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Render with the chat template; return the text and the character spans of assistant
+    replies (content and the template's end-of-turn text up to the next turn)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not text.startswith(upto) or not upto.startswith(before):
+            raise EagleError("the chat template does not render conversations prefix by prefix; cannot mask")
+        spans.append((len(before), len(upto.rstrip())))
+    return text, spans
+
+
+def tokenize_chat(tokenizer: Any, messages: list[dict], max_length: int) -> dict[str, list[int]]:
+    """-> ``input_ids`` and ``loss_mask`` (1 on assistant tokens), truncated to ``max_length``."""
+    text, spans = assistant_spans(tokenizer, messages)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in enc["offset_mapping"]]
+    return {"input_ids": list(enc["input_ids"])[:max_length], "loss_mask": mask[:max_length]}
+
+
+def tokenize_all(tokenizer: Any, chats: Iterable[list[dict]], max_length: int) -> list[dict[str, list[int]]]:
+    out = [tokenize_chat(tokenizer, m, max_length) for m in chats]
+    return [ex for ex in out if sum(ex["loss_mask"]) > 0]

@@ -1,0 +1,229 @@
+"""Target features: run the target over tokenized chats and store per example the input ids,
+the loss mask and the feature (last hidden state before the LM head) in safetensors shards
+with a manifest. Resumable: verified shards are skipped; a corrupt or half-written shard is
+detected by its checksum and regenerated. Shards made by another target are refused."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import yaml
+from tqdm import tqdm
+
+from eagle.config import from_dict
+from eagle.errors import EagleError
+from eagle.target import DEFAULT_TARGET, Target, load_target
+from train.data import load_chats, tokenize_all
+
+MANIFEST = "manifest.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class FeaturesConfig:
+    target: str = DEFAULT_TARGET
+    data: str = "data/selfdistill/data.jsonl"
+    out_dir: str = "data/features"
+    max_length: int = 1024
+    shard_size: int = 64
+    batch_tokens: int = 4096
+    feature_dtype: str = "float16"
+
+
+def target_identity(target: Target) -> dict:
+    return {"name": target.name, "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
+            "tokenizer_fingerprint": target.tokenizer_fingerprint}
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@torch.inference_mode()
+def compute_features(target: Target, examples: list[dict], batch_tokens: int) -> list[torch.Tensor]:
+    """Features [T_i, H] for each example (right-padded batches of similar length)."""
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))
+    out: list[torch.Tensor | None] = [None] * len(examples)
+    i = 0
+    while i < len(order):
+        longest = len(examples[order[i]]["input_ids"])
+        j = i + 1
+        while j < len(order) and len(examples[order[j]]["input_ids"]) * (j - i + 1) <= batch_tokens:
+            j += 1
+        chunk = order[i:j]
+        longest = max(len(examples[k]["input_ids"]) for k in chunk)
+        ids = torch.zeros(len(chunk), longest, dtype=torch.long)
+        attn = torch.zeros(len(chunk), longest, dtype=torch.long)
+        for row, k in enumerate(chunk):
+            n = len(examples[k]["input_ids"])
+            ids[row, :n] = torch.tensor(examples[k]["input_ids"])
+            attn[row, :n] = 1
+        hidden = target.model.model(input_ids=ids.to(target.device), attention_mask=attn.to(target.device)).last_hidden_state
+        for row, k in enumerate(chunk):
+            out[k] = hidden[row, : len(examples[k]["input_ids"])].float().cpu()
+        i = j
+    return out  # type: ignore[return-value]
+
+
+def write_shard(path: Path, examples: list[dict], features: list[torch.Tensor], dtype: torch.dtype) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for i, (ex, feat) in enumerate(zip(examples, features)):
+        tensors[f"{i}.input_ids"] = torch.tensor(ex["input_ids"], dtype=torch.long)
+        tensors[f"{i}.loss_mask"] = torch.tensor(ex["loss_mask"], dtype=torch.uint8)
+        tensors[f"{i}.hidden"] = feat.to(dtype).contiguous()
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)
+
+
+def read_shard(path: Path) -> list[dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    n = len(tensors) // 3
+    return [{"input_ids": tensors[f"{i}.input_ids"], "loss_mask": tensors[f"{i}.loss_mask"].bool(),
+             "hidden": tensors[f"{i}.hidden"].float()} for i in range(n)]
+
+
+def load_manifest(out_dir: Path, target: Target | None = None) -> dict:
+    """The manifest of a feature folder, refused when made by another target."""
+    path = out_dir / MANIFEST
+    if not path.is_file():
+        raise EagleError(f"no feature manifest at {path}")
+    manifest = json.loads(path.read_text())
+    if target is not None and manifest["target"]["tokenizer_fingerprint"] != target.tokenizer_fingerprint or (
+            target is not None and manifest["target"]["hidden_size"] != target.hidden_size):
+        raise EagleError(f"features in {out_dir} were made by target {manifest['target']['name']!r}, "
+                         f"not {target.name!r}: regenerate them")
+    return manifest
+
+
+def shard_is_valid(out_dir: Path, name: str, entry: dict) -> bool:
+    path = out_dir / name
+    return path.is_file() and sha256(path) == entry.get("sha256")
+
+
+def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
+    """Compute missing or corrupt shards; return the feature folder."""
+    target = target or load_target(cfg.target)
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    chats = load_chats(cfg.data)
+    examples = tokenize_all(target.tokenizer, chats.conversations, cfg.max_length)
+    identity = target_identity(target)
+    manifest_path = out_dir / MANIFEST
+    if manifest_path.is_file():
+        manifest = load_manifest(out_dir, target)
+    else:
+        manifest = {"target": identity, "source": cfg.data, "config": dataclasses.asdict(cfg), "shards": {}}
+    manifest["skipped"] = chats.skipped
+    manifest["num_examples"] = len(examples)
+    dtype = getattr(torch, cfg.feature_dtype)
+    shards = [examples[i:i + cfg.shard_size] for i in range(0, len(examples), cfg.shard_size)]
+    total_tokens = sum(len(ex["input_ids"]) for ex in examples)
+    bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="features")
+    start = time.time()
+    for index, shard in enumerate(shards):
+        name = f"shard-{index:05d}.safetensors"
+        tokens = sum(len(ex["input_ids"]) for ex in shard)
+        entry = manifest["shards"].get(name, {})
+        if entry.get("examples") == len(shard) and shard_is_valid(out_dir, name, entry):
+            bar.update(tokens)
+            continue
+        write_shard(out_dir / name, shard, compute_features(target, shard, cfg.batch_tokens), dtype)
+        manifest["shards"][name] = {"examples": len(shard), "tokens": tokens, "sha256": sha256(out_dir / name)}
+        manifest["tokens"] = sum(s["tokens"] for s in manifest["shards"].values())
+        tmp = manifest_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2))
+        tmp.replace(manifest_path)
+        bar.update(tokens)
+        bar.set_postfix(tok_per_s=f"{bar.n / max(1e-9, time.time() - start):.0f}")
+    bar.close()
+    manifest["tokens"] = total_tokens
+    manifest_path.write_text(json.dumps(manifest, indent=2))
+    return out_dir
+
+
+class FeatureShards(torch.utils.data.Dataset):
+    """All examples of a feature folder (verified against the manifest and the target)."""
+
+    def __init__(self, out_dir: str | Path, target: Target | None = None) -> None:
+        self.dir = Path(out_dir)
+        manifest = load_manifest(self.dir, target)
+        self.examples: list[dict[str, torch.Tensor]] = []
+        for name, entry in sorted(manifest["shards"].items()):
+            if not shard_is_valid(self.dir, name, entry):
+                raise EagleError(f"feature shard {self.dir / name} is corrupt or half-written: rerun eagle-features "
+                                 f"to regenerate it")
+            self.examples.extend(read_shard(self.dir / name))
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.examples[i]
+
+
+class OnlineFeatures(torch.utils.data.Dataset):
+    """Tokenized chats whose features are computed during training (nothing stored)."""
+
+    def __init__(self, target: Target, examples: list[dict]) -> None:
+        self.target, self.examples = target, examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ex = self.examples[i]
+        return {"input_ids": torch.tensor(ex["input_ids"]), "loss_mask": torch.tensor(ex["loss_mask"]).bool(),
+                "hidden": compute_features(self.target, [ex], 1 << 30)[0]}
+
+
+def iter_batches(dataset: torch.utils.data.Dataset, indices: list[int], batch_size: int) -> Iterator[dict]:
+    for i in range(0, len(indices), batch_size):
+        yield collate([dataset[j] for j in indices[i:i + batch_size]])
+
+
+def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad a list of examples -> input_ids [B, T], loss_mask [B, T] bool, hidden [B, T, H]."""
+    longest = max(len(it["input_ids"]) for it in items)
+    hidden_size = items[0]["hidden"].shape[-1]
+    batch = {"input_ids": torch.zeros(len(items), longest, dtype=torch.long),
+             "loss_mask": torch.zeros(len(items), longest, dtype=torch.bool),
+             "hidden": torch.zeros(len(items), longest, hidden_size)}
+    for row, it in enumerate(items):
+        n = len(it["input_ids"])
+        batch["input_ids"][row, :n] = it["input_ids"]
+        batch["loss_mask"][row, :n] = it["loss_mask"]
+        batch["hidden"][row, :n] = it["hidden"]
+    return batch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Compute target features for drafter training")
+    parser.add_argument("--config", help="YAML with FeaturesConfig keys")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    try:
+        data = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+        for item in args.set:
+            key, _, value = item.partition("=")
+            data[key] = yaml.safe_load(value)
+        build(from_dict(FeaturesConfig, data, where="features config"))
+    except EagleError as exc:
+        print(f"eagle-features: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

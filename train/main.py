@@ -1,0 +1,284 @@
+"""DeepSpeed training entry: ``deepspeed train/main.py --config configs/train/<name>.yaml``.
+
+Loss = feature_weight * SmoothL1(predicted feature, target feature) + ce_weight * soft-CE(draft
+logits, target distribution), with U(-noise, noise) on the input features, masked to assistant
+tokens. Atomic checkpoints every ``save_every`` optimizer steps; a rerun resumes from the last
+one. Held-out evaluation reports top-1 accuracy and the expected accepted length of a depth-5
+chain. wandb logging (offline by default; ``--report-to none`` turns it off)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from eagle.config import from_dict
+from eagle.drafter import Drafter
+from eagle.errors import EagleError
+from eagle.target import DEFAULT_TARGET, Target, load_target
+from train.features import FeatureShards, OnlineFeatures, iter_batches
+from train.loss import eagle_loss, uniform_noise
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    target: str = DEFAULT_TARGET
+    features: str = ""             # feature folder made by eagle-features (offline mode)
+    data: str = ""                 # chat data, for online mode (features computed during training)
+    online: bool = False
+    max_length: int = 1024
+    drafter: dict = dataclasses.field(default_factory=dict)  # DrafterConfig overrides (num_layers, draft_vocab_size, ...)
+    deepspeed_config: str = "configs/deepspeed/zero1.json"
+    out_dir: str = "runs/drafter"
+    epochs: int = 20
+    max_steps: int = 0             # optimizer steps; 0 = run all epochs
+    noise: float = 0.1
+    ce_weight: float = 0.1
+    feature_weight: float = 1.0
+    save_every: int = 100
+    eval_every: int = 100
+    eval_fraction: float = 0.05
+    eval_chain_depth: int = 5
+    log_every: int = 10
+    seed: int = 0
+    report_to: str = "wandb"       # wandb | none
+    wandb_project: str = "eagle"
+
+
+def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
+    data = yaml.safe_load(Path(path).read_text()) if path else {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        data[key] = yaml.safe_load(value)
+    return from_dict(TrainConfig, data, where=path or "train config")
+
+
+def deepspeed_dict(cfg: TrainConfig, device: torch.device, total_steps: int) -> dict:
+    ds = json.loads(Path(cfg.deepspeed_config).read_text())
+    sched = ds.get("scheduler", {}).get("params", {})
+    if sched.get("total_num_steps") == "auto":
+        sched["total_num_steps"] = max(1, total_steps)
+    if sched.get("warmup_num_steps", 0) >= total_steps:
+        sched["warmup_num_steps"] = max(1, total_steps // 10)
+    if "bf16" not in ds and "fp16" not in ds:
+        ds["bf16"] = {"enabled": device.type == "cuda"}
+    return ds
+
+
+def draft_targets(drafter: Drafter, logits: torch.Tensor) -> torch.Tensor:
+    """Target logits restricted to the draft vocabulary (the full vocabulary when not reduced)."""
+    return logits if drafter.d2t is None else logits[..., drafter.d2t]
+
+
+def shift(batch: dict, device: torch.device) -> dict:
+    """Pairs (f_t, x_{t+1}) -> f_{t+1}: inputs, next tokens, targets and mask, all [B, T-1]."""
+    hidden = batch["hidden"].to(device)
+    return {"features": hidden[:, :-1], "tokens": batch["input_ids"][:, 1:].to(device),
+            "target": hidden[:, 1:], "mask": batch["loss_mask"][:, 1:].to(device)}
+
+
+def step_loss(model, drafter: Drafter, target: Target, batch: dict, cfg: TrainConfig,
+              generator: torch.Generator | None) -> "object":
+    b = shift(batch, target.device)
+    dtype = next(drafter.parameters()).dtype
+    feats = uniform_noise(b["features"].to(dtype), cfg.noise, generator)
+    pos = torch.arange(feats.shape[1], device=target.device)[None].expand(feats.shape[0], -1)
+    with torch.no_grad():
+        embeds = target.embed(b["tokens"]).to(dtype)
+    pred = model(feats, embeds, pos)
+    mask = b["mask"]
+    lm_head = target.model.get_output_embeddings()
+    pred_m, target_m = pred[mask], b["target"][mask].to(dtype)  # only masked positions reach the LM heads
+    draft_logits = drafter.draft_logits(pred_m, lm_head)
+    with torch.no_grad():
+        target_logits = draft_targets(drafter, lm_head(target_m.to(target.dtype)))
+    ones = torch.ones(pred_m.shape[0], dtype=torch.bool, device=target.device)
+    return eagle_loss(pred_m, target_m, draft_logits, target_logits, ones, cfg.ce_weight, cfg.feature_weight)
+
+
+@torch.no_grad()
+def evaluate(drafter: Drafter, target: Target, dataset, indices: list[int], depth: int) -> dict:
+    """Top-1 accuracy (teacher-forced) and expected accepted length of a depth-``depth`` chain.
+
+    The chain is unrolled over whole sequences: step k feeds the drafter its own step k-1
+    predictions as features; a draft from root r is accepted while every step's argmax equals
+    the target's argmax. Accepted length counts the bonus token (plain decoding = 1)."""
+    drafter.eval()
+    lm_head = target.model.get_output_embeddings()
+    dtype = next(drafter.parameters()).dtype
+    hits = total = 0.0
+    accept_sum = roots = 0.0
+    for batch in iter_batches(dataset, indices, 4):
+        b = shift(batch, target.device)
+        pos = torch.arange(b["tokens"].shape[1], device=target.device)[None].expand(b["tokens"].shape[0], -1)
+        embeds = target.embed(b["tokens"]).to(dtype)
+        truth = lm_head(b["target"].to(target.dtype)).argmax(-1)  # [B, T-1]
+        feats = b["features"].to(dtype)
+        correct = []
+        for _ in range(depth):
+            pred = drafter(feats, embeds, pos)
+            guess = drafter.to_target_ids(drafter.draft_logits(pred, lm_head).argmax(-1))
+            correct.append(guess == truth)
+            feats = torch.cat([feats[:, :1], pred[:, :-1]], dim=1)  # own predictions become the inputs
+        mask = b["mask"]
+        hits += float((correct[0] & mask).sum())
+        total += float(mask.sum())
+        run = torch.ones_like(correct[0])
+        length = torch.ones_like(correct[0], dtype=torch.float)
+        for k, ok in enumerate(correct):  # step k from root r is judged at position r + k
+            shifted = torch.zeros_like(ok)
+            shifted[:, : ok.shape[1] - k] = ok[:, k:]
+            run = run & shifted
+            length += run.float()
+        accept_sum += float((length * mask).sum())
+        roots += float(mask.sum())
+    drafter.train()
+    return {"top1": hits / max(1.0, total), f"chain{depth}_accept_length": accept_sum / max(1.0, roots)}
+
+
+def save_drafter_atomically(drafter: Drafter, directory: Path) -> None:
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    drafter.save_pretrained(tmp)
+    old = directory.with_name(directory.name + ".old")
+    if directory.exists():
+        directory.rename(old)
+    tmp.rename(directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def token_counts(dataset, vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(vocab_size)
+    for ex in dataset.examples:
+        counts += torch.bincount(ex["input_ids"][ex["loss_mask"].bool()], minlength=vocab_size)[:vocab_size].float()
+    return counts
+
+
+def train(cfg: TrainConfig, report_to: str) -> dict:
+    import deepspeed
+
+    deepspeed.init_distributed()
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device(deepspeed.get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", "0"))) \
+        if torch.cuda.is_available() else torch.device("cpu")
+    target = load_target(cfg.target, device=device)
+    if cfg.online:
+        from train.data import load_chats, tokenize_all
+        dataset = OnlineFeatures(target, tokenize_all(target.tokenizer, load_chats(cfg.data).conversations,
+                                                      cfg.max_length))
+    else:
+        if not cfg.features:
+            raise EagleError("set 'features' (a folder made by eagle-features) or 'online: true' with 'data'")
+        dataset = FeatureShards(cfg.features, target)
+    order = list(range(len(dataset)))
+    random.Random(cfg.seed).shuffle(order)
+    n_eval = max(1, int(len(order) * cfg.eval_fraction)) if len(order) > 1 else 0
+    eval_idx, train_idx = order[:n_eval], order[n_eval:]
+    ds_probe = json.loads(Path(cfg.deepspeed_config).read_text())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    micro, accum = ds_probe.get("train_micro_batch_size_per_gpu", 1), ds_probe.get("gradient_accumulation_steps", 1)
+    steps_per_epoch = max(1, len(train_idx) // (micro * accum * world))
+    total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
+    torch.manual_seed(cfg.seed)
+    overrides = dict(cfg.drafter)
+    counts = token_counts(dataset, target.vocab_size) if overrides.get("draft_vocab_size") and not cfg.online else None
+    drafter = Drafter.from_target(target, token_counts=counts, **overrides).float()
+    engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=[p for p in drafter.parameters()],
+                                           config=deepspeed_dict(cfg, device, total_steps))
+    out = Path(cfg.out_dir)
+    ckpt_dir = out / "checkpoints"
+    state = {"step": 0, "epoch": 0, "micro_in_epoch": 0}
+    if (ckpt_dir / "latest").is_file():
+        _, client = engine.load_checkpoint(str(ckpt_dir))
+        state.update({k: client[k] for k in state if client and k in client})  # DeepSpeed adds its own keys
+        if rank == 0:
+            print(f"resumed from step {state['step']} (epoch {state['epoch']})", flush=True)
+    run = None
+    if rank == 0 and report_to == "wandb":
+        import wandb
+        run = wandb.init(project=cfg.wandb_project, dir=str(out), mode=os.environ.get("WANDB_MODE", "offline"),
+                         config=dataclasses.asdict(cfg), resume="allow", id=f"eagle-{out.name}")
+    generator = torch.Generator().manual_seed(cfg.seed + state["step"])
+    metrics: dict = {}
+    start, losses = time.time(), []
+    while state["step"] < total_steps and state["epoch"] < cfg.epochs:
+        perm = list(train_idx)
+        random.Random(cfg.seed * 1000 + state["epoch"]).shuffle(perm)
+        shard = perm[rank::world]
+        micro_batches = list(range(0, len(shard) - micro + 1, micro)) or [0]
+        for mb in micro_batches[state["micro_in_epoch"]:]:
+            batch = iter_batches(dataset, shard[mb:mb + micro], micro).__next__()
+            loss = step_loss(engine, drafter, target, batch, cfg, generator)
+            engine.backward(loss.total)
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.step()
+            state["micro_in_epoch"] += 1
+            losses.append((float(loss.total), float(loss.smooth_l1), float(loss.ce), float(loss.top1)))
+            if not boundary:
+                continue
+            state["step"] += 1
+            step = state["step"]
+            if rank == 0 and step % cfg.log_every == 0:
+                avg = [sum(x) / len(x) for x in zip(*losses)]
+                losses = []
+                line = {"step": step, "loss": avg[0], "smooth_l1": avg[1], "ce": avg[2], "top1": avg[3],
+                        "lr": engine.get_lr()[0], "elapsed_s": time.time() - start}
+                print(json.dumps(line), flush=True)
+                if run:
+                    run.log(line, step=step)
+            if eval_idx and (step % cfg.eval_every == 0 or step == total_steps) and rank == 0:
+                metrics = evaluate(drafter, target, dataset, eval_idx, cfg.eval_chain_depth)
+                print(json.dumps({"step": step, "eval": metrics}), flush=True)
+                if run:
+                    run.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
+            if step % cfg.save_every == 0 or step == total_steps:
+                engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state=dict(state))
+                if rank == 0:
+                    save_drafter_atomically(drafter, out / "drafter")
+            if step >= total_steps:
+                break
+        else:
+            state["epoch"] += 1
+            state["micro_in_epoch"] = 0
+            continue
+        break
+    if rank == 0:
+        if eval_idx and not metrics:
+            metrics = evaluate(drafter, target, dataset, eval_idx, cfg.eval_chain_depth)
+        save_drafter_atomically(drafter, out / "drafter")
+        summary = {"steps": state["step"], "epochs": state["epoch"], "eval": metrics,
+                   "train_examples": len(train_idx), "eval_examples": len(eval_idx)}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if run:
+            run.finish()
+        return summary
+    return {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Train an EAGLE drafter (run through the deepspeed launcher)")
+    parser.add_argument("--config", help="run YAML (TrainConfig keys)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config keys")
+    parser.add_argument("--report-to", choices=["wandb", "none"], default=None)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+        train(cfg, args.report_to or cfg.report_to)
+    except EagleError as exc:
+        print(f"eagle-train: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
