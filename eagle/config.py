@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, TypeVar, Union
+from typing import Any, Mapping, Optional, TypeVar, Union
 
 from eagle.errors import EagleError
 
@@ -55,8 +55,13 @@ class TreeConfig:
     total_tokens: Union[int, str] = 60
     depth: int = 6
     top_k: int = 10
+    choices: Optional[tuple] = None  # EAGLE-1 static tree, e.g. ((0,), (1,), (0, 0)); replaces the dynamic tree
 
     def __post_init__(self) -> None:
+        if self.choices is not None:
+            object.__setattr__(self, "choices", tuple(tuple(int(r) for r in c) for c in self.choices))
+            if not self.choices or any(not c or min(c) < 0 for c in self.choices):
+                raise EagleError("tree choices must be non-empty lists of child ranks >= 0")
         if isinstance(self.total_tokens, str):
             if self.total_tokens != "auto":
                 raise EagleError(f"total_tokens must be a positive integer or 'auto', got {self.total_tokens!r}")

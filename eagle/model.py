@@ -70,11 +70,13 @@ class EagleModel:
     def from_pretrained(cls, target: str | Target = DEFAULT_TARGET, drafter: str | Path | Drafter | None = None,
                         draft_model: str | Any = None, device: Any = None, dtype: torch.dtype | None = None,
                         total_tokens: int | str | None = None, depth: int | None = None, top_k: int | None = None,
+                        tree_choices: list[list[int]] | None = None,
                         gamma: int | None = None, lenience: float | None = None, adaptive_gamma: bool | None = None,
                         **prompt_lookup: Any) -> "EagleModel":
         """``drafter``: a drafter folder or ``Drafter`` (default: the one shipped for the target,
         if any). ``draft_model``: a model spec (as for targets) or a loaded model for ``sd``.
-        Tree options: ``total_tokens`` (int or "auto"), ``depth``, ``top_k``; ``sd`` options:
+        Tree options: ``total_tokens`` (int or "auto"), ``depth``, ``top_k``, ``tree_choices`` (an
+        EAGLE-1 static tree instead of the dynamic one); ``sd`` options:
         ``gamma``, ``lenience``, ``adaptive_gamma``; ``pld`` options: ``max_ngram``,
         ``min_ngram``, ``num_draft_tokens``."""
         tgt = load_target(target, device=device, dtype=dtype)
@@ -88,7 +90,8 @@ class EagleModel:
             draft = load_target(draft_model, device=tgt.device, dtype=tgt.dtype)
             check_same_tokenizer(tgt, draft)
             draft_model = draft.model
-        tree = {k: v for k, v in dict(total_tokens=total_tokens, depth=depth, top_k=top_k).items() if v is not None}
+        tree = {k: v for k, v in dict(total_tokens=total_tokens, depth=depth, top_k=top_k,
+                                      choices=tree_choices).items() if v is not None}
         spec = {k: v for k, v in dict(gamma=gamma, lenience=lenience, adaptive=adaptive_gamma).items() if v is not None}
         try:
             pl = PromptLookupConfig(**prompt_lookup)
@@ -112,10 +115,10 @@ class EagleModel:
             tree = self.tree
             if method == "eagle-chain":
                 tree = dataclasses.replace(tree, top_k=1, total_tokens=tree.depth + 1)
-            elif tree.total_tokens == "auto":
-                from eagle.budget import auto_total_tokens
+            if tree.total_tokens == "auto":
+                from eagle.budget import cost_curve
 
-                tree = dataclasses.replace(tree, total_tokens=auto_total_tokens(self.target, self.drafter, tree))
+                return EagleDrafter(self.drafter, self.target, tree, cost=cost_curve(self.target))
             return EagleDrafter(self.drafter, self.target, tree)
         raise EagleError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 

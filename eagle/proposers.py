@@ -10,17 +10,18 @@ context token and is told what the target accepted.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import torch
 
 from eagle import kv_cache
+from eagle.budget import CostCurve, choose_tree_size
 from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
 from eagle.drafter import Drafter
 from eagle.sampling import logits_to_probs, sample
 from eagle.target import Target
-from eagle.tree import DraftTree, best_frontier, chain_tree, rerank, root_only, topk_children
-from eagle.tree_mask import attention_bias
+from eagle.tree import DraftTree, best_frontier, chain_tree, rerank, root_only, static_layout, topk_children
 
 
 @dataclasses.dataclass
@@ -133,11 +134,14 @@ class EagleDrafter(Proposer):
 
     needs_features = True
 
-    def __init__(self, drafter: Drafter, target: Target, cfg: TreeConfig) -> None:
-        self.drafter, self.target, self.cfg = drafter, target, cfg
+    def __init__(self, drafter: Drafter, target: Target, cfg: TreeConfig, cost: CostCurve | None = None) -> None:
+        """``cost``: the target's measured forward-time curve, used when ``total_tokens`` is "auto"."""
+        self.drafter, self.target, self.cfg, self.cost = drafter, target, cfg, cost
         self.cache = drafter.new_cache()
         self.last_hidden: torch.Tensor | None = None  # drafter's prediction of the root's feature [H]
         self.device = target.device
+        self.predicted = self.observed = 1.0  # expected vs real accepted drafts, to calibrate "auto"
+        self.last_expected = 0.0
 
     @torch.inference_mode()
     def _extend(self, features: torch.Tensor, next_tokens: list[int]) -> None:
@@ -158,62 +162,113 @@ class EagleDrafter(Proposer):
 
     def commit(self, ids: list[int], accepted: int, features: torch.Tensor | None) -> None:
         # features: target features of the root and the accepted drafts; tokens that follow them.
+        self.predicted += self.last_expected
+        self.observed += accepted
         self._extend(features, ids[len(ids) - accepted - 1:])
 
     def _logprobs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.drafter.draft_logits(hidden, self.target.model.get_output_embeddings())
         return torch.log_softmax(logits.float(), dim=-1), logits
 
+    def _run_nodes(self, inputs: torch.Tensor, tokens: torch.Tensor, ancestors: list[list[int]], committed: int,
+                   position: int, cached: list[int]) -> torch.Tensor:
+        """One drafter call for F tree nodes of one depth: ``inputs`` [F, H] (their parents'
+        predicted features), ``tokens`` [F]; node f attends to the committed cache, its ancestors
+        already run this round and itself. ``cached`` (node ids in cache order) is extended."""
+        nodes = [a[-1] for a in ancestors]
+        cached.extend(nodes)
+        col = {node: j for j, node in enumerate(cached)}
+        allowed = torch.zeros(len(nodes), committed + len(cached), dtype=torch.bool, device=self.device)
+        allowed[:, :committed] = True
+        for row, chain in enumerate(ancestors):
+            allowed[row, [committed + col[a] for a in chain]] = True
+        dtype = self.target.dtype
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(~allowed, torch.finfo(dtype).min)
+        pos = torch.full((1, len(nodes)), position, device=self.device)
+        return self.drafter(inputs[None], self.target.embed(tokens[None]), pos, self.cache, bias[None, None])[0]
+
     @torch.inference_mode()
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
+        start = time.perf_counter()
         total = self.cfg.total_tokens if isinstance(self.cfg.total_tokens, int) else max_nodes
-        total, depth, k = min(total, max_nodes), min(self.cfg.depth, max_depth), self.cfg.top_k
+        total, depth = min(total, max_nodes), min(self.cfg.depth, max_depth)
+        self.last_expected = 0.0
         if self.last_hidden is None or depth < 1 or total < 2:
             return Proposal(root_only(ids[-1], self.device))
         committed = kv_cache.cache_length(self.cache)
-        to_target = self.drafter.to_target_ids
-        # Pool of candidates: index 0 is the root; parents point into the pool.
+        if self.cfg.choices:
+            tree = self._static(ids[-1], min(max_depth, max(len(c) for c in self.cfg.choices)), committed)
+        else:
+            tree = self._dynamic(ids[-1], depth, committed)
+        kv_cache.roll_back(self.cache, committed)
+        if self.cost is not None:  # total_tokens="auto": the size with the most expected tokens per second
+            best_first = torch.sort(tree.scores[1:], descending=True).values
+            total = min(total, choose_tree_size(best_first, self.cost, time.perf_counter() - start,
+                                                calibration=min(4.0, max(0.25, self.observed / self.predicted))))
+        tree = rerank(tree.tokens, tree.parents, tree.scores, total)
+        self.last_expected = float(tree.scores[1:].exp().sum())
+        return Proposal(tree)
+
+    def _dynamic(self, root: int, depth: int, committed: int) -> DraftTree:
+        """EAGLE-2: expand the top_k best frontier nodes per depth; return the whole candidate pool."""
+        k, to_target = self.cfg.top_k, self.drafter.to_target_ids
         lp, _ = self._logprobs(self.last_hidden[None])
         child_tokens, child_scores = topk_children(torch.zeros(1, device=self.device), lp, k)
-        pool_tokens = [torch.tensor([ids[-1]], device=self.device), to_target(child_tokens[0])]
+        pool_tokens = [torch.tensor([root], device=self.device), to_target(child_tokens[0])]
         pool_parents = [torch.tensor([-1], device=self.device), torch.zeros(k, dtype=torch.long, device=self.device)]
         pool_scores = [torch.zeros(1, device=self.device), child_scores[0]]
         frontier = torch.arange(1, k + 1, device=self.device)  # pool indices
         frontier_inputs = self.last_hidden[None].expand(k, -1)
-        # ancestors[i] lists pool indices of i's ancestors that are cached in this round (self included).
+        ancestors = {i: [i] for i in range(1, k + 1)}  # run-this-round ancestors of a node, itself last
         cached: list[int] = []
-        ancestors = {0: []}
-        for i in range(1, k + 1):
-            ancestors[i] = [i]
         size = k + 1
         for d in range(1, depth):
             tokens = torch.cat(pool_tokens)[frontier]
-            cached.extend(frontier.tolist())
-            col = {node: j for j, node in enumerate(cached)}
-            allowed = torch.zeros(len(frontier), committed + len(cached), dtype=torch.bool, device=self.device)
-            allowed[:, :committed] = True
-            for row, node in enumerate(frontier.tolist()):
-                allowed[row, [committed + col[a] for a in ancestors[node]]] = True
-            bias = torch.zeros(allowed.shape, dtype=self.target.dtype, device=self.device)
-            bias = bias.masked_fill(~allowed, torch.finfo(self.target.dtype).min)[None, None]
-            pos = torch.full((1, len(frontier)), committed + d - 1, device=self.device)
-            hidden = self.drafter(frontier_inputs[None], self.target.embed(tokens[None]), pos, self.cache, bias)[0]
+            hidden = self._run_nodes(frontier_inputs, tokens, [ancestors[n] for n in frontier.tolist()], committed,
+                                     committed + d - 1, cached)
             lp, _ = self._logprobs(hidden)
-            parent_scores = torch.cat(pool_scores)[frontier]
-            child_tokens, child_scores = topk_children(parent_scores, lp, k)  # [F, k]
+            child_tokens, child_scores = topk_children(torch.cat(pool_scores)[frontier], lp, k)  # [F, k]
             flat_scores = child_scores.reshape(-1)
-            new_ids = torch.arange(size, size + flat_scores.shape[0], device=self.device)
             parents = frontier[:, None].expand(-1, k).reshape(-1)
             pool_tokens.append(to_target(child_tokens.reshape(-1)))
             pool_parents.append(parents)
             pool_scores.append(flat_scores)
             best = best_frontier(flat_scores, k)
             for j in best.tolist():
-                node = size + j
-                ancestors[node] = ancestors[int(parents[j])] + [node]
+                ancestors[size + j] = ancestors[int(parents[j])] + [size + j]
             frontier_inputs = hidden[best // k]
-            frontier = new_ids[best]
+            frontier = best + size
             size += flat_scores.shape[0]
-        kv_cache.roll_back(self.cache, committed)
-        tree = rerank(torch.cat(pool_tokens), torch.cat(pool_parents), torch.cat(pool_scores), total)
-        return Proposal(tree)
+        return DraftTree(torch.cat(pool_tokens), torch.cat(pool_parents), torch.cat(pool_scores))
+
+    def _static(self, root: int, depth: int, committed: int) -> DraftTree:
+        """EAGLE-1: fill a fixed tree shape (``choices``) with the drafter's ranked children."""
+        layout = static_layout(self.cfg.choices)
+        n = int((layout.depths <= depth).sum())  # breadth-first order: shallow nodes come first
+        parents, ranks, depths = layout.parents[:n].tolist(), layout.ranks[:n].tolist(), layout.depths[:n].tolist()
+        tokens, scores = [root] + [0] * (n - 1), [0.0] * n
+        has_children = {p for p in parents if p >= 0}
+        hidden_of = {0: self.last_hidden}
+        ancestors: dict[int, list[int]] = {0: []}
+        cached: list[int] = []
+        for d in range(1, depth + 1):
+            level = [i for i in range(n) if depths[i] == d]
+            if not level:
+                break
+            heads = sorted({parents[i] for i in level})
+            lp, _ = self._logprobs(torch.stack([hidden_of[p] for p in heads]))
+            top_tokens, top_scores = topk_children(torch.tensor([scores[p] for p in heads], device=self.device), lp,
+                                                   max(ranks[i] for i in level) + 1)
+            top_tokens = self.drafter.to_target_ids(top_tokens)
+            for i in level:
+                row = heads.index(parents[i])
+                tokens[i], scores[i] = int(top_tokens[row, ranks[i]]), float(top_scores[row, ranks[i]])
+                ancestors[i] = ancestors[parents[i]] + [i]
+            grow = [i for i in level if i in has_children]
+            if grow and d < depth:
+                inputs = torch.stack([hidden_of[parents[i]] for i in grow])
+                hidden = self._run_nodes(inputs, torch.tensor([tokens[i] for i in grow], device=self.device),
+                                         [ancestors[i] for i in grow], committed, committed + d - 1, cached)
+                hidden_of.update(zip(grow, hidden))
+        return DraftTree(torch.tensor(tokens, device=self.device), torch.tensor(parents, device=self.device),
+                         torch.tensor(scores, device=self.device))

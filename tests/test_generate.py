@@ -144,3 +144,25 @@ def test_bad_prompts_and_tree_options_are_clear_errors(model, target):
         EagleModel(target).generate([1, 2], method="eagle-tree")
     with pytest.raises(EagleError, match="needs a draft model"):
         EagleModel(target).generate([1, 2], method="sd")
+
+
+def test_auto_total_tokens_is_exact_and_within_budget(target, drafter, monkeypatch, tmp_path):
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
+    auto = EagleModel.from_pretrained(target, drafter=drafter, total_tokens="auto", depth=4, top_k=3)
+    for ids in prompts(5, seed=4):
+        out = auto.generate(ids, method="eagle-tree", max_new_tokens=16)
+        assert out.token_ids == auto.generate(ids, method="ar", max_new_tokens=16).token_ids
+    assert list((tmp_path / "cost").glob("*.json"))  # the measured curve is cached
+
+
+def test_static_tree_from_choices_is_exact(target, drafter):
+    choices = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
+    static = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=20, tree_choices=choices)
+    gained = 0
+    for ids in prompts(10, seed=6):
+        out = static.generate(ids, method="eagle-tree", max_new_tokens=20)
+        assert out.token_ids == static.generate(ids, method="ar", max_new_tokens=20).token_ids
+        gained += max(out.accept_lengths)
+    assert gained > 10
+    with pytest.raises(EagleError, match="choices"):
+        TreeConfig(choices=[[]])

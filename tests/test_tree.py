@@ -56,3 +56,16 @@ def test_static_layout_from_choices():
     assert torch.equal(ancestor_mask(layout.parents).sum(1) - 1, layout.depths)
     with pytest.raises(ValueError):
         static_layout([[0, 1]])
+
+
+def test_auto_tree_size_follows_the_cost_curve():
+    from eagle.budget import CostCurve, choose_tree_size
+
+    scores = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.3, 0.1, 0.05, 0.01]))
+    flat = CostCurve(sizes=[1, 64], seconds=[1.0, 1.0])  # a GPU-like curve: more tokens are free
+    assert choose_tree_size(scores, flat, draft_seconds=0.0) == 8
+    steep = CostCurve(sizes=[1, 2, 64], seconds=[1.0, 2.0, 64.0])  # every token costs a full forward
+    assert choose_tree_size(scores, steep, draft_seconds=0.0) == 1
+    cpu = CostCurve(sizes=[1, 4, 16, 64], seconds=[1.0, 1.5, 2.0, 4.4])
+    assert choose_tree_size(scores, cpu, draft_seconds=0.5) == 6  # 3.8 tokens / 2.08 s beats 3.4 / 2.0 s
+    assert cpu.at(8) == pytest.approx(1.5 + 0.5 * 4 / 12) and cpu.at(128) == pytest.approx(8.8)

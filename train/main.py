@@ -36,7 +36,7 @@ class TrainConfig:
     data: str = ""                 # chat data, for online mode (features computed during training)
     online: bool = False
     max_length: int = 1024
-    drafter: dict = dataclasses.field(default_factory=dict)  # DrafterConfig overrides (num_layers, draft_vocab_size, ...)
+    drafter_config: str = "configs/drafter/eagle1.json"  # architecture JSON: DrafterConfig fields over the target's
     deepspeed_config: str = "configs/deepspeed/zero1.json"
     out_dir: str = "runs/drafter"
     epochs: int = 20
@@ -189,7 +189,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     steps_per_epoch = max(1, len(train_idx) // (micro * accum * world))
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     torch.manual_seed(cfg.seed)
-    overrides = dict(cfg.drafter)
+    overrides = json.loads(Path(cfg.drafter_config).read_text()) if cfg.drafter_config else {}
     counts = token_counts(dataset, target.vocab_size) if overrides.get("draft_vocab_size") and not cfg.online else None
     drafter = Drafter.from_target(target, token_counts=counts, **overrides).float()
     engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=[p for p in drafter.parameters()],

@@ -1,0 +1,95 @@
+"""``total_tokens="auto"``: size the draft tree by measured cost.
+
+The target's forward time as a function of the number of tree tokens is measured once per
+model, device, dtype and thread count, and cached. Each round then keeps the number of nodes
+N that maximizes expected tokens per second, (1 + c * sum of the N - 1 best path
+probabilities) / (draft time + verify time(N)): the tree's path probabilities (products of
+draft probabilities, EAGLE-2's scores) estimate how likely each node is to be accepted, and c
+calibrates them with the acceptance the drafter really achieved so far."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import statistics
+import time
+
+import torch
+
+from eagle.target import Target, cache_root
+
+SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclasses.dataclass
+class CostCurve:
+    """Measured target forward seconds ``seconds[i]`` for ``sizes[i]`` tree tokens (increasing)."""
+
+    sizes: list[int]
+    seconds: list[float]
+
+    def at(self, n: int) -> float:
+        """Piecewise-linear interpolation; linear extrapolation past the last size."""
+        pairs = list(zip(self.sizes, self.seconds))
+        if n <= pairs[0][0]:
+            return pairs[0][1]
+        for (a, ta), (b, tb) in zip(pairs, pairs[1:]):
+            if n <= b:
+                return ta + (tb - ta) * (n - a) / (b - a)
+        return pairs[-1][1] * n / pairs[-1][0]
+
+
+def choose_tree_size(sorted_scores: torch.Tensor, curve: CostCurve, draft_seconds: float,
+                     calibration: float = 1.0) -> int:
+    """The total_tokens (root included) with the most expected tokens per second this round.
+
+    ``sorted_scores`` [M]: cumulative draft log-probabilities of the candidate nodes, best first."""
+    probs = sorted_scores.float().exp().cpu()
+    expected = 1.0 + calibration * torch.cat([torch.zeros(1), torch.cumsum(probs, 0)])  # [M + 1] for N = 1..M+1
+    sizes = torch.arange(1, expected.shape[0] + 1)
+    seconds = torch.tensor([draft_seconds + curve.at(int(n)) for n in sizes])
+    return int(sizes[torch.argmax(expected / seconds)])
+
+
+@torch.inference_mode()
+def measure_cost_curve(target: Target, sizes: tuple[int, ...] = SIZES, context: int = 128,
+                       repeats: int = 3) -> CostCurve:
+    """Time one target forward of n tree tokens after ``context`` cached tokens (median of repeats)."""
+    from transformers import DynamicCache
+
+    from eagle import kv_cache
+    from eagle.tree_mask import attention_bias
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (1, context + max(sizes)), generator=gen).to(target.device)
+    cache = DynamicCache(config=target.model.config)
+    target.forward(ids[:, :context], torch.arange(context, device=target.device)[None], cache, logits_from=context)
+    seconds = []
+    for n in sizes:
+        runs = []
+        for _ in range(repeats + 1):  # the first run warms up
+            mask = torch.ones(n, n, dtype=torch.bool, device=target.device).tril()
+            bias = attention_bias(mask, context, target.dtype)
+            start = time.perf_counter()
+            target.forward(ids[:, context:context + n], torch.arange(context, context + n, device=target.device)[None],
+                           cache, bias)
+            if target.device.type == "cuda":
+                torch.cuda.synchronize()
+            runs.append(time.perf_counter() - start)
+            kv_cache.roll_back(cache, context)
+        seconds.append(statistics.median(runs[1:]))
+    return CostCurve(sizes=list(sizes), seconds=seconds)
+
+
+def cost_curve(target: Target) -> CostCurve:
+    """The cached cost curve for this target, device, dtype and thread count (measured on a miss)."""
+    key = json.dumps([target.name, target.tokenizer_fingerprint, target.hidden_size, target.config.num_hidden_layers,
+                      str(target.device), str(target.dtype), torch.get_num_threads()])
+    path = cache_root() / "cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    if path.is_file():
+        return CostCurve(**json.loads(path.read_text()))
+    curve = measure_cost_curve(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dataclasses.asdict(curve)))
+    return curve
