@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(VENV)/bin/eagle-generate --method eagle-tree --max-new-tokens 128 "$(PROMPT)"
+	$(VENV)/bin/eagle-generate --max-new-tokens 128 "$(PROMPT)"  # eagle-tree with the shipped drafter
 
 test: setup
 	$(PY) -m pytest -q -ra

@@ -45,7 +45,7 @@ def choose_tree_size(sorted_scores: torch.Tensor, curve: CostCurve, draft_second
     """The total_tokens (root included) with the most expected tokens per second this round.
 
     ``sorted_scores`` [M]: cumulative draft log-probabilities of the candidate nodes, best first."""
-    probs = sorted_scores.float().exp().cpu()
+    probs = sorted_scores[: 2 * curve.sizes[-1]].float().exp().cpu()  # far past the measured sizes never pays
     expected = 1.0 + calibration * torch.cat([torch.zeros(1), torch.cumsum(probs, 0)])  # [M + 1] for N = 1..M+1
     sizes = torch.arange(1, expected.shape[0] + 1)
     seconds = torch.tensor([draft_seconds + curve.at(int(n)) for n in sizes])

@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
-from eagle.errors import EagleError
+from eagle.errors import EagleError, command
 from eagle.generate import STEPS
 from eagle.model import METHODS
 from infer.cli import Parser, add_model_args, add_sampling_args, check_method, check_sampling, load_model
@@ -304,62 +304,55 @@ def machine(model: Any) -> dict:
     return info
 
 
-def main(argv: list[str] | None = None) -> int:
+@command(PROG)
+def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args = build_parser().parse_args(argv)
-        methods = parse_methods(args.methods)
-        check_sampling(args)
-        if args.limit is not None and args.limit < 1:
-            raise EagleError(f"--limit must be >= 1, got {args.limit}")
-        if args.warmup < 0:
-            raise EagleError(f"--warmup must be >= 0, got {args.warmup}")
-        prompts = read_prompts(args.prompts)[: args.limit]
-        if args.plot:
-            try:
-                import matplotlib  # noqa: F401
-            except ImportError:
-                raise EagleError("--plot needs matplotlib: pip install 'eagle[bench]'") from None
-        model = load_model(args)
-        for method in methods:
-            if method != "hf":
-                check_method(model, method)
-        ids = [model.target.encode_prompt(p["prompt"]) for p in prompts]
-        command = shlex.join([PROG] + argv)
-        info = machine(model)
-        print(f"$ {command}")
-        print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
-        from tqdm import tqdm
+    args = build_parser().parse_args(argv)
+    methods = parse_methods(args.methods)
+    check_sampling(args)
+    if args.limit is not None and args.limit < 1:
+        raise EagleError(f"--limit must be >= 1, got {args.limit}")
+    if args.warmup < 0:
+        raise EagleError(f"--warmup must be >= 0, got {args.warmup}")
+    prompts = read_prompts(args.prompts)[: args.limit]
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise EagleError("--plot needs matplotlib: pip install 'eagle[bench]'") from None
+    model = load_model(args)
+    for method in methods:
+        if method != "hf":
+            check_method(model, method)
+    ids = [model.target.encode_prompt(p["prompt"]) for p in prompts]
+    command = shlex.join([PROG] + argv)
+    info = machine(model)
+    print(f"$ {command}")
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+    from tqdm import tqdm
 
-        for i in range(min(args.warmup, len(prompts))):
-            for method in methods:
-                run_one(model, ids[i], method, args)
-        records = []
-        for i in tqdm(range(len(prompts)), desc="prompts", unit="prompt", file=sys.stderr):
-            for method in methods:
-                record = run_one(model, ids[i], method, args)
-                records.append(dict(method=method, prompt=i, category=prompts[i]["category"], **record))
-        summary = summarize(records, greedy=args.temperature == 0)
-        print()
-        print(markdown(summary), end="", flush=True)
-        if args.json:
-            config = {k: v for k, v in vars(args).items()}
-            config.update(methods=methods, command=command)
-            report = dict(config=config, machine=info, prompts=len(prompts), methods=summary,
-                          records=[{k: v for k, v in r.items() if k != "token_ids"} for r in records])
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-            print(f"\nwrote {args.json}")
-        if args.plot:
-            plot(summary, args.plot)
-            print(f"wrote {args.plot}")
-    except EagleError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    return 0
+    for i in range(min(args.warmup, len(prompts))):
+        for method in methods:
+            run_one(model, ids[i], method, args)
+    records = []
+    for i in tqdm(range(len(prompts)), desc="prompts", unit="prompt", file=sys.stderr):
+        for method in methods:
+            record = run_one(model, ids[i], method, args)
+            records.append(dict(method=method, prompt=i, category=prompts[i]["category"], **record))
+    summary = summarize(records, greedy=args.temperature == 0)
+    print()
+    print(markdown(summary), end="", flush=True)
+    if args.json:
+        config = {k: v for k, v in vars(args).items()}
+        config.update(methods=methods, command=command)
+        report = dict(config=config, machine=info, prompts=len(prompts), methods=summary,
+                      records=[{k: v for k, v in r.items() if k != "token_ids"} for r in records])
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        plot(summary, args.plot)
+        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import sys
 from typing import Any, NoReturn, TextIO
 
 from eagle.config import SamplingConfig
-from eagle.errors import EagleError
+from eagle.errors import EagleError, command
 from eagle.model import METHODS
 from eagle.target import DEFAULT_TARGET
 
@@ -164,27 +164,20 @@ def chat(model: Any, args: argparse.Namespace, inp: TextIO, out: TextIO, err: Te
         messages.append({"role": "assistant", "content": result.text})
 
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        if not args.interactive and args.prompt is None:
-            raise EagleError("give a prompt, or --interactive")
-        check_sampling(args)
-        model = load_model(args)
-        if args.method is None:
-            args.method = "eagle-tree" if model.drafter is not None else "ar"
-        check_method(model, args.method)
-        if args.interactive:
-            chat(model, args, sys.stdin, sys.stdout, sys.stderr)
-        else:
-            run_turn(model, args.prompt, args, sys.stdout, sys.stderr)
-    except EagleError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    return 0
+@command(PROG)
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if not args.interactive and args.prompt is None:
+        raise EagleError("give a prompt, or --interactive")
+    check_sampling(args)
+    model = load_model(args)
+    if args.method is None:
+        args.method = "eagle-tree" if model.drafter is not None else "ar"
+    check_method(model, args.method)
+    if args.interactive:
+        chat(model, args, sys.stdin, sys.stdout, sys.stderr)
+    else:
+        run_turn(model, args.prompt, args, sys.stdout, sys.stderr)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from eagle.drafter import Drafter
-from eagle.errors import EagleError
+from eagle.errors import EagleError, command
 from eagle.interop import EXPORT_FORMATS, export_drafter
 from infer.cli import Parser
 
@@ -30,25 +30,21 @@ def build_parser() -> Parser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        if Path(args.out).resolve() == Path(args.drafter).resolve():
-            raise EagleError("--out must differ from --drafter")
-        drafter = Drafter.from_pretrained(args.drafter, device="cpu", allow_pickle=args.allow_pickle)
-        target_name = None
-        if args.target:
-            from eagle.target import load_target
+@command(PROG)
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if Path(args.out).resolve() == Path(args.drafter).resolve():
+        raise EagleError("--out must differ from --drafter")
+    drafter = Drafter.from_pretrained(args.drafter, device="cpu", allow_pickle=args.allow_pickle)
+    target_name = None
+    if args.target:
+        from eagle.target import load_target
 
-            target = load_target(args.target)
-            drafter.check_target(target)
-            target_name = args.target
-        out = export_drafter(drafter, args.out, args.format, target_name=target_name)
-    except EagleError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+        target = load_target(args.target)
+        drafter.check_target(target)
+        target_name = args.target
+    out = export_drafter(drafter, args.out, args.format, target_name=target_name)
     print(f"wrote {args.format} drafter to {out} (launch command in {out / 'README.md'})")
-    return 0
 
 
 if __name__ == "__main__":

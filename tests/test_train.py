@@ -19,7 +19,8 @@ from eagle.target import load_target
 from train.data import load_chats, tokenize_chat
 from train.features import FeatureShards, FeaturesConfig, build, load_manifest
 from train.loss import eagle_loss
-from train.main import load_config
+from eagle.config import load_config_file
+from train.main import TrainConfig
 
 from .conftest import tiny_target
 
@@ -123,7 +124,7 @@ def test_unknown_config_key_is_named(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("epochs: 2\nlearning_rte: 0.1\n")
     with pytest.raises(EagleError, match="learning_rte"):
-        load_config(str(path), [])
+        load_config_file(TrainConfig, str(path))
 
 
 def test_loss_is_zero_for_a_perfect_prediction_and_masked():

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-import yaml
 from tqdm import tqdm
 
-from eagle.config import from_dict
-from eagle.errors import EagleError
+from eagle.config import load_config_file
+from eagle.errors import EagleError, command
 from eagle.target import DEFAULT_TARGET, Target, load_target
 from train.data import load_chats, tokenize_all
 
@@ -208,22 +207,13 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return batch
 
 
-def main(argv: list[str] | None = None) -> int:
+@command("eagle-features")
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Compute target features for drafter training")
     parser.add_argument("--config", help="YAML with FeaturesConfig keys")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config keys")
     args = parser.parse_args(argv)
-    try:
-        data = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
-        for item in args.set:
-            key, _, value = item.partition("=")
-            data[key] = yaml.safe_load(value)
-        build(from_dict(FeaturesConfig, data, where="features config"))
-    except EagleError as exc:
-        print(f"eagle-features: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
+    build(load_config_file(FeaturesConfig, args.config, args.set, "features config"))
 
 if __name__ == "__main__":
     sys.exit(main())

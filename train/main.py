@@ -19,11 +19,10 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
-from eagle.config import from_dict
+from eagle.config import load_config_file
 from eagle.drafter import Drafter
-from eagle.errors import EagleError
+from eagle.errors import EagleError, command
 from eagle.target import DEFAULT_TARGET, Target, load_target
 from train.features import FeatureShards, OnlineFeatures, iter_batches
 from train.loss import eagle_loss, uniform_noise
@@ -54,14 +53,6 @@ class TrainConfig:
     wandb_project: str = "eagle"
 
 
-def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
-    data = yaml.safe_load(Path(path).read_text()) if path else {}
-    for item in overrides:
-        key, _, value = item.partition("=")
-        data[key] = yaml.safe_load(value)
-    return from_dict(TrainConfig, data, where=path or "train config")
-
-
 def deepspeed_dict(cfg: TrainConfig, device: torch.device, total_steps: int) -> dict:
     ds = json.loads(Path(cfg.deepspeed_config).read_text())
     sched = ds.get("scheduler", {}).get("params", {})
@@ -74,9 +65,11 @@ def deepspeed_dict(cfg: TrainConfig, device: torch.device, total_steps: int) -> 
     return ds
 
 
-def draft_targets(drafter: Drafter, logits: torch.Tensor) -> torch.Tensor:
-    """Target logits restricted to the draft vocabulary (the full vocabulary when not reduced)."""
-    return logits if drafter.d2t is None else logits[..., drafter.d2t]
+def target_draft_logits(drafter: Drafter, lm_head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits over the draft vocabulary (only those rows of its LM head are computed)."""
+    if drafter.d2t is None:
+        return lm_head(hidden)
+    return torch.nn.functional.linear(hidden, lm_head.weight[drafter.d2t])
 
 
 def shift(batch: dict, device: torch.device) -> dict:
@@ -100,7 +93,7 @@ def step_loss(model, drafter: Drafter, target: Target, batch: dict, cfg: TrainCo
     pred_m, target_m = pred[mask], b["target"][mask].to(dtype)  # only masked positions reach the LM heads
     draft_logits = drafter.draft_logits(pred_m, lm_head)
     with torch.no_grad():
-        target_logits = draft_targets(drafter, lm_head(target_m.to(target.dtype)))
+        target_logits = target_draft_logits(drafter, lm_head, target_m.to(target.dtype)).to(dtype)
     ones = torch.ones(pred_m.shape[0], dtype=torch.bool, device=target.device)
     return eagle_loss(pred_m, target_m, draft_logits, target_logits, ones, cfg.ce_weight, cfg.feature_weight)
 
@@ -264,21 +257,16 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     return {}
 
 
-def main(argv: list[str] | None = None) -> int:
+@command("eagle-train")
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train an EAGLE drafter (run through the deepspeed launcher)")
     parser.add_argument("--config", help="run YAML (TrainConfig keys)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config keys")
     parser.add_argument("--report-to", choices=["wandb", "none"], default=None)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.set)
-        train(cfg, args.report_to or cfg.report_to)
-    except EagleError as exc:
-        print(f"eagle-train: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
+    cfg = load_config_file(TrainConfig, args.config, args.set, "train config")
+    train(cfg, args.report_to or cfg.report_to)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,8 +21,8 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from eagle.config import from_dict
-from eagle.errors import EagleError
+from eagle.config import load_config_file
+from eagle.errors import EagleError, command
 from eagle.target import DEFAULT_TARGET, Target, load_target
 
 
@@ -139,22 +139,13 @@ def run(cfg: SelfDistillConfig) -> Path:
     return data_path
 
 
-def main(argv: list[str] | None = None) -> int:
+@command("eagle-selfdistill")
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML file with SelfDistillConfig keys")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config keys")
     args = parser.parse_args(argv)
-    try:
-        data = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
-        for item in args.set:
-            key, _, value = item.partition("=")
-            data[key] = yaml.safe_load(value)
-        run(from_dict(SelfDistillConfig, data, where="self-distillation config"))
-    except EagleError as exc:
-        print(f"eagle-selfdistill: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
+    run(load_config_file(SelfDistillConfig, args.config, args.set, "self-distillation config"))
 
 if __name__ == "__main__":
     sys.exit(main())

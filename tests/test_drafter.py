@@ -1,0 +1,83 @@
+import pytest
+import torch
+from transformers import DynamicCache
+
+from eagle import Drafter, EagleError, EagleModel
+from eagle.tree_mask import attention_bias, tree_attention
+
+from .conftest import prompts, tiny_drafter, tiny_target
+
+
+def test_save_and_load_round_trip(tmp_path, target, drafter):
+    drafter.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = Drafter.from_pretrained(tmp_path, target=target)
+    feats, embeds = torch.randn(1, 5, 32), torch.randn(1, 5, 32)
+    pos = torch.arange(5)[None]
+    assert torch.equal(loaded(feats, embeds, pos), drafter(feats, embeds, pos))
+    assert loaded.config == drafter.config
+    assert not any("embed" in k for k in loaded.state_dict())  # the target's embedding is not stored
+
+
+def test_drafter_for_another_target_is_refused(tmp_path, drafter):
+    drafter.save_pretrained(tmp_path)
+    with pytest.raises(EagleError, match="built for"):
+        Drafter.from_pretrained(tmp_path, target=tiny_target(vocab_size=40))
+    with pytest.raises(EagleError, match="tokenizer differs"):
+        same_shape = tiny_target(seed=1)
+        same_shape.tokenizer.add_tokens(["zz"])
+        Drafter.from_pretrained(tmp_path, target=same_shape)
+    with pytest.raises(EagleError, match="built for"):
+        EagleModel.from_pretrained(tiny_target(hidden=48), drafter=str(tmp_path))
+
+
+def test_cached_forward_equals_full_forward(drafter):
+    feats, embeds = torch.randn(1, 7, 32), torch.randn(1, 7, 32)
+    pos = torch.arange(7)[None]
+    full = drafter(feats, embeds, pos)
+    cache = drafter.new_cache()
+    first = drafter(feats[:, :4], embeds[:, :4], pos[:, :4], cache)
+    rest = drafter(feats[:, 4:], embeds[:, 4:], pos[:, 4:], cache)
+    assert torch.allclose(torch.cat([first, rest], 1), full, atol=1e-5)
+
+
+def test_reduced_draft_vocabulary(target):
+    counts = torch.zeros(32)
+    counts[[3, 7, 9, 20, 31]] = torch.tensor([5.0, 9.0, 1.0, 4.0, 2.0])
+    small = tiny_drafter(target, draft_vocab_size=4)
+    assert small.lm_head.weight.shape == (4, 32)
+    small = Drafter.from_target(target, token_counts=counts, draft_vocab_size=4)
+    assert small.d2t.tolist() == [3, 7, 20, 31]  # the 4 most frequent, in id order
+    assert torch.equal(small.lm_head.weight, target.model.lm_head.weight[[3, 7, 20, 31]])
+    assert small.to_target_ids(torch.tensor([0, 2])).tolist() == [3, 20]
+    model = EagleModel.from_pretrained(target, drafter=small, total_tokens=8, depth=3, top_k=2)
+    for ids in prompts(5):
+        assert model.generate(ids, method="eagle-tree", max_new_tokens=12).token_ids == \
+            model.generate(ids, method="ar", max_new_tokens=12).token_ids
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tree_forward_matches_sequential_decoding(family):
+    """Every tree node's logits equal those of running its root-to-node path causally."""
+    t = tiny_target(family=family, seed=2)
+    torch.manual_seed(0)
+    prefix = torch.randint(1, 32, (1, 5))
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3])
+    tokens = torch.randint(1, 32, (7,))
+    attn = tree_attention(parents)
+    cache = DynamicCache(config=t.model.config)
+    t.forward(prefix, torch.arange(5)[None], cache)
+    tree_logits = t.forward(tokens[None], (5 + attn.depths)[None], cache, attention_bias(attn.mask, 5, torch.float32)).logits[0]
+    for node in range(7):
+        path = [j for j in range(7) if attn.mask[node, j]]
+        seq = torch.cat([prefix[0], tokens[path]])[None]
+        ref = t.model(seq).logits[0, -1]
+        assert torch.allclose(tree_logits[node], ref, atol=1e-4), (family, node)
+
+
+def test_qwen2_greedy_tree_matches_ar():
+    t = tiny_target(family="qwen2", seed=4)
+    model = EagleModel.from_pretrained(t, drafter=tiny_drafter(t), total_tokens=10, depth=4, top_k=3)
+    for ids in prompts(10, seed=2):
+        assert model.generate(ids, method="eagle-tree", max_new_tokens=16).token_ids == \
+            model.generate(ids, method="ar", max_new_tokens=16).token_ids
