@@ -56,14 +56,12 @@ def choose_tree_size(sorted_scores: torch.Tensor, curve: CostCurve, draft_second
 def measure_cost_curve(target: Target, sizes: tuple[int, ...] = SIZES, context: int = 128,
                        repeats: int = 3) -> CostCurve:
     """Time one target forward of n tree tokens after ``context`` cached tokens (median of repeats)."""
-    from transformers import DynamicCache
-
     from eagle import kv_cache
     from eagle.tree_mask import attention_bias
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (1, context + max(sizes)), generator=gen).to(target.device)
-    cache = DynamicCache(config=target.model.config)
+    cache = kv_cache.new_cache(target.model)
     target.forward(ids[:, :context], torch.arange(context, device=target.device)[None], cache, logits_from=context)
     seconds = []
     for n in sizes:

@@ -63,6 +63,8 @@ class _Clock:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.seconds: dict[str, float] = defaultdict(float)
+        if self.cuda:
+            torch.cuda.synchronize()
         self.last = time.perf_counter()
 
     def lap(self, step: str) -> None:
@@ -78,22 +80,20 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
                 sampling: SamplingConfig, generator: torch.Generator,
                 spec: SpeculativeConfig | None = None, method: str = "") -> Iterator[list[int] | GenerationResult]:
     """Yield each chunk of accepted new tokens, then the ``GenerationResult``."""
-    from transformers import DynamicCache
-
     if max_new_tokens < 1:
         raise EagleError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if len(prompt_ids) >= target.max_context:
         raise EagleError(f"prompt has {len(prompt_ids)} tokens; the model's context is {target.max_context}")
     device, start = target.device, time.perf_counter()
     ids, new, accept_lengths, forwards, stop = list(prompt_ids), [], [], 0, ""
-    cache = DynamicCache(config=target.model.config)
+    cache = kv_cache.new_cache(target.model)
     features = None
     if len(ids) > 1:  # prefill everything but the last token, which becomes the first tree root
         prefix = torch.tensor([ids[:-1]], device=device)
         out = target.forward(prefix, torch.arange(len(ids) - 1, device=device)[None], cache, logits_from=len(ids) - 1)
         features = out.hidden[0]
     proposer.start(ids, features if proposer.needs_features else None)
-    clock = _Clock(device)
+    clock = _Clock(device)  # synchronizes CUDA before its first reading
     prefill_s = clock.last - start
     while not stop:
         past = len(ids) - 1

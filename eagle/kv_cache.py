@@ -9,6 +9,19 @@ from typing import Any
 
 import torch
 
+from eagle.errors import EagleError
+
+
+def new_cache(model: Any, role: str = "target") -> Any:
+    """An empty ``DynamicCache`` for ``model``. Sliding-window layers are refused: they keep
+    fewer keys than the tree masks cover and cannot be rolled back."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+        raise EagleError(f"the {role} uses sliding-window attention, which eagle does not support yet")
+    return cache
+
 
 def _layers(cache: Any) -> list:
     return list(cache.layers)

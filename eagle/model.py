@@ -86,6 +86,7 @@ class EagleModel:
             drafter = Drafter.from_pretrained(drafter, target=tgt)
         elif drafter is not None:
             drafter.check_target(tgt)
+            drafter = drafter.to(device=tgt.device, dtype=tgt.dtype).eval()
         if draft_model is not None and not isinstance(draft_model, torch.nn.Module):
             draft = load_target(draft_model, device=tgt.device, dtype=tgt.dtype)
             check_same_tokenizer(tgt, draft)
@@ -114,7 +115,7 @@ class EagleModel:
                 raise EagleError(f"method {method!r} needs a drafter: pass drafter=... (--drafter)")
             tree = self.tree
             if method == "eagle-chain":
-                tree = dataclasses.replace(tree, top_k=1, total_tokens=tree.depth + 1)
+                tree = dataclasses.replace(tree, top_k=1, total_tokens=tree.depth + 1, choices=None)
             if tree.total_tokens == "auto":
                 from eagle.budget import cost_curve
 

@@ -19,6 +19,7 @@ from eagle import kv_cache
 from eagle.budget import CostCurve, choose_tree_size
 from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
 from eagle.drafter import Drafter
+from eagle.errors import EagleError
 from eagle.sampling import logits_to_probs, sample
 from eagle.target import Target
 from eagle.tree import DraftTree, best_frontier, chain_tree, rerank, root_only, static_layout, topk_children
@@ -88,10 +89,8 @@ class DraftModel(Proposer):
 
     def __init__(self, model: Any, cfg: SpeculativeConfig, sampling: SamplingConfig,
                  generator: torch.Generator) -> None:
-        from transformers import DynamicCache
-
         self.model, self.cfg, self.sampling, self.generator = model, cfg, sampling, generator
-        self.cache = DynamicCache(config=model.config)
+        self.cache = kv_cache.new_cache(model, "draft model")
         self.gamma = cfg.gamma
         self.drafted = 0
         self.device = next(model.parameters()).device
@@ -136,6 +135,10 @@ class EagleDrafter(Proposer):
 
     def __init__(self, drafter: Drafter, target: Target, cfg: TreeConfig, cost: CostCurve | None = None) -> None:
         """``cost``: the target's measured forward-time curve, used when ``total_tokens`` is "auto"."""
+        vocab = drafter.config.draft_vocab_size or drafter.config.vocab_size
+        widest = max((r + 1 for c in cfg.choices or () for r in c), default=cfg.top_k)
+        if max(cfg.top_k, widest) > vocab:
+            raise EagleError(f"tree top_k / choice rank {max(cfg.top_k, widest)} exceeds the drafter's vocabulary ({vocab})")
         self.drafter, self.target, self.cfg, self.cost = drafter, target, cfg, cost
         self.cache = drafter.new_cache()
         self.last_hidden: torch.Tensor | None = None  # drafter's prediction of the root's feature [H]
@@ -197,7 +200,7 @@ class EagleDrafter(Proposer):
             return Proposal(root_only(ids[-1], self.device))
         committed = kv_cache.cache_length(self.cache)
         if self.cfg.choices:
-            tree = self._static(ids[-1], min(max_depth, max(len(c) for c in self.cfg.choices)), committed)
+            tree = self._static(ids[-1], min(depth, max(len(c) for c in self.cfg.choices)), committed)
         else:
             tree = self._dynamic(ids[-1], depth, committed)
         kv_cache.roll_back(self.cache, committed)

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from eagle import EagleError, EagleModel, kv_cache
-from eagle.config import TreeConfig
+from eagle.config import SamplingConfig, TreeConfig
 from eagle.generate import truncate_at_stop
 
 from .conftest import prompts, tiny_drafter, tiny_target
@@ -166,3 +166,24 @@ def test_static_tree_from_choices_is_exact(target, drafter):
     assert gained > 10
     with pytest.raises(EagleError, match="choices"):
         TreeConfig(choices=[[]])
+
+
+def test_tree_settings_that_cannot_work_are_clear_errors(target):
+    small_vocab = tiny_drafter(target, draft_vocab_size=4)
+    with pytest.raises(EagleError, match="exceeds the drafter's vocabulary"):
+        EagleModel.from_pretrained(target, drafter=small_vocab, top_k=5).generate([1, 2], method="eagle-tree")
+    with pytest.raises(EagleError, match="lacks its parent"):
+        TreeConfig(choices=[[0, 0]])
+
+
+def test_eagle_chain_ignores_static_choices(target, drafter):
+    m = EagleModel.from_pretrained(target, drafter=drafter, depth=3, tree_choices=[[0], [1], [0, 0]])
+    chain = m._proposer("eagle-chain", SamplingConfig(), None)
+    assert chain.cfg.choices is None and chain.cfg.top_k == 1
+
+
+def test_sliding_window_models_are_refused():
+    t = tiny_target(family="mistral")
+    t.model.config.sliding_window = 4
+    with pytest.raises(EagleError, match="sliding-window"):
+        EagleModel(t).generate([1, 2, 3], method="ar")

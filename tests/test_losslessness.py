@@ -54,13 +54,20 @@ def sampled_triples(model: EagleModel, method: str, sampling: SamplingConfig, n:
 
 
 def chi_square_p(counts: torch.Tensor, exact: torch.Tensor) -> float:
-    """Goodness of fit; cells expected below 5 are pooled into one."""
+    """Goodness of fit; cells expected below 5 are pooled into one. A sample of a triple the
+    target gives probability 0 (outside the top-p nucleus, say) fails outright (p = 0)."""
     n = counts.sum()
     expected, observed = (exact.flatten() * n), counts.flatten()
+    possible = exact.flatten() > 0
+    if observed[~possible].sum() > 0:
+        return 0.0
+    expected, observed = expected[possible], observed[possible]
     big = expected >= 5
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    obs = torch.cat([observed[big], observed[~big].sum()[None]])
-    assert obs[:-1].sum() + obs[-1] == n
+    exp, obs = expected[big], observed[big]
+    if (~big).any():
+        exp = torch.cat([exp, expected[~big].sum()[None]])
+        obs = torch.cat([obs, observed[~big].sum()[None]])
+    assert obs.sum() == n
     return float(chisquare(obs.numpy(), exp.numpy() * (obs.sum() / exp.sum()).item()).pvalue)
 
 

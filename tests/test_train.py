@@ -179,3 +179,18 @@ def test_deepspeed_training_end_to_end_and_resume(workspace):
     optim = torch.load(next((out / "checkpoints" / "step16").glob("*optim_states.pt")), weights_only=False)
     adam_steps = {int(s["step"]) for s in optim["optimizer_state_dict"]["base_optimizer_state"]["state"].values()}
     assert adam_steps == {16}
+
+
+def test_online_features_equal_stored_features(workspace):
+    from train.data import tokenize_all
+    from train.features import OnlineFeatures
+
+    target = load_target(str(workspace["target"]))
+    stored = FeatureShards(workspace["features"], target)
+    examples = tokenize_all(target.tokenizer, load_chats(str(workspace["data"])).conversations, 1024)
+    online = OnlineFeatures(target, examples)
+    assert len(online) == len(stored)
+    for i in (0, 7):
+        assert torch.equal(online[i]["input_ids"], stored[i]["input_ids"])
+        assert torch.equal(online[i]["loss_mask"], stored[i]["loss_mask"])
+        assert torch.allclose(online[i]["hidden"], stored[i]["hidden"], atol=2e-2, rtol=1e-2)

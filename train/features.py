@@ -111,6 +111,11 @@ def shard_is_valid(out_dir: Path, name: str, entry: dict) -> bool:
     return path.is_file() and sha256(path) == entry.get("sha256")
 
 
+def examples_digest(examples: list[dict]) -> str:
+    """What a shard was computed from: its examples' token ids and loss masks."""
+    return hashlib.sha256(json.dumps([[ex["input_ids"], ex["loss_mask"]] for ex in examples]).encode()).hexdigest()
+
+
 def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
     """Compute missing or corrupt shards; return the feature folder."""
     target = target or load_target(cfg.target)
@@ -135,11 +140,13 @@ def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
         name = f"shard-{index:05d}.safetensors"
         tokens = sum(len(ex["input_ids"]) for ex in shard)
         entry = manifest["shards"].get(name, {})
-        if entry.get("examples") == len(shard) and shard_is_valid(out_dir, name, entry):
+        digest = examples_digest(shard)
+        if entry.get("examples_sha256") == digest and shard_is_valid(out_dir, name, entry):
             bar.update(tokens)
             continue
         write_shard(out_dir / name, shard, compute_features(target, shard, cfg.batch_tokens), dtype)
-        manifest["shards"][name] = {"examples": len(shard), "tokens": tokens, "sha256": sha256(out_dir / name)}
+        manifest["shards"][name] = {"examples": len(shard), "tokens": tokens, "sha256": sha256(out_dir / name),
+                                    "examples_sha256": digest}
         manifest["tokens"] = sum(s["tokens"] for s in manifest["shards"].values())
         tmp = manifest_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(manifest, indent=2))
@@ -147,6 +154,9 @@ def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
         bar.update(tokens)
         bar.set_postfix(tok_per_s=f"{bar.n / max(1e-9, time.time() - start):.0f}")
     bar.close()
+    for stale in sorted(set(manifest["shards"]) - {f"shard-{i:05d}.safetensors" for i in range(len(shards))}):
+        del manifest["shards"][stale]  # the data shrank: shards past its end no longer belong to it
+        (out_dir / stale).unlink(missing_ok=True)
     manifest["tokens"] = total_tokens
     manifest_path.write_text(json.dumps(manifest, indent=2))
     return out_dir
@@ -193,16 +203,18 @@ def iter_batches(dataset: torch.utils.data.Dataset, indices: list[int], batch_si
 
 
 def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad a list of examples -> input_ids [B, T], loss_mask [B, T] bool, hidden [B, T, H]."""
+    """Right-pad a list of examples -> input_ids [B, T], loss_mask and valid [B, T] bool, hidden [B, T, H]."""
     longest = max(len(it["input_ids"]) for it in items)
     hidden_size = items[0]["hidden"].shape[-1]
     batch = {"input_ids": torch.zeros(len(items), longest, dtype=torch.long),
              "loss_mask": torch.zeros(len(items), longest, dtype=torch.bool),
+             "valid": torch.zeros(len(items), longest, dtype=torch.bool),
              "hidden": torch.zeros(len(items), longest, hidden_size)}
     for row, it in enumerate(items):
         n = len(it["input_ids"])
         batch["input_ids"][row, :n] = it["input_ids"]
         batch["loss_mask"][row, :n] = it["loss_mask"]
+        batch["valid"][row, :n] = True
         batch["hidden"][row, :n] = it["hidden"]
     return batch
 

@@ -73,10 +73,15 @@ def target_draft_logits(drafter: Drafter, lm_head: torch.nn.Module, hidden: torc
 
 
 def shift(batch: dict, device: torch.device) -> dict:
-    """Pairs (f_t, x_{t+1}) -> f_{t+1}: inputs, next tokens, targets and mask, all [B, T-1]."""
+    """Pairs (f_t, x_{t+1}) -> f_{t+1}: inputs, next tokens, targets, all [B, T-1].
+
+    The predicted feature f_{t+1} yields the distribution of token x_{t+2}, so pair t is
+    trained when x_{t+2} is an assistant token (``mask``); ``valid`` marks real (unpadded) pairs."""
     hidden = batch["hidden"].to(device)
+    loss_mask, valid = batch["loss_mask"].to(device), batch["valid"].to(device)
+    mask = torch.cat([loss_mask[:, 2:], torch.zeros_like(loss_mask[:, :1])], dim=1)
     return {"features": hidden[:, :-1], "tokens": batch["input_ids"][:, 1:].to(device),
-            "target": hidden[:, 1:], "mask": batch["loss_mask"][:, 1:].to(device)}
+            "target": hidden[:, 1:], "mask": mask, "valid": valid[:, 1:]}
 
 
 def step_loss(model, drafter: Drafter, target: Target, batch: dict, cfg: TrainConfig,
@@ -91,7 +96,7 @@ def step_loss(model, drafter: Drafter, target: Target, batch: dict, cfg: TrainCo
     mask = b["mask"]
     lm_head = target.model.get_output_embeddings()
     pred_m, target_m = pred[mask], b["target"][mask].to(dtype)  # only masked positions reach the LM heads
-    draft_logits = drafter.draft_logits(pred_m, lm_head)
+    draft_logits = drafter.draft_logits(pred_m.to(target.dtype), lm_head).to(dtype)
     with torch.no_grad():
         target_logits = target_draft_logits(drafter, lm_head, target_m.to(target.dtype)).to(dtype)
     ones = torch.ones(pred_m.shape[0], dtype=torch.bool, device=target.device)
@@ -119,8 +124,8 @@ def evaluate(drafter: Drafter, target: Target, dataset, indices: list[int], dept
         correct = []
         for _ in range(depth):
             pred = drafter(feats, embeds, pos)
-            guess = drafter.to_target_ids(drafter.draft_logits(pred, lm_head).argmax(-1))
-            correct.append(guess == truth)
+            guess = drafter.to_target_ids(drafter.draft_logits(pred.to(target.dtype), lm_head).argmax(-1))
+            correct.append((guess == truth) & b["valid"])
             feats = torch.cat([feats[:, :1], pred[:, :-1]], dim=1)  # own predictions become the inputs
         mask = b["mask"]
         hits += float((correct[0] & mask).sum())
@@ -206,8 +211,11 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     while state["step"] < total_steps and state["epoch"] < cfg.epochs:
         perm = list(train_idx)
         random.Random(cfg.seed * 1000 + state["epoch"]).shuffle(perm)
-        shard = perm[rank::world]
-        micro_batches = list(range(0, len(shard) - micro + 1, micro)) or [0]
+        usable = len(perm) // (world * micro) * world * micro  # every rank runs the same number of micro-batches
+        if usable == 0:
+            raise EagleError(f"{len(perm)} training examples cannot fill one micro-batch of {micro} on {world} ranks")
+        shard = perm[:usable][rank::world]
+        micro_batches = list(range(0, len(shard) - micro + 1, micro))
         for mb in micro_batches[state["micro_in_epoch"]:]:
             batch = iter_batches(dataset, shard[mb:mb + micro], micro).__next__()
             loss = step_loss(engine, drafter, target, batch, cfg, generator)
