@@ -194,3 +194,30 @@ def test_online_features_equal_stored_features(workspace):
         assert torch.equal(online[i]["input_ids"], stored[i]["input_ids"])
         assert torch.equal(online[i]["loss_mask"], stored[i]["loss_mask"])
         assert torch.allclose(online[i]["hidden"], stored[i]["hidden"], atol=2e-2, rtol=1e-2)
+
+
+def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
+    from train.card import main as card_main
+
+    drafter.save_pretrained(tmp_path / "drafter")
+    records = {
+        "sd.json": {"questions_sampled": 64, "questions_kept": 50, "conversations": 48, "answer_tokens": 9000,
+                    "wall_s": 600.0, "config": {"answer_max_tokens": 320}},
+        "feat.json": {"num_examples": 48, "tokens": 12000, "config": {"max_length": 512, "feature_dtype": "float16"}},
+        "summary.json": {"steps": 30, "epochs": 2, "train_examples": 46, "eval_examples": 2, "wall_s": 120.0,
+                         "eval": {"top1": 0.5, "chain5_accept_length": 1.9}},
+        "bench.json": {"config": {"command": "eagle-bench --prompts dev.jsonl"}, "prompts": 3,
+                       "machine": {"device": "cpu", "torch_threads": 2},
+                       "methods": {"ar": {"tokens_per_second": 10.0, "mean_accept_length": 1.0, "speedup_vs_ar": 1.0,
+                                          "identical_to_ar": True},
+                                   "eagle-tree": {"tokens_per_second": 15.0, "mean_accept_length": 2.5,
+                                                  "speedup_vs_ar": 1.5, "identical_to_ar": True}}}}
+    for name, data in records.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    assert card_main(["--drafter", str(tmp_path / "drafter"), "--selfdistill", str(tmp_path / "sd.json"),
+                      "--features", str(tmp_path / "feat.json"), "--summary", str(tmp_path / "summary.json"),
+                      "--bench", str(tmp_path / "bench.json"), "--train-config", "run.yaml"]) == 0
+    card = (tmp_path / "drafter" / "README.md").read_text()
+    assert "48 conversations" in card and "top-1 accuracy 0.500" in card and "**2.50**" in card
+    assert card_main(["--drafter", str(tmp_path / "drafter"), "--selfdistill", str(tmp_path / "missing.json"),
+                      "--features", "x", "--summary", "x", "--bench", "x", "--train-config", "x"]) == 2

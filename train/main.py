@@ -194,7 +194,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
                                            config=deepspeed_dict(cfg, device, total_steps))
     out = Path(cfg.out_dir)
     ckpt_dir = out / "checkpoints"
-    state = {"step": 0, "epoch": 0, "micro_in_epoch": 0}
+    state = {"step": 0, "epoch": 0, "micro_in_epoch": 0, "wall_s": 0.0}
     if (ckpt_dir / "latest").is_file():
         _, client = engine.load_checkpoint(str(ckpt_dir))
         state.update({k: client[k] for k in state if client and k in client})  # DeepSpeed adds its own keys
@@ -208,6 +208,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     generator = torch.Generator().manual_seed(cfg.seed + state["step"])
     metrics: dict = {}
     start, losses = time.time(), []
+    wall_before = state["wall_s"]  # training time of earlier (resumed) runs
     while state["step"] < total_steps and state["epoch"] < cfg.epochs:
         perm = list(train_idx)
         random.Random(cfg.seed * 1000 + state["epoch"]).shuffle(perm)
@@ -242,6 +243,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
                 if run:
                     run.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
             if step % cfg.save_every == 0 or step == total_steps:
+                state["wall_s"] = wall_before + time.time() - start
                 engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state=dict(state))
                 if rank == 0:
                     save_drafter_atomically(drafter, out / "drafter")
@@ -257,6 +259,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
             metrics = evaluate(drafter, target, dataset, eval_idx, cfg.eval_chain_depth)
         save_drafter_atomically(drafter, out / "drafter")
         summary = {"steps": state["step"], "epochs": state["epoch"], "eval": metrics,
+                   "wall_s": wall_before + time.time() - start,
                    "train_examples": len(train_idx), "eval_examples": len(eval_idx)}
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         if run:
