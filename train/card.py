@@ -18,7 +18,8 @@ def _load(path: str) -> dict:
     return json.loads(p.read_text())
 
 
-def render(drafter_dir: Path, data: dict, features: dict, summary: dict, bench: dict, train_yaml: str) -> str:
+def render(drafter_dir: Path, data: dict, features: dict, summary: dict, bench: dict, train_yaml: str,
+           fixed_tree: dict | None = None) -> str:
     cfg = json.loads((drafter_dir / "config.json").read_text())
     methods = bench["methods"]
     tree = methods.get("eagle-tree", {})
@@ -63,7 +64,11 @@ prompts, greedy:
 {rows}
 
 Mean accepted length of `eagle-tree`: **{tree.get('mean_accept_length', 0):.2f}** tokens per target forward.
-"""
+""" + ("" if fixed_tree is None else f"""
+With a fixed tree (`{fixed_tree['config']['command']}`, {fixed_tree['prompts']} prompts): mean accepted length
+**{fixed_tree['methods']['eagle-tree']['mean_accept_length']:.2f}**,
+{fixed_tree['methods']['eagle-tree']['tokens_per_second']:.2f} tokens/s.
+""")
 
 
 @command("eagle-card")
@@ -75,10 +80,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--summary", required=True, help="summary.json of the training run")
     parser.add_argument("--bench", required=True, help="eagle-bench --json output on the dev prompt set")
     parser.add_argument("--train-config", required=True)
+    parser.add_argument("--fixed-tree-bench", help="eagle-bench --json output of eagle-tree with fixed tree flags")
     args = parser.parse_args(argv)
     drafter = Path(args.drafter)
     text = render(drafter, _load(args.selfdistill), _load(args.features), _load(args.summary), _load(args.bench),
-                  args.train_config)
+                  args.train_config, _load(args.fixed_tree_bench) if args.fixed_tree_bench else None)
     (drafter / "README.md").write_text(text)
     print(f"wrote {drafter / 'README.md'}")
 
