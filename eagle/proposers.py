@@ -169,9 +169,10 @@ class EagleDrafter(Proposer):
         self.observed += accepted
         self._extend(features, ids[len(ids) - accepted - 1:])
 
-    def _logprobs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Predicted features [F, H] -> draft log-probabilities [F, V_draft]."""
         logits = self.drafter.draft_logits(hidden, self.target.model.get_output_embeddings())
-        return torch.log_softmax(logits.float(), dim=-1), logits
+        return torch.log_softmax(logits.float(), dim=-1)
 
     def _run_nodes(self, inputs: torch.Tensor, tokens: torch.Tensor, ancestors: list[list[int]], committed: int,
                    position: int, cached: list[int]) -> torch.Tensor:
@@ -215,7 +216,7 @@ class EagleDrafter(Proposer):
     def _dynamic(self, root: int, depth: int, committed: int) -> DraftTree:
         """EAGLE-2: expand the top_k best frontier nodes per depth; return the whole candidate pool."""
         k, to_target = self.cfg.top_k, self.drafter.to_target_ids
-        lp, _ = self._logprobs(self.last_hidden[None])
+        lp = self._logprobs(self.last_hidden[None])
         child_tokens, child_scores = topk_children(torch.zeros(1, device=self.device), lp, k)
         pool_tokens = [torch.tensor([root], device=self.device), to_target(child_tokens[0])]
         pool_parents = [torch.tensor([-1], device=self.device), torch.zeros(k, dtype=torch.long, device=self.device)]
@@ -229,7 +230,7 @@ class EagleDrafter(Proposer):
             tokens = torch.cat(pool_tokens)[frontier]
             hidden = self._run_nodes(frontier_inputs, tokens, [ancestors[n] for n in frontier.tolist()], committed,
                                      committed + d - 1, cached)
-            lp, _ = self._logprobs(hidden)
+            lp = self._logprobs(hidden)
             child_tokens, child_scores = topk_children(torch.cat(pool_scores)[frontier], lp, k)  # [F, k]
             flat_scores = child_scores.reshape(-1)
             parents = frontier[:, None].expand(-1, k).reshape(-1)
@@ -259,7 +260,7 @@ class EagleDrafter(Proposer):
             if not level:
                 break
             heads = sorted({parents[i] for i in level})
-            lp, _ = self._logprobs(torch.stack([hidden_of[p] for p in heads]))
+            lp = self._logprobs(torch.stack([hidden_of[p] for p in heads]))
             top_tokens, top_scores = topk_children(torch.tensor([scores[p] for p in heads], device=self.device), lp,
                                                    max(ranks[i] for i in level) + 1)
             top_tokens = self.drafter.to_target_ids(top_tokens)
