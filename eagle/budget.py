@@ -57,18 +57,17 @@ def measure_cost_curve(target: Target, sizes: tuple[int, ...] = SIZES, context: 
                        repeats: int = 3) -> CostCurve:
     """Time one target forward of n tree tokens after ``context`` cached tokens (median of repeats)."""
     from eagle import kv_cache
-    from eagle.tree_mask import attention_bias
+    from eagle.tree_mask import causal_bias
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (1, context + max(sizes)), generator=gen).to(target.device)
-    cache = kv_cache.new_cache(target.model)
+    cache = target.new_cache()
     target.forward(ids[:, :context], torch.arange(context, device=target.device)[None], cache, logits_from=context)
     seconds = []
     for n in sizes:
         runs = []
         for _ in range(repeats + 1):  # the first run warms up
-            mask = torch.ones(n, n, dtype=torch.bool, device=target.device).tril()
-            bias = attention_bias(mask, context, target.dtype)
+            bias = causal_bias(n, context, target.dtype, target.device)
             start = time.perf_counter()
             target.forward(ids[:, context:context + n], torch.arange(context, context + n, device=target.device)[None],
                            cache, bias)
@@ -83,7 +82,8 @@ def measure_cost_curve(target: Target, sizes: tuple[int, ...] = SIZES, context: 
 def cost_curve(target: Target) -> CostCurve:
     """The cached cost curve for this target, device, dtype and thread count (measured on a miss)."""
     key = json.dumps([target.name, target.tokenizer_fingerprint, target.hidden_size, target.config.num_hidden_layers,
-                      str(target.device), str(target.dtype), torch.get_num_threads()])
+                      str(target.device), str(target.dtype), torch.get_num_threads(),
+                      "lean" if target.lean is not None else "model"])
     path = cache_root() / "cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     if path.is_file():
         return CostCurve(**json.loads(path.read_text()))

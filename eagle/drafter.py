@@ -12,13 +12,15 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from eagle.config import from_dict
 from eagle.errors import EagleError
+from eagle.kv_cache import StaticCache
+from eagle.tree_mask import causal_bias
 
 FORMAT = "eagle-drafter/1"
 
@@ -99,41 +101,6 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-class KVEntry:
-    """One layer's cached keys/values [B, kv_heads, T, d]."""
-
-    def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-
-
-class DrafterCache:
-    """The drafter's own KV cache (same ``layers[i].keys/values`` shape as transformers' caches,
-    so ``eagle.kv_cache`` rolls it back and compacts it)."""
-
-    def __init__(self, num_layers: int) -> None:
-        self.layers = [KVEntry() for _ in range(num_layers)]
-
-    def get_seq_length(self) -> int:
-        keys = self.layers[0].keys
-        return 0 if keys is None else int(keys.shape[-2])
-
-    def update(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        entry = self.layers[index]
-        if entry.keys is None:
-            entry.keys, entry.values = keys, values
-        else:
-            entry.keys = torch.cat([entry.keys, keys], dim=-2)
-            entry.values = torch.cat([entry.values, values], dim=-2)
-        return entry.keys, entry.values
-
-
-def causal_bias(q_len: int, past_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive causal mask [1, 1, q_len, past_len + q_len]."""
-    allowed = torch.ones(q_len, past_len + q_len, dtype=torch.bool, device=device).tril(diagonal=past_len)
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig, index: int) -> None:
         super().__init__()
@@ -145,7 +112,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor,
-                cache: DrafterCache | None) -> torch.Tensor:
+                cache: StaticCache | None) -> torch.Tensor:
         b, t, _ = x.shape
         d = self.cfg.head_dim
         q = self.q_proj(x).view(b, t, -1, d).transpose(1, 2)
@@ -180,7 +147,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor,
-                cache: DrafterCache | None) -> torch.Tensor:
+                cache: StaticCache | None) -> torch.Tensor:
         h = self.input_layernorm(x) if self.input_layernorm is not None else x
         x = x + self.self_attn(h, positions, bias, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -288,7 +255,7 @@ class Drafter(nn.Module):
 
     # ---- compute ---------------------------------------------------------------------------
     def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
-                cache: DrafterCache | None = None, attention_bias: torch.Tensor | None = None) -> torch.Tensor:
+                cache: StaticCache | None = None, attention_bias: torch.Tensor | None = None) -> torch.Tensor:
         """``features`` [B, T, H] (f_t), ``token_embeds`` [B, T, H] (embedding of token t+1),
         ``positions`` [B, T], ``attention_bias`` [B or 1, 1, T, past + T] additive (causal when
         None) -> predicted features [B, T, H] (f_{t+1}). ``cache`` is extended in place."""
@@ -300,10 +267,10 @@ class Drafter(nn.Module):
             x = layer(x, positions, attention_bias, cache)
         return x
 
-    def new_cache(self) -> DrafterCache:
-        return DrafterCache(self.config.num_layers)
+    def new_cache(self) -> StaticCache:
+        return StaticCache(self.config.num_layers)
 
-    def draft_logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
+    def draft_logits(self, hidden: torch.Tensor, target_lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Predicted features [..., H] -> logits over the draft vocabulary [..., V_draft]."""
         head = self.lm_head if self.lm_head is not None else target_lm_head
         return head(hidden)

@@ -86,7 +86,7 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
         raise EagleError(f"prompt has {len(prompt_ids)} tokens; the model's context is {target.max_context}")
     device, start = target.device, time.perf_counter()
     ids, new, accept_lengths, forwards, stop = list(prompt_ids), [], [], 0, ""
-    cache = kv_cache.new_cache(target.model)
+    cache = target.new_cache()
     features = None
     if len(ids) > 1:  # prefill everything but the last token, which becomes the first tree root
         prefix = torch.tensor([ids[:-1]], device=device)

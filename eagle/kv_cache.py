@@ -1,7 +1,8 @@
 """KV-cache bookkeeping shared by every method: roll back and compact.
 
-Works on any transformers ``Cache`` whose layers hold ``keys``/``values`` [B, heads, T, d]
-(``DynamicCache``), and on the drafter's own ``DrafterCache``."""
+Two kinds of cache: transformers' ``DynamicCache`` (layers hold ``keys``/``values``
+[B, heads, T, d]), used with a target's own forward, and ``StaticCache``, preallocated and
+written by position, used by the lean target forward (``eagle.lean``) and by the drafter."""
 
 from __future__ import annotations
 
@@ -10,6 +11,55 @@ from typing import Any
 import torch
 
 from eagle.errors import EagleError
+
+_MIN_CAPACITY = 256
+
+
+class StaticCache:
+    """Keys/values per layer in preallocated buffers [1, kv_heads, capacity, head_dim] (batch 1).
+    ``update`` writes at the layer's current length, no concatenation; a buffer doubles when a
+    write would overflow it. Rolling back or compacting moves lengths and copies the kept rows."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.lengths = [0] * num_layers
+
+    def get_seq_length(self) -> int:
+        return self.lengths[0]
+
+    def update(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``keys``/``values`` [1, kv_heads, q, d] to layer ``index``; return views of all
+        its entries [1, kv_heads, length + q, d]."""
+        start = self.lengths[index]
+        end = start + keys.shape[-2]
+        buf = self.keys[index]
+        if buf is None or end > buf.shape[-2]:
+            capacity = max(_MIN_CAPACITY, 1 << (end - 1).bit_length())
+            self.keys[index] = self._grown(buf, keys, capacity, start)
+            self.values[index] = self._grown(self.values[index], values, capacity, start)
+        self.keys[index][..., start:end, :] = keys
+        self.values[index][..., start:end, :] = values
+        self.lengths[index] = end
+        return self.keys[index][..., :end, :], self.values[index][..., :end, :]
+
+    @staticmethod
+    def _grown(buf: torch.Tensor | None, like: torch.Tensor, capacity: int, keep: int) -> torch.Tensor:
+        new = like.new_empty(*like.shape[:-2], capacity, like.shape[-1])
+        if buf is not None and keep:
+            new[..., :keep, :] = buf[..., :keep, :]
+        return new
+
+    def truncate(self, length: int) -> None:
+        self.lengths = [min(n, length) for n in self.lengths]
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        m = keep.shape[0]
+        for buffers in (self.keys, self.values):
+            for i, buf in enumerate(buffers):
+                if buf is not None and self.lengths[i]:
+                    buf[..., start:start + m, :] = buf.index_select(-2, keep.to(buf.device))
+        self.truncate(start + m)
 
 
 def new_cache(model: Any, role: str = "target") -> Any:
@@ -23,17 +73,16 @@ def new_cache(model: Any, role: str = "target") -> Any:
     return cache
 
 
-def _layers(cache: Any) -> list:
-    return list(cache.layers)
-
-
 def cache_length(cache: Any) -> int:
     return int(cache.get_seq_length())
 
 
 def roll_back(cache: Any, length: int) -> None:
     """Drop everything after the first ``length`` positions."""
-    for layer in _layers(cache):
+    if isinstance(cache, StaticCache):
+        cache.truncate(length)
+        return
+    for layer in cache.layers:
         if getattr(layer, "keys", None) is not None and layer.keys.numel():
             layer.keys = layer.keys[..., :length, :]
             layer.values = layer.values[..., :length, :]
@@ -45,12 +94,16 @@ def compact(cache: Any, start: int, keep: torch.Tensor) -> None:
     ``start .. start + m - 1`` and drop the rest: the accepted tree path becomes contiguous."""
     m = keep.shape[0]
     contiguous = bool(torch.equal(keep.cpu(), torch.arange(start, start + m)))
-    for layer in _layers(cache):
-        if getattr(layer, "keys", None) is None or not layer.keys.numel():
-            continue
-        if not contiguous:
+    if contiguous:
+        roll_back(cache, start + m)
+    elif isinstance(cache, StaticCache):
+        cache.compact(start, keep)
+    else:
+        for layer in cache.layers:
+            if getattr(layer, "keys", None) is None or not layer.keys.numel():
+                continue
             idx = keep.to(layer.keys.device)
             layer.keys[..., start:start + m, :] = layer.keys.index_select(-2, idx)
             layer.values[..., start:start + m, :] = layer.values.index_select(-2, idx)
-        layer.keys = layer.keys[..., : start + m, :]
-        layer.values = layer.values[..., : start + m, :]
+            layer.keys = layer.keys[..., : start + m, :]
+            layer.values = layer.values[..., : start + m, :]

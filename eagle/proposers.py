@@ -20,6 +20,7 @@ from eagle.budget import CostCurve, choose_tree_size
 from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
 from eagle.drafter import Drafter
 from eagle.errors import EagleError
+from eagle.lean import packed_copy
 from eagle.sampling import logits_to_probs, sample
 from eagle.target import Target
 from eagle.tree import DraftTree, best_frontier, chain_tree, rerank, root_only, static_layout, topk_children
@@ -89,8 +90,9 @@ class DraftModel(Proposer):
 
     def __init__(self, model: Any, cfg: SpeculativeConfig, sampling: SamplingConfig,
                  generator: torch.Generator) -> None:
-        self.model, self.cfg, self.sampling, self.generator = model, cfg, sampling, generator
+        self.cfg, self.sampling, self.generator = cfg, sampling, generator
         self.cache = kv_cache.new_cache(model, "draft model")
+        self.model = packed_copy(model)
         self.gamma = cfg.gamma
         self.drafted = 0
         self.device = next(model.parameters()).device
@@ -139,7 +141,7 @@ class EagleDrafter(Proposer):
         widest = max((r + 1 for c in cfg.choices or () for r in c), default=cfg.top_k)
         if max(cfg.top_k, widest) > vocab:
             raise EagleError(f"tree top_k / choice rank {max(cfg.top_k, widest)} exceeds the drafter's vocabulary ({vocab})")
-        self.drafter, self.target, self.cfg, self.cost = drafter, target, cfg, cost
+        self.drafter, self.target, self.cfg, self.cost = packed_copy(drafter), target, cfg, cost
         self.cache = drafter.new_cache()
         self.last_hidden: torch.Tensor | None = None  # drafter's prediction of the root's feature [H]
         self.device = target.device
@@ -171,7 +173,7 @@ class EagleDrafter(Proposer):
 
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Predicted features [F, H] -> draft log-probabilities [F, V_draft]."""
-        logits = self.drafter.draft_logits(hidden, self.target.model.get_output_embeddings())
+        logits = self.drafter.draft_logits(hidden, self.target.lm_head)
         return torch.log_softmax(logits.float(), dim=-1)
 
     def _run_nodes(self, inputs: torch.Tensor, tokens: torch.Tensor, ancestors: list[list[int]], committed: int,

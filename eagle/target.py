@@ -12,7 +12,9 @@ from typing import Any, Sequence
 
 import torch
 
+from eagle import kv_cache
 from eagle.errors import EagleError
+from eagle.lean import LeanDecoder, unsupported_reason
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,6 +43,7 @@ class Target:
     name: str
     device: torch.device
     dtype: torch.dtype
+    lean: LeanDecoder | None = None  # the fast forward, when the architecture has one
 
     @property
     def config(self) -> Any:
@@ -77,7 +80,12 @@ class Target:
         return self.model.get_input_embeddings()(input_ids)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.get_output_embeddings()(hidden)
+        return (self.lean.head if self.lean is not None else self.model.get_output_embeddings())(hidden)
+
+    def new_cache(self) -> Any:
+        """An empty cache for ``forward``: a ``StaticCache`` for the lean forward, else a
+        ``DynamicCache`` for the model's own forward."""
+        return self.lean.new_cache() if self.lean is not None else kv_cache.new_cache(self.model)
 
     def encode_prompt(self, prompt: Any) -> list[int]:
         """A string (chat template applied), a list of chat messages, or token ids -> token ids."""
@@ -114,10 +122,15 @@ class Target:
                 attention_mask: torch.Tensor | None = None, logits_from: int = 0) -> "TargetOutput":
         """One target forward. ``input_ids``/``position_ids``: [1, q]; ``attention_mask``: additive
         float mask [1, 1, q, past + q] or None (causal); ``cache`` is extended in place.
-        Logits are computed only for positions ``logits_from:`` (saves the LM head on a prefill)."""
-        out = self.model.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                               past_key_values=cache, use_cache=True)
-        hidden = out.last_hidden_state
+        Logits are computed only for positions ``logits_from:`` (saves the LM head on a prefill).
+        A ``StaticCache`` (from ``new_cache``) selects the lean forward."""
+        if isinstance(cache, kv_cache.StaticCache):
+            if self.lean is None:
+                raise EagleError(f"{self.name} has no lean forward: use Target.new_cache() for its cache")
+            hidden = self.lean.forward(input_ids, position_ids, cache, attention_mask)
+        else:
+            hidden = self.model.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                      past_key_values=cache, use_cache=True).last_hidden_state
         return TargetOutput(logits=self.lm_head(hidden[:, logits_from:]).float(), hidden=hidden)
 
 
@@ -191,9 +204,10 @@ def _resolve(spec: str) -> tuple[str, dict]:
 
 
 def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device | None = None,
-                dtype: torch.dtype | None = None) -> Target:
+                dtype: torch.dtype | None = None, lean: bool = True) -> Target:
     """Load a target from a local folder, a cached hub id (never the network), a ``.gguf`` file,
-    or the name ``smollm2-135m-instruct``."""
+    or the name ``smollm2-135m-instruct``. ``lean``: decode with ``eagle.lean.LeanDecoder`` when
+    the architecture is supported (Llama, Qwen2), else with the model's own forward."""
     if isinstance(spec, Target):
         return spec
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -210,4 +224,5 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
         raise EagleError(f"cannot load model {spec!r}: {exc}") from exc
     model.to(dev).eval()
     model.requires_grad_(False)
-    return Target(model=model, tokenizer=tokenizer, name=str(spec), device=dev, dtype=dt)
+    fast = LeanDecoder(model) if lean and unsupported_reason(model) is None else None
+    return Target(model=model, tokenizer=tokenizer, name=str(spec), device=dev, dtype=dt, lean=fast)

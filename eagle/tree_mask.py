@@ -63,3 +63,9 @@ def attention_bias(tree_mask: torch.Tensor, past_len: int, dtype: torch.dtype) -
     bias = torch.zeros(n, past_len + n, dtype=dtype, device=tree_mask.device)
     bias.masked_fill_(~allowed, torch.finfo(dtype).min)
     return bias[None, None]
+
+
+def causal_bias(q_len: int, past_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive causal mask [1, 1, q_len, past_len + q_len] (a chain is a tree too)."""
+    chain = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
+    return attention_bias(chain, past_len, dtype)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from eagle.drafter import Drafter
+from eagle.lean import LeanDecoder, unsupported_reason
 from eagle.target import Target
 
 
@@ -23,8 +24,10 @@ def word_tokenizer(vocab_size: int, eos: bool = False):
 
 
 def tiny_target(vocab_size: int = 32, seed: int = 0, family: str = "llama", eos: bool = False,
-                init_std: float = 0.3, max_positions: int = 256, hidden: int = 32, layers: int = 2) -> Target:
-    """A random target. ``init_std`` large makes its distributions peaked (not uniform)."""
+                init_std: float = 0.3, max_positions: int = 256, hidden: int = 32, layers: int = 2,
+                lean: bool = True) -> Target:
+    """A random target. ``init_std`` large makes its distributions peaked (not uniform).
+    ``lean``: decode with ``eagle.lean.LeanDecoder`` (as ``load_target`` does), else the model's forward."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(
@@ -37,7 +40,7 @@ def tiny_target(vocab_size: int = 32, seed: int = 0, family: str = "llama", eos:
     model.generation_config.eos_token_id = 0 if eos else None
     model.requires_grad_(False)
     return Target(model=model, tokenizer=word_tokenizer(vocab_size, eos), name=f"tiny-{family}-{seed}",
-                  device=torch.device("cpu"), dtype=torch.float32)
+                  device=torch.device("cpu"), dtype=torch.float32, lean=LeanDecoder(model) if lean and unsupported_reason(model) is None else None)
 
 
 def tiny_drafter(target: Target, seed: int = 1, **overrides) -> Drafter:

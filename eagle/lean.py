@@ -1,0 +1,161 @@
+"""A lean inference forward for Llama-family targets, and prepacked linear layers.
+
+``LeanDecoder`` does the arithmetic of transformers' Llama/Qwen2 decoder (RMSNorm, RoPE from the
+model's own rotary module, grouped-query SDPA, SiLU-gated MLP) with fewer, larger operations:
+q/k/v and gate/up fused into one matrix each, keys and values written by position into a
+``StaticCache``, masks passed in. It reads the weights of an unmodified transformers model; the
+model itself is not changed and stays usable (its own forward is the reference in the tests).
+
+``PackedLinear``: on CPU in fp32 the weight is reordered once for oneDNN's inner product, which
+on the 2-core reference machine runs the 1-64-row products of decoding about twice as fast as
+``F.linear`` (measured: 30 decoder layers of SmolLM2-135M, 1 row 41 -> 21 ms, 16 rows 84 -> 35 ms).
+Elsewhere (CUDA, bf16, no oneDNN) it is ``F.linear``."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle.kv_cache import StaticCache
+from eagle.tree_mask import causal_bias
+
+LEAN_MODEL_TYPES = ("llama", "qwen2")
+
+
+def _onednn_usable(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class PackedLinear(nn.Module):
+    """``y = x W^T + b`` for inference, with ``W`` [out, in] prepacked for oneDNN when usable."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        weight = weight.detach().contiguous()
+        self.packed = _onednn_usable(weight)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
+        self.bias = None if bias is None else bias.detach()
+        self.out_features = weight.shape[0]
+
+    @classmethod
+    def fused(cls, linears: list[nn.Linear]) -> "PackedLinear":
+        """One matrix for several linears reading the same input; outputs concatenated."""
+        biases = [lin.bias for lin in linears]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b.detach() if b is not None else lin.weight.new_zeros(lin.out_features)
+                              for b, lin in zip(biases, linears)])
+        return cls(torch.cat([lin.weight.detach() for lin in linears]), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def packed_copy(module: nn.Module) -> nn.Module:
+    """An inference copy of ``module`` whose ``nn.Linear`` submodules are ``PackedLinear``."""
+    clone = copy.deepcopy(module).eval().requires_grad_(False)
+    for parent in list(clone.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear(child.weight, child.bias))
+    return clone
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: normalize in fp32, scale in the input dtype. [..., H] -> [..., H]."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, rotate-half layout. x [1, heads, q, d]; cos/sin [1, 1, q, d]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@dataclasses.dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    input_eps: float
+    qkv: PackedLinear
+    o: PackedLinear
+    post_norm: torch.Tensor
+    post_eps: float
+    gate_up: PackedLinear
+    down: PackedLinear
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why ``LeanDecoder`` cannot run ``model`` (None when it can)."""
+    cfg = model.config
+    if getattr(cfg, "model_type", None) not in LEAN_MODEL_TYPES:
+        return f"model type {getattr(cfg, 'model_type', None)!r} is not one of {LEAN_MODEL_TYPES}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act!r} is not silu"
+    if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "layer_types", None) and any(
+            t != "full_attention" for t in cfg.layer_types):
+        return "sliding-window attention"
+    if not hasattr(getattr(model, "model", None), "rotary_emb"):
+        return "no rotary embedding module at model.model.rotary_emb"
+    return None
+
+
+class LeanDecoder:
+    """The target's decoder stack + LM head as a few fused operations. Batch 1."""
+
+    def __init__(self, model: Any) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"LeanDecoder cannot run this model: {reason}")
+        cfg, inner = model.config, model.model
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.intermediate = cfg.intermediate_size
+        self.embed = inner.embed_tokens
+        self.rotary = inner.rotary_emb
+        self.norm, self.norm_eps = inner.norm.weight.detach(), inner.norm.variance_epsilon
+        self.head = PackedLinear(model.get_output_embeddings().weight)
+        self.layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(
+                input_norm=layer.input_layernorm.weight.detach(), input_eps=layer.input_layernorm.variance_epsilon,
+                qkv=PackedLinear.fused([attn.q_proj, attn.k_proj, attn.v_proj]),
+                o=PackedLinear(attn.o_proj.weight, attn.o_proj.bias),
+                post_norm=layer.post_attention_layernorm.weight.detach(),
+                post_eps=layer.post_attention_layernorm.variance_epsilon,
+                gate_up=PackedLinear.fused([mlp.gate_proj, mlp.up_proj]),
+                down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias)))
+
+    def new_cache(self) -> StaticCache:
+        return StaticCache(len(self.layers))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids``/``position_ids`` [1, q]; ``attention_mask`` additive [1, 1, q, past + q]
+        or None (causal). Returns the final-norm hidden states [1, q, H]; ``cache`` is extended."""
+        q_len, (nh, nkv, d) = input_ids.shape[1], (self.num_heads, self.num_kv_heads, self.head_dim)
+        x = self.embed(input_ids)
+        cos, sin = (t[:, None] for t in self.rotary(x, position_ids))
+        if attention_mask is None and q_len > 1:
+            attention_mask = causal_bias(q_len, cache.get_seq_length(), x.dtype, x.device)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(rms_norm(x, layer.input_norm, layer.input_eps))
+            q, k, v = qkv.view(1, q_len, nh + 2 * nkv, d).transpose(1, 2).split([nh, nkv, nkv], dim=1)
+            keys, values = cache.update(i, rotate(k, cos, sin), v)
+            out = F.scaled_dot_product_attention(rotate(q, cos, sin), keys, values, attn_mask=attention_mask,
+                                                 enable_gqa=nkv != nh, scale=d ** -0.5)
+            x = x + layer.o(out.transpose(1, 2).reshape(1, q_len, nh * d))
+            gate, up = layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps)).split(self.intermediate, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        return rms_norm(x, self.norm, self.norm_eps)

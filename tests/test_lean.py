@@ -1,0 +1,112 @@
+"""The lean target forward and prepacked linears against transformers' own forward."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from eagle import EagleError, EagleModel, kv_cache
+from eagle.lean import LeanDecoder, PackedLinear, packed_copy, unsupported_reason
+from eagle.tree_mask import attention_bias, tree_attention
+
+from .conftest import prompts, tiny_drafter, tiny_target
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_packed_linear_matches_linear(rows):
+    torch.manual_seed(0)
+    a, b = nn.Linear(24, 40, bias=True), nn.Linear(24, 8, bias=False)
+    x = torch.randn(1, rows, 24)
+    assert torch.allclose(PackedLinear(a.weight, a.bias)(x), a(x), atol=1e-5)
+    fused = PackedLinear.fused([a, b])(x)
+    assert torch.allclose(fused, torch.cat([a(x), b(x)], -1), atol=1e-5)
+    strided = torch.randn(24, rows).t()[None]  # not contiguous
+    assert torch.allclose(PackedLinear(a.weight, a.bias)(strided), a(strided), atol=1e-5)
+
+
+def test_packed_copy_leaves_the_original_and_computes_the_same(drafter):
+    copy = packed_copy(drafter)
+    assert isinstance(drafter.fc, nn.Linear) and isinstance(copy.fc, PackedLinear)
+    torch.manual_seed(0)
+    f, e = torch.randn(1, 5, 32), torch.randn(1, 5, 32)
+    pos = torch.arange(5)[None]
+    with torch.inference_mode():
+        assert torch.allclose(copy(f, e, pos), drafter(f, e, pos), atol=1e-5)
+
+
+def _model_forward(target, ids, pos, cache, mask=None):
+    out = target.model.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
+                             use_cache=True).last_hidden_state
+    return out, target.model.lm_head(out)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_lean_forward_matches_the_model_on_a_tree_and_after_compaction(family):
+    target = tiny_target(family=family, seed=2)
+    assert target.lean is not None
+    torch.manual_seed(1)
+    prefix = torch.randint(1, 32, (1, 7))
+    lean, ref = target.new_cache(), DynamicCache(config=target.model.config)
+    out = target.forward(prefix, torch.arange(7)[None], lean)
+    want_h, want_l = _model_forward(target, prefix, torch.arange(7)[None], ref)
+    assert torch.allclose(out.hidden, want_h, atol=1e-5) and torch.allclose(out.logits, want_l, atol=1e-4)
+    # a tree: 0 -> {1, 2}, 1 -> 3, 2 -> 4, 3 -> 5
+    parents = torch.tensor([-1, 0, 0, 1, 2, 3])
+    tokens = torch.tensor([[5, 9, 11, 12, 3, 8]])
+    attn = tree_attention(parents)
+    bias = attention_bias(attn.mask, 7, torch.float32)
+    out = target.forward(tokens, (7 + attn.depths)[None], lean, bias)
+    want_h, want_l = _model_forward(target, tokens, (7 + attn.depths)[None], ref, bias)
+    assert torch.allclose(out.logits, want_l, atol=1e-4)
+    # keep the path 0 -> 1 -> 3 -> 5, then one more token: equal to recomputing from scratch
+    kv_cache.compact(lean, 7, torch.tensor([7, 8, 10, 12]))
+    assert kv_cache.cache_length(lean) == 11
+    out = target.forward(torch.tensor([[4]]), torch.tensor([[11]]), lean)
+    full = torch.cat([prefix, torch.tensor([[5, 9, 12, 8, 4]])], 1)
+    _, want_l = _model_forward(target, full, torch.arange(12)[None], DynamicCache(config=target.model.config))
+    assert torch.allclose(out.logits[0, -1], want_l[0, -1], atol=1e-4)
+
+
+def test_static_cache_grows_and_rolls_back():
+    target = tiny_target(max_positions=1024, seed=4)
+    torch.manual_seed(0)
+    ids = torch.randint(1, 32, (1, 600))
+    cache = target.new_cache()
+    for start in range(0, 600, 100):  # past the first capacity (256) twice
+        out = target.forward(ids[:, start:start + 100], torch.arange(start, start + 100)[None], cache)
+    assert kv_cache.cache_length(cache) == 600 and cache.keys[0].shape[-2] == 1024
+    _, want = _model_forward(target, ids, torch.arange(600)[None], DynamicCache(config=target.model.config))
+    assert torch.allclose(out.logits[0, -1], want[0, -1], atol=1e-4)
+    kv_cache.roll_back(cache, 550)
+    again = target.forward(ids[:, 550:], torch.arange(550, 600)[None], cache)
+    assert torch.allclose(again.logits[0, -1], want[0, -1], atol=1e-4)
+
+
+def test_unsupported_architectures_use_the_model_forward():
+    assert "mistral" in unsupported_reason(tiny_target(family="mistral").model)
+    gelu = tiny_target(seed=1).model
+    gelu.config.hidden_act = "gelu"
+    assert "gelu" in unsupported_reason(gelu)
+    with pytest.raises(ValueError, match="cannot run"):
+        LeanDecoder(gelu)
+
+
+def test_greedy_output_is_the_same_with_either_forward():
+    """The model's own forward (DynamicCache) and the lean forward give the same tokens, for ar and
+    for tree decoding on each."""
+    lean, plain = tiny_target(seed=6), tiny_target(seed=6, lean=False)
+    assert plain.lean is None and isinstance(plain.new_cache(), DynamicCache)
+    drafter = tiny_drafter(lean)
+    lean_model = EagleModel.from_pretrained(lean, drafter=drafter, total_tokens=10, depth=4, top_k=3)
+    plain_model = EagleModel.from_pretrained(plain, drafter=drafter, total_tokens=10, depth=4, top_k=3)
+    for ids in prompts(8, seed=2):
+        ref = plain_model.generate(ids, method="ar", max_new_tokens=20).token_ids
+        assert lean_model.generate(ids, method="ar", max_new_tokens=20).token_ids == ref
+        assert plain_model.generate(ids, method="eagle-tree", max_new_tokens=20).token_ids == ref
+        assert lean_model.generate(ids, method="eagle-tree", max_new_tokens=20).token_ids == ref
+
+
+def test_model_forward_refuses_a_static_cache_without_lean():
+    plain = tiny_target(lean=False)
+    with pytest.raises(EagleError, match="no lean forward"):
+        plain.forward(torch.tensor([[1, 2]]), torch.arange(2)[None], tiny_target().new_cache())
