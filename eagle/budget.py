@@ -10,6 +10,7 @@ calibrates them with the acceptance the drafter really achieved so far."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import statistics
@@ -40,16 +41,41 @@ class CostCurve:
         return pairs[-1][1] * n / pairs[-1][0]
 
 
+@functools.lru_cache(maxsize=16)
+def _cost_table(sizes: tuple[int, ...], seconds: tuple[float, ...], upto: int) -> torch.Tensor:
+    """``CostCurve.at(n)`` for n = 1..upto [upto] (memoized: the round loop asks every depth)."""
+    curve = CostCurve(sizes=list(sizes), seconds=list(seconds))
+    return torch.tensor([curve.at(n) for n in range(1, upto + 1)], dtype=torch.float32)
+
+
+@dataclasses.dataclass
+class TreeChoice:
+    """The best ``size`` (root included) and the expected tokens per second it gives."""
+
+    size: int
+    tokens_per_second: float
+
+
 def choose_tree_size(sorted_scores: torch.Tensor, curve: CostCurve, draft_seconds: float,
-                     calibration: float = 1.0) -> int:
-    """The total_tokens (root included) with the most expected tokens per second this round.
+                     calibration: float = 1.0) -> TreeChoice:
+    """The total_tokens with the most expected tokens per second this round.
 
     ``sorted_scores`` [M]: cumulative draft log-probabilities of the candidate nodes, best first."""
     probs = sorted_scores[: 2 * curve.sizes[-1]].float().exp().cpu()  # far past the measured sizes never pays
     expected = 1.0 + calibration * torch.cat([torch.zeros(1), torch.cumsum(probs, 0)])  # [M + 1] for N = 1..M+1
     sizes = torch.arange(1, expected.shape[0] + 1)
-    seconds = torch.tensor([draft_seconds + curve.at(int(n)) for n in sizes])
-    return int(sizes[torch.argmax(expected / seconds)])
+    seconds = draft_seconds + _cost_table(tuple(curve.sizes), tuple(curve.seconds), expected.shape[0])
+    rates = expected / seconds
+    best = int(torch.argmax(rates))
+    return TreeChoice(size=int(sizes[best]), tokens_per_second=float(rates[best]))
+
+
+def deeper_pays(frontier_scores: torch.Tensor, rate: float, step_seconds: float, calibration: float = 1.0) -> bool:
+    """Whether one more drafter call (one more tree depth) can raise the expected tokens per
+    second. The nodes it adds are children of the frontier ``frontier_scores`` [F] (cumulative
+    log-probabilities), so they bring at most ``calibration * sum(exp(frontier))`` accepted
+    tokens per round; (E + gain) / (T + step) beats E / T = ``rate`` only if gain > rate * step."""
+    return calibration * float(frontier_scores.float().exp().sum()) > rate * step_seconds
 
 
 @torch.inference_mode()

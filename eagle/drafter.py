@@ -20,6 +20,7 @@ from torch import nn
 from eagle.config import from_dict
 from eagle.errors import EagleError
 from eagle.kv_cache import StaticCache
+from eagle.lean import rms_norm, rotate
 from eagle.tree_mask import causal_bias
 
 FORMAT = "eagle-drafter/1"
@@ -80,15 +81,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +91,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float
     angles = positions.float()[..., None] * inv_freq  # [B, T, d/2]
     emb = torch.cat((angles, angles), dim=-1)[:, None]
     cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 class Attention(nn.Module):

@@ -71,8 +71,9 @@ def packed_copy(module: nn.Module) -> nn.Module:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm: normalize in fp32, scale in the input dtype. [..., H] -> [..., H]."""
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused kernel, same values
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -150,10 +151,11 @@ class LeanDecoder:
         if attention_mask is None and q_len > 1:
             attention_mask = causal_bias(q_len, cache.get_seq_length(), x.dtype, x.device)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(rms_norm(x, layer.input_norm, layer.input_eps))
-            q, k, v = qkv.view(1, q_len, nh + 2 * nkv, d).transpose(1, 2).split([nh, nkv, nkv], dim=1)
-            keys, values = cache.update(i, rotate(k, cos, sin), v)
-            out = F.scaled_dot_product_attention(rotate(q, cos, sin), keys, values, attn_mask=attention_mask,
+            qkv = layer.qkv(rms_norm(x, layer.input_norm, layer.input_eps)).view(1, q_len, nh + 2 * nkv, d)
+            qk, v = qkv.transpose(1, 2).split([nh + nkv, nkv], dim=1)
+            q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)  # queries and keys rotated together
+            keys, values = cache.update(i, k, v)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask,
                                                  enable_gqa=nkv != nh, scale=d ** -0.5)
             x = x + layer.o(out.transpose(1, 2).reshape(1, q_len, nh * d))
             gate, up = layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps)).split(self.intermediate, dim=-1)

@@ -13,6 +13,7 @@ from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, 
 from eagle.drafter import Drafter
 from eagle.errors import EagleError
 from eagle.generate import GenerationResult, decode_loop
+from eagle.lean import packed_copy
 from eagle.proposers import DraftModel, EagleDrafter, NoDraft, PromptLookup, Proposer
 from eagle.sampling import make_generator
 from eagle.target import DEFAULT_TARGET, Target, load_target
@@ -65,6 +66,16 @@ class EagleModel:
         self.tree = tree or TreeConfig()
         self.speculative = speculative or SpeculativeConfig()
         self.prompt_lookup = prompt_lookup or PromptLookupConfig()
+        self._packed: dict[int, tuple[Any, Any]] = {}
+
+    def _inference_copy(self, module: Any) -> Any:
+        """``module`` with prepacked linear layers (``eagle.lean.packed_copy``), made on first use:
+        the drafter's and draft model's weights are read then; build a new ``EagleModel`` after
+        changing them."""
+        entry = self._packed.get(id(module))
+        if entry is None or entry[0] is not module:
+            entry = self._packed[id(module)] = (module, packed_copy(module))
+        return entry[1]
 
     @classmethod
     def from_pretrained(cls, target: str | Target = DEFAULT_TARGET, drafter: str | Path | Drafter | None = None,
@@ -109,7 +120,7 @@ class EagleModel:
         if method == "sd":
             if self.draft_model is None:
                 raise EagleError("method 'sd' needs a draft model: pass draft_model=... (--draft-model)")
-            return DraftModel(self.draft_model, self.speculative, sampling, generator)
+            return DraftModel(self._inference_copy(self.draft_model), self.speculative, sampling, generator)
         if method in ("eagle-tree", "eagle-chain"):
             if self.drafter is None:
                 raise EagleError(f"method {method!r} needs a drafter: pass drafter=... (--drafter)")
@@ -119,8 +130,8 @@ class EagleModel:
             if tree.total_tokens == "auto":
                 from eagle.budget import cost_curve
 
-                return EagleDrafter(self.drafter, self.target, tree, cost=cost_curve(self.target))
-            return EagleDrafter(self.drafter, self.target, tree)
+                return EagleDrafter(self._inference_copy(self.drafter), self.target, tree, cost=cost_curve(self.target))
+            return EagleDrafter(self._inference_copy(self.drafter), self.target, tree)
         raise EagleError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
     def generate(self, prompt: Any, method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0,

@@ -16,11 +16,10 @@ from typing import Any
 import torch
 
 from eagle import kv_cache
-from eagle.budget import CostCurve, choose_tree_size
+from eagle.budget import CostCurve, choose_tree_size, deeper_pays
 from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
 from eagle.drafter import Drafter
 from eagle.errors import EagleError
-from eagle.lean import packed_copy
 from eagle.sampling import logits_to_probs, sample
 from eagle.target import Target
 from eagle.tree import DraftTree, best_frontier, chain_tree, rerank, root_only, static_layout, topk_children
@@ -90,9 +89,8 @@ class DraftModel(Proposer):
 
     def __init__(self, model: Any, cfg: SpeculativeConfig, sampling: SamplingConfig,
                  generator: torch.Generator) -> None:
-        self.cfg, self.sampling, self.generator = cfg, sampling, generator
+        self.model, self.cfg, self.sampling, self.generator = model, cfg, sampling, generator
         self.cache = kv_cache.new_cache(model, "draft model")
-        self.model = packed_copy(model)
         self.gamma = cfg.gamma
         self.drafted = 0
         self.device = next(model.parameters()).device
@@ -141,7 +139,7 @@ class EagleDrafter(Proposer):
         widest = max((r + 1 for c in cfg.choices or () for r in c), default=cfg.top_k)
         if max(cfg.top_k, widest) > vocab:
             raise EagleError(f"tree top_k / choice rank {max(cfg.top_k, widest)} exceeds the drafter's vocabulary ({vocab})")
-        self.drafter, self.target, self.cfg, self.cost = packed_copy(drafter), target, cfg, cost
+        self.drafter, self.target, self.cfg, self.cost = drafter, target, cfg, cost
         self.cache = drafter.new_cache()
         self.last_hidden: torch.Tensor | None = None  # drafter's prediction of the root's feature [H]
         self.device = target.device
@@ -202,21 +200,24 @@ class EagleDrafter(Proposer):
         if self.last_hidden is None or depth < 1 or total < 2:
             return Proposal(root_only(ids[-1], self.device))
         committed = kv_cache.cache_length(self.cache)
+        calibration = min(4.0, max(0.25, self.observed / self.predicted))
         if self.cfg.choices:
             tree = self._static(ids[-1], min(depth, max(len(c) for c in self.cfg.choices)), committed)
         else:
-            tree = self._dynamic(ids[-1], depth, committed)
+            tree = self._dynamic(ids[-1], depth, committed, start, calibration)
         kv_cache.roll_back(self.cache, committed)
         if self.cost is not None:  # total_tokens="auto": the size with the most expected tokens per second
             best_first = torch.sort(tree.scores[1:], descending=True).values
             total = min(total, choose_tree_size(best_first, self.cost, time.perf_counter() - start,
-                                                calibration=min(4.0, max(0.25, self.observed / self.predicted))))
+                                                calibration).size)
         tree = rerank(tree.tokens, tree.parents, tree.scores, total)
         self.last_expected = float(tree.scores[1:].exp().sum())
         return Proposal(tree)
 
-    def _dynamic(self, root: int, depth: int, committed: int) -> DraftTree:
-        """EAGLE-2: expand the top_k best frontier nodes per depth; return the whole candidate pool."""
+    def _dynamic(self, root: int, depth: int, committed: int, start: float, calibration: float) -> DraftTree:
+        """EAGLE-2: expand the top_k best frontier nodes per depth; return the whole candidate pool.
+        With ``total_tokens="auto"`` the tree stops growing once another depth cannot pay for its
+        drafter call (``deeper_pays``, judged against the best size's expected tokens per second)."""
         k, to_target = self.cfg.top_k, self.drafter.to_target_ids
         lp = self._logprobs(self.last_hidden[None])
         child_tokens, child_scores = topk_children(torch.zeros(1, device=self.device), lp, k)
@@ -229,6 +230,7 @@ class EagleDrafter(Proposer):
         cached: list[int] = []
         size = k + 1
         for d in range(1, depth):
+            step_start = time.perf_counter()
             tokens = torch.cat(pool_tokens)[frontier]
             hidden = self._run_nodes(frontier_inputs, tokens, [ancestors[n] for n in frontier.tolist()], committed,
                                      committed + d - 1, cached)
@@ -245,6 +247,12 @@ class EagleDrafter(Proposer):
             frontier_inputs = hidden[best // k]
             frontier = best + size
             size += flat_scores.shape[0]
+            if self.cost is not None and d + 1 < depth:
+                now = time.perf_counter()
+                pool = torch.sort(torch.cat(pool_scores)[1:], descending=True).values
+                rate = choose_tree_size(pool, self.cost, now - start, calibration).tokens_per_second
+                if not deeper_pays(flat_scores[best], rate, now - step_start, calibration):
+                    break
         return DraftTree(torch.cat(pool_tokens), torch.cat(pool_parents), torch.cat(pool_scores))
 
     def _static(self, root: int, depth: int, committed: int) -> DraftTree:

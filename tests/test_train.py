@@ -179,6 +179,10 @@ def test_deepspeed_training_end_to_end_and_resume(workspace):
     optim = torch.load(next((out / "checkpoints" / "step16").glob("*optim_states.pt")), weights_only=False)
     adam_steps = {int(s["step"]) for s in optim["optimizer_state_dict"]["base_optimizer_state"]["state"].values()}
     assert adam_steps == {16}
+    # warm start from the trained drafter: a new run that begins where that one ended
+    warm = deepspeed_run(workspace, workspace["root"] / "warm", max_steps=2, init_from=str(out / "drafter"))
+    first = [row["loss"] for row in warm if "loss" in row][0]
+    assert first < losses[0] and json.loads((workspace["root"] / "warm" / "summary.json").read_text())["steps"] == 2
 
 
 def test_online_features_equal_stored_features(workspace):

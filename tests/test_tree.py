@@ -63,9 +63,19 @@ def test_auto_tree_size_follows_the_cost_curve():
 
     scores = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.3, 0.1, 0.05, 0.01]))
     flat = CostCurve(sizes=[1, 64], seconds=[1.0, 1.0])  # a GPU-like curve: more tokens are free
-    assert choose_tree_size(scores, flat, draft_seconds=0.0) == 8
+    assert choose_tree_size(scores, flat, draft_seconds=0.0).size == 8
     steep = CostCurve(sizes=[1, 2, 64], seconds=[1.0, 2.0, 64.0])  # every token costs a full forward
-    assert choose_tree_size(scores, steep, draft_seconds=0.0) == 1
+    assert choose_tree_size(scores, steep, draft_seconds=0.0).size == 1
     cpu = CostCurve(sizes=[1, 4, 16, 64], seconds=[1.0, 1.5, 2.0, 4.4])
-    assert choose_tree_size(scores, cpu, draft_seconds=0.5) == 6  # 3.8 tokens / 2.08 s beats 3.4 / 2.0 s
+    choice = choose_tree_size(scores, cpu, draft_seconds=0.5)
+    assert choice.size == 6 and choice.tokens_per_second == pytest.approx(3.8 / (0.5 + 1.5 + 0.5 * 2 / 12))
     assert cpu.at(8) == pytest.approx(1.5 + 0.5 * 4 / 12) and cpu.at(128) == pytest.approx(8.8)
+
+
+def test_a_deeper_tree_is_drafted_only_when_it_can_pay():
+    from eagle.budget import deeper_pays
+
+    frontier = torch.log(torch.tensor([0.4, 0.2]))  # at most 0.6 more accepted tokens per round
+    assert deeper_pays(frontier, rate=20.0, step_seconds=0.02)  # 0.6 > 0.4 tokens the call's time is worth
+    assert not deeper_pays(frontier, rate=40.0, step_seconds=0.02)  # 0.6 < 0.8
+    assert not deeper_pays(frontier, rate=20.0, step_seconds=0.02, calibration=0.5)

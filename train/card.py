@@ -19,7 +19,7 @@ def _load(path: str) -> dict:
 
 
 def render(drafter_dir: Path, data: dict, features: dict, summary: dict, bench: dict, train_yaml: str,
-           fixed_tree: dict | None = None) -> str:
+           fixed_tree: dict | None = None, init_summary: dict | None = None) -> str:
     cfg = json.loads((drafter_dir / "config.json").read_text())
     methods = bench["methods"]
     tree = methods.get("eagle-tree", {})
@@ -50,7 +50,13 @@ Features: {features['num_examples']} examples, {features['tokens']} tokens (max 
 ({summary['epochs']} full epochs) on {summary['train_examples']} examples; loss = SmoothL1(feature) + 0.1 * soft-CE,
 U(-0.1, 0.1) input noise, AdamW (configs/deepspeed/cpu-small.json). Wall time {summary.get('wall_s', 0) / 60:.0f}
 minutes.
-
+""" + ("" if init_summary is None else f"""Warm-started (`init_from: {summary.get('init_from', '')}`) from a drafter trained
+earlier with the same pipeline: {init_summary['steps']} steps ({init_summary['epochs']} epochs) on the first
+{init_summary['train_examples']} examples, {init_summary.get('wall_s', 0) / 60:.0f} minutes. In all
+{summary['steps'] + init_summary['steps']} steps, {(summary.get('wall_s', 0) + init_summary.get('wall_s', 0)) / 60:.0f}
+minutes. The held-out split below is drawn from all examples, so it may hold examples that the first run trained
+on; the dev-set figures further down are independent of the training data.
+""") + f"""
 Held-out evaluation ({summary['eval_examples']} conversations): top-1 accuracy {summary['eval'].get('top1', 0):.3f},
 expected accepted length of a depth-5 chain {summary['eval'].get('chain5_accept_length', 0):.2f} (unrolled estimate,
 bonus token included).
@@ -81,10 +87,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bench", required=True, help="eagle-bench --json output on the dev prompt set")
     parser.add_argument("--train-config", required=True)
     parser.add_argument("--fixed-tree-bench", help="eagle-bench --json output of eagle-tree with fixed tree flags")
+    parser.add_argument("--init-summary", help="summary.json of the run a warm-started run began from")
     args = parser.parse_args(argv)
     drafter = Path(args.drafter)
     text = render(drafter, _load(args.selfdistill), _load(args.features), _load(args.summary), _load(args.bench),
-                  args.train_config, _load(args.fixed_tree_bench) if args.fixed_tree_bench else None)
+                  args.train_config, _load(args.fixed_tree_bench) if args.fixed_tree_bench else None,
+                  _load(args.init_summary) if args.init_summary else None)
     (drafter / "README.md").write_text(text)
     print(f"wrote {drafter / 'README.md'}")
 

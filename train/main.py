@@ -36,6 +36,7 @@ class TrainConfig:
     online: bool = False
     max_length: int = 1024
     drafter_config: str = "configs/drafter/eagle1.json"  # architecture JSON: DrafterConfig fields over the target's
+    init_from: str = ""            # warm start: a drafter folder whose weights, architecture and draft vocabulary are kept
     deepspeed_config: str = "configs/deepspeed/zero1.json"
     out_dir: str = "runs/drafter"
     epochs: int = 20
@@ -168,7 +169,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     rank = int(os.environ.get("RANK", "0"))
     device = torch.device(deepspeed.get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", "0"))) \
         if torch.cuda.is_available() else torch.device("cpu")
-    target = load_target(cfg.target, device=device)
+    target = load_target(cfg.target, device=device, lean=False)
     if cfg.online:
         from train.data import load_chats, tokenize_all
         dataset = OnlineFeatures(target, tokenize_all(target.tokenizer, load_chats(cfg.data).conversations,
@@ -187,9 +188,12 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     steps_per_epoch = max(1, len(train_idx) // (micro * accum * world))
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     torch.manual_seed(cfg.seed)
-    overrides = json.loads(Path(cfg.drafter_config).read_text()) if cfg.drafter_config else {}
-    counts = token_counts(dataset, target.vocab_size) if overrides.get("draft_vocab_size") and not cfg.online else None
-    drafter = Drafter.from_target(target, token_counts=counts, **overrides).float()
+    if cfg.init_from:
+        drafter = Drafter.from_pretrained(cfg.init_from, target=target).float().train()
+    else:
+        overrides = json.loads(Path(cfg.drafter_config).read_text()) if cfg.drafter_config else {}
+        counts = token_counts(dataset, target.vocab_size) if overrides.get("draft_vocab_size") and not cfg.online else None
+        drafter = Drafter.from_target(target, token_counts=counts, **overrides).float()
     engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=[p for p in drafter.parameters()],
                                            config=deepspeed_dict(cfg, device, total_steps))
     out = Path(cfg.out_dir)
@@ -260,7 +264,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
         save_drafter_atomically(drafter, out / "drafter")
         summary = {"steps": state["step"], "epochs": state["epoch"], "eval": metrics,
                    "wall_s": wall_before + time.time() - start,
-                   "train_examples": len(train_idx), "eval_examples": len(eval_idx)}
+                   "train_examples": len(train_idx), "eval_examples": len(eval_idx), "init_from": cfg.init_from}
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         if run:
             run.finish()

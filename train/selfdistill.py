@@ -16,6 +16,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 from eagle.config import load_config_file
 from eagle.errors import EagleError, command
+from eagle.lean import packed_copy
 from eagle.target import DEFAULT_TARGET, Target, load_target
 
 
@@ -61,15 +63,16 @@ def clean_question(task: str, continuation: str, ended: bool) -> str | None:
 
 
 @torch.inference_mode()
-def _generate(target: Target, texts: list[str], max_new_tokens: int, temperature: float, top_p: float,
+def _generate(target: Target, model: Any, texts: list[str], max_new_tokens: int, temperature: float, top_p: float,
               seed: int) -> list[tuple[str, bool]]:
-    """Batched generation (left padding); returns (continuation text, ended with EOS) per input."""
+    """Batched generation (left padding) with ``model`` (the target's model, or its packed copy);
+    returns (continuation text, ended with EOS) per input."""
     tok = target.tokenizer
     tok.padding_side = "left"
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
     torch.manual_seed(seed)
     kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
-    out = target.model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id or 0,
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id or 0,
                                 eos_token_id=sorted(target.eos_token_ids), **kwargs)
     results = []
     for row in out[:, enc["input_ids"].shape[1]:].tolist():
@@ -99,14 +102,15 @@ def run(cfg: SelfDistillConfig) -> Path:
         data_path.write_text("".join(ln + "\n" for ln in lines))
         seen = {json.loads(ln)["conversations"][0]["value"].lower() for ln in lines}
         manifest["conversations"] = len(lines)
-    target = load_target(cfg.target)
+    target = load_target(cfg.target, lean=False)
+    model = packed_copy(target.model)  # prepacked weights: ~1.7x faster batched generation on CPU
     bar = tqdm(total=cfg.num_conversations, initial=manifest["conversations"], desc="self-distill", unit="conv")
     while manifest["conversations"] < cfg.num_conversations:
         batch_seed = cfg.seed * 1_000_003 + manifest["batches_done"]
         rng = random.Random(batch_seed)
         picks = [(rng.choice(topics), rng.choice(tasks)) for _ in range(cfg.batch_size)]
         start = time.time()
-        qs = _generate(target, [steer_prefix(target, tp, tk) for tp, tk in picks], cfg.question_max_tokens,
+        qs = _generate(target, model, [steer_prefix(target, tp, tk) for tp, tk in picks], cfg.question_max_tokens,
                        cfg.question_temperature, cfg.question_top_p, batch_seed)
         kept = []
         for (topic, task), (cont, ended) in zip(picks, qs):
@@ -116,7 +120,7 @@ def run(cfg: SelfDistillConfig) -> Path:
                 kept.append((topic, task, q))
         prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                                         add_generation_prompt=True) for _, _, q in kept]
-        answers = _generate(target, prompts, cfg.answer_max_tokens, cfg.answer_temperature, 0.95,
+        answers = _generate(target, model, prompts, cfg.answer_max_tokens, cfg.answer_temperature, 0.95,
                             batch_seed + 1) if prompts else []
         with data_path.open("a") as f:
             for (topic, task, q), (a, _ended) in zip(kept, answers):
