@@ -45,6 +45,19 @@ def parse_methods(text: str) -> list[str]:
     return methods
 
 
+def first_per_category(prompts: list[dict], n: int | None) -> list[dict]:
+    """The first ``n`` prompts of each category, in file order (all of them when ``n`` is None)."""
+    if n is None:
+        return prompts
+    seen: dict[str, int] = {}
+    kept = []
+    for p in prompts:
+        seen[p["category"]] = seen.get(p["category"], 0) + 1
+        if seen[p["category"]] <= n:
+            kept.append(p)
+    return kept
+
+
 def read_prompts(path: str | Path) -> list[dict]:
     """A JSONL prompt file -> ``[{"prompt": str, "category": str}]``. Each line is
     ``{"prompt": str, "category"?: str}`` or MT-bench style ``{"turns": [str, ...], "category": str}``
@@ -285,6 +298,8 @@ def build_parser() -> Parser:
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help=f"comma list from {', '.join(BENCH_METHODS)} (default {DEFAULT_METHODS})")
     parser.add_argument("--limit", type=int, help="only the first N prompts")
+    parser.add_argument("--per-category", type=int,
+                        help="only the first N prompts of each category (every category stays represented)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="run every method on the first N prompts first, not counted (default 1)")
     parser.add_argument("--json", help="write the results to this JSON file")
@@ -310,11 +325,12 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     methods = parse_methods(args.methods)
     check_sampling(args)
-    if args.limit is not None and args.limit < 1:
-        raise EagleError(f"--limit must be >= 1, got {args.limit}")
+    for flag, value in (("--limit", args.limit), ("--per-category", args.per_category)):
+        if value is not None and value < 1:
+            raise EagleError(f"{flag} must be >= 1, got {value}")
     if args.warmup < 0:
         raise EagleError(f"--warmup must be >= 0, got {args.warmup}")
-    prompts = read_prompts(args.prompts)[: args.limit]
+    prompts = first_per_category(read_prompts(args.prompts), args.per_category)[: args.limit]
     if args.plot:
         try:
             import matplotlib  # noqa: F401

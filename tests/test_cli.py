@@ -178,5 +178,8 @@ def test_read_prompts_and_parse_methods(tmp_path):
     assert bench.read_prompts(path) == [{"prompt": "first", "category": "writing"},
                                         {"prompt": "plain", "category": "uncategorized"}]
     assert bench.parse_methods(" hf, ar,eagle-tree ") == ["hf", "ar", "eagle-tree"]
+    mixed = [{"prompt": f"p{i}", "category": "ab"[i % 2]} for i in range(7)]
+    assert [p["prompt"] for p in bench.first_per_category(mixed, 2)] == ["p0", "p1", "p2", "p3"]
+    assert bench.first_per_category(mixed, None) == mixed
     with pytest.raises(Exception, match="twice"):
         bench.parse_methods("ar,ar")

@@ -118,7 +118,7 @@ def examples_digest(examples: list[dict]) -> str:
 
 def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
     """Compute missing or corrupt shards; return the feature folder."""
-    target = target or load_target(cfg.target)
+    target = target or load_target(cfg.target, lean=False)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     chats = load_chats(cfg.data)
