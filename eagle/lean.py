@@ -41,7 +41,6 @@ class PackedLinear(nn.Module):
         self.packed = _onednn_usable(weight)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
         self.bias = None if bias is None else bias.detach()
-        self.out_features = weight.shape[0]
 
     @classmethod
     def fused(cls, linears: list[nn.Linear]) -> "PackedLinear":
@@ -107,6 +106,11 @@ def unsupported_reason(model: Any) -> str | None:
     if not hasattr(getattr(model, "model", None), "rotary_emb"):
         return "no rotary embedding module at model.model.rotary_emb"
     return None
+
+
+def lean_decoder(model: Any) -> "LeanDecoder | None":
+    """A ``LeanDecoder`` for ``model`` when its architecture is supported, else None."""
+    return LeanDecoder(model) if unsupported_reason(model) is None else None
 
 
 class LeanDecoder:

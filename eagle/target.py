@@ -14,7 +14,7 @@ import torch
 
 from eagle import kv_cache
 from eagle.errors import EagleError
-from eagle.lean import LeanDecoder, unsupported_reason
+from eagle.lean import LeanDecoder, lean_decoder
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -224,5 +224,5 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
         raise EagleError(f"cannot load model {spec!r}: {exc}") from exc
     model.to(dev).eval()
     model.requires_grad_(False)
-    fast = LeanDecoder(model) if lean and unsupported_reason(model) is None else None
-    return Target(model=model, tokenizer=tokenizer, name=str(spec), device=dev, dtype=dt, lean=fast)
+    return Target(model=model, tokenizer=tokenizer, name=str(spec), device=dev, dtype=dt,
+                  lean=lean_decoder(model) if lean else None)

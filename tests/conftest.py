@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eagle.drafter import Drafter
-from eagle.lean import LeanDecoder, unsupported_reason
+from eagle.lean import lean_decoder
 from eagle.target import Target
 
 
@@ -40,7 +40,7 @@ def tiny_target(vocab_size: int = 32, seed: int = 0, family: str = "llama", eos:
     model.generation_config.eos_token_id = 0 if eos else None
     model.requires_grad_(False)
     return Target(model=model, tokenizer=word_tokenizer(vocab_size, eos), name=f"tiny-{family}-{seed}",
-                  device=torch.device("cpu"), dtype=torch.float32, lean=LeanDecoder(model) if lean and unsupported_reason(model) is None else None)
+                  device=torch.device("cpu"), dtype=torch.float32, lean=lean_decoder(model) if lean else None)
 
 
 def tiny_drafter(target: Target, seed: int = 1, **overrides) -> Drafter:
