@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 import torch
 
+from eagle import draft_lm
 from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
 from eagle.drafter import Drafter
 from eagle.errors import EagleError
@@ -85,7 +86,9 @@ class EagleModel:
                         gamma: int | None = None, lenience: float | None = None, adaptive_gamma: bool | None = None,
                         **prompt_lookup: Any) -> "EagleModel":
         """``drafter``: a drafter folder or ``Drafter`` (default: the one shipped for the target,
-        if any). ``draft_model``: a model spec (as for targets) or a loaded model for ``sd``.
+        if any). ``draft_model``: a model spec (as for targets), a draft LM folder
+        (``eagle.draft_lm``) or a loaded model for ``sd`` (default: the draft LM shipped for the
+        target, if any).
         Tree options: ``total_tokens`` (int or "auto"), ``depth``, ``top_k``, ``tree_choices`` (an
         EAGLE-1 static tree instead of the dynamic one); ``sd`` options:
         ``gamma``, ``lenience``, ``adaptive_gamma``; ``pld`` options: ``max_ngram``,
@@ -98,10 +101,15 @@ class EagleModel:
         elif drafter is not None:
             drafter.check_target(tgt)
             drafter = drafter.to(device=tgt.device, dtype=tgt.dtype).eval()
+        if draft_model is None and isinstance(target, str):
+            draft_model = draft_lm.shipped_draft_lm(target)
         if draft_model is not None and not isinstance(draft_model, torch.nn.Module):
-            draft = load_target(draft_model, device=tgt.device, dtype=tgt.dtype)
-            check_same_tokenizer(tgt, draft)
-            draft_model = draft.model
+            if draft_lm.is_draft_lm(draft_model):
+                draft_model = draft_lm.load(draft_model, tgt)
+            else:
+                draft = load_target(draft_model, device=tgt.device, dtype=tgt.dtype)
+                check_same_tokenizer(tgt, draft)
+                draft_model = draft.model
         tree = {k: v for k, v in dict(total_tokens=total_tokens, depth=depth, top_k=top_k,
                                       choices=tree_choices).items() if v is not None}
         spec = {k: v for k, v in dict(gamma=gamma, lenience=lenience, adaptive=adaptive_gamma).items() if v is not None}

@@ -25,7 +25,7 @@ def word_tokenizer(vocab_size: int, eos: bool = False):
 
 def tiny_target(vocab_size: int = 32, seed: int = 0, family: str = "llama", eos: bool = False,
                 init_std: float = 0.3, max_positions: int = 256, hidden: int = 32, layers: int = 2,
-                lean: bool = True) -> Target:
+                lean: bool = True, tied: bool = False) -> Target:
     """A random target. ``init_std`` large makes its distributions peaked (not uniform).
     ``lean``: decode with ``eagle.lean.LeanDecoder`` (as ``load_target`` does), else the model's forward."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -33,7 +33,7 @@ def tiny_target(vocab_size: int = 32, seed: int = 0, family: str = "llama", eos:
     cfg = AutoConfig.for_model(
         family, vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-        initializer_range=init_std, tie_word_embeddings=False, eos_token_id=0 if eos else None,
+        initializer_range=init_std, tie_word_embeddings=tied, eos_token_id=0 if eos else None,
         bos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).eval()

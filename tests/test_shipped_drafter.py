@@ -1,4 +1,4 @@
-"""The drafter shipped for the default target: it loads, and greedy tree decoding is exact."""
+"""The drafter and draft LM shipped for the default target: they load, and greedy decoding with them is exact."""
 
 import pytest
 
@@ -29,3 +29,15 @@ def test_shipped_drafter_greedy_tree_equals_ar(model):
             assert out.token_ids == ar.token_ids, method
             accepted.append(out.mean_accept_length)
     assert min(accepted) > 1.2  # the trained drafter really drafts accepted tokens
+
+
+def test_shipped_draft_lm_greedy_sd_equals_ar(model):
+    assert model.draft_model is not None  # the draft LM shipped for the default target (eagle/draft_models/)
+    accepted = []
+    for prompt in ["Give me three tips for staying focused while studying.",
+                   "Write a Python function that checks whether a number is prime."]:
+        ar = model.generate(prompt, method="ar", max_new_tokens=48)
+        out = model.generate(prompt, method="sd", max_new_tokens=48)
+        assert out.token_ids == ar.token_ids
+        accepted.append(out.mean_accept_length)
+    assert min(accepted) > 1.2  # the distilled draft LM really drafts accepted tokens

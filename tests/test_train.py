@@ -18,18 +18,18 @@ from eagle import Drafter, EagleError
 from eagle.target import load_target
 from train.data import load_chats, tokenize_chat
 from train.features import FeatureShards, FeaturesConfig, build, load_manifest
-from train.loss import eagle_loss
+from train.loss import eagle_loss, unroll
 from eagle.config import load_config_file
 from train.main import TrainConfig
 
-from .conftest import tiny_target
+from .conftest import tiny_drafter, tiny_target
 
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}t2 {% else %}t3 {% endif %}"
                  "{{ m['content'] }} t0 {% endfor %}{% if add_generation_prompt %}t3 {% endif %}")
 
 
 def save_tiny_chat_target(path: Path, seed: int = 0, vocab_size: int = 32) -> Path:
-    tiny = tiny_target(seed=seed, eos=True, vocab_size=vocab_size)
+    tiny = tiny_target(seed=seed, eos=True, vocab_size=vocab_size, tied=True)
     tiny.tokenizer.chat_template = CHAT_TEMPLATE
     tiny.model.save_pretrained(path)
     tiny.tokenizer.save_pretrained(path)
@@ -128,14 +128,42 @@ def test_unknown_config_key_is_named(tmp_path):
 
 
 def test_loss_is_zero_for_a_perfect_prediction_and_masked():
-    h = torch.randn(2, 5, 8)
-    logits = torch.randn(2, 5, 11)
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 5, 8, generator=gen)
+    logits = torch.randn(2, 5, 11, generator=gen)
     mask = torch.tensor([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
-    out = eagle_loss(h, h, logits * 50, logits * 50, mask)
-    assert out.smooth_l1 == 0 and out.top1 == 1 and out.ce < 1e-3
+    out = eagle_loss(h, h, logits, logits, mask)
+    p = torch.softmax(logits, -1)
+    entropy = -(p * p.log()).sum(-1)[mask].mean()  # the soft cross-entropy's minimum
+    assert out.smooth_l1 == 0 and out.top1 == 1
+    torch.testing.assert_close(out.ce, entropy)
+    assert eagle_loss(h, h, logits.flip(-1), logits, mask).ce > entropy + 0.2  # any other prediction costs more
     noisy = h.clone()
     noisy[~mask] += 100.0  # masked-out positions do not count
     assert eagle_loss(noisy, h, logits, logits, mask).smooth_l1 == 0
+
+
+def test_unrolled_passes_equal_the_drafts_of_inference():
+    """Pass j at position t of the training-time unroll == the depth-(j+1) chain drafted at
+    inference from root t - j (target features up to the root in the cache, then own drafts)."""
+    target = tiny_target(lean=False)
+    drafter = tiny_drafter(target).float()
+    length, hidden = 7, target.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    feats, embeds = torch.randn(1, length, hidden, generator=gen), torch.randn(1, length, hidden, generator=gen)
+    pos = torch.arange(length)[None]
+    with torch.no_grad():
+        preds = unroll(drafter, feats, embeds, pos, 3, drafter.config.num_layers)
+        for step in range(3):
+            for t in range(step, length):
+                root = t - step
+                cache = drafter.new_cache()
+                draft = drafter(feats[:, :root + 1], embeds[:, :root + 1], pos[:, :root + 1], cache)[:, -1:]
+                for i in range(1, step + 1):
+                    draft = drafter(draft, embeds[:, root + i:root + i + 1], pos[:, root + i:root + i + 1], cache)
+                torch.testing.assert_close(preds[step][:, t], draft[:, 0], atol=1e-4, rtol=1e-4)
+    # the negative control: pass 1 differs from feeding target features again (pass 0)
+    assert not torch.allclose(preds[1][:, 1:], preds[0][:, 1:], atol=1e-3)
 
 
 def deepspeed_run(workspace, out: Path, **overrides) -> list[dict]:
@@ -162,7 +190,7 @@ def deepspeed_run(workspace, out: Path, **overrides) -> list[dict]:
 @pytest.mark.slow
 def test_deepspeed_training_end_to_end_and_resume(workspace):
     out = workspace["root"] / "run"
-    logs = deepspeed_run(workspace, out, max_steps=10)
+    logs = deepspeed_run(workspace, out, max_steps=10, unroll_steps=2)
     losses = [row["loss"] for row in logs if "loss" in row]
     assert losses[-1] < losses[0]
     target = load_target(str(workspace["target"]))
@@ -173,7 +201,7 @@ def test_deepspeed_training_end_to_end_and_resume(workspace):
     assert summary["steps"] == 10 and 0 <= summary["eval"]["top1"] <= 1
     assert summary["eval"]["chain5_accept_length"] >= 1.0
     # resume: the step counter and the optimizer state continue from the checkpoint
-    more = deepspeed_run(workspace, out, max_steps=16)
+    more = deepspeed_run(workspace, out, max_steps=16, unroll_steps=2)
     steps = [row["step"] for row in more if "loss" in row]
     assert steps and steps[0] > 10 and json.loads((out / "summary.json").read_text())["steps"] == 16
     optim = torch.load(next((out / "checkpoints" / "step16").glob("*optim_states.pt")), weights_only=False)
@@ -183,6 +211,24 @@ def test_deepspeed_training_end_to_end_and_resume(workspace):
     warm = deepspeed_run(workspace, workspace["root"] / "warm", max_steps=2, init_from=str(out / "drafter"))
     first = [row["loss"] for row in warm if "loss" in row][0]
     assert first < losses[0] and json.loads((workspace["root"] / "warm" / "summary.json").read_text())["steps"] == 2
+
+
+@pytest.mark.slow
+def test_deepspeed_distills_a_draft_lm_that_sd_uses(workspace):
+    from eagle import EagleModel
+
+    arch = workspace["root"] / "draft-lm.json"
+    arch.write_text(json.dumps({"layers_from_target": [1]}))
+    out = workspace["root"] / "lm-run"
+    logs = deepspeed_run(workspace, out, max_steps=10, student="draft-lm", draft_lm_config=str(arch), ce_weight=1.0,
+                         lm_ce_positions=16)
+    losses = [row["loss"] for row in logs if "loss" in row]
+    assert losses[-1] < losses[0]
+    assert json.loads((out / "summary.json").read_text())["eval"]["chain5_accept_length"] >= 1.0
+    model = EagleModel.from_pretrained(load_target(str(workspace["target"])), draft_model=str(out / "draft_lm"))
+    assert model.draft_model.config.num_hidden_layers == 1
+    ar = model.generate([5, 6, 7, 8], "ar", max_new_tokens=12)
+    assert model.generate([5, 6, 7, 8], "sd", max_new_tokens=12).token_ids == ar.token_ids
 
 
 def test_online_features_equal_stored_features(workspace):
@@ -209,7 +255,10 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
                     "wall_s": 600.0, "config": {"answer_max_tokens": 320}},
         "feat.json": {"num_examples": 48, "tokens": 12000, "config": {"max_length": 512, "feature_dtype": "float16"}},
         "summary.json": {"steps": 30, "epochs": 2, "train_examples": 46, "eval_examples": 2, "wall_s": 120.0,
-                         "eval": {"top1": 0.5, "chain5_accept_length": 1.9}},
+                         "eval": {"top1": 0.5, "chain5_accept_length": 1.9}, "init_from": "runs/b",
+                         "config": {"unroll_steps": 2, "ce_weight": 0.1, "noise": 0.1}},
+        "first.json": {"steps": 10, "epochs": 5, "train_examples": 20, "wall_s": 60.0},
+        "second.json": {"steps": 20, "epochs": 3, "train_examples": 30, "wall_s": 240.0},
         "bench.json": {"config": {"command": "eagle-bench --prompts dev.jsonl"}, "prompts": 3,
                        "machine": {"device": "cpu", "torch_threads": 2},
                        "methods": {"ar": {"tokens_per_second": 10.0, "mean_accept_length": 1.0, "speedup_vs_ar": 1.0,
@@ -220,8 +269,47 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
         (tmp_path / name).write_text(json.dumps(data))
     assert card_main(["--drafter", str(tmp_path / "drafter"), "--selfdistill", str(tmp_path / "sd.json"),
                       "--features", str(tmp_path / "feat.json"), "--summary", str(tmp_path / "summary.json"),
-                      "--bench", str(tmp_path / "bench.json"), "--train-config", "run.yaml"]) == 0
+                      "--bench", str(tmp_path / "bench.json"), "--train-config", "run.yaml",
+                      "--init-summary", str(tmp_path / "first.json"), str(tmp_path / "second.json")]) == 0
     card = (tmp_path / "drafter" / "README.md").read_text()
     assert "48 conversations" in card and "top-1 accuracy 0.500" in card and "**2.50**" in card
+    assert "unrolled over 2 passes" in card and "In all 60 steps, 7 minutes" in card
+    # a draft LM's card, from the same kind of records
+    from eagle import draft_lm
+
+    tied = tiny_target(layers=3, lean=False, tied=True)
+    draft_lm.save(draft_lm.from_target(tied, draft_lm.DraftLMConfig([0])), tmp_path / "lm", tied)
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    bench["methods"]["sd"] = {"tokens_per_second": 9.0, "mean_accept_length": 1.7, "speedup_vs_ar": 0.9,
+                              "identical_to_ar": True}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    assert card_main(["--draft-lm", str(tmp_path / "lm"), "--selfdistill", str(tmp_path / "sd.json"),
+                      "--features", str(tmp_path / "feat.json"), "--summary", str(tmp_path / "summary.json"),
+                      "--bench", str(tmp_path / "bench.json"), "--train-config", "lm.yaml"]) == 0
+    card = (tmp_path / "lm" / "README.md").read_text()
+    assert "1 decoder layers" in card and "**1.70**" in card and "top-1 agreement with the target\n0.500" in card
     assert card_main(["--drafter", str(tmp_path / "drafter"), "--selfdistill", str(tmp_path / "missing.json"),
                       "--features", "x", "--summary", "x", "--bench", "x", "--train-config", "x"]) == 2
+
+
+def test_draft_lm_is_made_of_target_layers_and_round_trips(tmp_path):
+    from eagle import draft_lm
+
+    from safetensors.torch import load_file
+
+    target = tiny_target(layers=3, lean=False, tied=True)
+    lm = draft_lm.from_target(target, draft_lm.DraftLMConfig(layers_from_target=[0, -1]))
+    ids = torch.tensor([[3, 5, 7, 9]])
+    # layers copied from the target: keeping all of them gives the target's logits, fewer do not
+    whole = draft_lm.from_target(target, draft_lm.DraftLMConfig(layers_from_target=[0, 1, 2]))
+    torch.testing.assert_close(whole(ids).logits, target.model(ids).logits)
+    assert not torch.allclose(lm(ids).logits, target.model(ids).logits, atol=1e-3)
+    draft_lm.save(lm, tmp_path / "lm", target)
+    assert not any("embed" in k or "lm_head" in k for k in load_file(tmp_path / "lm" / "model.safetensors"))
+    loaded = draft_lm.load(tmp_path / "lm", target)
+    torch.testing.assert_close(loaded(ids).logits, lm(ids).logits)
+    assert loaded.get_input_embeddings().weight is target.model.get_input_embeddings().weight
+    with pytest.raises(EagleError, match="made for"):
+        draft_lm.load(tmp_path / "lm", tiny_target(vocab_size=40, layers=3, lean=False, tied=True))
+    with pytest.raises(EagleError, match="out of range"):
+        draft_lm.from_target(target, draft_lm.DraftLMConfig(layers_from_target=[7]))

@@ -1,4 +1,4 @@
-"""Write the model card (README.md) of a trained drafter from the run's own records: the
+"""Write the model card (README.md) of a trained drafter or draft LM from the run's own records: the
 self-distillation manifest, the feature manifest, the training summary and an ``eagle-bench``
 JSON measured on the project's dev prompt set."""
 
@@ -18,25 +18,33 @@ def _load(path: str) -> dict:
     return json.loads(p.read_text())
 
 
-def render(drafter_dir: Path, data: dict, features: dict, summary: dict, bench: dict, train_yaml: str,
-           fixed_tree: dict | None = None, init_summary: dict | None = None) -> str:
-    cfg = json.loads((drafter_dir / "config.json").read_text())
-    methods = bench["methods"]
-    tree = methods.get("eagle-tree", {})
-    rows = "\n".join(
-        f"| {m} | {s['tokens_per_second']:.2f} | {s['mean_accept_length']:.2f} | "
-        f"{'-' if s.get('speedup_vs_ar') is None else format(s['speedup_vs_ar'], '.2f') + 'x'} | "
-        f"{'-' if s.get('identical_to_ar') is None else ('yes' if s['identical_to_ar'] else 'NO')} |"
-        for m, s in methods.items())
-    flags = bench["config"]
-    return f"""# EAGLE drafter for {cfg['target']['name']}
+def _loss_text(summary: dict, fallback_config: str) -> str:
+    cfg = summary.get("config", {})
+    text = (f"loss = {cfg.get('feature_weight', 1.0):g} * SmoothL1(feature) + {cfg.get('ce_weight', 0.1):g} * soft-CE, "
+            f"U(-{cfg.get('noise', 0.1):g}, {cfg.get('noise', 0.1):g}) input noise")
+    if cfg.get("unroll_steps", 1) > 1:
+        text += (f", unrolled over {cfg['unroll_steps']} passes (training-time test: pass j feeds the drafter its "
+                 f"own pass j-1 predictions as at inference, loss weight {cfg.get('unroll_decay', 0.8):g}^j)")
+    return text + f", AdamW ({cfg.get('deepspeed_config', fallback_config)})"
 
-An EAGLE-1/2 feature-level drafter ({cfg['num_layers']} decoder layer, hidden {cfg['hidden_size']}, fc 2H -> H,
-draft vocabulary {cfg.get('draft_vocab_size') or cfg['vocab_size']} of {cfg['vocab_size']} tokens) for
-`{cfg['target']['name']}` (tokenizer fingerprint `{cfg['target']['tokenizer_fingerprint']}`), trained with this
-repository's pipeline on 2 CPU cores. `EagleModel.from_pretrained("{cfg['target']['name']}")` loads it by default.
 
-## Data (self-distillation, no outside data)
+def _lineage(summary: dict, earlier: list[dict]) -> str:
+    """Warm-start history: the runs this one began from, oldest first."""
+    if not earlier:
+        return ""
+    runs = "; ".join(f"run {i + 1}: {s['steps']} steps ({s['epochs']} full epochs) on {s['train_examples']} examples, "
+                     f"{s.get('wall_s', 0) / 60:.0f} minutes" for i, s in enumerate(earlier))
+    steps = summary["steps"] + sum(s["steps"] for s in earlier)
+    minutes = (summary.get("wall_s", 0) + sum(s.get("wall_s", 0) for s in earlier)) / 60
+    return f"""Warm-started (`init_from: {summary.get('init_from', '')}`) from earlier runs of the same pipeline on less
+data ({runs}). In all {steps} steps, {minutes:.0f} minutes. The held-out split below is drawn from all examples, so
+it may hold examples that an earlier run trained on; the dev-set figures further down are independent of the
+training data.
+"""
+
+
+def _data_text(data: dict, features: dict) -> str:
+    return f"""## Data (self-distillation, no outside data)
 The target wrote {data['questions_sampled']} user questions itself (Magpie-style: only the chat template's user
 prefix, steered by topic and task seeds from `configs/selfdistill/seeds.yaml`), {data['questions_kept']} survived
 filtering and deduplication, and it answered them greedily (at most
@@ -44,31 +52,48 @@ filtering and deduplication, and it answered them greedily (at most
 answer tokens, {data['wall_s'] / 60:.0f} minutes of generation.
 Features: {features['num_examples']} examples, {features['tokens']} tokens (max length
 {features['config']['max_length']}), stored as {features['config']['feature_dtype']}.
+"""
 
-## Training
-`deepspeed --num_gpus 1 train/main.py --config {train_yaml}`: {summary['steps']} optimizer steps
-({summary['epochs']} full epochs) on {summary['train_examples']} examples; loss = SmoothL1(feature) + 0.1 * soft-CE,
-U(-0.1, 0.1) input noise, AdamW (configs/deepspeed/cpu-small.json). Wall time {summary.get('wall_s', 0) / 60:.0f}
-minutes.
-""" + ("" if init_summary is None else f"""Warm-started (`init_from: {summary.get('init_from', '')}`) from a drafter trained
-earlier with the same pipeline: {init_summary['steps']} steps ({init_summary['epochs']} epochs) on the first
-{init_summary['train_examples']} examples, {init_summary.get('wall_s', 0) / 60:.0f} minutes. In all
-{summary['steps'] + init_summary['steps']} steps, {(summary.get('wall_s', 0) + init_summary.get('wall_s', 0)) / 60:.0f}
-minutes. The held-out split below is drawn from all examples, so it may hold examples that the first run trained
-on; the dev-set figures further down are independent of the training data.
-""") + f"""
-Held-out evaluation ({summary['eval_examples']} conversations): top-1 accuracy {summary['eval'].get('top1', 0):.3f},
-expected accepted length of a depth-5 chain {summary['eval'].get('chain5_accept_length', 0):.2f} (unrolled estimate,
-bonus token included).
 
-## Measured on the dev prompt set (`benchmarks/prompts/dev.jsonl`)
-`{flags['command']}` on {bench['machine']['device']} ({bench['machine']['torch_threads']} threads), {bench['prompts']}
+def _bench_table(bench: dict) -> str:
+    rows = "\n".join(
+        f"| {m} | {s['tokens_per_second']:.2f} | {s['mean_accept_length']:.2f} | "
+        f"{'-' if s.get('speedup_vs_ar') is None else format(s['speedup_vs_ar'], '.2f') + 'x'} | "
+        f"{'-' if s.get('identical_to_ar') is None else ('yes' if s['identical_to_ar'] else 'NO')} |"
+        for m, s in bench["methods"].items())
+    flags = bench["config"]
+    return f"""`{flags['command']}` on {bench['machine']['device']} ({bench['machine']['torch_threads']} threads), {bench['prompts']}
 prompts, greedy:
 
 | method | tokens/s | mean accepted length | speedup vs ar | identical to ar |
 |---|---|---|---|---|
 {rows}
+"""
 
+
+def render(drafter_dir: Path, data: dict, features: dict, summary: dict, bench: dict, train_yaml: str,
+           fixed_tree: dict | None = None, earlier: list[dict] | None = None) -> str:
+    cfg = json.loads((drafter_dir / "config.json").read_text())
+    tree = bench["methods"].get("eagle-tree", {})
+    return f"""# EAGLE drafter for {cfg['target']['name']}
+
+An EAGLE-1/2 feature-level drafter ({cfg['num_layers']} decoder layer, hidden {cfg['hidden_size']}, fc 2H -> H,
+draft vocabulary {cfg.get('draft_vocab_size') or cfg['vocab_size']} of {cfg['vocab_size']} tokens) for
+`{cfg['target']['name']}` (tokenizer fingerprint `{cfg['target']['tokenizer_fingerprint']}`), trained with this
+repository's pipeline on 2 CPU cores. `EagleModel.from_pretrained("{cfg['target']['name']}")` loads it by default.
+
+{_data_text(data, features)}
+## Training
+`deepspeed --num_gpus 1 train/main.py --config {train_yaml}`: {summary['steps']} optimizer steps
+({summary['epochs']} full epochs) on {summary['train_examples']} examples; {_loss_text(summary, 'configs/deepspeed/cpu-small.json')}.
+Wall time {summary.get('wall_s', 0) / 60:.0f} minutes.
+{_lineage(summary, earlier or [])}
+Held-out evaluation ({summary['eval_examples']} conversations): top-1 accuracy {summary['eval'].get('top1', 0):.3f},
+expected accepted length of a depth-5 chain {summary['eval'].get('chain5_accept_length', 0):.2f} (drafts unrolled as
+at inference, bonus token included).
+
+## Measured on the dev prompt set (`benchmarks/prompts/dev.jsonl`)
+{_bench_table(bench)}
 Mean accepted length of `eagle-tree`: **{tree.get('mean_accept_length', 0):.2f}** tokens per target forward.
 """ + ("" if fixed_tree is None else f"""
 With a fixed tree (`{fixed_tree['config']['command']}`, {fixed_tree['prompts']} prompts): mean accepted length
@@ -77,24 +102,64 @@ With a fixed tree (`{fixed_tree['config']['command']}`, {fixed_tree['prompts']} 
 """)
 
 
+def render_draft_lm(lm_dir: Path, data: dict, features: dict, summary: dict, bench: dict, train_yaml: str) -> str:
+    cfg = json.loads((lm_dir / "config.json").read_text())
+    meta = json.loads((lm_dir / "draft_lm.json").read_text())
+    target = meta["target"]["name"]
+    layers = summary.get("config", {}).get("draft_lm_config", "")
+    sd = bench["methods"].get("sd", {})
+    return f"""# Draft LM for {target}
+
+A standalone causal LM for classic speculative sampling (`--method sd`): {cfg['num_hidden_layers']} decoder layers
+(hidden {cfg['hidden_size']}), started from layers of `{target}` (`{layers}`) and distilled against it with
+this repository's pipeline on 2 CPU cores. It shares the target's tokenizer (fingerprint
+`{meta['target']['tokenizer_fingerprint']}`), token embedding and tied LM head, which stay frozen and are not stored
+here: loading takes them from the target. `EagleModel.from_pretrained("{target}")` loads it by default.
+
+{_data_text(data, features)}
+## Training
+`deepspeed --num_gpus 1 train/main.py --config {train_yaml}`: {summary['steps']} optimizer steps on
+{summary['train_examples']} examples; {_loss_text(summary, 'configs/deepspeed/cpu-small.json')}; the last hidden
+state regresses the target's feature at the same position and the soft cross-entropy (on
+{summary.get('config', {}).get('lm_ce_positions', 0) or 'all'} random assistant positions per micro-batch) the
+target's token distribution. Wall time {summary.get('wall_s', 0) / 60:.0f} minutes.
+
+Held-out evaluation ({summary['eval_examples']} conversations): top-1 agreement with the target
+{summary['eval'].get('top1', 0):.3f}, expected accepted length of a 5-token greedy draft
+{summary['eval'].get('chain5_accept_length', 0):.2f} (bonus token included).
+
+## Measured on the dev prompt set (`benchmarks/prompts/dev.jsonl`)
+{_bench_table(bench)}
+Mean accepted length of `sd`: **{sd.get('mean_accept_length', 0):.2f}** tokens per target forward.
+"""
+
+
 @command("eagle-card")
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--drafter", required=True)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--drafter", help="a drafter folder")
+    which.add_argument("--draft-lm", help="a draft LM folder (eagle.draft_lm)")
     parser.add_argument("--selfdistill", required=True, help="manifest.json of the self-distilled data")
     parser.add_argument("--features", required=True, help="manifest.json of the feature shards")
     parser.add_argument("--summary", required=True, help="summary.json of the training run")
     parser.add_argument("--bench", required=True, help="eagle-bench --json output on the dev prompt set")
     parser.add_argument("--train-config", required=True)
     parser.add_argument("--fixed-tree-bench", help="eagle-bench --json output of eagle-tree with fixed tree flags")
-    parser.add_argument("--init-summary", help="summary.json of the run a warm-started run began from")
+    parser.add_argument("--init-summary", nargs="*", default=[],
+                        help="summary.json of the runs a warm-started run began from, oldest first")
     args = parser.parse_args(argv)
-    drafter = Path(args.drafter)
-    text = render(drafter, _load(args.selfdistill), _load(args.features), _load(args.summary), _load(args.bench),
-                  args.train_config, _load(args.fixed_tree_bench) if args.fixed_tree_bench else None,
-                  _load(args.init_summary) if args.init_summary else None)
-    (drafter / "README.md").write_text(text)
-    print(f"wrote {drafter / 'README.md'}")
+    records = (_load(args.selfdistill), _load(args.features), _load(args.summary), _load(args.bench))
+    if args.draft_lm:
+        folder = Path(args.draft_lm)
+        text = render_draft_lm(folder, *records, args.train_config)
+    else:
+        folder = Path(args.drafter)
+        text = render(folder, *records, args.train_config,
+                      _load(args.fixed_tree_bench) if args.fixed_tree_bench else None,
+                      [_load(p) for p in args.init_summary])
+    (folder / "README.md").write_text(text)
+    print(f"wrote {folder / 'README.md'}")
 
 
 if __name__ == "__main__":

@@ -42,3 +42,58 @@ def uniform_noise(features: torch.Tensor, amplitude: float, generator: torch.Gen
         return features
     noise = torch.rand(features.shape, generator=generator, device="cpu").to(features.device, features.dtype)
     return features + (noise * 2 - 1) * amplitude
+
+
+class ConcatCache:
+    """Keys/values that grow by concatenation and keep autograd (the drafter's ``StaticCache``
+    writes in place, which backpropagation cannot go through). For training-time unrolling."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def get_seq_length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[-2]
+
+    def update(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append [B, kv_heads, q, d] along the sequence; return all of the layer's entries."""
+        old_k, old_v = self.keys[index], self.values[index]
+        self.keys[index] = keys if old_k is None else torch.cat([old_k, keys], dim=-2)
+        self.values[index] = values if old_v is None else torch.cat([old_v, values], dim=-2)
+        return self.keys[index], self.values[index]
+
+
+def unroll_bias(length: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask [1, 1, T, T * (step + 1)] for unrolled step ``step`` (0-based) over the
+    keys of steps 0..step concatenated (each block T long, block i from step i).
+
+    Query t of step j is the depth-(j+1) draft from root r = t - j, as at inference: it sees the
+    step-0 keys at positions <= r (made from target features, the KV cache) and, for i = 1..j,
+    the step-i key at position r + i (its own chain, itself last). Queries with t < j have no
+    root; they see only themselves and are left out of losses."""
+    t = torch.arange(length, device=device)
+    blocks = [t[None, :] <= (t[:, None] - step)]
+    blocks += [t[None, :] == (t[:, None] - step + i) for i in range(1, step + 1)]
+    allowed = torch.cat(blocks, dim=1)
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    bias.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return bias[None, None]
+
+
+def unroll(drafter: torch.nn.Module, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
+           steps: int, num_layers: int) -> list[torch.Tensor]:
+    """Training-time test (HASS / EAGLE-3 style): ``steps`` drafter passes over whole sequences.
+    ``features`` [B, T, H] (f_t, noised by the caller), ``token_embeds`` [B, T, H] (token t+1),
+    ``positions`` [B, T] -> ``steps`` predictions [B, T, H]. Pass j > 0 feeds pass j-1's
+    prediction at t - 1 as the feature at t, attending as ``unroll_bias`` says, so prediction j at
+    position t (t >= j) equals the depth-(j+1) draft of inference from root t - j; every one
+    still targets f_{t+1}. ``drafter`` may be a wrapper (a DeepSpeed engine) of a ``Drafter``."""
+    cache = ConcatCache(num_layers)
+    length = features.shape[1]
+    preds, feats = [], features
+    for step in range(steps):
+        bias = unroll_bias(length, step, features.dtype, features.device)
+        pred = drafter(feats, token_embeds, positions, cache=cache, attention_bias=bias)
+        preds.append(pred)
+        feats = torch.cat([features[:, :1], pred[:, :-1]], dim=1)  # position 0 has no root beyond step 0
+    return preds

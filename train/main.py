@@ -1,5 +1,8 @@
 """DeepSpeed training entry: ``deepspeed train/main.py --config configs/train/<name>.yaml``.
 
+Trains an EAGLE drafter (``student: drafter``) or a standalone draft LM for ``sd``
+(``student: draft-lm``, ``eagle.draft_lm``) against the target's stored features.
+
 Loss = feature_weight * SmoothL1(predicted feature, target feature) + ce_weight * soft-CE(draft
 logits, target distribution), with U(-noise, noise) on the input features, masked to assistant
 tokens. Atomic checkpoints every ``save_every`` optimizer steps; a rerun resumes from the last
@@ -17,15 +20,17 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from eagle.config import load_config_file
+from eagle import draft_lm
+from eagle.config import from_dict, load_config_file
 from eagle.drafter import Drafter
 from eagle.errors import EagleError, command
 from eagle.target import DEFAULT_TARGET, Target, load_target
 from train.features import FeatureShards, OnlineFeatures, iter_batches
-from train.loss import eagle_loss, uniform_noise
+from train.loss import LossOutput, eagle_loss, unroll, uniform_noise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,14 +40,19 @@ class TrainConfig:
     data: str = ""                 # chat data, for online mode (features computed during training)
     online: bool = False
     max_length: int = 1024
+    student: str = "drafter"       # drafter (EAGLE feature drafter) | draft-lm (standalone draft LM for 'sd')
     drafter_config: str = "configs/drafter/eagle1.json"  # architecture JSON: DrafterConfig fields over the target's
-    init_from: str = ""            # warm start: a drafter folder whose weights, architecture and draft vocabulary are kept
+    draft_lm_config: str = "configs/draft_lm/smollm2-135m-instruct.json"  # architecture JSON: DraftLMConfig
+    init_from: str = ""            # warm start: a drafter (or draft LM) folder whose weights and architecture are kept
     deepspeed_config: str = "configs/deepspeed/zero1.json"
     out_dir: str = "runs/drafter"
     epochs: int = 20
     max_steps: int = 0             # optimizer steps; 0 = run all epochs
     noise: float = 0.1
+    unroll_steps: int = 1          # training-time test: >1 also trains on the drafter's own predictions (depths 2..n)
+    unroll_decay: float = 0.8      # loss weight of unrolled step j is decay**j
     ce_weight: float = 0.1
+    lm_ce_positions: int = 0       # draft-lm: cross-entropy on at most this many random positions per micro-batch (0 = all)
     feature_weight: float = 1.0
     save_every: int = 100
     eval_every: int = 100
@@ -85,69 +95,170 @@ def shift(batch: dict, device: torch.device) -> dict:
             "target": hidden[:, 1:], "mask": mask, "valid": valid[:, 1:]}
 
 
+class HiddenStates(torch.nn.Module):
+    """Training view of a draft LM: token ids [B, T] -> last hidden states [B, T, H] (after the
+    final norm; the frozen shared LM head is applied to masked positions only)."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embeds = self.lm.get_input_embeddings()(input_ids).to(self.lm.model.norm.weight.dtype)
+        return self.lm.model(inputs_embeds=embeds).last_hidden_state
+
+
+def lm_pairs(batch: dict, device: torch.device) -> dict:
+    """Token t -> target feature f_t (which yields the distribution of token t+1): [B, T] ids,
+    [B, T, H] targets; ``mask`` where token t+1 is an assistant token."""
+    loss_mask = batch["loss_mask"].to(device)
+    mask = torch.cat([loss_mask[:, 1:], torch.zeros_like(loss_mask[:, :1])], dim=1)
+    return {"tokens": batch["input_ids"].to(device), "target": batch["hidden"].to(device), "mask": mask,
+            "valid": batch["valid"].to(device)}
+
+
+def draft_lm_loss(model, target: Target, batch: dict, cfg: TrainConfig,
+                  generator: torch.Generator | None) -> LossOutput:
+    """The EAGLE loss on a draft LM: its last hidden state regresses the target's feature at the
+    same position and its token distribution the target's (through the shared LM head). The
+    full-vocabulary cross-entropy is taken on at most ``lm_ce_positions`` random masked positions."""
+    b = lm_pairs(batch, target.device)
+    hidden = model(b["tokens"])
+    lm_head = target.model.get_output_embeddings()
+    pred_m, target_m = hidden[b["mask"]], b["target"][b["mask"]].to(hidden.dtype)
+    if 0 < cfg.lm_ce_positions < pred_m.shape[0]:
+        pick = torch.randperm(pred_m.shape[0], generator=generator)[: cfg.lm_ce_positions].to(pred_m.device)
+    else:
+        pick = torch.arange(pred_m.shape[0], device=pred_m.device)
+    draft_logits = lm_head(pred_m[pick].to(target.dtype)).to(hidden.dtype)
+    with torch.no_grad():
+        target_logits = lm_head(target_m[pick].to(target.dtype)).to(hidden.dtype)
+    ones = torch.ones(pick.shape[0], dtype=torch.bool, device=target.device)
+    sampled = eagle_loss(pred_m[pick], target_m[pick], draft_logits, target_logits, ones, cfg.ce_weight,
+                         cfg.feature_weight)
+    smooth_l1 = torch.nn.functional.smooth_l1_loss(pred_m.float(), target_m.float())  # every masked position
+    return dataclasses.replace(sampled, total=cfg.feature_weight * smooth_l1 + cfg.ce_weight * sampled.ce,
+                               smooth_l1=smooth_l1)
+
+
 def step_loss(model, drafter: Drafter, target: Target, batch: dict, cfg: TrainConfig,
-              generator: torch.Generator | None) -> "object":
+              generator: torch.Generator | None) -> LossOutput:
+    """The EAGLE loss of one micro-batch; with ``unroll_steps`` n > 1 the mean of the losses of n
+    unrolled passes (``train.loss.unroll``) weighted by ``unroll_decay``**j."""
     b = shift(batch, target.device)
     dtype = next(drafter.parameters()).dtype
     feats = uniform_noise(b["features"].to(dtype), cfg.noise, generator)
-    pos = torch.arange(feats.shape[1], device=target.device)[None].expand(feats.shape[0], -1)
+    length = feats.shape[1]
+    pos = torch.arange(length, device=target.device)[None].expand(feats.shape[0], -1)
     with torch.no_grad():
         embeds = target.embed(b["tokens"]).to(dtype)
-    pred = model(feats, embeds, pos)
-    mask = b["mask"]
+    preds = unroll(model, feats, embeds, pos, cfg.unroll_steps, drafter.config.num_layers)
     lm_head = target.model.get_output_embeddings()
-    pred_m, target_m = pred[mask], b["target"][mask].to(dtype)  # only masked positions reach the LM heads
-    draft_logits = drafter.draft_logits(pred_m.to(target.dtype), lm_head).to(dtype)
-    with torch.no_grad():
-        target_logits = target_draft_logits(drafter, lm_head, target_m.to(target.dtype)).to(dtype)
-    ones = torch.ones(pred_m.shape[0], dtype=torch.bool, device=target.device)
-    return eagle_loss(pred_m, target_m, draft_logits, target_logits, ones, cfg.ce_weight, cfg.feature_weight)
+    losses, weights = [], []
+    for step, pred in enumerate(preds):
+        mask = b["mask"] & (torch.arange(length, device=target.device) >= step)  # position t has a root for t >= step
+        pred_m, target_m = pred[mask], b["target"][mask].to(dtype)  # only masked positions reach the LM heads
+        draft_logits = drafter.draft_logits(pred_m.to(target.dtype), lm_head).to(dtype)
+        with torch.no_grad():
+            target_logits = target_draft_logits(drafter, lm_head, target_m.to(target.dtype)).to(dtype)
+        ones = torch.ones(pred_m.shape[0], dtype=torch.bool, device=target.device)
+        losses.append(eagle_loss(pred_m, target_m, draft_logits, target_logits, ones, cfg.ce_weight,
+                                 cfg.feature_weight))
+        weights.append(cfg.unroll_decay ** step)
+    return LossOutput(*(sum(w * getattr(l, f.name) for w, l in zip(weights, losses)) / sum(weights)
+                        for f in dataclasses.fields(LossOutput)))
+
+
+def chain_accept_lengths(correct: list[torch.Tensor]) -> torch.Tensor:
+    """``correct[k]`` [B, T] bool: whether the depth-(k+1) draft judged at position p (root p - k)
+    is right -> [B, T] accepted length of the chain from each root, bonus token included."""
+    run = torch.ones_like(correct[0])
+    length = torch.ones_like(correct[0], dtype=torch.float)
+    for k, ok in enumerate(correct):
+        shifted = torch.zeros_like(ok)
+        shifted[:, : ok.shape[1] - k] = ok[:, k:]
+        run = run & shifted
+        length += run.float()
+    return length
 
 
 @torch.no_grad()
-def evaluate(drafter: Drafter, target: Target, dataset, indices: list[int], depth: int) -> dict:
+def evaluate(student: torch.nn.Module, target: Target, dataset, indices: list[int], depth: int) -> dict:
     """Top-1 accuracy (teacher-forced) and expected accepted length of a depth-``depth`` chain.
 
-    The chain is unrolled over whole sequences: step k feeds the drafter its own step k-1
-    predictions as features; a draft from root r is accepted while every step's argmax equals
-    the target's argmax. Accepted length counts the bonus token (plain decoding = 1)."""
-    drafter.eval()
+    A drafter's chain is unrolled as at inference (``train.loss.unroll``): step k from root r
+    sees the target features up to r and its own earlier drafts. A draft LM sees tokens only,
+    so while its drafts are accepted they are the target's tokens and teacher forcing is exact.
+    A draft is accepted while every step's argmax equals the target's."""
+    student.eval()
     lm_head = target.model.get_output_embeddings()
-    dtype = next(drafter.parameters()).dtype
     hits = total = 0.0
     accept_sum = roots = 0.0
     for batch in iter_batches(dataset, indices, 4):
-        b = shift(batch, target.device)
-        pos = torch.arange(b["tokens"].shape[1], device=target.device)[None].expand(b["tokens"].shape[0], -1)
-        embeds = target.embed(b["tokens"]).to(dtype)
-        truth = lm_head(b["target"].to(target.dtype)).argmax(-1)  # [B, T-1]
-        feats = b["features"].to(dtype)
-        correct = []
-        for _ in range(depth):
-            pred = drafter(feats, embeds, pos)
-            guess = drafter.to_target_ids(drafter.draft_logits(pred.to(target.dtype), lm_head).argmax(-1))
-            correct.append((guess == truth) & b["valid"])
-            feats = torch.cat([feats[:, :1], pred[:, :-1]], dim=1)  # own predictions become the inputs
+        if isinstance(student, Drafter):
+            b = shift(batch, target.device)
+            dtype = next(student.parameters()).dtype
+            pos = torch.arange(b["tokens"].shape[1], device=target.device)[None].expand(b["tokens"].shape[0], -1)
+            embeds = target.embed(b["tokens"]).to(dtype)
+            truth = lm_head(b["target"].to(target.dtype)).argmax(-1)
+            preds = unroll(student, b["features"].to(dtype), embeds, pos, depth, student.config.num_layers)
+            correct = [(student.to_target_ids(student.draft_logits(p.to(target.dtype), lm_head).argmax(-1)) == truth)
+                       & b["valid"] for p in preds]
+        else:
+            b = lm_pairs(batch, target.device)
+            truth = lm_head(b["target"].to(target.dtype)).argmax(-1)
+            guess = lm_head(student(b["tokens"]).to(target.dtype)).argmax(-1)
+            correct = [(guess == truth) & b["valid"]] * depth
         mask = b["mask"]
         hits += float((correct[0] & mask).sum())
         total += float(mask.sum())
-        run = torch.ones_like(correct[0])
-        length = torch.ones_like(correct[0], dtype=torch.float)
-        for k, ok in enumerate(correct):  # step k from root r is judged at position r + k
-            shifted = torch.zeros_like(ok)
-            shifted[:, : ok.shape[1] - k] = ok[:, k:]
-            run = run & shifted
-            length += run.float()
-        accept_sum += float((length * mask).sum())
+        accept_sum += float((chain_accept_lengths(correct) * mask).sum())
         roots += float(mask.sum())
-    drafter.train()
+    student.train()
     return {"top1": hits / max(1.0, total), f"chain{depth}_accept_length": accept_sum / max(1.0, roots)}
 
 
-def save_drafter_atomically(drafter: Drafter, directory: Path) -> None:
+@dataclasses.dataclass
+class Student:
+    """What a run trains: ``module`` (given to DeepSpeed; ``forward`` as the loss expects),
+    ``parameters`` (the trainable ones), ``name`` (its output folder) and ``save`` (to a folder)."""
+
+    module: torch.nn.Module
+    parameters: list[torch.nn.Parameter]
+    name: str
+    save: Callable[[Path], None]
+
+
+def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
+    if cfg.student == "drafter":
+        if cfg.init_from:
+            drafter = Drafter.from_pretrained(cfg.init_from, target=target).float().train()
+        else:
+            overrides = json.loads(Path(cfg.drafter_config).read_text()) if cfg.drafter_config else {}
+            counts = (token_counts(dataset, target.vocab_size) if overrides.get("draft_vocab_size") and not cfg.online
+                      else None)
+            drafter = Drafter.from_target(target, token_counts=counts, **overrides).float()
+        return Student(drafter, list(drafter.parameters()), "drafter", drafter.save_pretrained)
+    if cfg.student == "draft-lm":
+        if cfg.init_from:
+            lm = draft_lm.load(cfg.init_from, target)
+            lm.float().requires_grad_(True)
+        else:
+            arch = from_dict(draft_lm.DraftLMConfig, json.loads(Path(cfg.draft_lm_config).read_text()),
+                             where=cfg.draft_lm_config)
+            lm = draft_lm.from_target(target, arch)
+        params = draft_lm.trainable_parameters(lm)
+        lm.get_input_embeddings().weight.requires_grad_(False)
+        for p in params:
+            p.requires_grad_(True)
+        return Student(HiddenStates(lm).train(), params, "draft_lm", lambda path: draft_lm.save(lm, path, target))
+    raise EagleError(f"unknown student {cfg.student!r}: choose drafter or draft-lm")
+
+
+def save_atomically(save: Callable[[Path], None], directory: Path) -> None:
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    drafter.save_pretrained(tmp)
+    save(tmp)
     old = directory.with_name(directory.name + ".old")
     if directory.exists():
         directory.rename(old)
@@ -169,6 +280,8 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     rank = int(os.environ.get("RANK", "0"))
     device = torch.device(deepspeed.get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", "0"))) \
         if torch.cuda.is_available() else torch.device("cpu")
+    if cfg.unroll_steps < 1:
+        raise EagleError(f"unroll_steps must be >= 1, got {cfg.unroll_steps}")
     target = load_target(cfg.target, device=device, lean=False)
     if cfg.online:
         from train.data import load_chats, tokenize_all
@@ -188,13 +301,8 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     steps_per_epoch = max(1, len(train_idx) // (micro * accum * world))
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     torch.manual_seed(cfg.seed)
-    if cfg.init_from:
-        drafter = Drafter.from_pretrained(cfg.init_from, target=target).float().train()
-    else:
-        overrides = json.loads(Path(cfg.drafter_config).read_text()) if cfg.drafter_config else {}
-        counts = token_counts(dataset, target.vocab_size) if overrides.get("draft_vocab_size") and not cfg.online else None
-        drafter = Drafter.from_target(target, token_counts=counts, **overrides).float()
-    engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=[p for p in drafter.parameters()],
+    student = build_student(cfg, target, dataset)
+    engine, _, _, _ = deepspeed.initialize(model=student.module, model_parameters=student.parameters,
                                            config=deepspeed_dict(cfg, device, total_steps))
     out = Path(cfg.out_dir)
     ckpt_dir = out / "checkpoints"
@@ -223,12 +331,13 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
         micro_batches = list(range(0, len(shard) - micro + 1, micro))
         for mb in micro_batches[state["micro_in_epoch"]:]:
             batch = iter_batches(dataset, shard[mb:mb + micro], micro).__next__()
-            loss = step_loss(engine, drafter, target, batch, cfg, generator)
+            loss = (step_loss(engine, student.module, target, batch, cfg, generator) if cfg.student == "drafter"
+                    else draft_lm_loss(engine, target, batch, cfg, generator))
             engine.backward(loss.total)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
             state["micro_in_epoch"] += 1
-            losses.append((float(loss.total), float(loss.smooth_l1), float(loss.ce), float(loss.top1)))
+            losses.append(tuple(float(x.detach()) for x in (loss.total, loss.smooth_l1, loss.ce, loss.top1)))
             if not boundary:
                 continue
             state["step"] += 1
@@ -242,7 +351,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
                 if run:
                     run.log(line, step=step)
             if eval_idx and (step % cfg.eval_every == 0 or step == total_steps) and rank == 0:
-                metrics = evaluate(drafter, target, dataset, eval_idx, cfg.eval_chain_depth)
+                metrics = evaluate(student.module, target, dataset, eval_idx, cfg.eval_chain_depth)
                 print(json.dumps({"step": step, "eval": metrics}), flush=True)
                 if run:
                     run.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
@@ -250,7 +359,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
                 state["wall_s"] = wall_before + time.time() - start
                 engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state=dict(state))
                 if rank == 0:
-                    save_drafter_atomically(drafter, out / "drafter")
+                    save_atomically(student.save, out / student.name)
             if step >= total_steps:
                 break
         else:
@@ -260,11 +369,12 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
         break
     if rank == 0:
         if eval_idx and not metrics:
-            metrics = evaluate(drafter, target, dataset, eval_idx, cfg.eval_chain_depth)
-        save_drafter_atomically(drafter, out / "drafter")
+            metrics = evaluate(student.module, target, dataset, eval_idx, cfg.eval_chain_depth)
+        save_atomically(student.save, out / student.name)
         summary = {"steps": state["step"], "epochs": state["epoch"], "eval": metrics,
                    "wall_s": wall_before + time.time() - start,
-                   "train_examples": len(train_idx), "eval_examples": len(eval_idx), "init_from": cfg.init_from}
+                   "train_examples": len(train_idx), "eval_examples": len(eval_idx), "init_from": cfg.init_from,
+                   "config": dataclasses.asdict(cfg)}
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         if run:
             run.finish()
