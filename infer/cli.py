@@ -43,7 +43,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default=DEFAULT_TARGET,
                    help=f"model folder, .gguf file, cached hub id, or {DEFAULT_TARGET!r} (default)")
     g.add_argument("--drafter", help="drafter folder (default: the one shipped for the target, if any)")
-    g.add_argument("--draft-model", help="separate draft model for method 'sd' (same tokenizer as the target)")
+    g.add_argument("--draft-model", help="draft model for method 'sd': a model spec or a draft LM folder, same "
+                                         "tokenizer as the target (default: the draft LM shipped for the target, if any)")
     g.add_argument("--device", help="torch device, e.g. cpu or cuda (default: cuda when present)")
     t = parser.add_argument_group("draft tree (eagle-tree, eagle-chain)")
     t.add_argument("--total-tokens", type=total_tokens_arg, help="tree nodes verified per step (int or 'auto')")
@@ -104,7 +105,8 @@ def check_method(model: Any, method: str) -> None:
         raise EagleError(f"method {method!r} needs a drafter: pass --drafter FOLDER (no drafter is shipped for "
                          f"target {model.target.name!r})")
     if method == "sd" and model.draft_model is None:
-        raise EagleError("method 'sd' needs a draft model: pass --draft-model")
+        raise EagleError(f"method 'sd' needs a draft model: pass --draft-model (no draft LM is shipped for target "
+                         f"{model.target.name!r})")
 
 
 def build_parser() -> Parser:

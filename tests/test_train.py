@@ -285,8 +285,10 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
     (tmp_path / "bench.json").write_text(json.dumps(bench))
     assert card_main(["--draft-lm", str(tmp_path / "lm"), "--selfdistill", str(tmp_path / "sd.json"),
                       "--features", str(tmp_path / "feat.json"), "--summary", str(tmp_path / "summary.json"),
-                      "--bench", str(tmp_path / "bench.json"), "--train-config", "lm.yaml"]) == 0
+                      "--bench", str(tmp_path / "bench.json"), "--train-config", "lm.yaml",
+                      "--note", "Stopped early."]) == 0
     card = (tmp_path / "lm" / "README.md").read_text()
+    assert card.endswith("## Notes\nStopped early.\n")
     assert "1 decoder layers" in card and "**1.70**" in card and "top-1 agreement with the target\n0.500" in card
     assert card_main(["--drafter", str(tmp_path / "drafter"), "--selfdistill", str(tmp_path / "missing.json"),
                       "--features", "x", "--summary", "x", "--bench", "x", "--train-config", "x"]) == 2

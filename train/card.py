@@ -20,19 +20,25 @@ def _load(path: str) -> dict:
 
 def _loss_text(summary: dict, fallback_config: str) -> str:
     cfg = summary.get("config", {})
-    text = (f"loss = {cfg.get('feature_weight', 1.0):g} * SmoothL1(feature) + {cfg.get('ce_weight', 0.1):g} * soft-CE, "
-            f"U(-{cfg.get('noise', 0.1):g}, {cfg.get('noise', 0.1):g}) input noise")
+    noise = cfg.get("noise", 0.1)
+    text = f"loss = {cfg.get('feature_weight', 1.0):g} * SmoothL1(feature) + {cfg.get('ce_weight', 0.1):g} * soft-CE"
+    if noise > 0:
+        text += f", U(-{noise:g}, {noise:g}) input noise"
     if cfg.get("unroll_steps", 1) > 1:
         text += (f", unrolled over {cfg['unroll_steps']} passes (training-time test: pass j feeds the drafter its "
                  f"own pass j-1 predictions as at inference, loss weight {cfg.get('unroll_decay', 0.8):g}^j)")
     return text + f", AdamW ({cfg.get('deepspeed_config', fallback_config)})"
 
 
+def _epochs(n: float) -> str:
+    return f"{n:g} epoch" + ("" if n == 1 else "s")
+
+
 def _lineage(summary: dict, earlier: list[dict]) -> str:
     """Warm-start history: the runs this one began from, oldest first."""
     if not earlier:
         return ""
-    runs = "; ".join(f"run {i + 1}: {s['steps']} steps ({s['epochs']} full epochs) on {s['train_examples']} examples, "
+    runs = "; ".join(f"run {i + 1}: {s['steps']} steps ({_epochs(s['epochs'])}) on {s['train_examples']} examples, "
                      f"{s.get('wall_s', 0) / 60:.0f} minutes" for i, s in enumerate(earlier))
     steps = summary["steps"] + sum(s["steps"] for s in earlier)
     minutes = (summary.get("wall_s", 0) + sum(s.get("wall_s", 0) for s in earlier)) / 60
@@ -85,7 +91,7 @@ repository's pipeline on 2 CPU cores. `EagleModel.from_pretrained("{cfg['target'
 {_data_text(data, features)}
 ## Training
 `deepspeed --num_gpus 1 train/main.py --config {train_yaml}`: {summary['steps']} optimizer steps
-({summary['epochs']} full epochs) on {summary['train_examples']} examples; {_loss_text(summary, 'configs/deepspeed/cpu-small.json')}.
+({_epochs(summary['epochs'])}) on {summary['train_examples']} examples; {_loss_text(summary, 'configs/deepspeed/cpu-small.json')}.
 Wall time {summary.get('wall_s', 0) / 60:.0f} minutes.
 {_lineage(summary, earlier or [])}
 Held-out evaluation ({summary['eval_examples']} conversations): top-1 accuracy {summary['eval'].get('top1', 0):.3f},
@@ -148,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fixed-tree-bench", help="eagle-bench --json output of eagle-tree with fixed tree flags")
     parser.add_argument("--init-summary", nargs="*", default=[],
                         help="summary.json of the runs a warm-started run began from, oldest first")
+    parser.add_argument("--note", help="a paragraph appended under 'Notes' (what the records cannot say)")
     args = parser.parse_args(argv)
     records = (_load(args.selfdistill), _load(args.features), _load(args.summary), _load(args.bench))
     if args.draft_lm:
@@ -158,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
         text = render(folder, *records, args.train_config,
                       _load(args.fixed_tree_bench) if args.fixed_tree_bench else None,
                       [_load(p) for p in args.init_summary])
+    if args.note:
+        text += f"\n## Notes\n{args.note}\n"
     (folder / "README.md").write_text(text)
     print(f"wrote {folder / 'README.md'}")
 

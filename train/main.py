@@ -299,6 +299,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     micro, accum = ds_probe.get("train_micro_batch_size_per_gpu", 1), ds_probe.get("gradient_accumulation_steps", 1)
     steps_per_epoch = max(1, len(train_idx) // (micro * accum * world))
+    micro_per_epoch = max(1, len(train_idx) // (micro * world))
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     torch.manual_seed(cfg.seed)
     student = build_student(cfg, target, dataset)
@@ -371,7 +372,8 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
         if eval_idx and not metrics:
             metrics = evaluate(student.module, target, dataset, eval_idx, cfg.eval_chain_depth)
         save_atomically(student.save, out / student.name)
-        summary = {"steps": state["step"], "epochs": state["epoch"], "eval": metrics,
+        epochs = state["epoch"] + state["micro_in_epoch"] / micro_per_epoch
+        summary = {"steps": state["step"], "epochs": round(epochs, 2), "eval": metrics,
                    "wall_s": wall_before + time.time() - start,
                    "train_examples": len(train_idx), "eval_examples": len(eval_idx), "init_from": cfg.init_from,
                    "config": dataclasses.asdict(cfg)}
