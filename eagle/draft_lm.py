@@ -41,15 +41,6 @@ def is_draft_lm(path: str | Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
-def shipped_draft_lm(target_name: str) -> Path | None:
-    """The draft LM shipped for a named target (a bare name like ``smollm2-135m-instruct``)."""
-    name = str(target_name).lower()
-    if not name or len(Path(name).parts) != 1 or name in (".", ".."):
-        return None
-    path = SHIPPED / name
-    return path if is_draft_lm(path) else None
-
-
 def _shares_embedding(model: Any) -> bool:
     return model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
@@ -105,9 +96,10 @@ def save(draft: Any, directory: str | Path, target: Any) -> None:
     save_file(state, str(directory / "model.safetensors"), metadata={"format": FORMAT})
 
 
-def load(directory: str | Path, target: Any) -> Any:
+def load(directory: str | Path, target: Any, dtype: torch.dtype | None = None) -> Any:
     """Load a saved draft LM for ``target`` (refused for a target with another vocabulary or
-    tokenizer), on the target's device and dtype, in eval mode."""
+    tokenizer), on the target's device, in ``dtype`` (default: the target's; the shared
+    embedding keeps the target's), in eval mode with gradients off."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -123,13 +115,13 @@ def load(directory: str | Path, target: Any) -> Any:
             info.tokenizer_fingerprint != target.tokenizer_fingerprint:
         raise EagleError(f"draft LM at {directory} was made for {info.name}, not for {target.name}")
     config = AutoConfig.from_pretrained(directory)
-    draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
+    draft = AutoModelForCausalLM.from_config(config, dtype=dtype or target.dtype)
     state = load_file(str(directory / "model.safetensors"))
     missing, unexpected = draft.load_state_dict(state, strict=False)
     missing = [k for k in missing if "embed_tokens" not in k and "lm_head" not in k]
     if missing or unexpected:
         raise EagleError(f"draft LM at {directory} does not match its config: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}")
-    draft.to(device=target.device, dtype=target.dtype)
+    draft.to(device=target.device, dtype=dtype or target.dtype)
     _attach_embedding(draft, target)
     return draft.eval().requires_grad_(False)

@@ -23,15 +23,25 @@ METHODS = ("ar", "pld", "sd", "eagle-chain", "eagle-tree")
 SHIPPED = Path(__file__).parent / "drafters"
 
 
-def shipped_drafter(target_name: str) -> Path | None:
-    """The drafter shipped with the package for a named target, if any. Only a bare name (like
-    ``smollm2-135m-instruct``) can have one: a folder, file or hub id never does (an absolute
-    path joined onto ``SHIPPED`` would otherwise point at the target's own folder)."""
+def _shipped(root: Path, target_name: str, marker: str) -> Path | None:
+    """``root/<name>`` when it holds ``marker``. Only a bare name (like ``smollm2-135m-instruct``)
+    can have one: a folder, file or hub id never does (an absolute path joined onto ``root``
+    would otherwise point at the target's own folder)."""
     name = target_name.lower()
     if not name or len(Path(name).parts) != 1 or Path(name).is_absolute() or name in (".", ".."):
         return None
-    path = SHIPPED / name
-    return path if (path / "model.safetensors").is_file() else None
+    path = root / name
+    return path if (path / marker).is_file() else None
+
+
+def shipped_drafter(target_name: str) -> Path | None:
+    """The drafter shipped with the package for a named target, if any."""
+    return _shipped(SHIPPED, target_name, "model.safetensors")
+
+
+def shipped_draft_lm(target_name: str) -> Path | None:
+    """The draft LM shipped with the package for a named target, if any."""
+    return _shipped(draft_lm.SHIPPED, target_name, draft_lm.MARKER)
 
 
 class Stream:
@@ -102,7 +112,7 @@ class EagleModel:
             drafter.check_target(tgt)
             drafter = drafter.to(device=tgt.device, dtype=tgt.dtype).eval()
         if draft_model is None and isinstance(target, str):
-            draft_model = draft_lm.shipped_draft_lm(target)
+            draft_model = shipped_draft_lm(target)
         if draft_model is not None and not isinstance(draft_model, torch.nn.Module):
             if draft_lm.is_draft_lm(draft_model):
                 draft_model = draft_lm.load(draft_model, tgt)

@@ -240,15 +240,13 @@ def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
             drafter = Drafter.from_target(target, token_counts=counts, **overrides).float()
         return Student(drafter, list(drafter.parameters()), "drafter", drafter.save_pretrained)
     if cfg.student == "draft-lm":
-        if cfg.init_from:
-            lm = draft_lm.load(cfg.init_from, target)
-            lm.float().requires_grad_(True)
+        if cfg.init_from:  # float32 layers; the shared embedding stays the target's (frozen) tensor
+            lm = draft_lm.load(cfg.init_from, target, dtype=torch.float32)
         else:
             arch = from_dict(draft_lm.DraftLMConfig, json.loads(Path(cfg.draft_lm_config).read_text()),
                              where=cfg.draft_lm_config)
             lm = draft_lm.from_target(target, arch)
         params = draft_lm.trainable_parameters(lm)
-        lm.get_input_embeddings().weight.requires_grad_(False)
         for p in params:
             p.requires_grad_(True)
         return Student(HiddenStates(lm).train(), params, "draft_lm", lambda path: draft_lm.save(lm, path, target))
