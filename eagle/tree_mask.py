@@ -60,7 +60,12 @@ def attention_bias(tree_mask: torch.Tensor, past_len: int, dtype: torch.dtype) -
     n = tree_mask.shape[0]
     allowed = torch.ones(n, past_len + n, dtype=torch.bool, device=tree_mask.device)
     allowed[:, past_len:] = tree_mask
-    bias = torch.zeros(n, past_len + n, dtype=dtype, device=tree_mask.device)
+    return additive_bias(allowed, dtype)
+
+
+def additive_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[Q, K] bool (True = may attend) -> [1, 1, Q, K] additive mask: 0 or the dtype's most negative value."""
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     bias.masked_fill_(~allowed, torch.finfo(dtype).min)
     return bias[None, None]
 

@@ -21,6 +21,7 @@ from train.features import FeatureShards, FeaturesConfig, build, load_manifest
 from train.loss import eagle_loss, unroll
 from eagle.config import load_config_file
 from train.main import TrainConfig
+from train.selfdistill import main as selfdistill_main, passage_question, sentences
 
 from .conftest import tiny_drafter, tiny_target
 
@@ -315,3 +316,45 @@ def test_draft_lm_is_made_of_target_layers_and_round_trips(tmp_path):
         draft_lm.load(tmp_path / "lm", tiny_target(vocab_size=40, layers=3, lean=False, tied=True))
     with pytest.raises(EagleError, match="out of range"):
         draft_lm.from_target(target, draft_lm.DraftLMConfig(layers_from_target=[7]))
+
+
+def test_sentences_keep_prose_and_drop_code_and_list_markers():
+    text = "Intro line here.\n\n1. First point is this one.\n- Second point is here!\n```python\nx = 1.\n```\nOk."
+    assert sentences(text) == ["Intro line here.", "First point is this one.", "Second point is here!"]
+
+
+def test_passage_question_fills_templates_from_an_answer():
+    source = "The first sentence is here. The second one follows it. A third closes the text."
+    rng = random.Random(0)
+    q = passage_question("Summarize: \"{passage}\"", source, "French", rng)
+    body = q[len("Summarize: \""):-1]
+    assert q.startswith("Summarize: \"") and len(sentences(body)) >= 2 and body in source
+    q = passage_question("Translate into {language}: {sentence}", source, "German", rng)
+    assert q.startswith("Translate into German: ") and q.split(": ", 1)[1] in sentences(source)
+    assert passage_question("Summarize: {passage}", "Too short.", "French", rng) is None
+
+
+def test_selfdistill_passage_tasks_append_and_resume(tmp_path):
+    target_dir = save_tiny_chat_target(tmp_path / "target", vocab_size=64)
+    out = tmp_path / "sd"
+    out.mkdir()
+    words = [f"t{i}" for i in range(4, 64)]
+    rng = random.Random(0)
+    seed_records = [{"conversations": [{"from": "human", "value": "t5 t6"}, {"from": "gpt", "value": " ".join(
+        " ".join(rng.choice(words) for _ in range(rng.randint(3, 8))) + "." for _ in range(6))}]} for _ in range(4)]
+    (out / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in seed_records))
+    seeds = tmp_path / "seeds.yaml"
+    seeds.write_text(yaml.safe_dump({"topics": ["t7"], "tasks": ["t8"], "languages": ["French"],
+                                     "passage_tasks": ["t9 {passage}", "t10 {sentence} {language}"]}))
+    base = ["target=" + str(target_dir), f"out_dir={out}", f"seeds_file={seeds}", "batch_size=4", "passage_fraction=1.0",
+            "answer_max_tokens=6", "answer_temperature=1.0"]
+    selfdistill_main(["--set", "num_conversations=8", *base])
+    lines = [json.loads(x) for x in (out / "data.jsonl").read_text().splitlines()]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(lines) == manifest["conversations"] >= 8 and manifest["passage_questions"] == len(lines) - 4
+    assert all(r["topic"] == "passage" and r["conversations"][0]["value"].split()[0] in ("t9", "t10") for r in lines[4:])
+    selfdistill_main(["--set", "num_conversations=12", *base])  # resumed with another setting: recorded
+    manifest = json.loads((out / "manifest.json").read_text())
+    questions = [json.loads(x)["conversations"][0]["value"] for x in (out / "data.jsonl").read_text().splitlines()]
+    assert manifest["conversations"] == len(questions) >= 12 and len(set(questions[4:])) == len(questions) - 4
+    assert [c["config"]["num_conversations"] for c in manifest["config_changes"]] == [12]

@@ -7,6 +7,8 @@ import dataclasses
 
 import torch
 
+from eagle.tree_mask import additive_bias
+
 
 @dataclasses.dataclass
 class LossOutput:
@@ -27,13 +29,18 @@ def eagle_loss(pred_hidden: torch.Tensor, target_hidden: torch.Tensor, draft_log
     m = mask.float()
     denom = m.sum().clamp(min=1.0)
     l1 = torch.nn.functional.smooth_l1_loss(pred_hidden.float(), target_hidden.float(), reduction="none").mean(-1)
-    target_p = torch.softmax(target_logits.float(), dim=-1)
-    ce = -(target_p * torch.log_softmax(draft_logits.float(), dim=-1)).sum(-1)
+    ce = soft_cross_entropy(draft_logits, target_logits)
     smooth_l1 = (l1 * m).sum() / denom
     ce_mean = (ce * m).sum() / denom
     top1 = ((draft_logits.argmax(-1) == target_logits.argmax(-1)).float() * m).sum() / denom
     return LossOutput(total=feature_weight * smooth_l1 + ce_weight * ce_mean, smooth_l1=smooth_l1, ce=ce_mean,
                       top1=top1.detach())
+
+
+def soft_cross_entropy(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] logits -> [...] cross-entropy of the draft against the target's softmax (float32)."""
+    target_p = torch.softmax(target_logits.float(), dim=-1)
+    return -(target_p * torch.log_softmax(draft_logits.float(), dim=-1)).sum(-1)
 
 
 def uniform_noise(features: torch.Tensor, amplitude: float, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -74,10 +81,7 @@ def unroll_bias(length: int, step: int, dtype: torch.dtype, device: torch.device
     t = torch.arange(length, device=device)
     blocks = [t[None, :] <= (t[:, None] - step)]
     blocks += [t[None, :] == (t[:, None] - step + i) for i in range(1, step + 1)]
-    allowed = torch.cat(blocks, dim=1)
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    bias.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return bias[None, None]
+    return additive_bias(torch.cat(blocks, dim=1), dtype)
 
 
 def unroll(drafter: torch.nn.Module, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,

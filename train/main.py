@@ -30,7 +30,7 @@ from eagle.drafter import Drafter
 from eagle.errors import EagleError, command
 from eagle.target import DEFAULT_TARGET, Target, load_target
 from train.features import FeatureShards, OnlineFeatures, iter_batches
-from train.loss import LossOutput, eagle_loss, unroll, uniform_noise
+from train.loss import LossOutput, eagle_loss, soft_cross_entropy, unroll, uniform_noise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,15 +130,14 @@ def draft_lm_loss(model, target: Target, batch: dict, cfg: TrainConfig,
         pick = torch.randperm(pred_m.shape[0], generator=generator)[: cfg.lm_ce_positions].to(pred_m.device)
     else:
         pick = torch.arange(pred_m.shape[0], device=pred_m.device)
-    draft_logits = lm_head(pred_m[pick].to(target.dtype)).to(hidden.dtype)
+    draft_logits = lm_head(pred_m[pick].to(target.dtype))
     with torch.no_grad():
-        target_logits = lm_head(target_m[pick].to(target.dtype)).to(hidden.dtype)
-    ones = torch.ones(pick.shape[0], dtype=torch.bool, device=target.device)
-    sampled = eagle_loss(pred_m[pick], target_m[pick], draft_logits, target_logits, ones, cfg.ce_weight,
-                         cfg.feature_weight)
+        target_logits = lm_head(target_m[pick].to(target.dtype))
+    ce = soft_cross_entropy(draft_logits, target_logits).mean()
     smooth_l1 = torch.nn.functional.smooth_l1_loss(pred_m.float(), target_m.float())  # every masked position
-    return dataclasses.replace(sampled, total=cfg.feature_weight * smooth_l1 + cfg.ce_weight * sampled.ce,
-                               smooth_l1=smooth_l1)
+    top1 = (draft_logits.argmax(-1) == target_logits.argmax(-1)).float().mean()
+    return LossOutput(total=cfg.feature_weight * smooth_l1 + cfg.ce_weight * ce, smooth_l1=smooth_l1, ce=ce,
+                      top1=top1.detach())
 
 
 def step_loss(model, drafter: Drafter, target: Target, batch: dict, cfg: TrainConfig,
@@ -221,12 +220,14 @@ def evaluate(student: torch.nn.Module, target: Target, dataset, indices: list[in
 @dataclasses.dataclass
 class Student:
     """What a run trains: ``module`` (given to DeepSpeed; ``forward`` as the loss expects),
-    ``parameters`` (the trainable ones), ``name`` (its output folder) and ``save`` (to a folder)."""
+    ``parameters`` (the trainable ones), ``name`` (its output folder), ``save`` (to a folder) and
+    ``loss`` (engine, micro-batch, noise generator) -> LossOutput."""
 
     module: torch.nn.Module
     parameters: list[torch.nn.Parameter]
     name: str
     save: Callable[[Path], None]
+    loss: Callable[[torch.nn.Module, dict, torch.Generator | None], LossOutput]
 
 
 def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
@@ -238,7 +239,8 @@ def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
             counts = (token_counts(dataset, target.vocab_size) if overrides.get("draft_vocab_size") and not cfg.online
                       else None)
             drafter = Drafter.from_target(target, token_counts=counts, **overrides).float()
-        return Student(drafter, list(drafter.parameters()), "drafter", drafter.save_pretrained)
+        return Student(drafter, list(drafter.parameters()), "drafter", drafter.save_pretrained,
+                       lambda engine, batch, gen: step_loss(engine, drafter, target, batch, cfg, gen))
     if cfg.student == "draft-lm":
         if cfg.init_from:  # float32 layers; the shared embedding stays the target's (frozen) tensor
             lm = draft_lm.load(cfg.init_from, target, dtype=torch.float32)
@@ -249,7 +251,8 @@ def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
         params = draft_lm.trainable_parameters(lm)
         for p in params:
             p.requires_grad_(True)
-        return Student(HiddenStates(lm).train(), params, "draft_lm", lambda path: draft_lm.save(lm, path, target))
+        return Student(HiddenStates(lm).train(), params, "draft_lm", lambda path: draft_lm.save(lm, path, target),
+                       lambda engine, batch, gen: draft_lm_loss(engine, target, batch, cfg, gen))
     raise EagleError(f"unknown student {cfg.student!r}: choose drafter or draft-lm")
 
 
@@ -330,8 +333,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
         micro_batches = list(range(0, len(shard) - micro + 1, micro))
         for mb in micro_batches[state["micro_in_epoch"]:]:
             batch = iter_batches(dataset, shard[mb:mb + micro], micro).__next__()
-            loss = (step_loss(engine, student.module, target, batch, cfg, generator) if cfg.student == "drafter"
-                    else draft_lm_loss(engine, target, batch, cfg, generator))
+            loss = student.loss(engine, batch, generator)
             engine.backward(loss.total)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()

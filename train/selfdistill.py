@@ -5,6 +5,11 @@ user turn, steered by a topic (in the system turn) and a task opener (the start 
 turn), and continues the user message. Then it answers the questions (batched, sampled or
 greedy generation). Questions are filtered and deduplicated. Output: a ShareGPT-format JSONL
 (``conversations: [{from, value}]``) plus ``manifest.json``; a rerun resumes where it stopped.
+
+A 135M model writes short, generic questions and never pastes a text into them, so tasks on a
+given text (summarize, extract, translate, rewrite) are missing from pure Magpie data. With
+``passage_fraction`` > 0 that share of each batch is instead a project-written template
+(``passage_tasks`` in the seeds file) filled with sentences from answers already in the data.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -28,6 +34,9 @@ from eagle.lean import packed_copy
 from eagle.target import DEFAULT_TARGET, Target, load_target
 
 
+MAX_IDLE_BATCHES = 10  # batches in a row without a kept conversation before giving up
+
+
 @dataclasses.dataclass(frozen=True)
 class SelfDistillConfig:
     target: str = DEFAULT_TARGET
@@ -41,7 +50,12 @@ class SelfDistillConfig:
     question_top_p: float = 0.95
     answer_max_tokens: int = 320
     answer_temperature: float = 0.0
+    passage_fraction: float = 0.0
     threads: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.passage_fraction <= 1.0:
+            raise EagleError(f"passage_fraction must be in [0, 1], got {self.passage_fraction}")
 
 
 def steer_prefix(target: Target, topic: str, task: str) -> str:
@@ -62,6 +76,32 @@ def clean_question(task: str, continuation: str, ended: bool) -> str | None:
     return question
 
 
+def sentences(text: str) -> list[str]:
+    """Prose sentences of ``text`` (code blocks, list markers and headings dropped)."""
+    prose = re.sub(r"```.*?(```|$)", " ", text, flags=re.S)
+    lines = [re.sub(r"^\s*(?:[-*#>]+|\d+[.)])\s*", "", ln) for ln in prose.splitlines()]
+    parts = re.split(r"(?<=[.!?])\s+", " ".join(ln.strip() for ln in lines if ln.strip()))
+    return [p for p in parts if 3 <= len(p.split()) <= 40 and p[-1] in ".!?"]
+
+
+def passage_question(template: str, source: str, language: str, rng: random.Random) -> str | None:
+    """``template`` filled from the sentences of ``source``: ``{sentence}`` takes one short sentence,
+    ``{passage}`` 2 to 5 consecutive ones (at most 700 characters), ``{language}`` the language.
+    None when ``source`` has too few usable sentences."""
+    found = sentences(source)
+    if "{sentence}" in template:
+        short = [x for x in found if len(x.split()) <= 18]
+        if not short:
+            return None
+        return template.format(sentence=rng.choice(short), language=language)
+    if len(found) < 2:
+        return None
+    start = rng.randrange(len(found) - 1)
+    passage = " ".join(found[start: start + rng.randint(2, 5)])
+    return template.format(passage=passage[:700].rsplit(" ", 1)[0] if len(passage) > 700 else passage,
+                           language=language)
+
+
 @torch.inference_mode()
 def _generate(target: Target, model: Any, texts: list[str], max_new_tokens: int, temperature: float, top_p: float,
               seed: int) -> list[tuple[str, bool]]:
@@ -69,6 +109,8 @@ def _generate(target: Target, model: Any, texts: list[str], max_new_tokens: int,
     returns (continuation text, ended with EOS) per input."""
     tok = target.tokenizer
     tok.padding_side = "left"
+    if tok.pad_token is None:  # many chat tokenizers (Llama's) have none; padding is masked out anyway
+        tok.pad_token = tok.eos_token
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
     torch.manual_seed(seed)
     kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
@@ -88,33 +130,54 @@ def run(cfg: SelfDistillConfig) -> Path:
         torch.set_num_threads(cfg.threads)
     seeds = yaml.safe_load(Path(cfg.seeds_file).read_text())
     topics, tasks = seeds["topics"], seeds["tasks"]
+    passage_tasks, languages = seeds.get("passage_tasks", []), seeds.get("languages", ["French"])
+    if cfg.passage_fraction and not passage_tasks:
+        raise EagleError(f"passage_fraction > 0 needs a 'passage_tasks' list in {cfg.seeds_file}")
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     data_path, manifest_path = out_dir / "data.jsonl", out_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {
         "target": cfg.target, "config": dataclasses.asdict(cfg), "batches_done": 0, "conversations": 0,
-        "questions_sampled": 0, "questions_kept": 0, "answer_tokens": 0, "wall_s": 0.0}
+        "questions_sampled": 0, "questions_kept": 0, "passage_questions": 0, "answer_tokens": 0, "wall_s": 0.0}
     if manifest["target"] != cfg.target:
         raise EagleError(f"{out_dir} was made by target {manifest['target']!r}, not {cfg.target!r}")
-    seen = set()
+    if manifest["config"] != dataclasses.asdict(cfg) and all(
+            change["config"] != dataclasses.asdict(cfg) for change in manifest.get("config_changes", [])):
+        manifest.setdefault("config_changes", []).append(  # resumed with other settings: say from where
+            {"from_batch": manifest["batches_done"], "config": dataclasses.asdict(cfg)})
+    records = []
     if data_path.exists():  # resume: keep complete lines only, drop a half-written tail
         lines = [ln for ln in data_path.read_text().splitlines() if ln.endswith("}")]
         data_path.write_text("".join(ln + "\n" for ln in lines))
-        seen = {json.loads(ln)["conversations"][0]["value"].lower() for ln in lines}
+        records = [json.loads(ln)["conversations"] for ln in lines]
         manifest["conversations"] = len(lines)
+    seen = {conv[0]["value"].lower() for conv in records}
+    sources = [conv[1]["value"] for conv in records]  # answers to draw passages from
     target = load_target(cfg.target, lean=False)
     model = packed_copy(target.model)  # prepacked weights: ~1.7x faster batched generation on CPU
     bar = tqdm(total=cfg.num_conversations, initial=manifest["conversations"], desc="self-distill", unit="conv")
+    idle = 0
     while manifest["conversations"] < cfg.num_conversations:
+        if idle == MAX_IDLE_BATCHES:
+            raise EagleError(f"{idle} batches in a row gave no usable conversation: check the seeds and the target")
+        before = manifest["conversations"]
         batch_seed = cfg.seed * 1_000_003 + manifest["batches_done"]
         rng = random.Random(batch_seed)
-        picks = [(rng.choice(topics), rng.choice(tasks)) for _ in range(cfg.batch_size)]
+        num_passages = round(cfg.batch_size * cfg.passage_fraction) if sources else 0
+        picks = [(rng.choice(topics), rng.choice(tasks)) for _ in range(cfg.batch_size - num_passages)]
         start = time.time()
         qs = _generate(target, model, [steer_prefix(target, tp, tk) for tp, tk in picks], cfg.question_max_tokens,
-                       cfg.question_temperature, cfg.question_top_p, batch_seed)
+                       cfg.question_temperature, cfg.question_top_p, batch_seed) if picks else []
+        candidates = [(topic, task, clean_question(task, cont, ended)) for (topic, task), (cont, ended) in zip(picks, qs)]
+        for _ in range(num_passages):
+            template, language = rng.choice(passage_tasks), rng.choice(languages)
+            for _attempt in range(5):  # some answers have no usable sentences: try another
+                q = passage_question(template, rng.choice(sources), language, rng)
+                if q is not None:
+                    break
+            candidates.append(("passage", template, q))
         kept = []
-        for (topic, task), (cont, ended) in zip(picks, qs):
-            q = clean_question(task, cont, ended)
+        for topic, task, q in candidates:
             if q is not None and q.lower() not in seen:
                 seen.add(q.lower())
                 kept.append((topic, task, q))
@@ -126,14 +189,17 @@ def run(cfg: SelfDistillConfig) -> Path:
             for (topic, task, q), (a, _ended) in zip(kept, answers):
                 if not a.strip():
                     continue
-                rec = {"id": f"sd-{manifest['batches_done']}-{manifest['conversations']}", "topic": topic,
+                rec = {"id": f"sd-{manifest['batches_done']}-{manifest['conversations']}", "topic": topic, "task": task,
                        "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a.strip()}]}
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                sources.append(a.strip())
+                manifest["passage_questions"] = manifest.get("passage_questions", 0) + (topic == "passage")
                 manifest["conversations"] += 1
                 manifest["answer_tokens"] += len(target.tokenizer(a)["input_ids"])
                 bar.update(1)
         manifest["batches_done"] += 1
-        manifest["questions_sampled"] += len(picks)
+        idle = 0 if manifest["conversations"] > before else idle + 1
+        manifest["questions_sampled"] += len(candidates)
         manifest["questions_kept"] += len(kept)
         manifest["wall_s"] += time.time() - start
         tmp = manifest_path.with_suffix(".tmp")
