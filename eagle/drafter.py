@@ -191,6 +191,33 @@ class Drafter(nn.Module):
                 drafter.lm_head.weight.copy_(target.model.get_output_embeddings().weight[ids.to(target.device)].float())
         return drafter.to(device=target.device, dtype=target.dtype)
 
+    @torch.no_grad()
+    def with_draft_vocab(self, ids: torch.Tensor, target: Any) -> "Drafter":
+        """A copy whose draft vocabulary is the target token ids ``ids`` [N] (sorted, unique).
+        Rows of tokens already in the vocabulary are kept. The others start from the target's
+        LM-head rows mapped into this head's space by a least-squares fit [H, H] over the kept
+        tokens (a trained head co-adapts with its features, so raw target rows would not do)."""
+        if self.lm_head is None:
+            raise EagleError("this drafter uses the target's LM head: it has no draft vocabulary to resize")
+        ids = ids.to(self.d2t.device)
+        if ids.ndim != 1 or not torch.equal(ids, torch.unique(ids)) or not 0 < ids.numel() <= self.config.vocab_size:
+            raise EagleError("draft vocabulary ids must be sorted, unique target token ids")
+        config = dataclasses.replace(self.config, draft_vocab_size=int(ids.numel()))
+        drafter = type(self)(config).to(device=self.d2t.device, dtype=self.lm_head.weight.dtype)
+        drafter.load_state_dict({k: v for k, v in self.state_dict().items() if k not in ("lm_head.weight", "d2t")},
+                                strict=False)
+        target_rows = target.model.get_output_embeddings().weight.to(self.lm_head.weight)
+        old_ids = self.d2t
+        mapping = torch.linalg.lstsq(target_rows[old_ids].float(), self.lm_head.weight.float()).solution
+        rows = (target_rows[ids].float() @ mapping).to(self.lm_head.weight.dtype)
+        position = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        position[old_ids] = torch.arange(old_ids.numel(), device=ids.device)
+        kept = position[ids] >= 0
+        rows[kept] = self.lm_head.weight[position[ids][kept]]
+        drafter.lm_head.weight.copy_(rows)
+        drafter.d2t.copy_(ids)
+        return drafter
+
     def check_target(self, target: Any) -> None:
         """Refuse a target other than the one this drafter was built for."""
         info = self.config.target

@@ -81,3 +81,22 @@ def test_qwen2_greedy_tree_matches_ar():
     for ids in prompts(10, seed=2):
         assert model.generate(ids, method="eagle-tree", max_new_tokens=16).token_ids == \
             model.generate(ids, method="ar", max_new_tokens=16).token_ids
+
+
+def test_draft_vocabulary_resize_keeps_trained_rows_and_maps_new_ones():
+    tiny = tiny_target(vocab_size=64, hidden=16, seed=3)
+    drafter = tiny_drafter(tiny, draft_vocab_size=24)  # ids 0..23
+    rows = tiny.model.get_output_embeddings().weight
+    mapping = torch.randn(16, 16)
+    with torch.no_grad():  # a head that is exactly the target's rows through a linear map: the fit recovers it
+        drafter.lm_head.weight.copy_(rows[drafter.d2t] @ mapping)
+    ids = torch.tensor(sorted(set(range(2, 24)) | {30, 41, 63}))
+    resized = drafter.with_draft_vocab(ids, tiny)
+    assert resized.config.draft_vocab_size == 25 and torch.equal(resized.d2t, ids)
+    hidden = torch.randn(5, 16)
+    old, new = drafter.draft_logits(hidden, None), resized.draft_logits(hidden, None)
+    assert torch.equal(new[:, :22], old[:, 2:24])  # kept tokens: the trained rows, unchanged
+    torch.testing.assert_close(new[:, 22:], hidden @ (rows[ids[22:]] @ mapping).T, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(resized.fc.weight, drafter.fc.weight)
+    with pytest.raises(EagleError, match="sorted, unique"):
+        drafter.with_draft_vocab(torch.tensor([5, 3]), tiny)

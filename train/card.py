@@ -50,12 +50,16 @@ training data.
 
 
 def _data_text(data: dict, features: dict) -> str:
+    passages = data.get("passage_questions", 0)
+    passage_text = (f" {passages} of the kept questions are instead project-written tasks on a text (summarize, "
+                    f"extract, translate, rewrite: `passage_tasks` in the seeds file) filled with sentences of earlier "
+                    f"answers.") if passages else ""
     return f"""## Data (self-distillation, no outside data)
-The target wrote {data['questions_sampled']} user questions itself (Magpie-style: only the chat template's user
-prefix, steered by topic and task seeds from `configs/selfdistill/seeds.yaml`), {data['questions_kept']} survived
-filtering and deduplication, and it answered them greedily (at most
-{data['config']['answer_max_tokens']} new tokens): {data['conversations']} conversations, {data['answer_tokens']}
-answer tokens, {data['wall_s'] / 60:.0f} minutes of generation.
+The target wrote the user questions itself (Magpie-style: only the chat template's user prefix, steered by topic
+and task seeds from `configs/selfdistill/seeds.yaml`); of {data['questions_sampled']} questions sampled,
+{data['questions_kept']} survived filtering and deduplication.{passage_text} The target answered them greedily
+(at most {data['config']['answer_max_tokens']} new tokens): {data['conversations']} conversations,
+{data['answer_tokens']} answer tokens, {data['wall_s'] / 60:.0f} minutes of generation.
 Features: {features['num_examples']} examples, {features['tokens']} tokens (max length
 {features['config']['max_length']}), stored as {features['config']['feature_dtype']}.
 """

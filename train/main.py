@@ -44,6 +44,8 @@ class TrainConfig:
     drafter_config: str = "configs/drafter/eagle1.json"  # architecture JSON: DrafterConfig fields over the target's
     draft_lm_config: str = "configs/draft_lm/smollm2-135m-instruct.json"  # architecture JSON: DraftLMConfig
     init_from: str = ""            # warm start: a drafter (or draft LM) folder whose weights and architecture are kept
+    draft_vocab_size: int = 0      # drafter: the N most frequent assistant tokens of the data (0 = as the architecture
+                                   # JSON says, or as the warm-start drafter has); a warm start keeps its trained rows
     deepspeed_config: str = "configs/deepspeed/zero1.json"
     out_dir: str = "runs/drafter"
     epochs: int = 20
@@ -232,10 +234,18 @@ class Student:
 
 def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
     if cfg.student == "drafter":
+        if cfg.draft_vocab_size and cfg.online:
+            raise EagleError("draft_vocab_size needs stored features (it counts the tokens of the data first)")
         if cfg.init_from:
             drafter = Drafter.from_pretrained(cfg.init_from, target=target).float().train()
+            if cfg.draft_vocab_size and cfg.draft_vocab_size != drafter.config.draft_vocab_size:
+                counts = token_counts(dataset, target.vocab_size)
+                ids = torch.topk(counts, cfg.draft_vocab_size).indices.sort().values
+                drafter = drafter.with_draft_vocab(ids, target).train()
         else:
             overrides = json.loads(Path(cfg.drafter_config).read_text()) if cfg.drafter_config else {}
+            if cfg.draft_vocab_size:
+                overrides["draft_vocab_size"] = cfg.draft_vocab_size
             counts = (token_counts(dataset, target.vocab_size) if overrides.get("draft_vocab_size") and not cfg.online
                       else None)
             drafter = Drafter.from_target(target, token_counts=counts, **overrides).float()
