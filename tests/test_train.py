@@ -253,11 +253,12 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
     drafter.save_pretrained(tmp_path / "drafter")
     records = {
         "sd.json": {"questions_sampled": 64, "questions_kept": 50, "conversations": 48, "answer_tokens": 9000,
-                    "wall_s": 600.0, "config": {"answer_max_tokens": 320}},
+                    "wall_s": 600.0, "config": {"answer_max_tokens": 320}, "passage_questions": 7},
         "feat.json": {"num_examples": 48, "tokens": 12000, "config": {"max_length": 512, "feature_dtype": "float16"}},
         "summary.json": {"steps": 30, "epochs": 2, "train_examples": 46, "eval_examples": 2, "wall_s": 120.0,
                          "eval": {"top1": 0.5, "chain5_accept_length": 1.9}, "init_from": "runs/b",
-                         "config": {"unroll_steps": 2, "ce_weight": 0.1, "noise": 0.1}},
+                         "config": {"unroll_steps": 2, "ce_weight": 0.1, "noise": 0.1, "init_from": "runs/b",
+                                    "draft_vocab_size": 12}},
         "first.json": {"steps": 10, "epochs": 5, "train_examples": 20, "wall_s": 60.0},
         "second.json": {"steps": 20, "epochs": 3, "train_examples": 30, "wall_s": 240.0},
         "bench.json": {"config": {"command": "eagle-bench --prompts dev.jsonl"}, "prompts": 3,
@@ -275,6 +276,7 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
     card = (tmp_path / "drafter" / "README.md").read_text()
     assert "48 conversations" in card and "top-1 accuracy 0.500" in card and "**2.50**" in card
     assert "unrolled over 2 passes" in card and "In all 60 steps, 7 minutes" in card
+    assert "resized the draft vocabulary to the 12 most" in card and " 7 of the kept questions" in card
     # a draft LM's card, from the same kind of records
     from eagle import draft_lm
 

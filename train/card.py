@@ -49,6 +49,15 @@ training data.
 """
 
 
+def _resized_text(summary: dict) -> str:
+    cfg = summary.get("config", {})
+    if not (cfg.get("init_from") and cfg.get("draft_vocab_size")):
+        return ""
+    return (f"\nThe warm start resized the draft vocabulary to the {cfg['draft_vocab_size']} most frequent answer tokens "
+            f"of the data (rows of tokens it already had kept, new rows mapped from the target's LM head by a "
+            f"least-squares fit, then trained).")
+
+
 def _data_text(data: dict, features: dict) -> str:
     passages = data.get("passage_questions", 0)
     passage_text = (f" {passages} of the kept questions are instead project-written tasks on a text (summarize, "
@@ -96,7 +105,7 @@ repository's pipeline on 2 CPU cores. `EagleModel.from_pretrained("{cfg['target'
 ## Training
 `deepspeed --num_gpus 1 train/main.py --config {train_yaml}`: {summary['steps']} optimizer steps
 ({_epochs(summary['epochs'])}) on {summary['train_examples']} examples; {_loss_text(summary, 'configs/deepspeed/cpu-small.json')}.
-Wall time {summary.get('wall_s', 0) / 60:.0f} minutes.
+Wall time {summary.get('wall_s', 0) / 60:.0f} minutes.{_resized_text(summary)}
 {_lineage(summary, earlier or [])}
 Held-out evaluation ({summary['eval_examples']} conversations): top-1 accuracy {summary['eval'].get('top1', 0):.3f},
 expected accepted length of a depth-5 chain {summary['eval'].get('chain5_accept_length', 0):.2f} (drafts unrolled as
