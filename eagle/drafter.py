@@ -74,6 +74,11 @@ class DrafterConfig:
         return json.dumps({"format": FORMAT, **dataclasses.asdict(self)}, indent=2)
 
 
+def most_frequent(token_counts: torch.Tensor, n: int) -> torch.Tensor:
+    """[V] token counts -> the ``n`` most frequent token ids, sorted (a draft vocabulary)."""
+    return torch.topk(token_counts.float(), n).indices.sort().values
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -184,8 +189,7 @@ class Drafter(nn.Module):
         drafter = cls(from_dict(DrafterConfig, fields, where="drafter overrides"))
         if drafter.lm_head is not None:
             n = drafter.config.draft_vocab_size
-            ids = (torch.topk(token_counts.float(), n).indices.sort().values if token_counts is not None
-                   else torch.arange(n))
+            ids = most_frequent(token_counts, n) if token_counts is not None else torch.arange(n)
             drafter.d2t.copy_(ids)
             with torch.no_grad():
                 drafter.lm_head.weight.copy_(target.model.get_output_embeddings().weight[ids.to(target.device)].float())

@@ -26,7 +26,7 @@ import torch
 
 from eagle import draft_lm
 from eagle.config import from_dict, load_config_file
-from eagle.drafter import Drafter
+from eagle.drafter import Drafter, most_frequent
 from eagle.errors import EagleError, command
 from eagle.target import DEFAULT_TARGET, Target, load_target
 from train.features import FeatureShards, OnlineFeatures, iter_batches
@@ -239,8 +239,7 @@ def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
         if cfg.init_from:
             drafter = Drafter.from_pretrained(cfg.init_from, target=target).float().train()
             if cfg.draft_vocab_size and cfg.draft_vocab_size != drafter.config.draft_vocab_size:
-                counts = token_counts(dataset, target.vocab_size)
-                ids = torch.topk(counts, cfg.draft_vocab_size).indices.sort().values
+                ids = most_frequent(token_counts(dataset, target.vocab_size), cfg.draft_vocab_size)
                 drafter = drafter.with_draft_vocab(ids, target).train()
         else:
             overrides = json.loads(Path(cfg.drafter_config).read_text()) if cfg.drafter_config else {}

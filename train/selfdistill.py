@@ -138,7 +138,8 @@ def run(cfg: SelfDistillConfig) -> Path:
     data_path, manifest_path = out_dir / "data.jsonl", out_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {
         "target": cfg.target, "config": dataclasses.asdict(cfg), "batches_done": 0, "conversations": 0,
-        "questions_sampled": 0, "questions_kept": 0, "passage_questions": 0, "answer_tokens": 0, "wall_s": 0.0}
+        "questions_sampled": 0, "questions_kept": 0, "answer_tokens": 0, "wall_s": 0.0}
+    manifest.setdefault("passage_questions", 0)  # manifests written before passage tasks existed
     if manifest["target"] != cfg.target:
         raise EagleError(f"{out_dir} was made by target {manifest['target']!r}, not {cfg.target!r}")
     if manifest["config"] != dataclasses.asdict(cfg) and all(
@@ -193,7 +194,7 @@ def run(cfg: SelfDistillConfig) -> Path:
                        "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a.strip()}]}
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 sources.append(a.strip())
-                manifest["passage_questions"] = manifest.get("passage_questions", 0) + (topic == "passage")
+                manifest["passage_questions"] += topic == "passage"
                 manifest["conversations"] += 1
                 manifest["answer_tokens"] += len(target.tokenizer(a)["input_ids"])
                 bar.update(1)
