@@ -209,9 +209,12 @@ def test_deepspeed_training_end_to_end_and_resume(workspace):
     adam_steps = {int(s["step"]) for s in optim["optimizer_state_dict"]["base_optimizer_state"]["state"].values()}
     assert adam_steps == {16}
     # warm start from the trained drafter: a new run that begins where that one ended
-    warm = deepspeed_run(workspace, workspace["root"] / "warm", max_steps=2, init_from=str(out / "drafter"))
+    warm = deepspeed_run(workspace, workspace["root"] / "warm", max_steps=2, init_from=str(out / "drafter"),
+                         dev_data=str(workspace["data"]))
     first = [row["loss"] for row in warm if "loss" in row][0]
-    assert first < losses[0] and json.loads((workspace["root"] / "warm" / "summary.json").read_text())["steps"] == 2
+    summary = json.loads((workspace["root"] / "warm" / "summary.json").read_text())
+    assert first < losses[0] and summary["steps"] == 2
+    assert 0 <= summary["eval"]["dev_top1"] <= 1 and summary["eval"]["dev_chain5_accept_length"] >= 1.0
 
 
 @pytest.mark.slow
@@ -256,9 +259,10 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
                     "wall_s": 600.0, "config": {"answer_max_tokens": 320}, "passage_questions": 7},
         "feat.json": {"num_examples": 48, "tokens": 12000, "config": {"max_length": 512, "feature_dtype": "float16"}},
         "summary.json": {"steps": 30, "epochs": 2, "train_examples": 46, "eval_examples": 2, "wall_s": 120.0,
-                         "eval": {"top1": 0.5, "chain5_accept_length": 1.9}, "init_from": "runs/b",
+                         "eval": {"top1": 0.5, "chain5_accept_length": 1.9, "dev_top1": 0.25,
+                                  "dev_chain5_accept_length": 1.4}, "init_from": "runs/b",
                          "config": {"unroll_steps": 2, "ce_weight": 0.1, "noise": 0.1, "init_from": "runs/b",
-                                    "draft_vocab_size": 12}},
+                                    "draft_vocab_size": 12, "dev_data": "data/dev.jsonl"}},
         "first.json": {"steps": 10, "epochs": 5, "train_examples": 20, "wall_s": 60.0},
         "second.json": {"steps": 20, "epochs": 3, "train_examples": 30, "wall_s": 240.0},
         "bench.json": {"config": {"command": "eagle-bench --prompts dev.jsonl"}, "prompts": 3,
@@ -277,6 +281,7 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
     assert "48 conversations" in card and "top-1 accuracy 0.500" in card and "**2.50**" in card
     assert "unrolled over 2 passes" in card and "In all 60 steps, 7 minutes" in card
     assert "resized the draft vocabulary to the 12 most" in card and " 7 of the kept questions" in card
+    assert "(`dev_data: data/dev.jsonl`,\nnever trained on): top-1 0.250, depth-5 chain 1.40." in card
     # a draft LM's card, from the same kind of records
     from eagle import draft_lm
 
@@ -360,3 +365,25 @@ def test_selfdistill_passage_tasks_append_and_resume(tmp_path):
     questions = [json.loads(x)["conversations"][0]["value"] for x in (out / "data.jsonl").read_text().splitlines()]
     assert manifest["conversations"] == len(questions) >= 12 and len(set(questions[4:])) == len(questions) - 4
     assert [c["config"]["num_conversations"] for c in manifest["config_changes"]] == [12]
+
+
+def test_selfdistill_answers_a_prompt_file_greedily(tmp_path):
+    target_dir = save_tiny_chat_target(tmp_path / "target", vocab_size=64)
+    prompts = tmp_path / "prompts.jsonl"
+    asked = [("t5 t6 t7", "math"), ("t9", "writing"), ("t11 t12", "math")]
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in asked))
+    out = tmp_path / "dev" / "answers.jsonl"
+    selfdistill_main(["--set", f"target={target_dir}", "batch_size=2", "--answer", str(prompts), "--out", str(out),
+                      "--max-new-tokens", "6"])
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(r["conversations"][0]["value"], r["category"]) for r in records] == asked
+    target = load_target(str(target_dir), lean=False)
+    for (prompt, _), record in zip(asked, records):  # batched with left padding = one prompt alone, greedy
+        ids = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                   return_tensors="pt", return_dict=True)["input_ids"]
+        row = target.model.generate(ids, max_new_tokens=6, do_sample=False,
+                                    eos_token_id=sorted(target.eos_token_ids))[0, ids.shape[1]:].tolist()
+        row = row[: next((i for i, t in enumerate(row) if t in target.eos_token_ids), len(row))]
+        assert record["conversations"][1]["value"] == target.tokenizer.decode(row, skip_special_tokens=True)
+    assert load_chats(str(out)).conversations  # usable as the trainer's dev_data
+    assert selfdistill_main(["--set", f"target={target_dir}", "--answer", str(prompts)]) == 2  # no --out: an error

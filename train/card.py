@@ -109,7 +109,7 @@ Wall time {summary.get('wall_s', 0) / 60:.0f} minutes.{_resized_text(summary)}
 {_lineage(summary, earlier or [])}
 Held-out evaluation ({summary['eval_examples']} conversations): top-1 accuracy {summary['eval'].get('top1', 0):.3f},
 expected accepted length of a depth-5 chain {summary['eval'].get('chain5_accept_length', 0):.2f} (drafts unrolled as
-at inference, bonus token included).
+at inference, bonus token included).{_dev_eval_text(summary)}
 
 ## Measured on the dev prompt set (`benchmarks/prompts/dev.jsonl`)
 {_bench_table(bench)}
@@ -119,6 +119,15 @@ With a fixed tree (`{fixed_tree['config']['command']}`, {fixed_tree['prompts']} 
 **{fixed_tree['methods']['eagle-tree']['mean_accept_length']:.2f}**,
 {fixed_tree['methods']['eagle-tree']['tokens_per_second']:.2f} tokens/s.
 """)
+
+
+def _dev_eval_text(summary: dict) -> str:
+    ev = summary["eval"]
+    if "dev_top1" not in ev:
+        return ""
+    return f"""
+The same evaluation on the target's greedy answers to the dev prompts (`dev_data: {summary['config']['dev_data']}`,
+never trained on): top-1 {ev['dev_top1']:.3f}, depth-5 chain {ev['dev_chain5_accept_length']:.2f}."""
 
 
 def render_draft_lm(lm_dir: Path, data: dict, features: dict, summary: dict, bench: dict, train_yaml: str) -> str:

@@ -7,7 +7,7 @@ Loss = feature_weight * SmoothL1(predicted feature, target feature) + ce_weight 
 logits, target distribution), with U(-noise, noise) on the input features, masked to assistant
 tokens. Atomic checkpoints every ``save_every`` optimizer steps; a rerun resumes from the last
 one. Held-out evaluation reports top-1 accuracy and the expected accepted length of a depth-5
-chain. wandb logging (offline by default; ``--report-to none`` turns it off)."""
+chain (also on ``dev_data``, when set). wandb logging (offline by default; ``--report-to none`` turns it off)."""
 
 from __future__ import annotations
 
@@ -60,6 +60,8 @@ class TrainConfig:
     eval_every: int = 100
     eval_fraction: float = 0.05
     eval_chain_depth: int = 5
+    dev_data: str = ""             # chat file also evaluated at each eval (features computed online), reported as dev_*;
+                                   # e.g. the target's greedy answers to the dev prompts (eagle-selfdistill --answer)
     log_every: int = 10
     seed: int = 0
     report_to: str = "wandb"       # wandb | none
@@ -283,6 +285,11 @@ def token_counts(dataset, vocab_size: int) -> torch.Tensor:
     return counts
 
 
+def online_dataset(target: Target, source: str, max_length: int) -> OnlineFeatures:
+    from train.data import load_chats, tokenize_all
+    return OnlineFeatures(target, tokenize_all(target.tokenizer, load_chats(source).conversations, max_length))
+
+
 def train(cfg: TrainConfig, report_to: str) -> dict:
     import deepspeed
 
@@ -294,9 +301,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
         raise EagleError(f"unroll_steps must be >= 1, got {cfg.unroll_steps}")
     target = load_target(cfg.target, device=device, lean=False)
     if cfg.online:
-        from train.data import load_chats, tokenize_all
-        dataset = OnlineFeatures(target, tokenize_all(target.tokenizer, load_chats(cfg.data).conversations,
-                                                      cfg.max_length))
+        dataset = online_dataset(target, cfg.data, cfg.max_length)
     else:
         if not cfg.features:
             raise EagleError("set 'features' (a folder made by eagle-features) or 'online: true' with 'data'")
@@ -305,6 +310,14 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     random.Random(cfg.seed).shuffle(order)
     n_eval = max(1, int(len(order) * cfg.eval_fraction)) if len(order) > 1 else 0
     eval_idx, train_idx = order[:n_eval], order[n_eval:]
+    dev = online_dataset(target, cfg.dev_data, cfg.max_length) if cfg.dev_data and rank == 0 else None
+
+    def evaluate_all() -> dict:
+        metrics = evaluate(student.module, target, dataset, eval_idx, cfg.eval_chain_depth) if eval_idx else {}
+        if dev is not None:
+            dev_metrics = evaluate(student.module, target, dev, list(range(len(dev))), cfg.eval_chain_depth)
+            metrics.update({f"dev_{k}": v for k, v in dev_metrics.items()})
+        return metrics
     ds_probe = json.loads(Path(cfg.deepspeed_config).read_text())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     micro, accum = ds_probe.get("train_micro_batch_size_per_gpu", 1), ds_probe.get("gradient_accumulation_steps", 1)
@@ -360,8 +373,8 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
                 print(json.dumps(line), flush=True)
                 if run:
                     run.log(line, step=step)
-            if eval_idx and (step % cfg.eval_every == 0 or step == total_steps) and rank == 0:
-                metrics = evaluate(student.module, target, dataset, eval_idx, cfg.eval_chain_depth)
+            if (eval_idx or dev is not None) and (step % cfg.eval_every == 0 or step == total_steps) and rank == 0:
+                metrics = evaluate_all()
                 print(json.dumps({"step": step, "eval": metrics}), flush=True)
                 if run:
                     run.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
@@ -378,8 +391,8 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
             continue
         break
     if rank == 0:
-        if eval_idx and not metrics:
-            metrics = evaluate(student.module, target, dataset, eval_idx, cfg.eval_chain_depth)
+        if (eval_idx or dev is not None) and not metrics:
+            metrics = evaluate_all()
         save_atomically(student.save, out / student.name)
         epochs = state["epoch"] + state["micro_in_epoch"] / micro_per_epoch
         summary = {"steps": state["step"], "epochs": round(epochs, 2), "eval": metrics,

@@ -10,6 +10,9 @@ A 135M model writes short, generic questions and never pastes a text into them, 
 given text (summarize, extract, translate, rewrite) are missing from pure Magpie data. With
 ``passage_fraction`` > 0 that share of each batch is instead a project-written template
 (``passage_tasks`` in the seeds file) filled with sentences from answers already in the data.
+
+``--answer PROMPTS --out FILE`` instead writes the target's greedy answers to a prompt file (the
+dev prompt set): a teacher-forced evaluation set for the trainer's ``dev_data``.
 """
 
 from __future__ import annotations
@@ -210,13 +213,43 @@ def run(cfg: SelfDistillConfig) -> Path:
     return data_path
 
 
+def answer_prompts(target: Target, prompts: list[dict], max_new_tokens: int, batch_size: int) -> list[dict]:
+    """The target's greedy answers to ``prompts`` ([{prompt, category}]) as ShareGPT records
+    ``{id, category, conversations}`` (batched, as the self-distilled answers are made)."""
+    model = packed_copy(target.model)
+    records = []
+    for start in tqdm(range(0, len(prompts), batch_size), desc="answer", unit="batch"):
+        chunk = prompts[start:start + batch_size]
+        texts = [target.tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], tokenize=False,
+                                                      add_generation_prompt=True) for p in chunk]
+        answers = _generate(target, model, texts, max_new_tokens, 0.0, 1.0, 0)
+        for i, (p, (answer, _ended)) in enumerate(zip(chunk, answers)):
+            records.append({"id": f"answer-{start + i}", "category": p["category"],
+                            "conversations": [{"from": "human", "value": p["prompt"]},
+                                              {"from": "gpt", "value": answer}]})
+    return records
+
+
 @command("eagle-selfdistill")
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML file with SelfDistillConfig keys")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config keys")
+    parser.add_argument("--answer", metavar="PROMPTS", help="instead: answer this prompt file (JSONL) greedily")
+    parser.add_argument("--out", help="with --answer: the ShareGPT JSONL to write")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="with --answer: answer length")
     args = parser.parse_args(argv)
-    run(load_config_file(SelfDistillConfig, args.config, args.set, "self-distillation config"))
+    cfg = load_config_file(SelfDistillConfig, args.config, args.set, "self-distillation config")
+    if not args.answer:
+        run(cfg)
+        return
+    if not args.out:
+        raise EagleError("--answer needs --out (the ShareGPT JSONL to write)")
+    from infer.bench import read_prompts
+    records = answer_prompts(load_target(cfg.target, lean=False), read_prompts(args.answer), args.max_new_tokens,
+                             cfg.batch_size)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 if __name__ == "__main__":
     sys.exit(main())
