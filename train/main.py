@@ -310,14 +310,6 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     random.Random(cfg.seed).shuffle(order)
     n_eval = max(1, int(len(order) * cfg.eval_fraction)) if len(order) > 1 else 0
     eval_idx, train_idx = order[:n_eval], order[n_eval:]
-    dev = online_dataset(target, cfg.dev_data, cfg.max_length) if cfg.dev_data and rank == 0 else None
-
-    def evaluate_all() -> dict:
-        metrics = evaluate(student.module, target, dataset, eval_idx, cfg.eval_chain_depth) if eval_idx else {}
-        if dev is not None:
-            dev_metrics = evaluate(student.module, target, dev, list(range(len(dev))), cfg.eval_chain_depth)
-            metrics.update({f"dev_{k}": v for k, v in dev_metrics.items()})
-        return metrics
     ds_probe = json.loads(Path(cfg.deepspeed_config).read_text())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     micro, accum = ds_probe.get("train_micro_batch_size_per_gpu", 1), ds_probe.get("gradient_accumulation_steps", 1)
@@ -326,6 +318,16 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     torch.manual_seed(cfg.seed)
     student = build_student(cfg, target, dataset)
+    dev = online_dataset(target, cfg.dev_data, cfg.max_length) if cfg.dev_data and rank == 0 else None
+    evaluates = rank == 0 and (bool(eval_idx) or dev is not None)
+
+    def evaluate_all() -> dict:
+        metrics = evaluate(student.module, target, dataset, eval_idx, cfg.eval_chain_depth) if eval_idx else {}
+        if dev is not None:
+            dev_metrics = evaluate(student.module, target, dev, list(range(len(dev))), cfg.eval_chain_depth)
+            metrics.update({f"dev_{k}": v for k, v in dev_metrics.items()})
+        return metrics
+
     engine, _, _, _ = deepspeed.initialize(model=student.module, model_parameters=student.parameters,
                                            config=deepspeed_dict(cfg, device, total_steps))
     out = Path(cfg.out_dir)
@@ -373,7 +375,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
                 print(json.dumps(line), flush=True)
                 if run:
                     run.log(line, step=step)
-            if (eval_idx or dev is not None) and (step % cfg.eval_every == 0 or step == total_steps) and rank == 0:
+            if evaluates and (step % cfg.eval_every == 0 or step == total_steps):
                 metrics = evaluate_all()
                 print(json.dumps({"step": step, "eval": metrics}), flush=True)
                 if run:
@@ -391,7 +393,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
             continue
         break
     if rank == 0:
-        if (eval_idx or dev is not None) and not metrics:
+        if evaluates and not metrics:
             metrics = evaluate_all()
         save_atomically(student.save, out / student.name)
         epochs = state["epoch"] + state["micro_in_epoch"] / micro_per_epoch
