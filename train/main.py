@@ -318,7 +318,10 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     torch.manual_seed(cfg.seed)
     student = build_student(cfg, target, dataset)
-    dev = online_dataset(target, cfg.dev_data, cfg.max_length) if cfg.dev_data and rank == 0 else None
+    dev = None
+    if cfg.dev_data and rank == 0:  # the target is frozen: compute the dev features once, not at every evaluation
+        online = online_dataset(target, cfg.dev_data, cfg.max_length)
+        dev = [online[i] for i in range(len(online))]
     evaluates = rank == 0 and (bool(eval_idx) or dev is not None)
 
     def evaluate_all() -> dict:

@@ -128,6 +128,14 @@ def _generate(target: Target, model: Any, texts: list[str], max_new_tokens: int,
     return results
 
 
+def _answer(target: Target, model: Any, questions: list[str], max_new_tokens: int, temperature: float,
+            seed: int) -> list[tuple[str, bool]]:
+    """The target's answers (top-p 0.95 when sampling) to single-turn user ``questions``."""
+    prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                    add_generation_prompt=True) for q in questions]
+    return _generate(target, model, prompts, max_new_tokens, temperature, 0.95, seed)
+
+
 def run(cfg: SelfDistillConfig) -> Path:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -185,10 +193,8 @@ def run(cfg: SelfDistillConfig) -> Path:
             if q is not None and q.lower() not in seen:
                 seen.add(q.lower())
                 kept.append((topic, task, q))
-        prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                        add_generation_prompt=True) for _, _, q in kept]
-        answers = _generate(target, model, prompts, cfg.answer_max_tokens, cfg.answer_temperature, 0.95,
-                            batch_seed + 1) if prompts else []
+        answers = _answer(target, model, [q for _, _, q in kept], cfg.answer_max_tokens, cfg.answer_temperature,
+                          batch_seed + 1) if kept else []
         with data_path.open("a") as f:
             for (topic, task, q), (a, _ended) in zip(kept, answers):
                 if not a.strip():
@@ -220,9 +226,7 @@ def answer_prompts(target: Target, prompts: list[dict], max_new_tokens: int, bat
     records = []
     for start in tqdm(range(0, len(prompts), batch_size), desc="answer", unit="batch"):
         chunk = prompts[start:start + batch_size]
-        texts = [target.tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], tokenize=False,
-                                                      add_generation_prompt=True) for p in chunk]
-        answers = _generate(target, model, texts, max_new_tokens, 0.0, 1.0, 0)
+        answers = _answer(target, model, [p["prompt"] for p in chunk], max_new_tokens, 0.0, 0)
         for i, (p, (answer, _ended)) in enumerate(zip(chunk, answers)):
             records.append({"id": f"answer-{start + i}", "category": p["category"],
                             "conversations": [{"from": "human", "value": p["prompt"]},
