@@ -67,12 +67,16 @@ class TreeConfig:
     """EAGLE-2 dynamic draft tree: ``depth`` expansion steps of the ``top_k`` best frontier
     nodes, then the best ``total_tokens`` nodes (root included) are verified in one pass.
     ``total_tokens="auto"`` (the default) sizes each tree by the target's measured forward-time
-    curve: about 60 nodes on a GPU, far fewer on a CPU, where every extra token costs time."""
+    curve: about 60 nodes on a GPU, far fewer on a CPU, where every extra token costs time.
+    ``lookup_tokens``: up to this many prompt-lookup draft tokens (an n-gram match in the context,
+    as in method ``pld``) join the candidate pool each step, scored by how often the target has
+    agreed with them so far; 0 turns it off (then the tree is the drafter's alone, as in EAGLE-2)."""
 
     total_tokens: Union[int, str] = "auto"
     depth: int = 6
     top_k: int = 10
     choices: Optional[tuple] = None  # EAGLE-1 static tree, e.g. ((0,), (1,), (0, 0)); replaces the dynamic tree
+    lookup_tokens: int = 10
 
     def __post_init__(self) -> None:
         if self.choices is not None:
@@ -94,6 +98,8 @@ class TreeConfig:
             raise EagleError(f"depth must be >= 1, got {self.depth}")
         if self.top_k < 1:
             raise EagleError(f"top_k must be >= 1, got {self.top_k}")
+        if self.lookup_tokens < 0:
+            raise EagleError(f"lookup_tokens must be >= 0 (0 turns it off), got {self.lookup_tokens}")
 
 
 @dataclasses.dataclass(frozen=True)

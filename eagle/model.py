@@ -92,7 +92,7 @@ class EagleModel:
     def from_pretrained(cls, target: str | Target = DEFAULT_TARGET, drafter: str | Path | Drafter | None = None,
                         draft_model: str | Any = None, device: Any = None, dtype: torch.dtype | None = None,
                         total_tokens: int | str | None = None, depth: int | None = None, top_k: int | None = None,
-                        tree_choices: list[list[int]] | None = None,
+                        tree_choices: list[list[int]] | None = None, lookup_tokens: int | None = None,
                         gamma: int | None = None, lenience: float | None = None, adaptive_gamma: bool | None = None,
                         **prompt_lookup: Any) -> "EagleModel":
         """``drafter``: a drafter folder or ``Drafter`` (default: the one shipped for the target,
@@ -100,9 +100,10 @@ class EagleModel:
         (``eagle.draft_lm``) or a loaded model for ``sd`` (default: the draft LM shipped for the
         target, if any).
         Tree options: ``total_tokens`` (int or "auto"), ``depth``, ``top_k``, ``tree_choices`` (an
-        EAGLE-1 static tree instead of the dynamic one); ``sd`` options:
+        EAGLE-1 static tree instead of the dynamic one), ``lookup_tokens`` (prompt-lookup drafts
+        grafted onto the tree; 0 turns it off); ``sd`` options:
         ``gamma``, ``lenience``, ``adaptive_gamma``; ``pld`` options: ``max_ngram``,
-        ``min_ngram``, ``num_draft_tokens``."""
+        ``min_ngram``, ``num_draft_tokens`` (the n-gram sizes also apply to ``lookup_tokens``)."""
         tgt = load_target(target, device=device, dtype=dtype)
         if drafter is None and isinstance(target, str):
             drafter = shipped_drafter(target)
@@ -121,7 +122,7 @@ class EagleModel:
                 check_same_tokenizer(tgt, draft)
                 draft_model = draft.model
         tree = {k: v for k, v in dict(total_tokens=total_tokens, depth=depth, top_k=top_k,
-                                      choices=tree_choices).items() if v is not None}
+                                      choices=tree_choices, lookup_tokens=lookup_tokens).items() if v is not None}
         spec = {k: v for k, v in dict(gamma=gamma, lenience=lenience, adaptive=adaptive_gamma).items() if v is not None}
         try:
             pl = PromptLookupConfig(**prompt_lookup)
@@ -144,12 +145,14 @@ class EagleModel:
                 raise EagleError(f"method {method!r} needs a drafter: pass drafter=... (--drafter)")
             tree = self.tree
             if method == "eagle-chain":
-                tree = dataclasses.replace(tree, top_k=1, total_tokens=tree.depth + 1, choices=None)
+                tree = dataclasses.replace(tree, top_k=1, total_tokens=tree.depth + 1, choices=None, lookup_tokens=0)
+            cost = None
             if tree.total_tokens == "auto":
                 from eagle.budget import cost_curve
 
-                return EagleDrafter(self._inference_copy(self.drafter), self.target, tree, cost=cost_curve(self.target))
-            return EagleDrafter(self._inference_copy(self.drafter), self.target, tree)
+                cost = cost_curve(self.target)
+            return EagleDrafter(self._inference_copy(self.drafter), self.target, tree, cost=cost,
+                                lookup=self.prompt_lookup)
         raise EagleError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
     def generate(self, prompt: Any, method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0,

@@ -5,11 +5,13 @@ context token and is told what the target accepted.
 - ``PromptLookup`` (``pld``): an n-gram match in the context proposes a chain.
 - ``DraftModel`` (``sd``): a separate small LM samples a chain (with its distributions q).
 - ``EagleDrafter`` (``eagle-tree``, ``eagle-chain``): the feature-level drafter grows an
-  EAGLE-2 dynamic tree (a chain is the top_k = 1 case)."""
+  EAGLE-2 dynamic tree (a chain is the top_k = 1 case); with ``lookup_tokens`` prompt-lookup
+  chains are grafted onto it, so text copied from the context is verified in the same forward."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -22,7 +24,8 @@ from eagle.drafter import Drafter
 from eagle.errors import EagleError
 from eagle.sampling import logits_to_probs, sample
 from eagle.target import Target
-from eagle.tree import DraftTree, best_frontier, chain_tree, rerank, root_only, static_layout, topk_children
+from eagle.tree import (DraftTree, best_frontier, chain_tree, graft_chain, rerank, root_only, static_layout,
+                        topk_children)
 
 
 @dataclasses.dataclass
@@ -60,17 +63,53 @@ class NoDraft(Proposer):
         return Proposal(root_only(ids[-1], self.device))
 
 
-def prompt_lookup(ids: list[int], cfg: PromptLookupConfig, limit: int) -> list[int]:
+@dataclasses.dataclass
+class LookupMatch:
+    """``tokens``: the proposed continuation (empty when nothing matched); ``ngram``: the length
+    of the matched suffix (0 when nothing matched)."""
+
+    tokens: list[int]
+    ngram: int
+
+
+def prompt_lookup(ids: list[int], cfg: PromptLookupConfig, limit: int) -> LookupMatch:
     """The tokens that followed the most recent earlier occurrence of the context's last n-gram
-    (longest n first), at most ``limit`` of them; [] when nothing matches."""
+    (longest n first), at most ``limit`` of them."""
     for n in range(cfg.max_ngram, cfg.min_ngram - 1, -1):
         if len(ids) <= n:
             continue
         tail = ids[-n:]
         for start in range(len(ids) - n - 1, -1, -1):
             if ids[start:start + n] == tail:
-                return ids[start + n: start + n + limit]
-    return []
+                return LookupMatch(ids[start + n: start + n + limit], n)
+    return LookupMatch([], 0)
+
+
+class LookupRates:
+    """How often the target agrees with prompt-lookup drafts, counted on what it really produced
+    (so the estimate depends on past output only, which keeps decoding lossless): the first draft
+    token after an n-gram match, per n, and each later token once the one before it agreed.
+    Beta(1, 1) priors."""
+
+    def __init__(self, max_ngram: int) -> None:
+        self.first = [[1.0, 2.0] for _ in range(max_ngram + 1)]  # per n: [agreed + 1, tried + 2]
+        self.later = [1.0, 2.0]
+
+    def scores(self, match: LookupMatch) -> torch.Tensor:
+        """Cumulative log-probabilities [len(match.tokens)] for the tree's scoring."""
+        hits, tries = self.first[match.ngram]
+        first, later = math.log(hits / tries), math.log(self.later[0] / self.later[1])
+        return first + later * torch.arange(len(match.tokens), dtype=torch.float32)
+
+    def update(self, match: LookupMatch, produced: list[int]) -> None:
+        """``produced``: the tokens the target emitted after the root this round (accepted drafts
+        and the next token); draft i is judged only if drafts before it agreed."""
+        for i, (draft, token) in enumerate(zip(match.tokens, produced)):
+            count = self.first[match.ngram] if i == 0 else self.later
+            count[0] += draft == token
+            count[1] += 1
+            if draft != token:
+                return
 
 
 class PromptLookup(Proposer):
@@ -79,7 +118,7 @@ class PromptLookup(Proposer):
 
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         limit = min(self.cfg.num_draft_tokens, max_depth, max_nodes - 1)
-        draft = prompt_lookup(ids, self.cfg, limit) if limit > 0 else []
+        draft = prompt_lookup(ids, self.cfg, limit).tokens if limit > 0 else []
         return Proposal(chain_tree(ids[-1], torch.tensor(draft, dtype=torch.long, device=self.device)))
 
 
@@ -128,13 +167,21 @@ class DraftModel(Proposer):
                 self.gamma = max(1, self.gamma - 1)
 
 
+LOOKUP_NODES = 3  # draft nodes (besides the root) whose paths are looked up in the context too
+
+
 class EagleDrafter(Proposer):
-    """EAGLE-2 dynamic tree from the feature-level drafter; ``top_k = 1`` gives a chain."""
+    """EAGLE-2 dynamic tree from the feature-level drafter; ``top_k = 1`` gives a chain. With
+    ``cfg.lookup_tokens`` > 0 prompt-lookup chains join the candidate pool (``_graft_lookup``),
+    scored by how often the target has agreed with such drafts so far (``LookupRates``), and
+    compete with the drafter's nodes for the ``total_tokens`` slots."""
 
     needs_features = True
 
-    def __init__(self, drafter: Drafter, target: Target, cfg: TreeConfig, cost: CostCurve | None = None) -> None:
-        """``cost``: the target's measured forward-time curve, used when ``total_tokens`` is "auto"."""
+    def __init__(self, drafter: Drafter, target: Target, cfg: TreeConfig, cost: CostCurve | None = None,
+                 lookup: PromptLookupConfig | None = None) -> None:
+        """``cost``: the target's measured forward-time curve, used when ``total_tokens`` is "auto";
+        ``lookup``: the n-gram sizes for ``cfg.lookup_tokens``."""
         vocab = drafter.config.draft_vocab_size or drafter.config.vocab_size
         widest = max((r + 1 for c in cfg.choices or () for r in c), default=cfg.top_k)
         if max(cfg.top_k, widest) > vocab:
@@ -145,6 +192,9 @@ class EagleDrafter(Proposer):
         self.device = target.device
         self.predicted = self.observed = 1.0  # expected vs real accepted drafts, to calibrate "auto"
         self.last_expected = 0.0
+        self.lookup = lookup or PromptLookupConfig()
+        self.lookup_rates = LookupRates(self.lookup.max_ngram)
+        self.last_matches: list[tuple[list[int], LookupMatch]] = []  # (path below the root, its lookup)
 
     @torch.inference_mode()
     def _extend(self, features: torch.Tensor, next_tokens: list[int]) -> None:
@@ -167,6 +217,10 @@ class EagleDrafter(Proposer):
         # features: target features of the root and the accepted drafts; tokens that follow them.
         self.predicted += self.last_expected
         self.observed += accepted
+        produced = ids[len(ids) - accepted - 1:]
+        for path, match in self.last_matches:  # judge each lookup whose node the target reached
+            if produced[:len(path)] == path:
+                self.lookup_rates.update(match, produced[len(path):])
         self._extend(features, ids[len(ids) - accepted - 1:])
 
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -196,7 +250,7 @@ class EagleDrafter(Proposer):
         start = time.perf_counter()
         total = self.cfg.total_tokens if isinstance(self.cfg.total_tokens, int) else max_nodes
         total, depth = min(total, max_nodes), min(self.cfg.depth, max_depth)
-        self.last_expected = 0.0
+        self.last_expected, self.last_matches = 0.0, []
         if self.last_hidden is None or depth < 1 or total < 2:
             return Proposal(root_only(ids[-1], self.device))
         committed = kv_cache.cache_length(self.cache)
@@ -206,6 +260,7 @@ class EagleDrafter(Proposer):
         else:
             tree = self._dynamic(ids[-1], depth, committed, start, calibration)
         kv_cache.roll_back(self.cache, committed)
+        tree = self._graft_lookup(ids, tree, max_depth)
         if self.cost is not None:  # total_tokens="auto": the size with the most expected tokens per second
             best_first = torch.sort(tree.scores[1:], descending=True).values
             total = min(total, choose_tree_size(best_first, self.cost, time.perf_counter() - start,
@@ -213,6 +268,27 @@ class EagleDrafter(Proposer):
         tree = rerank(tree.tokens, tree.parents, tree.scores, total)
         self.last_expected = float(tree.scores[1:].exp().sum())
         return Proposal(tree)
+
+    def _graft_lookup(self, ids: list[int], pool: DraftTree, max_depth: int) -> DraftTree:
+        """The pool with prompt-lookup continuations grafted on: of the context itself (at the
+        root) and of the context followed by the path to each of the ``LOOKUP_NODES`` best draft
+        nodes (a copied span often starts at a token the drafter guessed)."""
+        if self.cfg.lookup_tokens < 1:
+            return pool
+        tokens, parents = pool.tokens.tolist(), pool.parents.tolist()
+        best = torch.topk(pool.scores[1:], min(LOOKUP_NODES, pool.size - 1)).indices + 1
+        for node in [0] + best.tolist():
+            path, i = [], node
+            while i > 0:
+                path.insert(0, tokens[i])
+                i = parents[i]
+            limit = min(self.cfg.lookup_tokens, max_depth - len(path))
+            match = prompt_lookup(ids + path, self.lookup, limit) if limit > 0 else LookupMatch([], 0)
+            if match.tokens:
+                self.last_matches.append((path, match))
+                scores = pool.scores[node] + self.lookup_rates.scores(match).to(self.device)
+                pool = graft_chain(pool, torch.tensor(match.tokens, dtype=torch.long, device=self.device), scores, node)
+        return pool
 
     def _dynamic(self, root: int, depth: int, committed: int, start: float, calibration: float) -> DraftTree:
         """EAGLE-2: expand the top_k best frontier nodes per depth; return the whole candidate pool.

@@ -70,6 +70,36 @@ def rerank(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, to
     return DraftTree(tokens=tokens[kept], parents=new_parents, scores=scores[kept])
 
 
+def graft_chain(tree: DraftTree, chain: torch.Tensor, chain_scores: torch.Tensor, at: int = 0) -> DraftTree:
+    """Hang a chain of draft tokens from node ``at`` of a candidate pool (e.g. a prompt-lookup
+    draft onto the drafter's tree), sharing the nodes the two agree on.
+
+    ``tree``: a pool as ``rerank`` takes it (index 0 the root, parents[i] < i, children score no
+    higher than parents); ``chain`` [C] tokens; ``chain_scores`` [C] non-increasing cumulative
+    log-probabilities, none above node ``at``'s score. Walking down from ``at``, a chain token that
+    is already a child of the current node reuses it (its score becomes the higher of the two),
+    the rest are appended in order. The result is a pool of the same form holding every path of
+    ``tree`` plus the path to ``at`` followed by every prefix of ``chain``, with no two siblings
+    sharing a token."""
+    tokens, parents, scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
+    children: dict[tuple[int, int], int] = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if p >= 0}
+    node = at
+    for token, score in zip(chain.tolist(), chain_scores.tolist()):
+        child = children.get((node, token))
+        if child is None:
+            child = children[(node, token)] = len(tokens)
+            tokens.append(token)
+            parents.append(node)
+            scores.append(score)
+        else:
+            scores[child] = max(scores[child], score)
+        node = child
+    device = tree.tokens.device
+    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+                     parents=torch.tensor(parents, dtype=torch.long, device=device),
+                     scores=torch.tensor(scores, dtype=tree.scores.dtype, device=device))
+
+
 @dataclasses.dataclass
 class StaticLayout:
     """An EAGLE-1 static tree. Node 0 is the root; node i > 0 is the ``ranks[i]``-th most likely

@@ -10,6 +10,7 @@ work on plain record dicts, without a model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import shlex
@@ -360,7 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown(summary), end="", flush=True)
     if args.json:
         config = {k: v for k, v in vars(args).items()}
-        config.update(methods=methods, command=command)
+        config.update(methods=methods, command=command, tree=dataclasses.asdict(model.tree),
+                      prompt_lookup=dataclasses.asdict(model.prompt_lookup))
         report = dict(config=config, machine=info, prompts=len(prompts), methods=summary,
                       records=[{k: v for k, v in r.items() if k != "token_ids"} for r in records])
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

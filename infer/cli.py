@@ -50,6 +50,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--total-tokens", type=total_tokens_arg, help="tree nodes verified per step (int or 'auto')")
     t.add_argument("--depth", type=int, help="tree expansion steps")
     t.add_argument("--tree-top-k", type=int, help="frontier nodes expanded per step")
+    t.add_argument("--lookup-tokens", type=int, help="prompt-lookup draft tokens grafted onto each tree (0: off)")
     s = parser.add_argument_group("speculative sampling (sd)")
     s.add_argument("--gamma", type=int, help="draft tokens per step")
     s.add_argument("--lenience", type=float, help="< 1 accepts more drafts (lossy); 1 is exact")
@@ -95,7 +96,7 @@ def load_model(args: argparse.Namespace) -> Any:
     hf_logging.disable_progress_bar()  # keep stderr for our own lines
     return EagleModel.from_pretrained(
         args.target, drafter=args.drafter, draft_model=args.draft_model, device=args.device,
-        total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k,
+        total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k, lookup_tokens=args.lookup_tokens,
         gamma=args.gamma, lenience=args.lenience, adaptive_gamma=args.adaptive_gamma)
 
 

@@ -140,6 +140,8 @@ def test_bad_prompts_and_tree_options_are_clear_errors(model, target):
     for field in ("total_tokens", "depth", "top_k"):
         with pytest.raises(EagleError, match=field):
             TreeConfig(**{field: 0})
+    with pytest.raises(EagleError, match="lookup_tokens"):
+        TreeConfig(lookup_tokens=-1)
     with pytest.raises(EagleError, match="needs a drafter"):
         EagleModel(target).generate([1, 2], method="eagle-tree")
     with pytest.raises(EagleError, match="needs a draft model"):

@@ -6,6 +6,7 @@ control (a deliberately broken acceptance rule) that the same test must reject."
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -98,11 +99,14 @@ def test_speculative_sampling_is_lossless_and_the_check_has_teeth(model, monkeyp
     assert chi_square_p(sampled_triples(model, "sd", sampling, SAMPLES // 2), exact) < ALPHA
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_tree_sampling_is_lossless(model, top_p):
+@pytest.mark.parametrize("top_p, lookup_tokens", [(1.0, 10), (0.8, 10), (1.0, 0)])
+def test_tree_sampling_is_lossless(model, top_p, lookup_tokens):
+    """``lookup_tokens``: prompt-lookup drafts grafted onto the tree (with 6 tokens, the last one
+    has mostly occurred before from the second step on, so lookup drafts compete for the slots)."""
     sampling = SamplingConfig(temperature=1.0, top_p=top_p)
     exact = exact_triples(model, sampling)
-    counts = sampled_triples(model, "eagle-tree", sampling, SAMPLES)
+    tree_model = EagleModel(model.target, model.drafter, tree=dataclasses.replace(model.tree, lookup_tokens=lookup_tokens))
+    counts = sampled_triples(tree_model, "eagle-tree", sampling, SAMPLES)
     assert chi_square_p(counts, exact) > ALPHA
 
 

@@ -270,18 +270,27 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
                        "methods": {"ar": {"tokens_per_second": 10.0, "mean_accept_length": 1.0, "speedup_vs_ar": 1.0,
                                           "identical_to_ar": True},
                                    "eagle-tree": {"tokens_per_second": 15.0, "mean_accept_length": 2.5,
-                                                  "speedup_vs_ar": 1.5, "identical_to_ar": True}}}}
+                                                  "speedup_vs_ar": 1.5, "identical_to_ar": True}}},
+        "fixed.json": {"config": {"command": "eagle-bench --total-tokens 60 --lookup-tokens 0",
+                                  "tree": {"lookup_tokens": 0}}, "prompts": 50,
+                       "methods": {"eagle-tree": {"tokens_per_second": 9.0, "mean_accept_length": 2.75}}},
+        "fixed-lookup.json": {"config": {"command": "eagle-bench --total-tokens 60", "tree": {"lookup_tokens": 10}},
+                              "prompts": 50, "methods": {"eagle-tree": {"tokens_per_second": 9.5,
+                                                                        "mean_accept_length": 3.25}}}}
     for name, data in records.items():
         (tmp_path / name).write_text(json.dumps(data))
     assert card_main(["--drafter", str(tmp_path / "drafter"), "--selfdistill", str(tmp_path / "sd.json"),
                       "--features", str(tmp_path / "feat.json"), "--summary", str(tmp_path / "summary.json"),
                       "--bench", str(tmp_path / "bench.json"), "--train-config", "run.yaml",
-                      "--init-summary", str(tmp_path / "first.json"), str(tmp_path / "second.json")]) == 0
+                      "--init-summary", str(tmp_path / "first.json"), str(tmp_path / "second.json"),
+                      "--fixed-tree-bench", str(tmp_path / "fixed.json"), str(tmp_path / "fixed-lookup.json")]) == 0
     card = (tmp_path / "drafter" / "README.md").read_text()
     assert "48 conversations" in card and "top-1 accuracy 0.500" in card and "**2.50**" in card
     assert "unrolled over 2 passes" in card and "In all 60 steps, 7 minutes" in card
     assert "resized the draft vocabulary to the 12 most" in card and " 7 of the kept questions" in card
     assert "(`dev_data: data/dev.jsonl`,\nnever trained on): top-1 0.250, depth-5 chain 1.40." in card
+    assert "50 prompts; the drafter's tree alone): mean accepted length\n**2.75**, 9.00 tokens/s." in card
+    assert "50 prompts; prompt-lookup chains of up to 10 tokens grafted on): mean accepted length\n**3.25**" in card
     # a draft LM's card, from the same kind of records
     from eagle import draft_lm
 

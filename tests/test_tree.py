@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from eagle.tree import best_frontier, chain_tree, rerank, static_layout, topk_children
+from eagle.tree import DraftTree, best_frontier, chain_tree, graft_chain, rerank, static_layout, topk_children
 from eagle.tree_mask import ancestor_mask
 
 
@@ -37,6 +37,48 @@ def test_rerank_keeps_best_nodes_and_forms_a_subtree():
         assert tree.parents[0] == -1 and all(0 <= p < i for i, p in enumerate(tree.parents.tolist()) if i)
         for i, p in enumerate(tree.parents.tolist()[1:], start=1):  # parent mapping preserved
             assert tree.tokens[p] - 100 == parents[int(tree.tokens[i]) - 100]
+
+
+def token_paths(tokens, parents):
+    """Brute force: node -> the tuple of tokens from the root's child down to it (root: ())."""
+    paths = {}
+    for i, p in enumerate(parents):
+        paths[i] = () if p < 0 else paths[p] + (tokens[i],)
+    return paths
+
+
+def test_graft_chain_adds_exactly_the_chain_prefixes_below_its_node_and_keeps_a_pool():
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(60):
+        n = 1 + trial % 15
+        parents, tokens, scores = [-1], [9], [0.0]
+        while len(parents) < n:  # distinct tokens among siblings from a vocabulary of 4, so chains often overlap
+            p = int(torch.randint(0, len(parents), (1,), generator=gen))
+            free = [t for t in range(4) if all(not (q == p and tokens[j] == t) for j, q in enumerate(parents))]
+            if not free:
+                continue
+            parents.append(p)
+            tokens.append(free[int(torch.randint(0, len(free), (1,), generator=gen))])
+            scores.append(scores[p] - float(torch.rand(1, generator=gen)))
+        at = int(torch.randint(0, len(parents), (1,), generator=gen)) if trial % 2 else 0
+        chain = torch.randint(0, 4, (1 + trial % 5,), generator=gen)
+        chain_scores = scores[at] - torch.rand(chain.shape[0], generator=gen).cumsum(0)
+        pool = DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores))
+        out = graft_chain(pool, chain, chain_scores, at=at)
+        before = token_paths(tokens, parents)
+        after = token_paths(out.tokens.tolist(), out.parents.tolist())
+        prefixes = {before[at] + tuple(chain[:d].tolist()): float(chain_scores[d - 1])
+                    for d in range(1, chain.shape[0] + 1)}
+        assert set(after.values()) == set(before.values()) | set(prefixes) | {()}
+        assert len(set(after.values())) == out.size  # no two siblings share a token
+        assert out.tokens[:len(tokens)].tolist() == tokens and out.parents[:len(parents)].tolist() == parents
+        assert all(0 <= p < i for i, p in enumerate(out.parents.tolist()) if i)
+        old = {path: scores[i] for i, path in before.items()}
+        for i, path in after.items():
+            want = max(old.get(path, -float("inf")), prefixes.get(path, -float("inf"))) if i else 0.0
+            assert out.scores[i].item() == pytest.approx(want)
+            if i:
+                assert out.scores[i] <= out.scores[out.parents[i]] + 1e-6  # rerank's precondition still holds
 
 
 def test_best_frontier_is_stable():

@@ -90,8 +90,19 @@ prompts, greedy:
 """
 
 
+def _fixed_tree_text(bench: dict) -> str:
+    """One line per fixed-tree bench; benches from before prompt-lookup grafting record no ``tree``."""
+    lookup = bench["config"].get("tree", {}).get("lookup_tokens", 0)
+    how = f"prompt-lookup chains of up to {lookup} tokens grafted on" if lookup else "the drafter's tree alone"
+    tree = bench["methods"]["eagle-tree"]
+    return f"""
+With a fixed tree (`{bench['config']['command']}`, {bench['prompts']} prompts; {how}): mean accepted length
+**{tree['mean_accept_length']:.2f}**, {tree['tokens_per_second']:.2f} tokens/s.
+"""
+
+
 def render(drafter_dir: Path, data: dict, features: dict, summary: dict, bench: dict, train_yaml: str,
-           fixed_tree: dict | None = None, earlier: list[dict] | None = None) -> str:
+           fixed_trees: list[dict] = (), earlier: list[dict] | None = None) -> str:
     cfg = json.loads((drafter_dir / "config.json").read_text())
     tree = bench["methods"].get("eagle-tree", {})
     return f"""# EAGLE drafter for {cfg['target']['name']}
@@ -114,11 +125,7 @@ at inference, bonus token included).{_dev_eval_text(summary)}
 ## Measured on the dev prompt set (`benchmarks/prompts/dev.jsonl`)
 {_bench_table(bench)}
 Mean accepted length of `eagle-tree`: **{tree.get('mean_accept_length', 0):.2f}** tokens per target forward.
-""" + ("" if fixed_tree is None else f"""
-With a fixed tree (`{fixed_tree['config']['command']}`, {fixed_tree['prompts']} prompts): mean accepted length
-**{fixed_tree['methods']['eagle-tree']['mean_accept_length']:.2f}**,
-{fixed_tree['methods']['eagle-tree']['tokens_per_second']:.2f} tokens/s.
-""")
+""" + "".join(_fixed_tree_text(b) for b in fixed_trees)
 
 
 def _dev_eval_text(summary: dict) -> str:
@@ -173,7 +180,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--summary", required=True, help="summary.json of the training run")
     parser.add_argument("--bench", required=True, help="eagle-bench --json output on the dev prompt set")
     parser.add_argument("--train-config", required=True)
-    parser.add_argument("--fixed-tree-bench", help="eagle-bench --json output of eagle-tree with fixed tree flags")
+    parser.add_argument("--fixed-tree-bench", nargs="*", default=[],
+                        help="eagle-bench --json outputs of eagle-tree with fixed tree flags (e.g. with and without "
+                             "--lookup-tokens 0)")
     parser.add_argument("--init-summary", nargs="*", default=[],
                         help="summary.json of the runs a warm-started run began from, oldest first")
     parser.add_argument("--note", help="a paragraph appended under 'Notes' (what the records cannot say)")
@@ -185,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         folder = Path(args.drafter)
         text = render(folder, *records, args.train_config,
-                      _load(args.fixed_tree_bench) if args.fixed_tree_bench else None,
+                      [_load(p) for p in args.fixed_tree_bench],
                       [_load(p) for p in args.init_summary])
     if args.note:
         text += f"\n## Notes\n{args.note}\n"

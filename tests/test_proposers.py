@@ -1,0 +1,83 @@
+"""Proposers: the n-gram lookup, its running acceptance rates, and grafting it onto the tree."""
+
+import math
+
+import pytest
+import torch
+
+from eagle import EagleModel
+from eagle.config import PromptLookupConfig, SamplingConfig
+from eagle.proposers import LOOKUP_NODES, LookupMatch, LookupRates, prompt_lookup
+from eagle.tree import DraftTree
+
+from .conftest import prompts
+
+
+def test_prompt_lookup_takes_the_longest_then_most_recent_match():
+    cfg = PromptLookupConfig(max_ngram=3, min_ngram=1)
+    assert prompt_lookup([1, 2, 3, 9, 8, 5, 2, 3, 7, 1, 2, 3], cfg, 2) == LookupMatch([9, 8], 3)
+    assert prompt_lookup([2, 3, 6, 5, 2, 3, 7, 6, 1, 2, 3], cfg, 5) == LookupMatch([7, 6, 1, 2, 3], 2)
+    assert prompt_lookup([4, 3, 5, 4], cfg, 5) == LookupMatch([3, 5, 4], 1)
+    assert prompt_lookup([1, 2, 3], cfg, 5) == LookupMatch([], 0)
+
+
+def test_lookup_rates_judge_a_draft_only_when_the_drafts_before_it_agreed():
+    rates = LookupRates(max_ngram=3)
+    match = LookupMatch([4, 5, 6, 7], 2)
+    rates.update(match, [4, 5, 9])  # 4 and 5 agree, 6 is refuted, 7 is not judged
+    assert rates.first[2] == [2.0, 3.0] and rates.later == [2.0, 4.0]
+    rates.update(match, [4])  # the round produced one token: only the first draft is judged
+    assert rates.first[2] == [3.0, 4.0] and rates.later == [2.0, 4.0]
+    rates.update(LookupMatch([8], 1), [3])
+    assert rates.first[1] == [1.0, 3.0] and rates.first[3] == [1.0, 2.0]
+    want = [math.log(3 / 4) + i * math.log(2 / 4) for i in range(4)]
+    assert rates.scores(match).tolist() == pytest.approx(want)
+
+
+def test_eagle_tree_grafts_the_lookup_chain_and_learns_from_what_the_target_produced(target, drafter):
+    model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=100, depth=2, top_k=2, lookup_tokens=3)
+    ids = [7, 1, 2, 3, 4, 5, 9, 1, 2, 3]
+    prefill = target.forward(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1)[None], target.new_cache())
+    proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
+    proposer.start(ids, prefill.hidden[0])
+    tree = proposer.propose(ids, max_depth=10, max_nodes=100).tree
+    paths, tokens = {0: ()}, tree.tokens.tolist()
+    for i, parent in enumerate(tree.parents.tolist()[1:], start=1):
+        paths[i] = paths[parent] + (tokens[i],)
+    assert {(4,), (4, 5), (4, 5, 9)} <= set(paths.values())  # "1 2 3" was followed by "4 5 9" before
+    assert tree.size > 1 + 2 + 4  # the drafter's own pool (2 + 2 * 2 nodes) did not hold all of them
+    proposer.commit(ids + [4, 5, 0], 2, torch.zeros(3, target.hidden_size))
+    assert proposer.lookup_rates.first[3] == [2.0, 3.0] and proposer.lookup_rates.later == [2.0, 4.0]
+    chain = model._proposer("eagle-chain", SamplingConfig(), torch.Generator())
+    chain.start(ids, prefill.hidden[0])
+    assert chain.propose(ids, max_depth=10, max_nodes=100).tree.size == 3  # a chain stays the drafter's chain
+
+
+def test_lookups_below_draft_nodes_are_grafted_and_judged_only_where_the_target_went(target, drafter):
+    assert LOOKUP_NODES >= 2
+    model = EagleModel.from_pretrained(target, drafter=drafter, lookup_tokens=3)
+    proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
+    ids = [6, 11, 12, 5, 8, 13, 14, 5]
+    pool = DraftTree(torch.tensor([5, 6, 8]), torch.tensor([-1, 0, 0]), torch.tensor([0.0, -0.1, -2.0]))
+    tree = proposer._graft_lookup(ids, pool, max_depth=10)
+    paths, tokens = {0: ()}, tree.tokens.tolist()
+    for i, parent in enumerate(tree.parents.tolist()[1:], start=1):
+        paths[i] = paths[parent] + (tokens[i],)
+    # root: "5" was followed by "8 13 14"; after draft 6: "6" by "11 12 5"; after draft 8: "5 8" by "13 14 5"
+    assert set(paths.values()) == {(), (6,), (6, 11), (6, 11, 12), (6, 11, 12, 5), (8,), (8, 13), (8, 13, 14),
+                                   (8, 13, 14, 5)}
+    assert [(path, m.ngram) for path, m in proposer.last_matches] == [([], 1), ([6], 1), ([8], 2)]
+    proposer.last_hidden = torch.zeros(target.hidden_size)
+    proposer.commit(ids + [6, 11, 7], 2, torch.zeros(3, target.hidden_size))  # the target produced 6 11 7
+    rates = proposer.lookup_rates
+    assert rates.first[1] == [2.0, 4.0]  # root's "8" refuted, "11" after 6 confirmed
+    assert rates.later == [1.0, 3.0]  # "12" refuted
+    assert rates.first[2] == [1.0, 2.0]  # the lookup below draft 8 is not judged: the target did not go there
+
+
+def test_greedy_without_lookup_matches_ar(target, drafter):
+    """The drafter's tree alone (EAGLE-2); with lookup (the default) see tests/test_generate.py."""
+    model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=12, depth=4, top_k=3, lookup_tokens=0)
+    for ids in prompts(20, seed=4):
+        assert model.generate(ids, method="eagle-tree", max_new_tokens=24).token_ids == \
+            model.generate(ids, method="ar", max_new_tokens=24).token_ids
