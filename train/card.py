@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Sequence
 
 from eagle.errors import EagleError, command
 
@@ -102,7 +103,7 @@ With a fixed tree (`{bench['config']['command']}`, {bench['prompts']} prompts; {
 
 
 def render(drafter_dir: Path, data: dict, features: dict, summary: dict, bench: dict, train_yaml: str,
-           fixed_trees: list[dict] = (), earlier: list[dict] | None = None) -> str:
+           fixed_trees: Sequence[dict] = (), earlier: list[dict] | None = None) -> str:
     cfg = json.loads((drafter_dir / "config.json").read_text())
     tree = bench["methods"].get("eagle-tree", {})
     return f"""# EAGLE drafter for {cfg['target']['name']}
