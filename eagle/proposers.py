@@ -74,7 +74,9 @@ class LookupMatch:
 
 def prompt_lookup(ids: list[int], cfg: PromptLookupConfig, limit: int) -> LookupMatch:
     """The tokens that followed the most recent earlier occurrence of the context's last n-gram
-    (longest n first), at most ``limit`` of them."""
+    (longest n first), at most ``limit`` of them (none when ``limit`` < 1)."""
+    if limit < 1:
+        return LookupMatch([], 0)
     for n in range(cfg.max_ngram, cfg.min_ngram - 1, -1):
         if len(ids) <= n:
             continue
@@ -118,7 +120,7 @@ class PromptLookup(Proposer):
 
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         limit = min(self.cfg.num_draft_tokens, max_depth, max_nodes - 1)
-        draft = prompt_lookup(ids, self.cfg, limit).tokens if limit > 0 else []
+        draft = prompt_lookup(ids, self.cfg, limit).tokens
         return Proposal(chain_tree(ids[-1], torch.tensor(draft, dtype=torch.long, device=self.device)))
 
 
@@ -221,7 +223,7 @@ class EagleDrafter(Proposer):
         for path, match in self.last_matches:  # judge each lookup whose node the target reached
             if produced[:len(path)] == path:
                 self.lookup_rates.update(match, produced[len(path):])
-        self._extend(features, ids[len(ids) - accepted - 1:])
+        self._extend(features, produced)
 
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Predicted features [F, H] -> draft log-probabilities [F, V_draft]."""
@@ -283,7 +285,7 @@ class EagleDrafter(Proposer):
                 path.insert(0, tokens[i])
                 i = parents[i]
             limit = min(self.cfg.lookup_tokens, max_depth - len(path))
-            match = prompt_lookup(ids + path, self.lookup, limit) if limit > 0 else LookupMatch([], 0)
+            match = prompt_lookup(ids + path, self.lookup, limit)
             if match.tokens:
                 self.last_matches.append((path, match))
                 scores = pool.scores[node] + self.lookup_rates.scores(match).to(self.device)

@@ -19,6 +19,7 @@ def test_prompt_lookup_takes_the_longest_then_most_recent_match():
     assert prompt_lookup([2, 3, 6, 5, 2, 3, 7, 6, 1, 2, 3], cfg, 5) == LookupMatch([7, 6, 1, 2, 3], 2)
     assert prompt_lookup([4, 3, 5, 4], cfg, 5) == LookupMatch([3, 5, 4], 1)
     assert prompt_lookup([1, 2, 3], cfg, 5) == LookupMatch([], 0)
+    assert prompt_lookup([1, 2, 3, 1, 2, 3], cfg, 0) == LookupMatch([], 0)
 
 
 def test_lookup_rates_judge_a_draft_only_when_the_drafts_before_it_agreed():
