@@ -260,7 +260,7 @@ class EagleDrafter(Proposer):
         if self.cfg.choices:
             tree = self._static(ids[-1], min(depth, max(len(c) for c in self.cfg.choices)), committed)
         else:
-            tree = self._dynamic(ids[-1], depth, committed, start, calibration)
+            tree = self._dynamic(ids[-1], depth, total, committed, start, calibration)
         kv_cache.roll_back(self.cache, committed)
         tree = self._graft_lookup(ids, tree, max_depth)
         if self.cost is not None:  # total_tokens="auto": the size with the most expected tokens per second
@@ -292,10 +292,15 @@ class EagleDrafter(Proposer):
                 pool = graft_chain(pool, torch.tensor(match.tokens, dtype=torch.long, device=self.device), scores, node)
         return pool
 
-    def _dynamic(self, root: int, depth: int, committed: int, start: float, calibration: float) -> DraftTree:
+    def _dynamic(self, root: int, depth: int, total: int, committed: int, start: float,
+                 calibration: float) -> DraftTree:
         """EAGLE-2: expand the top_k best frontier nodes per depth; return the whole candidate pool.
-        With ``total_tokens="auto"`` the tree stops growing once another depth cannot pay for its
-        drafter call (``deeper_pays``, judged against the best size's expected tokens per second)."""
+        A frontier node outside the best ``total - 2`` nodes of the pool so far is not expanded: a
+        child scores no higher than its parent and ranks after it, so none of its children could
+        be among the ``total - 1`` kept (the final tree is the same, with fewer drafter rows).
+        With ``total_tokens="auto"`` the size is the one with the most expected tokens per second
+        so far, and the tree stops growing once another depth cannot pay for its drafter call
+        (``deeper_pays``)."""
         k, to_target = self.cfg.top_k, self.drafter.to_target_ids
         lp = self._logprobs(self.last_hidden[None])
         child_tokens, child_scores = topk_children(torch.zeros(1, device=self.device), lp, k)
@@ -320,17 +325,22 @@ class EagleDrafter(Proposer):
             pool_parents.append(parents)
             pool_scores.append(flat_scores)
             best = best_frontier(flat_scores, k)
+            if d + 1 < depth:  # expand only frontier nodes that could have a kept child
+                pool = torch.sort(torch.cat(pool_scores)[1:], descending=True).values
+                keep = total - 1
+                if self.cost is not None:
+                    choice = choose_tree_size(pool, self.cost, time.perf_counter() - start, calibration)
+                    keep = min(keep, choice.size - 1)
+                rank = min(keep - 1, pool.shape[0])  # a kept child ranks below its parent: parent in the top keep - 1
+                best = best[flat_scores[best] >= pool[rank - 1]] if rank > 0 else best[:0]
+                if best.shape[0] == 0 or self.cost is not None and not deeper_pays(
+                        flat_scores[best], choice.tokens_per_second, time.perf_counter() - step_start, calibration):
+                    break
             for j in best.tolist():
                 ancestors[size + j] = ancestors[int(parents[j])] + [size + j]
             frontier_inputs = hidden[best // k]
             frontier = best + size
             size += flat_scores.shape[0]
-            if self.cost is not None and d + 1 < depth:
-                now = time.perf_counter()
-                pool = torch.sort(torch.cat(pool_scores)[1:], descending=True).values
-                rate = choose_tree_size(pool, self.cost, now - start, calibration).tokens_per_second
-                if not deeper_pays(flat_scores[best], rate, now - step_start, calibration):
-                    break
         return DraftTree(torch.cat(pool_tokens), torch.cat(pool_parents), torch.cat(pool_scores))
 
     def _static(self, root: int, depth: int, committed: int) -> DraftTree:

@@ -7,6 +7,7 @@ import torch
 
 from eagle import EagleModel
 from eagle.config import PromptLookupConfig, SamplingConfig
+from eagle.drafter import Drafter
 from eagle.proposers import LOOKUP_NODES, LookupMatch, LookupRates, prompt_lookup
 from eagle.tree import DraftTree
 
@@ -82,3 +83,60 @@ def test_greedy_without_lookup_matches_ar(target, drafter):
     for ids in prompts(20, seed=4):
         assert model.generate(ids, method="eagle-tree", max_new_tokens=24).token_ids == \
             model.generate(ids, method="ar", max_new_tokens=24).token_ids
+
+
+
+def brute_force_eagle2(proposer, ids: list[int], features: torch.Tensor, depth: int, k: int,
+                       total: int) -> dict[tuple[int, ...], float]:
+    """EAGLE-2 by the paper, each node's predicted feature recomputed by running the drafter
+    causally over the context and the node's path: the kept paths -> their scores."""
+    drafter, target = proposer.drafter, proposer.target
+
+    def predict(path: list[int], path_features: list[torch.Tensor]) -> torch.Tensor:
+        feats = torch.cat([features, torch.stack(path_features)]) if path_features else features
+        tokens = torch.tensor([ids[1:] + path])
+        return drafter(feats[None], target.embed(tokens), torch.arange(tokens.shape[1])[None])[0, -1]
+
+    def children(path, path_features, hidden, score):
+        logprobs = torch.log_softmax(drafter.draft_logits(hidden, target.lm_head), -1)
+        top = torch.topk(logprobs, k)
+        return [(path + [int(t)], path_features + [hidden], score + float(s)) for s, t in zip(top.values, top.indices)]
+
+    level = children([], [], predict([], []), 0.0)  # (path, features fed along it, score)
+    pool = list(level)
+    for _ in range(1, depth):
+        frontier = sorted(range(len(level)), key=lambda i: -level[i][2])[:k]  # stable: ties keep order
+        level = [c for i in frontier for c in children(level[i][0], level[i][1],
+                                                       predict(level[i][0], level[i][1]), level[i][2])]
+        pool += level
+    kept = sorted(range(len(pool)), key=lambda i: -pool[i][2])[: total - 1]
+    return {tuple(pool[i][0]): pool[i][2] for i in kept}
+
+
+@pytest.mark.parametrize("total, frontier_rows", [(3, None), (5, "fewer"), (7, None), (9, None), (12, None),
+                                                  (40, "all")])
+def test_dynamic_tree_equals_brute_force_eagle2_and_skips_nodes_that_cannot_be_kept(target, total, frontier_rows):
+    """With a flat draft distribution (no weight scaling) deep and shallow nodes compete."""
+    depth, k = 4, 3
+    torch.manual_seed(5)
+    flat = Drafter.from_target(target).eval()
+    model = EagleModel.from_pretrained(target, drafter=flat, total_tokens=total, depth=depth, top_k=k, lookup_tokens=0)
+    ids = [3, 9, 4, 17, 8, 2, 11]
+    prefill = target.forward(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1)[None], target.new_cache())
+    proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
+    proposer.start(ids, prefill.hidden[0])
+    rows = []
+    run_nodes = proposer._run_nodes
+    proposer._run_nodes = lambda inputs, *args: rows.append(inputs.shape[0]) or run_nodes(inputs, *args)
+    tree = proposer.propose(ids, max_depth=10, max_nodes=100).tree
+    paths, tokens, scores = {0: ()}, tree.tokens.tolist(), tree.scores.tolist()
+    for i, parent in enumerate(tree.parents.tolist()[1:], start=1):
+        paths[i] = paths[parent] + (tokens[i],)
+    got = {paths[i]: scores[i] for i in range(1, tree.size)}
+    want = brute_force_eagle2(proposer, ids, prefill.hidden[0], depth, k, total)
+    assert got.keys() == want.keys()
+    assert [got[p] for p in want] == pytest.approx(list(want.values()), abs=1e-4)
+    if frontier_rows == "fewer":  # 4 nodes kept: some frontier nodes could not be and were not run
+        assert sum(rows) < k * (depth - 1)
+    elif frontier_rows == "all":  # every node can be kept: all k frontier nodes run at every depth
+        assert rows == [k] * (depth - 1)
