@@ -181,14 +181,16 @@ class EagleDrafter(Proposer):
     needs_features = True
 
     def __init__(self, drafter: Drafter, target: Target, cfg: TreeConfig, cost: CostCurve | None = None,
-                 lookup: PromptLookupConfig | None = None) -> None:
+                 lookup: PromptLookupConfig | None = None, dtype: torch.dtype | None = None) -> None:
         """``cost``: the target's measured forward-time curve, used when ``total_tokens`` is "auto";
-        ``lookup``: the n-gram sizes for ``cfg.lookup_tokens``."""
+        ``lookup``: the n-gram sizes for ``cfg.lookup_tokens``; ``dtype``: the drafter's weights'
+        (default the target's), in which it is fed the target's features and embeddings."""
         vocab = drafter.config.draft_vocab_size or drafter.config.vocab_size
         widest = max((r + 1 for c in cfg.choices or () for r in c), default=cfg.top_k)
         if max(cfg.top_k, widest) > vocab:
             raise EagleError(f"tree top_k / choice rank {max(cfg.top_k, widest)} exceeds the drafter's vocabulary ({vocab})")
         self.drafter, self.target, self.cfg, self.cost = drafter, target, cfg, cost
+        self.dtype = dtype or target.dtype
         self.cache = drafter.new_cache()
         self.last_hidden: torch.Tensor | None = None  # drafter's prediction of the root's feature [H]
         self.device = target.device
@@ -206,7 +208,7 @@ class EagleDrafter(Proposer):
         past = kv_cache.cache_length(self.cache)
         tokens = torch.tensor([next_tokens], dtype=torch.long, device=self.device)
         pos = torch.arange(past, past + len(next_tokens), device=self.device)[None]
-        out = self.drafter(features[None].to(self.target.dtype), self.target.embed(tokens), pos, self.cache)
+        out = self.drafter(features[None].to(self.dtype), self.target.embed(tokens).to(self.dtype), pos, self.cache)
         self.last_hidden = out[0, -1]
 
     def start(self, ids: list[int], features: torch.Tensor | None) -> None:
@@ -227,7 +229,7 @@ class EagleDrafter(Proposer):
 
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Predicted features [F, H] -> draft log-probabilities [F, V_draft]."""
-        logits = self.drafter.draft_logits(hidden, self.target.lm_head)
+        logits = self.drafter.draft_logits(hidden, lambda h: self.target.lm_head(h.to(self.target.dtype)))
         return torch.log_softmax(logits.float(), dim=-1)
 
     def _run_nodes(self, inputs: torch.Tensor, tokens: torch.Tensor, ancestors: list[list[int]], committed: int,
@@ -242,10 +244,11 @@ class EagleDrafter(Proposer):
         allowed[:, :committed] = True
         for row, chain in enumerate(ancestors):
             allowed[row, [committed + col[a] for a in chain]] = True
-        dtype = self.target.dtype
+        dtype = self.dtype
         bias = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(~allowed, torch.finfo(dtype).min)
         pos = torch.full((1, len(nodes)), position, device=self.device)
-        return self.drafter(inputs[None], self.target.embed(tokens[None]), pos, self.cache, bias[None, None])[0]
+        embeds = self.target.embed(tokens[None]).to(dtype)
+        return self.drafter(inputs[None], embeds, pos, self.cache, bias[None, None])[0]
 
     @torch.inference_mode()
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:

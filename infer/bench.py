@@ -362,7 +362,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         config = {k: v for k, v in vars(args).items()}
         config.update(methods=methods, command=command, tree=dataclasses.asdict(model.tree),
-                      prompt_lookup=dataclasses.asdict(model.prompt_lookup))
+                      prompt_lookup=dataclasses.asdict(model.prompt_lookup),
+                      drafter_dtype=str(model.drafter_dtype).replace("torch.", ""))
         report = dict(config=config, machine=info, prompts=len(prompts), methods=summary,
                       records=[{k: v for k, v in r.items() if k != "token_ids"} for r in records])
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,9 @@ class Parser(argparse.ArgumentParser):
         raise EagleError(message)
 
 
+DRAFTER_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 def total_tokens_arg(value: str) -> int | str:
     if value == "auto":
         return value
@@ -51,6 +54,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--depth", type=int, help="tree expansion steps")
     t.add_argument("--tree-top-k", type=int, help="frontier nodes expanded per step")
     t.add_argument("--lookup-tokens", type=int, help="prompt-lookup draft tokens grafted onto each tree (0: off)")
+    t.add_argument("--drafter-dtype", choices=DRAFTER_DTYPES, default="auto",
+                   help="what the drafter computes in (default auto: bf16 on a CPU with native bf16 for an fp32 "
+                        "target, else the target's dtype); output is the target's either way")
     s = parser.add_argument_group("speculative sampling (sd)")
     s.add_argument("--gamma", type=int, help="draft tokens per step")
     s.add_argument("--lenience", type=float, help="< 1 accepts more drafts (lossy); 1 is exact")
@@ -94,10 +100,13 @@ def load_model(args: argparse.Namespace) -> Any:
 
     check_device(args.device)
     hf_logging.disable_progress_bar()  # keep stderr for our own lines
+    import torch
+
+    drafter_dtype = None if args.drafter_dtype == "auto" else getattr(torch, args.drafter_dtype)
     return EagleModel.from_pretrained(
         args.target, drafter=args.drafter, draft_model=args.draft_model, device=args.device,
         total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k, lookup_tokens=args.lookup_tokens,
-        gamma=args.gamma, lenience=args.lenience, adaptive_gamma=args.adaptive_gamma)
+        gamma=args.gamma, lenience=args.lenience, adaptive_gamma=args.adaptive_gamma, drafter_dtype=drafter_dtype)
 
 
 def check_method(model: Any, method: str) -> None:

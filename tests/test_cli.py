@@ -96,13 +96,14 @@ def test_bench_writes_the_report(saved, tmp_path, capsys):
     report, png = tmp_path / "out" / "b.json", tmp_path / "b.png"
     assert bench.main(["--target", target, "--drafter", drafter, "--prompts", prompts, "--methods",
                        "hf,ar,pld,eagle-tree", "--max-new-tokens", "16", "--json", str(report),
-                       "--plot", str(png), "--lookup-tokens", "4"]) == 0
+                       "--plot", str(png), "--lookup-tokens", "4", "--drafter-dtype", "float32"]) == 0
     out, _ = capsys.readouterr()
     assert "| method | tokens/s | mean accept len | speedup vs ar | speedup vs hf | identical to ar |" in out
     assert "eagle-bench --target" in out and "torch_threads" in out
     data = json.loads(report.read_text())
     assert data["prompts"] == 3 and data["config"]["max_new_tokens"] == 16
     assert data["config"]["tree"]["lookup_tokens"] == 4 and data["config"]["prompt_lookup"]["max_ngram"] == 3
+    assert data["config"]["drafter_dtype"] == "float32"
     assert list(data["methods"]) == ["hf", "ar", "pld", "eagle-tree"]
     for name, m in data["methods"].items():
         assert m["tokens_per_second"] > 0 and m["mean_accept_length"] >= 1

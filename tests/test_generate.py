@@ -189,3 +189,24 @@ def test_sliding_window_models_are_refused():
     t.model.config.sliding_window = 4
     with pytest.raises(EagleError, match="sliding-window"):
         EagleModel(t).generate([1, 2, 3], method="ar")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_drafters_precision_never_changes_the_output(target, drafter, dtype):
+    model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=12, depth=4, top_k=3, drafter_dtype=dtype)
+    proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
+    assert proposer.dtype == dtype and proposer.drafter.fc.bias is None and proposer.drafter.layers[0].mlp.up_proj(
+        torch.zeros(1, 1, target.hidden_size, dtype=dtype)).dtype == dtype
+    for ids in prompts(10, seed=3):
+        assert model.generate(ids, method="eagle-tree", max_new_tokens=24).token_ids == \
+            model.generate(ids, method="ar", max_new_tokens=24).token_ids
+
+
+def test_the_drafter_runs_in_bf16_on_a_cpu_that_multiplies_bf16_natively(target, monkeypatch):
+    from eagle import model as model_module
+
+    monkeypatch.setattr(model_module, "cpu_has_fast_bf16", lambda: True)
+    assert model_module.default_drafter_dtype(target) == torch.bfloat16
+    monkeypatch.setattr(model_module, "cpu_has_fast_bf16", lambda: False)
+    assert model_module.default_drafter_dtype(target) == torch.float32
+    assert EagleModel(target).drafter_dtype == torch.float32

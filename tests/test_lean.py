@@ -6,7 +6,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from eagle import EagleError, EagleModel, kv_cache
-from eagle.lean import LeanDecoder, PackedLinear, packed_copy, unsupported_reason
+from eagle.lean import LeanDecoder, PackedLinear, cpu_has_fast_bf16, packed_copy, unsupported_reason
 from eagle.tree_mask import attention_bias, tree_attention
 
 from .conftest import prompts, tiny_drafter, tiny_target
@@ -24,6 +24,18 @@ def test_packed_linear_matches_linear(rows):
     assert torch.allclose(PackedLinear(a.weight, a.bias)(strided), a(strided), atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 10])
+def test_packed_linear_in_bf16_matches_linear_in_bf16(rows):
+    """Packed for oneDNN where the CPU multiplies bf16 natively (``cpu_has_fast_bf16``), else F.linear."""
+    torch.manual_seed(0)
+    a = nn.Linear(64, 48, bias=False).bfloat16()
+    x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
+    packed = PackedLinear(a.weight)
+    assert packed.packed == cpu_has_fast_bf16()
+    out = packed(x)
+    assert out.dtype == torch.bfloat16 and torch.allclose(out.float(), a(x).float(), atol=2e-2, rtol=2e-2)
+
+
 def test_packed_copy_leaves_the_original_and_computes_the_same(drafter):
     copy = packed_copy(drafter)
     assert isinstance(drafter.fc, nn.Linear) and isinstance(copy.fc, PackedLinear)
@@ -32,6 +44,10 @@ def test_packed_copy_leaves_the_original_and_computes_the_same(drafter):
     pos = torch.arange(5)[None]
     with torch.inference_mode():
         assert torch.allclose(copy(f, e, pos), drafter(f, e, pos), atol=1e-5)
+        half = packed_copy(drafter, torch.bfloat16)
+        out = half(f.bfloat16(), e.bfloat16(), pos)
+        assert out.dtype == torch.bfloat16 and drafter.fc.weight.dtype == torch.float32
+        assert torch.allclose(out.float(), drafter(f, e, pos), atol=0.1 * drafter(f, e, pos).abs().max().item())
 
 
 def _model_forward(target, ids, pos, cache, mask=None):

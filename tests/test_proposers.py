@@ -120,7 +120,8 @@ def test_dynamic_tree_equals_brute_force_eagle2_and_skips_nodes_that_cannot_be_k
     depth, k = 4, 3
     torch.manual_seed(5)
     flat = Drafter.from_target(target).eval()
-    model = EagleModel.from_pretrained(target, drafter=flat, total_tokens=total, depth=depth, top_k=k, lookup_tokens=0)
+    model = EagleModel.from_pretrained(target, drafter=flat, total_tokens=total, depth=depth, top_k=k, lookup_tokens=0,
+                                       drafter_dtype=torch.float32)
     ids = [3, 9, 4, 17, 8, 2, 11]
     prefill = target.forward(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1)[None], target.new_cache())
     proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
