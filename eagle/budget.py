@@ -78,10 +78,25 @@ def deeper_pays(frontier_scores: torch.Tensor, rate: float, step_seconds: float,
     return calibration * float(frontier_scores.float().exp().sum()) > rate * step_seconds
 
 
+def non_decreasing(values: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit (pool adjacent violators): a forward over more
+    tokens never costs less, so a timing that says otherwise is noise, averaged with its
+    neighbours. [n] -> [n]."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (a, n), (b, m) = blocks[-2], blocks.pop()
+            blocks[-1] = [(a * n + b * m) / (n + m), n + m]
+    return [mean for mean, count in blocks for _ in range(int(count))]
+
+
 @torch.inference_mode()
 def measure_cost_curve(target: Target, sizes: tuple[int, ...] = SIZES, context: int = 128,
-                       repeats: int = 3) -> CostCurve:
-    """Time one target forward of n tree tokens after ``context`` cached tokens (median of repeats)."""
+                       repeats: int = 5) -> CostCurve:
+    """Time one target forward of n tree tokens after ``context`` cached tokens: ``repeats``
+    rounds over all sizes (so a slow spell of the machine touches every size alike), the median
+    per size, made non-decreasing in n (``non_decreasing``)."""
     from eagle import kv_cache
     from eagle.tree_mask import causal_bias
 
@@ -89,27 +104,26 @@ def measure_cost_curve(target: Target, sizes: tuple[int, ...] = SIZES, context: 
     ids = torch.randint(0, target.vocab_size, (1, context + max(sizes)), generator=gen).to(target.device)
     cache = target.new_cache()
     target.forward(ids[:, :context], torch.arange(context, device=target.device)[None], cache, logits_from=context)
-    seconds = []
-    for n in sizes:
-        runs = []
-        for _ in range(repeats + 1):  # the first run warms up
+    runs: dict[int, list[float]] = {n: [] for n in sizes}
+    for round_ in range(repeats + 1):  # the first round warms up
+        for n in sizes:
             bias = causal_bias(n, context, target.dtype, target.device)
             start = time.perf_counter()
             target.forward(ids[:, context:context + n], torch.arange(context, context + n, device=target.device)[None],
                            cache, bias)
             if target.device.type == "cuda":
                 torch.cuda.synchronize()
-            runs.append(time.perf_counter() - start)
+            if round_:
+                runs[n].append(time.perf_counter() - start)
             kv_cache.roll_back(cache, context)
-        seconds.append(statistics.median(runs[1:]))
-    return CostCurve(sizes=list(sizes), seconds=seconds)
+    return CostCurve(sizes=list(sizes), seconds=non_decreasing([statistics.median(runs[n]) for n in sizes]))
 
 
 def cost_curve(target: Target) -> CostCurve:
     """The cached cost curve for this target, device, dtype and thread count (measured on a miss)."""
-    key = json.dumps([target.name, target.tokenizer_fingerprint, target.hidden_size, target.config.num_hidden_layers,
-                      str(target.device), str(target.dtype), torch.get_num_threads(),
-                      "lean" if target.lean is not None else "model"])
+    key = json.dumps(["v2", target.name, target.tokenizer_fingerprint, target.hidden_size,
+                      target.config.num_hidden_layers, str(target.device), str(target.dtype),
+                      torch.get_num_threads(), "lean" if target.lean is not None else "model"])
     path = cache_root() / "cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     if path.is_file():
         return CostCurve(**json.loads(path.read_text()))

@@ -121,3 +121,23 @@ def test_a_deeper_tree_is_drafted_only_when_it_can_pay():
     assert deeper_pays(frontier, rate=20.0, step_seconds=0.02)  # 0.6 > 0.4 tokens the call's time is worth
     assert not deeper_pays(frontier, rate=40.0, step_seconds=0.02)  # 0.6 < 0.8
     assert not deeper_pays(frontier, rate=20.0, step_seconds=0.02, calibration=0.5)
+
+
+def test_measured_costs_are_fitted_non_decreasing_by_least_squares():
+    """Against brute force: the best non-decreasing fit on a grid is no better than the PAV fit."""
+    import itertools
+
+    from eagle.budget import non_decreasing
+
+    assert non_decreasing([43.0, 46.0, 37.5, 39.7, 43.8, 54.0]) == pytest.approx([41.55] * 4 + [43.8, 54.0])
+    assert non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0] and non_decreasing([]) == []
+    gen = torch.Generator().manual_seed(0)
+    grid = [i / 4 for i in range(13)]  # 0 .. 3 in quarters
+    for _ in range(20):
+        values = (torch.randint(0, 13, (4,), generator=gen) / 4).tolist()
+        fit = non_decreasing(values)
+        assert all(a <= b for a, b in zip(fit, fit[1:])) and sum(fit) == pytest.approx(sum(values))
+        loss = sum((f - v) ** 2 for f, v in zip(fit, values))
+        best = min(sum((f - v) ** 2 for f, v in zip(c, values))
+                   for c in itertools.combinations_with_replacement(grid, 4))
+        assert loss <= best + 1e-9
