@@ -20,7 +20,7 @@ from torch import nn
 from eagle.config import from_dict
 from eagle.errors import EagleError
 from eagle.kv_cache import StaticCache
-from eagle.lean import rms_norm, rotate
+from eagle.lean import PackedLinear, rms_norm, rotate
 from eagle.tree_mask import causal_bias
 
 FORMAT = "eagle-drafter/1"
@@ -89,12 +89,16 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def rotary_angles(positions: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
+    """Llama's default rotary embedding: positions [...] -> angles [..., dim] (float32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    angles = positions.float()[..., None] * inv_freq
+    return torch.cat((angles, angles), dim=-1)
+
+
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embedding (Llama's default kind). q/k [B, heads, T, d]; positions [B, T]."""
-    d = q.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=q.device, dtype=torch.float32) / d))
-    angles = positions.float()[..., None] * inv_freq  # [B, T, d/2]
-    emb = torch.cat((angles, angles), dim=-1)[:, None]
+    """Rotary embedding. q/k [B, heads, T, d]; positions [B, T]."""
+    emb = rotary_angles(positions, q.shape[-1], theta)[:, None]
     cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
     return rotate(q, cos, sin), rotate(k, cos, sin)
 
@@ -301,3 +305,83 @@ class Drafter(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.d2t is None else self.d2t[draft_ids]
+
+
+
+@dataclasses.dataclass
+class _LeanLayer:
+    input_norm: tuple[torch.Tensor, float] | None  # (weight, eps); layer 0 has none
+    qkv: PackedLinear
+    o: PackedLinear
+    post_norm: tuple[torch.Tensor, float]
+    gate_up: PackedLinear
+    down: PackedLinear
+
+
+class LeanDrafter(nn.Module):
+    """Inference-only forward of a ``Drafter`` (as ``eagle.lean.LeanDecoder`` is for targets): q/k/v
+    and gate/up fused into one prepacked matrix each (``PackedLinear``), rotary tables computed
+    once, weights cast to ``dtype``. Same ``forward`` as ``Drafter``, and the parts the tree
+    proposer uses (``config``, ``draft_logits``, ``to_target_ids``, ``new_cache``). The tree's
+    drafter calls have ~10 rows, where a call's fixed cost outweighs its arithmetic."""
+
+    draft_logits = Drafter.draft_logits
+    to_target_ids = Drafter.to_target_ids
+    new_cache = Drafter.new_cache
+
+    def __init__(self, drafter: Drafter, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = drafter.config
+        self.dtype = dtype = dtype or drafter.fc.weight.dtype
+
+        def packed(*linears: nn.Linear) -> PackedLinear:
+            bias = None if linears[0].bias is None else torch.cat([lin.bias.detach().to(dtype) for lin in linears])
+            return PackedLinear(torch.cat([lin.weight.detach().to(dtype) for lin in linears]), bias)
+
+        def norm(module: RMSNorm | None) -> tuple[torch.Tensor, float] | None:
+            return None if module is None else (module.weight.detach().to(dtype), module.eps)
+
+        self.fc = packed(drafter.fc)
+        self.layers = [_LeanLayer(input_norm=norm(layer.input_layernorm),
+                                  qkv=packed(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                                  o=packed(layer.self_attn.o_proj), post_norm=norm(layer.post_attention_layernorm),
+                                  gate_up=packed(layer.mlp.gate_proj, layer.mlp.up_proj), down=packed(layer.mlp.down_proj))
+                       for layer in drafter.layers]
+        self.lm_head = None if drafter.lm_head is None else packed(drafter.lm_head)
+        self.d2t = drafter.d2t
+        self._cos = self._sin = torch.empty(0, self.config.head_dim, dtype=dtype, device=drafter.fc.weight.device)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, 1, T, d] for positions [B, T], from tables grown to the largest position seen."""
+        need = int(positions.max()) + 1
+        if need > self._cos.shape[0]:
+            size = max(need, 2 * self._cos.shape[0], 256)
+            angles = rotary_angles(torch.arange(size, device=positions.device), self.config.head_dim,
+                                   self.config.rope_theta)
+            self._cos, self._sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        return self._cos[positions][:, None], self._sin[positions][:, None]
+
+    @torch.inference_mode()
+    def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
+                cache: StaticCache | None = None, attention_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``Drafter.forward``: [B, T, H] features and next-token embeddings -> predicted features."""
+        cfg = self.config
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        x = self.fc(torch.cat([token_embeds, features], dim=-1))
+        b, t, _ = x.shape
+        past = cache.get_seq_length() if cache is not None else 0
+        if attention_bias is None:
+            attention_bias = causal_bias(t, past, x.dtype, x.device)
+        cos, sin = self._rotary(positions)
+        for i, layer in enumerate(self.layers):
+            h = x if layer.input_norm is None else rms_norm(x, *layer.input_norm)
+            qk, v = layer.qkv(h).view(b, t, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
+            q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)  # queries and keys rotated together
+            if cache is not None:
+                k, v = cache.update(i, k, v)
+            out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_bias.to(x.dtype),
+                                                             enable_gqa=nkv != nh, scale=1.0 / math.sqrt(d))
+            x = x + layer.o(out.transpose(1, 2).reshape(b, t, nh * d))
+            gate, up = layer.gate_up(rms_norm(x, *layer.post_norm)).split(cfg.intermediate_size, dim=-1)
+            x = x + layer.down(nn.functional.silu(gate) * up)
+        return x

@@ -11,7 +11,7 @@ import torch
 
 from eagle import draft_lm
 from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
-from eagle.drafter import Drafter
+from eagle.drafter import Drafter, LeanDrafter
 from eagle.errors import EagleError
 from eagle.generate import GenerationResult, decode_loop
 from eagle.lean import cpu_has_fast_bf16, packed_copy
@@ -89,16 +89,17 @@ class EagleModel:
         self.speculative = speculative or SpeculativeConfig()
         self.prompt_lookup = prompt_lookup or PromptLookupConfig()
         self.drafter_dtype = drafter_dtype or default_drafter_dtype(target)
-        self._packed: dict[int, tuple[Any, Any]] = {}
+        self._packed: dict[tuple[int, torch.dtype | None], tuple[Any, Any]] = {}
 
     def _inference_copy(self, module: Any, dtype: torch.dtype | None = None) -> Any:
-        """``module`` with prepacked linear layers (``eagle.lean.packed_copy``, cast to ``dtype``),
-        made on first use: the drafter's and draft model's weights are read then; build a new
-        ``EagleModel`` after changing them."""
-        entry = self._packed.get(id(module))
-        if entry is None or entry[0] is not module or entry[1][0] != dtype:
-            entry = self._packed[id(module)] = (module, (dtype, packed_copy(module, dtype)))
-        return entry[1][1]
+        """An inference copy, made on first use (the weights are read then; build a new
+        ``EagleModel`` after changing them): for the drafter a ``LeanDrafter`` in ``dtype``, for
+        a draft model its ``eagle.lean.packed_copy``."""
+        entry = self._packed.get((id(module), dtype))
+        if entry is None or entry[0] is not module:
+            copy = LeanDrafter(module, dtype) if isinstance(module, Drafter) else packed_copy(module, dtype)
+            entry = self._packed[(id(module), dtype)] = (module, copy)
+        return entry[1]
 
     @classmethod
     def from_pretrained(cls, target: str | Target = DEFAULT_TARGET, drafter: str | Path | Drafter | None = None,

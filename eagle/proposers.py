@@ -20,7 +20,7 @@ import torch
 from eagle import kv_cache
 from eagle.budget import CostCurve, choose_tree_size, deeper_pays
 from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
-from eagle.drafter import Drafter
+from eagle.drafter import Drafter, LeanDrafter
 from eagle.errors import EagleError
 from eagle.sampling import logits_to_probs, sample
 from eagle.target import Target
@@ -180,7 +180,7 @@ class EagleDrafter(Proposer):
 
     needs_features = True
 
-    def __init__(self, drafter: Drafter, target: Target, cfg: TreeConfig, cost: CostCurve | None = None,
+    def __init__(self, drafter: Drafter | LeanDrafter, target: Target, cfg: TreeConfig, cost: CostCurve | None = None,
                  lookup: PromptLookupConfig | None = None, dtype: torch.dtype | None = None) -> None:
         """``cost``: the target's measured forward-time curve, used when ``total_tokens`` is "auto";
         ``lookup``: the n-gram sizes for ``cfg.lookup_tokens``; ``dtype``: the drafter's weights'

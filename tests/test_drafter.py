@@ -3,6 +3,7 @@ import torch
 from transformers import DynamicCache
 
 from eagle import Drafter, EagleError, EagleModel
+from eagle.drafter import LeanDrafter
 from eagle.tree_mask import attention_bias, tree_attention
 
 from .conftest import prompts, tiny_drafter, tiny_target
@@ -100,3 +101,26 @@ def test_draft_vocabulary_resize_keeps_trained_rows_and_maps_new_ones():
     torch.testing.assert_close(resized.fc.weight, drafter.fc.weight)
     with pytest.raises(EagleError, match="sorted, unique"):
         drafter.with_draft_vocab(torch.tensor([5, 3]), tiny)
+
+
+@pytest.mark.parametrize("layers, draft_vocab", [(1, None), (2, 8)])
+def test_lean_drafter_computes_what_the_drafter_does(target, layers, draft_vocab):
+    drafter = tiny_drafter(target, num_layers=layers, draft_vocab_size=draft_vocab)
+    lean = LeanDrafter(drafter)
+    torch.manual_seed(0)
+    f, e = torch.randn(1, 9, 32), torch.randn(1, 9, 32)
+    with torch.inference_mode():
+        whole = drafter(f, e, torch.arange(9)[None])
+        assert torch.allclose(lean(f, e, torch.arange(9)[None]), whole, rtol=1e-4, atol=1e-4 * whole.abs().max().item())
+        cache = lean.new_cache()  # cached in two pieces, positions past the first rotary table size
+        lean(f[:, :4], e[:, :4], torch.arange(300, 304)[None], cache)
+        rest = lean(f[:, 4:], e[:, 4:], torch.arange(304, 309)[None], cache)
+        ref = drafter(f, e, torch.arange(300, 309)[None])[:, 4:]
+        assert torch.allclose(rest, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        h = whole[0, :3]
+        assert torch.allclose(lean.draft_logits(h, target.lm_head), drafter.draft_logits(h, target.lm_head), atol=1e-3)
+    assert torch.equal(lean.to_target_ids(torch.tensor([0, 1])), drafter.to_target_ids(torch.tensor([0, 1])))
+    half = LeanDrafter(drafter, torch.bfloat16)
+    with torch.inference_mode():
+        out = half(f.bfloat16(), e.bfloat16(), torch.arange(9)[None])
+    assert out.dtype == torch.bfloat16 and (out.float() - whole).norm() < 0.15 * whole.norm()  # bf16: ~3 digits

@@ -195,8 +195,8 @@ def test_sliding_window_models_are_refused():
 def test_the_drafters_precision_never_changes_the_output(target, drafter, dtype):
     model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=12, depth=4, top_k=3, drafter_dtype=dtype)
     proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
-    assert proposer.dtype == dtype and proposer.drafter.fc.bias is None and proposer.drafter.layers[0].mlp.up_proj(
-        torch.zeros(1, 1, target.hidden_size, dtype=dtype)).dtype == dtype
+    h = torch.zeros(1, 1, target.hidden_size, dtype=dtype)
+    assert proposer.dtype == dtype and proposer.drafter(h, h, torch.zeros(1, 1, dtype=torch.long)).dtype == dtype
     for ids in prompts(10, seed=3):
         assert model.generate(ids, method="eagle-tree", max_new_tokens=24).token_ids == \
             model.generate(ids, method="ar", max_new_tokens=24).token_ids
