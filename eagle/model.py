@@ -97,7 +97,7 @@ class EagleModel:
         a draft model its ``eagle.lean.packed_copy``."""
         entry = self._packed.get((id(module), dtype))
         if entry is None or entry[0] is not module:
-            copy = LeanDrafter(module, dtype) if isinstance(module, Drafter) else packed_copy(module, dtype)
+            copy = LeanDrafter(module, dtype) if isinstance(module, Drafter) else packed_copy(module)
             entry = self._packed[(id(module), dtype)] = (module, copy)
         return entry[1]
 

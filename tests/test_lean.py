@@ -44,10 +44,6 @@ def test_packed_copy_leaves_the_original_and_computes_the_same(drafter):
     pos = torch.arange(5)[None]
     with torch.inference_mode():
         assert torch.allclose(copy(f, e, pos), drafter(f, e, pos), atol=1e-5)
-        half = packed_copy(drafter, torch.bfloat16)
-        out = half(f.bfloat16(), e.bfloat16(), pos)
-        assert out.dtype == torch.bfloat16 and drafter.fc.weight.dtype == torch.float32
-        assert torch.allclose(out.float(), drafter(f, e, pos), atol=0.1 * drafter(f, e, pos).abs().max().item())
 
 
 def _model_forward(target, ids, pos, cache, mask=None):
