@@ -166,7 +166,7 @@ class EagleModel:
 
                 cost = cost_curve(self.target)
             return EagleDrafter(self._inference_copy(self.drafter, self.drafter_dtype), self.target, tree, cost=cost,
-                                lookup=self.prompt_lookup, dtype=self.drafter_dtype)
+                                lookup=self.prompt_lookup)
         raise EagleError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
     def generate(self, prompt: Any, method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0,

@@ -20,7 +20,7 @@ import torch
 from eagle import kv_cache
 from eagle.budget import CostCurve, choose_tree_size, deeper_pays
 from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
-from eagle.drafter import Drafter, LeanDrafter
+from eagle.drafter import LeanDrafter
 from eagle.errors import EagleError
 from eagle.sampling import logits_to_probs, sample
 from eagle.target import Target
@@ -180,17 +180,17 @@ class EagleDrafter(Proposer):
 
     needs_features = True
 
-    def __init__(self, drafter: Drafter | LeanDrafter, target: Target, cfg: TreeConfig, cost: CostCurve | None = None,
-                 lookup: PromptLookupConfig | None = None, dtype: torch.dtype | None = None) -> None:
-        """``cost``: the target's measured forward-time curve, used when ``total_tokens`` is "auto";
-        ``lookup``: the n-gram sizes for ``cfg.lookup_tokens``; ``dtype``: the drafter's weights'
-        (default the target's), in which it is fed the target's features and embeddings."""
+    def __init__(self, drafter: LeanDrafter, target: Target, cfg: TreeConfig, cost: CostCurve | None = None,
+                 lookup: PromptLookupConfig | None = None) -> None:
+        """``drafter``: the inference copy (its ``dtype`` is what it is fed the target's features
+        and embeddings in); ``cost``: the target's measured forward-time curve, used when
+        ``total_tokens`` is "auto"; ``lookup``: the n-gram sizes for ``cfg.lookup_tokens``."""
         vocab = drafter.config.draft_vocab_size or drafter.config.vocab_size
         widest = max((r + 1 for c in cfg.choices or () for r in c), default=cfg.top_k)
         if max(cfg.top_k, widest) > vocab:
             raise EagleError(f"tree top_k / choice rank {max(cfg.top_k, widest)} exceeds the drafter's vocabulary ({vocab})")
         self.drafter, self.target, self.cfg, self.cost = drafter, target, cfg, cost
-        self.dtype = dtype or target.dtype
+        self.dtype = drafter.dtype
         self.cache = drafter.new_cache()
         self.last_hidden: torch.Tensor | None = None  # drafter's prediction of the root's feature [H]
         self.device = target.device
