@@ -128,6 +128,14 @@ def test_unknown_config_key_is_named(tmp_path):
         load_config_file(TrainConfig, str(path))
 
 
+@pytest.mark.parametrize("bad, named", [("autocast: fp8", "fp8"), ("unroll_steps: 0", "unroll_steps")])
+def test_bad_config_values_are_named(tmp_path, bad, named):
+    path = tmp_path / "run.yaml"
+    path.write_text(bad + "\n")
+    with pytest.raises(EagleError, match=named):
+        load_config_file(TrainConfig, str(path))
+
+
 def test_loss_is_zero_for_a_perfect_prediction_and_masked():
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(2, 5, 8, generator=gen)
@@ -208,9 +216,9 @@ def test_deepspeed_training_end_to_end_and_resume(workspace):
     optim = torch.load(next((out / "checkpoints" / "step16").glob("*optim_states.pt")), weights_only=False)
     adam_steps = {int(s["step"]) for s in optim["optimizer_state_dict"]["base_optimizer_state"]["state"].values()}
     assert adam_steps == {16}
-    # warm start from the trained drafter: a new run that begins where that one ended
+    # warm start from the trained drafter: a new run that begins where that one ended (its loss in bf16 autocast)
     warm = deepspeed_run(workspace, workspace["root"] / "warm", max_steps=2, init_from=str(out / "drafter"),
-                         dev_data=str(workspace["data"]))
+                         dev_data=str(workspace["data"]), autocast="bf16")
     first = [row["loss"] for row in warm if "loss" in row][0]
     summary = json.loads((workspace["root"] / "warm" / "summary.json").read_text())
     assert first < losses[0] and summary["steps"] == 2
@@ -262,6 +270,7 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
                          "eval": {"top1": 0.5, "chain5_accept_length": 1.9, "dev_top1": 0.25,
                                   "dev_chain5_accept_length": 1.4}, "init_from": "runs/b",
                          "config": {"unroll_steps": 2, "ce_weight": 0.1, "noise": 0.1, "init_from": "runs/b",
+                                    "autocast": "bf16",
                                     "draft_vocab_size": 12, "dev_data": "data/dev.jsonl"}},
         "first.json": {"steps": 10, "epochs": 5, "train_examples": 20, "wall_s": 60.0},
         "second.json": {"steps": 20, "epochs": 3, "train_examples": 30, "wall_s": 240.0},
@@ -287,6 +296,7 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
     card = (tmp_path / "drafter" / "README.md").read_text()
     assert "48 conversations" in card and "top-1 accuracy 0.500" in card and "**2.50**" in card
     assert "unrolled over 2 passes" in card and "In all 60 steps, 7 minutes" in card
+    assert "forward in bf16 autocast" in card
     assert "resized the draft vocabulary to the 12 most" in card and " 7 of the kept questions" in card
     assert "(`dev_data: data/dev.jsonl`,\nnever trained on): top-1 0.250, depth-5 chain 1.40." in card
     assert "50 prompts; the drafter's tree alone): mean accepted length\n**2.75**, 9.00 tokens/s." in card

@@ -28,6 +28,8 @@ def _loss_text(summary: dict, fallback_config: str) -> str:
     if cfg.get("unroll_steps", 1) > 1:
         text += (f", unrolled over {cfg['unroll_steps']} passes (training-time test: pass j feeds the drafter its "
                  f"own pass j-1 predictions as at inference, loss weight {cfg.get('unroll_decay', 0.8):g}^j)")
+    if cfg.get("autocast", "none") != "none":
+        text += f", the loss's forward in {cfg['autocast']} autocast (weights and optimizer in float32)"
     return text + f", AdamW ({cfg.get('deepspeed_config', fallback_config)})"
 
 

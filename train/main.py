@@ -33,6 +33,9 @@ from train.features import FeatureShards, OnlineFeatures, iter_batches
 from train.loss import LossOutput, eagle_loss, soft_cross_entropy, unroll, uniform_noise
 
 
+AUTOCAST = ("none", "bf16")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     target: str = DEFAULT_TARGET
@@ -56,6 +59,9 @@ class TrainConfig:
     ce_weight: float = 0.1
     lm_ce_positions: int = 0       # draft-lm: cross-entropy on at most this many random positions per micro-batch (0 = all)
     feature_weight: float = 1.0
+    autocast: str = "none"         # none | bf16: the loss's forward under torch.autocast in bfloat16 (weights, optimizer
+                                   # and gradients stay float32); ~1.8x faster on a CPU with native bf16 (AVX512-BF16).
+                                   # On CUDA DeepSpeed's bf16 (on by default there) already does this
     save_every: int = 100
     eval_every: int = 100
     eval_fraction: float = 0.05
@@ -66,6 +72,12 @@ class TrainConfig:
     seed: int = 0
     report_to: str = "wandb"       # wandb | none
     wandb_project: str = "eagle"
+
+    def __post_init__(self) -> None:
+        if self.unroll_steps < 1:
+            raise EagleError(f"unroll_steps must be >= 1, got {self.unroll_steps}")
+        if self.autocast not in AUTOCAST:
+            raise EagleError(f"autocast must be one of {', '.join(AUTOCAST)}, got {self.autocast!r}")
 
 
 def deepspeed_dict(cfg: TrainConfig, device: torch.device, total_steps: int) -> dict:
@@ -297,8 +309,6 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     rank = int(os.environ.get("RANK", "0"))
     device = torch.device(deepspeed.get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", "0"))) \
         if torch.cuda.is_available() else torch.device("cpu")
-    if cfg.unroll_steps < 1:
-        raise EagleError(f"unroll_steps must be >= 1, got {cfg.unroll_steps}")
     target = load_target(cfg.target, device=device, lean=False)
     if cfg.online:
         dataset = online_dataset(target, cfg.data, cfg.max_length)
@@ -360,7 +370,8 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
         micro_batches = list(range(0, len(shard) - micro + 1, micro))
         for mb in micro_batches[state["micro_in_epoch"]:]:
             batch = iter_batches(dataset, shard[mb:mb + micro], micro).__next__()
-            loss = student.loss(engine, batch, generator)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
+                loss = student.loss(engine, batch, generator)
             engine.backward(loss.total)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
