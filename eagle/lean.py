@@ -67,9 +67,12 @@ class PackedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def packed_copy(module: nn.Module) -> nn.Module:
-    """An inference copy of ``module`` whose ``nn.Linear`` submodules are ``PackedLinear``."""
+def packed_copy(module: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """An inference copy of ``module`` (cast to ``dtype`` if given) whose ``nn.Linear`` submodules
+    are ``PackedLinear``."""
     clone = copy.deepcopy(module).eval().requires_grad_(False)
+    if dtype is not None:
+        clone.to(dtype)
     for parent in list(clone.modules()):
         for name, child in parent.named_children():
             if isinstance(child, nn.Linear):

@@ -82,8 +82,9 @@ class EagleModel:
     def __init__(self, target: Target, drafter: Drafter | None = None, draft_model: Any = None,
                  tree: TreeConfig | None = None, speculative: SpeculativeConfig | None = None,
                  prompt_lookup: PromptLookupConfig | None = None, drafter_dtype: torch.dtype | None = None) -> None:
-        """``drafter_dtype``: what the drafter computes in (default ``default_drafter_dtype``). The
-        drafter only proposes; every token is still the target's, whatever its precision."""
+        """``drafter_dtype``: what the drafter and the draft model compute in (default
+        ``default_drafter_dtype``). They only propose; every token is still the target's, whatever
+        their precision (``sd`` accepts against the draft probabilities it really sampled from)."""
         self.target, self.drafter, self.draft_model = target, drafter, draft_model
         self.tree = tree or TreeConfig()
         self.speculative = speculative or SpeculativeConfig()
@@ -92,12 +93,12 @@ class EagleModel:
         self._packed: dict[tuple[int, torch.dtype | None], tuple[Any, Any]] = {}
 
     def _inference_copy(self, module: Any, dtype: torch.dtype | None = None) -> Any:
-        """An inference copy, made on first use (the weights are read then; build a new
-        ``EagleModel`` after changing them): for the drafter a ``LeanDrafter`` in ``dtype``, for
-        a draft model its ``eagle.lean.packed_copy``."""
+        """An inference copy in ``dtype``, made on first use (the weights are read then; build a new
+        ``EagleModel`` after changing them): for the drafter a ``LeanDrafter``, for a draft model
+        its ``eagle.lean.packed_copy``."""
         entry = self._packed.get((id(module), dtype))
         if entry is None or entry[0] is not module:
-            copy = LeanDrafter(module, dtype) if isinstance(module, Drafter) else packed_copy(module)
+            copy = LeanDrafter(module, dtype) if isinstance(module, Drafter) else packed_copy(module, dtype)
             entry = self._packed[(id(module), dtype)] = (module, copy)
         return entry[1]
 
@@ -153,7 +154,8 @@ class EagleModel:
         if method == "sd":
             if self.draft_model is None:
                 raise EagleError("method 'sd' needs a draft model: pass draft_model=... (--draft-model)")
-            return DraftModel(self._inference_copy(self.draft_model), self.speculative, sampling, generator)
+            return DraftModel(self._inference_copy(self.draft_model, self.drafter_dtype), self.speculative, sampling,
+                              generator)
         if method in ("eagle-tree", "eagle-chain"):
             if self.drafter is None:
                 raise EagleError(f"method {method!r} needs a drafter: pass drafter=... (--drafter)")

@@ -55,8 +55,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--tree-top-k", type=int, help="frontier nodes expanded per step")
     t.add_argument("--lookup-tokens", type=int, help="prompt-lookup draft tokens grafted onto each tree (0: off)")
     t.add_argument("--drafter-dtype", choices=DRAFTER_DTYPES, default="auto",
-                   help="what the drafter computes in (default auto: bf16 on a CPU with native bf16 for an fp32 "
-                        "target, else the target's dtype); output is the target's either way")
+                   help="what the drafter and sd's draft LM compute in (default auto: bf16 on a CPU with native "
+                        "bf16 for an fp32 target, else the target's dtype); output is the target's either way")
     s = parser.add_argument_group("speculative sampling (sd)")
     s.add_argument("--gamma", type=int, help="draft tokens per step")
     s.add_argument("--lenience", type=float, help="< 1 accepts more drafts (lossy); 1 is exact")

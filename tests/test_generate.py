@@ -42,9 +42,9 @@ def test_adaptive_gamma_is_still_exact(model):
 
 
 def test_accepted_drafts_with_a_self_draft():
-    """The target drafting for itself accepts everything: gamma + 1 tokens per forward."""
+    """The target drafting for itself (in its own precision) accepts everything: gamma + 1 tokens per forward."""
     t = tiny_target()
-    m = EagleModel.from_pretrained(t, draft_model=t.model, gamma=4)
+    m = EagleModel.from_pretrained(t, draft_model=t.model, gamma=4, drafter_dtype=t.dtype)
     out = m.generate([3, 4, 5], method="sd", max_new_tokens=21)
     assert out.accept_lengths[:4] == [5, 5, 5, 5] and len(out.token_ids) == 21
 
@@ -193,13 +193,17 @@ def test_sliding_window_models_are_refused():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_drafters_precision_never_changes_the_output(target, drafter, dtype):
-    model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=12, depth=4, top_k=3, drafter_dtype=dtype)
+    model = EagleModel.from_pretrained(target, drafter=drafter, draft_model=tiny_target(seed=5, hidden=16, layers=1).model,
+                                       total_tokens=12, depth=4, top_k=3, drafter_dtype=dtype)
     proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
     h = torch.zeros(1, 1, target.hidden_size, dtype=dtype)
     assert proposer.dtype == dtype and proposer.drafter(h, h, torch.zeros(1, 1, dtype=torch.long)).dtype == dtype
+    draft_lm = model._proposer("sd", SamplingConfig(), torch.Generator()).model
+    assert {p.dtype for p in draft_lm.parameters()} == {dtype} and draft_lm is not model.draft_model
     for ids in prompts(10, seed=3):
-        assert model.generate(ids, method="eagle-tree", max_new_tokens=24).token_ids == \
-            model.generate(ids, method="ar", max_new_tokens=24).token_ids
+        expected = model.generate(ids, method="ar", max_new_tokens=24).token_ids
+        for method in ("eagle-tree", "sd"):
+            assert model.generate(ids, method=method, max_new_tokens=24).token_ids == expected
 
 
 def test_the_drafter_runs_in_bf16_on_a_cpu_that_multiplies_bf16_natively(target, monkeypatch):

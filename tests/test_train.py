@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -21,6 +22,7 @@ from train.features import FeatureShards, FeaturesConfig, build, load_manifest
 from train.loss import eagle_loss, unroll
 from eagle.config import load_config_file
 from train.main import TrainConfig
+from train import selfdistill
 from train.selfdistill import main as selfdistill_main, passage_question, sentences
 
 from .conftest import tiny_drafter, tiny_target
@@ -128,12 +130,27 @@ def test_unknown_config_key_is_named(tmp_path):
         load_config_file(TrainConfig, str(path))
 
 
-@pytest.mark.parametrize("bad, named", [("autocast: fp8", "fp8"), ("unroll_steps: 0", "unroll_steps")])
+@pytest.mark.parametrize("bad, named", [("autocast: fp8", "fp8"), ("unroll_steps: 0", "unroll_steps"),
+                                        ("replay_fraction: -1", "replay_fraction")])
 def test_bad_config_values_are_named(tmp_path, bad, named):
     path = tmp_path / "run.yaml"
     path.write_text(bad + "\n")
     with pytest.raises(EagleError, match=named):
         load_config_file(TrainConfig, str(path))
+
+
+def test_training_examples_take_the_appended_ones_plus_a_replayed_share():
+    candidates = list(range(100))
+    random.Random(1).shuffle(candidates)
+    assert train.main.training_examples(candidates, TrainConfig()) == candidates
+    picked = train.main.training_examples(candidates, TrainConfig(examples_from=80, replay_fraction=0.5))
+    assert sorted(i for i in picked if i >= 80) == list(range(80, 100)) and len(picked) == len(set(picked)) == 30
+    assert picked == train.main.training_examples(candidates, TrainConfig(examples_from=80, replay_fraction=0.5))
+    held_out = [i for i in candidates if i != 95]  # an index in the held-out split is never trained on
+    assert sorted(train.main.training_examples(held_out, TrainConfig(examples_from=80))) == \
+        [i for i in range(80, 100) if i != 95]
+    with pytest.raises(EagleError, match="examples_from 100"):
+        train.main.training_examples(candidates, TrainConfig(examples_from=100))
 
 
 def test_loss_is_zero_for_a_perfect_prediction_and_masked():
@@ -264,13 +281,14 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
     drafter.save_pretrained(tmp_path / "drafter")
     records = {
         "sd.json": {"questions_sampled": 64, "questions_kept": 50, "conversations": 48, "answer_tokens": 9000,
-                    "wall_s": 600.0, "config": {"answer_max_tokens": 320}, "passage_questions": 7},
+                    "wall_s": 600.0, "config": {"answer_max_tokens": 320}, "passage_questions": 7,
+                    "constrained_questions": 5},
         "feat.json": {"num_examples": 48, "tokens": 12000, "config": {"max_length": 512, "feature_dtype": "float16"}},
         "summary.json": {"steps": 30, "epochs": 2, "train_examples": 46, "eval_examples": 2, "wall_s": 120.0,
                          "eval": {"top1": 0.5, "chain5_accept_length": 1.9, "dev_top1": 0.25,
                                   "dev_chain5_accept_length": 1.4}, "init_from": "runs/b",
                          "config": {"unroll_steps": 2, "ce_weight": 0.1, "noise": 0.1, "init_from": "runs/b",
-                                    "autocast": "bf16",
+                                    "autocast": "bf16", "examples_from": 40, "replay_fraction": 1.0,
                                     "draft_vocab_size": 12, "dev_data": "data/dev.jsonl"}},
         "first.json": {"steps": 10, "epochs": 5, "train_examples": 20, "wall_s": 60.0},
         "second.json": {"steps": 20, "epochs": 3, "train_examples": 30, "wall_s": 240.0},
@@ -296,7 +314,8 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
     card = (tmp_path / "drafter" / "README.md").read_text()
     assert "48 conversations" in card and "top-1 accuracy 0.500" in card and "**2.50**" in card
     assert "unrolled over 2 passes" in card and "In all 60 steps, 7 minutes" in card
-    assert "forward in bf16 autocast" in card
+    assert "forward in bf16 autocast" in card and " 5 of the model's own questions got a form constraint" in card
+    assert "46 examples (those from index 40 on, appended since the warm start was trained, plus 1 earlier" in card
     assert "resized the draft vocabulary to the 12 most" in card and " 7 of the kept questions" in card
     assert "(`dev_data: data/dev.jsonl`,\nnever trained on): top-1 0.250, depth-5 chain 1.40." in card
     assert "50 prompts; the drafter's tree alone): mean accepted length\n**2.75**, 9.00 tokens/s." in card
@@ -384,6 +403,29 @@ def test_selfdistill_passage_tasks_append_and_resume(tmp_path):
     questions = [json.loads(x)["conversations"][0]["value"] for x in (out / "data.jsonl").read_text().splitlines()]
     assert manifest["conversations"] == len(questions) >= 12 and len(set(questions[4:])) == len(questions) - 4
     assert [c["config"]["num_conversations"] for c in manifest["config_changes"]] == [12]
+
+
+def test_selfdistill_appends_constraints_to_a_share_of_questions(tmp_path, monkeypatch):
+    target_dir = save_tiny_chat_target(tmp_path / "target", vocab_size=64)
+    count = itertools.count()  # a stand-in generator: every question and answer is new and ends with EOS
+    monkeypatch.setattr(selfdistill, "_generate", lambda target, model, texts, *args: [
+        (f" question number {next(count)} here", True) for _ in texts])
+    seeds = tmp_path / "seeds.yaml"
+    seeds.write_text(yaml.safe_dump({"topics": ["t7"], "tasks": ["Explain"], "constraints": ["Be brief.", "Show steps."]}))
+    base = ["target=" + str(target_dir), f"out_dir={tmp_path / 'sd'}", f"seeds_file={seeds}", "batch_size=8",
+            "num_conversations=64"]
+    selfdistill_main(["--set", *base, "constraint_fraction=0.5"])
+    records = [json.loads(x) for x in (tmp_path / "sd" / "data.jsonl").read_text().splitlines()]
+    manifest = json.loads((tmp_path / "sd" / "manifest.json").read_text())
+    constrained = [r for r in records if "constraint" in r]
+    assert manifest["constrained_questions"] == len(constrained) and 16 <= len(constrained) <= 48
+    assert all(r["conversations"][0]["value"].endswith(" " + r["constraint"]) for r in constrained)
+    assert {r["constraint"] for r in constrained} == {"Be brief.", "Show steps."}
+    assert not any(r["conversations"][0]["value"].endswith(("Be brief.", "Show steps.")) for r in records
+                   if "constraint" not in r)
+    seeds.write_text(yaml.safe_dump({"topics": ["t7"], "tasks": ["Explain"]}))
+    assert selfdistill_main(["--set", *base, "num_conversations=72", "constraint_fraction=0.5"]) == 2  # no list: error
+    assert selfdistill_main(["--set", *base, "constraint_fraction=1.5"]) == 2
 
 
 def test_selfdistill_answers_a_prompt_file_greedily(tmp_path):

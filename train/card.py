@@ -33,6 +33,14 @@ def _loss_text(summary: dict, fallback_config: str) -> str:
     return text + f", AdamW ({cfg.get('deepspeed_config', fallback_config)})"
 
 
+def _subset_text(summary: dict) -> str:
+    cfg = summary.get("config", {})
+    if not cfg.get("examples_from"):
+        return ""
+    return (f" (those from index {cfg['examples_from']} on, appended since the warm start was trained, plus "
+            f"{cfg.get('replay_fraction', 0):g} earlier ones per new one, replayed)")
+
+
 def _epochs(n: float) -> str:
     return f"{n:g} epoch" + ("" if n == 1 else "s")
 
@@ -66,6 +74,10 @@ def _data_text(data: dict, features: dict) -> str:
     passage_text = (f" {passages} of the kept questions are instead project-written tasks on a text (summarize, "
                     f"extract, translate, rewrite: `passage_tasks` in the seeds file) filled with sentences of earlier "
                     f"answers.") if passages else ""
+    constrained = data.get("constrained_questions", 0)
+    if constrained:
+        passage_text += (f" {constrained} of the model's own questions got a form constraint appended (such as "
+                         f"\"Answer in two sentences.\": `constraints` in the seeds file).")
     return f"""## Data (self-distillation, no outside data)
 The target wrote the user questions itself (Magpie-style: only the chat template's user prefix, steered by topic
 and task seeds from `configs/selfdistill/seeds.yaml`); of {data['questions_sampled']} questions sampled,
@@ -118,7 +130,7 @@ repository's pipeline on 2 CPU cores. `EagleModel.from_pretrained("{cfg['target'
 {_data_text(data, features)}
 ## Training
 `deepspeed --num_gpus 1 train/main.py --config {train_yaml}`: {summary['steps']} optimizer steps
-({_epochs(summary['epochs'])}) on {summary['train_examples']} examples; {_loss_text(summary, 'configs/deepspeed/cpu-small.json')}.
+({_epochs(summary['epochs'])}) on {summary['train_examples']} examples{_subset_text(summary)}; {_loss_text(summary, 'configs/deepspeed/cpu-small.json')}.
 Wall time {summary.get('wall_s', 0) / 60:.0f} minutes.{_resized_text(summary)}
 {_lineage(summary, earlier or [])}
 Held-out evaluation ({summary['eval_examples']} conversations): top-1 accuracy {summary['eval'].get('top1', 0):.3f},

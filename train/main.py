@@ -53,6 +53,9 @@ class TrainConfig:
     out_dir: str = "runs/drafter"
     epochs: int = 20
     max_steps: int = 0             # optimizer steps; 0 = run all epochs
+    examples_from: int = 0         # train on examples from this index on (0 = all), e.g. conversations appended since
+                                   # the warm-start drafter was trained; the held-out split is still drawn from all
+    replay_fraction: float = 0.0   # with examples_from: also this many earlier examples per new one (random, fixed)
     noise: float = 0.1
     unroll_steps: int = 1          # training-time test: >1 also trains on the drafter's own predictions (depths 2..n)
     unroll_decay: float = 0.8      # loss weight of unrolled step j is decay**j
@@ -78,6 +81,9 @@ class TrainConfig:
             raise EagleError(f"unroll_steps must be >= 1, got {self.unroll_steps}")
         if self.autocast not in AUTOCAST:
             raise EagleError(f"autocast must be one of {', '.join(AUTOCAST)}, got {self.autocast!r}")
+        if self.examples_from < 0 or self.replay_fraction < 0:
+            raise EagleError(f"examples_from and replay_fraction must be >= 0, got {self.examples_from} and "
+                             f"{self.replay_fraction}")
 
 
 def deepspeed_dict(cfg: TrainConfig, device: torch.device, total_steps: int) -> dict:
@@ -302,6 +308,20 @@ def online_dataset(target: Target, source: str, max_length: int) -> OnlineFeatur
     return OnlineFeatures(target, tokenize_all(target.tokenizer, load_chats(source).conversations, max_length))
 
 
+def training_examples(candidates: list[int], cfg: TrainConfig) -> list[int]:
+    """The training indices: those of ``candidates`` from ``cfg.examples_from`` on, plus
+    ``replay_fraction`` times as many earlier ones (a seeded random draw)."""
+    if not cfg.examples_from:
+        return candidates
+    new = [i for i in candidates if i >= cfg.examples_from]
+    if not new:
+        raise EagleError(f"examples_from {cfg.examples_from} leaves no training example "
+                         f"(the data has {max(candidates, default=-1) + 1})")
+    old = [i for i in candidates if i < cfg.examples_from]
+    replay = random.Random(cfg.seed).sample(old, min(len(old), round(len(new) * cfg.replay_fraction)))
+    return new + replay
+
+
 def train(cfg: TrainConfig, report_to: str) -> dict:
     import deepspeed
 
@@ -319,7 +339,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     order = list(range(len(dataset)))
     random.Random(cfg.seed).shuffle(order)
     n_eval = max(1, int(len(order) * cfg.eval_fraction)) if len(order) > 1 else 0
-    eval_idx, train_idx = order[:n_eval], order[n_eval:]
+    eval_idx, train_idx = order[:n_eval], training_examples(order[n_eval:], cfg)
     ds_probe = json.loads(Path(cfg.deepspeed_config).read_text())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     micro, accum = ds_probe.get("train_micro_batch_size_per_gpu", 1), ds_probe.get("gradient_accumulation_steps", 1)

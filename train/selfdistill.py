@@ -10,6 +10,9 @@ A 135M model writes short, generic questions and never pastes a text into them, 
 given text (summarize, extract, translate, rewrite) are missing from pure Magpie data. With
 ``passage_fraction`` > 0 that share of each batch is instead a project-written template
 (``passage_tasks`` in the seeds file) filled with sentences from answers already in the data.
+People also ask with a form in mind ("in two sentences", "show your steps"), which the model's
+own questions rarely state: with ``constraint_fraction`` > 0 that share of its questions gets
+one of the seeds file's ``constraints`` appended.
 
 ``--answer PROMPTS --out FILE`` instead writes the target's greedy answers to a prompt file (the
 dev prompt set): a teacher-forced evaluation set for the trainer's ``dev_data``.
@@ -54,11 +57,13 @@ class SelfDistillConfig:
     answer_max_tokens: int = 320
     answer_temperature: float = 0.0
     passage_fraction: float = 0.0
+    constraint_fraction: float = 0.0
     threads: int = 0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.passage_fraction <= 1.0:
-            raise EagleError(f"passage_fraction must be in [0, 1], got {self.passage_fraction}")
+        for key in ("passage_fraction", "constraint_fraction"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise EagleError(f"{key} must be in [0, 1], got {getattr(self, key)}")
 
 
 def steer_prefix(target: Target, topic: str, task: str) -> str:
@@ -77,6 +82,11 @@ def clean_question(task: str, continuation: str, ended: bool) -> str | None:
     if "<|" in question or question.count("\n") > 8:
         return None
     return question
+
+
+def constrain(question: str, constraint: str) -> str:
+    """``question`` with ``constraint`` (a sentence such as "Answer in two sentences.") appended."""
+    return f"{question.rstrip()} {constraint}"
 
 
 def sentences(text: str) -> list[str]:
@@ -142,8 +152,11 @@ def run(cfg: SelfDistillConfig) -> Path:
     seeds = yaml.safe_load(Path(cfg.seeds_file).read_text())
     topics, tasks = seeds["topics"], seeds["tasks"]
     passage_tasks, languages = seeds.get("passage_tasks", []), seeds.get("languages", ["French"])
+    constraints = seeds.get("constraints", [])
     if cfg.passage_fraction and not passage_tasks:
         raise EagleError(f"passage_fraction > 0 needs a 'passage_tasks' list in {cfg.seeds_file}")
+    if cfg.constraint_fraction and not constraints:
+        raise EagleError(f"constraint_fraction > 0 needs a 'constraints' list in {cfg.seeds_file}")
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     data_path, manifest_path = out_dir / "data.jsonl", out_dir / "manifest.json"
@@ -151,6 +164,7 @@ def run(cfg: SelfDistillConfig) -> Path:
         "target": cfg.target, "config": dataclasses.asdict(cfg), "batches_done": 0, "conversations": 0,
         "questions_sampled": 0, "questions_kept": 0, "answer_tokens": 0, "wall_s": 0.0}
     manifest.setdefault("passage_questions", 0)  # manifests written before passage tasks existed
+    manifest.setdefault("constrained_questions", 0)
     if manifest["target"] != cfg.target:
         raise EagleError(f"{out_dir} was made by target {manifest['target']!r}, not {cfg.target!r}")
     if manifest["config"] != dataclasses.asdict(cfg) and all(
@@ -180,30 +194,38 @@ def run(cfg: SelfDistillConfig) -> Path:
         start = time.time()
         qs = _generate(target, model, [steer_prefix(target, tp, tk) for tp, tk in picks], cfg.question_max_tokens,
                        cfg.question_temperature, cfg.question_top_p, batch_seed) if picks else []
-        candidates = [(topic, task, clean_question(task, cont, ended)) for (topic, task), (cont, ended) in zip(picks, qs)]
+        candidates = []
+        for (topic, task), (cont, ended) in zip(picks, qs):
+            q, constraint = clean_question(task, cont, ended), None
+            if q is not None and cfg.constraint_fraction and rng.random() < cfg.constraint_fraction:
+                constraint = rng.choice(constraints)
+                q = constrain(q, constraint)
+            candidates.append((topic, task, q, constraint))
         for _ in range(num_passages):
             template, language = rng.choice(passage_tasks), rng.choice(languages)
             for _attempt in range(5):  # some answers have no usable sentences: try another
                 q = passage_question(template, rng.choice(sources), language, rng)
                 if q is not None:
                     break
-            candidates.append(("passage", template, q))
+            candidates.append(("passage", template, q, None))
         kept = []
-        for topic, task, q in candidates:
+        for topic, task, q, constraint in candidates:
             if q is not None and q.lower() not in seen:
                 seen.add(q.lower())
-                kept.append((topic, task, q))
-        answers = _answer(target, model, [q for _, _, q in kept], cfg.answer_max_tokens, cfg.answer_temperature,
+                kept.append((topic, task, q, constraint))
+        answers = _answer(target, model, [c[2] for c in kept], cfg.answer_max_tokens, cfg.answer_temperature,
                           batch_seed + 1) if kept else []
         with data_path.open("a") as f:
-            for (topic, task, q), (a, _ended) in zip(kept, answers):
+            for (topic, task, q, constraint), (a, _ended) in zip(kept, answers):
                 if not a.strip():
                     continue
                 rec = {"id": f"sd-{manifest['batches_done']}-{manifest['conversations']}", "topic": topic, "task": task,
+                       **({"constraint": constraint} if constraint else {}),
                        "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a.strip()}]}
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 sources.append(a.strip())
                 manifest["passage_questions"] += topic == "passage"
+                manifest["constrained_questions"] += constraint is not None
                 manifest["conversations"] += 1
                 manifest["answer_tokens"] += len(target.tokenizer(a)["input_ids"])
                 bar.update(1)
