@@ -90,9 +90,9 @@ class EagleModel:
         self.speculative = speculative or SpeculativeConfig()
         self.prompt_lookup = prompt_lookup or PromptLookupConfig()
         self.drafter_dtype = drafter_dtype or default_drafter_dtype(target)
-        self._packed: dict[tuple[int, torch.dtype | None], tuple[Any, Any]] = {}
+        self._packed: dict[tuple[int, torch.dtype], tuple[Any, Any]] = {}
 
-    def _inference_copy(self, module: Any, dtype: torch.dtype | None = None) -> Any:
+    def _inference_copy(self, module: Any, dtype: torch.dtype) -> Any:
         """An inference copy in ``dtype``, made on first use (the weights are read then; build a new
         ``EagleModel`` after changing them): for the drafter a ``LeanDrafter``, for a draft model
         its ``eagle.lean.packed_copy``."""

@@ -213,7 +213,7 @@ def run(cfg: SelfDistillConfig) -> Path:
             if q is not None and q.lower() not in seen:
                 seen.add(q.lower())
                 kept.append((topic, task, q, constraint))
-        answers = _answer(target, model, [c[2] for c in kept], cfg.answer_max_tokens, cfg.answer_temperature,
+        answers = _answer(target, model, [q for _, _, q, _ in kept], cfg.answer_max_tokens, cfg.answer_temperature,
                           batch_seed + 1) if kept else []
         with data_path.open("a") as f:
             for (topic, task, q, constraint), (a, _ended) in zip(kept, answers):
