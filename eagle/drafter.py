@@ -2,6 +2,9 @@
 
 Input: concat(embedding of token t+1, target feature f_t) -> ``fc`` (2H -> H) -> N Llama-style
 decoder layers (layer 0 without input layernorm, no final norm) -> predicted feature f_{t+1}.
+With ``aux_layers`` (EAGLE-3 style feature fusion) ``fc`` also reads the outputs of those target
+layers at t, RMS-normalized ((2 + n) H -> H); where they do not exist (a draft token's own
+prediction, deeper in the tree) they are zeros.
 Token logits come from the target's frozen LM head, or from the drafter's own head over a
 reduced draft vocabulary (``draft_vocab_size``, with the ``d2t`` draft-to-target id map).
 The target's embedding is reused and never stored in the drafter checkpoint."""
@@ -52,6 +55,7 @@ class DrafterConfig:
     max_position_embeddings: int = 8192
     fc_bias: bool = False
     draft_vocab_size: int | None = None
+    aux_layers: list[int] = dataclasses.field(default_factory=list)  # target layers (0-based) whose outputs fc fuses
     target: TargetInfo = dataclasses.field(default_factory=TargetInfo)
 
     def __post_init__(self) -> None:
@@ -63,6 +67,15 @@ class DrafterConfig:
             raise EagleError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
             raise EagleError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
+        self.aux_layers = list(self.aux_layers)
+        if any(not isinstance(i, int) or i < 0 for i in self.aux_layers) or len(set(self.aux_layers)) < len(
+                self.aux_layers):
+            raise EagleError(f"aux_layers must be distinct target layer indices >= 0, got {self.aux_layers}")
+
+    @property
+    def feature_size(self) -> int:
+        """Width of a full input feature: the target's last hidden state and its aux layers' outputs."""
+        return (1 + len(self.aux_layers)) * self.hidden_size
 
     @classmethod
     def from_json(cls, path: str | Path) -> "DrafterConfig":
@@ -87,6 +100,20 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+def fc_input(features: torch.Tensor, token_embeds: torch.Tensor, cfg: DrafterConfig) -> torch.Tensor:
+    """What ``fc`` reads: concat(embedding, feature, RMS-normalized aux outputs). ``features``
+    [..., H] (a prediction: aux taken as zeros) or [..., cfg.feature_size]; -> [..., (2 + n) H]."""
+    h, n = cfg.hidden_size, len(cfg.aux_layers)
+    if not n:
+        return torch.cat([token_embeds, features], dim=-1)
+    if features.shape[-1] == h:
+        aux = features.new_zeros(*features.shape[:-1], n * h)
+    else:
+        aux = features[..., h:].unflatten(-1, (n, h))
+        aux = nn.functional.rms_norm(aux.float(), (h,), eps=cfg.rms_norm_eps).to(features.dtype).flatten(-2)
+    return torch.cat([token_embeds, features[..., :h], aux], dim=-1)
 
 
 def rotary_angles(positions: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
@@ -161,7 +188,7 @@ class Drafter(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
+        self.fc = nn.Linear((2 + len(cfg.aux_layers)) * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         if cfg.draft_vocab_size is not None:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -226,9 +253,27 @@ class Drafter(nn.Module):
         drafter.d2t.copy_(ids)
         return drafter
 
+    @torch.no_grad()
+    def with_aux_layers(self, layers: list[int]) -> "Drafter":
+        """A copy that also fuses the outputs of target ``layers`` (appended to its own aux
+        layers), their ``fc`` columns zero: it predicts exactly what this drafter does until
+        trained (a warm start for EAGLE-3 style fusion)."""
+        config = dataclasses.replace(self.config, aux_layers=self.config.aux_layers + list(layers))
+        drafter = type(self)(config).to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        state = self.state_dict()
+        weight = torch.zeros_like(drafter.fc.weight)
+        weight[:, : self.fc.weight.shape[1]] = state.pop("fc.weight")
+        state["fc.weight"] = weight
+        drafter.load_state_dict(state)
+        return drafter
+
     def check_target(self, target: Any) -> None:
         """Refuse a target other than the one this drafter was built for."""
         info = self.config.target
+        layers = target.model.config.num_hidden_layers
+        if any(i >= layers - 1 for i in self.config.aux_layers):
+            raise EagleError(f"aux_layers {self.config.aux_layers} must name target layers below its last "
+                             f"({target.name} has {layers} layers; the last one's output is the feature itself)")
         if info.hidden_size != target.hidden_size or info.vocab_size != target.vocab_size:
             raise EagleError(
                 f"drafter was built for {info.name or 'another target'} (hidden {info.hidden_size}, vocab "
@@ -284,10 +329,11 @@ class Drafter(nn.Module):
     # ---- compute ---------------------------------------------------------------------------
     def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
                 cache: StaticCache | None = None, attention_bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``features`` [B, T, H] (f_t), ``token_embeds`` [B, T, H] (embedding of token t+1),
+        """``features`` [B, T, H] (f_t; or [B, T, feature_size] with the aux layers' outputs),
+        ``token_embeds`` [B, T, H] (embedding of token t+1),
         ``positions`` [B, T], ``attention_bias`` [B or 1, 1, T, past + T] additive (causal when
         None) -> predicted features [B, T, H] (f_{t+1}). ``cache`` is extended in place."""
-        x = self.fc(torch.cat([token_embeds, features], dim=-1))
+        x = self.fc(fc_input(features, token_embeds, self.config))
         past = cache.get_seq_length() if cache is not None else 0
         if attention_bias is None:
             attention_bias = causal_bias(x.shape[1], past, x.dtype, x.device)
@@ -367,7 +413,7 @@ class LeanDrafter(nn.Module):
         """As ``Drafter.forward``: [B, T, H] features and next-token embeddings -> predicted features."""
         cfg = self.config
         nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        x = self.fc(torch.cat([token_embeds, features], dim=-1))
+        x = self.fc(fc_input(features, token_embeds, cfg))
         b, t, _ = x.shape
         past = cache.get_seq_length() if cache is not None else 0
         if attention_bias is None:

@@ -90,8 +90,9 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
     features = None
     if len(ids) > 1:  # prefill everything but the last token, which becomes the first tree root
         prefix = torch.tensor([ids[:-1]], device=device)
-        out = target.forward(prefix, torch.arange(len(ids) - 1, device=device)[None], cache, logits_from=len(ids) - 1)
-        features = out.hidden[0]
+        out = target.forward(prefix, torch.arange(len(ids) - 1, device=device)[None], cache, logits_from=len(ids) - 1,
+                             aux_layers=proposer.aux_layers)
+        features = out.features[0]
     proposer.start(ids, features if proposer.needs_features else None)
     clock = _Clock(device)  # synchronizes CUDA before its first reading
     prefill_s = clock.last - start
@@ -106,7 +107,7 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
         # 2. verify the whole tree in one target forward (tree mask, positions by depth)
         attn = tree_attention(tree.parents)
         bias = attention_bias(attn.mask, past, target.dtype) if tree.size > 1 else None
-        out = target.forward(tree.tokens[None], (past + attn.depths)[None], cache, bias)
+        out = target.forward(tree.tokens[None], (past + attn.depths)[None], cache, bias, aux_layers=proposer.aux_layers)
         forwards += 1
         clock.lap("verify")
         # 3. accept: the longest agreeing path (greedy) or lossless rejection sampling
@@ -133,7 +134,7 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
         ids.extend(chunk)
         accepted = len(acc.nodes) - 1
         if not stop:
-            proposer.commit(ids, accepted, out.hidden[0, acc.nodes] if proposer.needs_features else None)
+            proposer.commit(ids, accepted, out.features[0, acc.nodes] if proposer.needs_features else None)
         clock.lap("cache")
         # 5. record stats and hand the chunk out
         new.extend(chunk)

@@ -119,6 +119,9 @@ def check_exportable(cfg: DrafterConfig, fmt: str) -> None:
     """Refuse what ``fmt``'s consumer cannot run exactly as we do (see the module docstring)."""
     if fmt not in EXPORT_FORMATS:
         raise EagleError(f"unknown export format {fmt!r}; choose from {', '.join(EXPORT_FORMATS)}")
+    if cfg.aux_layers:
+        raise EagleError(f"this drafter fuses target layers {cfg.aux_layers} besides the feature, which the EAGLE-1 "
+                         f"layout cannot express (and EAGLE-3 drafters are built differently)")
     if cfg.draft_vocab_size is not None:
         raise EagleError(f"this drafter has a reduced draft vocabulary ({cfg.draft_vocab_size} of {cfg.vocab_size} "
                          f"tokens, own lm_head + d2t map), which the EAGLE-1 layout cannot express; export a "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -158,14 +158,16 @@ class LeanDecoder:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, aux_layers: Sequence[int] = ()) -> torch.Tensor:
         """``input_ids``/``position_ids`` [1, q]; ``attention_mask`` additive [1, 1, q, past + q]
-        or None (causal). Returns the final-norm hidden states [1, q, H]; ``cache`` is extended."""
+        or None (causal). Returns the final-norm hidden states [1, q, H], followed along the last
+        dim by the outputs of layers ``aux_layers`` ([1, q, (1 + n) H]); ``cache`` is extended."""
         q_len, (nh, nkv, d) = input_ids.shape[1], (self.num_heads, self.num_kv_heads, self.head_dim)
         x = self.embed(input_ids)
         cos, sin = (t[:, None] for t in self.rotary(x, position_ids))
         if attention_mask is None and q_len > 1:
             attention_mask = causal_bias(q_len, cache.get_seq_length(), x.dtype, x.device)
+        aux: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(rms_norm(x, layer.input_norm, layer.input_eps)).view(1, q_len, nh + 2 * nkv, d)
             qk, v = qkv.transpose(1, 2).split([nh + nkv, nkv], dim=1)
@@ -176,4 +178,6 @@ class LeanDecoder:
             x = x + layer.o(out.transpose(1, 2).reshape(1, q_len, nh * d))
             gate, up = layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps)).split(self.intermediate, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        return rms_norm(x, self.norm, self.norm_eps)
+            if i in aux_layers:
+                aux[i] = x
+        return torch.cat([rms_norm(x, self.norm, self.norm_eps)] + [aux[i] for i in aux_layers], dim=-1)

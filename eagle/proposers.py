@@ -41,9 +41,11 @@ class Proposer:
 
     ``ids``: the whole context (prompt + generated); its last token is the tree root, not yet
     in the target's cache. ``features``: the target's last hidden states [n, H] for the
-    tokens the target just processed (the prefix on ``start``, the accepted path on ``commit``)."""
+    tokens the target just processed (the prefix on ``start``, the accepted path on ``commit``),
+    followed by the outputs of the target layers ``aux_layers`` ([n, (1 + len(aux_layers)) H])."""
 
     needs_features = False
+    aux_layers: tuple[int, ...] = ()
 
     def start(self, ids: list[int], features: torch.Tensor | None) -> None:
         """Called once the target has prefilled ``ids[:-1]``."""
@@ -191,6 +193,7 @@ class EagleDrafter(Proposer):
             raise EagleError(f"tree top_k / choice rank {max(cfg.top_k, widest)} exceeds the drafter's vocabulary ({vocab})")
         self.drafter, self.target, self.cfg, self.cost = drafter, target, cfg, cost
         self.dtype = drafter.dtype
+        self.aux_layers = tuple(drafter.config.aux_layers)
         self.cache = drafter.new_cache()
         self.last_hidden: torch.Tensor | None = None  # drafter's prediction of the root's feature [H]
         self.device = target.device

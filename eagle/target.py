@@ -122,28 +122,44 @@ class Target:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any,
-                attention_mask: torch.Tensor | None = None, logits_from: int = 0) -> "TargetOutput":
+                attention_mask: torch.Tensor | None = None, logits_from: int = 0,
+                aux_layers: Sequence[int] = ()) -> "TargetOutput":
         """One target forward. ``input_ids``/``position_ids``: [1, q]; ``attention_mask``: additive
         float mask [1, 1, q, past + q] or None (causal); ``cache`` is extended in place.
         Logits are computed only for positions ``logits_from:`` (saves the LM head on a prefill).
-        A ``StaticCache`` (from ``new_cache``) selects the lean forward."""
+        ``aux_layers``: decoder layers (0-based) whose outputs are returned too (for a drafter that
+        fuses them). A ``StaticCache`` (from ``new_cache``) selects the lean forward."""
+        aux = None
         if isinstance(cache, kv_cache.StaticCache):
             if self.lean is None:
                 raise EagleError(f"{self.name} has no lean forward: use Target.new_cache() for its cache")
-            hidden = self.lean.forward(input_ids, position_ids, cache, attention_mask)
+            out = self.lean.forward(input_ids, position_ids, cache, attention_mask, aux_layers)
+            hidden = out[..., :self.hidden_size]
+            if aux_layers:
+                aux = out[..., self.hidden_size:]
         else:
-            hidden = self.model.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                                      past_key_values=cache, use_cache=True).last_hidden_state
-        return TargetOutput(logits=self.lm_head(hidden[:, logits_from:]).float(), hidden=hidden)
+            result = self.model.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                      past_key_values=cache, use_cache=True, output_hidden_states=bool(aux_layers))
+            hidden = result.last_hidden_state
+            if aux_layers:  # hidden_states[0] is the embedding output, [i + 1] layer i's output
+                aux = torch.cat([result.hidden_states[i + 1] for i in aux_layers], dim=-1)
+        return TargetOutput(logits=self.lm_head(hidden[:, logits_from:]).float(), hidden=hidden, aux=aux)
 
 
 @dataclasses.dataclass
 class TargetOutput:
     """``logits``: [1, q', V] float32 (q' = q - logits_from); ``hidden``: [1, q, H], the features
-    (last hidden state after the final norm, as fed to the LM head)."""
+    (last hidden state after the final norm, as fed to the LM head); ``aux``: [1, q, n H], the
+    outputs of the requested ``aux_layers`` (None when none were requested)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
+    aux: torch.Tensor | None = None
+
+    @property
+    def features(self) -> torch.Tensor:
+        """What a drafter reads: ``hidden`` followed by ``aux`` [1, q, (1 + n) H]."""
+        return self.hidden if self.aux is None else torch.cat([self.hidden, self.aux], dim=-1)
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -124,3 +124,30 @@ def test_lean_drafter_computes_what_the_drafter_does(target, layers, draft_vocab
     with torch.inference_mode():
         out = half(f.bfloat16(), e.bfloat16(), torch.arange(9)[None])
     assert out.dtype == torch.bfloat16 and (out.float() - whole).norm() < 0.15 * whole.norm()  # bf16: ~3 digits
+
+
+def test_fused_aux_layers_start_as_the_drafter_they_extend_and_stay_exact(target):
+    """``with_aux_layers`` adds zero fc columns: the same predictions whatever the aux outputs are;
+    a prediction (H wide) reads as zero aux outputs; greedy eagle-tree with a fusing drafter
+    (random, so its aux columns matter) still equals ar, with either target forward."""
+    base = tiny_drafter(target)
+    fused = base.with_aux_layers([0])
+    assert fused.config.aux_layers == [0] and fused.fc.weight.shape == (32, 3 * 32)
+    torch.manual_seed(0)
+    f, e, pos = torch.randn(1, 6, 64), torch.randn(1, 6, 32), torch.arange(6)[None]
+    assert torch.equal(fused(f, e, pos), base(f[..., :32], e, pos))
+    with torch.no_grad():
+        fused.fc.weight[:, 64:].normal_()
+    assert not torch.allclose(fused(f, e, pos), base(f[..., :32], e, pos))
+    zeros = torch.cat([f[..., :32], torch.zeros(1, 6, 32)], dim=-1)
+    assert torch.equal(fused(f[..., :32], e, pos), fused(zeros, e, pos))
+    lean = LeanDrafter(fused)
+    with torch.inference_mode():
+        assert torch.allclose(lean(f, e, pos), fused(f, e, pos), atol=1e-4 * fused(f, e, pos).abs().max().item())
+    with pytest.raises(EagleError, match="below its last"):
+        base.with_aux_layers([1]).check_target(target)  # the tiny target has 2 layers: layer 1's output is the feature
+    for t in (target, tiny_target(lean=False)):
+        model = EagleModel.from_pretrained(t, drafter=fused, total_tokens=8, depth=3, top_k=2)
+        for ids in prompts(6, seed=5):
+            assert model.generate(ids, method="eagle-tree", max_new_tokens=12).token_ids == \
+                model.generate(ids, method="ar", max_new_tokens=12).token_ids

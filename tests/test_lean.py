@@ -122,3 +122,27 @@ def test_model_forward_refuses_a_static_cache_without_lean():
     plain = tiny_target(lean=False)
     with pytest.raises(EagleError, match="no lean forward"):
         plain.forward(torch.tensor([[1, 2]]), torch.arange(2)[None], tiny_target().new_cache())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_aux_layer_outputs_are_the_decoder_layers_outputs_with_either_forward(family):
+    target = tiny_target(family=family, seed=3, layers=3)
+    outputs = {}
+    hooks = [target.model.model.layers[i].register_forward_hook(
+        lambda module, args, out, i=i: outputs.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+        for i in (0, 1)]
+    try:
+        prefix = torch.randint(1, 32, (1, 6), generator=torch.Generator().manual_seed(0))
+        lean = target.forward(prefix, torch.arange(6)[None], target.new_cache(), aux_layers=[1, 0])
+        model = target.forward(prefix, torch.arange(6)[None], DynamicCache(config=target.model.config),
+                               aux_layers=[1, 0])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    want = torch.cat([outputs[1], outputs[0]], dim=-1)  # the order asked for
+    for out in (lean, model):
+        assert out.aux.shape == (1, 6, 64) and torch.allclose(out.aux, want, atol=1e-5)
+        assert torch.equal(out.features, torch.cat([out.hidden, out.aux], dim=-1))
+    plain = target.forward(prefix, torch.arange(6)[None], target.new_cache())
+    assert plain.aux is None and torch.equal(plain.features, plain.hidden)
+    assert torch.allclose(plain.hidden, lean.hidden, atol=1e-6)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -60,7 +61,7 @@ def workspace(tmp_path_factory):
     target_dir = save_tiny_chat_target(root / "target")
     data = synthetic_chats(root / "chats.jsonl")
     features = build(FeaturesConfig(target=str(target_dir), data=str(data), out_dir=str(root / "features"),
-                                    shard_size=16))
+                                    shard_size=16, aux_layers=(0,)))  # drafters that do not fuse layer 0 ignore it
     return {"root": root, "target": target_dir, "data": data, "features": features}
 
 
@@ -103,7 +104,7 @@ def test_feature_shards_round_trip_and_refuse_other_targets(workspace, tmp_path)
     ex = shards[0]
     with torch.no_grad():
         ref = target.model.model(input_ids=ex["input_ids"][None]).last_hidden_state[0]
-    assert torch.allclose(ex["hidden"], ref, atol=2e-2, rtol=1e-2)  # stored as float16
+    assert ex["hidden"].dtype == torch.float16 and torch.allclose(ex["hidden"].float(), ref, atol=2e-2, rtol=1e-2)
     other = load_target(str(save_tiny_chat_target(tmp_path / "other", seed=3, vocab_size=40)))
     with pytest.raises(EagleError, match="made by target"):
         FeatureShards(workspace["features"], other)
@@ -121,6 +122,8 @@ def test_corrupt_shard_is_detected_and_regenerated(workspace, tmp_path):
     build(cfg)
     assert shard.read_bytes() == good and len(FeatureShards(out)) == 50
     assert load_manifest(out)["num_examples"] == 50
+    build(dataclasses.replace(cfg, aux_layers=(0,)))  # other aux layers: every shard is made again, with them
+    assert shard.read_bytes() != good and "aux" in FeatureShards(out)[49]
 
 
 def test_unknown_config_key_is_named(tmp_path):
@@ -131,7 +134,8 @@ def test_unknown_config_key_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("bad, named", [("autocast: fp8", "fp8"), ("unroll_steps: 0", "unroll_steps"),
-                                        ("replay_fraction: -1", "replay_fraction")])
+                                        ("replay_fraction: -1", "replay_fraction"),
+                                        ("replay_fraction: 0.5", "set examples_from")])
 def test_bad_config_values_are_named(tmp_path, bad, named):
     path = tmp_path / "run.yaml"
     path.write_text(bad + "\n")
@@ -233,12 +237,15 @@ def test_deepspeed_training_end_to_end_and_resume(workspace):
     optim = torch.load(next((out / "checkpoints" / "step16").glob("*optim_states.pt")), weights_only=False)
     adam_steps = {int(s["step"]) for s in optim["optimizer_state_dict"]["base_optimizer_state"]["state"].values()}
     assert adam_steps == {16}
-    # warm start from the trained drafter: a new run that begins where that one ended (its loss in bf16 autocast)
-    warm = deepspeed_run(workspace, workspace["root"] / "warm", max_steps=2, init_from=str(out / "drafter"),
-                         dev_data=str(workspace["data"]), autocast="bf16")
+    # warm start from the trained drafter, adding the fusion of layer 0's output (zero fc columns): a new run that
+    # begins where that one ended (its loss in bf16 autocast), and trains those columns
+    warm = deepspeed_run(workspace, workspace["root"] / "warm", max_steps=4, init_from=str(out / "drafter"),
+                         dev_data=str(workspace["data"]), autocast="bf16", aux_layers=[0])
     first = [row["loss"] for row in warm if "loss" in row][0]
     summary = json.loads((workspace["root"] / "warm" / "summary.json").read_text())
-    assert first < losses[0] and summary["steps"] == 2
+    assert first < losses[0] and summary["steps"] == 4  # (4: the learning rate warms up from 0 at the first step)
+    fused = Drafter.from_pretrained(workspace["root"] / "warm" / "drafter", target=target)
+    assert fused.config.aux_layers == [0] and fused.fc.weight[:, 64:].abs().sum() > 0
     assert 0 <= summary["eval"]["dev_top1"] <= 1 and summary["eval"]["dev_chain5_accept_length"] >= 1.0
 
 
@@ -272,7 +279,13 @@ def test_online_features_equal_stored_features(workspace):
     for i in (0, 7):
         assert torch.equal(online[i]["input_ids"], stored[i]["input_ids"])
         assert torch.equal(online[i]["loss_mask"], stored[i]["loss_mask"])
-        assert torch.allclose(online[i]["hidden"], stored[i]["hidden"], atol=2e-2, rtol=1e-2)
+        assert torch.allclose(online[i]["hidden"], stored[i]["hidden"].float(), atol=2e-2, rtol=1e-2)
+    fused = OnlineFeatures(target, examples, stored.aux_layers)
+    with torch.no_grad():
+        layer0 = target.model.model(input_ids=stored[7]["input_ids"][None], output_hidden_states=True).hidden_states[1][0]
+    assert stored.aux_layers == [0] and "aux" not in online[7]
+    assert torch.allclose(stored[7]["aux"].float(), layer0, atol=2e-2, rtol=1e-2)
+    assert torch.allclose(fused[7]["aux"], layer0, atol=1e-5)
 
 
 def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):

@@ -1,6 +1,6 @@
 """Target features: run the target over tokenized chats and store per example the input ids,
-the loss mask and the feature (last hidden state before the LM head) in safetensors shards
-with a manifest. Resumable: verified shards are skipped; a corrupt or half-written shard is
+the loss mask and the feature (last hidden state before the LM head; with ``aux_layers`` also
+those decoder layers' outputs, for drafters that fuse them) in safetensors shards with a manifest. Resumable: verified shards are skipped; a corrupt or half-written shard is
 detected by its checksum and regenerated. Shards made by another target are refused."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from tqdm import tqdm
@@ -34,6 +34,10 @@ class FeaturesConfig:
     shard_size: int = 64
     batch_tokens: int = 4096
     feature_dtype: str = "float16"
+    aux_layers: tuple[int, ...] = ()  # also store these decoder layers' outputs (EAGLE-3 style fusion)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
 
 
 def target_identity(target: Target) -> dict:
@@ -46,8 +50,10 @@ def sha256(path: Path) -> str:
 
 
 @torch.inference_mode()
-def compute_features(target: Target, examples: list[dict], batch_tokens: int) -> list[torch.Tensor]:
-    """Features [T_i, H] for each example (right-padded batches of similar length)."""
+def compute_features(target: Target, examples: list[dict], batch_tokens: int,
+                     aux_layers: Sequence[int] = ()) -> list[torch.Tensor]:
+    """Features [T_i, (1 + n) H] for each example: the last hidden state, then the outputs of the
+    n ``aux_layers`` (right-padded batches of similar length)."""
     order = sorted(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))
     out: list[torch.Tensor | None] = [None] * len(examples)
     i = 0
@@ -64,33 +70,44 @@ def compute_features(target: Target, examples: list[dict], batch_tokens: int) ->
             n = len(examples[k]["input_ids"])
             ids[row, :n] = torch.tensor(examples[k]["input_ids"])
             attn[row, :n] = 1
-        hidden = target.model.model(input_ids=ids.to(target.device), attention_mask=attn.to(target.device)).last_hidden_state
+        result = target.model.model(input_ids=ids.to(target.device), attention_mask=attn.to(target.device),
+                                    output_hidden_states=bool(aux_layers))
+        # hidden_states[0] is the embedding output, [i + 1] layer i's output
+        hidden = torch.cat([result.last_hidden_state] + [result.hidden_states[i + 1] for i in aux_layers], dim=-1)
         for row, k in enumerate(chunk):
             out[k] = hidden[row, : len(examples[k]["input_ids"])].float().cpu()
         i = j
     return out  # type: ignore[return-value]
 
 
-def write_shard(path: Path, examples: list[dict], features: list[torch.Tensor], dtype: torch.dtype) -> None:
+def write_shard(path: Path, examples: list[dict], features: list[torch.Tensor], dtype: torch.dtype,
+                hidden_size: int) -> None:
+    """``features`` [T_i, (1 + n) H] per example: stored as ``hidden`` [T_i, H] and, when n > 0,
+    ``aux`` [T_i, n H]."""
     from safetensors.torch import save_file
 
     tensors = {}
     for i, (ex, feat) in enumerate(zip(examples, features)):
         tensors[f"{i}.input_ids"] = torch.tensor(ex["input_ids"], dtype=torch.long)
         tensors[f"{i}.loss_mask"] = torch.tensor(ex["loss_mask"], dtype=torch.uint8)
-        tensors[f"{i}.hidden"] = feat.to(dtype).contiguous()
+        tensors[f"{i}.hidden"] = feat[:, :hidden_size].to(dtype).contiguous()
+        if feat.shape[1] > hidden_size:
+            tensors[f"{i}.aux"] = feat[:, hidden_size:].to(dtype).contiguous()
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp))
     tmp.replace(path)
 
 
 def read_shard(path: Path) -> list[dict[str, torch.Tensor]]:
+    """The examples of a shard: input_ids, loss_mask, hidden (and aux), features in the stored
+    dtype (``collate`` makes them float32 per batch, so a big folder stays half the size in memory)."""
     from safetensors.torch import load_file
 
     tensors = load_file(str(path))
-    n = len(tensors) // 3
+    n = sum(name.endswith(".input_ids") for name in tensors)
     return [{"input_ids": tensors[f"{i}.input_ids"], "loss_mask": tensors[f"{i}.loss_mask"].bool(),
-             "hidden": tensors[f"{i}.hidden"].float()} for i in range(n)]
+             "hidden": tensors[f"{i}.hidden"], **({"aux": tensors[f"{i}.aux"]} if f"{i}.aux" in tensors else {})}
+            for i in range(n)]
 
 
 def load_manifest(out_dir: Path, target: Target | None = None) -> dict:
@@ -129,6 +146,7 @@ def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
         manifest = load_manifest(out_dir, target)
     else:
         manifest = {"target": identity, "source": cfg.data, "config": dataclasses.asdict(cfg), "shards": {}}
+    manifest["config"] = dataclasses.asdict(cfg)
     manifest["skipped"] = chats.skipped
     manifest["num_examples"] = len(examples)
     dtype = getattr(torch, cfg.feature_dtype)
@@ -141,12 +159,14 @@ def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
         tokens = sum(len(ex["input_ids"]) for ex in shard)
         entry = manifest["shards"].get(name, {})
         digest = examples_digest(shard)
-        if entry.get("examples_sha256") == digest and shard_is_valid(out_dir, name, entry):
+        if (entry.get("examples_sha256") == digest and entry.get("aux_layers", []) == list(cfg.aux_layers)
+                and shard_is_valid(out_dir, name, entry)):
             bar.update(tokens)
             continue
-        write_shard(out_dir / name, shard, compute_features(target, shard, cfg.batch_tokens), dtype)
+        write_shard(out_dir / name, shard, compute_features(target, shard, cfg.batch_tokens, cfg.aux_layers), dtype,
+                    target.hidden_size)
         manifest["shards"][name] = {"examples": len(shard), "tokens": tokens, "sha256": sha256(out_dir / name),
-                                    "examples_sha256": digest}
+                                    "examples_sha256": digest, "aux_layers": list(cfg.aux_layers)}
         manifest["tokens"] = sum(s["tokens"] for s in manifest["shards"].values())
         tmp = manifest_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(manifest, indent=2))
@@ -163,16 +183,18 @@ def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
 
 
 class FeatureShards(torch.utils.data.Dataset):
-    """All examples of a feature folder (verified against the manifest and the target)."""
+    """All examples of a feature folder (verified against the manifest and the target);
+    ``aux_layers``: the decoder layers whose outputs its shards hold besides the feature."""
 
     def __init__(self, out_dir: str | Path, target: Target | None = None) -> None:
         self.dir = Path(out_dir)
         manifest = load_manifest(self.dir, target)
+        self.aux_layers = list(manifest.get("config", {}).get("aux_layers", []))
         self.examples: list[dict[str, torch.Tensor]] = []
         for name, entry in sorted(manifest["shards"].items()):
-            if not shard_is_valid(self.dir, name, entry):
-                raise EagleError(f"feature shard {self.dir / name} is corrupt or half-written: rerun eagle-features "
-                                 f"to regenerate it")
+            if not shard_is_valid(self.dir, name, entry) or entry.get("aux_layers", []) != self.aux_layers:
+                raise EagleError(f"feature shard {self.dir / name} is corrupt, half-written or made with other "
+                                 f"aux_layers: rerun eagle-features to regenerate it")
             self.examples.extend(read_shard(self.dir / name))
 
     def __len__(self) -> int:
@@ -183,18 +205,21 @@ class FeatureShards(torch.utils.data.Dataset):
 
 
 class OnlineFeatures(torch.utils.data.Dataset):
-    """Tokenized chats whose features are computed during training (nothing stored)."""
+    """Tokenized chats whose features (and ``aux_layers`` outputs) are computed during training
+    (nothing stored)."""
 
-    def __init__(self, target: Target, examples: list[dict]) -> None:
-        self.target, self.examples = target, examples
+    def __init__(self, target: Target, examples: list[dict], aux_layers: Sequence[int] = ()) -> None:
+        self.target, self.examples, self.aux_layers = target, examples, list(aux_layers)
 
     def __len__(self) -> int:
         return len(self.examples)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         ex = self.examples[i]
+        feat = compute_features(self.target, [ex], 1 << 30, self.aux_layers)[0]
+        h = self.target.hidden_size
         return {"input_ids": torch.tensor(ex["input_ids"]), "loss_mask": torch.tensor(ex["loss_mask"]).bool(),
-                "hidden": compute_features(self.target, [ex], 1 << 30)[0]}
+                "hidden": feat[:, :h], **({"aux": feat[:, h:]} if self.aux_layers else {})}
 
 
 def iter_batches(dataset: torch.utils.data.Dataset, indices: list[int], batch_size: int) -> Iterator[dict]:
@@ -203,19 +228,21 @@ def iter_batches(dataset: torch.utils.data.Dataset, indices: list[int], batch_si
 
 
 def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad a list of examples -> input_ids [B, T], loss_mask and valid [B, T] bool, hidden [B, T, H]."""
+    """Right-pad a list of examples -> input_ids [B, T], loss_mask and valid [B, T] bool, hidden
+    [B, T, H] float32 (and aux [B, T, n H] when the examples have it)."""
     longest = max(len(it["input_ids"]) for it in items)
-    hidden_size = items[0]["hidden"].shape[-1]
     batch = {"input_ids": torch.zeros(len(items), longest, dtype=torch.long),
              "loss_mask": torch.zeros(len(items), longest, dtype=torch.bool),
-             "valid": torch.zeros(len(items), longest, dtype=torch.bool),
-             "hidden": torch.zeros(len(items), longest, hidden_size)}
+             "valid": torch.zeros(len(items), longest, dtype=torch.bool)}
+    for key in ("hidden", "aux") if "aux" in items[0] else ("hidden",):
+        batch[key] = torch.zeros(len(items), longest, items[0][key].shape[-1])
     for row, it in enumerate(items):
         n = len(it["input_ids"])
         batch["input_ids"][row, :n] = it["input_ids"]
         batch["loss_mask"][row, :n] = it["loss_mask"]
         batch["valid"][row, :n] = True
-        batch["hidden"][row, :n] = it["hidden"]
+        for key in ("hidden", "aux") if "aux" in batch else ("hidden",):
+            batch[key][row, :n] = it[key]
     return batch
 
 

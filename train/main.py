@@ -49,6 +49,9 @@ class TrainConfig:
     init_from: str = ""            # warm start: a drafter (or draft LM) folder whose weights and architecture are kept
     draft_vocab_size: int = 0      # drafter: the N most frequent assistant tokens of the data (0 = as the architecture
                                    # JSON says, or as the warm-start drafter has); a warm start keeps its trained rows
+    aux_layers: tuple[int, ...] = ()  # drafter: also fuse these target layers' outputs (EAGLE-3 style; the features
+                                   # must hold them: eagle-features aux_layers). With init_from, layers it lacks are
+                                   # added with zero fc columns (it predicts as before until trained)
     deepspeed_config: str = "configs/deepspeed/zero1.json"
     out_dir: str = "runs/drafter"
     epochs: int = 20
@@ -77,6 +80,9 @@ class TrainConfig:
     wandb_project: str = "eagle"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
+        if self.replay_fraction and not self.examples_from:
+            raise EagleError("replay_fraction replays examples before examples_from: set examples_from too")
         if self.unroll_steps < 1:
             raise EagleError(f"unroll_steps must be >= 1, got {self.unroll_steps}")
         if self.autocast not in AUTOCAST:
@@ -105,15 +111,17 @@ def target_draft_logits(drafter: Drafter, lm_head: torch.nn.Module, hidden: torc
     return torch.nn.functional.linear(hidden, lm_head.weight[drafter.d2t])
 
 
-def shift(batch: dict, device: torch.device) -> dict:
-    """Pairs (f_t, x_{t+1}) -> f_{t+1}: inputs, next tokens, targets, all [B, T-1].
+def shift(batch: dict, device: torch.device, fuse: bool = False) -> dict:
+    """Pairs (f_t, x_{t+1}) -> f_{t+1}: inputs, next tokens, targets, all [B, T-1]. With ``fuse``
+    the inputs are [B, T-1, (1 + n) H]: f_t followed by the aux layers' outputs at t.
 
     The predicted feature f_{t+1} yields the distribution of token x_{t+2}, so pair t is
     trained when x_{t+2} is an assistant token (``mask``); ``valid`` marks real (unpadded) pairs."""
     hidden = batch["hidden"].to(device)
+    features = torch.cat([hidden, batch["aux"].to(device)], dim=-1) if fuse else hidden
     loss_mask, valid = batch["loss_mask"].to(device), batch["valid"].to(device)
     mask = torch.cat([loss_mask[:, 2:], torch.zeros_like(loss_mask[:, :1])], dim=1)
-    return {"features": hidden[:, :-1], "tokens": batch["input_ids"][:, 1:].to(device),
+    return {"features": features[:, :-1], "tokens": batch["input_ids"][:, 1:].to(device),
             "target": hidden[:, 1:], "mask": mask, "valid": valid[:, 1:]}
 
 
@@ -166,7 +174,7 @@ def step_loss(model, drafter: Drafter, target: Target, batch: dict, cfg: TrainCo
               generator: torch.Generator | None) -> LossOutput:
     """The EAGLE loss of one micro-batch; with ``unroll_steps`` n > 1 the mean of the losses of n
     unrolled passes (``train.loss.unroll``) weighted by ``unroll_decay``**j."""
-    b = shift(batch, target.device)
+    b = shift(batch, target.device, fuse=bool(drafter.config.aux_layers))
     dtype = next(drafter.parameters()).dtype
     feats = uniform_noise(b["features"].to(dtype), cfg.noise, generator)
     length = feats.shape[1]
@@ -217,7 +225,7 @@ def evaluate(student: torch.nn.Module, target: Target, dataset, indices: list[in
     accept_sum = roots = 0.0
     for batch in iter_batches(dataset, indices, 4):
         if isinstance(student, Drafter):
-            b = shift(batch, target.device)
+            b = shift(batch, target.device, fuse=bool(student.config.aux_layers))
             dtype = next(student.parameters()).dtype
             pos = torch.arange(b["tokens"].shape[1], device=target.device)[None].expand(b["tokens"].shape[0], -1)
             embeds = target.embed(b["tokens"]).to(dtype)
@@ -243,13 +251,15 @@ def evaluate(student: torch.nn.Module, target: Target, dataset, indices: list[in
 class Student:
     """What a run trains: ``module`` (given to DeepSpeed; ``forward`` as the loss expects),
     ``parameters`` (the trainable ones), ``name`` (its output folder), ``save`` (to a folder) and
-    ``loss`` (engine, micro-batch, noise generator) -> LossOutput."""
+    ``loss`` (engine, micro-batch, noise generator) -> LossOutput; ``aux_layers``: the target
+    layers whose outputs it reads besides the feature."""
 
     module: torch.nn.Module
     parameters: list[torch.nn.Parameter]
     name: str
     save: Callable[[Path], None]
     loss: Callable[[torch.nn.Module, dict, torch.Generator | None], LossOutput]
+    aux_layers: list[int] = dataclasses.field(default_factory=list)
 
 
 def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
@@ -261,15 +271,24 @@ def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
             if cfg.draft_vocab_size and cfg.draft_vocab_size != drafter.config.draft_vocab_size:
                 ids = most_frequent(token_counts(dataset, target.vocab_size), cfg.draft_vocab_size)
                 drafter = drafter.with_draft_vocab(ids, target).train()
+            if cfg.aux_layers and list(cfg.aux_layers[:len(drafter.config.aux_layers)]) != drafter.config.aux_layers:
+                raise EagleError(f"aux_layers {list(cfg.aux_layers)} must start with those of the warm-start drafter "
+                                 f"{drafter.config.aux_layers}")
+            if len(cfg.aux_layers) > len(drafter.config.aux_layers):
+                drafter = drafter.with_aux_layers(list(cfg.aux_layers[len(drafter.config.aux_layers):])).train()
         else:
             overrides = json.loads(Path(cfg.drafter_config).read_text()) if cfg.drafter_config else {}
             if cfg.draft_vocab_size:
                 overrides["draft_vocab_size"] = cfg.draft_vocab_size
+            if cfg.aux_layers:
+                overrides["aux_layers"] = list(cfg.aux_layers)
             counts = (token_counts(dataset, target.vocab_size) if overrides.get("draft_vocab_size") and not cfg.online
                       else None)
             drafter = Drafter.from_target(target, token_counts=counts, **overrides).float()
+        drafter.check_target(target)
         return Student(drafter, list(drafter.parameters()), "drafter", drafter.save_pretrained,
-                       lambda engine, batch, gen: step_loss(engine, drafter, target, batch, cfg, gen))
+                       lambda engine, batch, gen: step_loss(engine, drafter, target, batch, cfg, gen),
+                       aux_layers=drafter.config.aux_layers)
     if cfg.student == "draft-lm":
         if cfg.init_from:  # float32 layers; the shared embedding stays the target's (frozen) tensor
             lm = draft_lm.load(cfg.init_from, target, dtype=torch.float32)
@@ -303,9 +322,10 @@ def token_counts(dataset, vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def online_dataset(target: Target, source: str, max_length: int) -> OnlineFeatures:
+def online_dataset(target: Target, source: str, max_length: int, aux_layers: list[int]) -> OnlineFeatures:
     from train.data import load_chats, tokenize_all
-    return OnlineFeatures(target, tokenize_all(target.tokenizer, load_chats(source).conversations, max_length))
+    return OnlineFeatures(target, tokenize_all(target.tokenizer, load_chats(source).conversations, max_length),
+                          aux_layers)
 
 
 def training_examples(candidates: list[int], cfg: TrainConfig) -> list[int]:
@@ -330,12 +350,17 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     device = torch.device(deepspeed.get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", "0"))) \
         if torch.cuda.is_available() else torch.device("cpu")
     target = load_target(cfg.target, device=device, lean=False)
+    if not cfg.online and not cfg.features:
+        raise EagleError("set 'features' (a folder made by eagle-features) or 'online: true' with 'data'")
+    dataset = None if cfg.online else FeatureShards(cfg.features, target)
+    torch.manual_seed(cfg.seed)
+    student = build_student(cfg, target, dataset)  # online: no stored data to count tokens of (refused there)
     if cfg.online:
-        dataset = online_dataset(target, cfg.data, cfg.max_length)
-    else:
-        if not cfg.features:
-            raise EagleError("set 'features' (a folder made by eagle-features) or 'online: true' with 'data'")
-        dataset = FeatureShards(cfg.features, target)
+        dataset = online_dataset(target, cfg.data, cfg.max_length, student.aux_layers)
+    elif student.aux_layers and student.aux_layers != dataset.aux_layers:
+        raise EagleError(f"the drafter fuses target layers {student.aux_layers}, but the features in {cfg.features} "
+                         f"hold {dataset.aux_layers or 'none'}: rerun eagle-features with aux_layers "
+                         f"{student.aux_layers}")
     order = list(range(len(dataset)))
     random.Random(cfg.seed).shuffle(order)
     n_eval = max(1, int(len(order) * cfg.eval_fraction)) if len(order) > 1 else 0
@@ -346,11 +371,9 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     steps_per_epoch = max(1, len(train_idx) // (micro * accum * world))
     micro_per_epoch = max(1, len(train_idx) // (micro * world))
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
-    torch.manual_seed(cfg.seed)
-    student = build_student(cfg, target, dataset)
     dev = None
     if cfg.dev_data and rank == 0:  # the target is frozen: compute the dev features once, not at every evaluation
-        online = online_dataset(target, cfg.dev_data, cfg.max_length)
+        online = online_dataset(target, cfg.dev_data, cfg.max_length, student.aux_layers)
         dev = [online[i] for i in range(len(online))]
     evaluates = rank == 0 and (bool(eval_idx) or dev is not None)
 
