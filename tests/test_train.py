@@ -333,6 +333,13 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
     assert "(`dev_data: data/dev.jsonl`,\nnever trained on): top-1 0.250, depth-5 chain 1.40." in card
     assert "50 prompts; the drafter's tree alone): mean accepted length\n**2.75**, 9.00 tokens/s." in card
     assert "50 prompts; prompt-lookup chains of up to 10 tokens grafted on): mean accepted length\n**3.25**" in card
+    assert "fc 2H -> H," in card
+    drafter.with_aux_layers([0]).save_pretrained(tmp_path / "fused")  # an EAGLE-3 style fusing drafter says so
+    assert card_main(["--drafter", str(tmp_path / "fused"), "--selfdistill", str(tmp_path / "sd.json"),
+                      "--features", str(tmp_path / "feat.json"), "--summary", str(tmp_path / "summary.json"),
+                      "--bench", str(tmp_path / "bench.json"), "--train-config", "run.yaml"]) == 0
+    assert "fc 3H -> H: it also fuses the outputs of target layers 0, EAGLE-3 style" in \
+        (tmp_path / "fused" / "README.md").read_text()
     # a draft LM's card, from the same kind of records
     from eagle import draft_lm
 

@@ -122,7 +122,7 @@ def render(drafter_dir: Path, data: dict, features: dict, summary: dict, bench: 
     tree = bench["methods"].get("eagle-tree", {})
     return f"""# EAGLE drafter for {cfg['target']['name']}
 
-An EAGLE-1/2 feature-level drafter ({cfg['num_layers']} decoder layer, hidden {cfg['hidden_size']}, fc 2H -> H,
+An EAGLE-1/2 feature-level drafter ({cfg['num_layers']} decoder layer, hidden {cfg['hidden_size']}, {_fc_text(cfg)},
 draft vocabulary {cfg.get('draft_vocab_size') or cfg['vocab_size']} of {cfg['vocab_size']} tokens) for
 `{cfg['target']['name']}` (tokenizer fingerprint `{cfg['target']['tokenizer_fingerprint']}`), trained with this
 repository's pipeline on 2 CPU cores. `EagleModel.from_pretrained("{cfg['target']['name']}")` loads it by default.
@@ -141,6 +141,14 @@ at inference, bonus token included).{_dev_eval_text(summary)}
 {_bench_table(bench)}
 Mean accepted length of `eagle-tree`: **{tree.get('mean_accept_length', 0):.2f}** tokens per target forward.
 """ + "".join(_fixed_tree_text(b) for b in fixed_trees)
+
+
+def _fc_text(cfg: dict) -> str:
+    aux = cfg.get("aux_layers") or []
+    if not aux:
+        return "fc 2H -> H"
+    return (f"fc {2 + len(aux)}H -> H: it also fuses the outputs of target layers {', '.join(map(str, aux))}, "
+            f"EAGLE-3 style")
 
 
 def _dev_eval_text(summary: dict) -> str:
