@@ -72,11 +72,6 @@ class DrafterConfig:
                 self.aux_layers):
             raise EagleError(f"aux_layers must be distinct target layer indices >= 0, got {self.aux_layers}")
 
-    @property
-    def feature_size(self) -> int:
-        """Width of a full input feature: the target's last hidden state and its aux layers' outputs."""
-        return (1 + len(self.aux_layers)) * self.hidden_size
-
     @classmethod
     def from_json(cls, path: str | Path) -> "DrafterConfig":
         data = json.loads(Path(path).read_text())
@@ -104,7 +99,7 @@ class RMSNorm(nn.Module):
 
 def fc_input(features: torch.Tensor, token_embeds: torch.Tensor, cfg: DrafterConfig) -> torch.Tensor:
     """What ``fc`` reads: concat(embedding, feature, RMS-normalized aux outputs). ``features``
-    [..., H] (a prediction: aux taken as zeros) or [..., cfg.feature_size]; -> [..., (2 + n) H]."""
+    [..., H] (a prediction: aux taken as zeros) or [..., (1 + n) H]; -> [..., (2 + n) H]."""
     h, n = cfg.hidden_size, len(cfg.aux_layers)
     if not n:
         return torch.cat([token_embeds, features], dim=-1)
@@ -329,7 +324,7 @@ class Drafter(nn.Module):
     # ---- compute ---------------------------------------------------------------------------
     def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
                 cache: StaticCache | None = None, attention_bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``features`` [B, T, H] (f_t; or [B, T, feature_size] with the aux layers' outputs),
+        """``features`` [B, T, H] (f_t; or [B, T, (1 + n) H] with the n aux layers' outputs),
         ``token_embeds`` [B, T, H] (embedding of token t+1),
         ``positions`` [B, T], ``attention_bias`` [B or 1, 1, T, past + T] additive (causal when
         None) -> predicted features [B, T, H] (f_{t+1}). ``cache`` is extended in place."""
