@@ -129,21 +129,24 @@ class Target:
         Logits are computed only for positions ``logits_from:`` (saves the LM head on a prefill).
         ``aux_layers``: decoder layers (0-based) whose outputs are returned too (for a drafter that
         fuses them). A ``StaticCache`` (from ``new_cache``) selects the lean forward."""
-        aux = None
         if isinstance(cache, kv_cache.StaticCache):
             if self.lean is None:
                 raise EagleError(f"{self.name} has no lean forward: use Target.new_cache() for its cache")
             out = self.lean.forward(input_ids, position_ids, cache, attention_mask, aux_layers)
-            hidden = out[..., :self.hidden_size]
-            if aux_layers:
-                aux = out[..., self.hidden_size:]
         else:
-            result = self.model.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                                      past_key_values=cache, use_cache=True, output_hidden_states=bool(aux_layers))
-            hidden = result.last_hidden_state
-            if aux_layers:  # hidden_states[0] is the embedding output, [i + 1] layer i's output
-                aux = torch.cat([result.hidden_states[i + 1] for i in aux_layers], dim=-1)
-        return TargetOutput(logits=self.lm_head(hidden[:, logits_from:]).float(), hidden=hidden, aux=aux)
+            out = model_features(self.model.model(input_ids=input_ids, position_ids=position_ids,
+                                                  attention_mask=attention_mask, past_key_values=cache,
+                                                  use_cache=True, output_hidden_states=bool(aux_layers)), aux_layers)
+        hidden = out[..., :self.hidden_size]
+        return TargetOutput(logits=self.lm_head(hidden[:, logits_from:]).float(), hidden=hidden,
+                            aux=out[..., self.hidden_size:] if aux_layers else None)
+
+
+def model_features(result: Any, aux_layers: Sequence[int]) -> torch.Tensor:
+    """A transformers base model's output (with ``output_hidden_states`` when ``aux_layers``) ->
+    [B, q, (1 + n) H]: the final-norm hidden states, then the outputs of decoder layers
+    ``aux_layers`` (``hidden_states[0]`` is the embedding output, ``[i + 1]`` layer i's output)."""
+    return torch.cat([result.last_hidden_state] + [result.hidden_states[i + 1] for i in aux_layers], dim=-1)
 
 
 @dataclasses.dataclass

@@ -1,7 +1,8 @@
 """Target features: run the target over tokenized chats and store per example the input ids,
 the loss mask and the feature (last hidden state before the LM head; with ``aux_layers`` also
-those decoder layers' outputs, for drafters that fuse them) in safetensors shards with a manifest. Resumable: verified shards are skipped; a corrupt or half-written shard is
-detected by its checksum and regenerated. Shards made by another target are refused."""
+those decoder layers' outputs, for drafters that fuse them) in safetensors shards with a
+manifest. Resumable: verified shards are skipped; a corrupt or half-written shard is detected by
+its checksum and regenerated. Shards made by another target are refused."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tqdm import tqdm
 
 from eagle.config import load_config_file
 from eagle.errors import EagleError, command
-from eagle.target import DEFAULT_TARGET, Target, load_target
+from eagle.target import DEFAULT_TARGET, Target, load_target, model_features
 from train.data import load_chats, tokenize_all
 
 MANIFEST = "manifest.json"
@@ -72,8 +73,7 @@ def compute_features(target: Target, examples: list[dict], batch_tokens: int,
             attn[row, :n] = 1
         result = target.model.model(input_ids=ids.to(target.device), attention_mask=attn.to(target.device),
                                     output_hidden_states=bool(aux_layers))
-        # hidden_states[0] is the embedding output, [i + 1] layer i's output
-        hidden = torch.cat([result.last_hidden_state] + [result.hidden_states[i + 1] for i in aux_layers], dim=-1)
+        hidden = model_features(result, aux_layers)
         for row, k in enumerate(chunk):
             out[k] = hidden[row, : len(examples[k]["input_ids"])].float().cpu()
         i = j
@@ -234,14 +234,15 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     batch = {"input_ids": torch.zeros(len(items), longest, dtype=torch.long),
              "loss_mask": torch.zeros(len(items), longest, dtype=torch.bool),
              "valid": torch.zeros(len(items), longest, dtype=torch.bool)}
-    for key in ("hidden", "aux") if "aux" in items[0] else ("hidden",):
+    keys = ("hidden", "aux") if "aux" in items[0] else ("hidden",)
+    for key in keys:
         batch[key] = torch.zeros(len(items), longest, items[0][key].shape[-1])
     for row, it in enumerate(items):
         n = len(it["input_ids"])
         batch["input_ids"][row, :n] = it["input_ids"]
         batch["loss_mask"][row, :n] = it["loss_mask"]
         batch["valid"][row, :n] = True
-        for key in ("hidden", "aux") if "aux" in batch else ("hidden",):
+        for key in keys:
             batch[key][row, :n] = it[key]
     return batch
 
