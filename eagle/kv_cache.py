@@ -16,7 +16,7 @@ _MIN_CAPACITY = 256
 
 
 class StaticCache:
-    """Keys/values per layer in preallocated buffers [1, kv_heads, capacity, head_dim] (batch 1).
+    """Keys/values per layer in preallocated buffers [B, kv_heads, capacity, head_dim].
     ``update`` writes at the layer's current length, no concatenation; a buffer doubles when a
     write would overflow it. Rolling back or compacting moves lengths and copies the kept rows."""
 
@@ -29,8 +29,8 @@ class StaticCache:
         return self.lengths[0]
 
     def update(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``keys``/``values`` [1, kv_heads, q, d] to layer ``index``; return views of all
-        its entries [1, kv_heads, length + q, d]."""
+        """Append ``keys``/``values`` [B, kv_heads, q, d] to layer ``index``; return views of all
+        its entries [B, kv_heads, length + q, d]."""
         start = self.lengths[index]
         end = start + keys.shape[-2]
         buf = self.keys[index]
@@ -49,6 +49,13 @@ class StaticCache:
         if buf is not None and keep:
             new[..., :keep, :] = buf[..., :keep, :]
         return new
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` [R] (e.g. the sequences still generating)."""
+        for buffers in (self.keys, self.values):
+            for i, buf in enumerate(buffers):
+                if buf is not None:
+                    buffers[i] = buf.index_select(0, rows.to(buf.device))
 
     def truncate(self, length: int) -> None:
         self.lengths = [min(n, length) for n in self.lengths]

@@ -126,7 +126,8 @@ def lean_decoder(model: Any) -> "LeanDecoder | None":
 
 
 class LeanDecoder:
-    """The target's decoder stack + LM head as a few fused operations. Batch 1."""
+    """The target's decoder stack + LM head as a few fused operations. Rows of a batch share
+    the cache length (left-pad them and mask the padding: ``eagle.batch``)."""
 
     def __init__(self, model: Any) -> None:
         reason = unsupported_reason(model)
@@ -159,23 +160,23 @@ class LeanDecoder:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache,
                 attention_mask: torch.Tensor | None = None, aux_layers: Sequence[int] = ()) -> torch.Tensor:
-        """``input_ids``/``position_ids`` [1, q]; ``attention_mask`` additive [1, 1, q, past + q]
-        or None (causal). Returns the final-norm hidden states [1, q, H], followed along the last
-        dim by the outputs of layers ``aux_layers`` ([1, q, (1 + n) H]); ``cache`` is extended."""
-        q_len, (nh, nkv, d) = input_ids.shape[1], (self.num_heads, self.num_kv_heads, self.head_dim)
+        """``input_ids``/``position_ids`` [B, q]; ``attention_mask`` additive [1 or B, 1, q, past + q]
+        or None (causal). Returns the final-norm hidden states [B, q, H], followed along the last
+        dim by the outputs of layers ``aux_layers`` ([B, q, (1 + n) H]); ``cache`` is extended."""
+        (b, q_len), (nh, nkv, d) = input_ids.shape, (self.num_heads, self.num_kv_heads, self.head_dim)
         x = self.embed(input_ids)
         cos, sin = (t[:, None] for t in self.rotary(x, position_ids))
         if attention_mask is None and q_len > 1:
             attention_mask = causal_bias(q_len, cache.get_seq_length(), x.dtype, x.device)
         aux: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(rms_norm(x, layer.input_norm, layer.input_eps)).view(1, q_len, nh + 2 * nkv, d)
+            qkv = layer.qkv(rms_norm(x, layer.input_norm, layer.input_eps)).view(b, q_len, nh + 2 * nkv, d)
             qk, v = qkv.transpose(1, 2).split([nh + nkv, nkv], dim=1)
             q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)  # queries and keys rotated together
             keys, values = cache.update(i, k, v)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask,
                                                  enable_gqa=nkv != nh, scale=d ** -0.5)
-            x = x + layer.o(out.transpose(1, 2).reshape(1, q_len, nh * d))
+            x = x + layer.o(out.transpose(1, 2).reshape(b, q_len, nh * d))
             gate, up = layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps)).split(self.intermediate, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
             if i in aux_layers:

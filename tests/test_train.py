@@ -25,6 +25,7 @@ from eagle.config import load_config_file
 from train.main import TrainConfig
 from train import selfdistill
 from train.selfdistill import main as selfdistill_main, passage_question, sentences
+from infer.bench import read_prompts
 
 from .conftest import tiny_drafter, tiny_target
 
@@ -108,6 +109,19 @@ def test_feature_shards_round_trip_and_refuse_other_targets(workspace, tmp_path)
     other = load_target(str(save_tiny_chat_target(tmp_path / "other", seed=3, vocab_size=40)))
     with pytest.raises(EagleError, match="made by target"):
         FeatureShards(workspace["features"], other)
+
+
+def test_features_of_several_chat_files_are_their_concatenation(workspace, tmp_path):
+    part = tmp_path / "more.jsonl"
+    part.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"t{i} t5"},
+                                                          {"from": "gpt", "value": f"t{i + 1} t6 t7"}]}) + "\n"
+                            for i in range(8, 13)))
+    cfg = load_config_file(FeaturesConfig, None, [f"target={workspace['target']}", f"out_dir={tmp_path / 'f'}",
+                                                  f"data=[{workspace['data']}, {part}]", "shard_size=16"])
+    shards = FeatureShards(build(cfg))
+    assert len(shards) == 55 and load_manifest(tmp_path / "f")["skipped"]["malformed_json"] == 1
+    tok = load_target(str(workspace["target"])).tokenizer
+    assert tok.decode(shards[54]["input_ids"]).count("t13 t6 t7") == 1  # the second file's last conversation is last
 
 
 def test_corrupt_shard_is_detected_and_regenerated(workspace, tmp_path):
@@ -468,3 +482,39 @@ def test_selfdistill_answers_a_prompt_file_greedily(tmp_path):
         assert record["conversations"][1]["value"] == target.tokenizer.decode(row, skip_special_tokens=True)
     assert load_chats(str(out)).conversations  # usable as the trainer's dev_data
     assert selfdistill_main(["--set", f"target={target_dir}", "--answer", str(prompts)]) == 2  # no --out: an error
+    # resumable: a half-written last line is dropped and answered again; finished ones are kept
+    full = out.read_text()
+    out.write_text(full[: full.rindex("\n", 0, len(full) - 1) + 1] + full.splitlines()[-1][:20])
+    selfdistill_main(["--set", f"target={target_dir}", "batch_size=2", "--answer", str(prompts), "--out", str(out),
+                      "--max-new-tokens", "6"])
+    assert out.read_text() == full
+    prompts.write_text(json.dumps({"prompt": "t30", "category": "math"}) + "\n")
+    assert selfdistill_main(["--set", f"target={target_dir}", "--answer", str(prompts), "--out", str(out)]) == 2
+
+
+def test_compose_prompts_fills_every_slot_distinct_and_seeded(tmp_path):
+    templates = {"categories": {"a": ["Tell {x} about {y}."], "b": ["Ask {y}?", "Say {x}."]},
+                 "slots": {"x": ["p", "q", "r"], "y": ["s", "t"]}}
+    made = selfdistill.compose_prompts(templates, 8, seed=1)
+    assert len({p["prompt"] for p in made}) == 8 and {p["category"] for p in made} == {"a", "b"}
+    assert all("{" not in p["prompt"] for p in made)
+    assert made == selfdistill.compose_prompts(templates, 8, seed=1) != selfdistill.compose_prompts(templates, 8, seed=2)
+    with pytest.raises(EagleError, match="only 11 distinct"):  # 6 + 2 + 3 possible prompts
+        selfdistill.compose_prompts(templates, 12, seed=0)
+    with pytest.raises(EagleError, match="no values under 'slots': z"):
+        selfdistill.compose_prompts({"categories": {"a": ["{z}"]}, "slots": {}}, 1, seed=0)
+    out = tmp_path / "prompts.jsonl"  # the project's own templates, through the command line
+    assert selfdistill_main(["--compose", "50", "--out", str(out)]) in (None, 0)
+    assert len(read_prompts(out)) == 50
+
+
+def test_batched_generation_is_the_same_with_and_without_the_lean_forward(tmp_path):
+    """``_generate`` decodes with ``eagle.batch`` when the target has a lean forward, else with
+    ``generate()`` on a packed copy: greedy, both give the same continuations and EOS flags."""
+    target_dir = save_tiny_chat_target(tmp_path / "target", vocab_size=64)
+    lean, plain = load_target(str(target_dir)), load_target(str(target_dir), lean=False)
+    assert selfdistill.generation_model(lean) is None and selfdistill.generation_model(plain) is not None
+    texts = ["t5 t6 t7 t8", "t9", "t11 t12 t40"]
+    args = (12, 0.0, 1.0, 0)
+    assert selfdistill._generate(lean, None, texts, *args) == \
+        selfdistill._generate(plain, selfdistill.generation_model(plain), texts, *args)

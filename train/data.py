@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from eagle.errors import EagleError
 
@@ -87,6 +87,15 @@ def load_chats(source: str) -> LoadedChats:
     if not chats:
         raise EagleError(f"{source}: no usable conversation with an assistant turn (skipped: {skipped})")
     return LoadedChats(conversations=chats, skipped=skipped)
+
+
+def load_all(sources: str | Sequence[str]) -> LoadedChats:
+    """``load_chats`` of one source or of several, concatenated in order (skips summed)."""
+    loaded = [load_chats(s) for s in ([sources] if isinstance(sources, str) else sources)]
+    if not loaded:
+        raise EagleError("no chat data source given")
+    skipped = {key: sum(part.skipped[key] for part in loaded) for key in loaded[0].skipped}
+    return LoadedChats(conversations=[c for part in loaded for c in part.conversations], skipped=skipped)
 
 
 def assistant_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from eagle.config import load_config_file
 from eagle.errors import EagleError, command
 from eagle.target import DEFAULT_TARGET, Target, load_target, model_features
-from train.data import load_chats, tokenize_all
+from train.data import load_all, tokenize_all
 
 MANIFEST = "manifest.json"
 
@@ -29,7 +29,7 @@ MANIFEST = "manifest.json"
 @dataclasses.dataclass(frozen=True)
 class FeaturesConfig:
     target: str = DEFAULT_TARGET
-    data: str = "data/selfdistill/data.jsonl"
+    data: str | tuple[str, ...] = "data/selfdistill/data.jsonl"  # one chat file, or several (concatenated)
     out_dir: str = "data/features"
     max_length: int = 1024
     shard_size: int = 64
@@ -39,6 +39,8 @@ class FeaturesConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
+        if not isinstance(self.data, str):
+            object.__setattr__(self, "data", tuple(self.data))
 
 
 def target_identity(target: Target) -> dict:
@@ -138,7 +140,7 @@ def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
     target = target or load_target(cfg.target, lean=False)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    chats = load_chats(cfg.data)
+    chats = load_all(cfg.data)
     examples = tokenize_all(target.tokenizer, chats.conversations, cfg.max_length)
     identity = target_identity(target)
     manifest_path = out_dir / MANIFEST

@@ -14,8 +14,12 @@ People also ask with a form in mind ("in two sentences", "show your steps"), whi
 own questions rarely state: with ``constraint_fraction`` > 0 that share of its questions gets
 one of the seeds file's ``constraints`` appended.
 
-``--answer PROMPTS --out FILE`` instead writes the target's greedy answers to a prompt file (the
-dev prompt set): a teacher-forced evaluation set for the trainer's ``dev_data``.
+``--answer PROMPTS --out FILE`` instead writes the target's greedy answers to a prompt file: the
+dev prompt set (a teacher-forced evaluation set for the trainer's ``dev_data``), or training
+requests that ``--compose N --out FILE`` makes from project-written templates in the way people
+ask (``configs/selfdistill/people.yaml``: roles to play, texts to work on, a form to follow).
+
+With a lean target forward, generation is batched by ``eagle.batch`` (finished rows leave the batch).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import dataclasses
 import json
 import random
 import re
+import string
 import sys
 import time
 from pathlib import Path
@@ -34,9 +39,11 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from eagle.config import load_config_file
+from eagle.batch import generate_batch
+from eagle.config import SamplingConfig, load_config_file
 from eagle.errors import EagleError, command
 from eagle.lean import packed_copy
+from eagle.sampling import make_generator
 from eagle.target import DEFAULT_TARGET, Target, load_target
 
 
@@ -115,12 +122,25 @@ def passage_question(template: str, source: str, language: str, rng: random.Rand
                            language=language)
 
 
+def generation_model(target: Target) -> Any:
+    """What ``_generate`` runs: None when the target has a lean forward (``eagle.batch``), else a
+    prepacked copy of its transformers model (~1.7x faster batched ``generate()`` on CPU)."""
+    return None if target.lean is not None else packed_copy(target.model)
+
+
 @torch.inference_mode()
 def _generate(target: Target, model: Any, texts: list[str], max_new_tokens: int, temperature: float, top_p: float,
               seed: int) -> list[tuple[str, bool]]:
-    """Batched generation (left padding) with ``model`` (the target's model, or its packed copy);
-    returns (continuation text, ended with EOS) per input."""
+    """Batched generation; returns (continuation text, ended with EOS) per input. With the lean
+    forward (``model`` None): ``eagle.batch.generate_batch``, which drops finished rows (measured
+    here, 32 answers of up to 128 tokens: 261 tokens/s, vs 190 for ``generate()`` on the packed
+    copy); else ``model.generate()`` with left padding."""
     tok = target.tokenizer
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p if temperature > 0 else 1.0)
+    if model is None:
+        prompts = [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
+        out = generate_batch(target, prompts, max_new_tokens, sampling, make_generator(seed))
+        return [(tok.decode(ids, skip_special_tokens=True), ended) for ids, ended in zip(out.token_ids, out.ended)]
     tok.padding_side = "left"
     if tok.pad_token is None:  # many chat tokenizers (Llama's) have none; padding is masked out anyway
         tok.pad_token = tok.eos_token
@@ -128,7 +148,7 @@ def _generate(target: Target, model: Any, texts: list[str], max_new_tokens: int,
     torch.manual_seed(seed)
     kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
     out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id or 0,
-                                eos_token_id=sorted(target.eos_token_ids), **kwargs)
+                         eos_token_id=sorted(target.eos_token_ids), **kwargs)
     results = []
     for row in out[:, enc["input_ids"].shape[1]:].tolist():
         ended = any(t in target.eos_token_ids for t in row)
@@ -179,8 +199,8 @@ def run(cfg: SelfDistillConfig) -> Path:
         manifest["conversations"] = len(lines)
     seen = {conv[0]["value"].lower() for conv in records}
     sources = [conv[1]["value"] for conv in records]  # answers to draw passages from
-    target = load_target(cfg.target, lean=False)
-    model = packed_copy(target.model)  # prepacked weights: ~1.7x faster batched generation on CPU
+    target = load_target(cfg.target)
+    model = generation_model(target)
     bar = tqdm(total=cfg.num_conversations, initial=manifest["conversations"], desc="self-distill", unit="conv")
     idle = 0
     while manifest["conversations"] < cfg.num_conversations:
@@ -241,19 +261,50 @@ def run(cfg: SelfDistillConfig) -> Path:
     return data_path
 
 
-def answer_prompts(target: Target, prompts: list[dict], max_new_tokens: int, batch_size: int) -> list[dict]:
+def answer_prompts(target: Target, prompts: list[dict], max_new_tokens: int, batch_size: int, out: Path) -> None:
     """The target's greedy answers to ``prompts`` ([{prompt, category}]) as ShareGPT records
-    ``{id, category, conversations}`` (batched, as the self-distilled answers are made)."""
-    model = packed_copy(target.model)
-    records = []
-    for start in tqdm(range(0, len(prompts), batch_size), desc="answer", unit="batch"):
+    ``{id, category, conversations}`` (batched, as the self-distilled answers are made), appended
+    to the JSONL ``out`` one batch at a time. Resumable: complete records already in ``out``
+    (for the same prompts, in order) are kept and those prompts are not answered again."""
+    done = [json.loads(ln) for ln in out.read_text().splitlines() if ln.endswith("}")] if out.exists() else []
+    for i, record in enumerate(done):
+        if i >= len(prompts) or record["conversations"][0]["value"] != prompts[i]["prompt"]:
+            raise EagleError(f"{out} holds answers to other prompts (line {i + 1}): choose another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done))  # drops a half-written line
+    model = generation_model(target)
+    for start in tqdm(range(len(done), len(prompts), batch_size), desc="answer", unit="batch"):
         chunk = prompts[start:start + batch_size]
         answers = _answer(target, model, [p["prompt"] for p in chunk], max_new_tokens, 0.0, 0)
-        for i, (p, (answer, _ended)) in enumerate(zip(chunk, answers)):
-            records.append({"id": f"answer-{start + i}", "category": p["category"],
-                            "conversations": [{"from": "human", "value": p["prompt"]},
-                                              {"from": "gpt", "value": answer}]})
-    return records
+        new = [{"id": f"answer-{start + i}", "category": p["category"],
+                "conversations": [{"from": "human", "value": p["prompt"]}, {"from": "gpt", "value": answer}]}
+               for i, (p, (answer, _ended)) in enumerate(zip(chunk, answers))]
+        with out.open("a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in new))
+
+
+def compose_prompts(templates: dict, n: int, seed: int) -> list[dict]:
+    """``n`` distinct prompts ``{prompt, category}`` from a templates file's ``categories`` (name ->
+    list of templates with ``{slot}`` fields) and ``slots`` (slot -> values): per prompt a random
+    category, template and slot values (seeded). Fewer than ``n`` distinct ones exist: an error."""
+    categories, slots = templates.get("categories") or {}, templates.get("slots") or {}
+    if not categories:
+        raise EagleError("a templates file needs a 'categories' mapping: category -> list of templates")
+    fields = {f for group in categories.values() for t in group for _, f, _, _ in string.Formatter().parse(t) if f}
+    missing = sorted(fields - set(slots))
+    if missing:
+        raise EagleError(f"template slot(s) with no values under 'slots': {', '.join(missing)}")
+    rng, names, seen, out = random.Random(seed), sorted(categories), set(), []
+    for _attempt in range(50 * n):
+        if len(out) == n:
+            return out
+        category = rng.choice(names)
+        template = rng.choice(categories[category])
+        prompt = template.format_map({f: rng.choice(slots[f]) for f in sorted(fields) if "{" + f + "}" in template})
+        if prompt not in seen:
+            seen.add(prompt)
+            out.append({"prompt": prompt, "category": category})
+    raise EagleError(f"the templates give only {len(out)} distinct prompts, fewer than {n}")
 
 
 @command("eagle-selfdistill")
@@ -262,20 +313,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", help="YAML file with SelfDistillConfig keys")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config keys")
     parser.add_argument("--answer", metavar="PROMPTS", help="instead: answer this prompt file (JSONL) greedily")
-    parser.add_argument("--out", help="with --answer: the ShareGPT JSONL to write")
+    parser.add_argument("--compose", type=int, metavar="N",
+                        help="instead: write N prompts composed from --templates to --out (a prompt file for --answer)")
+    parser.add_argument("--templates", default="configs/selfdistill/people.yaml", help="with --compose: templates file")
+    parser.add_argument("--out", help="with --answer: the ShareGPT JSONL to write (resumed if it exists); "
+                                      "with --compose: the prompt JSONL")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="with --answer: answer length")
     args = parser.parse_args(argv)
     cfg = load_config_file(SelfDistillConfig, args.config, args.set, "self-distillation config")
-    if not args.answer:
+    if not args.answer and args.compose is None:
         run(cfg)
         return
     if not args.out:
-        raise EagleError("--answer needs --out (the ShareGPT JSONL to write)")
+        raise EagleError("--answer and --compose need --out (the JSONL to write)")
+    if args.compose is not None:
+        prompts = compose_prompts(yaml.safe_load(Path(args.templates).read_text()), args.compose, cfg.seed)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts))
+        return
     from infer.bench import read_prompts
-    records = answer_prompts(load_target(cfg.target, lean=False), read_prompts(args.answer), args.max_new_tokens,
-                             cfg.batch_size)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    answer_prompts(load_target(cfg.target), read_prompts(args.answer), args.max_new_tokens, cfg.batch_size,
+                   Path(args.out))
+
 
 if __name__ == "__main__":
     sys.exit(main())
