@@ -55,6 +55,12 @@ def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int
         raise EagleError(f"{target.name} has no lean forward; batched decoding needs one")
     if not prompts or min(len(p) for p in prompts) < 1:
         raise EagleError("generate_batch needs at least one prompt, each with at least one token")
+    if max_new_tokens < 1:
+        raise EagleError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > target.max_context:
+        raise EagleError(f"a prompt of {longest} tokens plus {max_new_tokens} new ones exceeds the model's context "
+                         f"({target.max_context})")
     device, eos = target.device, torch.tensor(sorted(target.eos_token_ids), device=target.device)
     ids, real, positions = (t.to(device) for t in padded_batch(prompts, pad_id=0))  # padding is masked: any id
     cache = target.new_cache()

@@ -63,3 +63,7 @@ def test_batch_needs_the_lean_forward_and_prompts():
         generate_batch(tiny_target(lean=False), [[1, 2]], 3, SamplingConfig(), make_generator(0))
     with pytest.raises(EagleError, match="at least one"):
         generate_batch(tiny_target(), [[]], 3, SamplingConfig(), make_generator(0))
+    with pytest.raises(EagleError, match="max_new_tokens"):
+        generate_batch(tiny_target(), [[1, 2]], 0, SamplingConfig(), make_generator(0))
+    with pytest.raises(EagleError, match="exceeds the model's context"):
+        generate_batch(tiny_target(max_positions=16), [[1] * 10, [2]], 7, SamplingConfig(), make_generator(0))
