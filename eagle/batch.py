@@ -16,6 +16,7 @@ from eagle.config import SamplingConfig
 from eagle.errors import EagleError
 from eagle.sampling import logits_to_probs, sample
 from eagle.target import Target
+from eagle.tree_mask import additive_bias
 
 
 @dataclasses.dataclass
@@ -41,9 +42,7 @@ def batch_bias(real_keys: torch.Tensor, q_len: int, dtype: torch.dtype) -> torch
     attention to padding. ``real_keys`` [B, K] (True = a real token)."""
     k_len = real_keys.shape[1]
     causal = torch.ones(q_len, k_len, dtype=torch.bool, device=real_keys.device).tril(k_len - q_len)
-    allowed = causal[None] & real_keys[:, None, :]
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-        ~allowed, torch.finfo(dtype).min)[:, None]
+    return additive_bias(causal[None] & real_keys[:, None, :], dtype)
 
 
 @torch.inference_mode()

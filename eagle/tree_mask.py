@@ -64,10 +64,11 @@ def attention_bias(tree_mask: torch.Tensor, past_len: int, dtype: torch.dtype) -
 
 
 def additive_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[Q, K] bool (True = may attend) -> [1, 1, Q, K] additive mask: 0 or the dtype's most negative value."""
+    """[Q, K] or [B, Q, K] bool (True = may attend) -> [1, 1, Q, K] or [B, 1, Q, K] additive mask:
+    0 or the dtype's most negative value."""
     bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     bias.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return bias[None, None]
+    return bias.reshape(-1, 1, *allowed.shape[-2:])
 
 
 def causal_bias(q_len: int, past_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
