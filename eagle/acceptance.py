@@ -51,26 +51,32 @@ def recursive_rejection_tree(tokens: torch.Tensor, parents: torch.Tensor, target
     At the current node, try its children in order: accept child token x with probability
     p(x); on rejection set p(x) = 0 and renormalize, then try the next child. If all are
     rejected (or there are none), draw the next token from what remains of p. The drafts
-    act as a point mass (q = 1), so the result is distributed exactly as p.
+    act as a point mass (q = 1), so the result is distributed exactly as p. Renormalizing is
+    kept implicit: with ``left`` the mass not yet rejected, x is accepted when u * left < p(x).
     ``tokens``/``parents`` [N]; ``target_probs`` [N, V], the warped target distribution at each node."""
     kids = children_of(parents)
-    probs = target_probs.float().cpu()
     token_list = tokens.tolist()
     node, accepted = 0, [0]
     while True:
-        p = probs[node].clone()
-        for child in kids[node]:
-            x = token_list[child]
-            if torch.rand(1, generator=generator).item() < p[x].item():
+        p = target_probs[node].float().cpu()
+        xs = [token_list[child] for child in kids[node]]
+        mass = p[xs].tolist() if xs else []
+        rejected: set[int] = set()
+        left = 1.0
+        for child, x, px in zip(kids[node], xs, mass):
+            px = 0.0 if x in rejected else px
+            if torch.rand(1, generator=generator).item() * left < px:
                 node = child
                 accepted.append(child)
                 break
-            p[x] = 0.0
-            p = p / p.sum()
+            rejected.add(x)
+            left -= px
         else:
-            next_token = int(sample(p, generator))
+            if rejected:
+                p = p.clone()
+                p[list(rejected)] = 0.0
             return Acceptance(nodes=torch.tensor(accepted, dtype=torch.long, device=tokens.device),
-                              next_token=next_token)
+                              next_token=int(sample(p, generator)))
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
