@@ -20,8 +20,9 @@ import torch
 
 from eagle.target import Target, cache_root
 
-# every size up to 16 (where matrix kernels switch blocking, the cost steps: on the 2-core reference
-# CPU 3-6 tree tokens cost what 1 does and 7 costs 13% more), coarser past it
+# every size up to 16, coarser past it: matrix kernels block their rows, so the cost steps (on the
+# 2-core reference CPU 1-6 tree tokens cost the same and 7 about 10% more), which sizes 4 and 8
+# with a line between them would hide
 SIZES = tuple(range(1, 17)) + (20, 24, 32, 48, 64)
 
 
@@ -80,13 +81,25 @@ def deeper_pays(frontier_scores: torch.Tensor, rate: float, step_seconds: float,
     return calibration * float(frontier_scores.float().exp().sum()) > rate * step_seconds
 
 
+def non_decreasing(values: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit (pool adjacent violators): a forward over more
+    tokens never costs less, so a timing that says otherwise is noise, averaged with its
+    neighbours (a real step up is kept). [n] -> [n]."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (a, n), (b, m) = blocks[-2], blocks.pop()
+            blocks[-1] = [(a * n + b * m) / (n + m), n + m]
+    return [mean for mean, count in blocks for _ in range(int(count))]
+
+
 @torch.inference_mode()
 def measure_cost_curve(target: Target, sizes: tuple[int, ...] = SIZES, context: int = 128,
                        repeats: int = 7) -> CostCurve:
     """Time one target forward of n tree tokens after ``context`` cached tokens: ``repeats``
     rounds over all sizes (so a slow spell of the machine touches every size alike), the median
-    per size. Not forced to grow with n: kernels block their rows, so a few more tokens can cost
-    nothing, and one more can cost a step (see ``SIZES``)."""
+    per size, made non-decreasing in n (``non_decreasing``)."""
     from eagle import kv_cache
     from eagle.tree_mask import causal_bias
 
@@ -106,7 +119,7 @@ def measure_cost_curve(target: Target, sizes: tuple[int, ...] = SIZES, context: 
             if round_:
                 runs[n].append(time.perf_counter() - start)
             kv_cache.roll_back(cache, context)
-    return CostCurve(sizes=list(sizes), seconds=[statistics.median(runs[n]) for n in sizes])
+    return CostCurve(sizes=list(sizes), seconds=non_decreasing([statistics.median(runs[n]) for n in sizes]))
 
 
 def cost_curve(target: Target) -> CostCurve:

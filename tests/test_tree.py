@@ -123,14 +123,35 @@ def test_a_deeper_tree_is_drafted_only_when_it_can_pay():
     assert not deeper_pays(frontier, rate=20.0, step_seconds=0.02, calibration=0.5)
 
 
+def test_measured_costs_are_fitted_non_decreasing_by_least_squares():
+    """Against brute force: the best non-decreasing fit on a grid is no better than the PAV fit."""
+    import itertools
+
+    from eagle.budget import non_decreasing
+
+    assert non_decreasing([43.0, 46.0, 37.5, 39.7, 43.8, 54.0]) == pytest.approx([41.55] * 4 + [43.8, 54.0])
+    assert non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0] and non_decreasing([]) == []
+    gen = torch.Generator().manual_seed(0)
+    grid = [i / 4 for i in range(13)]  # 0 .. 3 in quarters
+    for _ in range(20):
+        values = (torch.randint(0, 13, (4,), generator=gen) / 4).tolist()
+        fit = non_decreasing(values)
+        assert all(a <= b for a, b in zip(fit, fit[1:])) and sum(fit) == pytest.approx(sum(values))
+        loss = sum((f - v) ** 2 for f, v in zip(fit, values))
+        best = min(sum((f - v) ** 2 for f, v in zip(c, values))
+                   for c in itertools.combinations_with_replacement(grid, 4))
+        assert loss <= best + 1e-9
+
+
 def test_a_cost_step_is_seen_and_the_tree_stops_below_it(target):
     """CPU kernels block their rows: 6 tree tokens cost what 1 does and 7 a step more. The curve
-    is measured at every small size and kept as measured, so auto stops below the step; the
-    old coarse, forced non-decreasing curve (1, 4, 8 interpolated) put 6 near 8 and chose 8."""
-    from eagle.budget import SIZES, CostCurve, choose_tree_size, measure_cost_curve
+    is measured at every small size, and the non-decreasing fit keeps a real step, so auto stops
+    below it; the old coarse curve (1, 4, 8, a line between) put 6 near 8 and chose 8."""
+    from eagle.budget import SIZES, CostCurve, choose_tree_size, measure_cost_curve, non_decreasing
 
     scores = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.3, 0.25, 0.1]))
-    stepped = CostCurve(sizes=list(range(1, 9)), seconds=[1.0, 1.1, 1.0, 1.0, 1.0, 1.0, 1.15, 1.2])
+    stepped = CostCurve(sizes=list(range(1, 9)), seconds=non_decreasing([1.0, 1.1, 1.0, 1.0, 1.0, 1.0, 1.15, 1.2]))
+    assert stepped.seconds[5] == pytest.approx(1.02) and stepped.seconds[6] == 1.15  # the step survives the fit
     assert choose_tree_size(scores, stepped, draft_seconds=0.2).size == 6
     coarse = CostCurve(sizes=[1, 4, 8], seconds=[1.05, 1.05, 1.15])
     assert choose_tree_size(scores, coarse, draft_seconds=0.2).size == 8
