@@ -62,10 +62,12 @@ def recursive_rejection_tree(tokens: torch.Tensor, parents: torch.Tensor, target
         xs = [token_list[child] for child in kids[node]]
         mass = p[xs].tolist() if xs else []
         rejected: set[int] = set()
-        left = 1.0
+        left = float(p.sum())
         for child, x, px in zip(kids[node], xs, mass):
-            px = 0.0 if x in rejected else px
-            if torch.rand(1, generator=generator).item() * left < px:
+            u = torch.rand(1, generator=generator).item()
+            if x in rejected:  # a token twice among the children: its mass is gone already
+                continue
+            if px > 0 and u * left < px:
                 node = child
                 accepted.append(child)
                 break
@@ -73,8 +75,9 @@ def recursive_rejection_tree(tokens: torch.Tensor, parents: torch.Tensor, target
             left -= px
         else:
             if rejected:
-                p = p.clone()
-                p[list(rejected)] = 0.0
+                rest = p.clone()
+                rest[list(rejected)] = 0.0
+                p = rest if float(rest.sum()) > 0 else p  # all mass rejected: only by rounding
             return Acceptance(nodes=torch.tensor(accepted, dtype=torch.long, device=tokens.device),
                               next_token=int(sample(p, generator)))
 

@@ -70,6 +70,10 @@ def test_recursive_rejection_is_exact_for_one_level():
     freq = _first_token_frequencies(first, 4, 20000, 0)
     assert (freq - p).abs().sum() / 2 < 0.015
 
+    tokens = torch.tensor([9, 1, 1, 3])  # a token twice among the children (a lookup graft can repeat one)
+    freq = _first_token_frequencies(first, 4, 20000, 1)
+    assert (freq - p).abs().sum() / 2 < 0.015
+
 
 def test_speculative_chain_is_exact_for_one_step_and_lenience_is_not():
     p = torch.tensor([[0.1, 0.6, 0.3], [0.3, 0.3, 0.4]])
