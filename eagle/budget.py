@@ -26,12 +26,20 @@ from eagle.target import Target, cache_root
 SIZES = tuple(range(1, 17)) + (20, 24, 32, 48, 64)
 
 
+# a measured curve whose repeats spread more than this (median over sizes of the interquartile
+# range over the median) was taken while the machine was busy: it serves the process that measured
+# it but is not cached on disk, so the next process measures again instead of keeping a bad curve
+NOISY = 0.10
+
+
 @dataclasses.dataclass
 class CostCurve:
-    """Measured target forward seconds ``seconds[i]`` for ``sizes[i]`` tree tokens (increasing)."""
+    """Measured target forward seconds ``seconds[i]`` for ``sizes[i]`` tree tokens (increasing);
+    ``spread``: how much the repeated timings varied (see ``NOISY``)."""
 
     sizes: list[int]
     seconds: list[float]
+    spread: float = 0.0
 
     def at(self, n: int) -> float:
         """Piecewise-linear interpolation; linear extrapolation past the last size."""
@@ -119,18 +127,36 @@ def measure_cost_curve(target: Target, sizes: tuple[int, ...] = SIZES, context: 
             if round_:
                 runs[n].append(time.perf_counter() - start)
             kv_cache.roll_back(cache, context)
-    return CostCurve(sizes=list(sizes), seconds=non_decreasing([statistics.median(runs[n]) for n in sizes]))
+    return CostCurve(sizes=list(sizes), seconds=non_decreasing([statistics.median(runs[n]) for n in sizes]),
+                     spread=statistics.median(relative_spread(runs[n]) for n in sizes))
+
+
+def relative_spread(times: list[float]) -> float:
+    """Interquartile range over median of repeated timings (0 for fewer than two)."""
+    if len(times) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return (q3 - q1) / statistics.median(times)
+
+
+_UNCACHED: dict[str, CostCurve] = {}  # noisy curves measured by this process (not on disk)
 
 
 def cost_curve(target: Target) -> CostCurve:
-    """The cached cost curve for this target, device, dtype and thread count (measured on a miss)."""
-    key = json.dumps(["v3", target.name, target.tokenizer_fingerprint, target.hidden_size,
+    """The cached cost curve for this target, device, dtype and thread count (measured on a miss;
+    kept on disk unless its timings were noisy, ``NOISY``)."""
+    key = json.dumps(["v4", target.name, target.tokenizer_fingerprint, target.hidden_size,
                       target.config.num_hidden_layers, str(target.device), str(target.dtype),
                       torch.get_num_threads(), "lean" if target.lean is not None else "model"])
     path = cache_root() / "cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     if path.is_file():
         return CostCurve(**json.loads(path.read_text()))
+    if key in _UNCACHED:
+        return _UNCACHED[key]
     curve = measure_cost_curve(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dataclasses.asdict(curve)))
+    if curve.spread > NOISY:
+        _UNCACHED[key] = curve
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dataclasses.asdict(curve)))
     return curve

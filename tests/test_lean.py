@@ -36,6 +36,59 @@ def test_packed_linear_in_bf16_matches_linear_in_bf16(rows):
     assert out.dtype == torch.bfloat16 and torch.allclose(out.float(), a(x).float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_rows_give_the_same_outputs(dtype):
+    """With ``pad_rows`` set, fewer rows than the table covers are computed padded: same values
+    bit for bit (rows do not mix in a product), same shapes, bias kept."""
+    torch.manual_seed(0)
+    a = nn.Linear(48, 96, bias=True).to(dtype)
+    packed = PackedLinear(a.weight, a.bias)
+    x = torch.randn(2, 3, 48, dtype=dtype)
+    plain = {n: packed(x.reshape(6, 48)[:n]) for n in range(1, 7)}
+    packed.pad_rows = (0, 5, 5, 5, 5)  # 1-4 rows computed as 5
+    for n in range(1, 7):
+        out = packed(x.reshape(6, 48)[:n])
+        assert out.shape == (n, 96) and torch.equal(out, plain[n])
+    assert torch.equal(packed(x[:1, :2]), plain[2].reshape(1, 2, 96))
+    assert packed(x[:, :0]).shape == (2, 0, 96)
+
+
+def test_tune_padding_keeps_only_faster_sizes_with_identical_outputs(monkeypatch):
+    """A fake product whose time depends on the row count (5 rows cheapest, but its outputs
+    differ from the unpadded ones): the table takes the fastest size that is exact and beats
+    no padding by the margin, never the inexact one."""
+    from types import SimpleNamespace
+
+    import eagle.lean as lean
+
+    cost = {1: 10.0, 2: 12.0, 3: 9.7, 4: 8.0, 5: 5.0, 6: 9.0}
+    clock = [0.0]
+    weight = torch.randn(8, 4)
+
+    def product(x):
+        clock[0] += cost[x.shape[0]]
+        return (x[:, None, :] * weight[None]).sum(-1) + (1e-3 if x.shape[0] == 5 else 0.0)  # rows independent
+
+    packed = PackedLinear(weight)
+    monkeypatch.setattr(packed, "packed", True)
+    monkeypatch.setattr(packed, "_product", product)
+    monkeypatch.setattr(lean, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    assert packed.tune_padding(max_rows=6, rounds=3) == (0, 4, 4, 4, 4, 5, 6)
+    cost.update({4: 9.6, 6: 9.9})  # 4 rows: no longer 5% faster than 1 or 3 rows, still than 2
+    assert packed.tune_padding(max_rows=6, rounds=3) == (0, 1, 4, 3, 4, 5, 6)
+
+
+def test_the_lean_heads_padding_table_is_exact_where_it_pads():
+    target = tiny_target(seed=3)
+    head = target.lean.head
+    table = head.tune_padding(max_rows=6)
+    assert len(table) == 7 and all(n <= m <= 6 for n, m in enumerate(table))
+    x = torch.randn(6, head.in_features)
+    with torch.inference_mode():
+        for n in range(1, 7):
+            assert torch.equal(head(x[:n]), head._product(x[:n].contiguous()))
+
+
 def test_packed_copy_leaves_the_original_and_computes_the_same(drafter):
     copy = packed_copy(drafter)
     assert isinstance(drafter.fc, nn.Linear) and isinstance(copy.fc, PackedLinear)

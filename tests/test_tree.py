@@ -158,3 +158,34 @@ def test_a_cost_step_is_seen_and_the_tree_stops_below_it(target):
     curve = measure_cost_curve(target, repeats=1)
     assert curve.sizes == list(SIZES) and all(s > 0 for s in curve.seconds)
     assert all(n in curve.sizes for n in range(1, 17))
+
+
+def test_a_noisy_cost_curve_serves_its_process_but_is_not_kept_on_disk(target, tmp_path, monkeypatch):
+    """A curve measured while the machine was busy (timings spread more than ``NOISY``) would
+    steer every later process wrong if cached: it is used by the process that measured it (measured
+    once), and the next process measures again; a steady curve is written to disk."""
+    import eagle.budget as budget
+
+    assert budget.relative_spread([1.0]) == 0.0
+    assert budget.relative_spread([1.0, 1.0, 1.0, 1.0, 1.0]) == 0.0
+    assert budget.relative_spread([1.0, 1.0, 2.0, 3.0, 3.0]) == pytest.approx(1.0)  # IQR 2 over median 2
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
+    monkeypatch.setattr(budget, "_UNCACHED", {})
+    spreads = [0.5, 0.5, 0.01]
+    measured = []
+
+    def fake_measure(t):
+        measured.append(spreads[len(measured)])
+        return budget.CostCurve(sizes=[1, 2], seconds=[1.0, 1.5], spread=measured[-1])
+
+    monkeypatch.setattr(budget, "measure_cost_curve", fake_measure)
+    noisy = budget.cost_curve(target)
+    assert noisy.spread == 0.5 and budget.cost_curve(target) is noisy and len(measured) == 1
+    assert not list(tmp_path.rglob("*.json"))
+    monkeypatch.setattr(budget, "_UNCACHED", {})  # a new process
+    assert budget.cost_curve(target).spread == 0.5 and len(measured) == 2
+    monkeypatch.setattr(budget, "_UNCACHED", {})
+    steady = budget.cost_curve(target)
+    assert steady.spread == 0.01 and len(list(tmp_path.rglob("*.json"))) == 1
+    monkeypatch.setattr(budget, "_UNCACHED", {})
+    assert budget.cost_curve(target) == steady and len(measured) == 3  # read back from disk
