@@ -82,6 +82,44 @@ def recursive_rejection_tree(tokens: torch.Tensor, parents: torch.Tensor, target
                               next_token=int(sample(p, generator)))
 
 
+def recursive_rejection_sampled_tree(tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor,
+                                     child_probs: torch.Tensor, generator: torch.Generator) -> Acceptance:
+    """Lossless sampling for a tree whose children were drawn from the drafter (recursive
+    speculative decoding, Jeon et al. 2024, drafts drawn without replacement).
+
+    The children of a node are draws without replacement from q = ``child_probs[node]``, in
+    index order. They are tried in turn against r, what the target still owes (p at first): the
+    i-th draw x came from q_i, q without the earlier draws, renormalized; it is accepted with
+    probability min(1, r(x) / q_i(x)), and on rejection r becomes normalize(max(0, r - q_i)).
+    Each try is one step of speculative sampling towards r, so the token that comes out (an
+    accepted child, or a draw from the last r) is distributed exactly as p.
+    ``tokens``/``parents`` [N]; ``target_probs`` [N, V], the warped target distribution at each
+    node; ``child_probs`` [N, V] (rows of nodes without children are not read)."""
+    kids = children_of(parents)
+    token_list = tokens.tolist()
+    node, accepted = 0, [0]
+    while True:
+        r = target_probs[node].double().cpu()
+        r = r / r.sum()
+        q = child_probs[node].double().cpu() if kids[node] else r
+        for child in kids[node]:
+            x = token_list[child]
+            u = torch.rand(1, generator=generator).item()
+            q_i = q / q.sum()
+            if q_i[x] <= 0:  # not drawable (its probability underflowed): as if never drawn
+                continue
+            if u * q_i[x] < r[x]:
+                node = child
+                accepted.append(child)
+                break
+            r = residual_distribution(r, q_i)
+            q = q_i.clone()
+            q[x] = 0.0
+        else:
+            return Acceptance(nodes=torch.tensor(accepted, dtype=torch.long, device=tokens.device),
+                              next_token=int(sample(r, generator)))
+
+
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """normalize(max(0, p - q)) over the last dim; where p == q everywhere, p itself."""
     diff = (p - q).clamp(min=0)

@@ -70,13 +70,19 @@ class TreeConfig:
     curve: about 60 nodes on a GPU, far fewer on a CPU, where every extra token costs time.
     ``lookup_tokens``: up to this many prompt-lookup draft tokens (an n-gram match in the context,
     as in method ``pld``) join the candidate pool each step, scored by how often the target has
-    agreed with them so far; 0 turns it off (then the tree is the drafter's alone, as in EAGLE-2)."""
+    agreed with them so far; 0 turns it off (then the tree is the drafter's alone, as in EAGLE-2).
+    ``sampled``: when sampling (temperature > 0), the dynamic tree's children are drawn from the
+    drafter's distribution without replacement instead of being its top_k, and verified by
+    recursive speculative decoding (``acceptance.recursive_rejection_sampled_tree``); lookup
+    grafting is then off (a grafted token would make which drawn children are kept depend on
+    what was drawn). False keeps EAGLE-2's top_k children at every temperature."""
 
     total_tokens: Union[int, str] = "auto"
     depth: int = 6
     top_k: int = 10
     choices: Optional[tuple] = None  # EAGLE-1 static tree, e.g. ((0,), (1,), (0, 0)); replaces the dynamic tree
     lookup_tokens: int = 10
+    sampled: bool = True
 
     def __post_init__(self) -> None:
         if self.choices is not None:

@@ -107,6 +107,7 @@ class EagleModel:
                         draft_model: str | Any = None, device: Any = None, dtype: torch.dtype | None = None,
                         total_tokens: int | str | None = None, depth: int | None = None, top_k: int | None = None,
                         tree_choices: list[list[int]] | None = None, lookup_tokens: int | None = None,
+                        sampled_tree: bool | None = None,
                         gamma: int | None = None, lenience: float | None = None, adaptive_gamma: bool | None = None,
                         drafter_dtype: torch.dtype | None = None, **prompt_lookup: Any) -> "EagleModel":
         """``drafter``: a drafter folder or ``Drafter`` (default: the one shipped for the target,
@@ -115,7 +116,8 @@ class EagleModel:
         target, if any).
         Tree options: ``total_tokens`` (int or "auto"), ``depth``, ``top_k``, ``tree_choices`` (an
         EAGLE-1 static tree instead of the dynamic one), ``lookup_tokens`` (prompt-lookup drafts
-        grafted onto the tree; 0 turns it off); ``sd`` options:
+        grafted onto the tree; 0 turns it off), ``sampled_tree`` (when sampling, draw the children
+        from the drafter instead of taking its top-k: ``TreeConfig.sampled``); ``sd`` options:
         ``gamma``, ``lenience``, ``adaptive_gamma``; ``pld`` options: ``max_ngram``,
         ``min_ngram``, ``num_draft_tokens`` (the n-gram sizes also apply to ``lookup_tokens``).
         ``drafter_dtype``: see ``EagleModel``."""
@@ -137,7 +139,8 @@ class EagleModel:
                 check_same_tokenizer(tgt, draft)
                 draft_model = draft.model
         tree = {k: v for k, v in dict(total_tokens=total_tokens, depth=depth, top_k=top_k,
-                                      choices=tree_choices, lookup_tokens=lookup_tokens).items() if v is not None}
+                                      choices=tree_choices, lookup_tokens=lookup_tokens,
+                                      sampled=sampled_tree).items() if v is not None}
         spec = {k: v for k, v in dict(gamma=gamma, lenience=lenience, adaptive=adaptive_gamma).items() if v is not None}
         try:
             pl = PromptLookupConfig(**prompt_lookup)
@@ -168,7 +171,7 @@ class EagleModel:
 
                 cost = cost_curve(self.target)
             return EagleDrafter(self._inference_copy(self.drafter, self.drafter_dtype), self.target, tree, cost=cost,
-                                lookup=self.prompt_lookup)
+                                lookup=self.prompt_lookup, sampling=sampling, generator=generator)
         raise EagleError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
     def generate(self, prompt: Any, method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0,

@@ -24,16 +24,19 @@ from eagle.drafter import LeanDrafter
 from eagle.errors import EagleError
 from eagle.sampling import logits_to_probs, sample
 from eagle.target import Target
-from eagle.tree import (DraftTree, best_frontier, chain_tree, graft_chain, rerank, root_only, static_layout,
-                        topk_children)
+from eagle.tree import (DraftTree, best_frontier, chain_tree, graft_chain, kept_nodes, root_only, sampled_children,
+                        static_layout, subtree, topk_children)
 
 
 @dataclasses.dataclass
 class Proposal:
-    """A draft tree, plus ``draft_probs`` [K, V] for sampled chains (``sd``), else None."""
+    """A draft tree, plus ``draft_probs`` [K, V] for sampled chains (``sd``), or ``child_probs``
+    [N, V] for a tree whose children were drawn from those distributions without replacement
+    (row i: what node i's children were drawn from); None for drafts that are not samples."""
 
     tree: DraftTree
     draft_probs: torch.Tensor | None = None
+    child_probs: torch.Tensor | None = None
 
 
 class Proposer:
@@ -183,10 +186,13 @@ class EagleDrafter(Proposer):
     needs_features = True
 
     def __init__(self, drafter: LeanDrafter, target: Target, cfg: TreeConfig, cost: CostCurve | None = None,
-                 lookup: PromptLookupConfig | None = None) -> None:
+                 lookup: PromptLookupConfig | None = None, sampling: SamplingConfig | None = None,
+                 generator: torch.Generator | None = None) -> None:
         """``drafter``: the inference copy (its ``dtype`` is what it is fed the target's features
         and embeddings in); ``cost``: the target's measured forward-time curve, used when
-        ``total_tokens`` is "auto"; ``lookup``: the n-gram sizes for ``cfg.lookup_tokens``."""
+        ``total_tokens`` is "auto"; ``lookup``: the n-gram sizes for ``cfg.lookup_tokens``;
+        ``sampling``/``generator``: with temperature > 0 and ``cfg.sampled`` (dynamic tree) the
+        children are drawn from the drafter (``sampled_children``) with ``generator``."""
         vocab = drafter.config.draft_vocab_size or drafter.config.vocab_size
         widest = max((r + 1 for c in cfg.choices or () for r in c), default=cfg.top_k)
         if max(cfg.top_k, widest) > vocab:
@@ -202,6 +208,11 @@ class EagleDrafter(Proposer):
         self.lookup = lookup or PromptLookupConfig()
         self.lookup_rates = LookupRates(self.lookup.max_ngram)
         self.last_matches: list[tuple[list[int], LookupMatch]] = []  # (path below the root, its lookup)
+        self.temperature = 0.0
+        if sampling is not None and not sampling.greedy and cfg.sampled and not cfg.choices:
+            self.temperature = sampling.temperature
+        self.generator = generator
+        self.drawn_from: dict[int, torch.Tensor] = {}  # pool node -> draft log-probs its children were drawn with
 
     @torch.inference_mode()
     def _extend(self, features: torch.Tensor, next_tokens: list[int]) -> None:
@@ -258,7 +269,7 @@ class EagleDrafter(Proposer):
         start = time.perf_counter()
         total = self.cfg.total_tokens if isinstance(self.cfg.total_tokens, int) else max_nodes
         total, depth = min(total, max_nodes), min(self.cfg.depth, max_depth)
-        self.last_expected, self.last_matches = 0.0, []
+        self.last_expected, self.last_matches, self.drawn_from = 0.0, [], {}
         if self.last_hidden is None or depth < 1 or total < 2:
             return Proposal(root_only(ids[-1], self.device))
         committed = kv_cache.cache_length(self.cache)
@@ -268,14 +279,38 @@ class EagleDrafter(Proposer):
         else:
             tree = self._dynamic(ids[-1], depth, total, committed, start, calibration)
         kv_cache.roll_back(self.cache, committed)
-        tree = self._graft_lookup(ids, tree, max_depth)
+        if not self.temperature:
+            tree = self._graft_lookup(ids, tree, max_depth)
         if self.cost is not None:  # total_tokens="auto": the size with the most expected tokens per second
             best_first = torch.sort(tree.scores[1:], descending=True).values
             total = min(total, choose_tree_size(best_first, self.cost, time.perf_counter() - start,
                                                 calibration).size)
-        tree = rerank(tree.tokens, tree.parents, tree.scores, total)
+        kept = kept_nodes(tree.scores, total)
+        tree = subtree(tree.tokens, tree.parents, tree.scores, kept)
         self.last_expected = float(tree.scores[1:].exp().sum())
-        return Proposal(tree)
+        return Proposal(tree, child_probs=self._child_probs(kept) if self.temperature and tree.size > 1 else None)
+
+    def _child_probs(self, kept: torch.Tensor) -> torch.Tensor:
+        """[n, V_target]: for each kept pool node that had children drawn, the distribution they
+        were drawn from (softmax of its draft log-probabilities / temperature), zeros elsewhere."""
+        probs = torch.zeros(kept.shape[0], self.target.vocab_size, device=self.device)
+        draft_ids = None
+        for row, node in enumerate(kept.tolist()):
+            logprobs = self.drawn_from.get(node)
+            if logprobs is not None:
+                if draft_ids is None:
+                    draft_ids = self.drafter.to_target_ids(torch.arange(logprobs.shape[-1], device=self.device))
+                probs[row, draft_ids] = torch.softmax(logprobs / self.temperature, dim=-1)
+        return probs
+
+    def _children(self, parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int,
+                  nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k children of pool nodes ``nodes`` [F]: the drafter's top k, or k draws without
+        replacement when sampling (their log-probs are kept for ``_child_probs``)."""
+        if not self.temperature:
+            return topk_children(parent_scores, logprobs, k)
+        self.drawn_from.update(zip(nodes, logprobs))
+        return sampled_children(parent_scores, logprobs, k, self.temperature, self.generator)
 
     def _graft_lookup(self, ids: list[int], pool: DraftTree, max_depth: int) -> DraftTree:
         """The pool with prompt-lookup continuations grafted on: of the context itself (at the
@@ -309,7 +344,7 @@ class EagleDrafter(Proposer):
         (``deeper_pays``)."""
         k, to_target = self.cfg.top_k, self.drafter.to_target_ids
         lp = self._logprobs(self.last_hidden[None])
-        child_tokens, child_scores = topk_children(torch.zeros(1, device=self.device), lp, k)
+        child_tokens, child_scores = self._children(torch.zeros(1, device=self.device), lp, k, [0])
         pool_tokens = [torch.tensor([root], device=self.device), to_target(child_tokens[0])]
         pool_parents = [torch.tensor([-1], device=self.device), torch.zeros(k, dtype=torch.long, device=self.device)]
         pool_scores = [torch.zeros(1, device=self.device), child_scores[0]]
@@ -324,7 +359,8 @@ class EagleDrafter(Proposer):
             hidden = self._run_nodes(frontier_inputs, tokens, [ancestors[n] for n in frontier.tolist()], committed,
                                      committed + d - 1, cached)
             lp = self._logprobs(hidden)
-            child_tokens, child_scores = topk_children(torch.cat(pool_scores)[frontier], lp, k)  # [F, k]
+            child_tokens, child_scores = self._children(torch.cat(pool_scores)[frontier], lp, k,
+                                                        frontier.tolist())  # [F, k]
             flat_scores = child_scores.reshape(-1)
             parents = frontier[:, None].expand(-1, k).reshape(-1)
             pool_tokens.append(to_target(child_tokens.reshape(-1)))

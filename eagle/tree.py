@@ -48,6 +48,21 @@ def topk_children(parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int) -
     return child_tokens, parent_scores[:, None] + child_lp
 
 
+def sampled_children(parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int, temperature: float,
+                     generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of F parents gets k children drawn without replacement from softmax(logprobs /
+    temperature) (Gumbel-top-k: the k largest of logprobs / temperature + Gumbel noise come out
+    in the order sequential draws without replacement would give). Their scores are the parent's
+    plus the k largest log-probabilities, best first: they rank the j-th drawn child as the j-th
+    most likely one, so siblings score non-increasing in draw order (a kept set of them is a
+    prefix of the draws) and no score depends on which tokens were drawn.
+    ``parent_scores`` [F], ``logprobs`` [F, V] -> (tokens [F, k] in draw order, scores [F, k])."""
+    uniform = torch.rand(logprobs.shape, generator=generator, device=generator.device).to(logprobs.device)
+    gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20)))
+    tokens = torch.topk(logprobs / temperature + gumbel, k, dim=-1).indices
+    return tokens, parent_scores[:, None] + torch.topk(logprobs, k, dim=-1).values
+
+
 def best_frontier(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k best of the flattened candidate scores [M] (stable on ties)."""
     order = torch.sort(-scores, stable=True).indices
@@ -55,14 +70,23 @@ def best_frontier(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def rerank(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, total_tokens: int) -> DraftTree:
-    """Keep the root plus the best ``total_tokens - 1`` nodes of a candidate pool.
+    """Keep the root plus the best ``total_tokens - 1`` nodes of a candidate pool (``kept_nodes``),
+    re-indexed in pool order."""
+    return subtree(tokens, parents, scores, kept_nodes(scores, total_tokens))
 
-    Pool: ``tokens``/``parents``/``scores`` [M], index 0 the root, parents[i] < i. A child never
-    scores above its parent and ties go to the lower (shallower) index, so the kept set always
-    contains each kept node's parent: it is a subtree. Returns it re-indexed in pool order."""
-    keep = total_tokens - 1
-    order = torch.sort(-scores[1:], stable=True).indices[:keep] + 1
-    kept = torch.cat([torch.zeros(1, dtype=torch.long, device=tokens.device), torch.sort(order).values])
+
+def kept_nodes(scores: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """The root and the best ``total_tokens - 1`` nodes of a pool, in pool order: [n] long.
+
+    Pool: ``scores`` [M], index 0 the root, parents[i] < i. A child never scores above its parent
+    and ties go to the lower (shallower) index, so the kept set always contains each kept node's
+    parent: it is a subtree."""
+    order = torch.sort(-scores[1:], stable=True).indices[:total_tokens - 1] + 1
+    return torch.cat([torch.zeros(1, dtype=torch.long, device=scores.device), torch.sort(order).values])
+
+
+def subtree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, kept: torch.Tensor) -> DraftTree:
+    """The pool nodes ``kept`` [n] (increasing, root first, closed under parents), re-indexed."""
     new_index = torch.full((tokens.shape[0],), -1, dtype=torch.long, device=tokens.device)
     new_index[kept] = torch.arange(kept.shape[0], device=tokens.device)
     kept_parents = parents[kept]

@@ -54,6 +54,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--depth", type=int, help="tree expansion steps")
     t.add_argument("--tree-top-k", type=int, help="frontier nodes expanded per step")
     t.add_argument("--lookup-tokens", type=int, help="prompt-lookup draft tokens grafted onto each tree (0: off)")
+    t.add_argument("--topk-drafts", dest="sampled_tree", action="store_false", default=None,
+                   help="when sampling, draft the drafter's top-k children (EAGLE-2) instead of drawing them from "
+                        "it (recursive speculative decoding, the default)")
     t.add_argument("--drafter-dtype", choices=DRAFTER_DTYPES, default="auto",
                    help="what the drafter and sd's draft LM compute in (default auto: bf16 on a CPU with native "
                         "bf16 for an fp32 target, else the target's dtype); output is the target's either way")
@@ -106,7 +109,7 @@ def load_model(args: argparse.Namespace) -> Any:
     return EagleModel.from_pretrained(
         args.target, drafter=args.drafter, draft_model=args.draft_model, device=args.device,
         total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k, lookup_tokens=args.lookup_tokens,
-        gamma=args.gamma, lenience=args.lenience, adaptive_gamma=args.adaptive_gamma, drafter_dtype=drafter_dtype)
+        sampled_tree=args.sampled_tree, gamma=args.gamma, lenience=args.lenience, adaptive_gamma=args.adaptive_gamma, drafter_dtype=drafter_dtype)
 
 
 def check_method(model: Any, method: str) -> None:

@@ -90,3 +90,43 @@ def test_speculative_chain_is_exact_for_one_step_and_lenience_is_not():
     assert (exact - p[0]).abs().sum() / 2 < 0.015
     lossy = _first_token_frequencies(first(0.3), 3, 20000, 1)
     assert (lossy - p[0]).abs().sum() / 2 > 0.1
+
+
+def test_sampled_tree_rule_is_exact_for_one_level_and_needs_the_real_draft_distribution():
+    """Children drawn without replacement from q (``sampled_children``), tried by recursive
+    speculative decoding: the first token follows p exactly, for 1-3 children and a q far from p.
+    Teeth: drafts drawn from another distribution than the q the rule is given come out wrong.
+    What the rule is for: it accepts a drawn child far more often than the deterministic-draft
+    rule (also exact for any drafts chosen without the target: sum min(p, q) = 0.5 against
+    sum q p = 0.15 for one child here)."""
+    from eagle.tree import sampled_children
+
+    p = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    q = torch.tensor([0.05, 0.15, 0.3, 0.3, 0.2])
+    probs = torch.stack([p] * 4)
+
+    def first(k, drawn_from, rule="sampled"):
+        def draw(gen):
+            tokens = sampled_children(torch.zeros(1), drawn_from.log()[None], k, 1.0, gen)[0][0]
+            tree_tokens, parents = torch.cat([torch.tensor([9]), tokens]), torch.tensor([-1] + [0] * k)
+            if rule == "sampled":
+                child_probs = torch.zeros(k + 1, 5)
+                child_probs[0] = q
+                acc = acceptance.recursive_rejection_sampled_tree(tree_tokens, parents, probs[:k + 1], child_probs, gen)
+            else:
+                acc = acceptance.recursive_rejection_tree(tree_tokens, parents, probs[:k + 1], gen)
+            accepted.append(len(acc.nodes) > 1)
+            return int(tree_tokens[acc.nodes[1]]) if len(acc.nodes) > 1 else acc.next_token
+        return draw
+
+    accepted: list[bool] = []
+
+    for k in (2, 3):  # one child: below
+        freq = _first_token_frequencies(first(k, q), 5, 20000, k)
+        assert (freq - p).abs().sum() / 2 < 0.015
+    other = torch.tensor([0.6, 0.1, 0.1, 0.1, 0.1])  # what the drafts really came from
+    assert (_first_token_frequencies(first(2, other), 5, 20000, 7) - p).abs().sum() / 2 > 0.05
+    for rule, rate in (("sampled", 0.5), ("deterministic", 0.15)):
+        accepted.clear()
+        assert (_first_token_frequencies(first(1, q, rule=rule), 5, 20000, 8) - p).abs().sum() / 2 < 0.015
+        assert abs(sum(accepted) / len(accepted) - rate) < 0.015

@@ -99,13 +99,18 @@ def test_speculative_sampling_is_lossless_and_the_check_has_teeth(model, monkeyp
     assert chi_square_p(sampled_triples(model, "sd", sampling, SAMPLES // 2), exact) < ALPHA
 
 
-@pytest.mark.parametrize("top_p, lookup_tokens", [(1.0, 10), (0.8, 10), (1.0, 0)])
-def test_tree_sampling_is_lossless(model, top_p, lookup_tokens):
+@pytest.mark.parametrize("top_p, lookup_tokens, sampled, temperature",
+                         [(1.0, 10, False, 1.0), (0.8, 10, False, 1.0), (1.0, 0, False, 1.0), (1.0, 10, True, 1.0),
+                          (0.8, 10, True, 0.7)])
+def test_tree_sampling_is_lossless(model, top_p, lookup_tokens, sampled, temperature):
     """``lookup_tokens``: prompt-lookup drafts grafted onto the tree (with 6 tokens, the last one
-    has mostly occurred before from the second step on, so lookup drafts compete for the slots)."""
-    sampling = SamplingConfig(temperature=1.0, top_p=top_p)
+    has mostly occurred before from the second step on, so lookup drafts compete for the slots).
+    ``sampled``: children drawn from the drafter and recursive speculative decoding (else the
+    drafter's top-k children as deterministic drafts)."""
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p)
     exact = exact_triples(model, sampling)
-    tree_model = EagleModel(model.target, model.drafter, tree=dataclasses.replace(model.tree, lookup_tokens=lookup_tokens))
+    tree = dataclasses.replace(model.tree, lookup_tokens=lookup_tokens, sampled=sampled)
+    tree_model = EagleModel(model.target, model.drafter, tree=tree)
     counts = sampled_triples(tree_model, "eagle-tree", sampling, SAMPLES)
     assert chi_square_p(counts, exact) > ALPHA
 
@@ -113,5 +118,31 @@ def test_tree_sampling_is_lossless(model, top_p, lookup_tokens):
 def test_tree_sampling_negative_control_is_rejected(model, monkeypatch):
     sampling = SamplingConfig(temperature=1.0)
     monkeypatch.setattr(acceptance, "recursive_rejection_tree", no_renormalization)
+    deterministic = EagleModel(model.target, model.drafter, tree=dataclasses.replace(model.tree, sampled=False))
+    counts = sampled_triples(deterministic, "eagle-tree", sampling, SAMPLES // 2)
+    assert chi_square_p(counts, exact_triples(model, sampling)) < ALPHA
+
+
+def without_replacement_ignored(tokens, parents, target_probs, child_probs, generator):
+    """Broken sampled-tree rule: a rejected draw stays in q, so later draws are judged by a q
+    they were not drawn from."""
+    kids = acceptance.children_of(parents)
+    node, accepted = 0, [0]
+    while True:
+        r, q = target_probs[node].double(), child_probs[node].double()
+        for child in kids[node]:
+            x = int(tokens[child])
+            if torch.rand(1, generator=generator).item() * q[x] < r[x]:
+                node = child
+                accepted.append(child)
+                break
+            r = acceptance.residual_distribution(r, q)
+        else:
+            return acceptance.Acceptance(nodes=torch.tensor(accepted), next_token=int(sample(r, generator)))
+
+
+def test_sampled_tree_negative_control_is_rejected(model, monkeypatch):
+    sampling = SamplingConfig(temperature=1.0)
+    monkeypatch.setattr(acceptance, "recursive_rejection_sampled_tree", without_replacement_ignored)
     counts = sampled_triples(model, "eagle-tree", sampling, SAMPLES // 2)
     assert chi_square_p(counts, exact_triples(model, sampling)) < ALPHA

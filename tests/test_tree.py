@@ -189,3 +189,23 @@ def test_a_noisy_cost_curve_serves_its_process_but_is_not_kept_on_disk(target, t
     assert steady.spread == 0.01 and len(list(tmp_path.rglob("*.json"))) == 1
     monkeypatch.setattr(budget, "_UNCACHED", {})
     assert budget.cost_curve(target) == steady and len(measured) == 3  # read back from disk
+
+
+def test_sampled_children_are_draws_without_replacement_scored_by_rank():
+    """First draw ~ softmax(logprobs / T); second draw ~ q(b | not a) summed over a; the scores
+    are the parent's plus the top-k log-probabilities whatever was drawn."""
+    from eagle.tree import sampled_children
+
+    q = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    lp = q.log()[None].expand(20000, -1)
+    gen = torch.Generator().manual_seed(0)
+    tokens, scores = sampled_children(torch.full((20000,), -1.0), lp, 2, 1.0, gen)
+    assert torch.allclose(scores, (-1.0 + q.log().topk(2).values).expand(20000, -1))
+    assert (tokens[:, 0] != tokens[:, 1]).all()
+    first = torch.bincount(tokens[:, 0], minlength=4) / 20000.0
+    second = torch.bincount(tokens[:, 1], minlength=4) / 20000.0
+    expect_second = torch.stack([sum(q[a] * q[b] / (1 - q[a]) for a in range(4) if a != b) for b in range(4)])
+    assert (first - q).abs().max() < 0.015 and (second - expect_second).abs().max() < 0.015
+    cold = torch.softmax(q.log() / 0.5, -1)  # temperature 0.5 sharpens the draws
+    tokens, _ = sampled_children(torch.zeros(20000), lp, 1, 0.5, gen)
+    assert (torch.bincount(tokens[:, 0], minlength=4) / 20000.0 - cold).abs().max() < 0.015
