@@ -99,22 +99,24 @@ def recursive_rejection_sampled_tree(tokens: torch.Tensor, parents: torch.Tensor
     token_list = tokens.tolist()
     node, accepted = 0, [0]
     while True:
-        r = target_probs[node].double().cpu()
-        r = r / r.sum()
-        q = child_probs[node].double().cpu() if kids[node] else r
+        p = target_probs[node].float().cpu()
+        r = p / p.sum()
+        if kids[node]:
+            q = child_probs[node].float().cpu()
+            q = q / q.sum()  # q_i: what the next draw came from (normalized over tokens not drawn yet)
         for child in kids[node]:
             x = token_list[child]
             u = torch.rand(1, generator=generator).item()
-            q_i = q / q.sum()
-            if q_i[x] <= 0:  # not drawable (its probability underflowed): as if never drawn
+            qx, rx = q[x].item(), r[x].item()
+            if qx <= 0:  # not drawable (its probability underflowed): as if never drawn
                 continue
-            if u * q_i[x] < r[x]:
+            if u * qx < rx:
                 node = child
                 accepted.append(child)
                 break
-            r = residual_distribution(r, q_i)
-            q = q_i.clone()
+            r = residual_distribution(r, q)
             q[x] = 0.0
+            q = q / (1.0 - qx) if qx < 1.0 else q  # all of q was on x: nothing else is drawable
         else:
             return Acceptance(nodes=torch.tensor(accepted, dtype=torch.long, device=tokens.device),
                               next_token=int(sample(r, generator)))
