@@ -94,15 +94,16 @@ def recursive_rejection_sampled_tree(tokens: torch.Tensor, parents: torch.Tensor
     Each try is one step of speculative sampling towards r, so the token that comes out (an
     accepted child, or a draw from the last r) is distributed exactly as p.
     ``tokens``/``parents`` [N]; ``target_probs`` [N, V], the warped target distribution at each
-    node; ``child_probs`` [N, V] (rows of nodes without children are not read)."""
+    node; ``child_probs`` [N, V] (rows of nodes without children are not read; float64 keeps the
+    ratios of tiny probabilities: a token far down q can be the second draw). Computed in float64."""
     kids = children_of(parents)
     token_list = tokens.tolist()
     node, accepted = 0, [0]
     while True:
-        p = target_probs[node].float().cpu()
+        p = target_probs[node].double().cpu()
         r = p / p.sum()
         if kids[node]:
-            q = child_probs[node].float().cpu()
+            q = child_probs[node].double().cpu()
             q = q / q.sum()  # q_i: what the next draw came from (normalized over tokens not drawn yet)
         for child in kids[node]:
             x = token_list[child]
@@ -116,7 +117,8 @@ def recursive_rejection_sampled_tree(tokens: torch.Tensor, parents: torch.Tensor
                 break
             r = residual_distribution(r, q)
             q[x] = 0.0
-            q = q / (1.0 - qx) if qx < 1.0 else q  # all of q was on x: nothing else is drawable
+            left = q.sum()  # by its sum, not 1 - q(x): q(x) may round to 1 with tokens still drawable
+            q = q / left if left > 0 else q
         else:
             return Acceptance(nodes=torch.tensor(accepted, dtype=torch.long, device=tokens.device),
                               next_token=int(sample(r, generator)))

@@ -75,7 +75,8 @@ class TreeConfig:
     drafter's distribution without replacement instead of being its top_k, and verified by
     recursive speculative decoding (``acceptance.recursive_rejection_sampled_tree``); lookup
     grafting is then off (a grafted token would make which drawn children are kept depend on
-    what was drawn). False keeps EAGLE-2's top_k children at every temperature."""
+    what was drawn), and with "auto" a round's size is chosen from the previous round's pool.
+    False keeps EAGLE-2's top_k children at every temperature."""
 
     total_tokens: Union[int, str] = "auto"
     depth: int = 6

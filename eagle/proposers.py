@@ -213,6 +213,9 @@ class EagleDrafter(Proposer):
             self.temperature = sampling.temperature
         self.generator = generator
         self.drawn_from: dict[int, torch.Tensor] = {}  # pool node -> draft log-probs its children were drawn with
+        # a sampled tree's size with "auto", chosen before its draws (see ``propose``): at first the most
+        # nodes that cost no more than one token to verify, then what the previous round's pool asked for
+        self.next_size = max(n for n in cost.sizes if cost.at(n) <= 1.05 * cost.at(1)) if cost is not None else 0
 
     @torch.inference_mode()
     def _extend(self, features: torch.Tensor, next_tokens: list[int]) -> None:
@@ -274,6 +277,8 @@ class EagleDrafter(Proposer):
             return Proposal(root_only(ids[-1], self.device))
         committed = kv_cache.cache_length(self.cache)
         calibration = min(4.0, max(0.25, self.observed / self.predicted))
+        if self.temperature and self.cost is not None:
+            total = max(2, min(total, self.next_size))
         if self.cfg.choices:
             tree = self._static(ids[-1], min(depth, max(len(c) for c in self.cfg.choices)), committed)
         else:
@@ -283,24 +288,27 @@ class EagleDrafter(Proposer):
             tree = self._graft_lookup(ids, tree, max_depth)
         if self.cost is not None:  # total_tokens="auto": the size with the most expected tokens per second
             best_first = torch.sort(tree.scores[1:], descending=True).values
-            total = min(total, choose_tree_size(best_first, self.cost, time.perf_counter() - start,
-                                                calibration).size)
+            size = choose_tree_size(best_first, self.cost, time.perf_counter() - start, calibration).size
+            if self.temperature:  # drawn children: no size may depend on this round's draws, so it sizes the next
+                self.next_size = size
+            else:
+                total = min(total, size)
         kept = kept_nodes(tree.scores, total)
         tree = subtree(tree.tokens, tree.parents, tree.scores, kept)
         self.last_expected = float(tree.scores[1:].exp().sum())
         return Proposal(tree, child_probs=self._child_probs(kept) if self.temperature and tree.size > 1 else None)
 
     def _child_probs(self, kept: torch.Tensor) -> torch.Tensor:
-        """[n, V_target]: for each kept pool node that had children drawn, the distribution they
-        were drawn from (softmax of its draft log-probabilities / temperature), zeros elsewhere."""
-        probs = torch.zeros(kept.shape[0], self.target.vocab_size, device=self.device)
+        """[n, V_target] float64: for each kept pool node that had children drawn, the distribution
+        they were drawn from (softmax of its draft log-probabilities / temperature), zeros elsewhere."""
+        probs = torch.zeros(kept.shape[0], self.target.vocab_size, dtype=torch.float64, device=self.device)
         draft_ids = None
         for row, node in enumerate(kept.tolist()):
             logprobs = self.drawn_from.get(node)
             if logprobs is not None:
                 if draft_ids is None:
                     draft_ids = self.drafter.to_target_ids(torch.arange(logprobs.shape[-1], device=self.device))
-                probs[row, draft_ids] = torch.softmax(logprobs / self.temperature, dim=-1)
+                probs[row, draft_ids] = torch.softmax(logprobs.double() / self.temperature, dim=-1)
         return probs
 
     def _children(self, parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int,
@@ -341,8 +349,12 @@ class EagleDrafter(Proposer):
         be among the ``total - 1`` kept (the final tree is the same, with fewer drafter rows).
         With ``total_tokens="auto"`` the size is the one with the most expected tokens per second
         so far, and the tree stops growing once another depth cannot pay for its drafter call
-        (``deeper_pays``)."""
+        (``deeper_pays``). Not so for drawn children: a node's own draw shapes the scores below it,
+        so a size or a stop chosen from them would make whether a drawn node is kept depend on its
+        own token and bias it; with a fixed size only nodes that outrank a node (never its own
+        subtree) decide whether it is kept."""
         k, to_target = self.cfg.top_k, self.drafter.to_target_ids
+        sized = self.cost is not None and not self.temperature
         lp = self._logprobs(self.last_hidden[None])
         child_tokens, child_scores = self._children(torch.zeros(1, device=self.device), lp, k, [0])
         pool_tokens = [torch.tensor([root], device=self.device), to_target(child_tokens[0])]
@@ -370,12 +382,12 @@ class EagleDrafter(Proposer):
             if d + 1 < depth:  # expand only frontier nodes that could have a kept child
                 pool = torch.sort(torch.cat(pool_scores)[1:], descending=True).values
                 keep = total - 1
-                if self.cost is not None:
+                if sized:
                     choice = choose_tree_size(pool, self.cost, time.perf_counter() - start, calibration)
                     keep = min(keep, choice.size - 1)
                 rank = min(keep - 1, pool.shape[0])  # a kept child ranks below its parent: parent in the top keep - 1
                 best = best[flat_scores[best] >= pool[rank - 1]] if rank > 0 else best[:0]
-                if best.shape[0] == 0 or self.cost is not None and not deeper_pays(
+                if best.shape[0] == 0 or sized and not deeper_pays(
                         flat_scores[best], choice.tokens_per_second, time.perf_counter() - step_start, calibration):
                     break
             for j in best.tolist():

@@ -124,6 +124,12 @@ def test_sampled_tree_rule_is_exact_for_one_level_and_needs_the_real_draft_distr
     for k in (2, 3):  # one child: below
         freq = _first_token_frequencies(first(k, q), 5, 20000, k)
         assert (freq - p).abs().sum() / 2 < 0.015
+    # q all but on one token: after it is rejected, the next draw's q is a renormalized ~1e-17 (a
+    # rule that renormalized by 1 - q(x) kept it unnormalized once q(x) rounded to 1 in float32)
+    q = torch.tensor([1e-30, 5e-17, 1.0, 1e-25, 1e-33])
+    freq = _first_token_frequencies(first(2, q), 5, 20000, 4)
+    assert (freq - p).abs().sum() / 2 < 0.015
+    q = torch.tensor([0.05, 0.15, 0.3, 0.3, 0.2])
     other = torch.tensor([0.6, 0.1, 0.1, 0.1, 0.1])  # what the drafts really came from
     assert (_first_token_frequencies(first(2, other), 5, 20000, 7) - p).abs().sum() / 2 > 0.05
     for rule, rate in (("sampled", 0.5), ("deterministic", 0.15)):

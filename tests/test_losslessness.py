@@ -99,17 +99,21 @@ def test_speculative_sampling_is_lossless_and_the_check_has_teeth(model, monkeyp
     assert chi_square_p(sampled_triples(model, "sd", sampling, SAMPLES // 2), exact) < ALPHA
 
 
-@pytest.mark.parametrize("top_p, lookup_tokens, sampled, temperature",
-                         [(1.0, 10, False, 1.0), (0.8, 10, False, 1.0), (1.0, 0, False, 1.0), (1.0, 10, True, 1.0),
-                          (0.8, 10, True, 0.7)])
-def test_tree_sampling_is_lossless(model, top_p, lookup_tokens, sampled, temperature):
+@pytest.mark.parametrize("top_p, lookup_tokens, sampled, temperature, total",
+                         [(1.0, 10, False, 1.0, 6), (0.8, 10, False, 1.0, 6), (1.0, 0, False, 1.0, 6),
+                          (1.0, 10, True, 1.0, "auto"), (0.8, 10, True, 0.7, 6)])
+def test_tree_sampling_is_lossless(model, top_p, lookup_tokens, sampled, temperature, total, tmp_path, monkeypatch):
     """``lookup_tokens``: prompt-lookup drafts grafted onto the tree (with 6 tokens, the last one
     has mostly occurred before from the second step on, so lookup drafts compete for the slots).
     ``sampled``: children drawn from the drafter and recursive speculative decoding (else the
-    drafter's top-k children as deterministic drafts)."""
+    drafter's top-k children as deterministic drafts); "auto" sizes them from past rounds."""
+    import eagle.budget
+
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
+    monkeypatch.setattr(eagle.budget, "NOISY", float("inf"))
     sampling = SamplingConfig(temperature=temperature, top_p=top_p)
     exact = exact_triples(model, sampling)
-    tree = dataclasses.replace(model.tree, lookup_tokens=lookup_tokens, sampled=sampled)
+    tree = dataclasses.replace(model.tree, lookup_tokens=lookup_tokens, sampled=sampled, total_tokens=total)
     tree_model = EagleModel(model.target, model.drafter, tree=tree)
     counts = sampled_triples(tree_model, "eagle-tree", sampling, SAMPLES)
     assert chi_square_p(counts, exact) > ALPHA

@@ -141,3 +141,32 @@ def test_dynamic_tree_equals_brute_force_eagle2_and_skips_nodes_that_cannot_be_k
         assert sum(rows) < k * (depth - 1)
     elif frontier_rows == "all":  # every node can be kept: all k frontier nodes run at every depth
         assert rows == [k] * (depth - 1)
+
+
+def test_a_sampled_auto_tree_takes_the_size_chosen_before_its_draws(target, drafter, monkeypatch):
+    """With drawn children a round's size must not depend on that round's draws: "auto" sizes
+    each round from the previous round's pool (the first round: the most nodes that cost no more
+    than one token), and every node with children has the distribution they were drawn from."""
+    import eagle.proposers as proposers
+    from eagle.budget import CostCurve, TreeChoice
+
+    model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens="auto", depth=4, top_k=3)
+    curve = CostCurve(sizes=[1, 4, 5, 8], seconds=[1.0, 1.0, 1.2, 1.3])
+    proposer = proposers.EagleDrafter(model._inference_copy(drafter, torch.float32), target, model.tree, cost=curve,
+                                      sampling=SamplingConfig(temperature=1.0), generator=torch.Generator().manual_seed(0))
+    assert proposer.next_size == 4
+    sizes, calls = [3, 6, 5], []
+
+    def choose(*args, **kwargs):
+        calls.append(sizes[len(calls)])
+        return TreeChoice(size=calls[-1], tokens_per_second=1.0)
+
+    monkeypatch.setattr(proposers, "choose_tree_size", choose)
+    ids = [7, 1, 2, 3, 4, 5, 9, 1, 2, 3]
+    prefill = target.forward(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1)[None], target.new_cache())
+    proposer.start(ids, prefill.hidden[0])
+    for round_, expected in enumerate((4, 3, 6)):
+        proposal = proposer.propose(ids, max_depth=10, max_nodes=100)
+        assert proposal.tree.size == expected and len(calls) == round_ + 1 and proposer.next_size == sizes[round_]
+        for node in {p for p in proposal.tree.parents.tolist() if p >= 0}:
+            assert proposal.child_probs[node].sum() == pytest.approx(1.0, abs=1e-4)
