@@ -216,6 +216,7 @@ class EagleDrafter(Proposer):
         # a sampled tree's size with "auto", chosen before its draws (see ``propose``): at first the most
         # nodes that cost no more than one token to verify, then what the previous round's pool asked for
         self.next_size = max(n for n in cost.sizes if cost.at(n) <= 1.05 * cost.at(1)) if cost is not None else 0
+        self.next_depth = cfg.depth  # likewise its depth: one past the deepest node the previous round kept
 
     @torch.inference_mode()
     def _extend(self, features: torch.Tensor, next_tokens: list[int]) -> None:
@@ -278,7 +279,7 @@ class EagleDrafter(Proposer):
         committed = kv_cache.cache_length(self.cache)
         calibration = min(4.0, max(0.25, self.observed / self.predicted))
         if self.temperature and self.cost is not None:
-            total = max(2, min(total, self.next_size))
+            total, depth = max(2, min(total, self.next_size)), min(depth, self.next_depth)
         if self.cfg.choices:
             tree = self._static(ids[-1], min(depth, max(len(c) for c in self.cfg.choices)), committed)
         else:
@@ -295,6 +296,11 @@ class EagleDrafter(Proposer):
                 total = min(total, size)
         kept = kept_nodes(tree.scores, total)
         tree = subtree(tree.tokens, tree.parents, tree.scores, kept)
+        if self.temperature and self.cost is not None:
+            depths = [0]
+            for parent in tree.parents.tolist()[1:]:
+                depths.append(depths[parent] + 1)
+            self.next_depth = max(depths) + 1
         self.last_expected = float(tree.scores[1:].exp().sum())
         return Proposal(tree, child_probs=self._child_probs(kept) if self.temperature and tree.size > 1 else None)
 
