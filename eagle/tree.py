@@ -69,12 +69,6 @@ def best_frontier(scores: torch.Tensor, k: int) -> torch.Tensor:
     return order[: min(k, scores.shape[0])]
 
 
-def rerank(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, total_tokens: int) -> DraftTree:
-    """Keep the root plus the best ``total_tokens - 1`` nodes of a candidate pool (``kept_nodes``),
-    re-indexed in pool order."""
-    return subtree(tokens, parents, scores, kept_nodes(scores, total_tokens))
-
-
 def kept_nodes(scores: torch.Tensor, total_tokens: int) -> torch.Tensor:
     """The root and the best ``total_tokens - 1`` nodes of a pool, in pool order: [n] long.
 
@@ -98,7 +92,7 @@ def graft_chain(tree: DraftTree, chain: torch.Tensor, chain_scores: torch.Tensor
     """Hang a chain of draft tokens from node ``at`` of a candidate pool (e.g. a prompt-lookup
     draft onto the drafter's tree), sharing the nodes the two agree on.
 
-    ``tree``: a pool as ``rerank`` takes it (index 0 the root, parents[i] < i, children score no
+    ``tree``: a pool as ``kept_nodes`` takes it (index 0 the root, parents[i] < i, children score no
     higher than parents); ``chain`` [C] tokens; ``chain_scores`` [C] non-increasing cumulative
     log-probabilities, none above node ``at``'s score. Walking down from ``at``, a chain token that
     is already a child of the current node reuses it (its score becomes the higher of the two),

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from eagle.tree import DraftTree, best_frontier, chain_tree, graft_chain, rerank, static_layout, topk_children
+from eagle.tree import DraftTree, best_frontier, chain_tree, graft_chain, kept_nodes, static_layout, subtree, topk_children
 from eagle.tree_mask import ancestor_mask
 
 
@@ -19,7 +19,7 @@ def brute_force_rerank(parents, scores, keep):
     return [0] + sorted(order)
 
 
-def test_rerank_keeps_best_nodes_and_forms_a_subtree():
+def test_kept_nodes_are_the_best_nodes_and_form_a_subtree():
     gen = torch.Generator().manual_seed(0)
     for trial in range(50):
         n = 2 + trial
@@ -30,7 +30,7 @@ def test_rerank_keeps_best_nodes_and_forms_a_subtree():
             scores.append(scores[parents[i]] + drop)
         tokens = torch.arange(n) + 100
         keep = 1 + trial % 7
-        tree = rerank(tokens, torch.tensor(parents), torch.tensor(scores), keep + 1)
+        tree = subtree(tokens, torch.tensor(parents), torch.tensor(scores), kept_nodes(torch.tensor(scores), keep + 1))
         expected = brute_force_rerank(parents, scores, keep)
         assert tree.tokens.tolist() == [100 + i for i in expected]
         assert tree.size <= keep + 1
@@ -78,7 +78,7 @@ def test_graft_chain_adds_exactly_the_chain_prefixes_below_its_node_and_keeps_a_
             want = max(old.get(path, -float("inf")), prefixes.get(path, -float("inf"))) if i else 0.0
             assert out.scores[i].item() == pytest.approx(want)
             if i:
-                assert out.scores[i] <= out.scores[out.parents[i]] + 1e-6  # rerank's precondition still holds
+                assert out.scores[i] <= out.scores[out.parents[i]] + 1e-6  # kept_nodes' precondition still holds
 
 
 def test_best_frontier_is_stable():
