@@ -104,7 +104,8 @@ class PackedLinear(nn.Module):
         for n in range(1, max_rows + 1):
             faster = sorted((m for m in range(n + 1, max_rows + 1) if cost[m] < (1 - margin) * cost[n]),
                             key=cost.__getitem__)
-            exact = (m for m in faster if torch.equal(self._product(x[:m])[:n], self._product(x[:n])))
+            plain = self._product(x[:n]) if faster else None
+            exact = (m for m in faster if torch.equal(self._product(x[:m])[:n], plain))
             table.append(next(exact, n))
         self.pad_rows = tuple(table)
         return self.pad_rows
