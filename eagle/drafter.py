@@ -262,6 +262,22 @@ class Drafter(nn.Module):
         drafter.load_state_dict(state)
         return drafter
 
+    @torch.no_grad()
+    def with_layers(self, num_layers: int) -> "Drafter":
+        """A copy with decoder layers appended up to ``num_layers``, each new layer's output
+        projections (``o_proj``, ``down_proj``) zero so that it adds nothing to the residual
+        stream: it predicts exactly what this drafter does until trained (a warm start for a
+        deeper drafter)."""
+        if num_layers < self.config.num_layers:
+            raise EagleError(f"cannot shrink a drafter from {self.config.num_layers} to {num_layers} layers")
+        config = dataclasses.replace(self.config, num_layers=num_layers)
+        drafter = type(self)(config).to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        drafter.load_state_dict(self.state_dict(), strict=False)
+        for layer in drafter.layers[self.config.num_layers:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        return drafter
+
     def check_target(self, target: Any) -> None:
         """Refuse a target other than the one this drafter was built for."""
         info = self.config.target

@@ -126,6 +126,25 @@ def test_lean_drafter_computes_what_the_drafter_does(target, layers, draft_vocab
     assert out.dtype == torch.bfloat16 and (out.float() - whole).norm() < 0.15 * whole.norm()  # bf16: ~3 digits
 
 
+def test_appended_layers_start_as_the_drafter_they_extend(target):
+    """``with_layers`` appends layers whose output projections are zero: the same predictions
+    (and the same cached keys for the old layers) until the new layer is trained; the new
+    layer's other weights are random, so training can move it; shrinking is refused."""
+    base = tiny_drafter(target, draft_vocab_size=8)
+    deeper = base.with_layers(3)
+    assert deeper.config.num_layers == 3 and len(deeper.layers) == 3
+    torch.manual_seed(0)
+    f, e, pos = torch.randn(1, 6, 32), torch.randn(1, 6, 32), torch.arange(6)[None]
+    assert torch.equal(deeper(f, e, pos), base(f, e, pos))
+    assert torch.equal(deeper.lm_head.weight, base.lm_head.weight) and torch.equal(deeper.d2t, base.d2t)
+    assert deeper.layers[2].self_attn.q_proj.weight.abs().sum() > 0
+    with torch.no_grad():
+        deeper.layers[1].mlp.down_proj.weight.normal_()
+    assert not torch.allclose(deeper(f, e, pos), base(f, e, pos))
+    with pytest.raises(EagleError, match="shrink"):
+        deeper.with_layers(2)
+
+
 def test_fused_aux_layers_start_as_the_drafter_they_extend_and_stay_exact(target):
     """``with_aux_layers`` adds zero fc columns: the same predictions whatever the aux outputs are;
     a prediction (H wide) reads as zero aux outputs; greedy eagle-tree with a fusing drafter

@@ -251,15 +251,17 @@ def test_deepspeed_training_end_to_end_and_resume(workspace):
     optim = torch.load(next((out / "checkpoints" / "step16").glob("*optim_states.pt")), weights_only=False)
     adam_steps = {int(s["step"]) for s in optim["optimizer_state_dict"]["base_optimizer_state"]["state"].values()}
     assert adam_steps == {16}
-    # warm start from the trained drafter, adding the fusion of layer 0's output (zero fc columns): a new run that
-    # begins where that one ended (its loss in bf16 autocast), and trains those columns
+    # warm start from the trained drafter, adding the fusion of layer 0's output (zero fc columns) and a second
+    # decoder layer (zero output projections): a new run that begins where that one ended (its loss in bf16
+    # autocast), and trains those columns and that layer
     warm = deepspeed_run(workspace, workspace["root"] / "warm", max_steps=4, init_from=str(out / "drafter"),
-                         dev_data=str(workspace["data"]), autocast="bf16", aux_layers=[0])
+                         dev_data=str(workspace["data"]), autocast="bf16", aux_layers=[0], num_layers=2)
     first = [row["loss"] for row in warm if "loss" in row][0]
     summary = json.loads((workspace["root"] / "warm" / "summary.json").read_text())
     assert first < losses[0] and summary["steps"] == 4  # (4: the learning rate warms up from 0 at the first step)
     fused = Drafter.from_pretrained(workspace["root"] / "warm" / "drafter", target=target)
     assert fused.config.aux_layers == [0] and fused.fc.weight[:, 64:].abs().sum() > 0
+    assert fused.config.num_layers == 2 and fused.layers[1].mlp.down_proj.weight.abs().sum() > 0
     assert 0 <= summary["eval"]["dev_top1"] <= 1 and summary["eval"]["dev_chain5_accept_length"] >= 1.0
 
 

@@ -52,6 +52,9 @@ class TrainConfig:
     aux_layers: tuple[int, ...] = ()  # drafter: also fuse these target layers' outputs (EAGLE-3 style; the features
                                    # must hold them: eagle-features aux_layers). With init_from, layers it lacks are
                                    # added with zero fc columns (it predicts as before until trained)
+    num_layers: int = 0            # drafter: decoder layers (0 = as the architecture JSON says, or as the warm-start
+                                   # drafter has); with init_from, layers it lacks are appended with zero output
+                                   # projections (it predicts as before until trained)
     deepspeed_config: str = "configs/deepspeed/zero1.json"
     out_dir: str = "runs/drafter"
     epochs: int = 20
@@ -276,12 +279,16 @@ def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
                                  f"{drafter.config.aux_layers}")
             if len(cfg.aux_layers) > len(drafter.config.aux_layers):
                 drafter = drafter.with_aux_layers(list(cfg.aux_layers[len(drafter.config.aux_layers):])).train()
+            if cfg.num_layers and cfg.num_layers != drafter.config.num_layers:
+                drafter = drafter.with_layers(cfg.num_layers).train()
         else:
             overrides = json.loads(Path(cfg.drafter_config).read_text()) if cfg.drafter_config else {}
             if cfg.draft_vocab_size:
                 overrides["draft_vocab_size"] = cfg.draft_vocab_size
             if cfg.aux_layers:
                 overrides["aux_layers"] = list(cfg.aux_layers)
+            if cfg.num_layers:
+                overrides["num_layers"] = cfg.num_layers
             counts = (token_counts(dataset, target.vocab_size) if overrides.get("draft_vocab_size") and not cfg.online
                       else None)
             drafter = Drafter.from_target(target, token_counts=counts, **overrides).float()
