@@ -45,83 +45,65 @@ def children_of(parents: torch.Tensor) -> list[list[int]]:
 
 
 def recursive_rejection_tree(tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor,
-                             generator: torch.Generator) -> Acceptance:
-    """Lossless sampling for a tree of deterministic drafts (EAGLE-2 / SpecInfer style).
+                             generator: torch.Generator, child_probs: torch.Tensor | None = None,
+                             drawn: torch.Tensor | None = None) -> Acceptance:
+    """Lossless sampling for a draft tree: recursive speculative decoding over each node's
+    children (SpecInfer / EAGLE-2 for deterministic drafts; Jeon et al. 2024 for drafts drawn
+    without replacement).
 
-    At the current node, try its children in order: accept child token x with probability
-    p(x); on rejection set p(x) = 0 and renormalize, then try the next child. If all are
-    rejected (or there are none), draw the next token from what remains of p. The drafts
-    act as a point mass (q = 1), so the result is distributed exactly as p. Renormalizing is
-    kept implicit: with ``left`` the mass not yet rejected, x is accepted when u * left < p(x).
-    ``tokens``/``parents`` [N]; ``target_probs`` [N, V], the warped target distribution at each node."""
-    kids = children_of(parents)
-    token_list = tokens.tolist()
-    node, accepted = 0, [0]
-    while True:
-        p = target_probs[node].float().cpu()
-        xs = [token_list[child] for child in kids[node]]
-        mass = p[xs].tolist() if xs else []
-        rejected: set[int] = set()
-        left = float(p.sum())
-        for child, x, px in zip(kids[node], xs, mass):
-            u = torch.rand(1, generator=generator).item()
-            if x in rejected:  # a token twice among the children: its mass is gone already
-                continue
-            if px > 0 and u * left < px:
-                node = child
-                accepted.append(child)
-                break
-            rejected.add(x)
-            left -= px
-        else:
-            if rejected:
-                rest = p.clone()
-                rest[list(rejected)] = 0.0
-                p = rest if float(rest.sum()) > 0 else p  # all mass rejected: only by rounding
-            return Acceptance(nodes=torch.tensor(accepted, dtype=torch.long, device=tokens.device),
-                              next_token=int(sample(p, generator)))
-
-
-def recursive_rejection_sampled_tree(tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor,
-                                     child_probs: torch.Tensor, generator: torch.Generator) -> Acceptance:
-    """Lossless sampling for a tree whose children were drawn from the drafter (recursive
-    speculative decoding, Jeon et al. 2024, drafts drawn without replacement).
-
-    The children of a node are draws without replacement from q = ``child_probs[node]``, in
-    index order. They are tried in turn against r, what the target still owes (p at first): the
-    i-th draw x came from q_i, q without the earlier draws, renormalized; it is accepted with
-    probability min(1, r(x) / q_i(x)), and on rejection r becomes normalize(max(0, r - q_i)).
-    Each try is one step of speculative sampling towards r, so the token that comes out (an
-    accepted child, or a draw from the last r) is distributed exactly as p.
+    At the current node, its children are tried in index order against r, what the target still
+    owes (the node's p at first). Each try is one step of speculative sampling towards r with the
+    distribution that child came from:
+    - a drawn child (``drawn[c]``) is the next draw without replacement from q = ``child_probs``
+      of its parent: with q_i = q without the earlier draws, renormalized, it is accepted with
+      probability min(1, r(x) / q_i(x)), and on rejection r becomes normalize(max(0, r - q_i));
+    - any other child is a point mass (a top-k or prompt-lookup draft): accepted with
+      probability r(x); on rejection r loses x and is renormalized.
+    If every child is rejected (or there are none), the next token is drawn from r. So the token
+    that comes out is distributed exactly as p, provided each child's draft and its place in the
+    tree depend only on the children tried before it (and on no target output): the proposers
+    put deterministic drafts after the drawn siblings, and a drawn node's inclusion never depends
+    on its own token.
     ``tokens``/``parents`` [N]; ``target_probs`` [N, V], the warped target distribution at each
-    node; ``child_probs`` [N, V] (rows of nodes without children are not read; float64 keeps the
-    ratios of tiny probabilities: a token far down q can be the second draw). Computed in float64."""
+    node; ``child_probs`` [N, V] (rows of nodes without drawn children are not read) and
+    ``drawn`` [N] bool, both None for a tree of deterministic drafts. Computed in float64 (it
+    keeps the ratios of tiny probabilities: a token far down q can be the second draw)."""
     kids = children_of(parents)
     token_list = tokens.tolist()
+    drawn_list = drawn.tolist() if drawn is not None else [False] * len(token_list)
     node, accepted = 0, [0]
     while True:
-        p = target_probs[node].double().cpu()
-        r = p / p.sum()
-        if kids[node]:
-            q = child_probs[node].double().cpu()
-            q = q / q.sum()  # q_i: what the next draw came from (normalized over tokens not drawn yet)
+        r = target_probs[node].double().cpu()
+        r = r / r.sum()
+        q = None  # q_i: what the next drawn child came from (normalized over tokens not drawn yet)
         for child in kids[node]:
             x = token_list[child]
             u = torch.rand(1, generator=generator).item()
-            qx, rx = q[x].item(), r[x].item()
-            if qx <= 0:  # not drawable (its probability underflowed): as if never drawn
-                continue
-            if u * qx < rx:
-                node = child
-                accepted.append(child)
-                break
-            r = residual_distribution(r, q)
-            q[x] = 0.0
-            left = q.sum()  # by its sum, not 1 - q(x): q(x) may round to 1 with tokens still drawable
-            q = q / left if left > 0 else q
+            if drawn_list[child]:
+                if q is None:
+                    q = child_probs[node].double().cpu()
+                    q = q / q.sum()
+                qx = q[x].item()
+                if qx <= 0:  # not drawable (its probability underflowed): as if never drawn
+                    continue
+                if u * qx < r[x].item():
+                    break
+                r = residual_distribution(r, q)
+                q[x] = 0.0
+                left = q.sum()  # by its sum, not 1 - q(x): q(x) may round to 1 with tokens still drawable
+                q = q / left if left > 0 else q
+            else:
+                if u < r[x].item():
+                    break
+                rest = r.clone()
+                rest[x] = 0.0
+                left = rest.sum()
+                r = rest / left if left > 0 else r  # all mass rejected: only by rounding
         else:
             return Acceptance(nodes=torch.tensor(accepted, dtype=torch.long, device=tokens.device),
                               next_token=int(sample(r, generator)))
+        node = child
+        accepted.append(child)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

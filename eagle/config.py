@@ -73,10 +73,10 @@ class TreeConfig:
     agreed with them so far; 0 turns it off (then the tree is the drafter's alone, as in EAGLE-2).
     ``sampled``: when sampling (temperature > 0), the dynamic tree's children are drawn from the
     drafter's distribution without replacement instead of being its top_k, and verified by
-    recursive speculative decoding (``acceptance.recursive_rejection_sampled_tree``); lookup
-    grafting is then off (a grafted token would make which drawn children are kept depend on
-    what was drawn), and with "auto" a round's size is chosen from the previous round's pool.
-    False keeps EAGLE-2's top_k children at every temperature."""
+    recursive speculative decoding (``acceptance.recursive_rejection_tree``); prompt-lookup
+    chains are then grafted as new nodes after the drawn siblings (never merged with a drawn
+    node: its score would depend on what was drawn), and with "auto" a round's size is chosen
+    from the previous round's pool. False keeps EAGLE-2's top_k children at every temperature."""
 
     total_tokens: Union[int, str] = "auto"
     depth: int = 6

@@ -118,13 +118,9 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
             acc = acceptance.speculative_chain(tree.tokens[1:], proposal.draft_probs,
                                                logits_to_probs(logits, sampling), generator,
                                                lenience=spec.lenience if spec else 1.0)
-        elif proposal.child_probs is not None:
-            acc = acceptance.recursive_rejection_sampled_tree(tree.tokens, tree.parents,
-                                                              logits_to_probs(logits, sampling), proposal.child_probs,
-                                                              generator)
         elif tree.size > 1:
             acc = acceptance.recursive_rejection_tree(tree.tokens, tree.parents, logits_to_probs(logits, sampling),
-                                                      generator)
+                                                      generator, proposal.child_probs, proposal.drawn)
         else:
             acc = acceptance.Acceptance(nodes=torch.zeros(1, dtype=torch.long, device=device),
                                         next_token=int(sample(logits_to_probs(logits[0], sampling), generator)))

@@ -30,13 +30,15 @@ from eagle.tree import (DraftTree, best_frontier, chain_tree, graft_chain, kept_
 
 @dataclasses.dataclass
 class Proposal:
-    """A draft tree, plus ``draft_probs`` [K, V] for sampled chains (``sd``), or ``child_probs``
-    [N, V] for a tree whose children were drawn from those distributions without replacement
-    (row i: what node i's children were drawn from); None for drafts that are not samples."""
+    """A draft tree, plus ``draft_probs`` [K, V] for sampled chains (``sd``), or for a tree some
+    of whose children were drawn without replacement: ``child_probs`` [N, V] (row i: what node
+    i's drawn children were drawn from) and ``drawn`` [N] bool (which nodes were drawn; the
+    others are deterministic drafts); None for drafts that are not samples."""
 
     tree: DraftTree
     draft_probs: torch.Tensor | None = None
     child_probs: torch.Tensor | None = None
+    drawn: torch.Tensor | None = None
 
 
 class Proposer:
@@ -285,8 +287,8 @@ class EagleDrafter(Proposer):
         else:
             tree = self._dynamic(ids[-1], depth, total, committed, start, calibration)
         kv_cache.roll_back(self.cache, committed)
-        if not self.temperature:
-            tree = self._graft_lookup(ids, tree, max_depth)
+        drafted = tree.size  # pool nodes from the drafter; grafts come after them, so they are tried after their siblings
+        tree = self._graft_lookup(ids, tree, max_depth)
         if self.cost is not None:  # total_tokens="auto": the size with the most expected tokens per second
             best_first = torch.sort(tree.scores[1:], descending=True).values
             size = choose_tree_size(best_first, self.cost, time.perf_counter() - start, calibration).size
@@ -296,13 +298,15 @@ class EagleDrafter(Proposer):
                 total = min(total, size)
         kept = kept_nodes(tree.scores, total)
         tree = subtree(tree.tokens, tree.parents, tree.scores, kept)
-        if self.temperature and self.cost is not None:
+        if self.temperature and self.cost is not None:  # the drafter's own depth: grafted lookup nodes left out
             depths = [0]
             for parent in tree.parents.tolist()[1:]:
                 depths.append(depths[parent] + 1)
-            self.next_depth = max(depths) + 1
+            self.next_depth = max(d for d, node in zip(depths, kept.tolist()) if node < drafted) + 1
         self.last_expected = float(tree.scores[1:].exp().sum())
-        return Proposal(tree, child_probs=self._child_probs(kept) if self.temperature and tree.size > 1 else None)
+        if not self.temperature or tree.size < 2:
+            return Proposal(tree)
+        return Proposal(tree, child_probs=self._child_probs(kept), drawn=(kept > 0) & (kept < drafted))
 
     def _child_probs(self, kept: torch.Tensor) -> torch.Tensor:
         """[n, V_target] float64: for each kept pool node that had children drawn, the distribution
@@ -329,7 +333,10 @@ class EagleDrafter(Proposer):
     def _graft_lookup(self, ids: list[int], pool: DraftTree, max_depth: int) -> DraftTree:
         """The pool with prompt-lookup continuations grafted on: of the context itself (at the
         root) and of the context followed by the path to each of the ``LOOKUP_NODES`` best draft
-        nodes (a copied span often starts at a token the drafter guessed)."""
+        nodes (a copied span often starts at a token the drafter guessed). In a sampled tree
+        the chains are new nodes (``share=False``), after all drawn ones: a chain and its place
+        depend only on nodes that outrank it and on its ancestors, so no drawn node's inclusion
+        comes to depend on its own token, and siblings are tried in an order the rule allows."""
         if self.cfg.lookup_tokens < 1:
             return pool
         tokens, parents = pool.tokens.tolist(), pool.parents.tolist()
@@ -344,7 +351,8 @@ class EagleDrafter(Proposer):
             if match.tokens:
                 self.last_matches.append((path, match))
                 scores = pool.scores[node] + self.lookup_rates.scores(match).to(self.device)
-                pool = graft_chain(pool, torch.tensor(match.tokens, dtype=torch.long, device=self.device), scores, node)
+                pool = graft_chain(pool, torch.tensor(match.tokens, dtype=torch.long, device=self.device), scores, node,
+                                   share=not self.temperature)
         return pool
 
     def _dynamic(self, root: int, depth: int, total: int, committed: int, start: float,

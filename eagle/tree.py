@@ -88,7 +88,8 @@ def subtree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, k
     return DraftTree(tokens=tokens[kept], parents=new_parents, scores=scores[kept])
 
 
-def graft_chain(tree: DraftTree, chain: torch.Tensor, chain_scores: torch.Tensor, at: int = 0) -> DraftTree:
+def graft_chain(tree: DraftTree, chain: torch.Tensor, chain_scores: torch.Tensor, at: int = 0,
+                share: bool = True) -> DraftTree:
     """Hang a chain of draft tokens from node ``at`` of a candidate pool (e.g. a prompt-lookup
     draft onto the drafter's tree), sharing the nodes the two agree on.
 
@@ -98,9 +99,12 @@ def graft_chain(tree: DraftTree, chain: torch.Tensor, chain_scores: torch.Tensor
     is already a child of the current node reuses it (its score becomes the higher of the two),
     the rest are appended in order. The result is a pool of the same form holding every path of
     ``tree`` plus the path to ``at`` followed by every prefix of ``chain``, with no two siblings
-    sharing a token."""
+    sharing a token. With ``share=False`` the whole chain is appended as new nodes (no existing
+    node's score changes; a chain token may repeat a sibling's: for drawn siblings, whose scores
+    must not depend on which tokens were drawn)."""
     tokens, parents, scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
-    children: dict[tuple[int, int], int] = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if p >= 0}
+    children: dict[tuple[int, int], int] = (
+        {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if p >= 0} if share else {})
     node = at
     for token, score in zip(chain.tolist(), chain_scores.tolist()):
         child = children.get((node, token))

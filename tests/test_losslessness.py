@@ -32,12 +32,12 @@ def model():
                                       total_tokens=6, depth=3, top_k=2, gamma=2)
 
 
-def exact_triples(model: EagleModel, sampling: SamplingConfig) -> torch.Tensor:
+def exact_triples(model: EagleModel, sampling: SamplingConfig, prompt: list[int] = PROMPT) -> torch.Tensor:
     """P(x1, x2, x3 | prompt) [V, V, V] by enumerating every 2-token continuation."""
     pairs = torch.tensor(list(itertools.product(range(VOCAB), repeat=2)))
-    ids = torch.cat([torch.tensor(PROMPT).expand(len(pairs), -1), pairs], dim=1)
+    ids = torch.cat([torch.tensor(prompt).expand(len(pairs), -1), pairs], dim=1)
     with torch.no_grad():
-        logits = model.target.model(ids).logits[:, len(PROMPT) - 1:]
+        logits = model.target.model(ids).logits[:, len(prompt) - 1:]
     probs = logits_to_probs(logits, sampling)  # [V*V, 3, V]
     p1 = probs[0, 0]
     p2 = probs[:, 1].reshape(VOCAB, VOCAB, VOCAB)[:, 0]  # [x1, x2]
@@ -45,10 +45,11 @@ def exact_triples(model: EagleModel, sampling: SamplingConfig) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def sampled_triples(model: EagleModel, method: str, sampling: SamplingConfig, n: int) -> torch.Tensor:
+def sampled_triples(model: EagleModel, method: str, sampling: SamplingConfig, n: int,
+                    prompt: list[int] = PROMPT) -> torch.Tensor:
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
     for seed in range(n):
-        out = model.generate(PROMPT, method=method, max_new_tokens=3, temperature=sampling.temperature,
+        out = model.generate(prompt, method=method, max_new_tokens=3, temperature=sampling.temperature,
                              top_p=sampling.top_p, seed=seed)
         counts[tuple(out.token_ids)] += 1
     return counts
@@ -76,7 +77,7 @@ def skip_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return p  # broken: resample from p after a rejection instead of normalize(max(0, p - q))
 
 
-def no_renormalization(tokens, parents, target_probs, generator):
+def no_renormalization(tokens, parents, target_probs, generator, child_probs=None, drawn=None):
     """Broken tree rule: rejected siblings keep their mass and the fallback draws from the full p."""
     kids = acceptance.children_of(parents)
     node, accepted = 0, [0]
@@ -119,6 +120,15 @@ def test_tree_sampling_is_lossless(model, top_p, lookup_tokens, sampled, tempera
     assert chi_square_p(counts, exact) > ALPHA
 
 
+def test_sampled_tree_with_lookup_grafts_is_lossless(model):
+    """A prompt that repeats itself, so that prompt-lookup chains join the drawn tree in most
+    rounds (~70%; with ``PROMPT`` ~10%), as new nodes after the drawn ones, judged as point masses."""
+    sampling, prompt = SamplingConfig(temperature=1.0), [1, 2, 3, 1, 2]
+    tree_model = EagleModel(model.target, model.drafter, tree=dataclasses.replace(model.tree, lookup_tokens=10))
+    counts = sampled_triples(tree_model, "eagle-tree", sampling, SAMPLES, prompt)
+    assert chi_square_p(counts, exact_triples(model, sampling, prompt)) > ALPHA
+
+
 def test_tree_sampling_negative_control_is_rejected(model, monkeypatch):
     sampling = SamplingConfig(temperature=1.0)
     monkeypatch.setattr(acceptance, "recursive_rejection_tree", no_renormalization)
@@ -127,15 +137,17 @@ def test_tree_sampling_negative_control_is_rejected(model, monkeypatch):
     assert chi_square_p(counts, exact_triples(model, sampling)) < ALPHA
 
 
-def without_replacement_ignored(tokens, parents, target_probs, child_probs, generator):
+def without_replacement_ignored(tokens, parents, target_probs, generator, child_probs, drawn):
     """Broken sampled-tree rule: a rejected draw stays in q, so later draws are judged by a q
-    they were not drawn from."""
+    they were not drawn from (a deterministic draft: as a point mass)."""
     kids = acceptance.children_of(parents)
     node, accepted = 0, [0]
     while True:
-        r, q = target_probs[node].double(), child_probs[node].double()
+        r = target_probs[node].double()
         for child in kids[node]:
             x = int(tokens[child])
+            q = child_probs[node].double() if drawn[child] else torch.nn.functional.one_hot(
+                torch.tensor(x), r.shape[-1]).double()
             if torch.rand(1, generator=generator).item() * q[x] < r[x]:
                 node = child
                 accepted.append(child)
@@ -147,6 +159,6 @@ def without_replacement_ignored(tokens, parents, target_probs, child_probs, gene
 
 def test_sampled_tree_negative_control_is_rejected(model, monkeypatch):
     sampling = SamplingConfig(temperature=1.0)
-    monkeypatch.setattr(acceptance, "recursive_rejection_sampled_tree", without_replacement_ignored)
+    monkeypatch.setattr(acceptance, "recursive_rejection_tree", without_replacement_ignored)
     counts = sampled_triples(model, "eagle-tree", sampling, SAMPLES // 2)
     assert chi_square_p(counts, exact_triples(model, sampling)) < ALPHA

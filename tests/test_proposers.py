@@ -55,6 +55,31 @@ def test_eagle_tree_grafts_the_lookup_chain_and_learns_from_what_the_target_prod
     assert chain.propose(ids, max_depth=10, max_nodes=100).tree.size == 3  # a chain stays the drafter's chain
 
 
+def test_a_sampled_tree_grafts_lookup_chains_as_new_nodes_after_the_drawn_ones(target, drafter):
+    """At temperature > 0 the drafter's children are drawn; prompt-lookup chains join as new
+    nodes (never merged with a drawn node, even one with the same token: its score would then
+    depend on what was drawn), flagged as not drawn and placed after every drawn node, so the
+    acceptance rule tries them after their drawn siblings; each drawn node's parent has the
+    distribution it was drawn from."""
+    model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=100, depth=2, top_k=2, lookup_tokens=3)
+    ids = [7, 1, 2, 3, 4, 5, 9, 1, 2, 3]
+    prefill = target.forward(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1)[None], target.new_cache())
+    proposer = model._proposer("eagle-tree", SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    proposer.start(ids, prefill.hidden[0])
+    proposal = proposer.propose(ids, max_depth=10, max_nodes=100)
+    tree, drawn = proposal.tree, proposal.drawn.tolist()
+    assert drawn == [False] + [True] * 6 + [False] * (tree.size - 7)  # 2 + 2 * 2 drawn nodes, then the grafts
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    root_chain = [i for i in range(7, tree.size) if parents[i] == 0]
+    assert len(root_chain) == 1 and tokens[root_chain[0]] == 4  # "1 2 3" was followed by "4 5 9" before
+    for node in set(tree.parents[proposal.drawn].tolist()):
+        assert proposal.child_probs[node].sum() == pytest.approx(1.0, abs=1e-4)
+    pool = DraftTree(torch.tensor([5, 6, 8]), torch.tensor([-1, 0, 0]), torch.tensor([0.0, -0.1, -2.0]))
+    grafted = proposer._graft_lookup([6, 11, 12, 5, 8, 13, 14, 5], pool, max_depth=10)  # root lookup: "8 13 14"
+    assert grafted.tokens[:3].tolist() == [5, 6, 8] and torch.equal(grafted.scores[:3], pool.scores)
+    assert grafted.tokens.tolist().count(8) >= 2 and grafted.parents.tolist().count(0) == 3  # a second root 8
+
+
 def test_lookups_below_draft_nodes_are_grafted_and_judged_only_where_the_target_went(target, drafter):
     assert LOOKUP_NODES >= 2
     model = EagleModel.from_pretrained(target, drafter=drafter, lookup_tokens=3)
@@ -168,5 +193,5 @@ def test_a_sampled_auto_tree_takes_the_size_chosen_before_its_draws(target, draf
     for round_, expected in enumerate((4, 3, 6)):
         proposal = proposer.propose(ids, max_depth=10, max_nodes=100)
         assert proposal.tree.size == expected and len(calls) == round_ + 1 and proposer.next_size == sizes[round_]
-        for node in {p for p in proposal.tree.parents.tolist() if p >= 0}:
+        for node in set(proposal.tree.parents[proposal.drawn].tolist()):
             assert proposal.child_probs[node].sum() == pytest.approx(1.0, abs=1e-4)
