@@ -29,15 +29,38 @@ from eagle.tree import (DraftTree, best_frontier, chain_tree, graft_chain, kept_
 
 
 @dataclasses.dataclass
+class DrawDistributions:
+    """What each tree node's drawn children were drawn from, row by row when asked (a round's
+    acceptance reads only the rows along its accepted path). ``logprobs``: tree node -> the
+    drafter's log-probabilities [V_draft] that node's children were drawn with; ``draft_ids``
+    [V_draft] their target token ids. ``self[i]`` -> [vocab_size] float64: softmax(logprobs /
+    temperature) at the draft tokens, zeros elsewhere (all zeros for a node with no drawn
+    children), as a dense [N, V] tensor's row i would be."""
+
+    logprobs: dict[int, torch.Tensor]
+    draft_ids: torch.Tensor
+    vocab_size: int
+    temperature: float
+
+    def __getitem__(self, node: int) -> torch.Tensor:
+        row = torch.zeros(self.vocab_size, dtype=torch.float64, device=self.draft_ids.device)
+        logprobs = self.logprobs.get(node)
+        if logprobs is not None:
+            row[self.draft_ids] = torch.softmax(logprobs.double() / self.temperature, dim=-1)
+        return row
+
+
+@dataclasses.dataclass
 class Proposal:
     """A draft tree, plus ``draft_probs`` [K, V] for sampled chains (``sd``), or for a tree some
-    of whose children were drawn without replacement: ``child_probs`` [N, V] (row i: what node
-    i's drawn children were drawn from) and ``drawn`` [N] bool (which nodes were drawn; the
-    others are deterministic drafts); None for drafts that are not samples."""
+    of whose children were drawn without replacement: ``child_probs`` (row i: what node i's
+    drawn children were drawn from; a [N, V] tensor or ``DrawDistributions``) and ``drawn`` [N]
+    bool (which nodes were drawn; the others are deterministic drafts); None for drafts that are
+    not samples."""
 
     tree: DraftTree
     draft_probs: torch.Tensor | None = None
-    child_probs: torch.Tensor | None = None
+    child_probs: torch.Tensor | DrawDistributions | None = None
     drawn: torch.Tensor | None = None
 
 
@@ -215,6 +238,7 @@ class EagleDrafter(Proposer):
             self.temperature = sampling.temperature
         self.generator = generator
         self.drawn_from: dict[int, torch.Tensor] = {}  # pool node -> draft log-probs its children were drawn with
+        self.draft_ids = drafter.to_target_ids(torch.arange(vocab, device=self.device))  # draft index -> target id
         # a sampled tree's size with "auto", chosen before its draws (see ``propose``): at first the most
         # nodes that cost no more than one token to verify, then what the previous round's pool asked for
         self.next_size = max(n for n in cost.sizes if cost.at(n) <= 1.05 * cost.at(1)) if cost is not None else 0
@@ -306,25 +330,15 @@ class EagleDrafter(Proposer):
         self.last_expected = float(tree.scores[1:].exp().sum())
         if not self.temperature or tree.size < 2:
             return Proposal(tree)
-        return Proposal(tree, child_probs=self._child_probs(kept), drawn=(kept > 0) & (kept < drafted))
-
-    def _child_probs(self, kept: torch.Tensor) -> torch.Tensor:
-        """[n, V_target] float64: for each kept pool node that had children drawn, the distribution
-        they were drawn from (softmax of its draft log-probabilities / temperature), zeros elsewhere."""
-        probs = torch.zeros(kept.shape[0], self.target.vocab_size, dtype=torch.float64, device=self.device)
-        draft_ids = None
-        for row, node in enumerate(kept.tolist()):
-            logprobs = self.drawn_from.get(node)
-            if logprobs is not None:
-                if draft_ids is None:
-                    draft_ids = self.drafter.to_target_ids(torch.arange(logprobs.shape[-1], device=self.device))
-                probs[row, draft_ids] = torch.softmax(logprobs.double() / self.temperature, dim=-1)
-        return probs
+        drawn_from = {row: self.drawn_from[node] for row, node in enumerate(kept.tolist()) if node in self.drawn_from}
+        return Proposal(tree, child_probs=DrawDistributions(drawn_from, self.draft_ids, self.target.vocab_size,
+                                                            self.temperature),
+                        drawn=(kept > 0) & (kept < drafted))
 
     def _children(self, parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int,
                   nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The k children of pool nodes ``nodes`` [F]: the drafter's top k, or k draws without
-        replacement when sampling (their log-probs are kept for ``_child_probs``)."""
+        replacement when sampling (their log-probs are kept for ``DrawDistributions``)."""
         if not self.temperature:
             return topk_children(parent_scores, logprobs, k)
         self.drawn_from.update(zip(nodes, logprobs))

@@ -8,7 +8,7 @@ import torch
 from eagle import EagleModel
 from eagle.config import PromptLookupConfig, SamplingConfig
 from eagle.drafter import Drafter
-from eagle.proposers import LOOKUP_NODES, LookupMatch, LookupRates, prompt_lookup
+from eagle.proposers import LOOKUP_NODES, DrawDistributions, LookupMatch, LookupRates, prompt_lookup
 from eagle.tree import DraftTree
 
 from .conftest import prompts
@@ -195,3 +195,18 @@ def test_a_sampled_auto_tree_takes_the_size_chosen_before_its_draws(target, draf
         assert proposal.tree.size == expected and len(calls) == round_ + 1 and proposer.next_size == sizes[round_]
         for node in set(proposal.tree.parents[proposal.drawn].tolist()):
             assert proposal.child_probs[node].sum() == pytest.approx(1.0, abs=1e-4)
+
+
+def test_draw_distributions_give_the_rows_of_the_dense_matrix():
+    """``DrawDistributions[i]``: what node i's children were drawn from, over the target's
+    vocabulary (softmax of the draft log-probs / temperature at the draft tokens), zeros for a
+    node with no drawn children: row i of the dense [N, V] matrix, computed only when read."""
+    torch.manual_seed(0)
+    lp = torch.log_softmax(torch.randn(2, 4), -1)
+    ids = torch.tensor([1, 3, 4, 6])
+    rows = DrawDistributions({0: lp[0], 2: lp[1]}, ids, 8, 0.5)
+    dense = torch.zeros(3, 8, dtype=torch.float64)
+    dense[0, ids] = torch.softmax(lp[0].double() / 0.5, -1)
+    dense[2, ids] = torch.softmax(lp[1].double() / 0.5, -1)
+    for i in range(3):
+        assert torch.equal(rows[i], dense[i])
