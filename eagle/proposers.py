@@ -233,9 +233,9 @@ class EagleDrafter(Proposer):
         self.lookup = lookup or PromptLookupConfig()
         self.lookup_rates = LookupRates(self.lookup.max_ngram)
         self.last_matches: list[tuple[list[int], LookupMatch]] = []  # (path below the root, its lookup)
-        self.temperature = 0.0
+        self.draw_temperature = 0.0  # what the children are drawn at; 0: the drafter's top_k instead
         if sampling is not None and not sampling.greedy and cfg.sampled and not cfg.choices:
-            self.temperature = sampling.temperature
+            self.draw_temperature = sampling.temperature * cfg.draw_temperature_scale
         self.generator = generator
         self.drawn_from: dict[int, torch.Tensor] = {}  # pool node -> draft log-probs its children were drawn with
         self.draft_ids = drafter.to_target_ids(torch.arange(vocab, device=self.device))  # draft index -> target id
@@ -304,7 +304,7 @@ class EagleDrafter(Proposer):
             return Proposal(root_only(ids[-1], self.device))
         committed = kv_cache.cache_length(self.cache)
         calibration = min(4.0, max(0.25, self.observed / self.predicted))
-        if self.temperature and self.cost is not None:
+        if self.draw_temperature and self.cost is not None:
             total, depth = max(2, min(total, self.next_size)), min(depth, self.next_depth)
         if self.cfg.choices:
             tree = self._static(ids[-1], min(depth, max(len(c) for c in self.cfg.choices)), committed)
@@ -316,33 +316,33 @@ class EagleDrafter(Proposer):
         if self.cost is not None:  # total_tokens="auto": the size with the most expected tokens per second
             best_first = torch.sort(tree.scores[1:], descending=True).values
             size = choose_tree_size(best_first, self.cost, time.perf_counter() - start, calibration).size
-            if self.temperature:  # drawn children: no size may depend on this round's draws, so it sizes the next
+            if self.draw_temperature:  # drawn children: no size may depend on this round's draws, so it sizes the next
                 self.next_size = size
             else:
                 total = min(total, size)
         kept = kept_nodes(tree.scores, total)
         tree = subtree(tree.tokens, tree.parents, tree.scores, kept)
-        if self.temperature and self.cost is not None:  # the drafter's own depth: grafted lookup nodes left out
+        if self.draw_temperature and self.cost is not None:  # the drafter's own depth: grafted lookup nodes left out
             depths = [0]
             for parent in tree.parents.tolist()[1:]:
                 depths.append(depths[parent] + 1)
             self.next_depth = max(d for d, node in zip(depths, kept.tolist()) if node < drafted) + 1
         self.last_expected = float(tree.scores[1:].exp().sum())
-        if not self.temperature or tree.size < 2:
+        if not self.draw_temperature or tree.size < 2:
             return Proposal(tree)
         drawn_from = {row: self.drawn_from[node] for row, node in enumerate(kept.tolist()) if node in self.drawn_from}
         return Proposal(tree, child_probs=DrawDistributions(drawn_from, self.draft_ids, self.target.vocab_size,
-                                                            self.temperature),
+                                                            self.draw_temperature),
                         drawn=(kept > 0) & (kept < drafted))
 
     def _children(self, parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int,
                   nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The k children of pool nodes ``nodes`` [F]: the drafter's top k, or k draws without
         replacement when sampling (their log-probs are kept for ``DrawDistributions``)."""
-        if not self.temperature:
+        if not self.draw_temperature:
             return topk_children(parent_scores, logprobs, k)
         self.drawn_from.update(zip(nodes, logprobs))
-        return sampled_children(parent_scores, logprobs, k, self.temperature, self.generator)
+        return sampled_children(parent_scores, logprobs, k, self.draw_temperature, self.generator)
 
     def _graft_lookup(self, ids: list[int], pool: DraftTree, max_depth: int) -> DraftTree:
         """The pool with prompt-lookup continuations grafted on: of the context itself (at the
@@ -366,7 +366,7 @@ class EagleDrafter(Proposer):
                 self.last_matches.append((path, match))
                 scores = pool.scores[node] + self.lookup_rates.scores(match).to(self.device)
                 pool = graft_chain(pool, torch.tensor(match.tokens, dtype=torch.long, device=self.device), scores, node,
-                                   share=not self.temperature)
+                                   share=not self.draw_temperature)
         return pool
 
     def _dynamic(self, root: int, depth: int, total: int, committed: int, start: float,
@@ -382,7 +382,7 @@ class EagleDrafter(Proposer):
         own token and bias it; with a fixed size only nodes that outrank a node (never its own
         subtree) decide whether it is kept."""
         k, to_target = self.cfg.top_k, self.drafter.to_target_ids
-        sized = self.cost is not None and not self.temperature
+        sized = self.cost is not None and not self.draw_temperature
         lp = self._logprobs(self.last_hidden[None])
         child_tokens, child_scores = self._children(torch.zeros(1, device=self.device), lp, k, [0])
         pool_tokens = [torch.tensor([root], device=self.device), to_target(child_tokens[0])]

@@ -57,6 +57,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--topk-drafts", dest="sampled_tree", action="store_false", default=None,
                    help="when sampling, draft the drafter's top-k children (EAGLE-2) instead of drawing them from "
                         "it (recursive speculative decoding, the default)")
+    t.add_argument("--draw-temperature-scale", type=float,
+                   help="when sampling, draw the tree's children at the temperature times this (default 0.85)")
     t.add_argument("--drafter-dtype", choices=DRAFTER_DTYPES, default="auto",
                    help="what the drafter and sd's draft LM compute in (default auto: bf16 on a CPU with native "
                         "bf16 for an fp32 target, else the target's dtype); output is the target's either way")
@@ -109,7 +111,8 @@ def load_model(args: argparse.Namespace) -> Any:
     return EagleModel.from_pretrained(
         args.target, drafter=args.drafter, draft_model=args.draft_model, device=args.device,
         total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k, lookup_tokens=args.lookup_tokens,
-        sampled_tree=args.sampled_tree, gamma=args.gamma, lenience=args.lenience, adaptive_gamma=args.adaptive_gamma, drafter_dtype=drafter_dtype)
+        sampled_tree=args.sampled_tree, draw_temperature_scale=args.draw_temperature_scale, gamma=args.gamma,
+        lenience=args.lenience, adaptive_gamma=args.adaptive_gamma, drafter_dtype=drafter_dtype)
 
 
 def check_method(model: Any, method: str) -> None:

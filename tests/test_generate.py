@@ -142,6 +142,8 @@ def test_bad_prompts_and_tree_options_are_clear_errors(model, target):
             TreeConfig(**{field: 0})
     with pytest.raises(EagleError, match="lookup_tokens"):
         TreeConfig(lookup_tokens=-1)
+    with pytest.raises(EagleError, match="draw_temperature_scale"):
+        TreeConfig(draw_temperature_scale=0.0)
     with pytest.raises(EagleError, match="needs a drafter"):
         EagleModel(target).generate([1, 2], method="eagle-tree")
     with pytest.raises(EagleError, match="needs a draft model"):

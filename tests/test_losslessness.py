@@ -15,6 +15,7 @@ from scipy.stats import chisquare
 
 from eagle import EagleModel, acceptance
 from eagle.config import SamplingConfig
+from eagle.drafter import Drafter
 from eagle.sampling import logits_to_probs, sample
 
 from .conftest import tiny_drafter, tiny_target
@@ -100,21 +101,24 @@ def test_speculative_sampling_is_lossless_and_the_check_has_teeth(model, monkeyp
     assert chi_square_p(sampled_triples(model, "sd", sampling, SAMPLES // 2), exact) < ALPHA
 
 
-@pytest.mark.parametrize("top_p, lookup_tokens, sampled, temperature, total",
-                         [(1.0, 10, False, 1.0, 6), (0.8, 10, False, 1.0, 6), (1.0, 0, False, 1.0, 6),
-                          (1.0, 10, True, 1.0, "auto"), (0.8, 10, True, 0.7, 6)])
-def test_tree_sampling_is_lossless(model, top_p, lookup_tokens, sampled, temperature, total, tmp_path, monkeypatch):
+@pytest.mark.parametrize("top_p, lookup_tokens, sampled, temperature, total, scale",
+                         [(1.0, 10, False, 1.0, 6, 1.0), (0.8, 10, False, 1.0, 6, 1.0), (1.0, 0, False, 1.0, 6, 1.0),
+                          (1.0, 10, True, 1.0, "auto", 0.85), (0.8, 10, True, 0.7, 6, 0.5)])
+def test_tree_sampling_is_lossless(model, top_p, lookup_tokens, sampled, temperature, total, scale, tmp_path,
+                                   monkeypatch):
     """``lookup_tokens``: prompt-lookup drafts grafted onto the tree (with 6 tokens, the last one
     has mostly occurred before from the second step on, so lookup drafts compete for the slots).
     ``sampled``: children drawn from the drafter and recursive speculative decoding (else the
-    drafter's top-k children as deterministic drafts); "auto" sizes them from past rounds."""
+    drafter's top-k children as deterministic drafts); "auto" sizes them from past rounds.
+    ``scale``: children drawn at the temperature times it (``draw_temperature_scale``)."""
     import eagle.budget
 
     monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
     monkeypatch.setattr(eagle.budget, "NOISY", float("inf"))
     sampling = SamplingConfig(temperature=temperature, top_p=top_p)
     exact = exact_triples(model, sampling)
-    tree = dataclasses.replace(model.tree, lookup_tokens=lookup_tokens, sampled=sampled, total_tokens=total)
+    tree = dataclasses.replace(model.tree, lookup_tokens=lookup_tokens, sampled=sampled, total_tokens=total,
+                               draw_temperature_scale=scale)
     tree_model = EagleModel(model.target, model.drafter, tree=tree)
     counts = sampled_triples(tree_model, "eagle-tree", sampling, SAMPLES)
     assert chi_square_p(counts, exact) > ALPHA
@@ -127,6 +131,25 @@ def test_sampled_tree_with_lookup_grafts_is_lossless(model):
     tree_model = EagleModel(model.target, model.drafter, tree=dataclasses.replace(model.tree, lookup_tokens=10))
     counts = sampled_triples(tree_model, "eagle-tree", sampling, SAMPLES, prompt)
     assert chi_square_p(counts, exact_triples(model, sampling, prompt)) > ALPHA
+
+
+def test_sharpened_draws_are_lossless_and_must_be_judged_by_what_they_came_from(model, monkeypatch):
+    """Children drawn at half the temperature (``draw_temperature_scale`` 0.5) from a drafter whose
+    distributions are spread out (unscaled random weights; ``tiny_drafter``'s are all but point
+    masses here, which no temperature changes): the output follows the target, and the same check
+    rejects a rule told the distribution at the full temperature instead."""
+    import eagle.proposers as proposers
+
+    torch.manual_seed(1)
+    spread = Drafter.from_target(model.target).eval()
+    sampling = SamplingConfig(temperature=1.0)
+    exact = exact_triples(model, sampling)
+    sharp = EagleModel(model.target, spread, tree=dataclasses.replace(model.tree, draw_temperature_scale=0.5))
+    assert chi_square_p(sampled_triples(sharp, "eagle-tree", sampling, SAMPLES), exact) > ALPHA
+    told = proposers.DrawDistributions.__getitem__
+    monkeypatch.setattr(proposers.DrawDistributions, "__getitem__",
+                        lambda rows, node: told(dataclasses.replace(rows, temperature=rows.temperature / 0.5), node))
+    assert chi_square_p(sampled_triples(sharp, "eagle-tree", sampling, SAMPLES // 2), exact) < ALPHA
 
 
 def test_tree_sampling_negative_control_is_rejected(model, monkeypatch):

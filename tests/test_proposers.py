@@ -210,3 +210,33 @@ def test_draw_distributions_give_the_rows_of_the_dense_matrix():
     dense[2, ids] = torch.softmax(lp[1].double() / 0.5, -1)
     for i in range(3):
         assert torch.equal(rows[i], dense[i])
+
+
+def test_children_are_drawn_at_the_scaled_temperature_the_rule_is_told_of(target, drafter):
+    """``draw_temperature_scale`` s: a sampled tree's children are drawn from softmax(lp / (T s)),
+    and that distribution is what the proposal hands to the rule (``child_probs``), not
+    softmax(lp / T) (the two are told apart: the draws match the first only)."""
+    import eagle.proposers as proposers
+
+    def proposer(scale: float) -> proposers.EagleDrafter:
+        model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=2, depth=1, top_k=1, lookup_tokens=0,
+                                           draw_temperature_scale=scale)
+        p = proposers.EagleDrafter(model._inference_copy(drafter, torch.float32), target, model.tree,
+                                   sampling=SamplingConfig(temperature=temperature),
+                                   generator=torch.Generator().manual_seed(0))
+        p.start(ids, prefill.hidden[0])
+        return p
+
+    temperature = 8.0  # the tiny drafter is all but certain at 1
+    ids = [7, 1, 2, 3, 4, 5, 9, 1, 2, 3]
+    prefill = target.forward(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1)[None], target.new_cache())
+    sharp, flat = proposer(0.5), proposer(1.0)
+    q_sharp, q_flat = sharp.propose(ids, 10, 100).child_probs[0], flat.propose(ids, 10, 100).child_probs[0]
+    assert torch.allclose(q_sharp, q_flat.pow(2) / q_flat.pow(2).sum())  # softmax(lp / (T/2)) from softmax(lp / T)
+    draws = torch.zeros(target.vocab_size, dtype=torch.float64)
+    for _ in range(3000):
+        proposal = sharp.propose(ids, 10, 100)
+        assert torch.equal(proposal.child_probs[0], q_sharp) and proposal.drawn.tolist() == [False, True]
+        draws[int(proposal.tree.tokens[1])] += 1
+    tv = lambda q: 0.5 * float((draws / draws.sum() - q).abs().sum())  # noqa: E731
+    assert tv(q_sharp) < 0.05 < 0.1 < tv(q_flat)
