@@ -33,6 +33,17 @@ def model():
                                       total_tokens=6, depth=3, top_k=2, gamma=2)
 
 
+@pytest.fixture(scope="module")
+def spread(model):
+    """A drafter whose distributions are spread out (unscaled random weights). ``tiny_drafter``'s
+    are all but point masses on this target (root: 0.69 / 0.31 over two tokens, below it one
+    token), which hides some errors in how drawn children are judged: told the wrong draw
+    temperature, its tree still passed the chi-square check (p = 0.32); with this one it fails
+    (p = 0). (The rejected-draws-kept-in-q control is the other way round: see below.)"""
+    torch.manual_seed(1)
+    return Drafter.from_target(model.target).eval()
+
+
 def exact_triples(model: EagleModel, sampling: SamplingConfig, prompt: list[int] = PROMPT) -> torch.Tensor:
     """P(x1, x2, x3 | prompt) [V, V, V] by enumerating every 2-token continuation."""
     pairs = torch.tensor(list(itertools.product(range(VOCAB), repeat=2)))
@@ -104,13 +115,14 @@ def test_speculative_sampling_is_lossless_and_the_check_has_teeth(model, monkeyp
 @pytest.mark.parametrize("top_p, lookup_tokens, sampled, temperature, total, scale",
                          [(1.0, 10, False, 1.0, 6, 1.0), (0.8, 10, False, 1.0, 6, 1.0), (1.0, 0, False, 1.0, 6, 1.0),
                           (1.0, 10, True, 1.0, "auto", 0.85), (0.8, 10, True, 0.7, 6, 0.5)])
-def test_tree_sampling_is_lossless(model, top_p, lookup_tokens, sampled, temperature, total, scale, tmp_path,
-                                   monkeypatch):
+def test_tree_sampling_is_lossless(model, spread, top_p, lookup_tokens, sampled, temperature, total, scale,
+                                   tmp_path, monkeypatch):
     """``lookup_tokens``: prompt-lookup drafts grafted onto the tree (with 6 tokens, the last one
     has mostly occurred before from the second step on, so lookup drafts compete for the slots).
     ``sampled``: children drawn from the drafter and recursive speculative decoding (else the
-    drafter's top-k children as deterministic drafts); "auto" sizes them from past rounds.
-    ``scale``: children drawn at the temperature times it (``draw_temperature_scale``)."""
+    drafter's top-k children as deterministic drafts; drawn from the ``spread`` drafter); "auto"
+    sizes them from past rounds. ``scale``: children drawn at the temperature times it
+    (``draw_temperature_scale``)."""
     import eagle.budget
 
     monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
@@ -119,7 +131,7 @@ def test_tree_sampling_is_lossless(model, top_p, lookup_tokens, sampled, tempera
     exact = exact_triples(model, sampling)
     tree = dataclasses.replace(model.tree, lookup_tokens=lookup_tokens, sampled=sampled, total_tokens=total,
                                draw_temperature_scale=scale)
-    tree_model = EagleModel(model.target, model.drafter, tree=tree)
+    tree_model = EagleModel(model.target, spread if sampled else model.drafter, tree=tree)
     counts = sampled_triples(tree_model, "eagle-tree", sampling, SAMPLES)
     assert chi_square_p(counts, exact) > ALPHA
 
@@ -133,15 +145,11 @@ def test_sampled_tree_with_lookup_grafts_is_lossless(model):
     assert chi_square_p(counts, exact_triples(model, sampling, prompt)) > ALPHA
 
 
-def test_sharpened_draws_are_lossless_and_must_be_judged_by_what_they_came_from(model, monkeypatch):
-    """Children drawn at half the temperature (``draw_temperature_scale`` 0.5) from a drafter whose
-    distributions are spread out (unscaled random weights; ``tiny_drafter``'s are all but point
-    masses here, which no temperature changes): the output follows the target, and the same check
-    rejects a rule told the distribution at the full temperature instead."""
+def test_sharpened_draws_are_lossless_and_must_be_judged_by_what_they_came_from(model, spread, monkeypatch):
+    """Children drawn at half the temperature (``draw_temperature_scale`` 0.5): the output follows
+    the target, and the same check rejects a rule told the distribution at the full temperature."""
     import eagle.proposers as proposers
 
-    torch.manual_seed(1)
-    spread = Drafter.from_target(model.target).eval()
     sampling = SamplingConfig(temperature=1.0)
     exact = exact_triples(model, sampling)
     sharp = EagleModel(model.target, spread, tree=dataclasses.replace(model.tree, draw_temperature_scale=0.5))
@@ -181,6 +189,8 @@ def without_replacement_ignored(tokens, parents, target_probs, generator, child_
 
 
 def test_sampled_tree_negative_control_is_rejected(model, monkeypatch):
+    """With the peaked drafter: there a rejected draw left in q costs the most (a second draw is
+    judged by a q that still gives the first token ~0.7); with ``spread`` this control passes."""
     sampling = SamplingConfig(temperature=1.0)
     monkeypatch.setattr(acceptance, "recursive_rejection_tree", without_replacement_ignored)
     counts = sampled_triples(model, "eagle-tree", sampling, SAMPLES // 2)
