@@ -21,7 +21,9 @@ from eagle.target import load_target
 from train.data import load_chats, tokenize_chat
 from train.features import FeatureShards, FeaturesConfig, build, load_manifest
 from train.loss import eagle_loss, unroll
-from eagle.config import load_config_file
+from eagle.batch import generate_batch
+from eagle.config import SamplingConfig, load_config_file
+from eagle.sampling import make_generator
 from train.main import TrainConfig
 from train import selfdistill
 from train.selfdistill import main as selfdistill_main, passage_question, sentences
@@ -494,6 +496,34 @@ def test_selfdistill_answers_a_prompt_file_greedily(tmp_path):
     assert selfdistill_main(["--set", f"target={target_dir}", "--answer", str(prompts), "--out", str(out)]) == 2
 
 
+def test_selfdistill_answers_a_prompt_file_sampled_seeded_per_batch(tmp_path):
+    """At the config's answer_temperature the answers are the target's sampled ones: the batch that
+    starts at prompt i draws with seed ``seed + i`` (so a resumed run draws the same answers), a
+    different seed draws other answers, and they are not the greedy ones."""
+    target_dir = save_tiny_chat_target(tmp_path / "target", vocab_size=64)
+    prompts = tmp_path / "prompts.jsonl"
+    asked = ["t5 t6 t7", "t9", "t11 t12", "t4"]
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": "c"}) + "\n" for p in asked))
+
+    def answers(name: str, *settings: str) -> list[str]:
+        out = tmp_path / name
+        selfdistill_main(["--set", f"target={target_dir}", "batch_size=2", *settings, "--answer", str(prompts),
+                          "--out", str(out), "--max-new-tokens", "8"])
+        return [json.loads(x)["conversations"][1]["value"] for x in out.read_text().splitlines()]
+
+    sampled = answers("t1.jsonl", "answer_temperature=1.0", "seed=7")
+    target = load_target(str(target_dir))
+    for start in (0, 2):  # each batch as generate_batch draws it with its own seed
+        ids = [target.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                    add_generation_prompt=True) for q in asked[start:start + 2]]
+        ids = [target.tokenizer(text, add_special_tokens=False)["input_ids"] for text in ids]
+        out = generate_batch(target, ids, 8, SamplingConfig(temperature=1.0, top_p=0.95), make_generator(7 + start))
+        assert sampled[start:start + 2] == [target.tokenizer.decode(t, skip_special_tokens=True) for t in out.token_ids]
+    full = (tmp_path / "t1.jsonl").read_text()
+    (tmp_path / "t1.jsonl").write_text(full[: full.index("\n") + 1])  # resumed after the first record
+    assert answers("t1.jsonl", "answer_temperature=1.0", "seed=7") == sampled
+    assert answers("other-seed.jsonl", "answer_temperature=1.0", "seed=8") != sampled
+    assert answers("greedy.jsonl") != sampled
 def test_compose_prompts_fills_every_slot_distinct_and_seeded(tmp_path):
     templates = {"categories": {"a": ["Tell {x} about {y}."], "b": ["Ask {y}?", "Say {x}."]},
                  "slots": {"x": ["p", "q", "r"], "y": ["s", "t"]}}

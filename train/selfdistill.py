@@ -14,7 +14,8 @@ People also ask with a form in mind ("in two sentences", "show your steps"), whi
 own questions rarely state: with ``constraint_fraction`` > 0 that share of its questions gets
 one of the seeds file's ``constraints`` appended.
 
-``--answer PROMPTS --out FILE`` instead writes the target's greedy answers to a prompt file: the
+``--answer PROMPTS --out FILE`` instead writes the target's answers to a prompt file (greedy, or sampled at the
+config's ``answer_temperature`` with top-p 0.95, seeded per batch so a resumed run draws the same answers): the
 dev prompt set (a teacher-forced evaluation set for the trainer's ``dev_data``), or training
 requests that ``--compose N --out FILE`` makes from project-written templates in the way people
 ask (``configs/selfdistill/people.yaml``: roles to play, texts to work on, a form to follow).
@@ -261,21 +262,26 @@ def run(cfg: SelfDistillConfig) -> Path:
     return data_path
 
 
-def answer_prompts(target: Target, prompts: list[dict], max_new_tokens: int, batch_size: int, out: Path) -> None:
-    """The target's greedy answers to ``prompts`` ([{prompt, category}]) as ShareGPT records
+def answer_prompts(target: Target, prompts: list[dict], max_new_tokens: int, batch_size: int, out: Path,
+                   temperature: float = 0.0, seed: int = 0) -> None:
+    """The target's answers to ``prompts`` ([{prompt, category}]) as ShareGPT records
     ``{id, category, conversations}`` (batched, as the self-distilled answers are made), appended
-    to the JSONL ``out`` one batch at a time. Resumable: complete records already in ``out``
-    (for the same prompts, in order) are kept and those prompts are not answered again."""
+    to the JSONL ``out`` one batch at a time: greedy, or sampled at ``temperature`` (top-p 0.95;
+    the batch starting at prompt i draws with seed ``seed + i``). Resumable: the complete batches already in ``out``
+    (for the same prompts, in order) are kept and their prompts are not answered again; a batch cut
+    short is answered again whole, so a resumed run draws what an uninterrupted one would."""
     done = [json.loads(ln) for ln in out.read_text().splitlines() if ln.endswith("}")] if out.exists() else []
     for i, record in enumerate(done):
         if i >= len(prompts) or record["conversations"][0]["value"] != prompts[i]["prompt"]:
             raise EagleError(f"{out} holds answers to other prompts (line {i + 1}): choose another --out")
+    if len(done) < len(prompts):
+        done = done[:len(done) - len(done) % batch_size]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done))  # drops a half-written line
     model = generation_model(target)
     for start in tqdm(range(len(done), len(prompts), batch_size), desc="answer", unit="batch"):
         chunk = prompts[start:start + batch_size]
-        answers = _answer(target, model, [p["prompt"] for p in chunk], max_new_tokens, 0.0, 0)
+        answers = _answer(target, model, [p["prompt"] for p in chunk], max_new_tokens, temperature, seed + start)
         new = [{"id": f"answer-{start + i}", "category": p["category"],
                 "conversations": [{"from": "human", "value": p["prompt"]}, {"from": "gpt", "value": answer}]}
                for i, (p, (answer, _ended)) in enumerate(zip(chunk, answers))]
@@ -312,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML file with SelfDistillConfig keys")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config keys")
-    parser.add_argument("--answer", metavar="PROMPTS", help="instead: answer this prompt file (JSONL) greedily")
+    parser.add_argument("--answer", metavar="PROMPTS", help="instead: answer this prompt file (JSONL), at the config's answer_temperature")
     parser.add_argument("--compose", type=int, metavar="N",
                         help="instead: write N prompts composed from --templates to --out (a prompt file for --answer)")
     parser.add_argument("--templates", default="configs/selfdistill/people.yaml", help="with --compose: templates file")
@@ -333,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     from infer.bench import read_prompts
     answer_prompts(load_target(cfg.target), read_prompts(args.answer), args.max_new_tokens, cfg.batch_size,
-                   Path(args.out))
+                   Path(args.out), cfg.answer_temperature, cfg.seed)
 
 
 if __name__ == "__main__":
