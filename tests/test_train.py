@@ -524,6 +524,8 @@ def test_selfdistill_answers_a_prompt_file_sampled_seeded_per_batch(tmp_path):
     assert answers("t1.jsonl", "answer_temperature=1.0", "seed=7") == sampled
     assert answers("other-seed.jsonl", "answer_temperature=1.0", "seed=8") != sampled
     assert answers("greedy.jsonl") != sampled
+
+
 def test_compose_prompts_fills_every_slot_distinct_and_seeded(tmp_path):
     templates = {"categories": {"a": ["Tell {x} about {y}."], "b": ["Ask {y}?", "Say {x}."]},
                  "slots": {"x": ["p", "q", "r"], "y": ["s", "t"]}}

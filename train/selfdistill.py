@@ -267,9 +267,10 @@ def answer_prompts(target: Target, prompts: list[dict], max_new_tokens: int, bat
     """The target's answers to ``prompts`` ([{prompt, category}]) as ShareGPT records
     ``{id, category, conversations}`` (batched, as the self-distilled answers are made), appended
     to the JSONL ``out`` one batch at a time: greedy, or sampled at ``temperature`` (top-p 0.95;
-    the batch starting at prompt i draws with seed ``seed + i``). Resumable: the complete batches already in ``out``
-    (for the same prompts, in order) are kept and their prompts are not answered again; a batch cut
-    short is answered again whole, so a resumed run draws what an uninterrupted one would."""
+    the batch starting at prompt i draws with seed ``seed + i``). Resumable: the complete batches
+    already in ``out`` (for the same prompts, in order) are kept and their prompts are not answered
+    again; a batch cut short is answered again whole, so a resumed run draws what an uninterrupted
+    one would."""
     done = [json.loads(ln) for ln in out.read_text().splitlines() if ln.endswith("}")] if out.exists() else []
     for i, record in enumerate(done):
         if i >= len(prompts) or record["conversations"][0]["value"] != prompts[i]["prompt"]:
@@ -318,7 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML file with SelfDistillConfig keys")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config keys")
-    parser.add_argument("--answer", metavar="PROMPTS", help="instead: answer this prompt file (JSONL), at the config's answer_temperature")
+    parser.add_argument("--answer", metavar="PROMPTS",
+                        help="instead: answer this prompt file (JSONL) at the config's answer_temperature")
     parser.add_argument("--compose", type=int, metavar="N",
                         help="instead: write N prompts composed from --templates to --out (a prompt file for --answer)")
     parser.add_argument("--templates", default="configs/selfdistill/people.yaml", help="with --compose: templates file")
