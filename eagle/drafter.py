@@ -272,7 +272,11 @@ class Drafter(nn.Module):
             raise EagleError(f"cannot shrink a drafter from {self.config.num_layers} to {num_layers} layers")
         config = dataclasses.replace(self.config, num_layers=num_layers)
         drafter = type(self)(config).to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
-        drafter.load_state_dict(self.state_dict(), strict=False)
+        loaded = drafter.load_state_dict(self.state_dict(), strict=False)
+        appended = tuple(f"layers.{i}." for i in range(self.config.num_layers, num_layers))
+        stray = loaded.unexpected_keys + [k for k in loaded.missing_keys if not k.startswith(appended)]
+        if stray:  # only the appended layers may lack weights; anything else means the copy is not this drafter
+            raise EagleError(f"with_layers: weights that do not match the deeper drafter: {stray}")
         for layer in drafter.layers[self.config.num_layers:]:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()

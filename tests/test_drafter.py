@@ -129,7 +129,8 @@ def test_lean_drafter_computes_what_the_drafter_does(target, layers, draft_vocab
 def test_appended_layers_start_as_the_drafter_they_extend(target):
     """``with_layers`` appends layers whose output projections are zero: the same predictions
     (and the same cached keys for the old layers) until the new layer is trained; the new
-    layer's other weights are random, so training can move it; shrinking is refused."""
+    layer's other weights are random, so training can move it; shrinking is refused, and so is a
+    weight that the deeper drafter would drop."""
     base = tiny_drafter(target, draft_vocab_size=8)
     deeper = base.with_layers(3)
     assert deeper.config.num_layers == 3 and len(deeper.layers) == 3
@@ -143,6 +144,9 @@ def test_appended_layers_start_as_the_drafter_they_extend(target):
     assert not torch.allclose(deeper(f, e, pos), base(f, e, pos))
     with pytest.raises(EagleError, match="shrink"):
         deeper.with_layers(2)
+    base.register_buffer("stray", torch.zeros(1))  # a weight the deeper drafter has no place for: refused, not dropped
+    with pytest.raises(EagleError, match="stray"):
+        base.with_layers(3)
 
 
 def test_fused_aux_layers_start_as_the_drafter_they_extend_and_stay_exact(target):
