@@ -314,7 +314,8 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
         "sd.json": {"questions_sampled": 64, "questions_kept": 50, "conversations": 48, "answer_tokens": 9000,
                     "wall_s": 600.0, "config": {"answer_max_tokens": 320}, "passage_questions": 7,
                     "constrained_questions": 5},
-        "feat.json": {"num_examples": 48, "tokens": 12000, "config": {"max_length": 512, "feature_dtype": "float16"}},
+        "feat.json": {"num_examples": 48, "tokens": 12000, "config": {"max_length": 512, "feature_dtype": "float16"},
+                      "source": ["data/a.jsonl", "data/b.jsonl"]},
         "summary.json": {"steps": 30, "epochs": 2, "train_examples": 46, "eval_examples": 2, "wall_s": 120.0,
                          "eval": {"top1": 0.5, "chain5_accept_length": 1.9, "dev_top1": 0.25,
                                   "dev_chain5_accept_length": 1.4}, "init_from": "runs/b",
@@ -351,7 +352,7 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
     assert "(`dev_data: data/dev.jsonl`,\nnever trained on): top-1 0.250, depth-5 chain 1.40." in card
     assert "50 prompts; the drafter's tree alone): mean accepted length\n**2.75**, 9.00 tokens/s." in card
     assert "50 prompts; prompt-lookup chains of up to 10 tokens grafted on): mean accepted length\n**3.25**" in card
-    assert "fc 2H -> H," in card
+    assert "fc 2H -> H," in card and "stored as float16, computed from `data/a.jsonl`, `data/b.jsonl`." in card
     drafter.with_aux_layers([0]).save_pretrained(tmp_path / "fused")  # an EAGLE-3 style fusing drafter says so
     assert card_main(["--drafter", str(tmp_path / "fused"), "--selfdistill", str(tmp_path / "sd.json"),
                       "--features", str(tmp_path / "feat.json"), "--summary", str(tmp_path / "summary.json"),

@@ -84,9 +84,15 @@ and task seeds from `configs/selfdistill/seeds.yaml`); of {data['questions_sampl
 {data['questions_kept']} survived filtering and deduplication.{passage_text} The target answered them greedily
 (at most {data['config']['answer_max_tokens']} new tokens): {data['conversations']} conversations,
 {data['answer_tokens']} answer tokens, {data['wall_s'] / 60:.0f} minutes of generation.
-Features: {features['num_examples']} examples, {features['tokens']} tokens (max length
-{features['config']['max_length']}), stored as {features['config']['feature_dtype']}.
+Features for the last run: {features['num_examples']} examples, {features['tokens']} tokens (max length
+{features['config']['max_length']}), stored as {features['config']['feature_dtype']}{_sources_text(features)}.
 """
+
+
+def _sources_text(features: dict) -> str:
+    """The chat files the last run's features were computed from, when the manifest names them."""
+    sources = features.get("source") or []
+    return f", computed from {', '.join(f'`{s}`' for s in sources)}" if sources else ""
 
 
 def _bench_table(bench: dict) -> str:
