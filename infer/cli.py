@@ -25,7 +25,7 @@ class Parser(argparse.ArgumentParser):
         raise EagleError(message)
 
 
-DRAFTER_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def total_tokens_arg(value: str) -> int | str:
@@ -49,6 +49,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model", help="draft model for method 'sd': a model spec or a draft LM folder, same "
                                          "tokenizer as the target (default: the draft LM shipped for the target, if any)")
     g.add_argument("--device", help="torch device, e.g. cpu or cuda (default: cuda when present)")
+    g.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="what the target computes in (default auto: bfloat16 on CUDA, float32 on a CPU); greedy "
+                        "output equals plain decoding's token for token in float32, while in 16-bit formats a "
+                        "forward of several tokens can round differently from one of a single token")
     t = parser.add_argument_group("draft tree (eagle-tree, eagle-chain)")
     t.add_argument("--total-tokens", type=total_tokens_arg, help="tree nodes verified per step (int or 'auto')")
     t.add_argument("--depth", type=int, help="tree expansion steps")
@@ -59,7 +63,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         "it (recursive speculative decoding, the default)")
     t.add_argument("--draw-temperature-scale", type=float,
                    help="when sampling, draw the tree's children at the temperature times this (default 0.85)")
-    t.add_argument("--drafter-dtype", choices=DRAFTER_DTYPES, default="auto",
+    t.add_argument("--drafter-dtype", choices=DTYPES, default="auto",
                    help="what the drafter and sd's draft LM compute in (default auto: bf16 on a CPU with native "
                         "bf16 for an fp32 target, else the target's dtype); output is the target's either way")
     s = parser.add_argument_group("speculative sampling (sd)")
@@ -108,8 +112,9 @@ def load_model(args: argparse.Namespace) -> Any:
     import torch
 
     drafter_dtype = None if args.drafter_dtype == "auto" else getattr(torch, args.drafter_dtype)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     return EagleModel.from_pretrained(
-        args.target, drafter=args.drafter, draft_model=args.draft_model, device=args.device,
+        args.target, drafter=args.drafter, draft_model=args.draft_model, device=args.device, dtype=dtype,
         total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k, lookup_tokens=args.lookup_tokens,
         sampled_tree=args.sampled_tree, draw_temperature_scale=args.draw_temperature_scale, gamma=args.gamma,
         lenience=args.lenience, adaptive_gamma=args.adaptive_gamma, drafter_dtype=drafter_dtype)

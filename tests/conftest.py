@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -23,6 +25,13 @@ def word_tokenizer(vocab_size: int, eos: bool = False):
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=AddedToken("t1", single_word=True), **kwargs)
 
 
+def test_device() -> torch.device:
+    """Where the tiny models live: ``$EAGLE_TEST_DEVICE`` (e.g. ``cuda`` on a GPU machine), else the CPU.
+    The same suite then runs the library on that device (float32 everywhere); tests that build
+    tensors themselves put them on ``target.device`` (or this device)."""
+    return torch.device(os.environ.get("EAGLE_TEST_DEVICE", "cpu"))
+
+
 def tiny_target(vocab_size: int = 32, seed: int = 0, family: str = "llama", eos: bool = False,
                 init_std: float = 0.3, max_positions: int = 256, hidden: int = 32, layers: int = 2,
                 lean: bool = True, tied: bool = False) -> Target:
@@ -36,11 +45,11 @@ def tiny_target(vocab_size: int = 32, seed: int = 0, family: str = "llama", eos:
         initializer_range=init_std, tie_word_embeddings=tied, eos_token_id=0 if eos else None,
         bos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model = AutoModelForCausalLM.from_config(cfg).eval().to(test_device())
     model.generation_config.eos_token_id = 0 if eos else None
     model.requires_grad_(False)
     return Target(model=model, tokenizer=word_tokenizer(vocab_size, eos), name=f"tiny-{family}-{seed}",
-                  device=torch.device("cpu"), dtype=torch.float32, lean=lean_decoder(model) if lean else None)
+                  device=test_device(), dtype=torch.float32, lean=lean_decoder(model) if lean else None)
 
 
 def tiny_drafter(target: Target, seed: int = 1, **overrides) -> Drafter:

@@ -50,8 +50,8 @@ def test_sampled_batch_rows_follow_the_target_distribution():
     counts = torch.bincount(torch.tensor([t[0] for t in out.token_ids[1:]]), minlength=target.vocab_size).float()
 
     def probs(ids):
-        logits = target.model(torch.tensor([ids])).logits[0, -1]
-        return torch.softmax(logits.float(), -1)
+        logits = target.model(torch.tensor([ids], device=target.device)).logits[0, -1]
+        return torch.softmax(logits.float(), -1).cpu()
 
     tv = 0.5 * (counts / counts.sum() - probs(prompt)).abs().sum()
     control = 0.5 * (counts / counts.sum() - probs(other)).abs().sum()

@@ -87,19 +87,22 @@ def test_tree_near_the_context_end_is_clipped(model):
 
 
 def test_compacted_cache_equals_recomputed_cache(target):
+    dev = target.device
     torch.manual_seed(0)
-    prefix = torch.randint(1, 32, (1, 6))
+    prefix = torch.randint(1, 32, (1, 6), device=dev)
     cache = DynamicCache(config=target.model.config)
-    target.forward(prefix, torch.arange(6)[None], cache)
+    target.forward(prefix, torch.arange(6, device=dev)[None], cache)
     # a tree: root 0 -> 1 -> 3, and a sibling branch 2
-    tokens = torch.tensor([[4, 9, 11, 12]])
+    tokens = torch.tensor([[4, 9, 11, 12]], device=dev)
     parents = torch.tensor([-1, 0, 0, 1])
     from eagle.tree_mask import attention_bias, tree_attention
     attn = tree_attention(parents)
-    target.forward(tokens, (6 + attn.depths)[None], cache, attention_bias(attn.mask, 6, torch.float32))
+    bias = attention_bias(attn.mask, 6, torch.float32).to(dev)
+    target.forward(tokens, (6 + attn.depths)[None].to(dev), cache, bias)
     kv_cache.compact(cache, 6, torch.tensor([6, 7, 9]))
     ref = DynamicCache(config=target.model.config)
-    target.forward(torch.cat([prefix, torch.tensor([[4, 9, 12]])], 1), torch.arange(9)[None], ref)
+    kept = torch.tensor([[4, 9, 12]], device=dev)
+    target.forward(torch.cat([prefix, kept], 1), torch.arange(9, device=dev)[None], ref)
     assert kv_cache.cache_length(cache) == 9
     for got, want in zip(cache.layers, ref.layers):
         assert torch.allclose(got.keys, want.keys, atol=1e-5) and torch.allclose(got.values, want.values, atol=1e-5)
@@ -201,8 +204,9 @@ def test_the_drafters_precision_never_changes_the_output(target, drafter, dtype)
     model = EagleModel.from_pretrained(target, drafter=drafter, draft_model=tiny_target(seed=5, hidden=16, layers=1).model,
                                        total_tokens=12, depth=4, top_k=3, drafter_dtype=dtype)
     proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
-    h = torch.zeros(1, 1, target.hidden_size, dtype=dtype)
-    assert proposer.dtype == dtype and proposer.drafter(h, h, torch.zeros(1, 1, dtype=torch.long)).dtype == dtype
+    h = torch.zeros(1, 1, target.hidden_size, dtype=dtype, device=target.device)
+    pos = torch.zeros(1, 1, dtype=torch.long, device=target.device)
+    assert proposer.dtype == dtype and proposer.drafter(h, h, pos).dtype == dtype
     draft_lm = model._proposer("sd", SamplingConfig(), torch.Generator()).model
     assert {p.dtype for p in draft_lm.parameters()} == {dtype} and draft_lm is not model.draft_model
     for ids in prompts(10, seed=3):
@@ -214,6 +218,8 @@ def test_the_drafters_precision_never_changes_the_output(target, drafter, dtype)
 def test_the_drafter_runs_in_bf16_on_a_cpu_that_multiplies_bf16_natively(target, monkeypatch):
     from eagle import model as model_module
 
+    if target.device.type != "cpu":
+        pytest.skip("the drafter's dtype on a CPU")
     monkeypatch.setattr(model_module, "cpu_has_fast_bf16", lambda: True)
     assert model_module.default_drafter_dtype(target) == torch.bfloat16
     monkeypatch.setattr(model_module, "cpu_has_fast_bf16", lambda: False)

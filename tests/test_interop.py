@@ -68,9 +68,9 @@ def target():
 def forward(drafter: Drafter, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     h = drafter.config.hidden_size
-    dtype = drafter.fc.weight.dtype
-    features, embeds = (torch.randn(2, 5, h, generator=gen).to(dtype) for _ in range(2))
-    positions = torch.arange(3, 8).expand(2, 5)
+    dev, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+    features, embeds = (torch.randn(2, 5, h, generator=gen).to(dev, dtype) for _ in range(2))
+    positions = torch.arange(3, 8, device=dev).expand(2, 5)
     with torch.no_grad():
         return drafter(features, embeds, positions)
 
@@ -153,7 +153,7 @@ def test_bf16_round_trip_keeps_bits(target, tmp_path):
     out = export_drafter(drafter, tmp_path / "bf16", "sglang")
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert all(v.dtype == torch.bfloat16 for v in load_file(str(out / "model.safetensors")).values())
-    back = Drafter.from_pretrained(out, dtype=torch.bfloat16)
+    back = Drafter.from_pretrained(out, dtype=torch.bfloat16).to(target.device)
     assert_identical(drafter, back)
 
 
@@ -244,7 +244,7 @@ def test_cli_writes_folder(target, tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "v").iterdir()) == ["README.md", "config.json", "model.safetensors"]
     readme = (tmp_path / "v" / "README.md").read_text()
     assert "--speculative-config" in readme and '"method": "eagle"' in readme and str(tmp_path / "v") in readme
-    assert_identical(drafter, Drafter.from_pretrained(tmp_path / "v"))
+    assert_identical(drafter, Drafter.from_pretrained(tmp_path / "v").to(target.device))
     capsys.readouterr()
 
 

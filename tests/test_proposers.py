@@ -14,6 +14,13 @@ from eagle.tree import DraftTree
 from .conftest import prompts
 
 
+def target_prefill(target, ids: list[int]):
+    """The target's forward over the context before the root ``ids[-1]`` (on the target's device)."""
+    dev = target.device
+    return target.forward(torch.tensor([ids[:-1]], device=dev), torch.arange(len(ids) - 1, device=dev)[None],
+                          target.new_cache())
+
+
 def test_prompt_lookup_takes_the_longest_then_most_recent_match():
     cfg = PromptLookupConfig(max_ngram=3, min_ngram=1)
     assert prompt_lookup([1, 2, 3, 9, 8, 5, 2, 3, 7, 1, 2, 3], cfg, 2) == LookupMatch([9, 8], 3)
@@ -39,7 +46,7 @@ def test_lookup_rates_judge_a_draft_only_when_the_drafts_before_it_agreed():
 def test_eagle_tree_grafts_the_lookup_chain_and_learns_from_what_the_target_produced(target, drafter):
     model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=100, depth=2, top_k=2, lookup_tokens=3)
     ids = [7, 1, 2, 3, 4, 5, 9, 1, 2, 3]
-    prefill = target.forward(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1)[None], target.new_cache())
+    prefill = target_prefill(target, ids)
     proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
     proposer.start(ids, prefill.hidden[0])
     tree = proposer.propose(ids, max_depth=10, max_nodes=100).tree
@@ -48,7 +55,7 @@ def test_eagle_tree_grafts_the_lookup_chain_and_learns_from_what_the_target_prod
         paths[i] = paths[parent] + (tokens[i],)
     assert {(4,), (4, 5), (4, 5, 9)} <= set(paths.values())  # "1 2 3" was followed by "4 5 9" before
     assert tree.size > 1 + 2 + 4  # the drafter's own pool (2 + 2 * 2 nodes) did not hold all of them
-    proposer.commit(ids + [4, 5, 0], 2, torch.zeros(3, target.hidden_size))
+    proposer.commit(ids + [4, 5, 0], 2, torch.zeros(3, target.hidden_size, device=target.device))
     assert proposer.lookup_rates.first[3] == [2.0, 3.0] and proposer.lookup_rates.later == [2.0, 4.0]
     chain = model._proposer("eagle-chain", SamplingConfig(), torch.Generator())
     chain.start(ids, prefill.hidden[0])
@@ -63,7 +70,7 @@ def test_a_sampled_tree_grafts_lookup_chains_as_new_nodes_after_the_drawn_ones(t
     distribution it was drawn from."""
     model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=100, depth=2, top_k=2, lookup_tokens=3)
     ids = [7, 1, 2, 3, 4, 5, 9, 1, 2, 3]
-    prefill = target.forward(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1)[None], target.new_cache())
+    prefill = target_prefill(target, ids)
     proposer = model._proposer("eagle-tree", SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
     proposer.start(ids, prefill.hidden[0])
     proposal = proposer.propose(ids, max_depth=10, max_nodes=100)
@@ -73,8 +80,10 @@ def test_a_sampled_tree_grafts_lookup_chains_as_new_nodes_after_the_drawn_ones(t
     root_chain = [i for i in range(7, tree.size) if parents[i] == 0]
     assert len(root_chain) == 1 and tokens[root_chain[0]] == 4  # "1 2 3" was followed by "4 5 9" before
     for node in set(tree.parents[proposal.drawn].tolist()):
-        assert proposal.child_probs[node].sum() == pytest.approx(1.0, abs=1e-4)
-    pool = DraftTree(torch.tensor([5, 6, 8]), torch.tensor([-1, 0, 0]), torch.tensor([0.0, -0.1, -2.0]))
+        assert proposal.child_probs[node].sum().item() == pytest.approx(1.0, abs=1e-4)
+    dev = target.device
+    pool = DraftTree(torch.tensor([5, 6, 8], device=dev), torch.tensor([-1, 0, 0], device=dev),
+                     torch.tensor([0.0, -0.1, -2.0], device=dev))
     grafted = proposer._graft_lookup([6, 11, 12, 5, 8, 13, 14, 5], pool, max_depth=10)  # root lookup: "8 13 14"
     assert grafted.tokens[:3].tolist() == [5, 6, 8] and torch.equal(grafted.scores[:3], pool.scores)
     assert grafted.tokens.tolist().count(8) >= 2 and grafted.parents.tolist().count(0) == 3  # a second root 8
@@ -85,7 +94,9 @@ def test_lookups_below_draft_nodes_are_grafted_and_judged_only_where_the_target_
     model = EagleModel.from_pretrained(target, drafter=drafter, lookup_tokens=3)
     proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
     ids = [6, 11, 12, 5, 8, 13, 14, 5]
-    pool = DraftTree(torch.tensor([5, 6, 8]), torch.tensor([-1, 0, 0]), torch.tensor([0.0, -0.1, -2.0]))
+    dev = target.device
+    pool = DraftTree(torch.tensor([5, 6, 8], device=dev), torch.tensor([-1, 0, 0], device=dev),
+                     torch.tensor([0.0, -0.1, -2.0], device=dev))
     tree = proposer._graft_lookup(ids, pool, max_depth=10)
     paths, tokens = {0: ()}, tree.tokens.tolist()
     for i, parent in enumerate(tree.parents.tolist()[1:], start=1):
@@ -94,8 +105,8 @@ def test_lookups_below_draft_nodes_are_grafted_and_judged_only_where_the_target_
     assert set(paths.values()) == {(), (6,), (6, 11), (6, 11, 12), (6, 11, 12, 5), (8,), (8, 13), (8, 13, 14),
                                    (8, 13, 14, 5)}
     assert [(path, m.ngram) for path, m in proposer.last_matches] == [([], 1), ([6], 1), ([8], 2)]
-    proposer.last_hidden = torch.zeros(target.hidden_size)
-    proposer.commit(ids + [6, 11, 7], 2, torch.zeros(3, target.hidden_size))  # the target produced 6 11 7
+    proposer.last_hidden = torch.zeros(target.hidden_size, device=dev)
+    proposer.commit(ids + [6, 11, 7], 2, torch.zeros(3, target.hidden_size, device=dev))  # the target produced 6 11 7
     rates = proposer.lookup_rates
     assert rates.first[1] == [2.0, 4.0]  # root's "8" refuted, "11" after 6 confirmed
     assert rates.later == [1.0, 3.0]  # "12" refuted
@@ -119,8 +130,9 @@ def brute_force_eagle2(proposer, ids: list[int], features: torch.Tensor, depth: 
 
     def predict(path: list[int], path_features: list[torch.Tensor]) -> torch.Tensor:
         feats = torch.cat([features, torch.stack(path_features)]) if path_features else features
-        tokens = torch.tensor([ids[1:] + path])
-        return drafter(feats[None], target.embed(tokens), torch.arange(tokens.shape[1])[None])[0, -1]
+        tokens = torch.tensor([ids[1:] + path], device=target.device)
+        positions = torch.arange(tokens.shape[1], device=target.device)[None]
+        return drafter(feats[None], target.embed(tokens), positions)[0, -1]
 
     def children(path, path_features, hidden, score):
         logprobs = torch.log_softmax(drafter.draft_logits(hidden, target.lm_head), -1)
@@ -148,7 +160,7 @@ def test_dynamic_tree_equals_brute_force_eagle2_and_skips_nodes_that_cannot_be_k
     model = EagleModel.from_pretrained(target, drafter=flat, total_tokens=total, depth=depth, top_k=k, lookup_tokens=0,
                                        drafter_dtype=torch.float32)
     ids = [3, 9, 4, 17, 8, 2, 11]
-    prefill = target.forward(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1)[None], target.new_cache())
+    prefill = target_prefill(target, ids)
     proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
     proposer.start(ids, prefill.hidden[0])
     rows = []
@@ -188,13 +200,13 @@ def test_a_sampled_auto_tree_takes_the_size_chosen_before_its_draws(target, draf
 
     monkeypatch.setattr(proposers, "choose_tree_size", choose)
     ids = [7, 1, 2, 3, 4, 5, 9, 1, 2, 3]
-    prefill = target.forward(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1)[None], target.new_cache())
+    prefill = target_prefill(target, ids)
     proposer.start(ids, prefill.hidden[0])
     for round_, expected in enumerate((4, 3, 6)):
         proposal = proposer.propose(ids, max_depth=10, max_nodes=100)
         assert proposal.tree.size == expected and len(calls) == round_ + 1 and proposer.next_size == sizes[round_]
         for node in set(proposal.tree.parents[proposal.drawn].tolist()):
-            assert proposal.child_probs[node].sum() == pytest.approx(1.0, abs=1e-4)
+            assert proposal.child_probs[node].sum().item() == pytest.approx(1.0, abs=1e-4)
 
 
 def test_draw_distributions_give_the_rows_of_the_dense_matrix():
@@ -229,11 +241,11 @@ def test_children_are_drawn_at_the_scaled_temperature_the_rule_is_told_of(target
 
     temperature = 8.0  # the tiny drafter is all but certain at 1
     ids = [7, 1, 2, 3, 4, 5, 9, 1, 2, 3]
-    prefill = target.forward(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1)[None], target.new_cache())
+    prefill = target_prefill(target, ids)
     sharp, flat = proposer(0.5), proposer(1.0)
     q_sharp, q_flat = sharp.propose(ids, 10, 100).child_probs[0], flat.propose(ids, 10, 100).child_probs[0]
     assert torch.allclose(q_sharp, q_flat.pow(2) / q_flat.pow(2).sum())  # softmax(lp / (T/2)) from softmax(lp / T)
-    draws = torch.zeros(target.vocab_size, dtype=torch.float64)
+    draws = torch.zeros(target.vocab_size, dtype=torch.float64, device=target.device)
     for _ in range(3000):
         proposal = sharp.propose(ids, 10, 100)
         assert torch.equal(proposal.child_probs[0], q_sharp) and proposal.drawn.tolist() == [False, True]
