@@ -118,10 +118,13 @@ def test_features_of_several_chat_files_are_their_concatenation(workspace, tmp_p
     part.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"t{i} t5"},
                                                           {"from": "gpt", "value": f"t{i + 1} t6 t7"}]}) + "\n"
                             for i in range(8, 13)))
-    cfg = load_config_file(FeaturesConfig, None, [f"target={workspace['target']}", f"out_dir={tmp_path / 'f'}",
-                                                  f"data=[{workspace['data']}, {part}]", "shard_size=16"])
-    shards = FeatureShards(build(cfg))
-    assert len(shards) == 55 and load_manifest(tmp_path / "f")["skipped"]["malformed_json"] == 1
+    common = [f"target={workspace['target']}", f"out_dir={tmp_path / 'f'}", "shard_size=16"]
+    build(load_config_file(FeaturesConfig, None, [*common, f"data=[{workspace['data']}]"]))
+    cfg = load_config_file(FeaturesConfig, None, [*common, f"data=[{workspace['data']}, {part}]"])
+    shards = FeatureShards(build(cfg))  # the folder of the first file, a second file appended
+    manifest = load_manifest(tmp_path / "f")
+    assert len(shards) == 55 and manifest["skipped"]["malformed_json"] == 1
+    assert manifest["source"] == [str(workspace["data"]), str(part)]  # names the files it now holds
     tok = load_target(str(workspace["target"])).tokenizer
     assert tok.decode(shards[54]["input_ids"]).count("t13 t6 t7") == 1  # the second file's last conversation is last
 

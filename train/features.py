@@ -148,7 +148,7 @@ def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
         manifest = load_manifest(out_dir, target)
     else:
         manifest = {"target": identity, "source": cfg.data, "config": dataclasses.asdict(cfg), "shards": {}}
-    manifest["config"] = dataclasses.asdict(cfg)
+    manifest["source"], manifest["config"] = cfg.data, dataclasses.asdict(cfg)  # data may have been appended since
     manifest["skipped"] = chats.skipped
     manifest["num_examples"] = len(examples)
     dtype = getattr(torch, cfg.feature_dtype)
