@@ -119,10 +119,10 @@ def test_bench_writes_the_report(saved, tmp_path, capsys):
 
 
 def test_bench_loads_the_target_in_the_dtype_asked_for(saved, tmp_path):
-    report = tmp_path / "b.json"
+    report, prompts = tmp_path / "b.json", write_prompts(tmp_path / "p.jsonl", [{"prompt": "t3 t4"}])
     for dtype in ("bfloat16", "float32"):
-        assert bench.main(["--target", saved[0], "--prompts", write_prompts(tmp_path / "p.jsonl", [{"prompt": "t3 t4"}]),
-                           "--methods", "ar", "--max-new-tokens", "2", "--dtype", dtype, "--json", str(report)]) == 0
+        assert bench.main(["--target", saved[0], "--prompts", prompts, "--methods", "ar", "--max-new-tokens", "2",
+                           "--dtype", dtype, "--json", str(report)]) == 0
         assert json.loads(report.read_text())["machine"]["dtype"] == dtype
 
 

@@ -90,8 +90,10 @@ Features for the last run: {features['num_examples']} examples, {features['token
 
 
 def _sources_text(features: dict) -> str:
-    """The chat files the last run's features were computed from, when the manifest names them."""
+    """The chat files the last run's features were computed from, when the manifest names them
+    (``source``: one path, or a list of them)."""
     sources = features.get("source") or []
+    sources = [sources] if isinstance(sources, str) else sources
     return f", computed from {', '.join(f'`{s}`' for s in sources)}" if sources else ""
 
 

@@ -147,7 +147,7 @@ def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
     if manifest_path.is_file():
         manifest = load_manifest(out_dir, target)
     else:
-        manifest = {"target": identity, "source": cfg.data, "config": dataclasses.asdict(cfg), "shards": {}}
+        manifest = {"target": identity, "shards": {}}
     manifest["source"], manifest["config"] = cfg.data, dataclasses.asdict(cfg)  # data may have been appended since
     manifest["skipped"] = chats.skipped
     manifest["num_examples"] = len(examples)
