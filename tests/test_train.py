@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -546,6 +547,24 @@ def test_compose_prompts_fills_every_slot_distinct_and_seeded(tmp_path):
     out = tmp_path / "prompts.jsonl"  # the project's own templates, through the command line
     assert selfdistill_main(["--compose", "50", "--out", str(out)]) in (None, 0)
     assert len(read_prompts(out)) == 50
+
+
+def _word_runs(text: str, n: int) -> set[str]:
+    words = re.findall(r"[a-z0-9']+", text.lower())
+    return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+@pytest.mark.parametrize("name", ["people", "people2", "people3"])
+def test_shipped_templates_compose_and_copy_no_dev_prompt(name):
+    """The project's templates files fill every slot in every category, and no prompt they compose
+    shares a run of 7 words with a dev prompt (dev must stay a fair check of the drafter)."""
+    root = Path(__file__).resolve().parents[1]
+    templates = yaml.safe_load((root / "configs" / "selfdistill" / f"{name}.yaml").read_text())
+    made = selfdistill.compose_prompts(templates, 1000, seed=0)
+    assert {p["category"] for p in made} == set(templates["categories"])
+    assert not any("{" in p["prompt"] for p in made)
+    dev = set().union(*(_word_runs(p["prompt"], 7) for p in read_prompts(root / "benchmarks" / "prompts" / "dev.jsonl")))
+    assert not [p["prompt"] for p in made if _word_runs(p["prompt"], 7) & dev]
 
 
 def test_batched_generation_is_the_same_with_and_without_the_lean_forward(tmp_path):
