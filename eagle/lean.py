@@ -10,7 +10,10 @@ model itself is not changed and stays usable (its own forward is the reference i
 on the 2-core reference machine runs the 1-64-row products of decoding about twice as fast as
 ``F.linear`` (measured: 30 decoder layers of SmolLM2-135M, 1 row 41 -> 21 ms, 16 rows 84 -> 35 ms);
 in bf16 on a CPU with native bf16 (AVX512-BF16, AMX) likewise (the drafter's 12288-token head, 10
-rows: 1.19 ms fp32, 0.40 ms bf16). Elsewhere (CUDA, no oneDNN) it is ``F.linear``."""
+rows: 1.19 ms fp32, 0.40 ms bf16). Elsewhere (CUDA, no oneDNN) it is ``F.linear``. Which is faster depends on
+the machine and the row count: on another machine of the same kind (torch 2.13, MKL 2024.2) ``F.linear`` runs 1-3
+rows faster than oneDNN (MKL has a small-row path; a 1-token forward 39 -> 30 ms) and oneDNN 4 rows and more, so
+``tune_kernels`` measures both per matrix shape and row count (``LeanDecoder`` does at load)."""
 
 from __future__ import annotations
 
@@ -59,6 +62,9 @@ class PackedLinear(nn.Module):
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
         self.bias = None if bias is None else bias.detach()
         self.pad_rows: tuple[int, ...] = ()
+        # the unpacked weight, for the row counts ``F.linear`` computes faster (``tune_kernels``); dropped when none
+        self.plain_weight: torch.Tensor | None = weight if self.packed else None
+        self.plain_rows: frozenset[int] = frozenset()
 
     @classmethod
     def fused(cls, linears: list[nn.Linear]) -> "PackedLinear":
@@ -74,6 +80,8 @@ class PackedLinear(nn.Module):
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
+        if rows in self.plain_rows:
+            return F.linear(x, self.plain_weight, self.bias)
         if 0 < rows < len(self.pad_rows) and self.pad_rows[rows] > rows:
             flat = torch.cat([x.reshape(rows, -1), x.new_zeros(self.pad_rows[rows] - rows, self.in_features)])
             return self._product(flat)[:rows].reshape(*x.shape[:-1], -1)
@@ -109,6 +117,48 @@ class PackedLinear(nn.Module):
             table.append(next(exact, n))
         self.pad_rows = tuple(table)
         return self.pad_rows
+
+    @torch.inference_mode()
+    def tune_kernels(self, max_rows: int = 8, rounds: int = 5, margin: float = 0.05) -> frozenset[int]:
+        """Measure ``F.linear`` on the unpacked weight against the packed product (padded as
+        ``pad_rows`` says) at 1..``max_rows`` rows and set ``plain_rows``: the row counts where
+        ``F.linear`` is faster by ``margin``. The unpacked weight is dropped when no row count
+        uses it. Both kernels compute the same product (summed in another order, so the values
+        may differ in the last bits). Returns ``plain_rows`` (empty where nothing is packed)."""
+        if not self.packed or self.plain_weight is None:
+            return self.plain_rows
+        self.plain_rows = frozenset()
+        x = torch.randn(max_rows, self.in_features, generator=torch.Generator().manual_seed(0)).to(self.weight.dtype)
+        seconds: dict[tuple[bool, int], list[float]] = {(plain, m): [] for m in range(1, max_rows + 1)
+                                                        for plain in (False, True)}
+        for _ in range(rounds):  # kernels and sizes interleaved, so drift hits all alike
+            for (plain, m), times in seconds.items():
+                start = time.perf_counter()
+                F.linear(x[:m], self.plain_weight, self.bias) if plain else self(x[:m])
+                times.append(time.perf_counter() - start)
+        cost = {key: statistics.median(times) for key, times in seconds.items()}
+        self.adopt_kernels(frozenset(m for m in range(1, max_rows + 1)
+                                     if cost[True, m] < (1 - margin) * cost[False, m]))
+        return self.plain_rows
+
+    def adopt_kernels(self, plain_rows: frozenset[int]) -> None:
+        """Set ``plain_rows`` (as measured for a matrix of the same shape); drop the unpacked
+        weight if no row count uses it."""
+        self.plain_rows = plain_rows if self.plain_weight is not None else frozenset()
+        if not self.plain_rows:
+            self.plain_weight = None
+
+
+def tune_kernels_by_shape(linears: Sequence[PackedLinear], max_rows: int = 8) -> None:
+    """``tune_kernels`` once per weight shape and dtype (bias or not), the result shared by the
+    other matrices of that shape (the kernels' speed depends on the shape, not the values)."""
+    measured: dict[tuple, frozenset[int]] = {}
+    for lin in linears:
+        key = (tuple(lin.weight.shape), lin.weight.dtype, lin.in_features, lin.bias is None)
+        if key not in measured:
+            measured[key] = lin.tune_kernels(max_rows)
+        else:
+            lin.adopt_kernels(measured[key])
 
 
 def packed_copy(module: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
@@ -201,6 +251,8 @@ class LeanDecoder:
                 post_eps=layer.post_attention_layernorm.variance_epsilon,
                 gate_up=PackedLinear.fused([mlp.gate_proj, mlp.up_proj]),
                 down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias)))
+        tune_kernels_by_shape([self.head] + [lin for layer in self.layers
+                                             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)])
 
     def new_cache(self) -> StaticCache:
         return StaticCache(len(self.layers))

@@ -84,6 +84,7 @@ def test_the_lean_heads_padding_table_is_exact_where_it_pads():
     if not head.packed:
         pytest.skip("rows are padded only for oneDNN's packed products (CPU)")
     table = head.tune_padding(max_rows=6)
+    head.plain_rows = frozenset()  # padding is about the packed kernel (F.linear's rows: tune_kernels)
     assert len(table) == 7 and all(n <= m <= 6 for n, m in enumerate(table))
     x = torch.randn(6, head.in_features)
     with torch.inference_mode():
@@ -205,3 +206,44 @@ def test_aux_layer_outputs_are_the_decoder_layers_outputs_with_either_forward(fa
     plain = target.forward(prefix, pos, target.new_cache())
     assert plain.aux is None and torch.equal(plain.features, plain.hidden)
     assert torch.allclose(plain.hidden, lean.hidden, atol=1e-6)
+
+
+def test_tune_kernels_takes_plain_linear_only_where_it_is_faster(monkeypatch):
+    """A fake clock where ``F.linear`` is cheaper than the packed product for 1-3 rows: those row
+    counts are computed by ``F.linear`` (same values), the others packed; a matrix of the same
+    shape adopts the table, and a packed-only table drops the unpacked weight."""
+    from types import SimpleNamespace
+
+    import eagle.lean as lean
+
+    clock = [0.0]
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 24, bias=True)
+    packed, twin = PackedLinear(lin.weight, lin.bias), PackedLinear(lin.weight * 2, lin.bias)
+    if not packed.packed:
+        pytest.skip("kernels are chosen only for oneDNN's packed products (CPU)")
+    real_linear, real_product = lean.F.linear, PackedLinear._product
+
+    def plain(x, w, b=None):
+        clock[0] += 1.0 if x.shape[0] <= 3 else 9.0
+        return real_linear(x, w, b)
+
+    def product(self, x):
+        clock[0] += 5.0
+        return real_product(self, x)
+
+    monkeypatch.setattr(lean, "F", SimpleNamespace(linear=plain))
+    monkeypatch.setattr(PackedLinear, "_product", product)
+    monkeypatch.setattr(lean, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    lean.tune_kernels_by_shape([packed, twin], max_rows=6)
+    assert packed.plain_rows == twin.plain_rows == frozenset({1, 2, 3})
+    x = torch.randn(6, 16)
+    with torch.inference_mode():
+        for n in range(1, 7):
+            before = clock[0]
+            assert torch.allclose(twin(x[:n]), lin(x[:n]) + x[:n] @ lin.weight.t(), atol=1e-5)
+            assert clock[0] - before == (1.0 if n <= 3 else 5.0)  # F.linear for 1-3 rows, packed after
+    monkeypatch.setattr(lean, "F", SimpleNamespace(linear=lambda x, w, b=None: (clock.__setitem__(0, clock[0] + 9.0),
+                                                                           real_linear(x, w, b))[1]))
+    assert packed.tune_kernels(max_rows=4) == frozenset() and packed.plain_weight is None
+    assert packed.tune_kernels(max_rows=4) == frozenset()  # nothing left to measure against
