@@ -143,11 +143,11 @@ _UNCACHED: dict[str, CostCurve] = {}  # noisy curves measured by this process (n
 
 
 def cost_curve(target: Target) -> CostCurve:
-    """The cached cost curve for this target, device, dtype and thread count (measured on a miss;
-    kept on disk unless its timings were noisy, ``NOISY``)."""
+    """The cached cost curve for this target, device, dtype, thread count and kernel choice
+    (measured on a miss; kept on disk unless its timings were noisy, ``NOISY``)."""
     key = json.dumps(["v5", target.name, target.tokenizer_fingerprint, target.hidden_size,
                       target.config.num_hidden_layers, str(target.device), str(target.dtype),
-                      torch.get_num_threads(), "lean" if target.lean is not None else "model"])
+                      torch.get_num_threads(), target.lean.kernel_choice() if target.lean is not None else "model"])
     path = cache_root() / "cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     if path.is_file():
         return CostCurve(**json.loads(path.read_text()))

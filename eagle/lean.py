@@ -21,7 +21,7 @@ import copy
 import dataclasses
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,18 @@ def _onednn_usable(weight: torch.Tensor) -> bool:
             torch.ops.mkldnn, "_linear_pointwise"):
         return False
     return weight.dtype == torch.float32 or weight.dtype == torch.bfloat16 and cpu_has_fast_bf16()
+
+
+def interleaved_medians(calls: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any, float]:
+    """Median seconds of each call over ``rounds`` rounds, the calls interleaved within a round so
+    that drift of the machine hits all alike. {key: call} -> {key: seconds}."""
+    seconds: dict[Any, list[float]] = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, call in calls.items():
+            start = time.perf_counter()
+            call()
+            seconds[key].append(time.perf_counter() - start)
+    return {key: statistics.median(times) for key, times in seconds.items()}
 
 
 class PackedLinear(nn.Module):
@@ -101,13 +113,7 @@ class PackedLinear(nn.Module):
             return self.pad_rows
         self.pad_rows = ()
         x = torch.randn(max_rows, self.in_features, generator=torch.Generator().manual_seed(0)).to(self.weight.dtype)
-        seconds: dict[int, list[float]] = {m: [] for m in range(1, max_rows + 1)}
-        for _ in range(rounds):  # sizes interleaved, so drift hits all alike
-            for m, times in seconds.items():
-                start = time.perf_counter()
-                self._product(x[:m])
-                times.append(time.perf_counter() - start)
-        cost = {m: statistics.median(times) for m, times in seconds.items()}
+        cost = interleaved_medians({m: lambda m=m: self._product(x[:m]) for m in range(1, max_rows + 1)}, rounds)
         table = [0]
         for n in range(1, max_rows + 1):
             faster = sorted((m for m in range(n + 1, max_rows + 1) if cost[m] < (1 - margin) * cost[n]),
@@ -129,14 +135,11 @@ class PackedLinear(nn.Module):
             return self.plain_rows
         self.plain_rows = frozenset()
         x = torch.randn(max_rows, self.in_features, generator=torch.Generator().manual_seed(0)).to(self.weight.dtype)
-        seconds: dict[tuple[bool, int], list[float]] = {(plain, m): [] for m in range(1, max_rows + 1)
-                                                        for plain in (False, True)}
-        for _ in range(rounds):  # kernels and sizes interleaved, so drift hits all alike
-            for (plain, m), times in seconds.items():
-                start = time.perf_counter()
-                F.linear(x[:m], self.plain_weight, self.bias) if plain else self(x[:m])
-                times.append(time.perf_counter() - start)
-        cost = {key: statistics.median(times) for key, times in seconds.items()}
+        calls = {}
+        for m in range(1, max_rows + 1):
+            calls[False, m] = lambda m=m: self(x[:m])
+            calls[True, m] = lambda m=m: F.linear(x[:m], self.plain_weight, self.bias)
+        cost = interleaved_medians(calls, rounds)
         self.adopt_kernels(frozenset(m for m in range(1, max_rows + 1)
                                      if cost[True, m] < (1 - margin) * cost[False, m]))
         return self.plain_rows
@@ -154,7 +157,7 @@ def tune_kernels_by_shape(linears: Sequence[PackedLinear], max_rows: int = 8) ->
     other matrices of that shape (the kernels' speed depends on the shape, not the values)."""
     measured: dict[tuple, frozenset[int]] = {}
     for lin in linears:
-        key = (tuple(lin.weight.shape), lin.weight.dtype, lin.in_features, lin.bias is None)
+        key = (tuple(lin.weight.shape), lin.weight.dtype, lin.bias is None)
         if key not in measured:
             measured[key] = lin.tune_kernels(max_rows)
         else:
@@ -253,6 +256,13 @@ class LeanDecoder:
                 down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias)))
         tune_kernels_by_shape([self.head] + [lin for layer in self.layers
                                              for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)])
+
+    def kernel_choice(self) -> str:
+        """Which row counts ``F.linear`` computes (``PackedLinear.plain_rows``) for the head and for
+        each layer matrix (tuned per shape, so layer 0's stand for all): timings measured with
+        one choice do not hold for another."""
+        first = self.layers[0]
+        return repr([sorted(lin.plain_rows) for lin in (self.head, first.qkv, first.o, first.gate_up, first.down)])
 
     def new_cache(self) -> StaticCache:
         return StaticCache(len(self.layers))
