@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle.kernels import STREAM_MAX_ROWS, stream_linear_op
 from eagle.kv_cache import StaticCache
 from eagle.tree_mask import causal_bias
 
@@ -66,32 +67,39 @@ class PackedLinear(nn.Module):
     and for a wide matrix a few rows can cost less than one: on the reference machine the
     target's 49k-token head takes 3.8 ms for 1 row, 4.8 ms for 2 and 2.9 ms for 5-6."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, stream: bool = True) -> None:
         super().__init__()
         weight = weight.detach().contiguous()
         self.packed = _onednn_usable(weight)
         self.in_features = weight.shape[1]
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
-        self.bias = None if bias is None else bias.detach()
+        self.bias = None if bias is None else bias.detach().contiguous()
+        # fp32 on an AVX-512 CPU: 1-16 rows by the streamed kernel (``eagle.kernels``), more by oneDNN
+        self.stream_op = stream_linear_op() if stream and weight.dtype == torch.float32 and (
+            weight.device.type == "cpu") else None
         self.pad_rows: tuple[int, ...] = ()
-        # the unpacked weight, for the row counts ``F.linear`` computes faster (``tune_kernels``); dropped when none
-        self.plain_weight: torch.Tensor | None = weight if self.packed else None
+        # the unpacked weight, for the streamed kernel or the row counts ``F.linear`` computes faster
+        # (``tune_kernels``); dropped when neither uses it
+        self.plain_weight: torch.Tensor | None = weight if self.packed or self.stream_op is not None else None
         self.plain_rows: frozenset[int] = frozenset()
 
     @classmethod
-    def fused(cls, linears: list[nn.Linear]) -> "PackedLinear":
+    def fused(cls, linears: list[nn.Linear], stream: bool = True) -> "PackedLinear":
         """One matrix for several linears reading the same input; outputs concatenated."""
         biases = [lin.bias for lin in linears]
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat([b.detach() if b is not None else lin.weight.new_zeros(lin.out_features)
                               for b, lin in zip(biases, linears)])
-        return cls(torch.cat([lin.weight.detach() for lin in linears]), bias)
+        return cls(torch.cat([lin.weight.detach() for lin in linears]), bias, stream)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.stream_op is not None and 0 < rows <= STREAM_MAX_ROWS:
+            out = self.stream_op(x.reshape(rows, self.in_features).contiguous(), self.plain_weight, self.bias)
+            return out.view(*x.shape[:-1], -1)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
-        rows = x.numel() // self.in_features
         if rows in self.plain_rows:
             return F.linear(x, self.plain_weight, self.bias)
         if 0 < rows < len(self.pad_rows) and self.pad_rows[rows] > rows:
@@ -108,8 +116,8 @@ class PackedLinear(nn.Module):
         size (no more than ``max_rows``) that runs fastest, kept only when it beats no padding by
         ``margin`` and gives bit-identical outputs for the real rows (checked here; oneDNN's
         reduction order does not depend on the data), so padding changes speed, never results.
-        Returns ``pad_rows`` (empty where nothing is packed)."""
-        if not self.packed:
+        Returns ``pad_rows`` (empty where nothing is packed or the streamed kernel computes these rows)."""
+        if not self.packed or self.stream_op is not None and max_rows <= STREAM_MAX_ROWS:
             return self.pad_rows
         self.pad_rows = ()
         x = torch.randn(max_rows, self.in_features, generator=torch.Generator().manual_seed(0)).to(self.weight.dtype)
@@ -130,8 +138,9 @@ class PackedLinear(nn.Module):
         ``pad_rows`` says) at 1..``max_rows`` rows and set ``plain_rows``: the row counts where
         ``F.linear`` is faster by ``margin``. The unpacked weight is dropped when no row count
         uses it. Both kernels compute the same product (summed in another order, so the values
-        may differ in the last bits). Returns ``plain_rows`` (empty where nothing is packed)."""
-        if not self.packed or self.plain_weight is None:
+        may differ in the last bits). Returns ``plain_rows`` (empty where nothing is packed or the
+        streamed kernel computes these rows)."""
+        if not self.packed or self.plain_weight is None or self.stream_op is not None and max_rows <= STREAM_MAX_ROWS:
             return self.plain_rows
         self.plain_rows = frozenset()
         x = torch.randn(max_rows, self.in_features, generator=torch.Generator().manual_seed(0)).to(self.weight.dtype)
@@ -148,7 +157,7 @@ class PackedLinear(nn.Module):
         """Set ``plain_rows`` (as measured for a matrix of the same shape); drop the unpacked
         weight if no row count uses it."""
         self.plain_rows = plain_rows if self.plain_weight is not None else frozenset()
-        if not self.plain_rows:
+        if not self.plain_rows and self.stream_op is None:
             self.plain_weight = None
 
 
@@ -229,7 +238,8 @@ class LeanDecoder:
     """The target's decoder stack + LM head as a few fused operations. Rows of a batch share
     the cache length (left-pad them and mask the padding: ``eagle.batch``)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, stream: bool = True) -> None:
+        """``stream``: compute 1-16 rows with the streamed fp32 kernel where it runs (``eagle.kernels``)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")
@@ -241,19 +251,19 @@ class LeanDecoder:
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm, self.norm_eps = inner.norm.weight.detach(), inner.norm.variance_epsilon
-        self.head = PackedLinear(model.get_output_embeddings().weight)
+        self.head = PackedLinear(model.get_output_embeddings().weight, stream=stream)
         self.head.tune_padding()
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(_Layer(
                 input_norm=layer.input_layernorm.weight.detach(), input_eps=layer.input_layernorm.variance_epsilon,
-                qkv=PackedLinear.fused([attn.q_proj, attn.k_proj, attn.v_proj]),
-                o=PackedLinear(attn.o_proj.weight, attn.o_proj.bias),
+                qkv=PackedLinear.fused([attn.q_proj, attn.k_proj, attn.v_proj], stream),
+                o=PackedLinear(attn.o_proj.weight, attn.o_proj.bias, stream),
                 post_norm=layer.post_attention_layernorm.weight.detach(),
                 post_eps=layer.post_attention_layernorm.variance_epsilon,
-                gate_up=PackedLinear.fused([mlp.gate_proj, mlp.up_proj]),
-                down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias)))
+                gate_up=PackedLinear.fused([mlp.gate_proj, mlp.up_proj], stream),
+                down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, stream)))
         tune_kernels_by_shape([self.head] + [lin for layer in self.layers
                                              for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)])
 
@@ -262,7 +272,9 @@ class LeanDecoder:
         each layer matrix (tuned per shape, so layer 0's stand for all): timings measured with
         one choice do not hold for another."""
         first = self.layers[0]
-        return repr([sorted(lin.plain_rows) for lin in (self.head, first.qkv, first.o, first.gate_up, first.down)])
+        streamed = "streamed 1-16 rows, " if self.head.stream_op is not None else ""
+        return streamed + repr([sorted(lin.plain_rows) for lin in (self.head, first.qkv, first.o, first.gate_up,
+                                                                   first.down)])
 
     def new_cache(self) -> StaticCache:
         return StaticCache(len(self.layers))

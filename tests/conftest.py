@@ -64,13 +64,15 @@ def tiny_drafter(target: Target, seed: int = 1, **overrides) -> Drafter:
 @pytest.fixture(scope="session", autouse=True)
 def private_cost_curves(tmp_path_factory):
     """Cost curves measured in tests (tiny targets, a machine busy with tests) go to a temporary
-    cache, not the user's; converted real targets stay shared (a link to the user's target cache)."""
+    cache, not the user's; converted real targets and compiled kernels stay shared (links to the
+    user's cache)."""
     from eagle.target import cache_root
 
-    shared = cache_root() / "targets"
-    shared.mkdir(parents=True, exist_ok=True)
     root = tmp_path_factory.mktemp("eagle-cache")
-    (root / "targets").symlink_to(shared, target_is_directory=True)
+    for name in ("targets", "extensions"):
+        shared = cache_root() / name
+        shared.mkdir(parents=True, exist_ok=True)
+        (root / name).symlink_to(shared, target_is_directory=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("EAGLE_CACHE", str(root))
         yield root

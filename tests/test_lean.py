@@ -69,7 +69,7 @@ def test_tune_padding_keeps_only_faster_sizes_with_identical_outputs(monkeypatch
         clock[0] += cost[x.shape[0]]
         return (x[:, None, :] * weight[None]).sum(-1) + (1e-3 if x.shape[0] == 5 else 0.0)  # rows independent
 
-    packed = PackedLinear(weight)
+    packed = PackedLinear(weight, stream=False)  # padding is about oneDNN's packed product
     monkeypatch.setattr(packed, "packed", True)
     monkeypatch.setattr(packed, "_product", product)
     monkeypatch.setattr(lean, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
@@ -80,11 +80,10 @@ def test_tune_padding_keeps_only_faster_sizes_with_identical_outputs(monkeypatch
 
 def test_the_lean_heads_padding_table_is_exact_where_it_pads():
     target = tiny_target(seed=3)
-    head = target.lean.head
+    head = PackedLinear(target.model.get_output_embeddings().weight, stream=False)
     if not head.packed:
         pytest.skip("rows are padded only for oneDNN's packed products (CPU)")
     table = head.tune_padding(max_rows=6)
-    head.plain_rows = frozenset()  # padding is about the packed kernel (F.linear's rows: tune_kernels)
     assert len(table) == 7 and all(n <= m <= 6 for n, m in enumerate(table))
     x = torch.randn(6, head.in_features)
     with torch.inference_mode():
@@ -100,7 +99,7 @@ def test_packed_copy_leaves_the_original_and_computes_the_same(drafter):
     f, e = torch.randn(1, 5, 32, device=dev), torch.randn(1, 5, 32, device=dev)
     pos = torch.arange(5, device=dev)[None]
     with torch.inference_mode():
-        assert torch.allclose(copy(f, e, pos), drafter(f, e, pos), atol=1e-5)
+        assert torch.allclose(copy(f, e, pos), drafter(f, e, pos), atol=1e-4, rtol=1e-5)
 
 
 def _model_forward(target, ids, pos, cache, mask=None):
@@ -219,7 +218,7 @@ def test_tune_kernels_takes_plain_linear_only_where_it_is_faster(monkeypatch):
     clock = [0.0]
     torch.manual_seed(0)
     lin = nn.Linear(16, 24, bias=True)
-    packed, twin = PackedLinear(lin.weight, lin.bias), PackedLinear(lin.weight * 2, lin.bias)
+    packed, twin = PackedLinear(lin.weight, lin.bias, stream=False), PackedLinear(lin.weight * 2, lin.bias, stream=False)
     if not packed.packed:
         pytest.skip("kernels are chosen only for oneDNN's packed products (CPU)")
     real_linear, real_product = lean.F.linear, PackedLinear._product
