@@ -1,9 +1,11 @@
-"""A compiled CPU kernel for the few-row fp32 products of decoding (``eagle/csrc/stream_linear.cpp``).
+"""Compiled CPU kernels for decoding in fp32 (``eagle/csrc/cpu_kernels.cpp``): the few-row matrix
+products (``stream_linear``) and Llama's RMSNorm (``rms_norm``).
 
-``stream_linear_op()`` builds it on first use with torch's C++ extension tools (a compiler and
+``cpu_kernels()`` builds them on first use with torch's C++ extension tools (a compiler and
 ninja; about 25 s, once per machine and torch version, cached under ``$EAGLE_CACHE/extensions``)
 on CPUs with AVX-512, and returns None elsewhere or when the build fails (the callers then use
-oneDNN or ``F.linear``). ``eagle.lean.PackedLinear`` uses it for 1-16 rows."""
+oneDNN or ``F.linear``, and torch's RMSNorm). ``eagle.lean.PackedLinear`` uses ``stream_linear`` for
+1-16 rows, ``eagle.lean.LeanDecoder`` ``rms_norm``. Inference only: they have no backward."""
 
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "stream_linear.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 STREAM_MAX_ROWS = 16  # the kernel's row limit (kMaxRows)
+NAME = "eagle_cpu_kernels"
 StreamOp = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
@@ -40,13 +43,13 @@ def _ninja_on_path() -> bool:
 
 
 @functools.cache
-def stream_linear_op() -> StreamOp | None:
-    """``op(x [M, K], w [N, K], bias [N] | None) -> [M, N]`` for contiguous fp32 CPU tensors and
-    1 <= M <= 16, or None where the kernel cannot run here (no AVX-512, no compiler or ninja)."""
+def cpu_kernels() -> Any | None:
+    """The compiled module (``stream_linear``, ``rms_norm``), or None where it cannot run here
+    (no AVX-512, no compiler or ninja)."""
     if not cpu_has_avx512():
         return None
     if not _ninja_on_path():
-        warnings.warn("eagle: ninja not found; the streamed fp32 kernel is off (pip install ninja)")
+        warnings.warn("eagle: ninja not found; the compiled fp32 kernels are off (pip install ninja)")
         return None
     from torch.utils import cpp_extension
 
@@ -54,14 +57,19 @@ def stream_linear_op() -> StreamOp | None:
 
     build = cache_root() / "extensions" / f"torch-{torch.__version__}"
     build.mkdir(parents=True, exist_ok=True)
-    if not any(build.glob("eagle_stream_linear*.so")):
-        print("eagle: compiling the streamed fp32 kernel (once per machine, about 25 s)", file=sys.stderr)
+    if not any(build.glob(f"{NAME}*.so")):
+        print("eagle: compiling the fp32 CPU kernels (once per machine, about 30 s)", file=sys.stderr)
     try:
-        module = cpp_extension.load(name="eagle_stream_linear", sources=[str(SOURCE)], build_directory=str(build),
-                                    extra_cflags=["-O3", "-mavx512f", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                                    verbose=False)
+        return cpp_extension.load(name=NAME, sources=[str(SOURCE)], build_directory=str(build),
+                                  extra_cflags=["-O3", "-mavx512f", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                                  verbose=False)
     except (OSError, RuntimeError, ImportError) as exc:
-        warnings.warn(f"eagle: the streamed fp32 kernel did not build ({exc}); using oneDNN / F.linear")
+        warnings.warn(f"eagle: the fp32 CPU kernels did not build ({exc}); using oneDNN / F.linear")
         return None
-    return module.stream_linear
 
+
+def stream_linear_op() -> StreamOp | None:
+    """``op(x [M, K], w [N, K], bias [N] | None) -> [M, N]`` for contiguous fp32 CPU tensors and
+    1 <= M <= 16 (``cpu_kernels().stream_linear``), or None where the kernels cannot run here."""
+    module = cpu_kernels()
+    return None if module is None else module.stream_linear

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle.kernels import STREAM_MAX_ROWS, stream_linear_op
+from eagle.kernels import STREAM_MAX_ROWS, cpu_kernels, stream_linear_op
 from eagle.kv_cache import StaticCache
 from eagle.tree_mask import causal_bias
 
@@ -192,7 +192,7 @@ def packed_copy(module: nn.Module, dtype: torch.dtype | None = None) -> nn.Modul
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm: normalize in fp32, scale in the input dtype. [..., H] -> [..., H]."""
     if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)  # one fused kernel, same values
+        return F.rms_norm(x, weight.shape, weight, eps)  # same values (a compiled one: eagle.kernels)
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
@@ -238,12 +238,17 @@ class LeanDecoder:
     """The target's decoder stack + LM head as a few fused operations. Rows of a batch share
     the cache length (left-pad them and mask the padding: ``eagle.batch``)."""
 
-    def __init__(self, model: Any, stream: bool = True) -> None:
-        """``stream``: compute 1-16 rows with the streamed fp32 kernel where it runs (``eagle.kernels``)."""
+    def __init__(self, model: Any, kernels: bool = True) -> None:
+        """``kernels``: in fp32 on CPU, the compiled kernels where they run (``eagle.kernels``: 1-16
+        rows streamed, RMSNorm in one pass)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")
         cfg, inner = model.config, model.model
+        weight = model.get_output_embeddings().weight
+        compiled = cpu_kernels() if kernels and weight.dtype == torch.float32 and weight.device.type == "cpu" else None
+        self.rms_norm = rms_norm if compiled is None else (lambda x, w, eps: compiled.rms_norm(x.contiguous(), w, eps))
+        stream = compiled is not None
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -251,7 +256,7 @@ class LeanDecoder:
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm, self.norm_eps = inner.norm.weight.detach(), inner.norm.variance_epsilon
-        self.head = PackedLinear(model.get_output_embeddings().weight, stream=stream)
+        self.head = PackedLinear(weight, stream=stream)
         self.head.tune_padding()
         self.layers = []
         for layer in inner.layers:
@@ -272,7 +277,7 @@ class LeanDecoder:
         each layer matrix (tuned per shape, so layer 0's stand for all): timings measured with
         one choice do not hold for another."""
         first = self.layers[0]
-        streamed = "streamed 1-16 rows, " if self.head.stream_op is not None else ""
+        streamed = "compiled kernels, " if self.head.stream_op is not None else ""
         return streamed + repr([sorted(lin.plain_rows) for lin in (self.head, first.qkv, first.o, first.gate_up,
                                                                    first.down)])
 
@@ -292,15 +297,15 @@ class LeanDecoder:
             attention_mask = causal_bias(q_len, cache.get_seq_length(), x.dtype, x.device)
         aux: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(rms_norm(x, layer.input_norm, layer.input_eps)).view(b, q_len, nh + 2 * nkv, d)
+            qkv = layer.qkv(self.rms_norm(x, layer.input_norm, layer.input_eps)).view(b, q_len, nh + 2 * nkv, d)
             qk, v = qkv.transpose(1, 2).split([nh + nkv, nkv], dim=1)
             q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)  # queries and keys rotated together
             keys, values = cache.update(i, k, v)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask,
                                                  enable_gqa=nkv != nh, scale=d ** -0.5)
             x = x + layer.o(out.transpose(1, 2).reshape(b, q_len, nh * d))
-            gate, up = layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps)).split(self.intermediate, dim=-1)
+            gate, up = layer.gate_up(self.rms_norm(x, layer.post_norm, layer.post_eps)).split(self.intermediate, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
             if i in aux_layers:
                 aux[i] = x
-        return torch.cat([rms_norm(x, self.norm, self.norm_eps)] + [aux[i] for i in aux_layers], dim=-1)
+        return torch.cat([self.rms_norm(x, self.norm, self.norm_eps)] + [aux[i] for i in aux_layers], dim=-1)

@@ -1,5 +1,5 @@
-"""The streamed fp32 kernel (eagle/csrc/stream_linear.cpp): float64 reference, row independence,
-and where PackedLinear uses it."""
+"""The compiled fp32 kernels (eagle/csrc/cpu_kernels.cpp): float64 references, row independence,
+where PackedLinear and LeanDecoder use them."""
 
 import pytest
 import torch
@@ -77,3 +77,36 @@ def test_packed_linear_streams_up_to_16_rows_and_packs_beyond(monkeypatch):
         assert torch.allclose(packed(x[:, :8]), lin(x[:, :8]), atol=1e-5)  # [2, 8, 64]: 16 rows
     assert calls == [1, 5, 16, 16]
     assert PackedLinear(lin.weight.bfloat16()).stream_op is None  # fp32 only
+
+
+@pytest.mark.parametrize("hidden", [576, 40, 7])
+def test_rms_norm_matches_a_float64_reference_and_torchs(hidden):
+    module = kernels.cpu_kernels()
+    if module is None:
+        op_or_skip()
+    gen = torch.Generator().manual_seed(hidden)
+    x, w = torch.randn(2, 5, hidden, generator=gen) * 3, torch.randn(hidden, generator=gen)
+    ref = w.double() * x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    out = module.rms_norm(x, w, 1e-5)
+    assert out.shape == x.shape and torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(out, F.rms_norm(x, (hidden,), w, 1e-5), atol=1e-5, rtol=1e-5)
+    assert torch.equal(module.rms_norm(x[1, 2:3].contiguous(), w, 1e-5), out[1, 2:3])  # rows independent
+    with pytest.raises(RuntimeError, match="x \\[..., H\\]"):
+        module.rms_norm(x, w[:-1].contiguous(), 1e-5)
+
+
+def test_lean_decoder_uses_the_compiled_kernels_in_fp32_and_can_do_without():
+    from eagle.lean import LeanDecoder, rms_norm
+    from tests.conftest import tiny_target
+
+    op_or_skip()
+    model = tiny_target(seed=4).model
+    with_kernels, without = LeanDecoder(model), LeanDecoder(model, kernels=False)
+    assert with_kernels.rms_norm is not rms_norm and with_kernels.head.stream_op is not None
+    assert without.rms_norm is rms_norm and without.head.stream_op is None
+    assert with_kernels.kernel_choice() != without.kernel_choice()  # cost curves are cached per choice
+    ids = torch.randint(0, 32, (1, 9), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(9)[None]
+    a = with_kernels.forward(ids, pos, with_kernels.new_cache())
+    b = without.forward(ids, pos, without.new_cache())
+    assert torch.allclose(a, b, atol=1e-5)
