@@ -58,7 +58,7 @@ def cpu_kernels() -> Any | None:
     build = cache_root() / "extensions" / f"torch-{torch.__version__}"
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob(f"{NAME}*.so")):
-        print("eagle: compiling the fp32 CPU kernels (once per machine, about 30 s)", file=sys.stderr)
+        print("eagle: compiling the fp32 CPU kernels (once per machine, about 25 s)", file=sys.stderr)
     try:
         return cpp_extension.load(name=NAME, sources=[str(SOURCE)], build_directory=str(build),
                                   extra_cflags=["-O3", "-mavx512f", "-fopenmp"], extra_ldflags=["-fopenmp"],

@@ -1,8 +1,9 @@
 // CPU kernels for decoding in fp32 (AVX-512), built on first use by eagle.kernels.
 //
-// stream_linear: y = x W^T (+ b) for a few rows, the weight streamed from memory once. Decoding and tree verification multiply 1-16 rows by each weight matrix: the time is the
-// weight's trip from memory, and a kernel that reads each 16-float vector of W once and uses it
-// for every row costs about as much for 16 rows as for 1. Rows of W are read in order, a few
+// stream_linear: y = x W^T (+ b) for a few rows, the weight streamed from memory once. Decoding
+// and tree verification multiply 1-16 rows by each weight matrix: the time is the weight's trip
+// from memory, and a kernel that reads each 16-float vector of W once and uses it for every row
+// costs about as much for 8 rows as for 1. Rows of W are read in order, a few
 // rows are prefetched ahead, and the output range is split among torch's intra-op threads.
 // Every output is summed in one order (16 lanes along k, then the lanes), whatever the number of
 // rows, so a row's result is bit-identical whichever rows are computed with it.
@@ -63,7 +64,7 @@ void rows(const float* x, int64_t K, const float* w, int64_t N, const float* bia
 
 }  // namespace
 
-constexpr int64_t kMaxRows = 16;
+constexpr int64_t kMaxRows = 16;  // eagle.kernels.STREAM_MAX_ROWS
 
 torch::Tensor stream_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "stream_linear: fp32 only");
@@ -133,5 +134,4 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_linear", &stream_linear, "y = x W^T (+ b), fp32, 1-16 rows, W streamed once");
   m.def("rms_norm", &rms_norm, "Llama's RMSNorm, fp32, one pass per row");
-  m.attr("max_rows") = kMaxRows;
 }
