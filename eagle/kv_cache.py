@@ -6,6 +6,8 @@ written by position, used by the lean target forward (``eagle.lean``) and by the
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -78,6 +80,17 @@ def new_cache(model: Any, role: str = "target") -> Any:
     if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
         raise EagleError(f"the {role} uses sliding-window attention, which eagle does not support yet")
     return cache
+
+
+def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
+    """``cache`` as the keyword ``model``'s forward takes it: ``cache`` from transformers 5.x versions
+    that renamed it (``past_key_values`` is deprecated there and goes in 5.40), else ``past_key_values``."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def cache_length(cache: Any) -> int:

@@ -171,8 +171,8 @@ class DraftModel(Proposer):
         past = kv_cache.cache_length(self.cache)
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         pos = torch.arange(past, past + len(tokens), device=self.device)[None]
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=1)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **kv_cache.cache_argument(self.model, self.cache))
         return out.logits[0, -1].float()
 
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:

@@ -135,8 +135,9 @@ class Target:
             out = self.lean.forward(input_ids, position_ids, cache, attention_mask, aux_layers)
         else:
             out = model_features(self.model.model(input_ids=input_ids, position_ids=position_ids,
-                                                  attention_mask=attention_mask, past_key_values=cache,
-                                                  use_cache=True, output_hidden_states=bool(aux_layers)), aux_layers)
+                                                  attention_mask=attention_mask, use_cache=True,
+                                                  output_hidden_states=bool(aux_layers),
+                                                  **kv_cache.cache_argument(self.model.model, cache)), aux_layers)
         hidden = out[..., :self.hidden_size]
         return TargetOutput(logits=self.lm_head(hidden[:, logits_from:]).float(), hidden=hidden,
                             aux=out[..., self.hidden_size:] if aux_layers else None)

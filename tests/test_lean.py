@@ -103,8 +103,8 @@ def test_packed_copy_leaves_the_original_and_computes_the_same(drafter):
 
 
 def _model_forward(target, ids, pos, cache, mask=None):
-    out = target.model.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
-                             use_cache=True).last_hidden_state
+    out = target.model.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                             **kv_cache.cache_argument(target.model.model, cache)).last_hidden_state
     return out, target.model.lm_head(out)
 
 

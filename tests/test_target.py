@@ -64,3 +64,27 @@ def test_real_target_prompt_errors(smollm):
         smollm.generate("")
     with pytest.raises(EagleError, match="context"):
         smollm.generate(list(range(10, 9000)))
+
+
+def test_cache_goes_by_the_keyword_the_model_takes():
+    """transformers 5.x renamed ``past_key_values`` to ``cache`` (the old name goes in 5.40): the
+    target's own forward passes the cache by whichever name the model's forward declares, so an
+    older 5.x (no ``cache`` parameter) works too."""
+    import inspect
+    import torch
+    from eagle import kv_cache
+
+    tiny = tiny_target()
+    model = tiny.model.model
+    expected = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    cache = kv_cache.new_cache(tiny.model)
+    assert kv_cache.cache_argument(model, cache) == {expected: cache}
+
+    class Older(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None):
+            return past_key_values
+
+    assert kv_cache.cache_argument(Older(), cache) == {"past_key_values": cache}
+    ids = torch.tensor([[1, 2, 3]])
+    tiny.forward(ids, torch.arange(3)[None], cache)
+    assert kv_cache.cache_length(cache) == 3
