@@ -13,7 +13,7 @@ in bf16 on a CPU with native bf16 (AVX512-BF16, AMX) likewise (the drafter's 122
 rows: 1.19 ms fp32, 0.40 ms bf16). Elsewhere (CUDA, no oneDNN) it is ``F.linear``. Which is faster depends on
 the machine and the row count: on another machine of the same kind (torch 2.13, MKL 2024.2) ``F.linear`` runs 1-3
 rows faster than oneDNN (MKL has a small-row path; a 1-token forward 39 -> 30 ms) and oneDNN 4 rows and more, so
-``tune_kernels`` measures both per matrix shape and row count (``LeanDecoder`` does at load). On CPUs with
+``tune_kernels`` measures both per row count, in sweeps through the forward's products (``LeanDecoder`` does at load). On CPUs with
 AVX-512, fp32 products of 1-16 rows go to a compiled kernel instead (``eagle.kernels``: each weight read once
 for all rows; faster than both at every such row count here, 8 rows of the 30 layers + head 29 -> 21 ms), and
 the tuning is skipped for those rows."""
@@ -82,7 +82,7 @@ class PackedLinear(nn.Module):
             weight.device.type == "cpu") else None
         self.pad_rows: tuple[int, ...] = ()
         # the unpacked weight, for the streamed kernel or the row counts ``F.linear`` computes faster
-        # (``tune_kernels``); dropped when neither uses it
+        # (``tune_kernels``, below); dropped when neither uses it
         self.plain_weight: torch.Tensor | None = weight if self.packed or self.stream_op is not None else None
         self.plain_rows: frozenset[int] = frozenset()
 
@@ -135,45 +135,52 @@ class PackedLinear(nn.Module):
         self.pad_rows = tuple(table)
         return self.pad_rows
 
-    @torch.inference_mode()
-    def tune_kernels(self, max_rows: int = 8, rounds: int = 5, margin: float = 0.05) -> frozenset[int]:
-        """Measure ``F.linear`` on the unpacked weight against the packed product (padded as
-        ``pad_rows`` says) at 1..``max_rows`` rows and set ``plain_rows``: the row counts where
-        ``F.linear`` is faster by ``margin``. The unpacked weight is dropped when no row count
-        uses it. Both kernels compute the same product (summed in another order, so the values
-        may differ in the last bits). Returns ``plain_rows`` (empty where nothing is packed or the
-        streamed kernel computes these rows)."""
-        if not self.packed or self.plain_weight is None or self.stream_op is not None and max_rows <= STREAM_MAX_ROWS:
-            return self.plain_rows
-        self.plain_rows = frozenset()
-        x = torch.randn(max_rows, self.in_features, generator=torch.Generator().manual_seed(0)).to(self.weight.dtype)
-        calls = {}
-        for m in range(1, max_rows + 1):
-            calls[False, m] = lambda m=m: self(x[:m])
-            calls[True, m] = lambda m=m: F.linear(x[:m], self.plain_weight, self.bias)
-        cost = interleaved_medians(calls, rounds)
-        self.adopt_kernels(frozenset(m for m in range(1, max_rows + 1)
-                                     if cost[True, m] < (1 - margin) * cost[False, m]))
-        return self.plain_rows
-
     def adopt_kernels(self, plain_rows: frozenset[int]) -> None:
-        """Set ``plain_rows`` (as measured for a matrix of the same shape); drop the unpacked
-        weight if no row count uses it."""
+        """Set ``plain_rows`` (as ``tune_kernels`` measured them for this matrix's shape); drop
+        the unpacked weight if no row count uses it."""
         self.plain_rows = plain_rows if self.plain_weight is not None else frozenset()
         if not self.plain_rows and self.stream_op is None:
             self.plain_weight = None
 
 
-def tune_kernels_by_shape(linears: Sequence[PackedLinear], max_rows: int = 8) -> None:
-    """``tune_kernels`` once per weight shape and dtype (bias or not), the result shared by the
-    other matrices of that shape (the kernels' speed depends on the shape, not the values)."""
-    measured: dict[tuple, frozenset[int]] = {}
-    for lin in linears:
-        key = (tuple(lin.weight.shape), lin.weight.dtype, lin.bias is None)
-        if key not in measured:
-            measured[key] = lin.tune_kernels(max_rows)
-        else:
-            lin.adopt_kernels(measured[key])
+@torch.inference_mode()
+def tune_kernels(linears: Sequence[PackedLinear], max_rows: int = 8, rounds: int = 3,
+                 margin: float = 0.05) -> frozenset[int]:
+    """Choose per row count between the packed product (padded as ``pad_rows`` says) and
+    ``F.linear`` on the unpacked weight for ``linears``, given in the order a forward runs them:
+    each measurement is a sweep through all of them in that order with one kernel, so matrices
+    come from memory as in a real forward and a kernel pays for what it does to the next product.
+    Both matter here: timed per shape on one hot matrix, or cycling the matrices of one shape (they
+    fit in this CPU's L3), near-ties went to the kernel that is slower in a forward, and an
+    ``F.linear`` between two packed products makes the next one slower (o and down by ``F.linear``
+    at 4-6 rows: each as fast as packed, the forward 1.2-2 ms slower, all of it in the following
+    gate/up and q/k/v products). So one choice per row count holds for all matrices. Sets each
+    matrix's ``plain_rows`` (the row counts where the ``F.linear`` sweep is faster by ``margin``);
+    unpacked weights no row count uses are dropped. Both kernels compute the same product (summed
+    in another order, so values may differ in the last bits). Matrices that are not packed, or
+    whose 1-``max_rows`` rows the streamed kernel computes, are left alone. Returns the row counts
+    chosen for ``F.linear``."""
+    tunable = [lin for lin in linears if lin.packed and lin.plain_weight is not None and not (
+        lin.stream_op is not None and max_rows <= STREAM_MAX_ROWS)]
+    if not tunable:
+        return frozenset()
+    x = torch.randn(max_rows, max(lin.in_features for lin in tunable),
+                    generator=torch.Generator().manual_seed(0)).to(tunable[0].weight.dtype)
+    inputs = {lin.in_features: x[:, :lin.in_features].contiguous() for lin in tunable}
+
+    def sweep(m: int, plain: bool) -> None:
+        for lin in tunable:
+            if plain:
+                F.linear(inputs[lin.in_features][:m], lin.plain_weight, lin.bias)
+            else:
+                lin(inputs[lin.in_features][:m])
+
+    cost = interleaved_medians({(plain, m): lambda plain=plain, m=m: sweep(m, plain)
+                                for m in range(1, max_rows + 1) for plain in (False, True)}, rounds)
+    plain_rows = frozenset(m for m in range(1, max_rows + 1) if cost[True, m] < (1 - margin) * cost[False, m])
+    for lin in tunable:
+        lin.adopt_kernels(plain_rows)
+    return plain_rows
 
 
 def packed_copy(module: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
@@ -272,8 +279,8 @@ class LeanDecoder:
                 post_eps=layer.post_attention_layernorm.variance_epsilon,
                 gate_up=PackedLinear.fused([mlp.gate_proj, mlp.up_proj], stream),
                 down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, stream)))
-        tune_kernels_by_shape([self.head] + [lin for layer in self.layers
-                                             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)])
+        tune_kernels([lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+                     + [self.head])
 
     def kernel_choice(self) -> str:
         """Which row counts ``F.linear`` computes (``PackedLinear.plain_rows``) for the head and for

@@ -209,8 +209,8 @@ def test_aux_layer_outputs_are_the_decoder_layers_outputs_with_either_forward(fa
 
 def test_tune_kernels_takes_plain_linear_only_where_it_is_faster(monkeypatch):
     """A fake clock where ``F.linear`` is cheaper than the packed product for 1-3 rows: those row
-    counts are computed by ``F.linear`` (same values), the others packed; a matrix of the same
-    shape adopts the table, and a packed-only table drops the unpacked weight."""
+    counts are computed by ``F.linear`` (same values), the others packed, for every matrix; a
+    packed-only choice drops the unpacked weight."""
     from types import SimpleNamespace
 
     import eagle.lean as lean
@@ -234,7 +234,7 @@ def test_tune_kernels_takes_plain_linear_only_where_it_is_faster(monkeypatch):
     monkeypatch.setattr(lean, "F", SimpleNamespace(linear=plain))
     monkeypatch.setattr(PackedLinear, "_product", product)
     monkeypatch.setattr(lean, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    lean.tune_kernels_by_shape([packed, twin], max_rows=6)
+    lean.tune_kernels([packed, twin], max_rows=6)
     assert packed.plain_rows == twin.plain_rows == frozenset({1, 2, 3})
     x = torch.randn(6, 16)
     with torch.inference_mode():
@@ -244,5 +244,39 @@ def test_tune_kernels_takes_plain_linear_only_where_it_is_faster(monkeypatch):
             assert clock[0] - before == (1.0 if n <= 3 else 5.0)  # F.linear for 1-3 rows, packed after
     monkeypatch.setattr(lean, "F", SimpleNamespace(linear=lambda x, w, b=None: (clock.__setitem__(0, clock[0] + 9.0),
                                                                            real_linear(x, w, b))[1]))
-    assert packed.tune_kernels(max_rows=4) == frozenset() and packed.plain_weight is None
-    assert packed.tune_kernels(max_rows=4) == frozenset()  # nothing left to measure against
+    assert lean.tune_kernels([packed], max_rows=4) == frozenset() and packed.plain_weight is None
+    assert lean.tune_kernels([packed], max_rows=4) == frozenset()  # nothing left to measure against
+
+
+def test_tune_kernels_times_the_matrices_in_turn(monkeypatch):
+    """A fake clock where ``F.linear`` is cheap only on the matrix it ran last (still in cache
+    beside its packed twin) and the packed product costs the same either way: timed over the
+    matrices in turn, as a forward meets them, the packed product wins; a single matrix alone
+    (always hot) would have chosen ``F.linear``."""
+    from types import SimpleNamespace
+
+    import eagle.lean as lean
+
+    clock, last = [0.0], [None]
+    torch.manual_seed(0)
+    group = [PackedLinear(torch.randn(24, 16), None, stream=False) for _ in range(3)]
+    if not group[0].packed:
+        pytest.skip("kernels are chosen only for oneDNN's packed products (CPU)")
+    real_linear, real_product = lean.F.linear, PackedLinear._product
+
+    def plain(x, w, b=None):
+        clock[0] += 1.0 if last[0] is w else 9.0
+        last[0] = w
+        return real_linear(x, w, b)
+
+    def product(self, x):
+        clock[0] += 5.0
+        return real_product(self, x)
+
+    monkeypatch.setattr(lean, "F", SimpleNamespace(linear=plain))
+    monkeypatch.setattr(PackedLinear, "_product", product)
+    monkeypatch.setattr(lean, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    lean.tune_kernels(group, max_rows=4)
+    assert all(lin.plain_rows == frozenset() and lin.plain_weight is None for lin in group)
+    alone = PackedLinear(torch.randn(24, 16), None, stream=False)
+    assert lean.tune_kernels([alone], max_rows=4) == frozenset(range(1, 5))
