@@ -3,8 +3,9 @@ products (``stream_linear``) and Llama's RMSNorm (``rms_norm``).
 
 ``cpu_kernels()`` builds them on first use with torch's C++ extension tools (a compiler and
 ninja; about 25 s, once per machine and torch version, cached under ``$EAGLE_CACHE/extensions``)
-on CPUs with AVX-512, and returns None elsewhere or when the build fails (the callers then use
-oneDNN or ``F.linear``, and torch's RMSNorm). ``eagle.lean.PackedLinear`` uses ``stream_linear`` for
+on CPUs with AVX-512, and returns None elsewhere, when the build fails (the callers then use
+oneDNN or ``F.linear``, and torch's RMSNorm), or when the environment variable ``EAGLE_CPU_KERNELS``
+is ``0`` (read once per process: to compare, or to rule the kernels out when debugging). ``eagle.lean.PackedLinear`` uses ``stream_linear`` for
 1-16 rows, ``eagle.lean.LeanDecoder`` ``rms_norm``. Inference only: they have no backward."""
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def _ninja_on_path() -> bool:
 @functools.cache
 def cpu_kernels() -> Any | None:
     """The compiled module (``stream_linear``, ``rms_norm``), or None where it cannot run here
-    (no AVX-512, no compiler or ninja)."""
-    if not cpu_has_avx512():
+    (no AVX-512, no compiler or ninja) or is turned off (``EAGLE_CPU_KERNELS=0``)."""
+    if os.environ.get("EAGLE_CPU_KERNELS", "1") == "0" or not cpu_has_avx512():
         return None
     if not _ninja_on_path():
         warnings.warn("eagle: ninja not found; the compiled fp32 kernels are off (pip install ninja)")

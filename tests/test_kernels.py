@@ -110,3 +110,16 @@ def test_lean_decoder_uses_the_compiled_kernels_in_fp32_and_can_do_without():
     a = with_kernels.forward(ids, pos, with_kernels.new_cache())
     b = without.forward(ids, pos, without.new_cache())
     assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_the_environment_can_turn_the_kernels_off(monkeypatch):
+    op_or_skip()
+    kernels.cpu_kernels.cache_clear()
+    monkeypatch.setenv("EAGLE_CPU_KERNELS", "0")
+    try:
+        assert kernels.cpu_kernels() is None and kernels.stream_linear_op() is None
+        assert PackedLinear(torch.randn(8, 16)).stream_op is None
+    finally:
+        kernels.cpu_kernels.cache_clear()
+    monkeypatch.delenv("EAGLE_CPU_KERNELS")
+    assert kernels.stream_linear_op() is not None
