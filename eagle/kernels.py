@@ -1,12 +1,19 @@
 """Compiled CPU kernels for decoding in fp32 (``eagle/csrc/cpu_kernels.cpp``): the few-row matrix
-products (``stream_linear``) and Llama's RMSNorm (``rms_norm``).
+products (``stream_linear``), Llama's RMSNorm (``rms_norm``), the gated MLP's activation
+(``silu_mul``), and attention over the cache for a few rows (``rope_cache``: rotary queries and
+keys, keys and values written into the cache buffers; ``attention``: grouped-query, masked or
+causal, each row summed over its own keys in order so its result does not depend on the other rows
+or on masked keys between its own).
 
 ``cpu_kernels()`` builds them on first use with torch's C++ extension tools (a compiler and
 ninja; about 25 s, once per machine and torch version, cached under ``$EAGLE_CACHE/extensions``)
 on CPUs with AVX-512, and returns None elsewhere, when the build fails (the callers then use
-oneDNN or ``F.linear``, and torch's RMSNorm), or when the environment variable ``EAGLE_CPU_KERNELS``
-is ``0`` (read once per process: to compare, or to rule the kernels out when debugging). ``eagle.lean.PackedLinear`` uses ``stream_linear`` for
-1-16 rows, ``eagle.lean.LeanDecoder`` ``rms_norm``. Inference only: they have no backward."""
+oneDNN or ``F.linear``, and torch's operations), or when the environment variable
+``EAGLE_CPU_KERNELS`` is ``0`` (read once per process: to compare, or to rule the kernels out when
+debugging). ``eagle.lean.PackedLinear`` uses ``stream_linear`` for 1-16 rows,
+``eagle.lean.LeanDecoder`` the others (attention for one sequence of 1-16 rows). Built with
+``-ffp-contract=off``: a product and a sum stay two roundings, as in torch's operations, so the
+rotary embedding gives torch's bits. Inference only: they have no backward."""
 
 from __future__ import annotations
 
@@ -62,7 +69,7 @@ def cpu_kernels() -> Any | None:
         print("eagle: compiling the fp32 CPU kernels (once per machine, about 25 s)", file=sys.stderr)
     try:
         return cpp_extension.load(name=NAME, sources=[str(SOURCE)], build_directory=str(build),
-                                  extra_cflags=["-O3", "-mavx512f", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                                  extra_cflags=["-O3", "-mavx512f", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"],
                                   verbose=False)
     except (OSError, RuntimeError, ImportError) as exc:
         warnings.warn(f"eagle: the fp32 CPU kernels did not build ({exc}); using oneDNN / F.linear")

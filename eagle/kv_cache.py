@@ -33,17 +33,25 @@ class StaticCache:
     def update(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``keys``/``values`` [B, kv_heads, q, d] to layer ``index``; return views of all
         its entries [B, kv_heads, length + q, d]."""
+        start = self.reserve(index, keys)
+        end = self.lengths[index]
+        self.keys[index][..., start:end, :] = keys
+        self.values[index][..., start:end, :] = values
+        return self.keys[index][..., :end, :], self.values[index][..., :end, :]
+
+    def reserve(self, index: int, like: torch.Tensor) -> int:
+        """Make room in layer ``index`` for ``like.shape[-2]`` more positions (``like``: keys
+        [B, kv_heads, q, d], or any tensor of that shape and dtype), count them as written, and
+        return where they start; the caller writes them into ``keys[index]``/``values[index]``."""
         start = self.lengths[index]
-        end = start + keys.shape[-2]
+        end = start + like.shape[-2]
         buf = self.keys[index]
         if buf is None or end > buf.shape[-2]:
             capacity = max(_MIN_CAPACITY, 1 << (end - 1).bit_length())
-            self.keys[index] = self._grown(buf, keys, capacity, start)
-            self.values[index] = self._grown(self.values[index], values, capacity, start)
-        self.keys[index][..., start:end, :] = keys
-        self.values[index][..., start:end, :] = values
+            self.keys[index] = self._grown(buf, like, capacity, start)
+            self.values[index] = self._grown(self.values[index], like, capacity, start)
         self.lengths[index] = end
-        return self.keys[index][..., :end, :], self.values[index][..., :end, :]
+        return start
 
     @staticmethod
     def _grown(buf: torch.Tensor | None, like: torch.Tensor, capacity: int, keep: int) -> torch.Tensor:

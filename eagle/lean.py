@@ -206,6 +206,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation: [..., 2 I] (gate, then up) -> silu(gate) * up [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE, rotate-half layout. x [1, heads, q, d]; cos/sin [1, 1, q, d]."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -258,11 +264,15 @@ class LeanDecoder:
         weight = model.get_output_embeddings().weight
         compiled = cpu_kernels() if kernels and weight.dtype == torch.float32 and weight.device.type == "cpu" else None
         self.rms_norm = rms_norm if compiled is None else (lambda x, w, eps: compiled.rms_norm(x.contiguous(), w, eps))
+        self.silu_mul = silu_mul if compiled is None or cfg.intermediate_size % 16 else (
+            lambda gate_up: compiled.silu_mul(gate_up.reshape(-1, gate_up.shape[-1]).contiguous()).view(
+                *gate_up.shape[:-1], -1))
         stream = compiled is not None
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.intermediate = cfg.intermediate_size
+        # the compiled attention (rotary + cache write + attention) takes head dims 32-128, multiples of 32
+        self.compiled = compiled if self.head_dim % 32 == 0 and self.head_dim <= 128 else None
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm, self.norm_eps = inner.norm.weight.detach(), inner.norm.variance_epsilon
@@ -283,12 +293,14 @@ class LeanDecoder:
                      + [self.head])
 
     def kernel_choice(self) -> str:
-        """Which row counts ``F.linear`` computes (``PackedLinear.plain_rows``) for the head and for
-        each layer matrix (tuned per shape, so layer 0's stand for all): timings measured with
-        one choice do not hold for another."""
+        """Which kernels run the forward: the compiled ones (with or without their attention), and
+        the row counts ``F.linear`` computes (``PackedLinear.plain_rows``) for the head and for each
+        layer matrix (layer 0's stand for all): timings measured with one choice do not hold for
+        another."""
         first = self.layers[0]
-        streamed = "compiled kernels, " if self.head.stream_op is not None else ""
-        return streamed + repr([sorted(lin.plain_rows) for lin in (self.head, first.qkv, first.o, first.gate_up,
+        compiled = ("compiled kernels and attention, " if self.compiled is not None else
+                    "compiled kernels, " if self.head.stream_op is not None else "")
+        return compiled + repr([sorted(lin.plain_rows) for lin in (self.head, first.qkv, first.o, first.gate_up,
                                                                    first.down)])
 
     def new_cache(self) -> StaticCache:
@@ -300,22 +312,53 @@ class LeanDecoder:
         """``input_ids``/``position_ids`` [B, q]; ``attention_mask`` additive [1 or B, 1, q, past + q]
         or None (causal). Returns the final-norm hidden states [B, q, H], followed along the last
         dim by the outputs of layers ``aux_layers`` ([B, q, (1 + n) H]); ``cache`` is extended."""
-        (b, q_len), (nh, nkv, d) = input_ids.shape, (self.num_heads, self.num_kv_heads, self.head_dim)
+        b, q_len = input_ids.shape
         x = self.embed(input_ids)
-        cos, sin = (t[:, None] for t in self.rotary(x, position_ids))
-        if attention_mask is None and q_len > 1:
-            attention_mask = causal_bias(q_len, cache.get_seq_length(), x.dtype, x.device)
+        cos, sin = self.rotary(x, position_ids)  # [B, q, d]
+        if self.compiled is not None and b == 1 and q_len <= STREAM_MAX_ROWS:
+            attend = self._fused_attention(cos[0].contiguous(), sin[0].contiguous(), cache,
+                                           None if attention_mask is None else attention_mask[0, 0].contiguous())
+        else:
+            if attention_mask is None and q_len > 1:
+                attention_mask = causal_bias(q_len, cache.get_seq_length(), x.dtype, x.device)
+            attend = self._attention(cos[:, None], sin[:, None], cache, attention_mask)
         aux: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(self.rms_norm(x, layer.input_norm, layer.input_eps)).view(b, q_len, nh + 2 * nkv, d)
-            qk, v = qkv.transpose(1, 2).split([nh + nkv, nkv], dim=1)
-            q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)  # queries and keys rotated together
-            keys, values = cache.update(i, k, v)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask,
-                                                 enable_gqa=nkv != nh, scale=d ** -0.5)
-            x = x + layer.o(out.transpose(1, 2).reshape(b, q_len, nh * d))
-            gate, up = layer.gate_up(self.rms_norm(x, layer.post_norm, layer.post_eps)).split(self.intermediate, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + layer.o(attend(i, layer.qkv(self.rms_norm(x, layer.input_norm, layer.input_eps))))
+            x = x + layer.down(self.silu_mul(layer.gate_up(self.rms_norm(x, layer.post_norm, layer.post_eps))))
             if i in aux_layers:
                 aux[i] = x
         return torch.cat([self.rms_norm(x, self.norm, self.norm_eps)] + [aux[i] for i in aux_layers], dim=-1)
+
+    def _attention(self, cos: torch.Tensor, sin: torch.Tensor, cache: StaticCache,
+                   mask: torch.Tensor | None) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """Layer i's attention by torch's operations: q/k/v [B, q, (nh + 2 nkv) d] -> [B, q, nh d]
+        (rotary, cache write, grouped-query SDPA). cos/sin [B, 1, q, d]."""
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+
+        def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
+            b, q_len = qkv.shape[:2]
+            qk, v = qkv.view(b, q_len, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
+            q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)  # queries and keys rotated together
+            keys, values = cache.update(i, k, v)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nkv != nh, scale=d ** -0.5)
+            return out.transpose(1, 2).reshape(b, q_len, nh * d)
+
+        return attend
+
+    def _fused_attention(self, cos: torch.Tensor, sin: torch.Tensor, cache: StaticCache,
+                         bias: torch.Tensor | None) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """Layer i's attention by the compiled kernels, one sequence of at most 16 rows: q/k/v
+        [1, q, (nh + 2 nkv) d] -> [1, q, nh d]. cos/sin [q, d]; ``bias`` [q, past + q] or None
+        (causal). Each row's result does not depend on the other rows or on masked keys
+        (``eagle.kernels``), so a token verified in a tree gets the bits a plain step gives it."""
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+
+        def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
+            q_len = qkv.shape[1]
+            start = cache.reserve(i, qkv.new_empty(1, nkv, q_len, d))
+            keys, values = cache.keys[i][0], cache.values[i][0]
+            q = self.compiled.rope_cache(qkv[0], cos, sin, keys, values, nh, start)
+            return self.compiled.attention(q, keys, values, start + q_len, bias, d ** -0.5)[None]
+
+        return attend

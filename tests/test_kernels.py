@@ -123,3 +123,121 @@ def test_the_environment_can_turn_the_kernels_off(monkeypatch):
         kernels.cpu_kernels.cache_clear()
     monkeypatch.delenv("EAGLE_CPU_KERNELS")
     assert kernels.stream_linear_op() is not None
+
+
+def module_or_skip():
+    op_or_skip()
+    return kernels.cpu_kernels()
+
+
+def attention_reference(q, keys, values, bias):
+    """float64 softmax(q k^T / sqrt(d) + bias) v, grouped-query: q [nh, R, d], keys/values
+    [nkv, L, d], bias [R, L] -> [R, nh * d]."""
+    nh, rows, d = q.shape
+    group = nh // keys.shape[0]
+    k, v = keys.double().repeat_interleave(group, 0), values.double().repeat_interleave(group, 0)
+    scores = q.double() @ k.transpose(1, 2) / d ** 0.5 + bias.double()
+    return (scores.softmax(-1) @ v).transpose(0, 1).reshape(rows, nh * d)
+
+
+def test_rope_cache_rotates_as_torch_and_writes_the_cache_rows():
+    from eagle.lean import rotate
+
+    module = module_or_skip()
+    gen = torch.Generator().manual_seed(1)
+    nh, nkv, d, rows, cap, start = 6, 2, 64, 5, 32, 9
+    qkv = torch.randn(rows, (nh + 2 * nkv) * d, generator=gen)
+    angles = torch.rand(rows, d // 2, generator=gen) * 50
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    keys, values = torch.full((nkv, cap, d), 7.0), torch.full((nkv, cap, d), 7.0)
+    q = module.rope_cache(qkv, cos, sin, keys, values, nh, start)
+    heads = qkv.view(rows, nh + 2 * nkv, d).transpose(0, 1)
+    rotated = rotate(heads[None, :nh + nkv], cos[None, None], sin[None, None])[0]
+    assert torch.equal(q, rotated[:nh])
+    assert torch.equal(keys[:, start:start + rows], rotated[nh:])
+    assert torch.equal(values[:, start:start + rows], heads[nh + nkv:])
+    untouched = torch.ones(cap, dtype=torch.bool)
+    untouched[start:start + rows] = False
+    assert (keys[:, untouched] == 7).all() and (values[:, untouched] == 7).all()
+    with pytest.raises(RuntimeError, match="rows past the buffer"):
+        module.rope_cache(qkv, cos, sin, keys, values, nh, cap - 2)
+
+
+@pytest.mark.parametrize("nh,nkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_attention_matches_a_float64_reference(nh, nkv, d):
+    from eagle.tree_mask import additive_bias
+
+    module = module_or_skip()
+    gen = torch.Generator().manual_seed(nh * d)
+    length, cap = 70, 96
+    keys, values = torch.randn(nkv, cap, d, generator=gen), torch.randn(nkv, cap, d, generator=gen)
+    for rows in (1, 4, 16):
+        q = torch.randn(nh, rows, d, generator=gen) * 2
+        causal = torch.ones(rows, length, dtype=torch.bool).tril(length - rows)
+        allowed = causal & (torch.rand(rows, length, generator=gen) < 0.6)
+        allowed[:, 0] = True
+        for bias in (None, additive_bias(allowed, torch.float32)[0, 0]):
+            out = module.attention(q, keys, values, length, bias, d ** -0.5)
+            reference = additive_bias(causal, torch.float32)[0, 0] if bias is None else bias
+            want = attention_reference(q, keys[:, :length], values[:, :length], reference)
+            assert out.shape == (rows, nh * d) and torch.allclose(out.double(), want, atol=1e-5), (rows, bias is None)
+    with pytest.raises(RuntimeError, match="length"):
+        module.attention(q, keys, values, cap + 1, None, 1.0)
+
+
+def test_an_attention_row_does_not_depend_on_other_rows_or_masked_keys():
+    """Bit for bit: a row among 8 whose keys have masked keys between them (a tree node
+    verified after its ancestors' siblings) equals that row alone over just its own keys in
+    order (the same token in a plain decoding step)."""
+    from eagle.tree_mask import additive_bias
+
+    module = module_or_skip()
+    gen = torch.Generator().manual_seed(3)
+    nh, nkv, d, length = 9, 3, 64, 57
+    keys, values = torch.randn(nkv, length, d, generator=gen), torch.randn(nkv, length, d, generator=gen)
+    q = torch.randn(nh, 8, d, generator=gen)
+    allowed = torch.rand(8, length, generator=gen) < 0.5
+    allowed[:, :40] = True
+    together = module.attention(q, keys, values, length, additive_bias(allowed, torch.float32)[0, 0], d ** -0.5)
+    for row in range(8):
+        own = allowed[row].nonzero()[:, 0]
+        k, v = keys[:, own].contiguous(), values[:, own].contiguous()
+        alone = module.attention(q[:, row:row + 1].contiguous(), k, v, len(own), None, d ** -0.5)
+        assert torch.equal(alone[0], together[row]), row
+
+
+def test_silu_mul_matches_a_float64_reference():
+    module = module_or_skip()
+    gate_up = torch.randn(3, 2 * 48, generator=torch.Generator().manual_seed(5)) * 6
+    gate, up = gate_up.double().chunk(2, -1)
+    assert torch.allclose(module.silu_mul(gate_up).double(), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="silu_mul"):
+        module.silu_mul(torch.randn(3, 40))
+
+
+def test_lean_decoder_attention_kernel_matches_the_model_and_keeps_rows_independent():
+    """The target's forward with the compiled attention (head_dim 32: hidden 128, 4 heads) agrees
+    with the transformers model, and a tree's rows are bit-identical to the same tokens decoded
+    one at a time."""
+    from eagle.lean import LeanDecoder
+    from eagle.tree_mask import attention_bias, tree_attention
+    from tests.conftest import tiny_target
+
+    module_or_skip()
+    model = tiny_target(seed=6, hidden=128).model
+    lean = LeanDecoder(model)
+    assert lean.compiled is not None and "attention" in lean.kernel_choice()
+    ids = torch.randint(0, 32, (1, 30), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        cache = lean.new_cache()
+        prefix = lean.forward(ids[:, :20], torch.arange(20)[None], cache)
+        steps = [lean.forward(ids[:, 20 + k:21 + k], torch.tensor([[20 + k]]), cache)[0, 0] for k in range(4)]
+        want = model.model(input_ids=ids[:, :24]).last_hidden_state[0]
+        got = torch.cat([prefix[0], torch.stack(steps)])
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+        parents = torch.tensor([-1, 0, 0, 1, 2, 3])  # 0-1-3-5 holds tokens 20..23
+        tokens = ids[0, [20, 21, 25, 22, 26, 23]][None]
+        attn = tree_attention(parents)
+        cache.truncate(20)
+        tree = lean.forward(tokens, (20 + attn.depths)[None], cache, attention_bias(attn.mask, 20, torch.float32))[0]
+    assert all(torch.equal(tree[node], step) for node, step in zip([0, 1, 3, 5], steps))

@@ -7,11 +7,19 @@
 // rows are prefetched ahead, and the output range is split among torch's intra-op threads.
 // Every output is summed in one order (16 lanes along k, then the lanes), whatever the number of
 // rows, so a row's result is bit-identical whichever rows are computed with it.
+//
+// rope_cache, attention, silu_mul: the rest of a decoder layer for one sequence of 1-16 rows, where
+// torch's ~20 small operations per layer (views, rotary, cache writes, SDPA, SiLU) cost more than
+// their arithmetic (about 4 ms of a 27 ms forward on the reference machine). attention sums each row
+// over its own keys in order, so a tree node's row equals the plain decoding step's, bit for bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <vector>
 
 namespace {
 
@@ -131,7 +139,184 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return out;
 }
 
+namespace {
+
+// exp for 16 floats: 2^n * p(r), r = x - n ln 2 (Cephes' expf polynomial, ~1 ulp); 0 below -87 (where
+// expf is 0 or subnormal: a softmax term that small cannot change a sum of terms up to 1).
+inline __m512 exp16(__m512 x) {
+  const __m512 clamped = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  return _mm512_mask_mov_ps(_mm512_scalef_ps(p, n), tiny, _mm512_setzero_ps());
+}
+
+constexpr float kMasked = -1e30f;  // an additive bias at or below this excludes the key
+
+}  // namespace
+
+// rope_cache: the rotary embedding (rotate-half layout) of queries and keys for q rows, keys and values
+// written into the cache buffers at rows start..start+q-1. qkv [q, (nh + 2 nkv) d] (one row per token,
+// q heads then k heads then v heads); cos, sin [q, d]; key_buf, value_buf [nkv, capacity, d]. Returns the
+// rotated queries [nh, q, d]. Multiplies and adds as torch's x * cos + cat(-x2, x1) * sin does (no fused
+// multiply-add), so keys written here equal the ones the unfused forward writes.
+torch::Tensor rope_cache(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                         torch::Tensor key_buf, torch::Tensor value_buf, int64_t nh, int64_t start) {
+  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && qkv.is_contiguous() && qkv.dim() == 2, "rope_cache: qkv fp32 [q, F]");
+  TORCH_CHECK(key_buf.is_contiguous() && value_buf.is_contiguous() && key_buf.dim() == 3, "rope_cache: buffers [kv, cap, d]");
+  const int64_t q = qkv.size(0), nkv = key_buf.size(0), cap = key_buf.size(1), d = key_buf.size(2), half = d / 2;
+  TORCH_CHECK(d % 32 == 0 && qkv.size(1) == (nh + 2 * nkv) * d, "rope_cache: head_dim a multiple of 32, qkv width");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == q && cos.size(1) == d, "rope_cache: cos/sin [q, d]");
+  TORCH_CHECK(start >= 0 && start + q <= cap, "rope_cache: rows past the buffer");
+  auto out = torch::empty({nh, q, d}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* kp = key_buf.data_ptr<float>();
+  float* vp = value_buf.data_ptr<float>();
+  const int64_t width = qkv.size(1);
+  for (int64_t i = 0; i < q; ++i) {
+    const float* row = src + i * width;
+    const float* c = cp + i * d;
+    const float* s = sp + i * d;
+    for (int64_t h = 0; h < nh + nkv; ++h) {
+      const float* x = row + h * d;
+      float* dst = h < nh ? op + (h * q + i) * d : kp + ((h - nh) * cap + start + i) * d;
+      for (int64_t t = 0; t < half; t += 16) {
+        const __m512 x1 = _mm512_loadu_ps(x + t), x2 = _mm512_loadu_ps(x + half + t);
+        _mm512_storeu_ps(dst + t, _mm512_sub_ps(_mm512_mul_ps(x1, _mm512_loadu_ps(c + t)),
+                                                _mm512_mul_ps(x2, _mm512_loadu_ps(s + t))));
+        _mm512_storeu_ps(dst + half + t, _mm512_add_ps(_mm512_mul_ps(x2, _mm512_loadu_ps(c + half + t)),
+                                                       _mm512_mul_ps(x1, _mm512_loadu_ps(s + half + t))));
+      }
+    }
+    for (int64_t h = 0; h < nkv; ++h)
+      std::memcpy(vp + (h * cap + start + i) * d, row + (nh + nkv + h) * d, d * sizeof(float));
+  }
+  return out;
+}
+
+// attention: softmax(q k^T * scale + bias) v for a few query rows over the first `length` cached keys,
+// grouped-query heads. q [nh, q, d]; key_buf, value_buf [nkv, capacity, d]; bias [q, length] additive
+// (a key with bias <= -1e30 is left out) or none: causal, row i sees keys 0 .. length - q + i. Returns
+// [q, nh * d] (the layout the output projection reads). Each row's keys are first listed in order, the
+// excluded ones left out, and every sum runs over that list, so a row's output does not depend on
+// which other rows are computed with it or where masked keys sit between its own: a token verified
+// in a tree gets the bits it gets in a plain decoding step.
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& key_buf, const torch::Tensor& value_buf,
+                        int64_t length, const c10::optional<torch::Tensor>& bias, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "attention: q fp32 [nh, q, d]");
+  TORCH_CHECK(key_buf.is_contiguous() && value_buf.is_contiguous() && key_buf.dim() == 3, "attention: buffers [kv, cap, d]");
+  const int64_t nh = q.size(0), rows = q.size(1), d = q.size(2), nkv = key_buf.size(0), cap = key_buf.size(1);
+  TORCH_CHECK(d % 16 == 0 && d <= 128 && key_buf.size(2) == d && nh % nkv == 0,
+              "attention: head_dim a multiple of 16 up to 128, heads");
+  TORCH_CHECK(length >= rows && length <= cap, "attention: length");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->is_contiguous() && bias->size(0) == rows &&
+                bias->size(1) == length, "attention: bias fp32 [q, length]");
+    bp = bias->data_ptr<float>();
+  }
+  // per row: the keys it sees, in order, and their biases
+  std::vector<int32_t> keys(rows * length);
+  std::vector<float> adds(rows * length);
+  std::vector<int64_t> counts(rows);
+  for (int64_t i = 0; i < rows; ++i) {
+    int64_t n = 0;
+    const int64_t visible = bp ? length : length - rows + i + 1;
+    for (int64_t j = 0; j < visible; ++j) {
+      const float b = bp ? bp[i * length + j] : 0.0f;
+      if (b > kMasked) {
+        keys[i * length + n] = static_cast<int32_t>(j);
+        adds[i * length + n] = b;
+        ++n;
+      }
+    }
+    counts[i] = n;
+  }
+  auto out = torch::empty({rows, nh * d}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = key_buf.data_ptr<float>();
+  const float* vp = value_buf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t group = nh / nkv, vecs = d / 16;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, nh * rows, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> score(length + 16);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t h = t / rows, i = t % rows, n = counts[i];
+      const float* qv = qp + (h * rows + i) * d;
+      const float* kh = kp + (h / group) * cap * d;
+      const float* vh = vp + (h / group) * cap * d;
+      const int32_t* idx = keys.data() + i * length;
+      const float* add = adds.data() + i * length;
+      float best = -INFINITY;
+      for (int64_t c = 0; c < n; ++c) {
+        const float* k = kh + static_cast<int64_t>(idx[c]) * d;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qv), _mm512_loadu_ps(k));
+        for (int64_t v = 1; v < vecs; ++v)
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(qv + 16 * v), _mm512_loadu_ps(k + 16 * v), acc);
+        score[c] = _mm512_reduce_add_ps(acc) * sc + add[c];
+        best = std::max(best, score[c]);
+      }
+      const __m512 top = _mm512_set1_ps(best);
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t c = 0; c < n; c += 16) {
+        const __mmask16 live = n - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - c)) - 1u);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, score.data() + c), top));
+        const __m512 kept = _mm512_maskz_mov_ps(live, e);
+        _mm512_storeu_ps(score.data() + c, kept);
+        total = _mm512_add_ps(total, kept);
+      }
+      const float inv = 1.0f / _mm512_reduce_add_ps(total);
+      __m512 acc[8];
+      for (int64_t v = 0; v < vecs; ++v) acc[v] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < n; ++c) {
+        const __m512 w = _mm512_set1_ps(score[c]);
+        const float* val = vh + static_cast<int64_t>(idx[c]) * d;
+        for (int64_t v = 0; v < vecs; ++v) acc[v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(val + 16 * v), acc[v]);
+      }
+      float* dst = op + i * nh * d + h * d;
+      const __m512 scale_out = _mm512_set1_ps(inv);
+      for (int64_t v = 0; v < vecs; ++v) _mm512_storeu_ps(dst + 16 * v, _mm512_mul_ps(acc[v], scale_out));
+    }
+  });
+  return out;
+}
+
+// silu_mul: silu(gate) * up for gate_up [rows, 2 I] (gate first): [rows, I].
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dtype() == torch::kFloat32 && gate_up.is_contiguous() && gate_up.dim() == 2 &&
+              gate_up.size(1) % 32 == 0, "silu_mul: fp32 [rows, 2 I], I a multiple of 16");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, inter}, gate_up.options());
+  const float* src = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t t = 0; t < inter; t += 16) {
+      const __m512 g = _mm512_loadu_ps(src + i * 2 * inter + t);
+      const __m512 u = _mm512_loadu_ps(src + i * 2 * inter + inter + t);
+      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      _mm512_storeu_ps(op + i * inter + t, _mm512_mul_ps(silu, u));
+    }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_linear", &stream_linear, "y = x W^T (+ b), fp32, 1-16 rows, W streamed once");
   m.def("rms_norm", &rms_norm, "Llama's RMSNorm, fp32, one pass per row");
+  m.def("rope_cache", &rope_cache, "rotary queries and keys, keys and values into the cache buffers, fp32");
+  m.def("attention", &attention, "grouped-query attention of a few rows over the cache, fp32, row-independent");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up, fp32");
 }
