@@ -316,49 +316,52 @@ class LeanDecoder:
         x = self.embed(input_ids)
         cos, sin = self.rotary(x, position_ids)  # [B, q, d]
         if self.compiled is not None and b == 1 and q_len <= STREAM_MAX_ROWS:
-            attend = self._fused_attention(cos[0].contiguous(), sin[0].contiguous(), cache,
-                                           None if attention_mask is None else attention_mask[0, 0].contiguous())
+            step = self._compiled_layer(cos[0].contiguous(), sin[0].contiguous(), cache,
+                                        None if attention_mask is None else attention_mask[0, 0].contiguous())
         else:
             if attention_mask is None and q_len > 1:
                 attention_mask = causal_bias(q_len, cache.get_seq_length(), x.dtype, x.device)
-            attend = self._attention(cos[:, None], sin[:, None], cache, attention_mask)
+            step = self._torch_layer(cos[:, None], sin[:, None], cache, attention_mask)
         aux: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = x + layer.o(attend(i, layer.qkv(self.rms_norm(x, layer.input_norm, layer.input_eps))))
-            x = x + layer.down(self.silu_mul(layer.gate_up(self.rms_norm(x, layer.post_norm, layer.post_eps))))
+            x = step(i, layer, x)
             if i in aux_layers:
-                aux[i] = x
+                aux[i] = x.clone()  # the compiled layer updates x in place
         return torch.cat([self.rms_norm(x, self.norm, self.norm_eps)] + [aux[i] for i in aux_layers], dim=-1)
 
-    def _attention(self, cos: torch.Tensor, sin: torch.Tensor, cache: StaticCache,
-                   mask: torch.Tensor | None) -> Callable[[int, torch.Tensor], torch.Tensor]:
-        """Layer i's attention by torch's operations: q/k/v [B, q, (nh + 2 nkv) d] -> [B, q, nh d]
-        (rotary, cache write, grouped-query SDPA). cos/sin [B, 1, q, d]."""
+    def _torch_layer(self, cos: torch.Tensor, sin: torch.Tensor, cache: StaticCache,
+                     mask: torch.Tensor | None) -> Callable[[int, _Layer, torch.Tensor], torch.Tensor]:
+        """Decoder layer i by torch's operations (and the compiled products and RMSNorm where they
+        run): x [B, q, H] -> x after the layer. cos/sin [B, 1, q, d]."""
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
 
-        def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-            b, q_len = qkv.shape[:2]
+        def step(i: int, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+            b, q_len = x.shape[:2]
+            qkv = layer.qkv(self.rms_norm(x, layer.input_norm, layer.input_eps))
             qk, v = qkv.view(b, q_len, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
             q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)  # queries and keys rotated together
             keys, values = cache.update(i, k, v)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nkv != nh, scale=d ** -0.5)
-            return out.transpose(1, 2).reshape(b, q_len, nh * d)
+            x = x + layer.o(out.transpose(1, 2).reshape(b, q_len, nh * d))
+            return x + layer.down(self.silu_mul(layer.gate_up(self.rms_norm(x, layer.post_norm, layer.post_eps))))
 
-        return attend
+        return step
 
-    def _fused_attention(self, cos: torch.Tensor, sin: torch.Tensor, cache: StaticCache,
-                         bias: torch.Tensor | None) -> Callable[[int, torch.Tensor], torch.Tensor]:
-        """Layer i's attention by the compiled kernels, one sequence of at most 16 rows: q/k/v
-        [1, q, (nh + 2 nkv) d] -> [1, q, nh d]. cos/sin [q, d]; ``bias`` [q, past + q] or None
-        (causal). Each row's result does not depend on the other rows or on masked keys
+    def _compiled_layer(self, cos: torch.Tensor, sin: torch.Tensor, cache: StaticCache,
+                        bias: torch.Tensor | None) -> Callable[[int, _Layer, torch.Tensor], torch.Tensor]:
+        """Decoder layer i in one call of the compiled kernels (``decoder_layer``), one sequence of at
+        most 16 rows, x [1, q, H] updated in place. cos/sin [q, d]; ``bias`` [q, past + q] or None
+        (causal). A row's result does not depend on the other rows or on masked keys
         (``eagle.kernels``), so a token verified in a tree gets the bits a plain step gives it."""
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
 
-        def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-            q_len = qkv.shape[1]
-            start = cache.reserve(i, qkv.new_empty(1, nkv, q_len, d))
-            keys, values = cache.keys[i][0], cache.values[i][0]
-            q = self.compiled.rope_cache(qkv[0], cos, sin, keys, values, nh, start)
-            return self.compiled.attention(q, keys, values, start + q_len, bias, d ** -0.5)[None]
+        def step(i: int, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+            start = cache.reserve(i, x.new_empty(1, nkv, x.shape[1], d))
+            self.compiled.decoder_layer(x[0], layer.input_norm, layer.input_eps, layer.qkv.plain_weight,
+                                        layer.qkv.bias, layer.o.plain_weight, layer.o.bias, layer.post_norm,
+                                        layer.post_eps, layer.gate_up.plain_weight, layer.gate_up.bias,
+                                        layer.down.plain_weight, layer.down.bias, cos, sin, cache.keys[i][0],
+                                        cache.values[i][0], nh, start, bias, d ** -0.5)
+            return x
 
-        return attend
+        return step

@@ -241,3 +241,10 @@ def test_lean_decoder_attention_kernel_matches_the_model_and_keeps_rows_independ
         cache.truncate(20)
         tree = lean.forward(tokens, (20 + attn.depths)[None], cache, attention_bias(attn.mask, 20, torch.float32))[0]
     assert all(torch.equal(tree[node], step) for node, step in zip([0, 1, 3, 5], steps))
+    with torch.inference_mode():  # decoder layers' outputs (EAGLE-3 features) survive the in-place layers
+        cache.truncate(20)
+        lean.forward(ids[:, 20:23], torch.arange(20, 23)[None], cache)
+        out = lean.forward(ids[:, 23:24], torch.tensor([[23]]), cache, aux_layers=(0,))[0, 0]
+        layer0 = model.model(input_ids=ids[:, :24], output_hidden_states=True).hidden_states[1][0, 23]
+    assert torch.equal(out[:128], steps[3])
+    assert torch.allclose(out[128:], layer0, atol=1e-3)  # |values| up to ~100 here
