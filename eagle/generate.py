@@ -107,13 +107,15 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
         # 2. verify the whole tree in one target forward (tree mask, positions by depth)
         attn = tree_attention(tree.parents)
         bias = attention_bias(attn.mask, past, target.dtype) if tree.size > 1 else None
-        out = target.forward(tree.tokens[None], (past + attn.depths)[None], cache, bias, aux_layers=proposer.aux_layers)
+        out = target.forward(tree.tokens[None], (past + attn.depths)[None], cache, bias,
+                             logits_from=tree.size if sampling.greedy else 0, aux_layers=proposer.aux_layers)
+        choices = target.greedy_tokens(out.hidden[0]) if sampling.greedy else None  # greedy: only the argmaxes
         forwards += 1
         clock.lap("verify")
         # 3. accept: the longest agreeing path (greedy) or lossless rejection sampling
         logits = out.logits[0]
-        if sampling.greedy:
-            acc = acceptance.greedy_tree(tree.tokens, tree.parents, attn.paths, logits.argmax(-1))
+        if choices is not None:
+            acc = acceptance.greedy_tree(tree.tokens, tree.parents, attn.paths, choices)
         elif proposal.draft_probs is not None:
             acc = acceptance.speculative_chain(tree.tokens[1:], proposal.draft_probs,
                                                logits_to_probs(logits, sampling), generator,

@@ -85,6 +85,13 @@ class Target:
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self.lean.head if self.lean is not None else self.model.get_output_embeddings())(hidden)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Features [N, H] -> the argmax of each row's logits [N] (the lean forward computes it
+        without all the fp32 logits where it can: ``eagle.lean.GreedyHead``)."""
+        if self.lean is not None:
+            return self.lean.argmax(hidden)
+        return self.lm_head(hidden).float().argmax(-1)
+
     def new_cache(self) -> Any:
         """An empty cache for ``forward``: a ``StaticCache`` for the lean forward, else a
         ``DynamicCache`` for the model's own forward."""

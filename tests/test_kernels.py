@@ -248,3 +248,34 @@ def test_lean_decoder_attention_kernel_matches_the_model_and_keeps_rows_independ
         layer0 = model.model(input_ids=ids[:, :24], output_hidden_states=True).hidden_states[1][0, 23]
     assert torch.equal(out[:128], steps[3])
     assert torch.allclose(out[128:], layer0, atol=1e-3)  # |values| up to ~100 here
+
+
+def test_greedy_head_argmax_is_the_fp32_heads_even_on_near_ties():
+    """``GreedyHead`` (bf16 logits, a bound, fp32 recomputation of the candidates) returns exactly
+    the fp32 head's argmax: on rows whose best logits are near-ties (head rows that differ in the
+    last bits, where the bf16 logits alone pick the wrong token) and exact ties (duplicate rows:
+    the first index, as argmax)."""
+    from eagle.lean import GreedyHead, cpu_has_fast_bf16
+
+    op_or_skip()
+    if not cpu_has_fast_bf16():
+        pytest.skip("GreedyHead runs where bf16 products are native")
+    gen = torch.Generator().manual_seed(7)
+    vocab, k = 3000, 96
+    w = torch.randn(vocab, k, generator=gen)
+    w[1000:1100] = w[:100] * (1 + 1e-6 * torch.randn(100, 1, generator=gen))  # near-twins of rows 0-99
+    w[2000:2100] = w[:100]  # exact twins: the first index wins
+    w[2500:2700] = w[100] + 2e-3 * torch.randn(200, k, generator=gen)  # a crowd whose order bf16 blurs
+    head = PackedLinear(w)
+    greedy = GreedyHead(head)
+    x = torch.cat([w[:100] * 3 + 0.01 * torch.randn(100, k, generator=gen),  # best logit among twins
+                   w[100] * 3 + 0.3 * torch.randn(100, k, generator=gen),  # best logit in the crowd
+                   torch.randn(60, k, generator=gen)])
+    with torch.inference_mode():
+        want = torch.cat([head(rows.contiguous()).argmax(-1) for rows in x.split(16)])
+        approx_choice = greedy.approx(x.bfloat16()).float().argmax(-1)
+        for rows in (x[:1], x[:7], x[:16], x):
+            n = rows.shape[0]
+            assert torch.equal(greedy(rows), want[:n])
+    assert (approx_choice != want).any()  # the bf16 logits alone are not enough here
+    assert (want[:100] < 1000).any() and (want[:100] >= 1000).any() and not (want[:100] >= 2000).any()
