@@ -194,6 +194,8 @@ class GreedyHead:
         floor = (approx.amax(dim=1).double() - 2 * bound).float()
         keep = approx >= floor[:, None]  # [N, V]
         tokens = keep.any(dim=0).nonzero()[:, 0]  # the union of the rows' candidates, in order
+        if tokens.shape[0] > approx.shape[1] // 8:  # flat logits: copying that many rows costs more than the head
+            return torch.cat([self.head(rows.contiguous()) for rows in x.split(STREAM_MAX_ROWS)]).argmax(dim=1)
         weight = self.head.plain_weight.index_select(0, tokens)
         bias = None if self.head.bias is None else self.head.bias.index_select(0, tokens)
         exact = torch.cat([self.head.stream_op(rows.contiguous(), weight, bias)

@@ -277,5 +277,7 @@ def test_greedy_head_argmax_is_the_fp32_heads_even_on_near_ties():
         for rows in (x[:1], x[:7], x[:16], x):
             n = rows.shape[0]
             assert torch.equal(greedy(rows), want[:n])
+        flat = torch.zeros(3, k)  # every logit 0: all are candidates, the full head decides (token 0)
+        assert torch.equal(greedy(flat), torch.zeros(3, dtype=torch.long))
     assert (approx_choice != want).any()  # the bf16 logits alone are not enough here
     assert (want[:100] < 1000).any() and (want[:100] >= 1000).any() and not (want[:100] >= 2000).any()
