@@ -59,6 +59,21 @@ def test_real_target_pld_equals_ar(smollm):
 
 
 @pytest.mark.integration
+def test_real_target_ar_equals_transformers_generate(smollm):
+    """An independent reference for greedy decoding: our `ar` (the lean forward, the compiled layer
+    and greedy head where they run) gives the tokens of transformers' own `generate()`."""
+    import torch
+
+    for prompt in ["Explain why the sky is blue in two sentences.", "Write a haiku about autumn leaves."]:
+        ids = smollm.target.encode_prompt(prompt)
+        ar = smollm.generate(prompt, method="ar", max_new_tokens=40).token_ids
+        with torch.inference_mode():
+            hf = smollm.target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                              max_new_tokens=40, do_sample=False)[0, len(ids):].tolist()
+        assert ar == hf[:len(ar)] and len(ar) > 10
+
+
+@pytest.mark.integration
 def test_real_target_prompt_errors(smollm):
     with pytest.raises(EagleError, match="empty prompt"):
         smollm.generate("")
