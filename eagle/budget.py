@@ -104,10 +104,11 @@ def non_decreasing(values: list[float]) -> list[float]:
 
 @torch.inference_mode()
 def measure_cost_curve(target: Target, sizes: tuple[int, ...] = SIZES, context: int = 128,
-                       repeats: int = 7) -> CostCurve:
-    """Time one target forward of n tree tokens after ``context`` cached tokens: ``repeats``
-    rounds over all sizes (so a slow spell of the machine touches every size alike), the median
-    per size, made non-decreasing in n (``non_decreasing``)."""
+                       repeats: int = 7, greedy: bool = False) -> CostCurve:
+    """Time one target forward of n tree tokens after ``context`` cached tokens, with what a round
+    needs of the head (``greedy``: only the argmaxes, ``Target.greedy_tokens``; else all logits):
+    ``repeats`` rounds over all sizes (so a slow spell of the machine touches every size alike),
+    the median per size, made non-decreasing in n (``non_decreasing``)."""
     from eagle import kv_cache
     from eagle.tree_mask import causal_bias
 
@@ -120,8 +121,11 @@ def measure_cost_curve(target: Target, sizes: tuple[int, ...] = SIZES, context: 
         for n in sizes:
             bias = causal_bias(n, context, target.dtype, target.device)
             start = time.perf_counter()
-            target.forward(ids[:, context:context + n], torch.arange(context, context + n, device=target.device)[None],
-                           cache, bias)
+            out = target.forward(ids[:, context:context + n],
+                                 torch.arange(context, context + n, device=target.device)[None], cache, bias,
+                                 logits_from=n if greedy else 0)
+            if greedy:
+                target.greedy_tokens(out.hidden[0])
             if target.device.type == "cuda":
                 torch.cuda.synchronize()
             if round_:
@@ -142,18 +146,21 @@ def relative_spread(times: list[float]) -> float:
 _UNCACHED: dict[str, CostCurve] = {}  # noisy curves measured by this process (not on disk)
 
 
-def cost_curve(target: Target) -> CostCurve:
-    """The cached cost curve for this target, device, dtype, thread count and kernel choice
-    (measured on a miss; kept on disk unless its timings were noisy, ``NOISY``)."""
+def cost_curve(target: Target, greedy: bool = False) -> CostCurve:
+    """The cached cost curve for this target, device, dtype, thread count, kernel choice and kind
+    of decoding (greedy rounds need only the head's argmaxes, which can cost less than its
+    logits: ``eagle.lean.GreedyHead``), measured on a miss; kept on disk unless its timings were
+    noisy (``NOISY``)."""
     key = json.dumps(["v5", target.name, target.tokenizer_fingerprint, target.hidden_size,
                       target.config.num_hidden_layers, str(target.device), str(target.dtype),
-                      torch.get_num_threads(), target.lean.kernel_choice() if target.lean is not None else "model"])
+                      torch.get_num_threads(), target.lean.kernel_choice() if target.lean is not None else "model"]
+                     + (["greedy"] if greedy else []))
     path = cache_root() / "cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     if path.is_file():
         return CostCurve(**json.loads(path.read_text()))
     if key in _UNCACHED:
         return _UNCACHED[key]
-    curve = measure_cost_curve(target)
+    curve = measure_cost_curve(target, greedy=greedy)
     if curve.spread > NOISY:
         _UNCACHED[key] = curve
     else:

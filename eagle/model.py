@@ -171,7 +171,7 @@ class EagleModel:
             if tree.total_tokens == "auto":
                 from eagle.budget import cost_curve
 
-                cost = cost_curve(self.target)
+                cost = cost_curve(self.target, greedy=sampling.greedy)
             return EagleDrafter(self._inference_copy(self.drafter, self.drafter_dtype), self.target, tree, cost=cost,
                                 lookup=self.prompt_lookup, sampling=sampling, generator=generator)
         raise EagleError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")

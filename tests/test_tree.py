@@ -156,6 +156,7 @@ def test_a_cost_step_is_seen_and_the_tree_stops_below_it(target):
     coarse = CostCurve(sizes=[1, 4, 8], seconds=[1.05, 1.05, 1.15])
     assert choose_tree_size(scores, coarse, draft_seconds=0.2).size == 8
     curve = measure_cost_curve(target, repeats=1)
+    assert measure_cost_curve(target, sizes=(1, 4), repeats=1, greedy=True).sizes == [1, 4]
     assert curve.sizes == list(SIZES) and all(s > 0 for s in curve.seconds)
     assert all(n in curve.sizes for n in range(1, 17))
 
@@ -174,8 +175,8 @@ def test_a_noisy_cost_curve_serves_its_process_but_is_not_kept_on_disk(target, t
     spreads = [0.5, 0.5, 0.01]
     measured = []
 
-    def fake_measure(t):
-        measured.append(spreads[len(measured)])
+    def fake_measure(t, greedy=False):
+        measured.append(spreads[min(len(measured), 2)])
         return budget.CostCurve(sizes=[1, 2], seconds=[1.0, 1.5], spread=measured[-1])
 
     monkeypatch.setattr(budget, "measure_cost_curve", fake_measure)
@@ -189,6 +190,8 @@ def test_a_noisy_cost_curve_serves_its_process_but_is_not_kept_on_disk(target, t
     assert steady.spread == 0.01 and len(list(tmp_path.rglob("*.json"))) == 1
     monkeypatch.setattr(budget, "_UNCACHED", {})
     assert budget.cost_curve(target) == steady and len(measured) == 3  # read back from disk
+    budget.cost_curve(target, greedy=True)  # greedy rounds have a curve of their own
+    assert len(measured) == 4 and len(list(tmp_path.rglob("*.json"))) == 2
 
 
 def test_sampled_children_are_draws_without_replacement_scored_by_rank():
