@@ -194,10 +194,12 @@ class GreedyHead:
         floor = (approx.amax(dim=1).double() - 2 * bound).float()
         keep = approx >= floor[:, None]  # [N, V]
         tokens = keep.any(dim=0).nonzero()[:, 0]  # the union of the rows' candidates, in order
-        if tokens.shape[0] > approx.shape[1] // 8:  # flat logits: copying that many rows costs more than the head
-            return torch.cat([self.head(rows.contiguous()) for rows in x.split(STREAM_MAX_ROWS)]).argmax(dim=1)
-        weight = self.head.plain_weight.index_select(0, tokens)
-        bias = None if self.head.bias is None else self.head.bias.index_select(0, tokens)
+        weight, bias = self.head.plain_weight, self.head.bias
+        if tokens.shape[0] > approx.shape[1] // 8:  # flat logits: the whole head costs less than copying the rows
+            tokens = torch.arange(approx.shape[1], device=x.device)
+        else:
+            weight = weight.index_select(0, tokens)
+            bias = None if bias is None else bias.index_select(0, tokens)
         exact = torch.cat([self.head.stream_op(rows.contiguous(), weight, bias)
                            for rows in x.split(STREAM_MAX_ROWS)])  # [N, candidates]
         return tokens[exact.masked_fill(~keep[:, tokens], -torch.inf).argmax(dim=1)]
@@ -423,9 +425,10 @@ class LeanDecoder:
         (causal). A row's result does not depend on the other rows or on masked keys
         (``eagle.kernels``), so a token verified in a tree gets the bits a plain step gives it."""
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        like = cos.new_empty(1, nkv, cos.shape[0], d)  # the shape of a layer's new keys, for the cache
 
         def step(i: int, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-            start = cache.reserve(i, x.new_empty(1, nkv, x.shape[1], d))
+            start = cache.reserve(i, like)
             self.compiled.decoder_layer(x[0], layer.input_norm, layer.input_eps, layer.qkv.plain_weight,
                                         layer.qkv.bias, layer.o.plain_weight, layer.o.bias, layer.post_norm,
                                         layer.post_eps, layer.gate_up.plain_weight, layer.gate_up.bias,

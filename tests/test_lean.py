@@ -207,33 +207,44 @@ def test_aux_layer_outputs_are_the_decoder_layers_outputs_with_either_forward(fa
     assert torch.allclose(plain.hidden, lean.hidden, atol=1e-6)
 
 
-def test_tune_kernels_takes_plain_linear_only_where_it_is_faster(monkeypatch):
-    """A fake clock where ``F.linear`` is cheaper than the packed product for 1-3 rows: those row
-    counts are computed by ``F.linear`` (same values), the others packed, for every matrix; a
-    packed-only choice drops the unpacked weight."""
+_REAL_PRODUCT = PackedLinear._product
+
+
+def fake_kernel_clock(monkeypatch, plain_cost):
+    """A fake clock for ``eagle.lean``'s timings: ``F.linear(x, w)`` advances it by
+    ``plain_cost(x, w)``, a packed product by 5. Returns the clock ([seconds])."""
     from types import SimpleNamespace
 
     import eagle.lean as lean
 
     clock = [0.0]
+
+    def plain(x, w, b=None):
+        clock[0] += plain_cost(x, w)
+        return torch.nn.functional.linear(x, w, b)
+
+    def product(self, x):
+        clock[0] += 5.0
+        return _REAL_PRODUCT(self, x)
+
+    monkeypatch.setattr(lean, "F", SimpleNamespace(linear=plain))
+    monkeypatch.setattr(PackedLinear, "_product", product)
+    monkeypatch.setattr(lean, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    return clock
+
+
+def test_tune_kernels_takes_plain_linear_only_where_it_is_faster(monkeypatch):
+    """A fake clock where ``F.linear`` is cheaper than the packed product for 1-3 rows: those row
+    counts are computed by ``F.linear`` (same values), the others packed, for every matrix; a
+    packed-only choice drops the unpacked weight."""
+    import eagle.lean as lean
+
     torch.manual_seed(0)
     lin = nn.Linear(16, 24, bias=True)
     packed, twin = PackedLinear(lin.weight, lin.bias, stream=False), PackedLinear(lin.weight * 2, lin.bias, stream=False)
     if not packed.packed:
         pytest.skip("kernels are chosen only for oneDNN's packed products (CPU)")
-    real_linear, real_product = lean.F.linear, PackedLinear._product
-
-    def plain(x, w, b=None):
-        clock[0] += 1.0 if x.shape[0] <= 3 else 9.0
-        return real_linear(x, w, b)
-
-    def product(self, x):
-        clock[0] += 5.0
-        return real_product(self, x)
-
-    monkeypatch.setattr(lean, "F", SimpleNamespace(linear=plain))
-    monkeypatch.setattr(PackedLinear, "_product", product)
-    monkeypatch.setattr(lean, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    clock = fake_kernel_clock(monkeypatch, lambda x, w: 1.0 if x.shape[0] <= 3 else 9.0)
     lean.tune_kernels([packed, twin], max_rows=6)
     assert packed.plain_rows == twin.plain_rows == frozenset({1, 2, 3})
     x = torch.randn(6, 16)
@@ -242,8 +253,7 @@ def test_tune_kernels_takes_plain_linear_only_where_it_is_faster(monkeypatch):
             before = clock[0]
             assert torch.allclose(twin(x[:n]), lin(x[:n]) + x[:n] @ lin.weight.t(), atol=1e-5)
             assert clock[0] - before == (1.0 if n <= 3 else 5.0)  # F.linear for 1-3 rows, packed after
-    monkeypatch.setattr(lean, "F", SimpleNamespace(linear=lambda x, w, b=None: (clock.__setitem__(0, clock[0] + 9.0),
-                                                                           real_linear(x, w, b))[1]))
+    fake_kernel_clock(monkeypatch, lambda x, w: 9.0)
     assert lean.tune_kernels([packed], max_rows=4) == frozenset() and packed.plain_weight is None
     assert lean.tune_kernels([packed], max_rows=4) == frozenset()  # nothing left to measure against
 
@@ -253,29 +263,20 @@ def test_tune_kernels_times_the_matrices_in_turn(monkeypatch):
     beside its packed twin) and the packed product costs the same either way: timed over the
     matrices in turn, as a forward meets them, the packed product wins; a single matrix alone
     (always hot) would have chosen ``F.linear``."""
-    from types import SimpleNamespace
-
     import eagle.lean as lean
 
-    clock, last = [0.0], [None]
+    last = [None]
     torch.manual_seed(0)
     group = [PackedLinear(torch.randn(24, 16), None, stream=False) for _ in range(3)]
     if not group[0].packed:
         pytest.skip("kernels are chosen only for oneDNN's packed products (CPU)")
-    real_linear, real_product = lean.F.linear, PackedLinear._product
 
-    def plain(x, w, b=None):
-        clock[0] += 1.0 if last[0] is w else 9.0
+    def hot_or_cold(x, w):
+        hot = last[0] is w
         last[0] = w
-        return real_linear(x, w, b)
+        return 1.0 if hot else 9.0
 
-    def product(self, x):
-        clock[0] += 5.0
-        return real_product(self, x)
-
-    monkeypatch.setattr(lean, "F", SimpleNamespace(linear=plain))
-    monkeypatch.setattr(PackedLinear, "_product", product)
-    monkeypatch.setattr(lean, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    fake_kernel_clock(monkeypatch, hot_or_cold)
     lean.tune_kernels(group, max_rows=4)
     assert all(lin.plain_rows == frozenset() and lin.plain_weight is None for lin in group)
     alone = PackedLinear(torch.randn(24, 16), None, stream=False)
