@@ -37,6 +37,7 @@ from torch import nn
 
 from eagle.kernels import STREAM_MAX_ROWS, cpu_kernels, stream_linear_op
 from eagle.kv_cache import StaticCache
+from eagle.quant import BlockCodes, block_encode
 from eagle.tree_mask import causal_bias
 
 LEAN_MODEL_TYPES = ("llama", "qwen2")
@@ -75,7 +76,8 @@ class PackedLinear(nn.Module):
     and for a wide matrix a few rows can cost less than one: on the reference machine the
     target's 49k-token head takes 3.8 ms for 1 row, 4.8 ms for 2 and 2.9 ms for 5-6."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, stream: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, stream: bool = True,
+                 encode: bool = True) -> None:
         super().__init__()
         weight = weight.detach().contiguous()
         self.packed = _onednn_usable(weight)
@@ -85,27 +87,30 @@ class PackedLinear(nn.Module):
         # fp32 on an AVX-512 CPU: 1-16 rows by the streamed kernel (``eagle.kernels``), more by oneDNN
         self.stream_op = stream_linear_op() if stream and weight.dtype == torch.float32 and (
             weight.device.type == "cpu") else None
+        # a weight that is an exact block encoding (a dequantized GGUF target's) is streamed from its
+        # codes: the same bits for a fifth of the memory traffic (``eagle.quant``)
+        self.encoded = block_encode(weight) if self.stream_op is not None and encode else None
         self.pad_rows: tuple[int, ...] = ()
         # the unpacked weight, for the streamed kernel or the row counts ``F.linear`` computes faster
         # (``tune_kernels``, below); dropped when neither uses it
-        self.plain_weight: torch.Tensor | None = weight if self.packed or self.stream_op is not None else None
+        self.plain_weight: torch.Tensor | None = weight if self.encoded is None and (
+            self.packed or self.stream_op is not None) else None
         self.plain_rows: frozenset[int] = frozenset()
 
     @classmethod
-    def fused(cls, linears: list[nn.Linear], stream: bool = True) -> "PackedLinear":
+    def fused(cls, linears: list[nn.Linear], stream: bool = True, encode: bool = True) -> "PackedLinear":
         """One matrix for several linears reading the same input; outputs concatenated."""
         biases = [lin.bias for lin in linears]
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat([b.detach() if b is not None else lin.weight.new_zeros(lin.out_features)
                               for b, lin in zip(biases, linears)])
-        return cls(torch.cat([lin.weight.detach() for lin in linears]), bias, stream)
+        return cls(torch.cat([lin.weight.detach() for lin in linears]), bias, stream, encode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if self.stream_op is not None and 0 < rows <= STREAM_MAX_ROWS:
-            out = self.stream_op(x.reshape(rows, self.in_features).contiguous(), self.plain_weight, self.bias)
-            return out.view(*x.shape[:-1], -1)
+            return self.stream(x.reshape(rows, self.in_features).contiguous()).view(*x.shape[:-1], -1)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         if rows in self.plain_rows:
@@ -114,6 +119,19 @@ class PackedLinear(nn.Module):
             flat = torch.cat([x.reshape(rows, -1), x.new_zeros(self.pad_rows[rows] - rows, self.in_features)])
             return self._product(flat)[:rows].reshape(*x.shape[:-1], -1)
         return self._product(x.contiguous())
+
+    def stream(self, x: torch.Tensor) -> torch.Tensor:
+        """The streamed kernel's product of 1-16 contiguous rows [M, in] -> [M, out], from the codes
+        where the weight has an exact block encoding (the same bits)."""
+        if self.encoded is not None:
+            return cpu_kernels().stream_linear_q(x, self.encoded.codes, self.encoded.scales, self.bias)
+        return self.stream_op(x, self.plain_weight, self.bias)
+
+    def kernel_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the compiled layer reads for this matrix: (codes, scales), or (fp32 weight, None)."""
+        if self.encoded is not None:
+            return self.encoded.codes, self.encoded.scales
+        return self.plain_weight, None
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -316,9 +334,10 @@ class LeanDecoder:
     """The target's decoder stack + LM head as a few fused operations. Rows of a batch share
     the cache length (left-pad them and mask the padding: ``eagle.batch``)."""
 
-    def __init__(self, model: Any, kernels: bool = True) -> None:
+    def __init__(self, model: Any, kernels: bool = True, encode: bool = True) -> None:
         """``kernels``: in fp32 on CPU, the compiled kernels where they run (``eagle.kernels``: 1-16
-        rows streamed, RMSNorm in one pass)."""
+        rows streamed, RMSNorm in one pass); ``encode``: with them, weights that are exact block
+        encodings (a dequantized GGUF target's) are streamed from their codes (``eagle.quant``)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")
@@ -338,21 +357,22 @@ class LeanDecoder:
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm, self.norm_eps = inner.norm.weight.detach(), inner.norm.variance_epsilon
-        self.head = PackedLinear(weight, stream=stream)
+        self.head = PackedLinear(weight, stream=stream, encode=encode)
         self.head.tune_padding()
-        # greedy decoding's argmax from a bf16 copy of the head, where bf16 products are native
-        self.greedy_head = GreedyHead(self.head) if stream and cpu_has_fast_bf16() else None
+        # greedy decoding's argmax from a bf16 copy of the head, where bf16 products are native (an
+        # encoded head streams fewer bytes than that copy: its exact logits are cheaper)
+        self.greedy_head = GreedyHead(self.head) if stream and self.head.encoded is None and cpu_has_fast_bf16() else None
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(_Layer(
                 input_norm=layer.input_layernorm.weight.detach(), input_eps=layer.input_layernorm.variance_epsilon,
-                qkv=PackedLinear.fused([attn.q_proj, attn.k_proj, attn.v_proj], stream),
-                o=PackedLinear(attn.o_proj.weight, attn.o_proj.bias, stream),
+                qkv=PackedLinear.fused([attn.q_proj, attn.k_proj, attn.v_proj], stream, encode),
+                o=PackedLinear(attn.o_proj.weight, attn.o_proj.bias, stream, encode),
                 post_norm=layer.post_attention_layernorm.weight.detach(),
                 post_eps=layer.post_attention_layernorm.variance_epsilon,
-                gate_up=PackedLinear.fused([mlp.gate_proj, mlp.up_proj], stream),
-                down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, stream)))
+                gate_up=PackedLinear.fused([mlp.gate_proj, mlp.up_proj], stream, encode),
+                down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, stream, encode)))
         tune_kernels([lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
                      + [self.head])
 
@@ -364,6 +384,10 @@ class LeanDecoder:
         first = self.layers[0]
         compiled = ("compiled kernels and attention, " if self.compiled is not None else
                     "compiled kernels, " if self.head.stream_op is not None else "")
+        coded = [lin.encoded.bits for lin in (self.head, first.qkv, first.o, first.gate_up, first.down)
+                 if lin.encoded is not None]
+        if coded:
+            compiled += f"block-coded weights {coded}, "
         return compiled + repr([sorted(lin.plain_rows) for lin in (self.head, first.qkv, first.o, first.gate_up,
                                                                    first.down)])
 
@@ -429,10 +453,10 @@ class LeanDecoder:
 
         def step(i: int, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
             start = cache.reserve(i, like)
-            self.compiled.decoder_layer(x[0], layer.input_norm, layer.input_eps, layer.qkv.plain_weight,
-                                        layer.qkv.bias, layer.o.plain_weight, layer.o.bias, layer.post_norm,
-                                        layer.post_eps, layer.gate_up.plain_weight, layer.gate_up.bias,
-                                        layer.down.plain_weight, layer.down.bias, cos, sin, cache.keys[i][0],
+            self.compiled.decoder_layer(x[0], layer.input_norm, layer.input_eps, *layer.qkv.kernel_weight(),
+                                        layer.qkv.bias, *layer.o.kernel_weight(), layer.o.bias, layer.post_norm,
+                                        layer.post_eps, *layer.gate_up.kernel_weight(), layer.gate_up.bias,
+                                        *layer.down.kernel_weight(), layer.down.bias, cos, sin, cache.keys[i][0],
                                         cache.values[i][0], nh, start, bias, d ** -0.5)
             return x
 

@@ -97,3 +97,20 @@ def prompts(n: int, vocab_size: int = 32, seed: int = 0, low: int = 1) -> list[l
         ids = torch.randint(low, vocab_size, (length,), generator=gen).tolist()
         out.append(ids + ids[: length // 2])
     return out
+
+
+def block_quantized(weight: torch.Tensor, bits: int) -> torch.Tensor:
+    """``weight`` [N, K] (K a multiple of 32) rounded as llama.cpp quantizes and gguf dequantizes it:
+    per block of 32, Q4_1 (bits 4: d = (max - min) / 15 and m = min as float16, codes 0..15) or
+    Q8_0 (bits 8: d = max|w| / 127 as float16, codes -127..127); returns the fp32 dequantized values."""
+    blocks = weight.detach().float().cpu().reshape(weight.shape[0], -1, 32)
+    if bits == 4:
+        low = blocks.amin(-1, keepdim=True)
+        d = ((blocks.amax(-1, keepdim=True) - low) / 15).half().float()
+        m = low.half().float()
+        codes = torch.round((blocks - low) / d).clamp(0, 15)
+        values = d * codes + m
+    else:
+        d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+        values = d * torch.round(blocks / d).clamp(-127, 127)
+    return values.reshape(weight.shape).to(weight.device)

@@ -281,3 +281,57 @@ def test_greedy_head_argmax_is_the_fp32_heads_even_on_near_ties():
         assert torch.equal(greedy(flat), torch.zeros(3, dtype=torch.long))
     assert (approx_choice != want).any()  # the bf16 logits alone are not enough here
     assert (want[:100] < 1000).any() and (want[:100] >= 1000).any() and not (want[:100] >= 2000).any()
+
+
+@pytest.mark.parametrize("bits,out_features,in_features", [(4, 53, 96), (8, 41, 64), (4, 7, 1536)])
+def test_stream_linear_q_gives_the_bits_of_the_fp32_kernel_on_the_decoded_weight(bits, out_features, in_features):
+    from eagle.quant import block_encode
+    from tests.conftest import block_quantized
+
+    module = module_or_skip()
+    gen = torch.Generator().manual_seed(bits * out_features)
+    w = block_quantized(torch.randn(out_features, in_features, generator=gen) * 0.2, bits)
+    encoded = block_encode(w)
+    assert encoded is not None and encoded.bits == bits
+    bias = torch.randn(out_features, generator=gen)
+    for rows in range(1, kernels.STREAM_MAX_ROWS + 1):
+        x = torch.randn(rows, in_features, generator=gen)
+        for b in (None, bias):
+            assert torch.equal(module.stream_linear_q(x, encoded.codes, encoded.scales, b), module.stream_linear(x, w, b))
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        module.stream_linear_q(torch.randn(17, in_features), encoded.codes, encoded.scales, None)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        module.stream_linear_q(torch.randn(2, in_features - 32), encoded.codes, encoded.scales, None)
+
+
+def test_lean_decoder_streams_block_coded_weights_with_the_same_bits():
+    """A target whose weights are dequantized Q4_1 (layers) and Q8_0 (head), as the default GGUF
+    target's: the forward from the codes equals the fp32 one bit for bit (decoding, a tree, the argmax)."""
+    from eagle.lean import LeanDecoder
+    from eagle.tree_mask import attention_bias, tree_attention
+    from tests.conftest import block_quantized, tiny_target
+
+    module_or_skip()
+    model = tiny_target(seed=8, hidden=128).model
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.copy_(block_quantized(p, 8 if name.startswith("lm_head") else 4))
+    coded, plain = LeanDecoder(model), LeanDecoder(model, encode=False)
+    assert coded.head.encoded.bits == 8 and all(
+        lin.encoded.bits == 4 for layer in coded.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert plain.head.encoded is None and coded.kernel_choice() != plain.kernel_choice()
+    assert coded.layers[0].qkv.plain_weight is None  # the codes replace the fp32 copy
+    ids = torch.randint(0, 32, (1, 40), generator=torch.Generator().manual_seed(2))
+    parents = torch.tensor([-1, 0, 0, 1, 2, 3, 3, 4])
+    attn = tree_attention(parents)
+    with torch.inference_mode():
+        outs = []
+        for lean in (coded, plain):
+            cache = lean.new_cache()
+            prefix = lean.forward(ids[:, :20], torch.arange(20)[None], cache)
+            steps = [lean.forward(ids[:, 20 + k:21 + k], torch.tensor([[20 + k]]), cache) for k in range(3)]
+            tree = lean.forward(ids[:, 23:31], (23 + attn.depths)[None], cache, attention_bias(attn.mask, 23, torch.float32))
+            outs.append((prefix, torch.cat(steps, 1), tree, lean.argmax(tree[0]), lean.head(tree[0])))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -70,6 +70,69 @@ void rows(const float* x, int64_t K, const float* w, int64_t N, const float* bia
   if (blocks * J < N) block<M, 1>(x, K, w, N, bias, out, blocks * J, N);
 }
 
+// The same product with W kept as its exact block encoding (eagle.quant): each block of 32 weights
+// of a row is w = fma(d, c, m) for codes c (4-bit: 0..15, 16 bytes, byte i = c[i] | c[i + 16] << 4;
+// 8-bit: -128..127, m = 0) and a (d, m) pair of fp32 scales. A weight vector is decoded to the very
+// fp32 values of W and summed in the same order as block(): the same bits, from 0.75 or 1.25 bytes
+// per weight instead of 4.
+template <int Bits>
+inline void decode(const uint8_t* codes, const float* scales, __m512& lo, __m512& hi) {
+  const __m512 d = _mm512_set1_ps(scales[0]), m = _mm512_set1_ps(scales[1]);
+  if constexpr (Bits == 4) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), m);
+    hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), m);
+  } else {
+    const __m128i* c = reinterpret_cast<const __m128i*>(codes);
+    lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c))), m);
+    hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c + 1))), m);
+  }
+}
+
+// Outputs j0..j1 (a multiple of J apart) of the M rows of x [M, K]; codes [N, K * Bits / 8],
+// scales [N, K / 32, 2]; out [M, N]. K is a multiple of 32.
+template <int Bits, int M, int J>
+void block_q(const float* x, int64_t K, const uint8_t* codes, const float* scales, int64_t N, const float* bias,
+             float* out, int64_t j0, int64_t j1) {
+  const int64_t row_bytes = K * Bits / 8, row_scales = K / 16;
+  for (int64_t j = j0; j < j1; j += J) {
+    __m512 acc[M][J];
+    for (int i = 0; i < M; ++i)
+      for (int b = 0; b < J; ++b) acc[i][b] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512 lo[J], hi[J];
+      for (int b = 0; b < J; ++b) {
+        const int64_t row = j + b;
+        decode<Bits>(codes + row * row_bytes + k * Bits / 8, scales + row * row_scales + k / 16, lo[b], hi[b]);
+        _mm_prefetch(reinterpret_cast<const char*>(codes + (row + kPrefetchRows) * row_bytes + k * Bits / 8),
+                     _MM_HINT_T0);
+      }
+      for (int i = 0; i < M; ++i) {
+        const __m512 xv = _mm512_loadu_ps(x + i * K + k);
+        for (int b = 0; b < J; ++b) acc[i][b] = _mm512_fmadd_ps(xv, lo[b], acc[i][b]);
+      }
+      for (int i = 0; i < M; ++i) {
+        const __m512 xv = _mm512_loadu_ps(x + i * K + k + 16);
+        for (int b = 0; b < J; ++b) acc[i][b] = _mm512_fmadd_ps(xv, hi[b], acc[i][b]);
+      }
+    }
+    for (int i = 0; i < M; ++i)
+      for (int b = 0; b < J; ++b)
+        out[i * N + j + b] = _mm512_reduce_add_ps(acc[i][b]) + (bias ? bias[j + b] : 0.0f);
+  }
+}
+
+template <int Bits, int M>
+void rows_q(const float* x, int64_t K, const uint8_t* codes, const float* scales, int64_t N, const float* bias,
+            float* out) {
+  constexpr int J = M <= 2 ? 4 : (M <= 6 ? 3 : (M <= 9 ? 2 : 1));
+  const int64_t blocks = N / J;
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    block_q<Bits, M, J>(x, K, codes, scales, N, bias, out, b0 * J, b1 * J);
+  });
+  if (blocks * J < N) block_q<Bits, M, 1>(x, K, codes, scales, N, bias, out, blocks * J, N);
+}
+
 }  // namespace
 
 constexpr int64_t kMaxRows = 16;  // eagle.kernels.STREAM_MAX_ROWS
@@ -102,6 +165,51 @@ torch::Tensor stream_linear(const torch::Tensor& x, const torch::Tensor& w, cons
 #undef EAGLE_ROWS
   }
   return out;
+}
+
+// stream_linear_q: stream_linear with W given by its exact block encoding (codes uint8 [N, K / 2]
+// for 4 bits or int8 [N, K] for 8 bits, scales fp32 [N, K / 32, 2]): the same outputs, bit for bit.
+torch::Tensor stream_linear_q(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                              const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && scales.dtype() == torch::kFloat32, "stream_linear_q: fp32 x and scales");
+  TORCH_CHECK(codes.dtype() == torch::kUInt8 || codes.dtype() == torch::kInt8, "stream_linear_q: uint8 or int8 codes");
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(), "stream_linear_q: CPU only");
+  TORCH_CHECK(x.is_contiguous() && codes.is_contiguous() && scales.is_contiguous() && x.dim() == 2 && codes.dim() == 2,
+              "stream_linear_q: contiguous x [M, K], codes [N, K * bits / 8], scales [N, K / 32, 2]");
+  const int bits = codes.dtype() == torch::kUInt8 ? 4 : 8;
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % 32 == 0 && codes.size(1) == K * bits / 8 && scales.numel() == N * (K / 32) * 2,
+              "stream_linear_q: shapes do not match x [M, K] with K a multiple of 32");
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, "stream_linear_q: 1 to 16 rows, got ", M);
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
+                "stream_linear_q: bias fp32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  auto out = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  switch (M) {
+#define EAGLE_ROWS(m)                                                     \
+  case m:                                                                 \
+    if (bits == 4) rows_q<4, m>(xp, K, cp, sp, N, b, op);                 \
+    else rows_q<8, m>(xp, K, cp, sp, N, b, op);                           \
+    break;
+    EAGLE_ROWS(1) EAGLE_ROWS(2) EAGLE_ROWS(3) EAGLE_ROWS(4) EAGLE_ROWS(5) EAGLE_ROWS(6) EAGLE_ROWS(7) EAGLE_ROWS(8)
+    EAGLE_ROWS(9) EAGLE_ROWS(10) EAGLE_ROWS(11) EAGLE_ROWS(12) EAGLE_ROWS(13) EAGLE_ROWS(14) EAGLE_ROWS(15)
+    EAGLE_ROWS(16)
+#undef EAGLE_ROWS
+  }
+  return out;
+}
+
+// A weight for decoder_layer: fp32 [N, K], or codes with their scales (stream_linear_q).
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scales,
+                     const c10::optional<torch::Tensor>& bias) {
+  return scales.has_value() ? stream_linear_q(x, w, *scales, bias) : stream_linear(x, w, bias);
 }
 
 // rms_norm: Llama's RMSNorm in fp32, w * (x * 1 / sqrt(mean(x^2) + eps)) per row of x [..., H], in one
@@ -316,23 +424,28 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 // decoder_layer: one Llama decoder layer for one sequence of 1-16 rows, in place on x [q, H]:
 // x += o(attention(rope(qkv(rms(x))))), then x += down(silu_mul(gate_up(rms(x)))), the same kernels
 // and sums as the separate calls (x += y gives x + y's bits), without ~20 Python calls per layer.
-// Keys and values go to rows start..start+q-1 of the buffers; bias and scale as for attention.
+// Each weight is fp32, or codes with their scales (*_s given: stream_linear_q). Keys and values go to
+// rows start..start+q-1 of the buffers; bias and scale as for attention.
 void decoder_layer(torch::Tensor x, const torch::Tensor& input_norm, double input_eps, const torch::Tensor& qkv_w,
-                   const c10::optional<torch::Tensor>& qkv_b, const torch::Tensor& o_w,
+                   const c10::optional<torch::Tensor>& qkv_s, const c10::optional<torch::Tensor>& qkv_b,
+                   const torch::Tensor& o_w, const c10::optional<torch::Tensor>& o_s,
                    const c10::optional<torch::Tensor>& o_b, const torch::Tensor& post_norm, double post_eps,
-                   const torch::Tensor& gate_up_w, const c10::optional<torch::Tensor>& gate_up_b,
-                   const torch::Tensor& down_w, const c10::optional<torch::Tensor>& down_b, const torch::Tensor& cos,
-                   const torch::Tensor& sin, torch::Tensor key_buf, torch::Tensor value_buf, int64_t nh, int64_t start,
-                   const c10::optional<torch::Tensor>& bias, double scale) {
+                   const torch::Tensor& gate_up_w, const c10::optional<torch::Tensor>& gate_up_s,
+                   const c10::optional<torch::Tensor>& gate_up_b, const torch::Tensor& down_w,
+                   const c10::optional<torch::Tensor>& down_s, const c10::optional<torch::Tensor>& down_b,
+                   const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor key_buf, torch::Tensor value_buf,
+                   int64_t nh, int64_t start, const c10::optional<torch::Tensor>& bias, double scale) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "decoder_layer: x fp32 [q, H]");
-  const torch::Tensor q = rope_cache(stream_linear(rms_norm(x, input_norm, input_eps), qkv_w, qkv_b), cos, sin,
+  const torch::Tensor q = rope_cache(linear(rms_norm(x, input_norm, input_eps), qkv_w, qkv_s, qkv_b), cos, sin,
                                      key_buf, value_buf, nh, start);
-  x.add_(stream_linear(attention(q, key_buf, value_buf, start + x.size(0), bias, scale), o_w, o_b));
-  x.add_(stream_linear(silu_mul(stream_linear(rms_norm(x, post_norm, post_eps), gate_up_w, gate_up_b)), down_w, down_b));
+  x.add_(linear(attention(q, key_buf, value_buf, start + x.size(0), bias, scale), o_w, o_s, o_b));
+  x.add_(linear(silu_mul(linear(rms_norm(x, post_norm, post_eps), gate_up_w, gate_up_s, gate_up_b)), down_w, down_s,
+                down_b));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_linear", &stream_linear, "y = x W^T (+ b), fp32, 1-16 rows, W streamed once");
+  m.def("stream_linear_q", &stream_linear_q, "stream_linear with W as exact block codes and scales: the same bits");
   m.def("rms_norm", &rms_norm, "Llama's RMSNorm, fp32, one pass per row");
   m.def("rope_cache", &rope_cache, "rotary queries and keys, keys and values into the cache buffers, fp32");
   m.def("attention", &attention, "grouped-query attention of a few rows over the cache, fp32, row-independent");

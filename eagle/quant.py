@@ -1,0 +1,74 @@
+"""Exact block encodings of fp32 weights (pure): many targets ship quantized (the default one is a
+GGUF file, Q4_1 layers and a Q8_0 embedding) and are dequantized to fp32 when loaded, so each block
+of 32 weights of a row is w = d * c + m for small integer codes c and one scale pair (d, m).
+Storing the codes and scales instead of the fp32 values lets the compiled kernel
+(``eagle.kernels``, ``stream_linear_q``) read 0.75 (4-bit) or 1.25 (8-bit) bytes per weight instead
+of 4 and decode each weight to the very same fp32 value, so every product keeps its bits.
+
+``block_encode`` finds such an encoding from the fp32 values alone and keeps it only if decoding
+reproduces every weight exactly (``decode`` is the reference; the kernel decodes with one fused
+multiply-add, which equals ``d * c + m`` here because ``d`` is a float16 value and ``d * c`` is exact
+in fp32). A matrix with a single block that does not fit stays fp32."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+BLOCK = 32
+
+
+@dataclasses.dataclass
+class BlockCodes:
+    """``codes``: 4 bits, uint8 [N, K / 2] (in each block, byte i holds code i in its low nibble and
+    code i + 16 in its high nibble), codes 0..15; or 8 bits, int8 [N, K], codes -127..127.
+    ``scales``: fp32 [N, K / 32, 2], each block's (d, m); m is 0 for 8 bits."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.codes.dtype == torch.uint8 else 8
+
+
+def decode(encoded: BlockCodes) -> torch.Tensor:
+    """The fp32 weight [N, K] an encoding stands for."""
+    codes, scales = encoded.codes, encoded.scales
+    if encoded.bits == 4:
+        halves = codes.view(codes.shape[0], -1, BLOCK // 2)
+        codes = torch.cat([halves & 15, halves >> 4], dim=-1)  # [N, K / 32, 32]
+    else:
+        codes = codes.view(codes.shape[0], -1, BLOCK)
+    values = scales[..., :1] * codes.float() + scales[..., 1:]
+    return values.reshape(codes.shape[0], -1)
+
+
+def _fit(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor, low: int, high: int) -> torch.Tensor | None:
+    """Codes [N, B, 32] with d * c + m == blocks exactly (d a float16 value, so d * c is exact), or None."""
+    codes = torch.round((blocks - m) / torch.where(d == 0, 1.0, d)).clamp(low, high)
+    return codes if torch.equal(d * codes + m, blocks) else None
+
+
+@torch.no_grad()
+def block_encode(weight: torch.Tensor) -> BlockCodes | None:
+    """An exact 4-bit affine (d * c + m, c in 0..15: GGUF's Q4_1) or 8-bit symmetric (d * c, c in
+    -127..127: Q8_0) encoding of an fp32 CPU weight [N, K] (K a multiple of 32), or None when the
+    values are not one (then the weight stays as it is)."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK or weight.device.type != "cpu":
+        return None
+    n = weight.shape[0]
+    blocks = weight.detach().reshape(n, -1, BLOCK)
+    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    d = ((high - low) / 15).half().float()
+    codes = _fit(blocks, d, low, 0, 15)
+    if codes is not None:
+        packed = codes[..., :BLOCK // 2].to(torch.uint8) | (codes[..., BLOCK // 2:].to(torch.uint8) << 4)
+        return BlockCodes(packed.reshape(n, -1).contiguous(), torch.cat([d, low], dim=-1).contiguous())
+    d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+    zero = torch.zeros_like(d)
+    codes = _fit(blocks, d, zero, -127, 127)
+    if codes is not None:
+        return BlockCodes(codes.to(torch.int8).reshape(n, -1).contiguous(), torch.cat([d, zero], dim=-1).contiguous())
+    return None
