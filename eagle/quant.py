@@ -17,6 +17,7 @@ import dataclasses
 import torch
 
 BLOCK = 32
+PROBE_ROWS = 8
 
 
 @dataclasses.dataclass
@@ -55,9 +56,16 @@ def _fit(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor, low: int, high:
 def block_encode(weight: torch.Tensor) -> BlockCodes | None:
     """An exact 4-bit affine (d * c + m, c in 0..15: GGUF's Q4_1) or 8-bit symmetric (d * c, c in
     -127..127: Q8_0) encoding of an fp32 CPU weight [N, K] (K a multiple of 32), or None when the
-    values are not one (then the weight stays as it is)."""
+    values are not one (then the weight stays as it is). A few rows are tried first, so an ordinary
+    fp32 weight is turned down after a sliver of the work."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK or weight.device.type != "cpu":
         return None
+    if weight.shape[0] > PROBE_ROWS and _encode(weight[:PROBE_ROWS]) is None:
+        return None
+    return _encode(weight)
+
+
+def _encode(weight: torch.Tensor) -> BlockCodes | None:
     n = weight.shape[0]
     blocks = weight.detach().reshape(n, -1, BLOCK)
     low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)

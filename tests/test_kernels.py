@@ -297,7 +297,8 @@ def test_stream_linear_q_gives_the_bits_of_the_fp32_kernel_on_the_decoded_weight
     for rows in range(1, kernels.STREAM_MAX_ROWS + 1):
         x = torch.randn(rows, in_features, generator=gen)
         for b in (None, bias):
-            assert torch.equal(module.stream_linear_q(x, encoded.codes, encoded.scales, b), module.stream_linear(x, w, b))
+            coded = module.stream_linear_q(x, encoded.codes, encoded.scales, b)
+            assert torch.equal(coded, module.stream_linear(x, w, b))
     with pytest.raises(RuntimeError, match="1 to 16 rows"):
         module.stream_linear_q(torch.randn(17, in_features), encoded.codes, encoded.scales, None)
     with pytest.raises(RuntimeError, match="shapes do not match"):
@@ -331,7 +332,8 @@ def test_lean_decoder_streams_block_coded_weights_with_the_same_bits():
             cache = lean.new_cache()
             prefix = lean.forward(ids[:, :20], torch.arange(20)[None], cache)
             steps = [lean.forward(ids[:, 20 + k:21 + k], torch.tensor([[20 + k]]), cache) for k in range(3)]
-            tree = lean.forward(ids[:, 23:31], (23 + attn.depths)[None], cache, attention_bias(attn.mask, 23, torch.float32))
+            bias = attention_bias(attn.mask, 23, torch.float32)
+            tree = lean.forward(ids[:, 23:31], (23 + attn.depths)[None], cache, bias)
             outs.append((prefix, torch.cat(steps, 1), tree, lean.argmax(tree[0]), lean.head(tree[0])))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
