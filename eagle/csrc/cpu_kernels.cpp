@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -137,33 +138,45 @@ void rows_q(const float* x, int64_t K, const uint8_t* codes, const float* scales
 
 constexpr int64_t kMaxRows = 16;  // eagle.kernels.STREAM_MAX_ROWS
 
-torch::Tensor stream_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "stream_linear: fp32 only");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "stream_linear: CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "stream_linear: x [M, K], w [N, K]");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "stream_linear: contiguous x and w only");
-  const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, "stream_linear: 1 to 16 rows, got ", M);
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
-                "stream_linear: bias fp32 [N]");
-    b = bias->data_ptr<float>();
-  }
-  auto out = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  switch (M) {
-#define EAGLE_ROWS(m) \
-  case m:             \
-    rows<m>(xp, K, wp, N, b, op); \
+namespace {
+
+// bias fp32 [N] -> its data, or nullptr without one.
+const float* bias_data(const c10::optional<torch::Tensor>& bias, int64_t N, const char* name) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N, name, ": bias fp32 [N]");
+  return bias->data_ptr<float>();
+}
+
+// f(std::integral_constant<int, m>()) for the row count m, 1 to kMaxRows (each a compiled kernel).
+template <typename F>
+void for_rows(int64_t m, const char* name, F&& f) {
+  TORCH_CHECK(m >= 1 && m <= kMaxRows, name, ": 1 to 16 rows, got ", m);
+  switch (m) {
+#define EAGLE_ROWS(r) \
+  case r:             \
+    f(std::integral_constant<int, r>()); \
     break;
     EAGLE_ROWS(1) EAGLE_ROWS(2) EAGLE_ROWS(3) EAGLE_ROWS(4) EAGLE_ROWS(5) EAGLE_ROWS(6) EAGLE_ROWS(7) EAGLE_ROWS(8)
     EAGLE_ROWS(9) EAGLE_ROWS(10) EAGLE_ROWS(11) EAGLE_ROWS(12) EAGLE_ROWS(13) EAGLE_ROWS(14) EAGLE_ROWS(15)
     EAGLE_ROWS(16)
 #undef EAGLE_ROWS
   }
+}
+
+}  // namespace
+
+torch::Tensor stream_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "stream_linear: fp32 only");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "stream_linear: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "stream_linear: x [M, K], w [N, K]");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "stream_linear: contiguous x and w only");
+  const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
+  const float* b = bias_data(bias, N, "stream_linear");
+  auto out = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for_rows(M, "stream_linear", [&](auto m) { rows<decltype(m)::value>(xp, K, wp, N, b, op); });
   return out;
 }
 
@@ -180,29 +193,16 @@ torch::Tensor stream_linear_q(const torch::Tensor& x, const torch::Tensor& codes
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(K % 32 == 0 && codes.size(1) == K * bits / 8 && scales.numel() == N * (K / 32) * 2,
               "stream_linear_q: shapes do not match x [M, K] with K a multiple of 32");
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, "stream_linear_q: 1 to 16 rows, got ", M);
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
-                "stream_linear_q: bias fp32 [N]");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = bias_data(bias, N, "stream_linear_q");
   auto out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  switch (M) {
-#define EAGLE_ROWS(m)                                                     \
-  case m:                                                                 \
-    if (bits == 4) rows_q<4, m>(xp, K, cp, sp, N, b, op);                 \
-    else rows_q<8, m>(xp, K, cp, sp, N, b, op);                           \
-    break;
-    EAGLE_ROWS(1) EAGLE_ROWS(2) EAGLE_ROWS(3) EAGLE_ROWS(4) EAGLE_ROWS(5) EAGLE_ROWS(6) EAGLE_ROWS(7) EAGLE_ROWS(8)
-    EAGLE_ROWS(9) EAGLE_ROWS(10) EAGLE_ROWS(11) EAGLE_ROWS(12) EAGLE_ROWS(13) EAGLE_ROWS(14) EAGLE_ROWS(15)
-    EAGLE_ROWS(16)
-#undef EAGLE_ROWS
-  }
+  for_rows(M, "stream_linear_q", [&](auto m) {
+    if (bits == 4) rows_q<4, decltype(m)::value>(xp, K, cp, sp, N, b, op);
+    else rows_q<8, decltype(m)::value>(xp, K, cp, sp, N, b, op);
+  });
   return out;
 }
 
