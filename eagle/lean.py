@@ -364,8 +364,8 @@ class LeanDecoder:
         self.head.tune_padding()
         # greedy decoding's argmax from a bf16 copy of the head, where bf16 products are native (an
         # encoded head streams fewer bytes than that copy: its exact logits are cheaper)
-        fast_bf16 = stream and self.head.encoded is None and cpu_has_fast_bf16()
-        self.greedy_head = GreedyHead(self.head) if fast_bf16 else None
+        bf16_screen = stream and self.head.encoded is None and cpu_has_fast_bf16()
+        self.greedy_head = GreedyHead(self.head) if bf16_screen else None
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
