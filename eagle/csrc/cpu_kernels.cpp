@@ -26,6 +26,16 @@ namespace {
 
 constexpr int64_t kPrefetchRows = 8;  // measured on the reference machine: 4, 8, 16, 32 rows ahead; 8 best
 
+// A vector of x held in a register for the J weight rows it meets: without this the compiler
+// reloads it from memory for each of them (an FMA with a memory operand), and with several weight
+// rows the loads, not the FMAs, bound the loop (8 rows: about 10% slower). With one weight row
+// the load is folded into the FMA as before.
+template <int J>
+inline __m512 in_register(__m512 v) {
+  if constexpr (J > 1) asm("" : "+v"(v));
+  return v;
+}
+
 // Outputs j0..j1 (a multiple of J apart) of the M rows of x [M, K]; w [N, K]; out [M, N].
 template <int M, int J>
 void block(const float* x, int64_t K, const float* w, int64_t N, const float* bias, float* out,
@@ -42,7 +52,7 @@ void block(const float* x, int64_t K, const float* w, int64_t N, const float* bi
       for (int b = 0; b < J; ++b)
         _mm_prefetch(reinterpret_cast<const char*>(w + (j + b + kPrefetchRows) * K + k), _MM_HINT_T0);
       for (int i = 0; i < M; ++i) {
-        const __m512 xv = _mm512_loadu_ps(x + i * K + k);
+        const __m512 xv = in_register<J>(_mm512_loadu_ps(x + i * K + k));
         for (int b = 0; b < J; ++b) acc[i][b] = _mm512_fmadd_ps(xv, wv[b], acc[i][b]);
       }
     }
@@ -50,7 +60,7 @@ void block(const float* x, int64_t K, const float* w, int64_t N, const float* bi
       __m512 wv[J];
       for (int b = 0; b < J; ++b) wv[b] = _mm512_maskz_loadu_ps(tail, w + (j + b) * K + whole);
       for (int i = 0; i < M; ++i) {
-        const __m512 xv = _mm512_maskz_loadu_ps(tail, x + i * K + whole);
+        const __m512 xv = in_register<J>(_mm512_maskz_loadu_ps(tail, x + i * K + whole));
         for (int b = 0; b < J; ++b) acc[i][b] = _mm512_fmadd_ps(xv, wv[b], acc[i][b]);
       }
     }
@@ -109,11 +119,11 @@ void block_q(const float* x, int64_t K, const uint8_t* codes, const float* scale
                      _MM_HINT_T0);
       }
       for (int i = 0; i < M; ++i) {
-        const __m512 xv = _mm512_loadu_ps(x + i * K + k);
+        const __m512 xv = in_register<J>(_mm512_loadu_ps(x + i * K + k));
         for (int b = 0; b < J; ++b) acc[i][b] = _mm512_fmadd_ps(xv, lo[b], acc[i][b]);
       }
       for (int i = 0; i < M; ++i) {
-        const __m512 xv = _mm512_loadu_ps(x + i * K + k + 16);
+        const __m512 xv = in_register<J>(_mm512_loadu_ps(x + i * K + k + 16));
         for (int b = 0; b < J; ++b) acc[i][b] = _mm512_fmadd_ps(xv, hi[b], acc[i][b]);
       }
     }
