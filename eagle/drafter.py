@@ -23,6 +23,7 @@ from torch import nn
 from eagle.config import from_dict
 from eagle.errors import EagleError
 from eagle.kv_cache import StaticCache
+from eagle.kernels import STREAM_MAX_ROWS, cpu_kernels
 from eagle.lean import PackedLinear, rms_norm, rotate
 from eagle.tree_mask import causal_bias
 
@@ -384,7 +385,10 @@ class LeanDrafter(nn.Module):
     and gate/up fused into one prepacked matrix each (``PackedLinear``), rotary tables computed
     once, weights cast to ``dtype``. Same ``forward`` as ``Drafter``, and the parts the tree
     proposer uses (``config``, ``draft_logits``, ``to_target_ids``, ``new_cache``). The tree's
-    drafter calls have ~10 rows, where a call's fixed cost outweighs its arithmetic."""
+    drafter calls have ~10 rows, where a call's fixed cost outweighs its arithmetic: in fp32 on
+    a CPU where the compiled kernels run (``eagle.kernels``), a call of one sequence of at most
+    16 rows runs each decoder layer in one ``decoder_layer`` call, as ``eagle.lean.LeanDecoder``
+    does for targets."""
 
     draft_logits = Drafter.draft_logits
     to_target_ids = Drafter.to_target_ids
@@ -397,7 +401,7 @@ class LeanDrafter(nn.Module):
 
         def packed(*linears: nn.Linear) -> PackedLinear:
             bias = None if linears[0].bias is None else torch.cat([lin.bias.detach().to(dtype) for lin in linears])
-            return PackedLinear(torch.cat([lin.weight.detach().to(dtype) for lin in linears]), bias)
+            return PackedLinear(torch.cat([lin.weight.detach().to(dtype) for lin in linears]), bias, encode=False)
 
         def norm(module: RMSNorm | None) -> tuple[torch.Tensor, float] | None:
             return None if module is None else (module.weight.detach().to(dtype), module.eps)
@@ -411,6 +415,9 @@ class LeanDrafter(nn.Module):
         self.lm_head = None if drafter.lm_head is None else packed(drafter.lm_head)
         self.d2t = drafter.d2t
         self._cos = self._sin = torch.empty(0, self.config.head_dim, dtype=dtype, device=drafter.fc.weight.device)
+        on_cpu = drafter.fc.weight.device.type == "cpu"
+        self.compiled = cpu_kernels() if dtype == torch.float32 and on_cpu and self.config.head_dim % 32 == 0 and (
+            self.config.head_dim <= 128) else None  # the compiled attention's head dims
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, 1, T, d] for positions [B, T], from tables grown to the largest position seen."""
@@ -434,6 +441,8 @@ class LeanDrafter(nn.Module):
         if attention_bias is None:
             attention_bias = causal_bias(t, past, x.dtype, x.device)
         cos, sin = self._rotary(positions)
+        if self.compiled is not None and cache is not None and b == 1 and t <= STREAM_MAX_ROWS:
+            return self._compiled_layers(x, cos[0, 0], sin[0, 0], cache, attention_bias[0, 0].contiguous())
         for i, layer in enumerate(self.layers):
             h = x if layer.input_norm is None else rms_norm(x, *layer.input_norm)
             qk, v = layer.qkv(h).view(b, t, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
@@ -445,4 +454,21 @@ class LeanDrafter(nn.Module):
             x = x + layer.o(out.transpose(1, 2).reshape(b, t, nh * d))
             gate, up = layer.gate_up(rms_norm(x, *layer.post_norm)).split(cfg.intermediate_size, dim=-1)
             x = x + layer.down(nn.functional.silu(gate) * up)
+        return x
+
+    def _compiled_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticCache,
+                         bias: torch.Tensor) -> torch.Tensor:
+        """The decoder layers by the compiled kernels, x [1, T, H] (fp32) updated in place and
+        returned; cos/sin [T, d]; ``bias`` [T, past + T] additive."""
+        cfg = self.config
+        like = x.new_empty(1, cfg.num_key_value_heads, x.shape[1], cfg.head_dim)  # a layer's new keys, for the cache
+        for i, layer in enumerate(self.layers):
+            start = cache.reserve(i, like)
+            norm, eps = layer.input_norm if layer.input_norm is not None else (None, 0.0)
+            self.compiled.decoder_layer(x[0], norm, eps, *layer.qkv.kernel_weight(), layer.qkv.bias,
+                                        *layer.o.kernel_weight(), layer.o.bias, *layer.post_norm,
+                                        *layer.gate_up.kernel_weight(), layer.gate_up.bias,
+                                        *layer.down.kernel_weight(), layer.down.bias, cos, sin, cache.keys[i][0],
+                                        cache.values[i][0], cfg.num_attention_heads, start, bias,
+                                        1.0 / math.sqrt(cfg.head_dim))
         return x

@@ -250,6 +250,41 @@ def test_lean_decoder_attention_kernel_matches_the_model_and_keeps_rows_independ
     assert torch.allclose(out[128:], layer0, atol=1e-3)  # |values| up to ~100 here
 
 
+def test_lean_drafter_compiled_layers_match_the_drafter_on_a_tree():
+    """An fp32 ``LeanDrafter`` (head_dim 32) runs its layers by the compiled ``decoder_layer``
+    (layer 0 without an input norm): after a cached prefix, a tree of nodes gives the predictions
+    of the plain ``Drafter`` on each node's own path; greedy eagle-tree drafted that way is ar."""
+    from eagle import EagleModel
+    from eagle.drafter import LeanDrafter
+    from eagle.tree_mask import attention_bias, tree_attention
+    from tests.conftest import prompts, tiny_drafter, tiny_target
+
+    module_or_skip()
+    target = tiny_target(seed=6, hidden=128)
+    drafter = tiny_drafter(target, num_layers=2, draft_vocab_size=8)
+    lean = LeanDrafter(drafter)
+    assert lean.compiled is not None and lean.layers[0].input_norm is None
+    gen = torch.Generator().manual_seed(2)
+    f, e = torch.randn(1, 14, 128, generator=gen), torch.randn(1, 14, 128, generator=gen)
+    parents = torch.tensor([-1, 0, 0, 1, 2, 3])  # node 5's path: 0-1-3-5
+    attn = tree_attention(parents)
+    with torch.inference_mode():
+        cache = lean.new_cache()
+        lean(f[:, :8], e[:, :8], torch.arange(8)[None], cache)
+        tree = lean(f[:, 8:], e[:, 8:], (8 + attn.depths)[None], cache, attention_bias(attn.mask, 8, torch.float32))
+        for node in (3, 4, 5):
+            path = [0, 1, 3, 5][:attn.depths[node] + 1] if node in (3, 5) else [0, 2, 4]
+            rows = list(range(8)) + [8 + p for p in path]
+            ref = drafter(f[:, rows], e[:, rows], torch.arange(len(rows))[None])[0, -1]
+            assert torch.allclose(tree[0, node], ref, atol=1e-4 * ref.abs().max().item()), node
+    assert cache.get_seq_length() == 14
+    model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=8, depth=3, top_k=2,
+                                       drafter_dtype=torch.float32)
+    for ids in prompts(4, seed=3):  # greedy eagle-tree, drafted by the compiled layers, is ar's output
+        assert model.generate(ids, method="eagle-tree", max_new_tokens=12).token_ids == \
+            model.generate(ids, method="ar", max_new_tokens=12).token_ids
+
+
 def test_greedy_head_argmax_is_the_fp32_heads_even_on_near_ties():
     """``GreedyHead`` (bf16 logits, a bound, fp32 recomputation of the candidates) returns exactly
     the fp32 head's argmax: on rows whose best logits are near-ties (head rows that differ in the

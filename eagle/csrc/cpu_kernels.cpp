@@ -434,9 +434,10 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 // decoder_layer: one Llama decoder layer for one sequence of 1-16 rows, in place on x [q, H]:
 // x += o(attention(rope(qkv(rms(x))))), then x += down(silu_mul(gate_up(rms(x)))), the same kernels
 // and sums as the separate calls (x += y gives x + y's bits), without ~20 Python calls per layer.
+// Without input_norm, qkv reads x itself (an EAGLE drafter's first layer: its input is fc's output).
 // Each weight is fp32, or codes with their scales (*_s given: stream_linear_q). Keys and values go to
 // rows start..start+q-1 of the buffers; bias and scale as for attention.
-void decoder_layer(torch::Tensor x, const torch::Tensor& input_norm, double input_eps, const torch::Tensor& qkv_w,
+void decoder_layer(torch::Tensor x, const c10::optional<torch::Tensor>& input_norm, double input_eps, const torch::Tensor& qkv_w,
                    const c10::optional<torch::Tensor>& qkv_s, const c10::optional<torch::Tensor>& qkv_b,
                    const torch::Tensor& o_w, const c10::optional<torch::Tensor>& o_s,
                    const c10::optional<torch::Tensor>& o_b, const torch::Tensor& post_norm, double post_eps,
@@ -446,8 +447,8 @@ void decoder_layer(torch::Tensor x, const torch::Tensor& input_norm, double inpu
                    const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor key_buf, torch::Tensor value_buf,
                    int64_t nh, int64_t start, const c10::optional<torch::Tensor>& bias, double scale) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "decoder_layer: x fp32 [q, H]");
-  const torch::Tensor q = rope_cache(linear(rms_norm(x, input_norm, input_eps), qkv_w, qkv_s, qkv_b), cos, sin,
-                                     key_buf, value_buf, nh, start);
+  const torch::Tensor h = input_norm.has_value() ? rms_norm(x, *input_norm, input_eps) : x;
+  const torch::Tensor q = rope_cache(linear(h, qkv_w, qkv_s, qkv_b), cos, sin, key_buf, value_buf, nh, start);
   x.add_(linear(attention(q, key_buf, value_buf, start + x.size(0), bias, scale), o_w, o_s, o_b));
   x.add_(linear(silu_mul(linear(rms_norm(x, post_norm, post_eps), gate_up_w, gate_up_s, gate_up_b)), down_w, down_s,
                 down_b));
