@@ -23,7 +23,7 @@ from torch import nn
 from eagle.config import from_dict
 from eagle.errors import EagleError
 from eagle.kv_cache import StaticCache
-from eagle.kernels import STREAM_MAX_ROWS, cpu_kernels
+from eagle.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels
 from eagle.lean import PackedLinear, rms_norm, rotate
 from eagle.tree_mask import causal_bias
 
@@ -416,8 +416,8 @@ class LeanDrafter(nn.Module):
         self.d2t = drafter.d2t
         self._cos = self._sin = torch.empty(0, self.config.head_dim, dtype=dtype, device=drafter.fc.weight.device)
         on_cpu = drafter.fc.weight.device.type == "cpu"
-        self.compiled = cpu_kernels() if dtype == torch.float32 and on_cpu and self.config.head_dim % 32 == 0 and (
-            self.config.head_dim <= 128) else None  # the compiled attention's head dims
+        self.compiled = cpu_kernels() if dtype == torch.float32 and on_cpu and attention_fits(
+            self.config.head_dim) else None
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, 1, T, d] for positions [B, T], from tables grown to the largest position seen."""
@@ -437,12 +437,13 @@ class LeanDrafter(nn.Module):
         nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         x = self.fc(fc_input(features, token_embeds, cfg))
         b, t, _ = x.shape
+        cos, sin = self._rotary(positions)
+        if self.compiled is not None and cache is not None and b == 1 and t <= STREAM_MAX_ROWS:
+            bias = None if attention_bias is None else attention_bias[0, 0].contiguous()  # None: causal
+            return self._compiled_layers(x, cos[0, 0], sin[0, 0], cache, bias)
         past = cache.get_seq_length() if cache is not None else 0
         if attention_bias is None:
             attention_bias = causal_bias(t, past, x.dtype, x.device)
-        cos, sin = self._rotary(positions)
-        if self.compiled is not None and cache is not None and b == 1 and t <= STREAM_MAX_ROWS:
-            return self._compiled_layers(x, cos[0, 0], sin[0, 0], cache, attention_bias[0, 0].contiguous())
         for i, layer in enumerate(self.layers):
             h = x if layer.input_norm is None else rms_norm(x, *layer.input_norm)
             qk, v = layer.qkv(h).view(b, t, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
@@ -457,9 +458,9 @@ class LeanDrafter(nn.Module):
         return x
 
     def _compiled_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticCache,
-                         bias: torch.Tensor) -> torch.Tensor:
+                         bias: torch.Tensor | None) -> torch.Tensor:
         """The decoder layers by the compiled kernels, x [1, T, H] (fp32) updated in place and
-        returned; cos/sin [T, d]; ``bias`` [T, past + T] additive."""
+        returned; cos/sin [T, d]; ``bias`` [T, past + T] additive, or None (causal)."""
         cfg = self.config
         like = x.new_empty(1, cfg.num_key_value_heads, x.shape[1], cfg.head_dim)  # a layer's new keys, for the cache
         for i, layer in enumerate(self.layers):

@@ -77,6 +77,12 @@ def cpu_kernels() -> Any | None:
         return None
 
 
+def attention_fits(head_dim: int) -> bool:
+    """Whether the compiled attention (``rope_cache``, ``attention``, so ``decoder_layer``) takes
+    this head dim: 32 to 128, a multiple of 32."""
+    return head_dim % 32 == 0 and head_dim <= 128
+
+
 def stream_linear_op() -> StreamOp | None:
     """``op(x [M, K], w [N, K], bias [N] | None) -> [M, N]`` for contiguous fp32 CPU tensors and
     1 <= M <= 16 (``cpu_kernels().stream_linear``), or None where the kernels cannot run here."""

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle.kernels import STREAM_MAX_ROWS, cpu_kernels, stream_linear_op
+from eagle.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels, stream_linear_op
 from eagle.kv_cache import StaticCache
 from eagle.quant import BlockCodes, block_encode
 from eagle.tree_mask import causal_bias
@@ -355,8 +355,7 @@ class LeanDecoder:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        # the compiled attention (rotary + cache write + attention) takes head dims 32-128, multiples of 32
-        self.compiled = compiled if self.head_dim % 32 == 0 and self.head_dim <= 128 else None
+        self.compiled = compiled if attention_fits(self.head_dim) else None
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm, self.norm_eps = inner.norm.weight.detach(), inner.norm.variance_epsilon

@@ -272,8 +272,7 @@ def test_lean_drafter_compiled_layers_match_the_drafter_on_a_tree():
         cache = lean.new_cache()
         lean(f[:, :8], e[:, :8], torch.arange(8)[None], cache)
         tree = lean(f[:, 8:], e[:, 8:], (8 + attn.depths)[None], cache, attention_bias(attn.mask, 8, torch.float32))
-        for node in (3, 4, 5):
-            path = [0, 1, 3, 5][:attn.depths[node] + 1] if node in (3, 5) else [0, 2, 4]
+        for node, path in {3: [0, 1, 3], 4: [0, 2, 4], 5: [0, 1, 3, 5]}.items():
             rows = list(range(8)) + [8 + p for p in path]
             ref = drafter(f[:, rows], e[:, rows], torch.arange(len(rows))[None])[0, -1]
             assert torch.allclose(tree[0, node], ref, atol=1e-4 * ref.abs().max().item()), node
