@@ -64,8 +64,10 @@ class SamplingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TreeConfig:
-    """EAGLE-2 dynamic draft tree: ``depth`` expansion steps of the ``top_k`` best frontier
-    nodes, then the best ``total_tokens`` nodes (root included) are verified in one pass.
+    """EAGLE-2 dynamic draft tree: the root's ``top_k`` children, then ``depth`` expansion steps
+    of the ``top_k`` best frontier nodes (one drafter call each), so a path holds up to
+    ``depth + 1`` draft tokens, as with EAGLE-2's ``depth``; then the best ``total_tokens`` nodes
+    (root included) are verified in one pass.
     ``total_tokens="auto"`` (the default) sizes each tree by the target's measured forward-time
     curve: about 60 nodes on a GPU, far fewer on a CPU, where every extra token costs time.
     ``lookup_tokens``: up to this many prompt-lookup draft tokens (an n-gram match in the context,
@@ -107,8 +109,8 @@ class TreeConfig:
                 raise EagleError(f"total_tokens must be a positive integer or 'auto', got {self.total_tokens!r}")
         elif self.total_tokens < 1:
             raise EagleError(f"total_tokens must be >= 1, got {self.total_tokens}")
-        if self.depth < 1:
-            raise EagleError(f"depth must be >= 1, got {self.depth}")
+        if self.depth < 0:
+            raise EagleError(f"depth must be >= 0 (0: the root's children only), got {self.depth}")
         if self.top_k < 1:
             raise EagleError(f"top_k must be >= 1, got {self.top_k}")
         if self.lookup_tokens < 0:

@@ -242,7 +242,7 @@ class EagleDrafter(Proposer):
         # a sampled tree's size with "auto", chosen before its draws (see ``propose``): at first the most
         # nodes that cost no more than one token to verify, then what the previous round's pool asked for
         self.next_size = max(n for n in cost.sizes if cost.at(n) <= 1.05 * cost.at(1)) if cost is not None else 0
-        self.next_depth = cfg.depth  # likewise its depth: one past the deepest node the previous round kept
+        self.next_depth = cfg.depth + 1  # likewise its draft levels: one past the deepest the previous round kept
 
     @torch.inference_mode()
     def _extend(self, features: torch.Tensor, next_tokens: list[int]) -> None:
@@ -298,18 +298,18 @@ class EagleDrafter(Proposer):
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         start = time.perf_counter()
         total = self.cfg.total_tokens if isinstance(self.cfg.total_tokens, int) else max_nodes
-        total, depth = min(total, max_nodes), min(self.cfg.depth, max_depth)
+        total, levels = min(total, max_nodes), min(self.cfg.depth + 1, max_depth)  # a path's most draft tokens
         self.last_expected, self.last_matches, self.drawn_from = 0.0, [], {}
-        if self.last_hidden is None or depth < 1 or total < 2:
+        if self.last_hidden is None or levels < 1 or total < 2:
             return Proposal(root_only(ids[-1], self.device))
         committed = kv_cache.cache_length(self.cache)
         calibration = min(4.0, max(0.25, self.observed / self.predicted))
         if self.draw_temperature and self.cost is not None:
-            total, depth = max(2, min(total, self.next_size)), min(depth, self.next_depth)
+            total, levels = max(2, min(total, self.next_size)), min(levels, self.next_depth)
         if self.cfg.choices:
-            tree = self._static(ids[-1], min(depth, max(len(c) for c in self.cfg.choices)), committed)
+            tree = self._static(ids[-1], min(levels, max(len(c) for c in self.cfg.choices)), committed)
         else:
-            tree = self._dynamic(ids[-1], depth, total, committed, start, calibration)
+            tree = self._dynamic(ids[-1], levels, total, committed, start, calibration)
         kv_cache.roll_back(self.cache, committed)
         drafted = tree.size  # pool nodes from the drafter; grafts come after them, so they are tried after their siblings
         tree = self._graft_lookup(ids, tree, max_depth)
@@ -369,9 +369,10 @@ class EagleDrafter(Proposer):
                                    share=not self.draw_temperature)
         return pool
 
-    def _dynamic(self, root: int, depth: int, total: int, committed: int, start: float,
+    def _dynamic(self, root: int, levels: int, total: int, committed: int, start: float,
                  calibration: float) -> DraftTree:
-        """EAGLE-2: expand the top_k best frontier nodes per depth; return the whole candidate pool.
+        """EAGLE-2: the root's top_k children, then the top_k best frontier nodes expanded per depth
+        down to ``levels`` draft tokens below the root; return the whole candidate pool.
         A frontier node outside the best ``total - 2`` nodes of the pool so far is not expanded: a
         child scores no higher than its parent and ranks after it, so none of its children could
         be among the ``total - 1`` kept (the final tree is the same, with fewer drafter rows).
@@ -393,7 +394,7 @@ class EagleDrafter(Proposer):
         ancestors = {i: [i] for i in range(1, k + 1)}  # run-this-round ancestors of a node, itself last
         cached: list[int] = []
         size = k + 1
-        for d in range(1, depth):
+        for d in range(1, levels):
             step_start = time.perf_counter()
             tokens = torch.cat(pool_tokens)[frontier]
             hidden = self._run_nodes(frontier_inputs, tokens, [ancestors[n] for n in frontier.tolist()], committed,
@@ -407,7 +408,7 @@ class EagleDrafter(Proposer):
             pool_parents.append(parents)
             pool_scores.append(flat_scores)
             best = best_frontier(flat_scores, k)
-            if d + 1 < depth:  # expand only frontier nodes that could have a kept child
+            if d + 1 < levels:  # expand only frontier nodes that could have a kept child
                 pool = torch.sort(torch.cat(pool_scores)[1:], descending=True).values
                 keep = total - 1
                 if sized:
@@ -425,17 +426,17 @@ class EagleDrafter(Proposer):
             size += flat_scores.shape[0]
         return DraftTree(torch.cat(pool_tokens), torch.cat(pool_parents), torch.cat(pool_scores))
 
-    def _static(self, root: int, depth: int, committed: int) -> DraftTree:
+    def _static(self, root: int, levels: int, committed: int) -> DraftTree:
         """EAGLE-1: fill a fixed tree shape (``choices``) with the drafter's ranked children."""
         layout = static_layout(self.cfg.choices)
-        n = int((layout.depths <= depth).sum())  # breadth-first order: shallow nodes come first
+        n = int((layout.depths <= levels).sum())  # breadth-first order: shallow nodes come first
         parents, ranks, depths = layout.parents[:n].tolist(), layout.ranks[:n].tolist(), layout.depths[:n].tolist()
         tokens, scores = [root] + [0] * (n - 1), [0.0] * n
         has_children = {p for p in parents if p >= 0}
         hidden_of = {0: self.last_hidden}
         ancestors: dict[int, list[int]] = {0: []}
         cached: list[int] = []
-        for d in range(1, depth + 1):
+        for d in range(1, levels + 1):
             level = [i for i in range(n) if depths[i] == d]
             if not level:
                 break
@@ -449,7 +450,7 @@ class EagleDrafter(Proposer):
                 tokens[i], scores[i] = int(top_tokens[row, ranks[i]]), float(top_scores[row, ranks[i]])
                 ancestors[i] = ancestors[parents[i]] + [i]
             grow = [i for i in level if i in has_children]
-            if grow and d < depth:
+            if grow and d < levels:
                 inputs = torch.stack([hidden_of[parents[i]] for i in grow])
                 hidden = self._run_nodes(inputs, torch.tensor([tokens[i] for i in grow], device=self.device),
                                          [ancestors[i] for i in grow], committed, committed + d - 1, cached)

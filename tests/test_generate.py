@@ -140,9 +140,11 @@ def test_bad_prompts_and_tree_options_are_clear_errors(model, target):
         model.generate("   ", method="ar")
     with pytest.raises(EagleError, match="context"):
         model.generate(list(range(1, 30)) * 10, method="ar")
-    for field in ("total_tokens", "depth", "top_k"):
+    for field in ("total_tokens", "top_k"):
         with pytest.raises(EagleError, match=field):
             TreeConfig(**{field: 0})
+    with pytest.raises(EagleError, match="depth"):
+        TreeConfig(depth=-1)
     with pytest.raises(EagleError, match="lookup_tokens"):
         TreeConfig(lookup_tokens=-1)
     with pytest.raises(EagleError, match="draw_temperature_scale"):

@@ -44,7 +44,7 @@ def test_lookup_rates_judge_a_draft_only_when_the_drafts_before_it_agreed():
 
 
 def test_eagle_tree_grafts_the_lookup_chain_and_learns_from_what_the_target_produced(target, drafter):
-    model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=100, depth=2, top_k=2, lookup_tokens=3)
+    model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=100, depth=1, top_k=2, lookup_tokens=3)
     ids = [7, 1, 2, 3, 4, 5, 9, 1, 2, 3]
     prefill = target_prefill(target, ids)
     proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
@@ -68,7 +68,7 @@ def test_a_sampled_tree_grafts_lookup_chains_as_new_nodes_after_the_drawn_ones(t
     depend on what was drawn), flagged as not drawn and placed after every drawn node, so the
     acceptance rule tries them after their drawn siblings; each drawn node's parent has the
     distribution it was drawn from."""
-    model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=100, depth=2, top_k=2, lookup_tokens=3)
+    model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=100, depth=1, top_k=2, lookup_tokens=3)
     ids = [7, 1, 2, 3, 4, 5, 9, 1, 2, 3]
     prefill = target_prefill(target, ids)
     proposer = model._proposer("eagle-tree", SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
@@ -124,8 +124,10 @@ def test_greedy_without_lookup_matches_ar(target, drafter):
 
 def brute_force_eagle2(proposer, ids: list[int], features: torch.Tensor, depth: int, k: int,
                        total: int) -> dict[tuple[int, ...], float]:
-    """EAGLE-2 by the paper, each node's predicted feature recomputed by running the drafter
-    causally over the context and the node's path: the kept paths -> their scores."""
+    """EAGLE-2 by its code, each node's predicted feature recomputed by running the drafter
+    causally over the context and the node's path: the root's k children, then ``depth``
+    expansions of the k best frontier nodes (paths of up to depth + 1 drafts); the kept paths
+    -> their scores."""
     drafter, target = proposer.drafter, proposer.target
 
     def predict(path: list[int], path_features: list[torch.Tensor]) -> torch.Tensor:
@@ -141,7 +143,7 @@ def brute_force_eagle2(proposer, ids: list[int], features: torch.Tensor, depth: 
 
     level = children([], [], predict([], []), 0.0)  # (path, features fed along it, score)
     pool = list(level)
-    for _ in range(1, depth):
+    for _ in range(depth):
         frontier = sorted(range(len(level)), key=lambda i: -level[i][2])[:k]  # stable: ties keep order
         level = [c for i in frontier for c in children(level[i][0], level[i][1],
                                                        predict(level[i][0], level[i][1]), level[i][2])]
@@ -175,9 +177,9 @@ def test_dynamic_tree_equals_brute_force_eagle2_and_skips_nodes_that_cannot_be_k
     assert got.keys() == want.keys()
     assert [got[p] for p in want] == pytest.approx(list(want.values()), abs=1e-4)
     if frontier_rows == "fewer":  # 4 nodes kept: some frontier nodes could not be and were not run
-        assert sum(rows) < k * (depth - 1)
+        assert sum(rows) < k * depth
     elif frontier_rows == "all":  # every node can be kept: all k frontier nodes run at every depth
-        assert rows == [k] * (depth - 1)
+        assert rows == [k] * depth
 
 
 def test_a_sampled_auto_tree_takes_the_size_chosen_before_its_draws(target, drafter, monkeypatch):
