@@ -177,6 +177,35 @@ def test_training_examples_take_the_appended_ones_plus_a_replayed_share():
         train.main.training_examples(candidates, TrainConfig(examples_from=100))
 
 
+def test_a_warm_start_takes_its_draft_vocabulary_from_draft_vocab_data(workspace, tmp_path):
+    """With ``draft_vocab_data`` a warm start's draft vocabulary is chosen anew from those chats'
+    assistant tokens (not the training features'), keeping the trained rows of the tokens it
+    keeps; without it, the same size leaves the vocabulary as it was."""
+    target = load_target(str(workspace["target"]))
+    dataset = FeatureShards(workspace["features"], target)
+    warm = Drafter.from_target(target, draft_vocab_size=8,
+                               token_counts=train.main.token_counts(dataset.examples, target.vocab_size))
+    warm.save_pretrained(tmp_path / "warm")
+    words = [f"t{i}" for i in range(20, 27)]
+    chats = tmp_path / "other.jsonl"
+    chats.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": "t5"},
+                                                           {"from": "gpt", "value": " ".join(words[i:] + words[:i])}]})
+                             + "\n" for i in range(7)))
+    base = dict(target=str(workspace["target"]), features=str(workspace["features"]), init_from=str(tmp_path / "warm"),
+                draft_vocab_size=8)
+    chosen = train.main.build_student(TrainConfig(**base, draft_vocab_data=(str(chats),)), target, dataset).module
+    picked = set(target.tokenizer.convert_ids_to_tokens(chosen.d2t.tolist()))
+    assert set(words) <= picked and not set(words) <= set(target.tokenizer.convert_ids_to_tokens(warm.d2t.tolist()))
+    for row, token in enumerate(chosen.d2t.tolist()):
+        if token in warm.d2t.tolist():
+            assert torch.equal(chosen.lm_head.weight[row], warm.lm_head.weight[warm.d2t.tolist().index(token)])
+    same = train.main.build_student(TrainConfig(**base), target, dataset).module
+    assert torch.equal(same.d2t, warm.d2t) and torch.equal(same.lm_head.weight, warm.lm_head.weight)
+    with pytest.raises(EagleError, match="draft_vocab_size"):
+        train.main.build_student(TrainConfig(**{**base, "draft_vocab_size": 0}, draft_vocab_data=(str(chats),)),
+                                 target, dataset)
+
+
 def test_loss_is_zero_for_a_perfect_prediction_and_masked():
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(2, 5, 8, generator=gen)

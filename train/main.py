@@ -20,7 +20,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -49,6 +49,9 @@ class TrainConfig:
     init_from: str = ""            # warm start: a drafter (or draft LM) folder whose weights and architecture are kept
     draft_vocab_size: int = 0      # drafter: the N most frequent assistant tokens of the data (0 = as the architecture
                                    # JSON says, or as the warm-start drafter has); a warm start keeps its trained rows
+    draft_vocab_data: tuple[str, ...] = ()  # drafter, with draft_vocab_size: chat data whose assistant tokens are
+                                   # counted instead of the training data's (e.g. all the self-distilled chats when
+                                   # training on a subset); with init_from the vocabulary is chosen anew from them
     aux_layers: tuple[int, ...] = ()  # drafter: also fuse these target layers' outputs (EAGLE-3 style; the features
                                    # must hold them: eagle-features aux_layers). With init_from, layers it lacks are
                                    # added with zero fc columns (it predicts as before until trained)
@@ -267,13 +270,17 @@ class Student:
 
 def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
     if cfg.student == "drafter":
-        if cfg.draft_vocab_size and cfg.online:
-            raise EagleError("draft_vocab_size needs stored features (it counts the tokens of the data first)")
+        if cfg.draft_vocab_data and not cfg.draft_vocab_size:
+            raise EagleError("draft_vocab_data chooses a draft vocabulary: set draft_vocab_size too")
+        if cfg.draft_vocab_size and cfg.online and not cfg.draft_vocab_data:
+            raise EagleError("draft_vocab_size needs stored features (it counts the tokens of the data first) "
+                             "or draft_vocab_data")
         if cfg.init_from:
             drafter = Drafter.from_pretrained(cfg.init_from, target=target).float().train()
-            if cfg.draft_vocab_size and cfg.draft_vocab_size != drafter.config.draft_vocab_size:
-                ids = most_frequent(token_counts(dataset, target.vocab_size), cfg.draft_vocab_size)
-                drafter = drafter.with_draft_vocab(ids, target).train()
+            if cfg.draft_vocab_size and (cfg.draft_vocab_data or cfg.draft_vocab_size != drafter.config.draft_vocab_size):
+                ids = most_frequent(vocab_counts(cfg, target, dataset), cfg.draft_vocab_size)
+                if not (drafter.d2t is not None and torch.equal(ids, drafter.d2t.to(ids.device))):
+                    drafter = drafter.with_draft_vocab(ids, target).train()
             if cfg.aux_layers and list(cfg.aux_layers[:len(drafter.config.aux_layers)]) != drafter.config.aux_layers:
                 raise EagleError(f"aux_layers {list(cfg.aux_layers)} must start with those of the warm-start drafter "
                                  f"{drafter.config.aux_layers}")
@@ -289,8 +296,8 @@ def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
                 overrides["aux_layers"] = list(cfg.aux_layers)
             if cfg.num_layers:
                 overrides["num_layers"] = cfg.num_layers
-            counts = (token_counts(dataset, target.vocab_size) if overrides.get("draft_vocab_size") and not cfg.online
-                      else None)
+            counts = (vocab_counts(cfg, target, dataset)
+                      if overrides.get("draft_vocab_size") and (cfg.draft_vocab_data or not cfg.online) else None)
             drafter = Drafter.from_target(target, token_counts=counts, **overrides).float()
         drafter.check_target(target)
         return Student(drafter, list(drafter.parameters()), "drafter", drafter.save_pretrained,
@@ -322,11 +329,22 @@ def save_atomically(save: Callable[[Path], None], directory: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def token_counts(dataset, vocab_size: int) -> torch.Tensor:
+def token_counts(examples: Iterable[dict], vocab_size: int) -> torch.Tensor:
+    """How often each token id [V] occurs on the assistant positions of tokenized ``examples``."""
     counts = torch.zeros(vocab_size)
-    for ex in dataset.examples:
-        counts += torch.bincount(ex["input_ids"][ex["loss_mask"].bool()], minlength=vocab_size)[:vocab_size].float()
+    for ex in examples:
+        ids, mask = torch.as_tensor(ex["input_ids"]), torch.as_tensor(ex["loss_mask"]).bool()
+        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size].float()
     return counts
+
+
+def vocab_counts(cfg: TrainConfig, target: Target, dataset) -> torch.Tensor:
+    """The token counts [V] a draft vocabulary is chosen from: ``draft_vocab_data``'s chats, else the training data."""
+    if not cfg.draft_vocab_data:
+        return token_counts(dataset.examples, target.vocab_size)
+    from train.data import load_all, tokenize_all
+    chats = load_all(list(cfg.draft_vocab_data)).conversations
+    return token_counts(tokenize_all(target.tokenizer, chats, cfg.max_length), target.vocab_size)
 
 
 def online_dataset(target: Target, source: str, max_length: int, aux_layers: list[int]) -> OnlineFeatures:
