@@ -64,8 +64,9 @@ def _resized_text(summary: dict) -> str:
     cfg = summary.get("config", {})
     if not (cfg.get("init_from") and cfg.get("draft_vocab_size")):
         return ""
+    source = ", ".join(f"`{s}`" for s in cfg.get("draft_vocab_data") or []) or "the data"
     return (f"\nThe warm start resized the draft vocabulary to the {cfg['draft_vocab_size']} most frequent answer tokens "
-            f"of the data (rows of tokens it already had kept, new rows mapped from the target's LM head by a "
+            f"of {source} (rows of tokens it already had kept, new rows mapped from the target's LM head by a "
             f"least-squares fit, then trained).")
 
 
