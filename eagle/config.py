@@ -93,6 +93,11 @@ class TreeConfig:
     sampled: bool = True
     draw_temperature_scale: float = 0.85
 
+    @property
+    def levels(self) -> int:
+        """The most draft tokens on a path below the root: the root's children plus ``depth`` expansions."""
+        return self.depth + 1
+
     def __post_init__(self) -> None:
         if self.choices is not None:
             object.__setattr__(self, "choices", tuple(tuple(int(r) for r in c) for c in self.choices))

@@ -166,7 +166,7 @@ class EagleModel:
                 raise EagleError(f"method {method!r} needs a drafter: pass drafter=... (--drafter)")
             tree = self.tree
             if method == "eagle-chain":
-                tree = dataclasses.replace(tree, top_k=1, total_tokens=tree.depth + 2, choices=None, lookup_tokens=0)
+                tree = dataclasses.replace(tree, top_k=1, total_tokens=tree.levels + 1, choices=None, lookup_tokens=0)
             cost = None
             if tree.total_tokens == "auto":
                 from eagle.budget import cost_curve

@@ -242,7 +242,7 @@ class EagleDrafter(Proposer):
         # a sampled tree's size with "auto", chosen before its draws (see ``propose``): at first the most
         # nodes that cost no more than one token to verify, then what the previous round's pool asked for
         self.next_size = max(n for n in cost.sizes if cost.at(n) <= 1.05 * cost.at(1)) if cost is not None else 0
-        self.next_depth = cfg.depth + 1  # likewise its draft levels: one past the deepest the previous round kept
+        self.next_depth = cfg.levels  # likewise its draft levels: one past the deepest the previous round kept
 
     @torch.inference_mode()
     def _extend(self, features: torch.Tensor, next_tokens: list[int]) -> None:
@@ -298,7 +298,7 @@ class EagleDrafter(Proposer):
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         start = time.perf_counter()
         total = self.cfg.total_tokens if isinstance(self.cfg.total_tokens, int) else max_nodes
-        total, levels = min(total, max_nodes), min(self.cfg.depth + 1, max_depth)  # a path's most draft tokens
+        total, levels = min(total, max_nodes), min(self.cfg.levels, max_depth)
         self.last_expected, self.last_matches, self.drawn_from = 0.0, [], {}
         if self.last_hidden is None or levels < 1 or total < 2:
             return Proposal(root_only(ids[-1], self.device))

@@ -55,7 +55,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         "forward of several tokens can round differently from one of a single token")
     t = parser.add_argument_group("draft tree (eagle-tree, eagle-chain)")
     t.add_argument("--total-tokens", type=total_tokens_arg, help="tree nodes verified per step (int or 'auto')")
-    t.add_argument("--depth", type=int, help="expansion steps after the root's children (EAGLE-2's depth: paths of up to depth + 1 drafts)")
+    t.add_argument("--depth", type=int,
+                   help="expansion steps after the root's children (EAGLE-2's depth: paths of up to depth + 1 drafts)")
     t.add_argument("--tree-top-k", type=int, help="frontier nodes expanded per step")
     t.add_argument("--lookup-tokens", type=int, help="prompt-lookup draft tokens grafted onto each tree (0: off)")
     t.add_argument("--topk-drafts", dest="sampled_tree", action="store_false", default=None,
