@@ -130,6 +130,32 @@ def test_features_of_several_chat_files_are_their_concatenation(workspace, tmp_p
     assert tok.decode(shards[54]["input_ids"]).count("t13 t6 t7") == 1  # the second file's last conversation is last
 
 
+def test_features_replay_a_seeded_draw_of_earlier_chats_before_the_data(workspace, tmp_path):
+    part = tmp_path / "new.jsonl"
+    part.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"t{i} t5"},
+                                                          {"from": "gpt", "value": f"t{i + 1} t6 t7"}]}) + "\n"
+                            for i in range(8, 11)))
+    common = [f"target={workspace['target']}", f"data={part}", "shard_size=4"]
+    replay = f"replay={{{workspace['data']}: 6, {part}: 2}}"
+    a = FeatureShards(build(load_config_file(FeaturesConfig, None, [*common, f"out_dir={tmp_path / 'a'}", replay,
+                                                                    "replay_seed=3"])))
+    again = FeatureShards(build(load_config_file(FeaturesConfig, None, [*common, f"out_dir={tmp_path / 'b'}", replay,
+                                                                        "replay_seed=3"])))
+    other = FeatureShards(build(load_config_file(FeaturesConfig, None, [*common, f"out_dir={tmp_path / 'c'}", replay,
+                                                                        "replay_seed=4"])))
+    assert len(a) == 6 + 2 + 3 and load_manifest(tmp_path / "a")["replayed"] == 8
+    rng, tok = random.Random(3), load_target(str(workspace["target"])).tokenizer
+    drawn = rng.sample(load_chats(str(workspace["data"])).conversations, 6) + rng.sample(load_chats(str(part)).conversations, 2)
+    expected = drawn + load_chats(str(part)).conversations  # the draw, in order, then the data
+    assert [tokenize_chat(tok, chat, 1024)["input_ids"] for chat in expected] == [ex["input_ids"].tolist() for ex in a]
+    assert [ex["input_ids"].tolist() for ex in again] == [ex["input_ids"].tolist() for ex in a]
+    assert [ex["input_ids"].tolist() for ex in other][:8] != [ex["input_ids"].tolist() for ex in a][:8]
+    with pytest.raises(EagleError, match="asks for 9 conversations"):
+        build(load_config_file(FeaturesConfig, None, [*common, f"out_dir={tmp_path / 'd'}", f"replay={{{part}: 9}}"]))
+    with pytest.raises(EagleError, match="counts >= 1"):
+        load_config_file(FeaturesConfig, None, [*common, f"replay={{{part}: 0}}"])
+
+
 def test_corrupt_shard_is_detected_and_regenerated(workspace, tmp_path):
     out = tmp_path / "features"
     cfg = FeaturesConfig(target=str(workspace["target"]), data=str(workspace["data"]), out_dir=str(out), shard_size=16)
@@ -576,6 +602,29 @@ def test_compose_prompts_fills_every_slot_distinct_and_seeded(tmp_path):
     out = tmp_path / "prompts.jsonl"  # the project's own templates, through the command line
     assert selfdistill_main(["--compose", "50", "--out", str(out)]) in (None, 0)
     assert len(read_prompts(out)) == 50
+
+
+def test_compose_excludes_prompts_of_earlier_prompt_and_chat_files(tmp_path):
+    """``--exclude`` takes prompt files and chat files (their first user turns): N prompts are still
+    composed, none of them excluded, and with nothing excluded the draw is the plain one."""
+    first = tmp_path / "first.jsonl"
+    assert selfdistill_main(["--compose", "40", "--out", str(first)]) in (None, 0)
+    earlier = [p["prompt"] for p in read_prompts(first)]
+    chats = tmp_path / "chats.jsonl"  # the last 10 as answered conversations (ShareGPT, a system turn first)
+    chats.write_text("".join(json.dumps({"conversations": [{"from": "system", "value": "Be brief."},
+                                                           {"from": "human", "value": q}, {"from": "gpt", "value": "ok"}]})
+                             + "\n" for q in earlier[30:]))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in earlier[:30]))
+    second = tmp_path / "second.jsonl"
+    assert selfdistill_main(["--compose", "40", "--out", str(second), "--exclude", str(prompts), str(chats)]) in (None, 0)
+    made = [p["prompt"] for p in read_prompts(second)]
+    assert len(set(made)) == 40 and not set(made) & set(earlier)
+    assert selfdistill.known_prompts([str(prompts), str(chats)]) == frozenset(earlier)
+    templates = {"categories": {"a": ["Say {x}."]}, "slots": {"x": ["p", "q", "r"]}}
+    assert {p["prompt"] for p in selfdistill.compose_prompts(templates, 2, 0, frozenset({"Say q."}))} == {"Say p.", "Say r."}
+    with pytest.raises(EagleError, match="only 2 distinct new prompts"):
+        selfdistill.compose_prompts(templates, 3, 0, frozenset({"Say q."}))
 
 
 def _word_runs(text: str, n: int) -> set[str]:

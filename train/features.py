@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from tqdm import tqdm
 from eagle.config import load_config_file
 from eagle.errors import EagleError, command
 from eagle.target import DEFAULT_TARGET, Target, load_target, model_features
-from train.data import load_all, tokenize_all
+from train.data import load_all, load_chats, tokenize_all
 
 MANIFEST = "manifest.json"
 
@@ -36,11 +37,29 @@ class FeaturesConfig:
     batch_tokens: int = 4096
     feature_dtype: str = "float16"
     aux_layers: tuple[int, ...] = ()  # also store these decoder layers' outputs (EAGLE-3 style fusion)
+    # earlier data replayed before `data`'s conversations: chat file -> how many of its conversations, drawn at
+    # random in the order given, all from one random.Random(replay_seed)
+    replay: dict[str, int] = dataclasses.field(default_factory=dict)
+    replay_seed: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
         if not isinstance(self.data, str):
             object.__setattr__(self, "data", tuple(self.data))
+        if not isinstance(self.replay, dict) or not all(isinstance(n, int) and n > 0 for n in self.replay.values()):
+            raise EagleError(f"replay must map chat files to counts >= 1, got {self.replay!r}")
+
+
+def replay_draw(replay: dict[str, int], seed: int) -> list[list[dict]]:
+    """``n`` conversations of each chat file of ``replay`` (file -> n), a random draw from one
+    ``random.Random(seed)`` over the files in order (so the same settings draw the same)."""
+    rng, conversations = random.Random(seed), []
+    for source, n in replay.items():
+        pool = load_chats(source).conversations
+        if n > len(pool):
+            raise EagleError(f"replay asks for {n} conversations of {source}, which holds {len(pool)}")
+        conversations.extend(rng.sample(pool, n))
+    return conversations
 
 
 def target_identity(target: Target) -> dict:
@@ -140,8 +159,8 @@ def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
     target = target or load_target(cfg.target, lean=False)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    chats = load_all(cfg.data)
-    examples = tokenize_all(target.tokenizer, chats.conversations, cfg.max_length)
+    chats, replayed = load_all(cfg.data), replay_draw(cfg.replay, cfg.replay_seed)
+    examples = tokenize_all(target.tokenizer, replayed + chats.conversations, cfg.max_length)
     identity = target_identity(target)
     manifest_path = out_dir / MANIFEST
     if manifest_path.is_file():
@@ -150,6 +169,7 @@ def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
         manifest = {"target": identity, "shards": {}}
     manifest["source"], manifest["config"] = cfg.data, dataclasses.asdict(cfg)  # data may have been appended since
     manifest["skipped"] = chats.skipped
+    manifest["replayed"] = len(replayed)
     manifest["num_examples"] = len(examples)
     dtype = getattr(torch, cfg.feature_dtype)
     shards = [examples[i:i + cfg.shard_size] for i in range(0, len(examples), cfg.shard_size)]

@@ -290,10 +290,11 @@ def answer_prompts(target: Target, prompts: list[dict], max_new_tokens: int, bat
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in new))
 
 
-def compose_prompts(templates: dict, n: int, seed: int) -> list[dict]:
+def compose_prompts(templates: dict, n: int, seed: int, exclude: frozenset[str] = frozenset()) -> list[dict]:
     """``n`` distinct prompts ``{prompt, category}`` from a templates file's ``categories`` (name ->
     list of templates with ``{slot}`` fields) and ``slots`` (slot -> values): per prompt a random
-    category, template and slot values (seeded). Fewer than ``n`` distinct ones exist: an error."""
+    category, template and slot values (seeded); a prompt in ``exclude`` (e.g. already answered for
+    an earlier stage) is drawn past, not kept. Fewer than ``n`` new distinct ones exist: an error."""
     categories, slots = templates.get("categories") or {}, templates.get("slots") or {}
     if not categories:
         raise EagleError("a templates file needs a 'categories' mapping: category -> list of templates")
@@ -301,7 +302,7 @@ def compose_prompts(templates: dict, n: int, seed: int) -> list[dict]:
     missing = sorted(fields - set(slots))
     if missing:
         raise EagleError(f"template slot(s) with no values under 'slots': {', '.join(missing)}")
-    rng, names, seen, out = random.Random(seed), sorted(categories), set(), []
+    rng, names, seen, out = random.Random(seed), sorted(categories), set(exclude), []
     for _attempt in range(50 * n):
         if len(out) == n:
             return out
@@ -311,7 +312,23 @@ def compose_prompts(templates: dict, n: int, seed: int) -> list[dict]:
         if prompt not in seen:
             seen.add(prompt)
             out.append({"prompt": prompt, "category": category})
-    raise EagleError(f"the templates give only {len(out)} distinct prompts, fewer than {n}")
+    raise EagleError(f"the templates give only {len(out)} distinct{' new' if exclude else ''} prompts, fewer than {n}")
+
+
+def known_prompts(paths: list[str]) -> frozenset[str]:
+    """The prompts of prompt files (``{prompt}`` or ``{turns}`` per line) and the first user turns
+    of chat files (ShareGPT or OpenAI records), for ``compose_prompts``'s ``exclude``."""
+    from infer.bench import read_prompts
+    from train.data import load_chats, read_records
+
+    known: set[str] = set()
+    for path in paths:
+        records, _bad = read_records(path)
+        if records and isinstance(records[0], dict) and ("prompt" in records[0] or "turns" in records[0]):
+            known.update(p["prompt"] for p in read_prompts(path))
+        else:
+            known.update(m["content"] for chat in load_chats(path).conversations for m in chat[:2] if m["role"] == "user")
+    return frozenset(known)
 
 
 @command("eagle-selfdistill")
@@ -324,6 +341,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compose", type=int, metavar="N",
                         help="instead: write N prompts composed from --templates to --out (a prompt file for --answer)")
     parser.add_argument("--templates", default="configs/selfdistill/people.yaml", help="with --compose: templates file")
+    parser.add_argument("--exclude", nargs="+", default=[], metavar="FILE",
+                        help="with --compose: never compose a prompt of these prompt or chat files (earlier stages' "
+                             "prompts or data): N new ones are drawn")
     parser.add_argument("--out", help="with --answer: the ShareGPT JSONL to write (resumed if it exists); "
                                       "with --compose: the prompt JSONL")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="with --answer: answer length")
@@ -335,7 +355,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.out:
         raise EagleError("--answer and --compose need --out (the JSONL to write)")
     if args.compose is not None:
-        prompts = compose_prompts(yaml.safe_load(Path(args.templates).read_text()), args.compose, cfg.seed)
+        prompts = compose_prompts(yaml.safe_load(Path(args.templates).read_text()), args.compose, cfg.seed,
+                                  known_prompts(args.exclude))
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts))
         return
