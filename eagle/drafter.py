@@ -25,6 +25,7 @@ from eagle.errors import EagleError
 from eagle.kv_cache import StaticCache
 from eagle.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels
 from eagle.lean import PackedLinear, rms_norm, rotate
+from eagle.quant import BLOCK, FORMATS
 from eagle.tree_mask import causal_bias
 
 FORMAT = "eagle-drafter/1"
@@ -394,14 +395,25 @@ class LeanDrafter(nn.Module):
     to_target_ids = Drafter.to_target_ids
     new_cache = Drafter.new_cache
 
-    def __init__(self, drafter: Drafter, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, drafter: Drafter, dtype: torch.dtype | None = None, quant: str | None = None) -> None:
+        """``quant``: a format of ``eagle.quant.FORMATS`` ("q8_0", "q4_1"): the matrices rounded to
+        it (lossy) and computed in fp32, read from their codes by the compiled kernels where they
+        run; a matrix whose input size is not a multiple of 32 stays as it is."""
         super().__init__()
         self.config = drafter.config
-        self.dtype = dtype = dtype or drafter.fc.weight.dtype
+        if quant is not None and quant not in FORMATS:
+            raise EagleError(f"unknown drafter quantization {quant!r}; choose from {', '.join(FORMATS)}")
+        if quant is not None and dtype not in (None, torch.float32):
+            raise EagleError(f"a {quant} drafter computes in float32, not {dtype}")
+        self.quant = quant
+        self.dtype = dtype = torch.float32 if quant else dtype or drafter.fc.weight.dtype
 
         def packed(*linears: nn.Linear) -> PackedLinear:
             bias = None if linears[0].bias is None else torch.cat([lin.bias.detach().to(dtype) for lin in linears])
-            return PackedLinear(torch.cat([lin.weight.detach().to(dtype) for lin in linears]), bias, encode=False)
+            weight = torch.cat([lin.weight.detach().to(dtype) for lin in linears])
+            if quant is not None and weight.shape[1] % BLOCK == 0:
+                return PackedLinear.quantized(weight, bias, FORMATS[quant])
+            return PackedLinear(weight, bias, encode=False)
 
         def norm(module: RMSNorm | None) -> tuple[torch.Tensor, float] | None:
             return None if module is None else (module.weight.detach().to(dtype), module.eps)

@@ -40,7 +40,7 @@ from torch import nn
 
 from eagle.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels, stream_linear_op
 from eagle.kv_cache import StaticCache
-from eagle.quant import BlockCodes, block_encode
+from eagle.quant import BlockCodes, block_encode, block_quantize, decode
 from eagle.tree_mask import causal_bias
 
 LEAN_MODEL_TYPES = ("llama", "qwen2")
@@ -109,6 +109,18 @@ class PackedLinear(nn.Module):
             bias = torch.cat([b.detach() if b is not None else lin.weight.new_zeros(lin.out_features)
                               for b, lin in zip(biases, linears)])
         return cls(torch.cat([lin.weight.detach() for lin in linears]), bias, stream, encode)
+
+    @classmethod
+    def quantized(cls, weight: torch.Tensor, bias: torch.Tensor | None, bits: int) -> "PackedLinear":
+        """``weight`` [out, in] rounded to its nearest block encoding (``eagle.quant.block_quantize``,
+        lossy: for a drafter, whose precision never changes the output), in fp32: the product of the
+        quantized weight, streamed from its codes where the compiled kernels run (1.25 or 0.75
+        bytes a weight against bf16's 2), else computed from the decoded weight."""
+        codes = block_quantize(weight.detach().float(), bits)
+        linear = cls(decode(codes), None if bias is None else bias.detach().float(), encode=False)
+        if linear.stream_op is not None:
+            linear.encoded, linear.plain_weight = codes, None
+        return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features

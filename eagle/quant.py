@@ -8,7 +8,10 @@ of 4 and decode each weight to the very same fp32 value, so every product keeps 
 ``block_encode`` finds such an encoding from the fp32 values alone and keeps it only if decoding
 reproduces every weight exactly (``decode`` is the reference; the kernel decodes with one fused
 multiply-add, which equals ``d * c + m`` here because ``d`` is a float16 value and ``d * c`` is exact
-in fp32). A matrix with a single block that does not fit stays fp32."""
+in fp32). A matrix with a single block that does not fit stays fp32.
+
+``block_quantize`` is the lossy counterpart, for weights whose precision never changes the output
+(a drafter's: the target verifies every token): the nearest encoding, which the same kernel reads."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch
 
 BLOCK = 32
 PROBE_ROWS = 8
+FORMATS = {"q8_0": 8, "q4_1": 4}  # block_quantize's formats by their GGUF names -> bits
 
 
 @dataclasses.dataclass
@@ -80,3 +84,26 @@ def _encode(weight: torch.Tensor) -> BlockCodes | None:
     if codes is not None:
         return BlockCodes(codes.to(torch.int8).reshape(n, -1).contiguous(), torch.cat([d, zero], dim=-1).contiguous())
     return None
+
+
+@torch.no_grad()
+def block_quantize(weight: torch.Tensor, bits: int) -> BlockCodes:
+    """The nearest block encoding of a weight [N, K] (K a multiple of 32), lossy: 8 bits symmetric
+    (d = max |w| / 127 per block, GGUF's Q8_0) or 4 bits affine (d = (max - min) / 15, m = min, Q4_1),
+    d and m rounded to float16 as GGUF stores them (as llama.cpp quantizes). ``decode`` of the result
+    is the quantized weight, within about d / 2 of ``weight`` (plus the float16 roundings)."""
+    if bits not in FORMATS.values() or weight.dim() != 2 or weight.shape[1] % BLOCK:
+        raise ValueError(f"block_quantize: bits 8 or 4 and a weight [N, K] with K a multiple of {BLOCK}, "
+                         f"got bits {bits} and shape {tuple(weight.shape)}")
+    n = weight.shape[0]
+    blocks = weight.detach().float().reshape(n, -1, BLOCK)
+    if bits == 8:
+        d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+        codes = torch.round(blocks / torch.where(d == 0, 1.0, d)).clamp(-127, 127)
+        return BlockCodes(codes.to(torch.int8).reshape(n, -1).contiguous(),
+                          torch.cat([d, torch.zeros_like(d)], dim=-1).contiguous())
+    low = blocks.amin(-1, keepdim=True)
+    d, m = ((blocks.amax(-1, keepdim=True) - low) / 15).half().float(), low.half().float()
+    codes = torch.round((blocks - m) / torch.where(d == 0, 1.0, d)).clamp(0, 15).to(torch.uint8)
+    packed = codes[..., :BLOCK // 2] | (codes[..., BLOCK // 2:] << 4)
+    return BlockCodes(packed.reshape(n, -1).contiguous(), torch.cat([d, m], dim=-1).contiguous())

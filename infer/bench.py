@@ -365,7 +365,8 @@ def main(argv: list[str] | None = None) -> None:
         config = {k: v for k, v in vars(args).items()}
         config.update(methods=methods, command=command, tree=dataclasses.asdict(model.tree),
                       prompt_lookup=dataclasses.asdict(model.prompt_lookup),
-                      drafter_dtype=str(model.drafter_dtype).replace("torch.", ""))
+                      drafter_dtype=str(model.drafter_dtype).replace("torch.", ""),
+                      drafter_quant=model.drafter_quant or "none")
         report = dict(config=config, machine=info, prompts=len(prompts), methods=summary,
                       records=[{k: v for k, v in r.items() if k != "token_ids"} for r in records])
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ from typing import Any, NoReturn, TextIO
 from eagle.config import SamplingConfig
 from eagle.errors import EagleError, command
 from eagle.model import METHODS
+from eagle.quant import FORMATS
 from eagle.target import DEFAULT_TARGET
 
 PROG = "eagle-generate"
@@ -67,6 +68,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--drafter-dtype", choices=DTYPES, default="auto",
                    help="what the drafter and sd's draft LM compute in (default auto: bf16 on a CPU with native "
                         "bf16 for an fp32 target, else the target's dtype); output is the target's either way")
+    t.add_argument("--drafter-quant", choices=("auto", "none") + tuple(FORMATS), default="auto",
+                   help="the EAGLE drafter's weights rounded to 8-bit (q8_0) or 4-bit (q4_1) blocks, computed in fp32 "
+                        "(default auto: q8_0 for an fp32 target on a CPU where the compiled kernels run, unless "
+                        "--drafter-dtype is given); output is the target's either way")
     s = parser.add_argument_group("speculative sampling (sd)")
     s.add_argument("--gamma", type=int, help="draft tokens per step")
     s.add_argument("--lenience", type=float, help="< 1 accepts more drafts (lossy); 1 is exact")
@@ -118,7 +123,8 @@ def load_model(args: argparse.Namespace) -> Any:
         args.target, drafter=args.drafter, draft_model=args.draft_model, device=args.device, dtype=dtype,
         total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k, lookup_tokens=args.lookup_tokens,
         sampled_tree=args.sampled_tree, draw_temperature_scale=args.draw_temperature_scale, gamma=args.gamma,
-        lenience=args.lenience, adaptive_gamma=args.adaptive_gamma, drafter_dtype=drafter_dtype)
+        lenience=args.lenience, adaptive_gamma=args.adaptive_gamma, drafter_dtype=drafter_dtype,
+        drafter_quant=None if args.drafter_quant == "auto" else args.drafter_quant)
 
 
 def check_method(model: Any, method: str) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from eagle.drafter import Drafter
 from eagle.lean import lean_decoder
+from eagle.quant import block_quantize, decode
 from eagle.target import Target
 
 
@@ -100,17 +101,6 @@ def prompts(n: int, vocab_size: int = 32, seed: int = 0, low: int = 1) -> list[l
 
 
 def block_quantized(weight: torch.Tensor, bits: int) -> torch.Tensor:
-    """``weight`` [N, K] (K a multiple of 32) rounded as llama.cpp quantizes and gguf dequantizes it:
-    per block of 32, Q4_1 (bits 4: d = (max - min) / 15 and m = min as float16, codes 0..15) or
-    Q8_0 (bits 8: d = max|w| / 127 as float16, codes -127..127); returns the fp32 dequantized values."""
-    blocks = weight.detach().float().cpu().reshape(weight.shape[0], -1, 32)
-    if bits == 4:
-        low = blocks.amin(-1, keepdim=True)
-        d = ((blocks.amax(-1, keepdim=True) - low) / 15).half().float()
-        m = low.half().float()
-        codes = torch.round((blocks - low) / d).clamp(0, 15)
-        values = d * codes + m
-    else:
-        d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
-        values = d * torch.round(blocks / d).clamp(-127, 127)
-    return values.reshape(weight.shape).to(weight.device)
+    """``weight`` [N, K] (K a multiple of 32) rounded as llama.cpp quantizes and gguf dequantizes it
+    (Q4_1 for bits 4, Q8_0 for bits 8: ``eagle.quant.block_quantize``); the fp32 dequantized values."""
+    return decode(block_quantize(weight.detach().float().cpu(), bits)).to(weight.device)

@@ -104,7 +104,7 @@ def test_bench_writes_the_report(saved, tmp_path, capsys):
     data = json.loads(report.read_text())
     assert data["prompts"] == 3 and data["config"]["max_new_tokens"] == 16
     assert data["config"]["tree"]["lookup_tokens"] == 4 and data["config"]["prompt_lookup"]["max_ngram"] == 3
-    assert data["config"]["drafter_dtype"] == "float32"
+    assert data["config"]["drafter_dtype"] == "float32" and data["config"]["drafter_quant"] == "none"
     assert list(data["methods"]) == ["hf", "ar", "pld", "eagle-tree"]
     for name, m in data["methods"].items():
         assert m["tokens_per_second"] > 0 and m["mean_accept_length"] >= 1

@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -130,6 +132,42 @@ def test_lean_drafter_computes_what_the_drafter_does(target, layers, draft_vocab
     with torch.inference_mode():
         out = half(f.bfloat16(), e.bfloat16(), pos)
     assert out.dtype == torch.bfloat16 and (out.float() - whole).norm() < 0.15 * whole.norm()  # bf16: ~3 digits
+
+
+@pytest.mark.parametrize("quant, bits", [("q8_0", 8), ("q4_1", 4)])
+def test_a_quantized_lean_drafter_computes_the_drafter_with_quantized_weights(target, quant, bits):
+    """``LeanDrafter(quant=...)``: each matrix rounded to the block format (``block_quantize``), the
+    rest (norms) as they are, computed in fp32: the plain ``Drafter`` with those weights, in one
+    call and cached in two; a format that is not one, or another dtype, is refused."""
+    from eagle.quant import block_quantize, decode
+
+    drafter = tiny_drafter(target, num_layers=2, draft_vocab_size=8)
+    rounded = copy.deepcopy(drafter).float()
+    with torch.no_grad():
+        for module in rounded.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(decode(block_quantize(module.weight.cpu(), bits)).to(module.weight.device))
+    lean = LeanDrafter(drafter, quant=quant)
+    assert lean.dtype == torch.float32 and lean.quant == quant
+    dev = target.device
+    gen = torch.Generator().manual_seed(0)
+    f, e = torch.randn(1, 9, 32, generator=gen).to(dev), torch.randn(1, 9, 32, generator=gen).to(dev)
+    pos = torch.arange(9, device=dev)[None]
+    with torch.inference_mode():
+        ref, plain = rounded(f, e, pos), drafter.float()(f, e, pos)
+        torch.testing.assert_close(lean(f, e, pos), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        cache = lean.new_cache()
+        lean(f[:, :5], e[:, :5], pos[:, :5], cache)
+        torch.testing.assert_close(lean(f[:, 5:], e[:, 5:], pos[:, 5:], cache), ref[:, 5:], rtol=1e-4,
+                                   atol=1e-4 * ref.abs().max().item())
+        h = ref[0, :3]
+        torch.testing.assert_close(lean.draft_logits(h, target.lm_head), rounded.draft_logits(h, target.lm_head),
+                                   rtol=1e-4, atol=1e-3)
+    assert not torch.allclose(ref, plain, atol=1e-4 * ref.abs().max().item())  # the rounding is real
+    with pytest.raises(EagleError, match="unknown drafter quantization"):
+        LeanDrafter(drafter, quant="q5_k")
+    with pytest.raises(EagleError, match="computes in float32"):
+        LeanDrafter(drafter, torch.bfloat16, quant=quant)
 
 
 def test_appended_layers_start_as_the_drafter_they_extend(target):

@@ -227,3 +227,29 @@ def test_the_drafter_runs_in_bf16_on_a_cpu_that_multiplies_bf16_natively(target,
     monkeypatch.setattr(model_module, "cpu_has_fast_bf16", lambda: False)
     assert model_module.default_drafter_dtype(target) == torch.float32
     assert EagleModel(target).drafter_dtype == torch.float32
+
+
+def test_the_drafter_is_quantized_to_8_bits_where_the_compiled_kernels_run(target, drafter, monkeypatch):
+    """By default an fp32 target on a CPU with the compiled kernels drafts with a q8_0 drafter (not
+    when a drafter dtype is asked for, nor where the kernels do not run); "none" turns it off; the
+    output is the target's with each format."""
+    from eagle import model as model_module
+
+    if target.device.type != "cpu":
+        pytest.skip("the drafter's quantization on a CPU")
+    monkeypatch.setattr(model_module, "stream_linear_op", lambda: object())
+    assert EagleModel(target).drafter_quant == "q8_0"
+    assert EagleModel(target, drafter_dtype=torch.bfloat16).drafter_quant is None
+    assert EagleModel(target, drafter_quant="none").drafter_quant is None
+    monkeypatch.setattr(model_module, "stream_linear_op", lambda: None)
+    assert EagleModel(target).drafter_quant is None
+    with pytest.raises(EagleError, match="unknown drafter quantization 'q3'"):
+        EagleModel(target, drafter_quant="q3")
+    for quant in ("q8_0", "q4_1"):
+        model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=12, depth=4, top_k=3,
+                                           drafter_quant=quant)
+        proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
+        assert proposer.drafter.quant == quant and proposer.dtype == torch.float32
+        for ids in prompts(6, seed=4):
+            assert model.generate(ids, method="eagle-tree", max_new_tokens=24).token_ids == \
+                model.generate(ids, method="ar", max_new_tokens=24).token_ids

@@ -413,13 +413,16 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
     assert "50 prompts; prompt-lookup chains of up to 10 tokens grafted on): mean accepted length\n**3.25**" in card
     assert "fc 2H -> H," in card and "stored as float16, computed from `data/a.jsonl`, `data/b.jsonl`." in card
     drafter.with_aux_layers([0]).save_pretrained(tmp_path / "fused")  # an EAGLE-3 style fusing drafter says so
-    (tmp_path / "feat1.json").write_text(json.dumps({**records["feat.json"], "source": "data/one.jsonl"}))
+    (tmp_path / "feat1.json").write_text(json.dumps({**records["feat.json"], "source": "data/one.jsonl",
+                                                    "config": {**records["feat.json"]["config"],
+                                                               "replay": {"data/old.jsonl": 40, "data/b.jsonl": 8}}}))
     assert card_main(["--drafter", str(tmp_path / "fused"), "--selfdistill", str(tmp_path / "sd.json"),
                       "--features", str(tmp_path / "feat1.json"), "--summary", str(tmp_path / "summary.json"),
                       "--bench", str(tmp_path / "bench.json"), "--train-config", "run.yaml"]) == 0
     fused_card = (tmp_path / "fused" / "README.md").read_text()
     assert "fc 3H -> H: it also fuses the outputs of target layers 0, EAGLE-3 style" in fused_card
-    assert "computed from `data/one.jsonl`." in fused_card  # a manifest of one chat file names it as a string
+    assert "computed from `data/one.jsonl`, after conversations replayed from earlier data (a seeded random draw: " \
+           "40 of `data/old.jsonl`, 8 of `data/b.jsonl`)." in fused_card  # one chat file named as a string; a replay
     # a draft LM's card, from the same kind of records
     from eagle import draft_lm
 

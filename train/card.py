@@ -92,10 +92,16 @@ Features for the last run: {features['num_examples']} examples, {features['token
 
 def _sources_text(features: dict) -> str:
     """The chat files the last run's features were computed from, when the manifest names them
-    (``source``: one path, or a list of them)."""
+    (``source``: one path, or a list of them), after the conversations replayed from earlier ones
+    (the features config's ``replay``)."""
     sources = features.get("source") or []
     sources = [sources] if isinstance(sources, str) else sources
-    return f", computed from {', '.join(f'`{s}`' for s in sources)}" if sources else ""
+    text = f", computed from {', '.join(f'`{s}`' for s in sources)}" if sources else ""
+    replay = features.get("config", {}).get("replay") or {}
+    if replay:
+        draws = ", ".join(f"{n} of `{path}`" for path, n in replay.items())
+        text += f", after conversations replayed from earlier data (a seeded random draw: {draws})"
+    return text
 
 
 def _bench_table(bench: dict) -> str:
