@@ -114,11 +114,16 @@ def test_feature_shards_round_trip_and_refuse_other_targets(workspace, tmp_path)
         FeatureShards(workspace["features"], other)
 
 
-def test_features_of_several_chat_files_are_their_concatenation(workspace, tmp_path):
-    part = tmp_path / "more.jsonl"
-    part.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"t{i} t5"},
+def numbered_chats(path: Path, numbers: range) -> Path:
+    """A ShareGPT chat file: per number i, "t{i} t5" answered "t{i + 1} t6 t7"."""
+    path.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"t{i} t5"},
                                                           {"from": "gpt", "value": f"t{i + 1} t6 t7"}]}) + "\n"
-                            for i in range(8, 13)))
+                            for i in numbers))
+    return path
+
+
+def test_features_of_several_chat_files_are_their_concatenation(workspace, tmp_path):
+    part = numbered_chats(tmp_path / "more.jsonl", range(8, 13))
     common = [f"target={workspace['target']}", f"out_dir={tmp_path / 'f'}", "shard_size=16"]
     build(load_config_file(FeaturesConfig, None, [*common, f"data=[{workspace['data']}]"]))
     cfg = load_config_file(FeaturesConfig, None, [*common, f"data=[{workspace['data']}, {part}]"])
@@ -131,18 +136,15 @@ def test_features_of_several_chat_files_are_their_concatenation(workspace, tmp_p
 
 
 def test_features_replay_a_seeded_draw_of_earlier_chats_before_the_data(workspace, tmp_path):
-    part = tmp_path / "new.jsonl"
-    part.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"t{i} t5"},
-                                                          {"from": "gpt", "value": f"t{i + 1} t6 t7"}]}) + "\n"
-                            for i in range(8, 11)))
+    part = numbered_chats(tmp_path / "new.jsonl", range(8, 11))
     common = [f"target={workspace['target']}", f"data={part}", "shard_size=4"]
-    replay = f"replay={{{workspace['data']}: 6, {part}: 2}}"
-    a = FeatureShards(build(load_config_file(FeaturesConfig, None, [*common, f"out_dir={tmp_path / 'a'}", replay,
-                                                                    "replay_seed=3"])))
-    again = FeatureShards(build(load_config_file(FeaturesConfig, None, [*common, f"out_dir={tmp_path / 'b'}", replay,
-                                                                        "replay_seed=3"])))
-    other = FeatureShards(build(load_config_file(FeaturesConfig, None, [*common, f"out_dir={tmp_path / 'c'}", replay,
-                                                                        "replay_seed=4"])))
+
+    def features(out: str, seed: int) -> FeatureShards:
+        replay = f"replay={{{workspace['data']}: 6, {part}: 2}}"
+        return FeatureShards(build(load_config_file(FeaturesConfig, None, [*common, f"out_dir={tmp_path / out}", replay,
+                                                                           f"replay_seed={seed}"])))
+
+    a, again, other = features("a", 3), features("b", 3), features("c", 4)
     assert len(a) == 6 + 2 + 3 and load_manifest(tmp_path / "a")["replayed"] == 8
     rng, tok = random.Random(3), load_target(str(workspace["target"])).tokenizer
     drawn = rng.sample(load_chats(str(workspace["data"])).conversations, 6) + rng.sample(load_chats(str(part)).conversations, 2)
