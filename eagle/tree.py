@@ -88,34 +88,38 @@ def subtree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, k
     return DraftTree(tokens=tokens[kept], parents=new_parents, scores=scores[kept])
 
 
-def graft_chain(tree: DraftTree, chain: torch.Tensor, chain_scores: torch.Tensor, at: int = 0,
-                share: bool = True) -> DraftTree:
-    """Hang a chain of draft tokens from node ``at`` of a candidate pool (e.g. a prompt-lookup
-    draft onto the drafter's tree), sharing the nodes the two agree on.
+def graft_chains(tree: DraftTree, chains: Sequence[tuple[Sequence[int], Sequence[float], int]],
+                 share: bool = True) -> DraftTree:
+    """Hang chains of draft tokens from nodes of a candidate pool (prompt-lookup drafts onto the
+    drafter's tree), one after another, sharing the nodes they agree on.
 
     ``tree``: a pool as ``kept_nodes`` takes it (index 0 the root, parents[i] < i, children score no
-    higher than parents); ``chain`` [C] tokens; ``chain_scores`` [C] non-increasing cumulative
-    log-probabilities, none above node ``at``'s score. Walking down from ``at``, a chain token that
+    higher than parents); each chain ``(tokens [C], offsets [C], at)``: its token j is scored node
+    ``at``'s score (as the chains before left it) plus ``offsets[j]``, offsets non-increasing and
+    <= 0 (cumulative log-probabilities below ``at``). Walking down from ``at``, a chain token that
     is already a child of the current node reuses it (its score becomes the higher of the two),
     the rest are appended in order. The result is a pool of the same form holding every path of
-    ``tree`` plus the path to ``at`` followed by every prefix of ``chain``, with no two siblings
-    sharing a token. With ``share=False`` the whole chain is appended as new nodes (no existing
+    ``tree`` plus the path to each ``at`` followed by every prefix of its chain, with no two
+    siblings sharing a token. With ``share=False`` every chain is appended as new nodes (no existing
     node's score changes; a chain token may repeat a sibling's: for drawn siblings, whose scores
-    must not depend on which tokens were drawn)."""
+    must not depend on which tokens were drawn). One pass over plain lists for all chains."""
     tokens, parents, scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
     children: dict[tuple[int, int], int] = (
         {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if p >= 0} if share else {})
-    node = at
-    for token, score in zip(chain.tolist(), chain_scores.tolist()):
-        child = children.get((node, token))
-        if child is None:
-            child = children[(node, token)] = len(tokens)
-            tokens.append(token)
-            parents.append(node)
-            scores.append(score)
-        else:
-            scores[child] = max(scores[child], score)
-        node = child
+    for chain, offsets, at in chains:
+        node, base = at, scores[at]
+        for token, offset in zip(chain, offsets):
+            child = children.get((node, token)) if share else None
+            if child is None:
+                child = len(tokens)
+                if share:
+                    children[(node, token)] = child
+                tokens.append(token)
+                parents.append(node)
+                scores.append(base + offset)
+            else:
+                scores[child] = max(scores[child], base + offset)
+            node = child
     device = tree.tokens.device
     return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
                      parents=torch.tensor(parents, dtype=torch.long, device=device),

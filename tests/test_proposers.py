@@ -30,6 +30,30 @@ def test_prompt_lookup_takes_the_longest_then_most_recent_match():
     assert prompt_lookup([1, 2, 3, 1, 2, 3], cfg, 0) == LookupMatch([], 0)
 
 
+def test_prompt_lookup_is_the_brute_force_search():
+    """The word search equals a plain scan (longest n-gram first, most recent earlier match), on
+    random contexts over small vocabularies (many matches) and ids past 255 (multi-byte words, so
+    byte-level matches that straddle tokens must be skipped)."""
+    import random
+
+    def scan(ids: list[int], cfg: PromptLookupConfig, limit: int) -> LookupMatch:
+        for n in range(cfg.max_ngram, cfg.min_ngram - 1, -1):
+            for start in range(len(ids) - n - 1, -1, -1) if limit > 0 and len(ids) > n else ():
+                if ids[start:start + n] == ids[-n:]:
+                    return LookupMatch(ids[start + n:start + n + limit], n)
+        return LookupMatch([], 0)
+
+    rng = random.Random(0)
+    for trial in range(3000):
+        cfg = PromptLookupConfig(max_ngram=rng.randint(1, 4), min_ngram=1)
+        vocab = rng.choice([2, 5, 300, 70000, 2 ** 31 - 1])
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+        if trial % 3 == 0:  # the same tokens as 256-multiples and their bytes: byte matches across words
+            ids = [rng.choice([0, 1, 256, 65536, 257]) for _ in range(rng.randint(1, 30))]
+        limit = rng.randint(0, 6)
+        assert prompt_lookup(ids, cfg, limit) == scan(ids, cfg, limit), (ids, cfg, limit)
+
+
 def test_lookup_rates_judge_a_draft_only_when_the_drafts_before_it_agreed():
     rates = LookupRates(max_ngram=3)
     match = LookupMatch([4, 5, 6, 7], 2)
@@ -40,7 +64,7 @@ def test_lookup_rates_judge_a_draft_only_when_the_drafts_before_it_agreed():
     rates.update(LookupMatch([8], 1), [3])
     assert rates.first[1] == [1.0, 3.0] and rates.first[3] == [1.0, 2.0]
     want = [math.log(3 / 4) + i * math.log(2 / 4) for i in range(4)]
-    assert rates.scores(match).tolist() == pytest.approx(want)
+    assert rates.scores(match) == pytest.approx(want)
 
 
 def test_eagle_tree_grafts_the_lookup_chain_and_learns_from_what_the_target_produced(target, drafter):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from eagle.tree import DraftTree, best_frontier, chain_tree, graft_chain, kept_nodes, static_layout, subtree, topk_children
+from eagle.tree import DraftTree, best_frontier, chain_tree, graft_chains, kept_nodes, static_layout, subtree, topk_children
 from eagle.tree_mask import ancestor_mask
 
 
@@ -47,7 +47,7 @@ def token_paths(tokens, parents):
     return paths
 
 
-def test_graft_chain_adds_exactly_the_chain_prefixes_below_its_node_and_keeps_a_pool():
+def test_graft_chains_adds_exactly_the_chain_prefixes_below_its_node_and_keeps_a_pool():
     gen = torch.Generator().manual_seed(1)
     for trial in range(60):
         n = 1 + trial % 15
@@ -64,7 +64,7 @@ def test_graft_chain_adds_exactly_the_chain_prefixes_below_its_node_and_keeps_a_
         chain = torch.randint(0, 4, (1 + trial % 5,), generator=gen)
         chain_scores = scores[at] - torch.rand(chain.shape[0], generator=gen).cumsum(0)
         pool = DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores))
-        out = graft_chain(pool, chain, chain_scores, at=at)
+        out = graft_chains(pool, [(chain.tolist(), (chain_scores - scores[at]).tolist(), at)])
         before = token_paths(tokens, parents)
         after = token_paths(out.tokens.tolist(), out.parents.tolist())
         prefixes = {before[at] + tuple(chain[:d].tolist()): float(chain_scores[d - 1])
@@ -79,6 +79,14 @@ def test_graft_chain_adds_exactly_the_chain_prefixes_below_its_node_and_keeps_a_
             assert out.scores[i].item() == pytest.approx(want)
             if i:
                 assert out.scores[i] <= out.scores[out.parents[i]] + 1e-6  # kept_nodes' precondition still holds
+        # several chains in one call: as grafting them one after another (the second at a node the first made)
+        second = (torch.randint(0, 4, (3,), generator=gen).tolist(), [-0.5, -0.7, -1.5], out.size - 1)
+        both = graft_chains(pool, [(chain.tolist(), (chain_scores - scores[at]).tolist(), at), second])
+        one_by_one = graft_chains(out, [second])
+        assert torch.equal(both.tokens, one_by_one.tokens) and torch.equal(both.parents, one_by_one.parents)
+        assert torch.allclose(both.scores, one_by_one.scores)
+        apart = graft_chains(pool, [(chain.tolist(), [0.0] * chain.shape[0], 0)] * 2, share=False)
+        assert apart.size == pool.size + 2 * chain.shape[0]  # share=False: always new nodes
 
 
 def test_best_frontier_is_stable():
