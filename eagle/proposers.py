@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from eagle import kv_cache
-from eagle.budget import CostCurve, choose_tree_size, deeper_pays
+from eagle.budget import CostCurve, TreeChoice, choose_tree_size, deeper_pays
 from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
 from eagle.drafter import LeanDrafter
 from eagle.errors import EagleError
@@ -381,8 +381,9 @@ class EagleDrafter(Proposer):
         child scores no higher than its parent and ranks after it, so none of its children could
         be among the ``total - 1`` kept (the final tree is the same, with fewer drafter rows).
         With ``total_tokens="auto"`` the size is the one with the most expected tokens per second
-        so far, and the tree stops growing once another depth cannot pay for its drafter call
-        (``deeper_pays``). Not so for drawn children: a node's own draw shapes the scores below it,
+        so far (for the root's children, before any of their children is drafted, as if each had one
+        as likely as itself), and the tree stops growing once another depth cannot pay for its
+        drafter call (``deeper_pays``). Not so for drawn children: a node's own draw shapes the scores below it,
         so a size or a stop chosen from them would make whether a drawn node is kept depend on its
         own token and bias it; with a fixed size only nodes that outrank a node (never its own
         subtree) decide whether it is kept."""
@@ -394,11 +395,16 @@ class EagleDrafter(Proposer):
         pool_parents = [torch.tensor([-1], device=self.device), torch.zeros(k, dtype=torch.long, device=self.device)]
         pool_scores = [torch.zeros(1, device=self.device), child_scores[0]]
         frontier = torch.arange(1, k + 1, device=self.device)  # pool indices
-        frontier_inputs = self.last_hidden[None].expand(k, -1)
+        if levels > 1:  # the root's children too: expand only those that could have a kept child (auto sizing,
+            # which cannot see their children yet, sizes as if each had one as likely as itself)
+            pool = pool_scores + [child_scores[0]] if sized else pool_scores
+            floor, _ = self._expansion_floor(pool, total, sized, start, calibration)
+            frontier = frontier[child_scores[0] >= floor] if floor is not None else frontier[:0]
+        frontier_inputs = self.last_hidden[None].expand(frontier.shape[0], -1)
         ancestors = {i: [i] for i in range(1, k + 1)}  # run-this-round ancestors of a node, itself last
         cached: list[int] = []
         size = k + 1
-        for d in range(1, levels):
+        for d in range(1, levels if frontier.shape[0] else 1):
             step_start = time.perf_counter()
             tokens = torch.cat(pool_tokens)[frontier]
             hidden = self._run_nodes(frontier_inputs, tokens, [ancestors[n] for n in frontier.tolist()], committed,
@@ -413,13 +419,8 @@ class EagleDrafter(Proposer):
             pool_scores.append(flat_scores)
             best = best_frontier(flat_scores, k)
             if d + 1 < levels:  # expand only frontier nodes that could have a kept child
-                pool = torch.sort(torch.cat(pool_scores)[1:], descending=True).values
-                keep = total - 1
-                if sized:
-                    choice = choose_tree_size(pool, self.cost, time.perf_counter() - start, calibration)
-                    keep = min(keep, choice.size - 1)
-                rank = min(keep - 1, pool.shape[0])  # a kept child ranks below its parent: parent in the top keep - 1
-                best = best[flat_scores[best] >= pool[rank - 1]] if rank > 0 else best[:0]
+                floor, choice = self._expansion_floor(pool_scores, total, sized, start, calibration)
+                best = best[flat_scores[best] >= floor] if floor is not None else best[:0]
                 if best.shape[0] == 0 or sized and not deeper_pays(
                         flat_scores[best], choice.tokens_per_second, time.perf_counter() - step_start, calibration):
                     break
@@ -429,6 +430,20 @@ class EagleDrafter(Proposer):
             frontier = best + size
             size += flat_scores.shape[0]
         return DraftTree(torch.cat(pool_tokens), torch.cat(pool_parents), torch.cat(pool_scores))
+
+    def _expansion_floor(self, pool_scores: list[torch.Tensor], total: int, sized: bool, start: float,
+                         calibration: float) -> tuple[float | None, TreeChoice | None]:
+        """The lowest score a pool node can have and still get a kept child, or None when none can
+        (a child scores no higher than its parent and ranks after it, so its parent must be among the
+        best ``keep - 1`` of the pool ``pool_scores`` [M] in pieces, root first), ``keep`` being
+        ``total - 1`` or, ``sized``, the size ``auto`` chooses for the pool so far; and that choice."""
+        pool = torch.sort(torch.cat(pool_scores)[1:], descending=True).values
+        keep, choice = total - 1, None
+        if sized:
+            choice = choose_tree_size(pool, self.cost, time.perf_counter() - start, calibration)
+            keep = min(keep, choice.size - 1)
+        rank = min(keep - 1, pool.shape[0])
+        return (float(pool[rank - 1]) if rank > 0 else None), choice
 
     def _static(self, root: int, levels: int, committed: int) -> DraftTree:
         """EAGLE-1: fill a fixed tree shape (``choices``) with the drafter's ranked children."""

@@ -176,7 +176,7 @@ def brute_force_eagle2(proposer, ids: list[int], features: torch.Tensor, depth: 
     return {tuple(pool[i][0]): pool[i][2] for i in kept}
 
 
-@pytest.mark.parametrize("total, frontier_rows", [(3, None), (5, "fewer"), (7, None), (9, None), (12, None),
+@pytest.mark.parametrize("total, frontier_rows", [(3, "first"), (5, "fewer"), (7, None), (9, None), (12, None),
                                                   (40, "all")])
 def test_dynamic_tree_equals_brute_force_eagle2_and_skips_nodes_that_cannot_be_kept(target, total, frontier_rows):
     """With a flat draft distribution (no weight scaling) deep and shallow nodes compete."""
@@ -200,6 +200,8 @@ def test_dynamic_tree_equals_brute_force_eagle2_and_skips_nodes_that_cannot_be_k
     want = brute_force_eagle2(proposer, ids, prefill.hidden[0], depth, k, total)
     assert got.keys() == want.keys()
     assert [got[p] for p in want] == pytest.approx(list(want.values()), abs=1e-4)
+    if frontier_rows == "first":  # 2 nodes kept: only the best of the root's children can have a kept child
+        assert rows[0] == 1
     if frontier_rows == "fewer":  # 4 nodes kept: some frontier nodes could not be and were not run
         assert sum(rows) < k * depth
     elif frontier_rows == "all":  # every node can be kept: all k frontier nodes run at every depth
