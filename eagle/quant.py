@@ -76,8 +76,7 @@ def _encode(weight: torch.Tensor) -> BlockCodes | None:
     d = ((high - low) / 15).half().float()
     codes = _fit(blocks, d, low, 0, 15)
     if codes is not None:
-        packed = codes[..., :BLOCK // 2].to(torch.uint8) | (codes[..., BLOCK // 2:].to(torch.uint8) << 4)
-        return BlockCodes(packed.reshape(n, -1).contiguous(), torch.cat([d, low], dim=-1).contiguous())
+        return BlockCodes(_nibbles(codes), torch.cat([d, low], dim=-1).contiguous())
     d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
     zero = torch.zeros_like(d)
     codes = _fit(blocks, d, zero, -127, 127)
@@ -104,6 +103,11 @@ def block_quantize(weight: torch.Tensor, bits: int) -> BlockCodes:
                           torch.cat([d, torch.zeros_like(d)], dim=-1).contiguous())
     low = blocks.amin(-1, keepdim=True)
     d, m = ((blocks.amax(-1, keepdim=True) - low) / 15).half().float(), low.half().float()
-    codes = torch.round((blocks - m) / torch.where(d == 0, 1.0, d)).clamp(0, 15).to(torch.uint8)
-    packed = codes[..., :BLOCK // 2] | (codes[..., BLOCK // 2:] << 4)
-    return BlockCodes(packed.reshape(n, -1).contiguous(), torch.cat([d, m], dim=-1).contiguous())
+    codes = torch.round((blocks - m) / torch.where(d == 0, 1.0, d)).clamp(0, 15)
+    return BlockCodes(_nibbles(codes), torch.cat([d, m], dim=-1).contiguous())
+
+
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K / 32, 32] (0..15, any dtype) -> uint8 [N, K / 2] as ``BlockCodes`` packs them."""
+    codes = codes.to(torch.uint8)
+    return (codes[..., :BLOCK // 2] | (codes[..., BLOCK // 2:] << 4)).reshape(codes.shape[0], -1).contiguous()

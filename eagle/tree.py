@@ -109,7 +109,7 @@ def graft_chains(tree: DraftTree, chains: Sequence[tuple[Sequence[int], Sequence
     for chain, offsets, at in chains:
         node, base = at, scores[at]
         for token, offset in zip(chain, offsets):
-            child = children.get((node, token)) if share else None
+            child = children.get((node, token))  # none without share: children stays empty
             if child is None:
                 child = len(tokens)
                 if share:

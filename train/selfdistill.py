@@ -327,7 +327,10 @@ def known_prompts(paths: list[str]) -> frozenset[str]:
         if records and isinstance(records[0], dict) and ("prompt" in records[0] or "turns" in records[0]):
             known.update(p["prompt"] for p in read_prompts(path))
         else:
-            known.update(m["content"] for chat in load_chats(path).conversations for m in chat[:2] if m["role"] == "user")
+            for chat in load_chats(path).conversations:
+                first = next((m["content"] for m in chat if m["role"] == "user"), None)
+                if first is not None:
+                    known.add(first)
     return frozenset(known)
 
 
