@@ -19,6 +19,7 @@ rotary embedding gives torch's bits. Inference only: they have no backward."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import sys
@@ -31,7 +32,7 @@ import torch
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 STREAM_MAX_ROWS = 16  # the kernel's row limit (kMaxRows)
 NAME = "eagle_cpu_kernels"
-StreamOp = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+StreamOp = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", bool], torch.Tensor]
 
 
 def cpu_has_avx512() -> bool:
@@ -77,6 +78,13 @@ def cpu_kernels() -> Any | None:
         return None
 
 
+@functools.cache
+def source_digest() -> str:
+    """A short hash of the kernels' source: timings measured with one version of them (the tree
+    proposer's cached cost curves, ``eagle.budget``) do not hold for another."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:8]
+
+
 def attention_fits(head_dim: int) -> bool:
     """Whether the compiled attention (``rope_cache``, ``attention``, so ``decoder_layer``) takes
     this head dim: 32 to 128, a multiple of 32."""
@@ -84,7 +92,9 @@ def attention_fits(head_dim: int) -> bool:
 
 
 def stream_linear_op() -> StreamOp | None:
-    """``op(x [M, K], w [N, K], bias [N] | None) -> [M, N]`` for contiguous fp32 CPU tensors and
-    1 <= M <= 16 (``cpu_kernels().stream_linear``), or None where the kernels cannot run here."""
+    """``op(x [M, K], w [N, K], bias [N] | None, once=False) -> [M, N]`` for contiguous fp32 CPU
+    tensors and 1 <= M <= 16 (``cpu_kernels().stream_linear``; ``once``: a weight read once per
+    forward, fetched so as not to push reused data out of the caches), or None where the kernels
+    cannot run here."""
     module = cpu_kernels()
     return None if module is None else module.stream_linear

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels, stream_linear_op
+from eagle.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels, source_digest, stream_linear_op
 from eagle.kv_cache import StaticCache
 from eagle.quant import BlockCodes, block_encode, block_quantize, decode
 from eagle.tree_mask import causal_bias
@@ -80,8 +80,11 @@ class PackedLinear(nn.Module):
     target's 49k-token head takes 3.8 ms for 1 row, 4.8 ms for 2 and 2.9 ms for 5-6."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, stream: bool = True,
-                 encode: bool = True) -> None:
+                 encode: bool = True, once: bool = False) -> None:
+        """``once``: the weight is read once per forward (a target's): the streamed kernel fetches it
+        so as to keep what is read again soon (a drafter's weights, the KV cache) in the caches."""
         super().__init__()
+        self.once = once
         weight = weight.detach().contiguous()
         self.packed = _onednn_usable(weight)
         self.in_features = weight.shape[1]
@@ -101,14 +104,15 @@ class PackedLinear(nn.Module):
         self.plain_rows: frozenset[int] = frozenset()
 
     @classmethod
-    def fused(cls, linears: list[nn.Linear], stream: bool = True, encode: bool = True) -> "PackedLinear":
+    def fused(cls, linears: list[nn.Linear], stream: bool = True, encode: bool = True,
+              once: bool = False) -> "PackedLinear":
         """One matrix for several linears reading the same input; outputs concatenated."""
         biases = [lin.bias for lin in linears]
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat([b.detach() if b is not None else lin.weight.new_zeros(lin.out_features)
                               for b, lin in zip(biases, linears)])
-        return cls(torch.cat([lin.weight.detach() for lin in linears]), bias, stream, encode)
+        return cls(torch.cat([lin.weight.detach() for lin in linears]), bias, stream, encode, once)
 
     @classmethod
     def quantized(cls, weight: torch.Tensor, bias: torch.Tensor | None, bits: int) -> "PackedLinear":
@@ -139,8 +143,8 @@ class PackedLinear(nn.Module):
         """The streamed kernel's product of 1-16 contiguous rows [M, in] -> [M, out], from the codes
         where the weight has an exact block encoding (the same bits)."""
         if self.encoded is not None:
-            return cpu_kernels().stream_linear_q(x, self.encoded.codes, self.encoded.scales, self.bias)
-        return self.stream_op(x, self.plain_weight, self.bias)
+            return cpu_kernels().stream_linear_q(x, self.encoded.codes, self.encoded.scales, self.bias, self.once)
+        return self.stream_op(x, self.plain_weight, self.bias, self.once)
 
     def kernel_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What the compiled layer reads for this matrix: (codes, scales), or (fp32 weight, None)."""
@@ -371,7 +375,7 @@ class LeanDecoder:
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm, self.norm_eps = inner.norm.weight.detach(), inner.norm.variance_epsilon
-        self.head = PackedLinear(weight, stream=stream, encode=encode)
+        self.head = PackedLinear(weight, stream=stream, encode=encode, once=True)
         self.head.tune_padding()
         # greedy decoding's argmax from a bf16 copy of the head, where bf16 products are native (an
         # encoded head streams fewer bytes than that copy: its exact logits are cheaper)
@@ -382,23 +386,24 @@ class LeanDecoder:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(_Layer(
                 input_norm=layer.input_layernorm.weight.detach(), input_eps=layer.input_layernorm.variance_epsilon,
-                qkv=PackedLinear.fused([attn.q_proj, attn.k_proj, attn.v_proj], stream, encode),
-                o=PackedLinear(attn.o_proj.weight, attn.o_proj.bias, stream, encode),
+                qkv=PackedLinear.fused([attn.q_proj, attn.k_proj, attn.v_proj], stream, encode, once=True),
+                o=PackedLinear(attn.o_proj.weight, attn.o_proj.bias, stream, encode, once=True),
                 post_norm=layer.post_attention_layernorm.weight.detach(),
                 post_eps=layer.post_attention_layernorm.variance_epsilon,
-                gate_up=PackedLinear.fused([mlp.gate_proj, mlp.up_proj], stream, encode),
-                down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, stream, encode)))
+                gate_up=PackedLinear.fused([mlp.gate_proj, mlp.up_proj], stream, encode, once=True),
+                down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, stream, encode, once=True)))
         tune_kernels([lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
                      + [self.head])
 
     def kernel_choice(self) -> str:
-        """Which kernels run the forward: the compiled ones (with or without their attention), and
+        """Which kernels run the forward: the compiled ones (by a hash of their source; with or without
+        their attention), and
         the row counts ``F.linear`` computes (``PackedLinear.plain_rows``) for the head and for each
         layer matrix (layer 0's stand for all): timings measured with one choice do not hold for
         another."""
         first = self.layers[0]
-        compiled = ("compiled kernels and attention, " if self.compiled is not None else
-                    "compiled kernels, " if self.head.stream_op is not None else "")
+        compiled = (f"compiled kernels {source_digest()} and attention, " if self.compiled is not None else
+                    f"compiled kernels {source_digest()}, " if self.head.stream_op is not None else "")
         coded = [lin.encoded.bits for lin in (self.head, first.qkv, first.o, first.gate_up, first.down)
                  if lin.encoded is not None]
         if coded:
@@ -472,7 +477,7 @@ class LeanDecoder:
                                         layer.qkv.bias, *layer.o.kernel_weight(), layer.o.bias, layer.post_norm,
                                         layer.post_eps, *layer.gate_up.kernel_weight(), layer.gate_up.bias,
                                         *layer.down.kernel_weight(), layer.down.bias, cos, sin, cache.keys[i][0],
-                                        cache.values[i][0], nh, start, bias, d ** -0.5)
+                                        cache.values[i][0], nh, start, bias, d ** -0.5, once=True)
             return x
 
         return step
