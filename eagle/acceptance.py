@@ -23,16 +23,21 @@ class Acceptance:
 
 def greedy_tree(tokens: torch.Tensor, parents: torch.Tensor, paths: torch.Tensor,
                 target_argmax: torch.Tensor) -> Acceptance:
-    """The longest root-to-leaf prefix whose tokens equal the target's argmax, plus the bonus.
+    """The longest root-to-leaf prefix whose tokens equal the target's argmax, plus the bonus
+    (the first such path of ``paths`` on a tie).
 
     ``tokens``/``parents``/``target_argmax`` [N]; ``paths`` [L, D + 1] (-1 padded)."""
-    agrees = tokens == target_argmax[parents.clamp(min=0)]
-    agrees[0] = True
-    on_path = agrees[paths.clamp(min=0)] & (paths >= 0)
-    lengths = on_path.long().cumprod(dim=1).sum(dim=1)
-    best = int(torch.argmax(lengths))
-    nodes = paths[best, : int(lengths[best])]
-    return Acceptance(nodes=nodes, next_token=int(target_argmax[nodes[-1]]))
+    token, parent, argmax = tokens.tolist(), parents.tolist(), target_argmax.tolist()
+    best = [0]
+    for path in paths.tolist():
+        nodes = [0]
+        for node in path[1:]:
+            if node < 0 or token[node] != argmax[parent[node]]:
+                break
+            nodes.append(node)
+        if len(nodes) > len(best):
+            best = nodes
+    return Acceptance(nodes=torch.tensor(best, device=tokens.device), next_token=argmax[best[-1]])
 
 
 def children_of(parents: torch.Tensor) -> list[list[int]]:

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import statistics
 import time
 
@@ -53,10 +54,10 @@ class CostCurve:
 
 
 @functools.lru_cache(maxsize=16)
-def _cost_table(sizes: tuple[int, ...], seconds: tuple[float, ...], upto: int) -> torch.Tensor:
-    """``CostCurve.at(n)`` for n = 1..upto [upto] (memoized: the round loop asks every depth)."""
+def _cost_table(sizes: tuple[int, ...], seconds: tuple[float, ...], upto: int) -> tuple[float, ...]:
+    """``CostCurve.at(n)`` for n = 1..upto (memoized: the round loop asks every depth)."""
     curve = CostCurve(sizes=list(sizes), seconds=list(seconds))
-    return torch.tensor([curve.at(n) for n in range(1, upto + 1)], dtype=torch.float32)
+    return tuple(curve.at(n) for n in range(1, upto + 1))
 
 
 @dataclasses.dataclass
@@ -71,14 +72,18 @@ def choose_tree_size(sorted_scores: torch.Tensor, curve: CostCurve, draft_second
                      calibration: float = 1.0) -> TreeChoice:
     """The total_tokens with the most expected tokens per second this round.
 
-    ``sorted_scores`` [M]: cumulative draft log-probabilities of the candidate nodes, best first."""
-    probs = sorted_scores[: 2 * curve.sizes[-1]].float().exp().cpu()  # far past the measured sizes never pays
-    expected = 1.0 + calibration * torch.cat([torch.zeros(1), torch.cumsum(probs, 0)])  # [M + 1] for N = 1..M+1
-    sizes = torch.arange(1, expected.shape[0] + 1)
-    seconds = draft_seconds + _cost_table(tuple(curve.sizes), tuple(curve.seconds), expected.shape[0])
-    rates = expected / seconds
-    best = int(torch.argmax(rates))
-    return TreeChoice(size=int(sizes[best]), tokens_per_second=float(rates[best]))
+    ``sorted_scores`` [M]: cumulative draft log-probabilities of the candidate nodes, best first.
+    In plain floats: a round asks up to three times, for a few dozen candidates, where tensor
+    operations cost more than the sums."""
+    logprobs = sorted_scores[: 2 * curve.sizes[-1]].tolist()  # far past the measured sizes never pays
+    seconds = _cost_table(tuple(curve.sizes), tuple(curve.seconds), len(logprobs) + 1)
+    expected, best = 1.0, TreeChoice(size=1, tokens_per_second=1.0 / (draft_seconds + seconds[0]))
+    for n, logprob in enumerate(logprobs, start=2):  # n tokens: the root and the n - 1 best candidates
+        expected += calibration * math.exp(logprob)
+        rate = expected / (draft_seconds + seconds[n - 1])
+        if rate > best.tokens_per_second:
+            best = TreeChoice(size=n, tokens_per_second=rate)
+    return best
 
 
 def deeper_pays(frontier_scores: torch.Tensor, rate: float, step_seconds: float, calibration: float = 1.0) -> bool:

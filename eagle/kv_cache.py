@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from eagle.errors import EagleError
+from eagle.kernels import cpu_kernels
 
 _MIN_CAPACITY = 256
 
@@ -71,11 +72,17 @@ class StaticCache:
         self.lengths = [min(n, length) for n in self.lengths]
 
     def compact(self, start: int, keep: torch.Tensor) -> None:
+        """Move the entries at positions ``keep`` [m] (increasing, all >= start) to start .. start + m - 1
+        in every layer and drop the rest (in one compiled call on a CPU where the kernels run)."""
         m = keep.shape[0]
-        for buffers in (self.keys, self.values):
-            for i, buf in enumerate(buffers):
-                if buf is not None and self.lengths[i]:
-                    buf[..., start:start + m, :] = buf.index_select(-2, keep.to(buf.device))
+        buffers = [buf for bufs in (self.keys, self.values) for i, buf in enumerate(bufs)
+                   if buf is not None and self.lengths[i]]
+        kernels = cpu_kernels()
+        if kernels is not None and all(buf.device.type == "cpu" and buf.is_contiguous() for buf in buffers):
+            kernels.compact_rows(buffers, start, keep.tolist())
+        else:
+            for buf in buffers:
+                buf[..., start:start + m, :] = buf.index_select(-2, keep.to(buf.device))
         self.truncate(start + m)
 
 

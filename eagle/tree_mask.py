@@ -20,37 +20,39 @@ class TreeAttention:
     paths: torch.Tensor
 
 
+def chains(parents: list[int]) -> list[list[int]]:
+    """[N] parents -> each node's root-to-node chain (its ancestors, root first, then itself).
+    Plain lists: the trees verified on a CPU have a few nodes, where a dozen small tensor
+    operations cost more than the walk (0.1 ms a round)."""
+    out: list[list[int]] = []
+    for i, parent in enumerate(parents):
+        out.append([i] if parent < 0 else out[parent] + [i])
+    return out
+
+
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """[N] parents -> [N, N] bool ancestor-or-self mask."""
-    n = parents.shape[0]
-    mask = torch.eye(n, dtype=torch.bool, device=parents.device)
-    has_parent = (parents >= 0)[:, None]
-    up = parents.clamp(min=0)
-    while True:  # each pass adds one more generation of ancestors; stops when nothing changes
-        grown = mask | (mask[up] & has_parent)
-        if torch.equal(grown, mask):
-            return mask
-        mask = grown
+    return _mask(chains(parents.tolist()), parents.device)
 
 
-def root_to_leaf_paths(mask: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-    """[N, N] ancestor mask and [N] depths -> [L, D + 1] paths of the L leaves, -1 padded."""
-    n = mask.shape[0]
-    is_parent = (mask.sum(0) - 1) > 0  # some other node has it as an ancestor
-    leaves = torch.nonzero(~is_parent).flatten()
-    width = int(depths.max()) + 1 if n else 1
-    paths = torch.full((leaves.shape[0], width), -1, dtype=torch.long, device=mask.device)
-    node_ids = torch.arange(n, device=mask.device)
-    for row, leaf in enumerate(leaves.tolist()):
-        members = node_ids[mask[leaf]]
-        paths[row, : members.shape[0]] = members[torch.argsort(depths[members])]
-    return paths
+def _mask(node_chains: list[list[int]], device: torch.device) -> torch.Tensor:
+    n = len(node_chains)
+    mask = torch.zeros(n, n, dtype=torch.bool, device=device)
+    rows = [i for i, chain in enumerate(node_chains) for _ in chain]
+    mask[rows, [j for chain in node_chains for j in chain]] = True
+    return mask
 
 
 def tree_attention(parents: torch.Tensor) -> TreeAttention:
-    mask = ancestor_mask(parents)
-    depths = mask.sum(1) - 1
-    return TreeAttention(mask=mask, depths=depths, paths=root_to_leaf_paths(mask, depths))
+    parent_list = parents.tolist()
+    node_chains = chains(parent_list)
+    has_children = set(parent_list)
+    leaves = [chain for i, chain in enumerate(node_chains) if i not in has_children]  # in index order
+    width = max(len(chain) for chain in node_chains)
+    device = parents.device
+    return TreeAttention(mask=_mask(node_chains, device),
+                         depths=torch.tensor([len(chain) - 1 for chain in node_chains], device=device),
+                         paths=torch.tensor([chain + [-1] * (width - len(chain)) for chain in leaves], device=device))
 
 
 def attention_bias(tree_mask: torch.Tensor, past_len: int, dtype: torch.dtype) -> torch.Tensor:

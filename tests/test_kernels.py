@@ -371,3 +371,22 @@ def test_lean_decoder_streams_block_coded_weights_with_the_same_bits():
             outs.append((prefix, torch.cat(steps, 1), tree, lean.argmax(tree[0]), lean.head(tree[0])))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_compact_rows_moves_the_kept_rows_of_every_buffer_as_index_select_does():
+    op_or_skip()
+    module = kernels.cpu_kernels()
+    gen = torch.Generator().manual_seed(0)
+    buffers = [torch.randn(1, 3, 32, 16, generator=gen) for _ in range(4)] + [torch.randn(2, 1, 32, 8).double()]
+    start, keep = 10, [10, 12, 13, 17]
+    expected = [buf.clone() for buf in buffers]
+    for buf in expected:
+        buf[..., start:start + len(keep), :] = buf.index_select(-2, torch.tensor(keep))
+    module.compact_rows(buffers, start, keep)
+    assert all(torch.equal(got, want) for got, want in zip(buffers, expected))
+    with pytest.raises(RuntimeError):
+        module.compact_rows(buffers, start, [12, 11])  # must increase
+    with pytest.raises(RuntimeError):
+        module.compact_rows(buffers, start, [9])  # a source before its destination
+    with pytest.raises(RuntimeError):
+        module.compact_rows(buffers, start, [40])  # past the buffers

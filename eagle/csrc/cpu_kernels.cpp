@@ -524,6 +524,27 @@ void decoder_layer(torch::Tensor x, const c10::optional<torch::Tensor>& input_no
                 down_s, down_b, once));
 }
 
+// compact_rows: in each buffer [B, h, capacity, d] (contiguous CPU, any dtype), row keep[j] of the capacity
+// axis is copied to row start + j (keep increasing, keep[j] >= start + j, so no source is overwritten before
+// it is read): a verified tree's accepted path made contiguous in the cache of every layer in one call,
+// instead of two torch operations per buffer.
+void compact_rows(const std::vector<torch::Tensor>& buffers, int64_t start, const std::vector<int64_t>& keep) {
+  for (size_t j = 0; j < keep.size(); ++j)
+    TORCH_CHECK(keep[j] >= start + static_cast<int64_t>(j) && (j == 0 || keep[j] > keep[j - 1]),
+                "compact_rows: keep must increase, each at or after its destination");
+  for (const auto& buf : buffers) {
+    TORCH_CHECK(buf.device().is_cpu() && buf.is_contiguous() && buf.dim() == 4 && (keep.empty() || keep.back() < buf.size(2)),
+                "compact_rows: contiguous CPU buffers [B, h, capacity, d] holding the kept rows");
+    const int64_t outer = buf.size(0) * buf.size(1), cap = buf.size(2), row = buf.size(3) * buf.element_size();
+    char* data = static_cast<char*>(buf.data_ptr());
+    for (int64_t o = 0; o < outer; ++o)
+      for (size_t j = 0; j < keep.size(); ++j) {
+        const int64_t to = start + static_cast<int64_t>(j);
+        if (keep[j] != to) std::memcpy(data + (o * cap + to) * row, data + (o * cap + keep[j]) * row, row);
+      }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("stream_linear", &stream_linear, "y = x W^T (+ b), fp32, 1-16 rows, W streamed once", py::arg("x"),
@@ -534,6 +555,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_cache", &rope_cache, "rotary queries and keys, keys and values into the cache buffers, fp32");
   m.def("attention", &attention, "grouped-query attention of a few rows over the cache, fp32, row-independent");
   m.def("silu_mul", &silu_mul, "silu(gate) * up, fp32");
+  m.def("compact_rows", &compact_rows, "copy rows keep[j] of each cache buffer to start + j, for all layers at once");
   m.def("decoder_layer", &decoder_layer, "one Llama decoder layer in place, fp32, one sequence of 1-16 rows",
         py::arg("x"), py::arg("input_norm"), py::arg("input_eps"), py::arg("qkv_w"), py::arg("qkv_s"), py::arg("qkv_b"),
         py::arg("o_w"), py::arg("o_s"), py::arg("o_b"), py::arg("post_norm"), py::arg("post_eps"), py::arg("gate_up_w"),
