@@ -327,12 +327,14 @@ def test_stream_linear_q_gives_the_bits_of_the_fp32_kernel_on_the_decoded_weight
     w = block_quantized(torch.randn(out_features, in_features, generator=gen) * 0.2, bits)
     encoded = block_encode(w)
     assert encoded is not None and encoded.bits == bits
+    assert encoded.scales.dtype == (torch.float16 if bits == 4 else torch.float32)
     bias = torch.randn(out_features, generator=gen)
     for rows in range(1, kernels.STREAM_MAX_ROWS + 1):
         x = torch.randn(rows, in_features, generator=gen)
         for b in (None, bias):
-            coded = module.stream_linear_q(x, encoded.codes, encoded.scales, b)
-            assert torch.equal(coded, module.stream_linear(x, w, b))
+            reference = module.stream_linear(x, w, b)
+            for scales in {encoded.scales, encoded.scales.float()}:  # float16 scales are read exactly
+                assert torch.equal(module.stream_linear_q(x, encoded.codes, scales, b), reference)
     with pytest.raises(RuntimeError, match="1 to 16 rows"):
         module.stream_linear_q(torch.randn(17, in_features), encoded.codes, encoded.scales, None)
     with pytest.raises(RuntimeError, match="shapes do not match"):

@@ -19,6 +19,15 @@ def test_a_dequantized_q4_1_or_q8_0_weight_is_encoded_exactly():
         assert torch.equal(decode(encoded), weight)
 
 
+def test_4_bit_scales_are_float16_only_where_that_holds_them_exactly():
+    gen = torch.Generator().manual_seed(2)
+    weight = block_quantized(torch.randn(6, 64, generator=gen), 4)
+    assert block_encode(weight).scales.dtype == torch.float16  # GGUF's Q4_1: d and m are float16 values
+    weight[3, :32] = 1.0 + 2.0 ** -20 + 2.0 ** -12 * (torch.arange(32.0) % 16)  # m = 1 + 2^-20: no float16
+    encoded = block_encode(weight)
+    assert encoded is not None and encoded.scales.dtype == torch.float32 and torch.equal(decode(encoded), weight)
+
+
 def test_constant_and_zero_blocks_are_encoded():
     weight = torch.zeros(3, 64)
     weight[1] = 0.25
