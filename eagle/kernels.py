@@ -4,7 +4,8 @@ products (``stream_linear``; ``stream_linear_q`` reads a weight from its exact b
 (``silu_mul``), and attention over the cache for a few rows (``rope_cache``: rotary queries and
 keys, keys and values written into the cache buffers; ``attention``: grouped-query, masked or
 causal, each row summed over its own keys in order so its result does not depend on the other rows
-or on masked keys between its own).
+or on masked keys between its own), and the KV cache's compaction to a verified tree's accepted path
+in every layer at once (``compact_rows``, used by ``eagle.kv_cache.StaticCache``).
 
 ``cpu_kernels()`` builds them on first use with torch's C++ extension tools (a compiler and
 ninja; about 25 s, once per machine and torch version, cached under ``$EAGLE_CACHE/extensions``)

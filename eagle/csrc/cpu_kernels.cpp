@@ -12,6 +12,8 @@
 // torch's ~20 small operations per layer (views, rotary, cache writes, SDPA, SiLU) cost more than
 // their arithmetic (about 4 ms of a 27 ms forward on the reference machine). attention sums each row
 // over its own keys in order, so a tree node's row equals the plain decoding step's, bit for bit.
+//
+// compact_rows: the accepted path's keys and values moved into place in every layer's cache at once.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
