@@ -397,10 +397,9 @@ class LeanDecoder:
 
     def kernel_choice(self) -> str:
         """Which kernels run the forward: the compiled ones (by a hash of their source; with or without
-        their attention), and
-        the row counts ``F.linear`` computes (``PackedLinear.plain_rows``) for the head and for each
-        layer matrix (layer 0's stand for all): timings measured with one choice do not hold for
-        another."""
+        their attention), and the row counts ``F.linear`` computes (``PackedLinear.plain_rows``) for
+        the head and for each layer matrix (layer 0's stand for all): timings measured with one
+        choice do not hold for another."""
         first = self.layers[0]
         compiled = (f"compiled kernels {source_digest()} and attention, " if self.compiled is not None else
                     f"compiled kernels {source_digest()}, " if self.head.stream_op is not None else "")
