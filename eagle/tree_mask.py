@@ -30,12 +30,8 @@ def chains(parents: list[int]) -> list[list[int]]:
     return out
 
 
-def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    """[N] parents -> [N, N] bool ancestor-or-self mask."""
-    return _mask(chains(parents.tolist()), parents.device)
-
-
 def _mask(node_chains: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Each node's chain -> [N, N] bool ancestor-or-self mask."""
     n = len(node_chains)
     mask = torch.zeros(n, n, dtype=torch.bool, device=device)
     rows = [i for i, chain in enumerate(node_chains) for _ in chain]

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from eagle.tree import DraftTree, best_frontier, chain_tree, graft_chains, kept_nodes, static_layout, subtree, topk_children
-from eagle.tree_mask import ancestor_mask
+from eagle.tree_mask import tree_attention
 
 
 def test_topk_children_scores_add_parent_score():
@@ -103,7 +103,7 @@ def test_static_layout_from_choices():
     assert layout.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3]
     assert layout.ranks.tolist() == [0, 0, 1, 0, 1, 0, 0]
     assert layout.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
-    assert torch.equal(ancestor_mask(layout.parents).sum(1) - 1, layout.depths)
+    assert torch.equal(tree_attention(layout.parents).depths, layout.depths)
     with pytest.raises(ValueError):
         static_layout([[0, 1]])
 

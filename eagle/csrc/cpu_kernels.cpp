@@ -37,6 +37,11 @@ inline void prefetch(const void* p, bool once) {
   else _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
 }
 
+// The mask of the first min(n, 16) lanes of a vector (n >= 0): a row's tail, or a group of up to 16.
+inline __mmask16 lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
 // A vector of x held in a register for the J weight rows it meets: without this the compiler
 // reloads it from memory for each of them (an FMA with a memory operand), and with several weight
 // rows the loads, not the FMAs, bound the loop (8 rows: about 10% slower). With one weight row
@@ -52,7 +57,7 @@ template <int M, int J>
 void block(const float* x, int64_t K, const float* w, int64_t N, const float* bias, float* out,
            int64_t j0, int64_t j1, bool once) {
   const int64_t whole = K / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (K - whole)) - 1u);
+  const __mmask16 tail = lanes(K - whole);
   for (int64_t j = j0; j < j1; j += J) {
     __m512 acc[M][J];
     for (int i = 0; i < M; ++i)
@@ -123,7 +128,7 @@ void half_to_float(const uint16_t* src, int64_t n, float* dst) {
   if (i < n) {
     uint16_t tail[16] = {0};
     std::memcpy(tail, src + i, (n - i) * sizeof(uint16_t));
-    _mm512_mask_storeu_ps(dst + i, static_cast<__mmask16>((1u << (n - i)) - 1u),
+    _mm512_mask_storeu_ps(dst + i, lanes(n - i),
                           _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail))));
   }
 }
@@ -276,7 +281,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.dim() == 1 && x.size(-1) == w.size(0),
               "rms_norm: contiguous x [..., H] and w [H]");
   const int64_t H = w.size(0), rows = x.numel() / H, whole = H / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (H - whole)) - 1u);
+  const __mmask16 tail = lanes(H - whole);
   auto out = torch::empty_like(x);
   const float* wp = w.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
@@ -413,7 +418,7 @@ void attend_row(const float* qv, const float* kh, const float* vh, const int32_t
       for (int64_t v = 1; v < V; ++v) acc = _mm512_fmadd_ps(qreg[v], _mm512_loadu_ps(k + 16 * v), acc);
       dots[s] = acc;
     }
-    const __mmask16 live = count == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1u);
+    const __mmask16 live = lanes(count);
     const __m512 scores = _mm512_add_ps(_mm512_mul_ps(reduce_add16(dots), _mm512_set1_ps(sc)),
                                         _mm512_maskz_loadu_ps(live, add + c0));
     _mm512_mask_storeu_ps(score + c0, live, scores);
@@ -423,7 +428,7 @@ void attend_row(const float* qv, const float* kh, const float* vh, const int32_t
   const __m512 top = _mm512_set1_ps(best);
   __m512 total = _mm512_setzero_ps();
   for (int64_t c = 0; c < n; c += 16) {
-    const __mmask16 live = n - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - c)) - 1u);
+    const __mmask16 live = lanes(n - c);
     const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, score + c), top));
     const __m512 kept = _mm512_maskz_mov_ps(live, e);
     _mm512_storeu_ps(score + c, kept);
