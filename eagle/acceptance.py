@@ -6,6 +6,7 @@ follows them, drawn from the target (the bonus token, or the correction after a 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ def children_of(parents: torch.Tensor) -> list[list[int]]:
 
 
 def recursive_rejection_tree(tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor,
-                             generator: torch.Generator, child_probs: torch.Tensor | None = None,
+                             generator: torch.Generator, child_probs: Any = None,
                              drawn: torch.Tensor | None = None) -> Acceptance:
     """Lossless sampling for a draft tree: recursive speculative decoding over each node's
     children (SpecInfer / EAGLE-2 for deterministic drafts; Jeon et al. 2024 for drafts drawn
@@ -70,45 +71,70 @@ def recursive_rejection_tree(tokens: torch.Tensor, parents: torch.Tensor, target
     put deterministic drafts after the drawn siblings, and a drawn node's inclusion never depends
     on its own token.
     ``tokens``/``parents`` [N]; ``target_probs`` [N, V], the warped target distribution at each
-    node; ``child_probs`` [N, V] (rows of nodes without drawn children are not read) and
-    ``drawn`` [N] bool, both None for a tree of deterministic drafts. Computed in float64 (it
-    keeps the ratios of tiny probabilities: a token far down q can be the second draw)."""
+    node; ``child_probs``: [N, V] (rows of nodes without drawn children are not read), or an
+    object whose ``support(node)`` gives the tokens q puts mass on and their probabilities ([M]
+    each: only those M entries of r change when a draw is rejected); ``drawn`` [N] bool; both
+    None for a tree of deterministic drafts. r is kept unnormalized with its mass (r / mass is
+    the distribution), in float64 (it keeps the ratios of tiny probabilities: a token far down q
+    can be the second draw)."""
     kids = children_of(parents)
     token_list = tokens.tolist()
     drawn_list = drawn.tolist() if drawn is not None else [False] * len(token_list)
     node, accepted = 0, [0]
     while True:
-        r = target_probs[node].double().cpu()
-        r = r / r.sum()
-        q = None  # q_i: what the next drawn child came from (normalized over tokens not drawn yet)
+        r = target_probs[node].double().cpu()  # a copy: changed in place below
+        mass = float(r.sum())
+        support = None  # (tokens, q_i over them, position of each token): what the next drawn child came from
         for child in kids[node]:
             x = token_list[child]
             u = torch.rand(1, generator=generator).item()
             if drawn_list[child]:
-                if q is None:
-                    q = child_probs[node].double().cpu()
-                    q = q / q.sum()
-                qx = q[x].item()
+                if support is None:
+                    ids, q = _support(child_probs, node)
+                    support = (ids, q, {t: j for j, t in enumerate(ids.tolist())})
+                ids, q, position = support
+                j = position.get(x)
+                qx = float(q[j]) if j is not None else 0.0
                 if qx <= 0:  # not drawable (its probability underflowed): as if never drawn
                     continue
-                if u * qx < r[x].item():
+                if u * qx * mass < r[x].item():
                     break
-                r = residual_distribution(r, q)
-                q[x] = 0.0
-                left = q.sum()  # by its sum, not 1 - q(x): q(x) may round to 1 with tokens still drawable
-                q = q / left if left > 0 else q
+                owed = r[ids]  # r <- max(0, r - mass * q_i): the residual, still scaled by the mass
+                r[ids] = (owed - q * mass).clamp(min=0)
+                left = float(r.sum())
+                if left > 0:
+                    mass = left
+                else:  # r == q_i: the residual is r itself
+                    r[ids] = owed
+                q[j] = 0.0
+                left = float(q.sum())  # by its sum, not 1 - q(x): q(x) may round to 1 with tokens still drawable
+                if left > 0:
+                    q /= left
             else:
-                if u < r[x].item():
+                rx = r[x].item()
+                if u * mass < rx:
                     break
-                rest = r.clone()
-                rest[x] = 0.0
-                left = rest.sum()
-                r = rest / left if left > 0 else r  # all mass rejected: only by rounding
+                if mass - rx > 0:  # else all mass rejected: only by rounding
+                    r[x] = 0.0
+                    mass = float(r.sum())
         else:
             return Acceptance(nodes=torch.tensor(accepted, dtype=torch.long, device=tokens.device),
                               next_token=int(sample(r, generator)))
         node = child
         accepted.append(child)
+
+
+def _support(child_probs: Any, node: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``node``'s drawn children came from: (tokens [M] long, probabilities [M] float64 summing
+    to 1), on the CPU; from a dense [N, V] row, its non-zero entries."""
+    if isinstance(child_probs, torch.Tensor):
+        row = child_probs[node].double().cpu()
+        ids = row.nonzero()[:, 0]
+        q = row[ids]
+    else:
+        ids, q = child_probs.support(node)
+        ids, q = ids.cpu(), q.double().cpu()
+    return ids, q / q.sum()
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

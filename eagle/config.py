@@ -83,7 +83,10 @@ class TreeConfig:
     rule judges them by that same distribution, so output stays exact at any value). The drafter,
     trained to match the target's distribution, is flatter than the target where it is unsure;
     drawn sharper it overlaps the target more: on the target's temperature-1 answers to the dev
-    prompts one draw is accepted with probability 0.412 at 1.0, 0.426 at 0.85."""
+    prompts one draw is accepted with probability 0.412 at 1.0, 0.426 at 0.85.
+    ``draw_support``: the children are drawn among the drafter's this many most likely tokens
+    (at least ``top_k``; its distribution renormalized over them, which the rule is told), so a
+    rejected draw's residual touches those tokens only; 0: the whole draft vocabulary."""
 
     total_tokens: Union[int, str] = "auto"
     depth: int = 6
@@ -92,6 +95,7 @@ class TreeConfig:
     lookup_tokens: int = 10
     sampled: bool = True
     draw_temperature_scale: float = 0.85
+    draw_support: int = 64
 
     @property
     def levels(self) -> int:
@@ -122,6 +126,8 @@ class TreeConfig:
             raise EagleError(f"lookup_tokens must be >= 0 (0 turns it off), got {self.lookup_tokens}")
         if not self.draw_temperature_scale > 0:
             raise EagleError(f"draw_temperature_scale must be > 0, got {self.draw_temperature_scale}")
+        if self.draw_support < 0:
+            raise EagleError(f"draw_support must be >= 0 (0: the whole draft vocabulary), got {self.draw_support}")
 
 
 @dataclasses.dataclass(frozen=True)

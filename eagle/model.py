@@ -134,7 +134,8 @@ class EagleModel:
                         total_tokens: int | str | None = None, depth: int | None = None, top_k: int | None = None,
                         tree_choices: list[list[int]] | None = None, lookup_tokens: int | None = None,
                         sampled_tree: bool | None = None, draw_temperature_scale: float | None = None,
-                        gamma: int | None = None, lenience: float | None = None, adaptive_gamma: bool | None = None,
+                        draw_support: int | None = None, gamma: int | None = None, lenience: float | None = None,
+                        adaptive_gamma: bool | None = None,
                         drafter_dtype: torch.dtype | None = None, drafter_quant: str | None = None,
                         **prompt_lookup: Any) -> "EagleModel":
         """``drafter``: a drafter folder or ``Drafter`` (default: the one shipped for the target,
@@ -145,7 +146,7 @@ class EagleModel:
         EAGLE-1 static tree instead of the dynamic one), ``lookup_tokens`` (prompt-lookup drafts
         grafted onto the tree; 0 turns it off), ``sampled_tree`` (when sampling, draw the children
         from the drafter instead of taking its top-k: ``TreeConfig.sampled``),
-        ``draw_temperature_scale`` (``TreeConfig.draw_temperature_scale``); ``sd`` options:
+        ``draw_temperature_scale``, ``draw_support`` (``TreeConfig``'s); ``sd`` options:
         ``gamma``, ``lenience``, ``adaptive_gamma``; ``pld`` options: ``max_ngram``,
         ``min_ngram``, ``num_draft_tokens`` (the n-gram sizes also apply to ``lookup_tokens``).
         ``drafter_dtype``, ``drafter_quant``: see ``EagleModel``."""
@@ -168,7 +169,8 @@ class EagleModel:
                 draft_model = draft.model
         tree = {k: v for k, v in dict(total_tokens=total_tokens, depth=depth, top_k=top_k,
                                       choices=tree_choices, lookup_tokens=lookup_tokens,
-                                      sampled=sampled_tree, draw_temperature_scale=draw_temperature_scale).items()
+                                      sampled=sampled_tree, draw_temperature_scale=draw_temperature_scale,
+                                      draw_support=draw_support).items()
                 if v is not None}
         spec = {k: v for k, v in dict(gamma=gamma, lenience=lenience, adaptive=adaptive_gamma).items() if v is not None}
         try:

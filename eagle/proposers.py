@@ -32,22 +32,27 @@ from eagle.tree import (DraftTree, best_frontier, chain_tree, graft_chains, kept
 @dataclasses.dataclass
 class DrawDistributions:
     """What each tree node's drawn children were drawn from, row by row when asked (a round's
-    acceptance reads only the rows along its accepted path). ``logprobs``: tree node -> the
-    drafter's log-probabilities [V_draft] that node's children were drawn with; ``draft_ids``
-    [V_draft] their target token ids. ``self[i]`` -> [vocab_size] float64: softmax(logprobs /
-    temperature) at the draft tokens, zeros elsewhere (all zeros for a node with no drawn
-    children), as a dense [N, V] tensor's row i would be."""
+    acceptance reads only the rows along its accepted path). ``logprobs``: tree node -> (the draft
+    indices [M] its children were drawn among, the drafter's log-probabilities there [M]);
+    ``draft_ids`` [V_draft] the target token id of each draft index. ``support(i)`` -> (target
+    token ids [M], float64 softmax(logprobs / temperature) [M]); ``self[i]`` -> [vocab_size]
+    float64, those probabilities at those tokens and zeros elsewhere (all zeros for a node with
+    no drawn children), as a dense [N, V] tensor's row i would be."""
 
-    logprobs: dict[int, torch.Tensor]
+    logprobs: dict[int, tuple[torch.Tensor, torch.Tensor]]
     draft_ids: torch.Tensor
     vocab_size: int
     temperature: float
 
+    def support(self, node: int) -> tuple[torch.Tensor, torch.Tensor]:
+        indices, logprobs = self.logprobs[node]
+        return self.draft_ids[indices], torch.softmax(logprobs.double() / self.temperature, dim=-1)
+
     def __getitem__(self, node: int) -> torch.Tensor:
         row = torch.zeros(self.vocab_size, dtype=torch.float64, device=self.draft_ids.device)
-        logprobs = self.logprobs.get(node)
-        if logprobs is not None:
-            row[self.draft_ids] = torch.softmax(logprobs.double() / self.temperature, dim=-1)
+        if node in self.logprobs:
+            ids, probs = self.support(node)
+            row[ids] = probs
         return row
 
 
@@ -242,7 +247,7 @@ class EagleDrafter(Proposer):
         if sampling is not None and not sampling.greedy and cfg.sampled and not cfg.choices:
             self.draw_temperature = sampling.temperature * cfg.draw_temperature_scale
         self.generator = generator
-        self.drawn_from: dict[int, torch.Tensor] = {}  # pool node -> draft log-probs its children were drawn with
+        self.drawn_from: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # pool node -> (draft indices, log-probs) drawn among
         self.draft_ids = drafter.to_target_ids(torch.arange(vocab, device=self.device))  # draft index -> target id
         # a sampled tree's size with "auto", chosen before its draws (see ``propose``): at first the most
         # nodes that cost no more than one token to verify, then what the previous round's pool asked for
@@ -343,11 +348,18 @@ class EagleDrafter(Proposer):
     def _children(self, parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int,
                   nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The k children of pool nodes ``nodes`` [F]: the drafter's top k, or k draws without
-        replacement when sampling (their log-probs are kept for ``DrawDistributions``)."""
+        replacement when sampling, among its ``draw_support`` most likely tokens (those and their
+        log-probs are kept for ``DrawDistributions``)."""
         if not self.draw_temperature:
             return topk_children(parent_scores, logprobs, k)
-        self.drawn_from.update(zip(nodes, logprobs))
-        return sampled_children(parent_scores, logprobs, k, self.draw_temperature, self.generator)
+        width, support = logprobs.shape[-1], max(k, self.cfg.draw_support)
+        if self.cfg.draw_support and support < width:
+            among_lp, among = torch.topk(logprobs, support, dim=-1)
+        else:
+            among_lp, among = logprobs, torch.arange(width, device=logprobs.device).expand(logprobs.shape[0], -1)
+        self.drawn_from.update(zip(nodes, zip(among, among_lp)))
+        drawn, scores = sampled_children(parent_scores, among_lp, k, self.draw_temperature, self.generator)
+        return among.gather(1, drawn), scores
 
     def _graft_lookup(self, ids: list[int], pool: DraftTree, max_depth: int) -> DraftTree:
         """The pool with prompt-lookup continuations grafted on: of the context itself (at the

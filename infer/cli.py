@@ -65,6 +65,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         "it (recursive speculative decoding, the default)")
     t.add_argument("--draw-temperature-scale", type=float,
                    help="when sampling, draw the tree's children at the temperature times this (default 0.85)")
+    t.add_argument("--draw-support", type=int,
+                   help="when sampling, draw the tree's children among the drafter's this many most likely tokens "
+                        "(default 64; 0: its whole vocabulary); exact either way")
     t.add_argument("--drafter-dtype", choices=DTYPES, default="auto",
                    help="what the drafter and sd's draft LM compute in (default auto: bf16 on a CPU with native "
                         "bf16 for an fp32 target, else the target's dtype); output is the target's either way")
@@ -122,7 +125,8 @@ def load_model(args: argparse.Namespace) -> Any:
     return EagleModel.from_pretrained(
         args.target, drafter=args.drafter, draft_model=args.draft_model, device=args.device, dtype=dtype,
         total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k, lookup_tokens=args.lookup_tokens,
-        sampled_tree=args.sampled_tree, draw_temperature_scale=args.draw_temperature_scale, gamma=args.gamma,
+        sampled_tree=args.sampled_tree, draw_temperature_scale=args.draw_temperature_scale,
+        draw_support=args.draw_support, gamma=args.gamma,
         lenience=args.lenience, adaptive_gamma=args.adaptive_gamma, drafter_dtype=drafter_dtype,
         drafter_quant=None if args.drafter_quant == "auto" else args.drafter_quant)
 

@@ -112,17 +112,19 @@ def test_speculative_sampling_is_lossless_and_the_check_has_teeth(model, monkeyp
     assert chi_square_p(sampled_triples(model, "sd", sampling, SAMPLES // 2), exact) < ALPHA
 
 
-@pytest.mark.parametrize("top_p, lookup_tokens, sampled, temperature, total, scale",
-                         [(1.0, 10, False, 1.0, 6, 1.0), (0.8, 10, False, 1.0, 6, 1.0), (1.0, 0, False, 1.0, 6, 1.0),
-                          (1.0, 10, True, 1.0, "auto", 0.85), (0.8, 10, True, 0.7, 6, 0.5)])
-def test_tree_sampling_is_lossless(model, spread, top_p, lookup_tokens, sampled, temperature, total, scale,
+@pytest.mark.parametrize("top_p, lookup_tokens, sampled, temperature, total, scale, support",
+                         [(1.0, 10, False, 1.0, 6, 1.0, 0), (0.8, 10, False, 1.0, 6, 1.0, 0),
+                          (1.0, 0, False, 1.0, 6, 1.0, 0), (1.0, 10, True, 1.0, "auto", 0.85, 0),
+                          (0.8, 10, True, 0.7, 6, 0.5, 3), (1.0, 0, True, 1.0, 6, 0.85, 2)])
+def test_tree_sampling_is_lossless(model, spread, top_p, lookup_tokens, sampled, temperature, total, scale, support,
                                    tmp_path, monkeypatch):
     """``lookup_tokens``: prompt-lookup drafts grafted onto the tree (with 6 tokens, the last one
     has mostly occurred before from the second step on, so lookup drafts compete for the slots).
     ``sampled``: children drawn from the drafter and recursive speculative decoding (else the
     drafter's top-k children as deterministic drafts; drawn from the ``spread`` drafter); "auto"
     sizes them from past rounds. ``scale``: children drawn at the temperature times it
-    (``draw_temperature_scale``)."""
+    (``draw_temperature_scale``); ``support``: drawn among the drafter's 3 or 2 most likely of the
+    6 tokens (``draw_support``; 0: all 6)."""
     import eagle.budget
 
     monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
@@ -130,7 +132,7 @@ def test_tree_sampling_is_lossless(model, spread, top_p, lookup_tokens, sampled,
     sampling = SamplingConfig(temperature=temperature, top_p=top_p)
     exact = exact_triples(model, sampling)
     tree = dataclasses.replace(model.tree, lookup_tokens=lookup_tokens, sampled=sampled, total_tokens=total,
-                               draw_temperature_scale=scale)
+                               draw_temperature_scale=scale, draw_support=support)
     tree_model = EagleModel(model.target, spread if sampled else model.drafter, tree=tree)
     counts = sampled_triples(tree_model, "eagle-tree", sampling, SAMPLES)
     assert chi_square_p(counts, exact) > ALPHA
@@ -154,10 +156,31 @@ def test_sharpened_draws_are_lossless_and_must_be_judged_by_what_they_came_from(
     exact = exact_triples(model, sampling)
     sharp = EagleModel(model.target, spread, tree=dataclasses.replace(model.tree, draw_temperature_scale=0.5))
     assert chi_square_p(sampled_triples(sharp, "eagle-tree", sampling, SAMPLES), exact) > ALPHA
-    told = proposers.DrawDistributions.__getitem__
-    monkeypatch.setattr(proposers.DrawDistributions, "__getitem__",
+    told = proposers.DrawDistributions.support
+    monkeypatch.setattr(proposers.DrawDistributions, "support",
                         lambda rows, node: told(dataclasses.replace(rows, temperature=rows.temperature / 0.5), node))
     assert chi_square_p(sampled_triples(sharp, "eagle-tree", sampling, SAMPLES // 2), exact) < ALPHA
+
+
+def test_draws_among_the_top_tokens_must_be_judged_by_that_support(model, spread, monkeypatch):
+    """Children drawn among the drafter's 2 most likely tokens (``draw_support`` 2) but the rule
+    told the distribution over all 6 tokens they were not drawn from: the check rejects it (the
+    same setting told the truth passes in ``test_tree_sampling_is_lossless``)."""
+    import eagle.proposers as proposers
+
+    drawn_among_top = proposers.EagleDrafter._children
+
+    def untold(self, parent_scores, logprobs, k, nodes):
+        out = drawn_among_top(self, parent_scores, logprobs, k, nodes)
+        everything = torch.arange(logprobs.shape[-1]).expand(logprobs.shape[0], -1)
+        self.drawn_from.update(zip(nodes, zip(everything, logprobs)))
+        return out
+
+    monkeypatch.setattr(proposers.EagleDrafter, "_children", untold)
+    sampling = SamplingConfig(temperature=1.0)
+    tree = dataclasses.replace(model.tree, lookup_tokens=0, draw_temperature_scale=0.85, draw_support=2)
+    counts = sampled_triples(EagleModel(model.target, spread, tree=tree), "eagle-tree", sampling, SAMPLES // 2)
+    assert chi_square_p(counts, exact_triples(model, sampling)) < ALPHA
 
 
 def test_tree_sampling_negative_control_is_rejected(model, monkeypatch):

@@ -239,17 +239,20 @@ def test_a_sampled_auto_tree_takes_the_size_chosen_before_its_draws(target, draf
 
 def test_draw_distributions_give_the_rows_of_the_dense_matrix():
     """``DrawDistributions[i]``: what node i's children were drawn from, over the target's
-    vocabulary (softmax of the draft log-probs / temperature at the draft tokens), zeros for a
-    node with no drawn children: row i of the dense [N, V] matrix, computed only when read."""
+    vocabulary (softmax of the draft log-probs / temperature over the draft tokens they were
+    drawn among), zeros for a node with no drawn children: row i of the dense [N, V] matrix,
+    computed only when read; ``support(i)`` the same row's non-zero entries."""
     torch.manual_seed(0)
     lp = torch.log_softmax(torch.randn(2, 4), -1)
     ids = torch.tensor([1, 3, 4, 6])
-    rows = DrawDistributions({0: lp[0], 2: lp[1]}, ids, 8, 0.5)
+    rows = DrawDistributions({0: (torch.arange(4), lp[0]), 2: (torch.tensor([3, 1]), lp[1, [3, 1]])}, ids, 8, 0.5)
     dense = torch.zeros(3, 8, dtype=torch.float64)
     dense[0, ids] = torch.softmax(lp[0].double() / 0.5, -1)
-    dense[2, ids] = torch.softmax(lp[1].double() / 0.5, -1)
+    dense[2, ids[[3, 1]]] = torch.softmax(lp[1, [3, 1]].double() / 0.5, -1)
     for i in range(3):
         assert torch.equal(rows[i], dense[i])
+    tokens, probs = rows.support(2)
+    assert tokens.tolist() == [6, 3] and torch.equal(probs, dense[2, [6, 3]])
 
 
 def test_children_are_drawn_at_the_scaled_temperature_the_rule_is_told_of(target, drafter):
