@@ -52,12 +52,11 @@ class CostCurve:
                 return ta + (tb - ta) * (n - a) / (b - a)
         return pairs[-1][1] * n / pairs[-1][0]
 
-
-@functools.lru_cache(maxsize=16)
-def _cost_table(sizes: tuple[int, ...], seconds: tuple[float, ...], upto: int) -> tuple[float, ...]:
-    """``CostCurve.at(n)`` for n = 1..upto (memoized: the round loop asks every depth)."""
-    curve = CostCurve(sizes=list(sizes), seconds=list(seconds))
-    return tuple(curve.at(n) for n in range(1, upto + 1))
+    @functools.cached_property
+    def per_token(self) -> tuple[float, ...]:
+        """``at(n)`` for n = 1 .. 2 * sizes[-1] + 1, as ``choose_tree_size`` reads it (computed once
+        per curve: a round asks up to three times)."""
+        return tuple(self.at(n) for n in range(1, 2 * self.sizes[-1] + 2))
 
 
 @dataclasses.dataclass
@@ -76,7 +75,7 @@ def choose_tree_size(sorted_scores: torch.Tensor, curve: CostCurve, draft_second
     In plain floats: a round asks up to three times, for a few dozen candidates, where tensor
     operations cost more than the sums."""
     logprobs = sorted_scores[: 2 * curve.sizes[-1]].tolist()  # far past the measured sizes never pays
-    seconds = _cost_table(tuple(curve.sizes), tuple(curve.seconds), len(logprobs) + 1)
+    seconds = curve.per_token
     expected, best = 1.0, TreeChoice(size=1, tokens_per_second=1.0 / (draft_seconds + seconds[0]))
     for n, logprob in enumerate(logprobs, start=2):  # n tokens: the root and the n - 1 best candidates
         expected += calibration * math.exp(logprob)
