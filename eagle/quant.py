@@ -3,7 +3,7 @@ GGUF file, Q4_1 layers and a Q8_0 embedding) and are dequantized to fp32 when lo
 of 32 weights of a row is w = d * c + m for small integer codes c and one scale pair (d, m).
 Storing the codes and scales instead of the fp32 values lets the compiled kernel
 (``eagle.kernels``, ``stream_linear_q``) read 0.625 (4-bit, float16 scales as GGUF stores them) or
-1.25 (8-bit) bytes per weight instead of 4 and decode each weight to the very same fp32 value, so
+1.125 (8-bit) bytes per weight instead of 4 and decode each weight to the very same fp32 value, so
 every product keeps its bits.
 
 ``block_encode`` finds such an encoding from the fp32 values alone and keeps it only if decoding
@@ -29,11 +29,12 @@ FORMATS = {"q8_0": 8, "q4_1": 4}  # block_quantize's formats by their GGUF names
 class BlockCodes:
     """``codes``: 4 bits, uint8 [N, K / 2] (in each block, byte i holds code i in its low nibble and
     code i + 16 in its high nibble), codes 0..15; or 8 bits, int8 [N, K], codes -127..127.
-    ``scales``: [N, K / 32, 2], each block's (d, m); m is 0 for 8 bits. With 4 bits float16 when every
-    d and m is a float16 value (GGUF stores them so, ``block_quantize`` rounds them so): 0.125 bytes a
-    weight instead of 0.25, which the kernel converts exactly, a few rows at a time (measured on a
-    2-core Zen 5: a target's 4-bit layers 5-11% faster at 1-4 rows, 4% slower at 7-8; for 8 bits,
-    whose codes take 1 byte a weight, the conversion costs more than it saves). Else float32."""
+    ``scales``: 4 bits [N, K / 32, 2], each block's (d, m); 8 bits [N, K / 32, 1], each block's d
+    (w = d * c). With 4 bits float16 when every d and m is a float16 value (GGUF stores them so,
+    ``block_quantize`` rounds them so): 0.125 bytes a weight instead of 0.25, which the kernel
+    converts exactly, a few rows at a time (measured on a 2-core Zen 5: a target's 4-bit layers
+    5-11% faster at 1-4 rows, 4% slower at 7-8; for 8 bits, whose codes take 1 byte a weight, the
+    conversion costs more than it saves). Else float32."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -51,7 +52,9 @@ def decode(encoded: BlockCodes) -> torch.Tensor:
         codes = torch.cat([halves & 15, halves >> 4], dim=-1)  # [N, K / 32, 32]
     else:
         codes = codes.view(codes.shape[0], -1, BLOCK)
-    values = scales[..., :1] * codes.float() + scales[..., 1:]
+    values = scales[..., :1] * codes.float()
+    if encoded.bits == 4:
+        values = values + scales[..., 1:]
     return values.reshape(codes.shape[0], -1)
 
 
@@ -83,11 +86,8 @@ def _encode(weight: torch.Tensor) -> BlockCodes | None:
     if codes is not None:
         return BlockCodes(_nibbles(codes), _pairs(d, low))
     d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
-    zero = torch.zeros_like(d)
-    codes = _fit(blocks, d, zero, -127, 127)
-    if codes is not None:
-        return BlockCodes(codes.to(torch.int8).reshape(n, -1).contiguous(), torch.cat([d, zero], dim=-1).contiguous())
-    return None
+    codes = _fit(blocks, d, torch.zeros_like(d), -127, 127)
+    return None if codes is None else _bytes(codes, d)
 
 
 @torch.no_grad()
@@ -103,9 +103,7 @@ def block_quantize(weight: torch.Tensor, bits: int) -> BlockCodes:
     blocks = weight.detach().float().reshape(n, -1, BLOCK)
     if bits == 8:
         d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
-        codes = torch.round(blocks / torch.where(d == 0, 1.0, d)).clamp(-127, 127)
-        return BlockCodes(codes.to(torch.int8).reshape(n, -1).contiguous(),
-                          torch.cat([d, torch.zeros_like(d)], dim=-1).contiguous())
+        return _bytes(torch.round(blocks / torch.where(d == 0, 1.0, d)).clamp(-127, 127), d)
     low = blocks.amin(-1, keepdim=True)
     d, m = ((blocks.amax(-1, keepdim=True) - low) / 15).half().float(), low.half().float()
     codes = torch.round((blocks - m) / torch.where(d == 0, 1.0, d)).clamp(0, 15)
@@ -117,6 +115,11 @@ def _pairs(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     scales = torch.cat([d, m], dim=-1)
     half = scales.half()
     return (half if torch.equal(half.float(), scales) else scales).contiguous()
+
+
+def _bytes(codes: torch.Tensor, d: torch.Tensor) -> BlockCodes:
+    """8-bit codes [N, K / 32, 32] (-127..127, any dtype) and their blocks' d [N, K / 32, 1] -> ``BlockCodes``."""
+    return BlockCodes(codes.to(torch.int8).reshape(codes.shape[0], -1).contiguous(), d.contiguous())
 
 
 def _nibbles(codes: torch.Tensor) -> torch.Tensor:

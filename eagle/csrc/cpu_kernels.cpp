@@ -98,14 +98,18 @@ void rows(const float* x, int64_t K, const float* w, int64_t N, const float* bia
 }
 
 // The same product with W kept as its exact block encoding (eagle.quant): each block of 32 weights
-// of a row is w = fma(d, c, m) for codes c (4-bit: 0..15, 16 bytes, byte i = c[i] | c[i + 16] << 4;
-// 8-bit: -128..127, m = 0) and a (d, m) pair of fp32 scales. A weight vector is decoded to the very
-// fp32 values of W and summed in the same order as block(): the same bits, from 0.75 or 1.25 bytes
-// per weight instead of 4.
+// of a row is w = fma(d, c, m) for 4-bit codes c (0..15, 16 bytes, byte i = c[i] | c[i + 16] << 4)
+// and a (d, m) pair of scales, or w = d * c for 8-bit codes (-127..127) and one scale d (kScales).
+// A weight vector is decoded to the very fp32 values of W and summed in the same order as block():
+// the same bits, from 0.625-0.75 or 1.125 bytes per weight instead of 4.
+template <int Bits>
+constexpr int64_t kScales = Bits == 4 ? 2 : 1;  // scales per block
+
 template <int Bits>
 inline void decode(const uint8_t* codes, const float* scales, __m512& lo, __m512& hi) {
-  const __m512 d = _mm512_set1_ps(scales[0]), m = _mm512_set1_ps(scales[1]);
+  const __m512 d = _mm512_set1_ps(scales[0]);
   if constexpr (Bits == 4) {
+    const __m512 m = _mm512_set1_ps(scales[1]);
     // the block's 16 possible weights fma(d, c, m), c = 0..15, then each code picks its own (vpermps
     // reads an index's low 4 bits): the same values as decoding each code, in 5 operations, not 7
     const __m512 table = _mm512_fmadd_ps(
@@ -115,8 +119,8 @@ inline void decode(const uint8_t* codes, const float* scales, __m512& lo, __m512
     hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
   } else {
     const __m128i* c = reinterpret_cast<const __m128i*>(codes);
-    lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c))), m);
-    hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c + 1))), m);
+    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c))));
+    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c + 1))));
   }
 }
 
@@ -134,14 +138,14 @@ void half_to_float(const uint16_t* src, int64_t n, float* dst) {
 }
 
 // Outputs j0..j1 (a multiple of J apart) of the M rows of x [M, K]; codes [N, K * Bits / 8];
-// scales: fp32 [j1 - j0, K / 32, 2], those of rows j0..j1; out [M, N]. K is a multiple of 32. Pointers
+// scales: fp32 [j1 - j0, K / 32, kScales], those of rows j0..j1; out [M, N]. K is a multiple of 32. Pointers
 // step through the blocks (with indices computed per block, the compiler spent more instructions on
 // addresses than on products).
 template <int Bits, int M, int J>
 void block_q(const float* x, int64_t K, const uint8_t* codes, const float* scales, int64_t N, const float* bias,
              float* out, int64_t j0, int64_t j1, bool once) {
   constexpr int64_t kBlockBytes = 32 * Bits / 8;
-  const int64_t row_bytes = K * Bits / 8, row_scales = K / 16, blocks = K / 32;
+  const int64_t row_bytes = K * Bits / 8, blocks = K / 32, row_scales = blocks * kScales<Bits>;
   for (int64_t j = j0; j < j1; j += J) {
     const float* sp = scales + (j - j0) * row_scales;
     __m512 acc[M][J];
@@ -149,7 +153,7 @@ void block_q(const float* x, int64_t K, const uint8_t* codes, const float* scale
       for (int b = 0; b < J; ++b) acc[i][b] = _mm512_setzero_ps();
     const uint8_t* cp = codes + j * row_bytes;
     const float* xp = x;
-    for (int64_t kb = 0; kb < blocks; ++kb, cp += kBlockBytes, sp += 2, xp += 32) {
+    for (int64_t kb = 0; kb < blocks; ++kb, cp += kBlockBytes, sp += kScales<Bits>, xp += 32) {
       __m512 lo[J], hi[J];
       for (int b = 0; b < J; ++b) {
         decode<Bits>(cp + b * row_bytes, sp + b * row_scales, lo[b], hi[b]);
@@ -174,7 +178,7 @@ template <int Bits, int M>
 void rows_q(const float* x, int64_t K, const uint8_t* codes, const void* scales, bool half, int64_t N,
             const float* bias, float* out, bool once) {
   constexpr int J = M <= 2 ? 4 : (M <= 6 ? 3 : (M <= 9 ? 2 : 1));
-  const int64_t blocks = N / J, row_scales = K / 16;
+  const int64_t blocks = N / J, row_scales = K / 32 * kScales<Bits>;
   // rows j0..j1 (a multiple of W apart) by block_q; fp16 scales converted W rows at a time, outside it
   // (converted inside its loop, they took registers from the products: 25-30% slower past 4 rows of x)
   auto run = [&](auto w, int64_t j0, int64_t j1) {
@@ -238,8 +242,9 @@ torch::Tensor stream_linear(const torch::Tensor& x, const torch::Tensor& w, cons
   return out;
 }
 
-// stream_linear_q: stream_linear with W given by its exact block encoding (codes uint8 [N, K / 2]
-// for 4 bits or int8 [N, K] for 8 bits, scales fp32 or fp16 [N, K / 32, 2]): the same outputs, bit for bit.
+// stream_linear_q: stream_linear with W given by its exact block encoding (codes uint8 [N, K / 2] and
+// scales [N, K / 32, 2] for 4 bits, or int8 [N, K] and [N, K / 32, 1] for 8 bits; scales fp32 or fp16):
+// the same outputs, bit for bit.
 torch::Tensor stream_linear_q(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                               const c10::optional<torch::Tensor>& bias, bool once) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && (scales.dtype() == torch::kFloat32 || scales.dtype() == torch::kHalf),
@@ -247,10 +252,10 @@ torch::Tensor stream_linear_q(const torch::Tensor& x, const torch::Tensor& codes
   TORCH_CHECK(codes.dtype() == torch::kUInt8 || codes.dtype() == torch::kInt8, "stream_linear_q: uint8 or int8 codes");
   TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(), "stream_linear_q: CPU only");
   TORCH_CHECK(x.is_contiguous() && codes.is_contiguous() && scales.is_contiguous() && x.dim() == 2 && codes.dim() == 2,
-              "stream_linear_q: contiguous x [M, K], codes [N, K * bits / 8], scales [N, K / 32, 2]");
+              "stream_linear_q: contiguous x [M, K], codes [N, K * bits / 8], scales [N, K / 32, 2 or 1]");
   const int bits = codes.dtype() == torch::kUInt8 ? 4 : 8;
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % 32 == 0 && codes.size(1) == K * bits / 8 && scales.numel() == N * (K / 32) * 2,
+  TORCH_CHECK(K % 32 == 0 && codes.size(1) == K * bits / 8 && scales.numel() == N * (K / 32) * (bits == 4 ? 2 : 1),
               "stream_linear_q: shapes do not match x [M, K] with K a multiple of 32");
   const float* b = bias_data(bias, N, "stream_linear_q");
   auto out = torch::empty({M, N}, x.options());
