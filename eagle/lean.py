@@ -94,7 +94,7 @@ class PackedLinear(nn.Module):
         self.stream_op = stream_linear_op() if stream and weight.dtype == torch.float32 and (
             weight.device.type == "cpu") else None
         # a weight that is an exact block encoding (a dequantized GGUF target's) is streamed from its
-        # codes: the same bits for a sixth (4-bit) or a third (8-bit) of the memory traffic (``eagle.quant``)
+        # codes: the same bits for a sixth (4-bit) or 28% (8-bit) of the memory traffic (``eagle.quant``)
         self.encoded = block_encode(weight) if self.stream_op is not None and encode else None
         self.pad_rows: tuple[int, ...] = ()
         # the unpacked weight, for the streamed kernel or the row counts ``F.linear`` computes faster
@@ -118,7 +118,7 @@ class PackedLinear(nn.Module):
     def quantized(cls, weight: torch.Tensor, bias: torch.Tensor | None, bits: int) -> "PackedLinear":
         """``weight`` [out, in] rounded to its nearest block encoding (``eagle.quant.block_quantize``,
         lossy: for a drafter, whose precision never changes the output), in fp32: the product of the
-        quantized weight, streamed from its codes where the compiled kernels run (1.25 or 0.625
+        quantized weight, streamed from its codes where the compiled kernels run (1.125 or 0.625
         bytes a weight against bf16's 2), else computed from the decoded weight."""
         codes = block_quantize(weight.detach().float(), bits)
         linear = cls(decode(codes), None if bias is None else bias.detach().float(), encode=False)

@@ -81,7 +81,7 @@ def default_drafter_dtype(target: Target) -> torch.dtype:
 def default_drafter_quant(target: Target) -> str | None:
     """"q8_0" for an fp32 target on a CPU where the compiled kernels run: a drafter call reads its
     weights again after each target forward has pushed them out of the caches, and 8-bit codes are
-    1.25 bytes a weight against bf16's 2 (measured on the reference machine, greedy auto trees on
+    1.125 bytes a weight against bf16's 2 (measured on the reference machine, greedy auto trees on
     10 dev prompts: drafting and the drafter's pass over accepted tokens 2.80 -> 2.21 ms a round,
     the same accepted length). Else None (no quantization)."""
     if target.device.type == "cpu" and target.dtype == torch.float32 and stream_linear_op() is not None:
