@@ -400,100 +400,55 @@ torch::Tensor rope_cache(const torch::Tensor& qkv, const torch::Tensor& cos, con
   return out;
 }
 
-// Softmax weights of G (1-4) query heads of one group for one query row over its n keys, listed in idx
-// (cache rows) with their biases in add: head g's in score + g * stride (room for n + 16), 1 / their
-// sum in inv[g]. Scores of 16 keys at a time with one transposed reduction, the group's heads one after
-// another on the same 16 keys (still in L1 for the second and third). V vectors of 16 per head.
+// One query row of one head (attention, below): softmax(q k^T * sc + add) v over its n keys, listed
+// in idx (cache rows) with their biases in add; V vectors of 16 per head; score: room for n + 16.
 template <int V>
-void softmax_weights(int64_t G, const float* const* qv, const float* kh, const int32_t* idx, const float* add,
-                     int64_t n, float sc, float* score, int64_t stride, float* inv) {
+void attend_row(const float* qv, const float* kh, const float* vh, const int32_t* idx, const float* add,
+                int64_t n, float sc, float* score, float* dst) {
   constexpr int64_t d = 16 * V;
-  __m512 most[4];
-  for (int64_t g = 0; g < G; ++g) most[g] = _mm512_set1_ps(-INFINITY);
-  for (int64_t c0 = 0; c0 < n; c0 += 16) {
+  __m512 qreg[V];
+  for (int64_t v = 0; v < V; ++v) qreg[v] = _mm512_loadu_ps(qv + 16 * v);
+  __m512 most = _mm512_set1_ps(-INFINITY);
+  for (int64_t c0 = 0; c0 < n; c0 += 16) {  // the scores of 16 keys at a time
     const int64_t count = std::min<int64_t>(16, n - c0);
-    const __mmask16 live = lanes(count);
-    const __m512 bias = _mm512_maskz_loadu_ps(live, add + c0);
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 qreg[V];
-      for (int64_t v = 0; v < V; ++v) qreg[v] = _mm512_loadu_ps(qv[g] + 16 * v);
-      __m512 dots[16];
-      for (int s = 0; s < 16; ++s) {
-        const int64_t c = kSlotKey[s];
-        if (c >= count) {
-          dots[s] = _mm512_setzero_ps();
-          continue;
-        }
-        const float* k = kh + static_cast<int64_t>(idx[c0 + c]) * d;
-        __m512 acc = _mm512_mul_ps(qreg[0], _mm512_loadu_ps(k));
-        for (int64_t v = 1; v < V; ++v) acc = _mm512_fmadd_ps(qreg[v], _mm512_loadu_ps(k + 16 * v), acc);
-        dots[s] = acc;
+    __m512 dots[16];
+    for (int s = 0; s < 16; ++s) {
+      const int64_t c = kSlotKey[s];
+      if (c >= count) {
+        dots[s] = _mm512_setzero_ps();
+        continue;
       }
-      const __m512 scores = _mm512_add_ps(_mm512_mul_ps(reduce_add16(dots), _mm512_set1_ps(sc)), bias);
-      _mm512_mask_storeu_ps(score + g * stride + c0, live, scores);
-      most[g] = _mm512_mask_max_ps(most[g], live, most[g], scores);
+      const float* k = kh + static_cast<int64_t>(idx[c0 + c]) * d;
+      __m512 acc = _mm512_mul_ps(qreg[0], _mm512_loadu_ps(k));
+      for (int64_t v = 1; v < V; ++v) acc = _mm512_fmadd_ps(qreg[v], _mm512_loadu_ps(k + 16 * v), acc);
+      dots[s] = acc;
     }
+    const __mmask16 live = lanes(count);
+    const __m512 scores = _mm512_add_ps(_mm512_mul_ps(reduce_add16(dots), _mm512_set1_ps(sc)),
+                                        _mm512_maskz_loadu_ps(live, add + c0));
+    _mm512_mask_storeu_ps(score + c0, live, scores);
+    most = _mm512_mask_max_ps(most, live, most, scores);
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* weights = score + g * stride;
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(most[g]));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t c = 0; c < n; c += 16) {
-      const __mmask16 live = lanes(n - c);
-      const __m512 kept = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, weights + c), top)));
-      _mm512_storeu_ps(weights + c, kept);
-      total = _mm512_add_ps(total, kept);
-    }
-    inv[g] = 1.0f / _mm512_reduce_add_ps(total);
+  const float best = _mm512_reduce_max_ps(most);
+  const __m512 top = _mm512_set1_ps(best);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 live = lanes(n - c);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, score + c), top));
+    const __m512 kept = _mm512_maskz_mov_ps(live, e);
+    _mm512_storeu_ps(score + c, kept);
+    total = _mm512_add_ps(total, kept);
   }
-}
-
-// The weighted sums of the values for G heads of one group at once (their weights in score + g * stride,
-// 1 / sum in inv): each value vector is read once for all G heads, and the G * V accumulators are
-// independent chains (one head's V chains alone wait on the FMA latency). Each head's sum runs over
-// the keys in order, as for a head alone.
-template <int V, int G>
-void weighted_values(const float* vh, const int32_t* idx, int64_t n, const float* score, int64_t stride,
-                     const float* inv, float* const* dst) {
-  constexpr int64_t d = 16 * V;
-  __m512 acc[G][V];
-  for (int g = 0; g < G; ++g)
-    for (int v = 0; v < V; ++v) acc[g][v] = _mm512_setzero_ps();
+  const float inv = 1.0f / _mm512_reduce_add_ps(total);
+  __m512 acc[V];
+  for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
   for (int64_t c = 0; c < n; ++c) {
+    const __m512 w = _mm512_set1_ps(score[c]);
     const float* val = vh + static_cast<int64_t>(idx[c]) * d;
-    __m512 row[V];
-    for (int v = 0; v < V; ++v) row[v] = _mm512_loadu_ps(val + 16 * v);
-    for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(score[g * stride + c]);
-      for (int v = 0; v < V; ++v) acc[g][v] = _mm512_fmadd_ps(w, row[v], acc[g][v]);
-    }
+    for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(val + 16 * v), acc[v]);
   }
-  for (int g = 0; g < G; ++g) {
-    const __m512 scale_out = _mm512_set1_ps(inv[g]);
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(dst[g] + 16 * v, _mm512_mul_ps(acc[g][v], scale_out));
-  }
-}
-
-// Heads sharing one key/value head, taken together: at most 4, and no more accumulators than registers.
-constexpr int64_t heads_per_task(int64_t vecs, int64_t group) {
-  int64_t g = 4;
-  while (g > 1 && (g > group || (g + 1) * vecs > 28)) --g;
-  return g;
-}
-
-// G (1-4) query heads of one group for one row: softmax(q k^T * sc + add) v over the row's n keys.
-template <int V>
-void attend_heads(int64_t G, const float* const* qv, const float* kh, const float* vh, const int32_t* idx,
-                  const float* add, int64_t n, float sc, float* score, float* const* dst) {
-  const int64_t stride = n + 16;
-  float inv[4];
-  softmax_weights<V>(G, qv, kh, idx, add, n, sc, score, stride, inv);
-  switch (G) {  // the cases heads_per_task can give for V
-    case 1: weighted_values<V, 1>(vh, idx, n, score, stride, inv, dst); break;
-    case 2: weighted_values<V, 2>(vh, idx, n, score, stride, inv, dst); break;
-    case 3: if constexpr (4 * V <= 28) weighted_values<V, 3>(vh, idx, n, score, stride, inv, dst); break;
-    default: if constexpr (5 * V <= 28) weighted_values<V, 4>(vh, idx, n, score, stride, inv, dst); break;
-  }
+  const __m512 scale_out = _mm512_set1_ps(inv);
+  for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(dst + 16 * v, _mm512_mul_ps(acc[v], scale_out));
 }
 
 // attention: softmax(q k^T * scale + bias) v for a few query rows over the first `length` cached keys,
@@ -502,8 +457,7 @@ void attend_heads(int64_t G, const float* const* qv, const float* kh, const floa
 // [q, nh * d] (the layout the output projection reads). Each row's keys are first listed in order, the
 // excluded ones left out, and every sum runs over that list, so a row's output does not depend on
 // which other rows are computed with it or where masked keys sit between its own: a token verified
-// in a tree gets the bits it gets in a plain decoding step. The query heads of a group are computed
-// together (heads_per_task of them), reading each key and value vector once for all of them.
+// in a tree gets the bits it gets in a plain decoding step.
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& key_buf, const torch::Tensor& value_buf,
                         int64_t length, const c10::optional<torch::Tensor>& bias, double scale) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "attention: q fp32 [nh, q, d]");
@@ -540,28 +494,22 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& key_buf, co
   const float* kp = key_buf.data_ptr<float>();
   const float* vp = value_buf.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t group = nh / nkv, vecs = d / 16, per = heads_per_task(vecs, group);
-  const int64_t chunks = (group + per - 1) / per;  // tasks per group and row
+  const int64_t group = nh / nkv, vecs = d / 16;
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, nkv * chunks * rows, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> score(per * (length + 16));
+  at::parallel_for(0, nh * rows, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> score(length + 16);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t kv = t / (chunks * rows), chunk = t / rows % chunks, i = t % rows, n = counts[i];
-      const int64_t h0 = kv * group + chunk * per, G = std::min(per, group - chunk * per);
-      const float* qv[4];
-      float* dst[4];
-      for (int64_t g = 0; g < G; ++g) {
-        qv[g] = qp + ((h0 + g) * rows + i) * d;
-        dst[g] = op + i * nh * d + (h0 + g) * d;
-      }
-      const float* kh = kp + kv * cap * d;
-      const float* vh = vp + kv * cap * d;
+      const int64_t h = t / rows, i = t % rows, n = counts[i];
+      const float* qv = qp + (h * rows + i) * d;
+      const float* kh = kp + (h / group) * cap * d;
+      const float* vh = vp + (h / group) * cap * d;
       const int32_t* idx = keys.data() + i * length;
       const float* add = adds.data() + i * length;
+      float* dst = op + i * nh * d + h * d;
       switch (vecs) {
 #define EAGLE_VECS(v) \
   case v:             \
-    attend_heads<v>(G, qv, kh, vh, idx, add, n, sc, score.data(), dst); \
+    attend_row<v>(qv, kh, vh, idx, add, n, sc, score.data(), dst); \
     break;
         EAGLE_VECS(1) EAGLE_VECS(2) EAGLE_VECS(3) EAGLE_VECS(4) EAGLE_VECS(5) EAGLE_VECS(6) EAGLE_VECS(7) EAGLE_VECS(8)
 #undef EAGLE_VECS
