@@ -6,7 +6,7 @@ follows them, drawn from the target (the bonus token, or the correction after a 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -20,6 +20,13 @@ class Acceptance:
 
     nodes: torch.Tensor
     next_token: int
+
+
+class DrawSupport(Protocol):
+    """What drawn children came from, sparse: ``support(node)`` -> (the tokens q puts mass on [M] long,
+    their probabilities [M]) for a node with drawn children (``eagle.proposers.DrawDistributions``)."""
+
+    def support(self, node: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def greedy_tree(tokens: torch.Tensor, parents: torch.Tensor, paths: torch.Tensor,
@@ -51,7 +58,7 @@ def children_of(parents: torch.Tensor) -> list[list[int]]:
 
 
 def recursive_rejection_tree(tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor,
-                             generator: torch.Generator, child_probs: Any = None,
+                             generator: torch.Generator, child_probs: torch.Tensor | DrawSupport | None = None,
                              drawn: torch.Tensor | None = None) -> Acceptance:
     """Lossless sampling for a draft tree: recursive speculative decoding over each node's
     children (SpecInfer / EAGLE-2 for deterministic drafts; Jeon et al. 2024 for drafts drawn
@@ -71,10 +78,9 @@ def recursive_rejection_tree(tokens: torch.Tensor, parents: torch.Tensor, target
     put deterministic drafts after the drawn siblings, and a drawn node's inclusion never depends
     on its own token.
     ``tokens``/``parents`` [N]; ``target_probs`` [N, V], the warped target distribution at each
-    node; ``child_probs``: [N, V] (rows of nodes without drawn children are not read), or an
-    object whose ``support(node)`` gives the tokens q puts mass on and their probabilities ([M]
-    each: only those M entries of r change when a draw is rejected); ``drawn`` [N] bool; both
-    None for a tree of deterministic drafts. r is kept unnormalized with its mass (r / mass is
+    node; ``child_probs``: [N, V] (rows of nodes without drawn children are not read), or a
+    ``DrawSupport`` (then a rejected draw changes only the entries of r at q's M tokens);
+    ``drawn`` [N] bool; both None for a tree of deterministic drafts. r is kept unnormalized with its mass (r / mass is
     the distribution), in float64 (it keeps the ratios of tiny probabilities: a token far down q
     can be the second draw)."""
     kids = children_of(parents)
@@ -124,7 +130,7 @@ def recursive_rejection_tree(tokens: torch.Tensor, parents: torch.Tensor, target
         accepted.append(child)
 
 
-def _support(child_probs: Any, node: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _support(child_probs: torch.Tensor | DrawSupport, node: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``node``'s drawn children came from: (tokens [M] long, probabilities [M] float64 summing
     to 1), on the CPU; from a dense [N, V] row, its non-zero entries."""
     if isinstance(child_probs, torch.Tensor):

@@ -247,7 +247,8 @@ class EagleDrafter(Proposer):
         if sampling is not None and not sampling.greedy and cfg.sampled and not cfg.choices:
             self.draw_temperature = sampling.temperature * cfg.draw_temperature_scale
         self.generator = generator
-        self.drawn_from: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # pool node -> (draft indices, log-probs) drawn among
+        # pool node -> (the draft indices its children were drawn among, their log-probs)
+        self.drawn_from: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.draft_ids = drafter.to_target_ids(torch.arange(vocab, device=self.device))  # draft index -> target id
         # a sampled tree's size with "auto", chosen before its draws (see ``propose``): at first the most
         # nodes that cost no more than one token to verify, then what the previous round's pool asked for
