@@ -80,9 +80,9 @@ def recursive_rejection_tree(tokens: torch.Tensor, parents: torch.Tensor, target
     ``tokens``/``parents`` [N]; ``target_probs`` [N, V], the warped target distribution at each
     node; ``child_probs``: [N, V] (rows of nodes without drawn children are not read), or a
     ``DrawSupport`` (then a rejected draw changes only the entries of r at q's M tokens);
-    ``drawn`` [N] bool; both None for a tree of deterministic drafts. r is kept unnormalized with its mass (r / mass is
-    the distribution), in float64 (it keeps the ratios of tiny probabilities: a token far down q
-    can be the second draw)."""
+    ``drawn`` [N] bool; both None for a tree of deterministic drafts. r is kept unnormalized with
+    its mass (r / mass is the distribution), in float64 (it keeps the ratios of tiny
+    probabilities: a token far down q can be the second draw)."""
     kids = children_of(parents)
     token_list = tokens.tolist()
     drawn_list = drawn.tolist() if drawn is not None else [False] * len(token_list)
@@ -90,15 +90,14 @@ def recursive_rejection_tree(tokens: torch.Tensor, parents: torch.Tensor, target
     while True:
         r = target_probs[node].double().cpu()  # a copy: changed in place below
         mass = float(r.sum())
-        support = None  # (tokens, q_i over them, position of each token): what the next drawn child came from
+        position = None  # token -> its index in ids, once q_i (what the next drawn child came from) is read
         for child in kids[node]:
             x = token_list[child]
             u = torch.rand(1, generator=generator).item()
             if drawn_list[child]:
-                if support is None:
-                    ids, q = _support(child_probs, node)
-                    support = (ids, q, {t: j for j, t in enumerate(ids.tolist())})
-                ids, q, position = support
+                if position is None:
+                    ids, q = _support(child_probs, node)  # q_i over the tokens ids, normalized
+                    position = {t: j for j, t in enumerate(ids.tolist())}
                 j = position.get(x)
                 qx = float(q[j]) if j is not None else 0.0
                 if qx <= 0:  # not drawable (its probability underflowed): as if never drawn

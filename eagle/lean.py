@@ -10,7 +10,7 @@ decoder layer as one compiled call (``eagle.kernels``: 1-token forward + head 27
 reference machine), whose rows do not depend on each other: a tree node gets the plain step's bits.
 Greedy decoding takes the head's argmax from a bf16 copy of it with an exact fp32 recheck
 (``GreedyHead``). Weights that are exact block encodings (a GGUF target's Q4_1/Q8_0 tensors,
-dequantized at load) are streamed from their codes, the same bits for a sixth (4-bit) or a third
+dequantized at load) are streamed from their codes, the same bits for a sixth (4-bit) or 28%
 (8-bit) of the bytes (``eagle.quant``; 1-token forward + argmax 19.7 -> 7.6 ms on the reference machine), and the head's
 exact logits from its codes then cost less than ``GreedyHead``.
 
