@@ -16,6 +16,7 @@ import json
 import math
 import statistics
 import time
+from typing import Sequence
 
 import torch
 
@@ -67,14 +68,14 @@ class TreeChoice:
     tokens_per_second: float
 
 
-def choose_tree_size(sorted_scores: torch.Tensor, curve: CostCurve, draft_seconds: float,
+def choose_tree_size(sorted_scores: Sequence[float], curve: CostCurve, draft_seconds: float,
                      calibration: float = 1.0) -> TreeChoice:
     """The total_tokens with the most expected tokens per second this round.
 
     ``sorted_scores`` [M]: cumulative draft log-probabilities of the candidate nodes, best first.
     In plain floats: a round asks up to three times, for a few dozen candidates, where tensor
     operations cost more than the sums."""
-    logprobs = sorted_scores[: 2 * curve.sizes[-1]].tolist()  # far past the measured sizes never pays
+    logprobs = sorted_scores[: 2 * curve.sizes[-1]]  # far past the measured sizes never pays
     seconds = curve.per_token
     expected, best = 1.0, TreeChoice(size=1, tokens_per_second=1.0 / (draft_seconds + seconds[0]))
     for n, logprob in enumerate(logprobs, start=2):  # n tokens: the root and the n - 1 best candidates
@@ -85,12 +86,12 @@ def choose_tree_size(sorted_scores: torch.Tensor, curve: CostCurve, draft_second
     return best
 
 
-def deeper_pays(frontier_scores: torch.Tensor, rate: float, step_seconds: float, calibration: float = 1.0) -> bool:
+def deeper_pays(frontier_scores: Sequence[float], rate: float, step_seconds: float, calibration: float = 1.0) -> bool:
     """Whether one more drafter call (one more tree depth) can raise the expected tokens per
     second. The nodes it adds are children of the frontier ``frontier_scores`` [F] (cumulative
     log-probabilities), so they bring at most ``calibration * sum(exp(frontier))`` accepted
     tokens per round; (E + gain) / (T + step) beats E / T = ``rate`` only if gain > rate * step."""
-    return calibration * float(frontier_scores.float().exp().sum()) > rate * step_seconds
+    return calibration * sum(math.exp(score) for score in frontier_scores) > rate * step_seconds
 
 
 def non_decreasing(values: list[float]) -> list[float]:

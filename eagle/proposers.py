@@ -27,6 +27,7 @@ from eagle.sampling import logits_to_probs, sample
 from eagle.target import Target
 from eagle.tree import (DraftTree, best_frontier, chain_tree, graft_chains, kept_nodes, root_only, sampled_children,
                         static_layout, subtree, topk_children)
+from eagle.tree_mask import additive_bias
 
 
 @dataclasses.dataclass
@@ -293,17 +294,18 @@ class EagleDrafter(Proposer):
         predicted features), ``tokens`` [F]; node f attends to the committed cache, its ancestors
         already run this round and itself. ``cached`` (node ids in cache order) is extended."""
         nodes = [a[-1] for a in ancestors]
+        bias = None  # causal: a lone node below every node run so far this round (a chain) sees them all
+        if len(nodes) > 1 or ancestors[0][:-1] != cached:
+            col = {node: j for j, node in enumerate(cached + nodes)}
+            allowed = torch.zeros(len(nodes), committed + len(col), dtype=torch.bool, device=self.device)
+            allowed[:, :committed] = True
+            for row, chain in enumerate(ancestors):
+                allowed[row, [committed + col[a] for a in chain]] = True
+            bias = additive_bias(allowed, self.dtype)
         cached.extend(nodes)
-        col = {node: j for j, node in enumerate(cached)}
-        allowed = torch.zeros(len(nodes), committed + len(cached), dtype=torch.bool, device=self.device)
-        allowed[:, :committed] = True
-        for row, chain in enumerate(ancestors):
-            allowed[row, [committed + col[a] for a in chain]] = True
-        dtype = self.dtype
-        bias = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(~allowed, torch.finfo(dtype).min)
         pos = torch.full((1, len(nodes)), position, device=self.device)
-        embeds = self.target.embed(tokens[None]).to(dtype)
-        return self.drafter(inputs[None], embeds, pos, self.cache, bias[None, None])[0]
+        embeds = self.target.embed(tokens[None]).to(self.dtype)
+        return self.drafter(inputs[None], embeds, pos, self.cache, bias)[0]
 
     @torch.inference_mode()
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
@@ -325,7 +327,7 @@ class EagleDrafter(Proposer):
         drafted = tree.size  # pool nodes from the drafter; grafts come after them, so they are tried after their siblings
         tree = self._graft_lookup(ids, tree, max_depth)
         if self.cost is not None:  # total_tokens="auto": the size with the most expected tokens per second
-            best_first = torch.sort(tree.scores[1:], descending=True).values
+            best_first = sorted(tree.scores[1:].tolist(), reverse=True)
             size = choose_tree_size(best_first, self.cost, time.perf_counter() - start, calibration).size
             if self.draw_temperature:  # drawn children: no size may depend on this round's draws, so it sizes the next
                 self.next_size = size
@@ -402,61 +404,60 @@ class EagleDrafter(Proposer):
         subtree) decide whether it is kept."""
         k, to_target = self.cfg.top_k, self.drafter.to_target_ids
         sized = self.cost is not None and not self.draw_temperature
+        # the pool in plain lists (node i: its target token, parent and score): a round's pool has a
+        # few dozen nodes, where each tensor operation costs more than the Python it replaces
         lp = self._logprobs(self.last_hidden[None])
         child_tokens, child_scores = self._children(torch.zeros(1, device=self.device), lp, k, [0])
-        pool_tokens = [torch.tensor([root], device=self.device), to_target(child_tokens[0])]
-        pool_parents = [torch.tensor([-1], device=self.device), torch.zeros(k, dtype=torch.long, device=self.device)]
-        pool_scores = [torch.zeros(1, device=self.device), child_scores[0]]
-        frontier = torch.arange(1, k + 1, device=self.device)  # pool indices
+        scores = [0.0] + child_scores[0].tolist()
+        tokens, parents = [root] + to_target(child_tokens[0]).tolist(), [-1] + [0] * k
+        frontier = list(range(1, k + 1))  # pool indices
         if levels > 1:  # the root's children too: expand only those that could have a kept child (auto sizing,
             # which cannot see their children yet, sizes as if each had one as likely as itself)
-            pool = pool_scores + [child_scores[0]] if sized else pool_scores
-            floor, _ = self._expansion_floor(pool, total, sized, start, calibration)
-            frontier = frontier[child_scores[0] >= floor] if floor is not None else frontier[:0]
-        frontier_inputs = self.last_hidden[None].expand(frontier.shape[0], -1)
+            floor, _ = self._expansion_floor(scores[1:] + scores[1:] if sized else scores[1:], total, sized, start,
+                                             calibration)
+            frontier = [n for n in frontier if floor is not None and scores[n] >= floor]
+        frontier_inputs = self.last_hidden[None].expand(len(frontier), -1)
         ancestors = {i: [i] for i in range(1, k + 1)}  # run-this-round ancestors of a node, itself last
         cached: list[int] = []
-        size = k + 1
-        for d in range(1, levels if frontier.shape[0] else 1):
+        for d in range(1, levels if frontier else 1):
             step_start = time.perf_counter()
-            tokens = torch.cat(pool_tokens)[frontier]
-            hidden = self._run_nodes(frontier_inputs, tokens, [ancestors[n] for n in frontier.tolist()], committed,
-                                     committed + d - 1, cached)
+            hidden = self._run_nodes(frontier_inputs, torch.tensor([tokens[n] for n in frontier], device=self.device),
+                                     [ancestors[n] for n in frontier], committed, committed + d - 1, cached)
             lp = self._logprobs(hidden)
-            child_tokens, child_scores = self._children(torch.cat(pool_scores)[frontier], lp, k,
-                                                        frontier.tolist())  # [F, k]
-            flat_scores = child_scores.reshape(-1)
-            parents = frontier[:, None].expand(-1, k).reshape(-1)
-            pool_tokens.append(to_target(child_tokens.reshape(-1)))
-            pool_parents.append(parents)
-            pool_scores.append(flat_scores)
-            best = best_frontier(flat_scores, k)
+            child_tokens, child_scores = self._children(
+                torch.tensor([scores[n] for n in frontier], device=self.device), lp, k, frontier)  # [F, k]
+            size, flat_scores = len(scores), child_scores.reshape(-1).tolist()
+            tokens += to_target(child_tokens.reshape(-1)).tolist()
+            parents += [n for n in frontier for _ in range(k)]
+            scores += flat_scores
+            best = best_frontier(flat_scores, k)  # positions among this depth's children
             if d + 1 < levels:  # expand only frontier nodes that could have a kept child
-                floor, choice = self._expansion_floor(pool_scores, total, sized, start, calibration)
-                best = best[flat_scores[best] >= floor] if floor is not None else best[:0]
-                if best.shape[0] == 0 or sized and not deeper_pays(
-                        flat_scores[best], choice.tokens_per_second, time.perf_counter() - step_start, calibration):
+                floor, choice = self._expansion_floor(scores[1:], total, sized, start, calibration)
+                best = [j for j in best if floor is not None and flat_scores[j] >= floor]
+                if not best or sized and not deeper_pays(
+                        [flat_scores[j] for j in best], choice.tokens_per_second, time.perf_counter() - step_start,
+                        calibration):
                     break
-            for j in best.tolist():
-                ancestors[size + j] = ancestors[int(parents[j])] + [size + j]
-            frontier_inputs = hidden[best // k]
-            frontier = best + size
-            size += flat_scores.shape[0]
-        return DraftTree(torch.cat(pool_tokens), torch.cat(pool_parents), torch.cat(pool_scores))
+            frontier = [size + j for j in best]
+            for n in frontier:
+                ancestors[n] = ancestors[parents[n]] + [n]
+            frontier_inputs = hidden[[j // k for j in best]]
+        return DraftTree(torch.tensor(tokens, device=self.device), torch.tensor(parents, device=self.device),
+                         torch.tensor(scores, device=self.device))
 
-    def _expansion_floor(self, pool_scores: list[torch.Tensor], total: int, sized: bool, start: float,
+    def _expansion_floor(self, pool_scores: list[float], total: int, sized: bool, start: float,
                          calibration: float) -> tuple[float | None, TreeChoice | None]:
         """The lowest score a pool node can have and still get a kept child, or None when none can
         (a child scores no higher than its parent and ranks after it, so its parent must be among the
-        best ``keep - 1`` of the pool ``pool_scores`` [M] in pieces, root first), ``keep`` being
-        ``total - 1`` or, ``sized``, the size ``auto`` chooses for the pool so far; and that choice."""
-        pool = torch.sort(torch.cat(pool_scores)[1:], descending=True).values
+        best ``keep - 1`` of the pool ``pool_scores``, root left out), ``keep`` being ``total - 1``
+        or, ``sized``, the size ``auto`` chooses for the pool so far; and that choice."""
+        pool = sorted(pool_scores, reverse=True)
         keep, choice = total - 1, None
         if sized:
             choice = choose_tree_size(pool, self.cost, time.perf_counter() - start, calibration)
             keep = min(keep, choice.size - 1)
-        rank = min(keep - 1, pool.shape[0])
-        return (float(pool[rank - 1]) if rank > 0 else None), choice
+        rank = min(keep - 1, len(pool))
+        return (pool[rank - 1] if rank > 0 else None), choice
 
     def _static(self, root: int, levels: int, committed: int) -> DraftTree:
         """EAGLE-1: fill a fixed tree shape (``choices``) with the drafter's ranked children."""

@@ -63,10 +63,9 @@ def sampled_children(parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int
     return tokens, parent_scores[:, None] + torch.topk(logprobs, k, dim=-1).values
 
 
-def best_frontier(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k best of the flattened candidate scores [M] (stable on ties)."""
-    order = torch.sort(-scores, stable=True).indices
-    return order[: min(k, scores.shape[0])]
+def best_frontier(scores: Sequence[float], k: int) -> list[int]:
+    """Indices of the k best of the candidate scores [M] (the first on ties)."""
+    return sorted(range(len(scores)), key=lambda i: -scores[i])[:k]
 
 
 def kept_nodes(scores: torch.Tensor, total_tokens: int) -> torch.Tensor:
@@ -75,17 +74,18 @@ def kept_nodes(scores: torch.Tensor, total_tokens: int) -> torch.Tensor:
     Pool: ``scores`` [M], index 0 the root, parents[i] < i. A child never scores above its parent
     and ties go to the lower (shallower) index, so the kept set always contains each kept node's
     parent: it is a subtree."""
-    order = torch.sort(-scores[1:], stable=True).indices[:total_tokens - 1] + 1
-    return torch.cat([torch.zeros(1, dtype=torch.long, device=scores.device), torch.sort(order).values])
+    pool = scores.tolist()  # a few dozen nodes: plain Python beats a chain of tensor operations
+    best = sorted(range(1, len(pool)), key=lambda i: -pool[i])[:total_tokens - 1]  # stable: ties to the lower index
+    return torch.tensor([0] + sorted(best), dtype=torch.long, device=scores.device)
 
 
 def subtree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, kept: torch.Tensor) -> DraftTree:
     """The pool nodes ``kept`` [n] (increasing, root first, closed under parents), re-indexed."""
-    new_index = torch.full((tokens.shape[0],), -1, dtype=torch.long, device=tokens.device)
-    new_index[kept] = torch.arange(kept.shape[0], device=tokens.device)
-    kept_parents = parents[kept]
-    new_parents = torch.where(kept_parents >= 0, new_index[kept_parents.clamp(min=0)], kept_parents)
-    return DraftTree(tokens=tokens[kept], parents=new_parents, scores=scores[kept])
+    nodes, pool_parents = kept.tolist(), parents.tolist()
+    new_index = {node: i for i, node in enumerate(nodes)}
+    new_parents = [-1 if pool_parents[node] < 0 else new_index[pool_parents[node]] for node in nodes]
+    return DraftTree(tokens=tokens[kept], parents=torch.tensor(new_parents, dtype=torch.long, device=parents.device),
+                     scores=scores[kept])
 
 
 def graft_chains(tree: DraftTree, chains: Sequence[tuple[Sequence[int], Sequence[float], int]],

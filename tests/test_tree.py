@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -90,7 +92,8 @@ def test_graft_chains_adds_exactly_the_chain_prefixes_below_its_node_and_keeps_a
 
 
 def test_best_frontier_is_stable():
-    assert best_frontier(torch.tensor([-1.0, -0.5, -0.5, -3.0]), 2).tolist() == [1, 2]
+    assert best_frontier([-1.0, -0.5, -0.5, -3.0], 2) == [1, 2]
+    assert best_frontier([-1.0, -0.5], 5) == [1, 0]
 
 
 def test_chain_tree():
@@ -111,7 +114,7 @@ def test_static_layout_from_choices():
 def test_auto_tree_size_follows_the_cost_curve():
     from eagle.budget import CostCurve, choose_tree_size
 
-    scores = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.3, 0.1, 0.05, 0.01]))
+    scores = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.3, 0.1, 0.05, 0.01])).tolist()
     flat = CostCurve(sizes=[1, 64], seconds=[1.0, 1.0])  # a GPU-like curve: more tokens are free
     assert choose_tree_size(scores, flat, draft_seconds=0.0).size == 8
     steep = CostCurve(sizes=[1, 2, 64], seconds=[1.0, 2.0, 64.0])  # every token costs a full forward
@@ -125,7 +128,7 @@ def test_auto_tree_size_follows_the_cost_curve():
 def test_a_deeper_tree_is_drafted_only_when_it_can_pay():
     from eagle.budget import deeper_pays
 
-    frontier = torch.log(torch.tensor([0.4, 0.2]))  # at most 0.6 more accepted tokens per round
+    frontier = [math.log(0.4), math.log(0.2)]  # at most 0.6 more accepted tokens per round
     assert deeper_pays(frontier, rate=20.0, step_seconds=0.02)  # 0.6 > 0.4 tokens the call's time is worth
     assert not deeper_pays(frontier, rate=40.0, step_seconds=0.02)  # 0.6 < 0.8
     assert not deeper_pays(frontier, rate=20.0, step_seconds=0.02, calibration=0.5)
@@ -157,7 +160,7 @@ def test_a_cost_step_is_seen_and_the_tree_stops_below_it(target):
     below it; the old coarse curve (1, 4, 8, a line between) put 6 near 8 and chose 8."""
     from eagle.budget import SIZES, CostCurve, choose_tree_size, measure_cost_curve, non_decreasing
 
-    scores = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.3, 0.25, 0.1]))
+    scores = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.3, 0.25, 0.1])).tolist()
     stepped = CostCurve(sizes=list(range(1, 9)), seconds=non_decreasing([1.0, 1.1, 1.0, 1.0, 1.0, 1.0, 1.15, 1.2]))
     assert stepped.seconds[5] == pytest.approx(1.02) and stepped.seconds[6] == 1.15  # the step survives the fit
     assert choose_tree_size(scores, stepped, draft_seconds=0.2).size == 6
