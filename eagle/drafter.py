@@ -24,7 +24,7 @@ from eagle.config import from_dict
 from eagle.errors import EagleError
 from eagle.kv_cache import StaticCache
 from eagle.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels
-from eagle.lean import PackedLinear, rms_norm, rotate
+from eagle.lean import LayerWeights, PackedLinear, decoder_stack, rms_norm, rotate
 from eagle.quant import BLOCK, FORMATS
 from eagle.tree_mask import causal_bias
 
@@ -371,16 +371,6 @@ class Drafter(nn.Module):
 
 
 
-@dataclasses.dataclass
-class _LeanLayer:
-    input_norm: tuple[torch.Tensor, float] | None  # (weight, eps); layer 0 has none
-    qkv: PackedLinear
-    o: PackedLinear
-    post_norm: tuple[torch.Tensor, float]
-    gate_up: PackedLinear
-    down: PackedLinear
-
-
 class LeanDrafter(nn.Module):
     """Inference-only forward of a ``Drafter`` (as ``eagle.lean.LeanDecoder`` is for targets): q/k/v
     and gate/up fused into one prepacked matrix each (``PackedLinear``), rotary tables computed
@@ -388,8 +378,8 @@ class LeanDrafter(nn.Module):
     proposer uses (``config``, ``draft_logits``, ``to_target_ids``, ``new_cache``). The tree's
     drafter calls have ~10 rows, where a call's fixed cost outweighs its arithmetic: in fp32 on
     a CPU where the compiled kernels run (``eagle.kernels``), a call of one sequence of at most
-    16 rows runs each decoder layer in one ``decoder_layer`` call, as ``eagle.lean.LeanDecoder``
-    does for targets."""
+    16 rows runs its decoder layers in one call (``eagle.lean.decoder_stack``), as
+    ``eagle.lean.LeanDecoder`` does for targets."""
 
     draft_logits = Drafter.draft_logits
     to_target_ids = Drafter.to_target_ids
@@ -415,21 +405,23 @@ class LeanDrafter(nn.Module):
                 return PackedLinear.quantized(weight, bias, FORMATS[quant])
             return PackedLinear(weight, bias, encode=False)
 
-        def norm(module: RMSNorm | None) -> tuple[torch.Tensor, float] | None:
-            return None if module is None else (module.weight.detach().to(dtype), module.eps)
+        def norm(module: RMSNorm | None) -> torch.Tensor | None:
+            return None if module is None else module.weight.detach().to(dtype)
 
         self.fc = packed(drafter.fc)
-        self.layers = [_LeanLayer(input_norm=norm(layer.input_layernorm),
-                                  qkv=packed(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                                  o=packed(layer.self_attn.o_proj), post_norm=norm(layer.post_attention_layernorm),
-                                  gate_up=packed(layer.mlp.gate_proj, layer.mlp.up_proj), down=packed(layer.mlp.down_proj))
+        self.layers = [LayerWeights(input_norm=norm(layer.input_layernorm), input_eps=self.config.rms_norm_eps,
+                                    qkv=packed(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                                    o=packed(layer.self_attn.o_proj), post_norm=norm(layer.post_attention_layernorm),
+                                    post_eps=self.config.rms_norm_eps, gate_up=packed(layer.mlp.gate_proj, layer.mlp.up_proj),
+                                    down=packed(layer.mlp.down_proj))
                        for layer in drafter.layers]
         self.lm_head = None if drafter.lm_head is None else packed(drafter.lm_head)
         self.d2t = drafter.d2t
         self._cos = self._sin = torch.empty(0, self.config.head_dim, dtype=dtype, device=drafter.fc.weight.device)
         on_cpu = drafter.fc.weight.device.type == "cpu"
-        self.compiled = cpu_kernels() if dtype == torch.float32 and on_cpu and attention_fits(
-            self.config.head_dim) else None
+        compiled = cpu_kernels() if dtype == torch.float32 and on_cpu and attention_fits(self.config.head_dim) else None
+        self.stack = None if compiled is None else decoder_stack(compiled, self.config.num_attention_heads,
+                                                                 1.0 / math.sqrt(self.config.head_dim), self.layers)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, 1, T, d] for positions [B, T], from tables grown to the largest position seen."""
@@ -450,14 +442,18 @@ class LeanDrafter(nn.Module):
         x = self.fc(fc_input(features, token_embeds, cfg))
         b, t, _ = x.shape
         cos, sin = self._rotary(positions)
-        if self.compiled is not None and cache is not None and b == 1 and t <= STREAM_MAX_ROWS:
+        if self.stack is not None and cache is not None and b == 1 and t <= STREAM_MAX_ROWS:
+            # the layers in one call of the compiled kernels, x updated in place
+            like = x.new_empty(1, nkv, t, d)  # a layer's new keys, for the cache
             bias = None if attention_bias is None else attention_bias[0, 0].contiguous()  # None: causal
-            return self._compiled_layers(x, cos[0, 0], sin[0, 0], cache, bias)
+            self.stack.forward(x[0], cos[0, 0], sin[0, 0], cache.keys, cache.values, cache.reserve_layers(like), bias,
+                               False, [])
+            return x
         past = cache.get_seq_length() if cache is not None else 0
         if attention_bias is None:
             attention_bias = causal_bias(t, past, x.dtype, x.device)
         for i, layer in enumerate(self.layers):
-            h = x if layer.input_norm is None else rms_norm(x, *layer.input_norm)
+            h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, layer.input_eps)
             qk, v = layer.qkv(h).view(b, t, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
             q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)  # queries and keys rotated together
             if cache is not None:
@@ -465,23 +461,6 @@ class LeanDrafter(nn.Module):
             out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_bias.to(x.dtype),
                                                              enable_gqa=nkv != nh, scale=1.0 / math.sqrt(d))
             x = x + layer.o(out.transpose(1, 2).reshape(b, t, nh * d))
-            gate, up = layer.gate_up(rms_norm(x, *layer.post_norm)).split(cfg.intermediate_size, dim=-1)
+            gate, up = layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps)).split(cfg.intermediate_size, dim=-1)
             x = x + layer.down(nn.functional.silu(gate) * up)
-        return x
-
-    def _compiled_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticCache,
-                         bias: torch.Tensor | None) -> torch.Tensor:
-        """The decoder layers by the compiled kernels, x [1, T, H] (fp32) updated in place and
-        returned; cos/sin [T, d]; ``bias`` [T, past + T] additive, or None (causal)."""
-        cfg = self.config
-        like = x.new_empty(1, cfg.num_key_value_heads, x.shape[1], cfg.head_dim)  # a layer's new keys, for the cache
-        for i, layer in enumerate(self.layers):
-            start = cache.reserve(i, like)
-            norm, eps = layer.input_norm if layer.input_norm is not None else (None, 0.0)
-            self.compiled.decoder_layer(x[0], norm, eps, *layer.qkv.kernel_weight(), layer.qkv.bias,
-                                        *layer.o.kernel_weight(), layer.o.bias, *layer.post_norm,
-                                        *layer.gate_up.kernel_weight(), layer.gate_up.bias,
-                                        *layer.down.kernel_weight(), layer.down.bias, cos, sin, cache.keys[i][0],
-                                        cache.values[i][0], cfg.num_attention_heads, start, bias,
-                                        1.0 / math.sqrt(cfg.head_dim))
         return x

@@ -4,8 +4,10 @@ products (``stream_linear``; ``stream_linear_q`` reads a weight from its exact b
 (``silu_mul``), and attention over the cache for a few rows (``rope_cache``: rotary queries and
 keys, keys and values written into the cache buffers; ``attention``: grouped-query, masked or
 causal, each row summed over its own keys in order so its result does not depend on the other rows
-or on masked keys between its own), and the KV cache's compaction to a verified tree's accepted path
-in every layer at once (``compact_rows``, used by ``eagle.kv_cache.StaticCache``).
+or on masked keys between its own), the KV cache's compaction to a verified tree's accepted path
+in every layer at once (``compact_rows``, used by ``eagle.kv_cache.StaticCache``), and a model's
+decoder layers run by one call a forward (``DecoderStack``: their weights handed over once; a call
+per layer from Python cost about 5 us of argument conversion).
 
 ``cpu_kernels()`` builds them on first use with torch's C++ extension tools (a compiler and
 ninja; about 25 s, once per machine and torch version, cached under ``$EAGLE_CACHE/extensions``)
@@ -13,7 +15,8 @@ on CPUs with AVX-512, and returns None elsewhere, when the build fails (the call
 oneDNN or ``F.linear``, and torch's operations), or when the environment variable
 ``EAGLE_CPU_KERNELS`` is ``0`` (read once per process: to compare, or to rule the kernels out when
 debugging). ``eagle.lean.PackedLinear`` uses ``stream_linear`` for 1-16 rows,
-``eagle.lean.LeanDecoder`` the others (attention for one sequence of 1-16 rows). Built with
+``eagle.lean.LeanDecoder`` and ``eagle.drafter.LeanDrafter`` a ``DecoderStack`` (for one sequence
+of 1-16 rows). Built with
 ``-ffp-contract=off``: a product and a sum stay two roundings, as in torch's operations, so the
 rotary embedding gives torch's bits. Inference only: they have no backward."""
 

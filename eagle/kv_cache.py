@@ -54,6 +54,14 @@ class StaticCache:
         self.lengths[index] = end
         return start
 
+    def reserve_layers(self, like: torch.Tensor) -> int:
+        """``reserve`` in every layer, for a forward that writes every layer's keys and values itself
+        (``eagle.lean.decoder_stack``); returns where they start, the same in every layer."""
+        starts = {self.reserve(index, like) for index in range(len(self.keys))}
+        if len(starts) != 1:
+            raise EagleError(f"the cache's layers hold different lengths: {sorted(starts)}")
+        return starts.pop()
+
     @staticmethod
     def _grown(buf: torch.Tensor | None, like: torch.Tensor, capacity: int, keep: int) -> torch.Tensor:
         new = like.new_empty(*like.shape[:-2], capacity, like.shape[-1])

@@ -318,8 +318,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 @dataclasses.dataclass
-class _Layer:
-    input_norm: torch.Tensor
+class LayerWeights:
+    """A Llama decoder layer for inference: RMSNorm weights (``input_norm`` None: the layer reads its
+    input unnormed, as an EAGLE drafter's first layer does) and fused, prepacked products."""
+
+    input_norm: torch.Tensor | None
     input_eps: float
     qkv: PackedLinear
     o: PackedLinear
@@ -327,6 +330,17 @@ class _Layer:
     post_eps: float
     gate_up: PackedLinear
     down: PackedLinear
+
+
+def decoder_stack(compiled: Any, num_heads: int, scale: float, layers: Sequence[LayerWeights]) -> Any:
+    """The compiled kernels' ``DecoderStack`` of ``layers`` (their weights handed over once; each
+    forward then runs all of them in one call). ``scale``: the attention's score scale."""
+    stack = compiled.DecoderStack(num_heads, scale)
+    for layer in layers:
+        stack.add(layer.input_norm, layer.input_eps, *layer.qkv.kernel_weight(), layer.qkv.bias,
+                  *layer.o.kernel_weight(), layer.o.bias, layer.post_norm, layer.post_eps,
+                  *layer.gate_up.kernel_weight(), layer.gate_up.bias, *layer.down.kernel_weight(), layer.down.bias)
+    return stack
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -384,7 +398,7 @@ class LeanDecoder:
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append(_Layer(
+            self.layers.append(LayerWeights(
                 input_norm=layer.input_layernorm.weight.detach(), input_eps=layer.input_layernorm.variance_epsilon,
                 qkv=PackedLinear.fused([attn.q_proj, attn.k_proj, attn.v_proj], stream, encode, once=True),
                 o=PackedLinear(attn.o_proj.weight, attn.o_proj.bias, stream, encode, once=True),
@@ -394,6 +408,8 @@ class LeanDecoder:
                 down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, stream, encode, once=True)))
         tune_kernels([lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
                      + [self.head])
+        self.stack = None if self.compiled is None else decoder_stack(self.compiled, self.num_heads,
+                                                                      self.head_dim ** -0.5, self.layers)
 
     def kernel_choice(self) -> str:
         """Which kernels run the forward: the compiled ones (by a hash of their source; with or without
@@ -429,27 +445,35 @@ class LeanDecoder:
         b, q_len = input_ids.shape
         x = self.embed(input_ids)
         cos, sin = self.rotary(x, position_ids)  # [B, q, d]
-        if self.compiled is not None and b == 1 and q_len <= STREAM_MAX_ROWS:
-            step = self._compiled_layer(cos[0].contiguous(), sin[0].contiguous(), cache,
-                                        None if attention_mask is None else attention_mask[0, 0].contiguous())
+        if self.stack is not None and b == 1 and q_len <= STREAM_MAX_ROWS:
+            # every layer in one call of the compiled kernels, x updated in place; a row's result does not
+            # depend on the other rows or on masked keys (``eagle.kernels``), so a token verified in a tree
+            # gets the bits a plain step gives it
+            like = cos.new_empty(1, self.num_kv_heads, q_len, self.head_dim)  # a layer's new keys, for the cache
+            aux = self.stack.forward(x[0], cos[0].contiguous(), sin[0].contiguous(), cache.keys, cache.values,
+                                     cache.reserve_layers(like),
+                                     None if attention_mask is None else attention_mask[0, 0].contiguous(), True,
+                                     list(aux_layers))
+            aux = [a[None] for a in aux]
         else:
             if attention_mask is None and q_len > 1:
                 attention_mask = causal_bias(q_len, cache.get_seq_length(), x.dtype, x.device)
             step = self._torch_layer(cos[:, None], sin[:, None], cache, attention_mask)
-        aux: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            x = step(i, layer, x)
-            if i in aux_layers:
-                aux[i] = x.clone()  # the compiled layer updates x in place
-        return torch.cat([self.rms_norm(x, self.norm, self.norm_eps)] + [aux[i] for i in aux_layers], dim=-1)
+            kept: dict[int, torch.Tensor] = {}
+            for i, layer in enumerate(self.layers):
+                x = step(i, layer, x)
+                if i in aux_layers:
+                    kept[i] = x  # each layer returns a new tensor
+            aux = [kept[i] for i in aux_layers]
+        return torch.cat([self.rms_norm(x, self.norm, self.norm_eps)] + aux, dim=-1)
 
     def _torch_layer(self, cos: torch.Tensor, sin: torch.Tensor, cache: StaticCache,
-                     mask: torch.Tensor | None) -> Callable[[int, _Layer, torch.Tensor], torch.Tensor]:
+                     mask: torch.Tensor | None) -> Callable[[int, LayerWeights, torch.Tensor], torch.Tensor]:
         """Decoder layer i by torch's operations (and the compiled products and RMSNorm where they
         run): x [B, q, H] -> x after the layer. cos/sin [B, 1, q, d]."""
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
 
-        def step(i: int, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        def step(i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
             b, q_len = x.shape[:2]
             qkv = layer.qkv(self.rms_norm(x, layer.input_norm, layer.input_eps))
             qk, v = qkv.view(b, q_len, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
@@ -458,25 +482,5 @@ class LeanDecoder:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nkv != nh, scale=d ** -0.5)
             x = x + layer.o(out.transpose(1, 2).reshape(b, q_len, nh * d))
             return x + layer.down(self.silu_mul(layer.gate_up(self.rms_norm(x, layer.post_norm, layer.post_eps))))
-
-        return step
-
-    def _compiled_layer(self, cos: torch.Tensor, sin: torch.Tensor, cache: StaticCache,
-                        bias: torch.Tensor | None) -> Callable[[int, _Layer, torch.Tensor], torch.Tensor]:
-        """Decoder layer i in one call of the compiled kernels (``decoder_layer``), one sequence of at
-        most 16 rows, x [1, q, H] updated in place. cos/sin [q, d]; ``bias`` [q, past + q] or None
-        (causal). A row's result does not depend on the other rows or on masked keys
-        (``eagle.kernels``), so a token verified in a tree gets the bits a plain step gives it."""
-        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        like = cos.new_empty(1, nkv, cos.shape[0], d)  # the shape of a layer's new keys, for the cache
-
-        def step(i: int, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-            start = cache.reserve(i, like)
-            self.compiled.decoder_layer(x[0], layer.input_norm, layer.input_eps, *layer.qkv.kernel_weight(),
-                                        layer.qkv.bias, *layer.o.kernel_weight(), layer.o.bias, layer.post_norm,
-                                        layer.post_eps, *layer.gate_up.kernel_weight(), layer.gate_up.bias,
-                                        *layer.down.kernel_weight(), layer.down.bias, cos, sin, cache.keys[i][0],
-                                        cache.values[i][0], nh, start, bias, d ** -0.5, once=True)
-            return x
 
         return step

@@ -251,7 +251,7 @@ def test_lean_decoder_attention_kernel_matches_the_model_and_keeps_rows_independ
 
 
 def test_lean_drafter_compiled_layers_match_the_drafter_on_a_tree():
-    """An fp32 ``LeanDrafter`` (head_dim 32) runs its layers by the compiled ``decoder_layer``
+    """An fp32 ``LeanDrafter`` (head_dim 32) runs its layers by the compiled ``DecoderStack``
     (layer 0 without an input norm): after a cached prefix, a tree of nodes gives the predictions
     of the plain ``Drafter`` on each node's own path; greedy eagle-tree drafted that way is ar."""
     from eagle import EagleModel
@@ -263,7 +263,7 @@ def test_lean_drafter_compiled_layers_match_the_drafter_on_a_tree():
     target = tiny_target(seed=6, hidden=128)
     drafter = tiny_drafter(target, num_layers=2, draft_vocab_size=8)
     lean = LeanDrafter(drafter)
-    assert lean.compiled is not None and lean.layers[0].input_norm is None
+    assert lean.stack is not None and lean.layers[0].input_norm is None
     gen = torch.Generator().manual_seed(2)
     f, e = torch.randn(1, 14, 128, generator=gen), torch.randn(1, 14, 128, generator=gen)
     parents = torch.tensor([-1, 0, 0, 1, 2, 3])  # node 5's path: 0-1-3-5
