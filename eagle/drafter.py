@@ -409,10 +409,11 @@ class LeanDrafter(nn.Module):
             return None if module is None else module.weight.detach().to(dtype)
 
         self.fc = packed(drafter.fc)
-        self.layers = [LayerWeights(input_norm=norm(layer.input_layernorm), input_eps=self.config.rms_norm_eps,
+        eps = self.config.rms_norm_eps
+        self.layers = [LayerWeights(input_norm=norm(layer.input_layernorm), input_eps=eps,
                                     qkv=packed(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
                                     o=packed(layer.self_attn.o_proj), post_norm=norm(layer.post_attention_layernorm),
-                                    post_eps=self.config.rms_norm_eps, gate_up=packed(layer.mlp.gate_proj, layer.mlp.up_proj),
+                                    post_eps=eps, gate_up=packed(layer.mlp.gate_proj, layer.mlp.up_proj),
                                     down=packed(layer.mlp.down_proj))
                        for layer in drafter.layers]
         self.lm_head = None if drafter.lm_head is None else packed(drafter.lm_head)
