@@ -74,9 +74,8 @@ def kept_nodes(scores: torch.Tensor, total_tokens: int) -> torch.Tensor:
     Pool: ``scores`` [M], index 0 the root, parents[i] < i. A child never scores above its parent
     and ties go to the lower (shallower) index, so the kept set always contains each kept node's
     parent: it is a subtree."""
-    pool = scores.tolist()  # a few dozen nodes: plain Python beats a chain of tensor operations
-    best = sorted(range(1, len(pool)), key=lambda i: -pool[i])[:total_tokens - 1]  # stable: ties to the lower index
-    return torch.tensor([0] + sorted(best), dtype=torch.long, device=scores.device)
+    best = best_frontier(scores[1:].tolist(), total_tokens - 1)  # a few dozen nodes: plain Python is faster
+    return torch.tensor([0] + sorted(i + 1 for i in best), dtype=torch.long, device=scores.device)
 
 
 def subtree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, kept: torch.Tensor) -> DraftTree:

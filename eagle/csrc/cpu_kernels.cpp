@@ -255,7 +255,8 @@ torch::Tensor stream_linear_q(const torch::Tensor& x, const torch::Tensor& codes
               "stream_linear_q: contiguous x [M, K], codes [N, K * bits / 8], scales [N, K / 32, 2 or 1]");
   const int bits = codes.dtype() == torch::kUInt8 ? 4 : 8;
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % 32 == 0 && codes.size(1) == K * bits / 8 && scales.numel() == N * (K / 32) * (bits == 4 ? 2 : 1),
+  const int64_t per_block = bits == 4 ? kScales<4> : kScales<8>;
+  TORCH_CHECK(K % 32 == 0 && codes.size(1) == K * bits / 8 && scales.numel() == N * (K / 32) * per_block,
               "stream_linear_q: shapes do not match x [M, K] with K a multiple of 32");
   const float* b = bias_data(bias, N, "stream_linear_q");
   auto out = torch::empty({M, N}, x.options());
