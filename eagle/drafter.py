@@ -24,7 +24,7 @@ from eagle.config import from_dict
 from eagle.errors import EagleError
 from eagle.kv_cache import StaticCache
 from eagle.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels
-from eagle.lean import LayerWeights, PackedLinear, decoder_stack, rms_norm, rotate
+from eagle.lean import LayerWeights, PackedLinear, decoder_stack, rms_norm, rotate, to_huge_pages
 from eagle.quant import BLOCK, FORMATS
 from eagle.tree_mask import causal_bias
 
@@ -417,6 +417,8 @@ class LeanDrafter(nn.Module):
                                     down=packed(layer.mlp.down_proj))
                        for layer in drafter.layers]
         self.lm_head = None if drafter.lm_head is None else packed(drafter.lm_head)
+        matrices = [self.fc] + [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        to_huge_pages(matrices + ([self.lm_head] if self.lm_head is not None else []))
         self.d2t = drafter.d2t
         self._cos = self._sin = torch.empty(0, self.config.head_dim, dtype=dtype, device=drafter.fc.weight.device)
         on_cpu = drafter.fc.weight.device.type == "cpu"

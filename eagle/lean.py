@@ -40,6 +40,7 @@ from torch import nn
 
 from eagle.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels, source_digest, stream_linear_op
 from eagle.kv_cache import StaticCache
+from eagle.pages import huge_page_copies
 from eagle.quant import BlockCodes, block_encode, block_quantize, decode
 from eagle.tree_mask import causal_bias
 
@@ -282,6 +283,25 @@ def tune_kernels(linears: Sequence[PackedLinear], max_rows: int = 8, rounds: int
     return plain_rows
 
 
+def to_huge_pages(linears: Sequence[PackedLinear]) -> bool:
+    """Move what the streamed kernel reads of ``linears`` (codes and scales, or the fp32 weight) into
+    one mapping of 2 MB pages (``eagle.pages``); before a ``decoder_stack`` takes them. Returns
+    whether they moved (not where the system has no huge pages to advise, or none is streamed)."""
+    streamed = [lin for lin in linears if lin.stream_op is not None and (
+        lin.encoded is not None or lin.plain_weight is not None)]
+    tensors = [t for lin in streamed for t in lin.kernel_weight() if t is not None]
+    copies = huge_page_copies(tensors)
+    if all(c is t for c, t in zip(copies, tensors)):
+        return False
+    moved = iter(copies)
+    for lin in streamed:
+        if lin.encoded is not None:
+            lin.encoded = BlockCodes(next(moved), next(moved))
+        else:
+            lin.plain_weight = next(moved)
+    return True
+
+
 def packed_copy(module: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
     """An inference copy of ``module`` (cast to ``dtype`` if given) whose ``nn.Linear`` submodules
     are ``PackedLinear``; a language model's output head gets its row padding tuned."""
@@ -406,8 +426,10 @@ class LeanDecoder:
                 post_eps=layer.post_attention_layernorm.variance_epsilon,
                 gate_up=PackedLinear.fused([mlp.gate_proj, mlp.up_proj], stream, encode, once=True),
                 down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, stream, encode, once=True)))
-        tune_kernels([lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-                     + [self.head])
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        linears.append(self.head)
+        tune_kernels(linears)
+        self.huge_pages = to_huge_pages(linears)
         self.stack = None if self.compiled is None else decoder_stack(self.compiled, self.num_heads,
                                                                       self.head_dim ** -0.5, self.layers)
 
@@ -423,6 +445,8 @@ class LeanDecoder:
                  if lin.encoded is not None]
         if coded:
             compiled += f"block-coded weights {coded}, "
+        if self.huge_pages:
+            compiled += "in huge pages, "
         return compiled + repr([sorted(lin.plain_rows) for lin in (self.head, first.qkv, first.o, first.gate_up,
                                                                    first.down)])
 
