@@ -68,30 +68,73 @@ class TreeChoice:
     tokens_per_second: float
 
 
-def choose_tree_size(sorted_scores: Sequence[float], curve: CostCurve, draft_seconds: float,
-                     calibration: float = 1.0) -> TreeChoice:
+def choose_tree_size(sorted_scores: Sequence[float], seconds: Sequence[float], draft_seconds: float,
+                     calibration: float = 1.0, depths: Sequence[int] = (), step_seconds: float = 0.0) -> TreeChoice:
     """The total_tokens with the most expected tokens per second this round.
 
-    ``sorted_scores`` [M]: cumulative draft log-probabilities of the candidate nodes, best first.
-    In plain floats: a round asks up to three times, for a few dozen candidates, where tensor
-    operations cost more than the sums."""
-    logprobs = sorted_scores[: 2 * curve.sizes[-1]]  # far past the measured sizes never pays
-    seconds = curve.per_token
+    ``sorted_scores`` [M]: cumulative draft log-probabilities of the candidate nodes, best first;
+    ``seconds`` [S]: a round's cost (verification) for 1 .. S tree tokens (``CostCurve.per_token``,
+    or ``measured_costs``). With ``depths`` [M] (the drafter calls each candidate needs: its depth,
+    a grafted node its drafted ancestor's) a size costs ``step_seconds`` for each call past the
+    first that its nodes need (``draft_seconds`` being the cost with one), for sizing a round not
+    drafted yet. In plain floats: a round asks several times, for a few dozen candidates, where
+    tensor operations cost more than the sums."""
+    logprobs = sorted_scores[: len(seconds) - 1]  # far past the measured sizes never pays
     expected, best = 1.0, TreeChoice(size=1, tokens_per_second=1.0 / (draft_seconds + seconds[0]))
+    calls = 1
     for n, logprob in enumerate(logprobs, start=2):  # n tokens: the root and the n - 1 best candidates
         expected += calibration * math.exp(logprob)
-        rate = expected / (draft_seconds + seconds[n - 1])
+        if depths:
+            calls = max(calls, depths[n - 2])
+        rate = expected / (draft_seconds + step_seconds * (calls - 1) + seconds[n - 1])
         if rate > best.tokens_per_second:
             best = TreeChoice(size=n, tokens_per_second=rate)
     return best
 
 
-def deeper_pays(frontier_scores: Sequence[float], rate: float, step_seconds: float, calibration: float = 1.0) -> bool:
-    """Whether one more drafter call (one more tree depth) can raise the expected tokens per
-    second. The nodes it adds are children of the frontier ``frontier_scores`` [F] (cumulative
-    log-probabilities), so they bring at most ``calibration * sum(exp(frontier))`` accepted
-    tokens per round; (E + gain) / (T + step) beats E / T = ``rate`` only if gain > rate * step."""
-    return calibration * sum(math.exp(score) for score in frontier_scores) > rate * step_seconds
+def expansion_floor(pool: Sequence[float], candidates: Sequence[float], seconds: Sequence[float],
+                    draft_seconds: float, step_seconds: float, child_logprob: float,
+                    calibration: float = 1.0) -> float | None:
+    """Which candidate nodes one more drafter call (one more tree depth) should expand, or None when
+    expanding none can raise the expected tokens per second.
+
+    ``pool`` [M]: cumulative draft log-probabilities of the nodes drafted so far this round (root
+    left out); ``candidates`` [F]: those of the nodes that could be expanded (among the pool);
+    ``seconds``: as for ``choose_tree_size``; ``draft_seconds``: the round's drafting so far;
+    ``step_seconds``: what a drafter call costs; ``child_logprob``: the log-probability a node's
+    best child typically has given the node (so an expanded candidate s is expected to bring a node
+    scoring s + child_logprob). The call pays when the best size of the pool with those children,
+    after the call's time, beats the best size of the pool now (``choose_tree_size``); then a
+    candidate is worth expanding if its child would be among the nodes that size keeps. Returns the
+    lowest candidate score worth expanding."""
+    now = choose_tree_size(sorted(pool, reverse=True), seconds, draft_seconds, calibration)
+    grown = sorted([*pool, *(s + child_logprob for s in candidates)], reverse=True)
+    then = choose_tree_size(grown, seconds, draft_seconds + step_seconds, calibration)
+    if then.tokens_per_second <= now.tokens_per_second:
+        return None
+    return grown[then.size - 2] - child_logprob  # the lowest kept score, a candidate's child reaching it
+
+
+def measured_costs(prior: Sequence[float], measured: dict[int, float]) -> list[float]:
+    """A round's cost for 1 .. S tree tokens from ``prior`` [S] (``CostCurve.per_token``) and what
+    rounds of some sizes really cost in this decoding (``measured``: size -> seconds, each a running
+    average of the time from a proposal to its commit): each size moves by the gap between measured
+    and prior of the largest measured size at or below it (the smallest measured size's gap below
+    that), kept non-decreasing. The curve is timed once per machine, in a loop of bare forwards;
+    in decoding the same sizes were found to cost up to 30% more, and differently so per size (on
+    the reference machine, sampled: 3 tree tokens 3.48 ms by the curve, 4.43 measured), which made
+    "auto" choose trees too large. A size never measured keeps the gap below it, so it may still
+    look cheaper than it is: chosen once, it is measured."""
+    if not measured:
+        return list(prior)
+    sizes = sorted(n for n in measured if n <= len(prior))
+    gap = measured[sizes[0]] - prior[sizes[0] - 1] if sizes else 0.0
+    costs, nearest = [], 0
+    for n, seconds in enumerate(prior, start=1):
+        if nearest < len(sizes) and sizes[nearest] == n:
+            gap, nearest = measured[n] - seconds, nearest + 1
+        costs.append(max(seconds + gap, costs[-1] if costs else 0.0))
+    return costs
 
 
 def non_decreasing(values: list[float]) -> list[float]:

@@ -113,6 +113,8 @@ class EagleModel:
             raise EagleError(f"unknown drafter quantization {drafter_quant!r}; choose from none, {', '.join(FORMATS)}")
         self.drafter_dtype = drafter_dtype or default_drafter_dtype(target)
         self._packed: dict[tuple[int, torch.dtype, str | None], tuple[Any, Any]] = {}
+        # "auto" sizing: what tree rounds of each size cost in this model's decoding so far, greedy and sampled
+        self._round_seconds: dict[bool, dict[int, float]] = {True: {}, False: {}}
 
     def _inference_copy(self, module: Any, dtype: torch.dtype, quant: str | None = None) -> Any:
         """An inference copy in ``dtype`` (a drafter: or quantized to ``quant``), made on first use
@@ -203,8 +205,8 @@ class EagleModel:
 
                 cost = cost_curve(self.target, greedy=sampling.greedy)
             return EagleDrafter(self._inference_copy(self.drafter, self.drafter_dtype, self.drafter_quant), self.target,
-                                tree, cost=cost,
-                                lookup=self.prompt_lookup, sampling=sampling, generator=generator)
+                                tree, cost=cost, lookup=self.prompt_lookup, sampling=sampling, generator=generator,
+                                measured=self._round_seconds[sampling.greedy])
         raise EagleError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
     def generate(self, prompt: Any, method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0,

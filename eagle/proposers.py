@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from eagle import kv_cache
-from eagle.budget import CostCurve, TreeChoice, choose_tree_size, deeper_pays
+from eagle.budget import CostCurve, choose_tree_size, expansion_floor, measured_costs
 from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
 from eagle.drafter import LeanDrafter
 from eagle.errors import EagleError
@@ -211,6 +211,8 @@ class DraftModel(Proposer):
 
 
 LOOKUP_NODES = 3  # draft nodes (besides the root) whose paths are looked up in the context too
+CHILD_PROB_PRIOR = 0.5  # auto sizing, before any expansion: an expanded node's best child is a coin flip
+STEP_AVERAGING = 0.1  # the weight of each new observation in auto sizing's running averages
 
 
 class EagleDrafter(Proposer):
@@ -223,10 +225,12 @@ class EagleDrafter(Proposer):
 
     def __init__(self, drafter: LeanDrafter, target: Target, cfg: TreeConfig, cost: CostCurve | None = None,
                  lookup: PromptLookupConfig | None = None, sampling: SamplingConfig | None = None,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, measured: dict[int, float] | None = None) -> None:
         """``drafter``: the inference copy (its ``dtype`` is what it is fed the target's features
         and embeddings in); ``cost``: the target's measured forward-time curve, used when
-        ``total_tokens`` is "auto"; ``lookup``: the n-gram sizes for ``cfg.lookup_tokens``;
+        ``total_tokens`` is "auto", with ``measured`` (tree size -> seconds a round of it took,
+        running averages; updated in place, so that a dict kept across generations carries them);
+        ``lookup``: the n-gram sizes for ``cfg.lookup_tokens``;
         ``sampling``/``generator``: with temperature > 0 and ``cfg.sampled`` (dynamic tree) the
         children are drawn from the drafter (``sampled_children``) with ``generator``."""
         vocab = drafter.config.draft_vocab_size or drafter.config.vocab_size
@@ -251,10 +255,18 @@ class EagleDrafter(Proposer):
         # pool node -> (the draft indices its children were drawn among, their log-probs)
         self.drawn_from: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.draft_ids = drafter.to_target_ids(torch.arange(vocab, device=self.device))  # draft index -> target id
+        self.next_depth = cfg.levels  # a sampled tree's draft levels with "auto" (see ``_size_next_round``)
+        # auto sizing's view of one more drafter call (``expansion_floor``), learned as it drafts: its seconds
+        # (0: none timed yet) and the probability an expanded node's best child has given the node (running averages)
+        self.step_seconds, self.child_prob = 0.0, CHILD_PROB_PRIOR
+        # and what rounds of each size really cost here (``measured_costs``): tree size -> seconds from a
+        # proposal to its commit, and the per-size costs sizing reads
+        self.measured = measured if measured is not None else {}
+        self.costs = measured_costs(cost.per_token, self.measured) if cost is not None else []
+        self.proposed: tuple[int, float] | None = None  # the last proposal's size and when it was made
         # a sampled tree's size with "auto", chosen before its draws (see ``propose``): at first the most
         # nodes that cost no more than one token to verify, then what the previous round's pool asked for
-        self.next_size = max(n for n in cost.sizes if cost.at(n) <= 1.05 * cost.at(1)) if cost is not None else 0
-        self.next_depth = cfg.levels  # likewise its draft levels: one past the deepest the previous round kept
+        self.next_size = max((n for n, c in enumerate(self.costs, start=1) if c <= 1.05 * self.costs[0]), default=0)
 
     @torch.inference_mode()
     def _extend(self, features: torch.Tensor, next_tokens: list[int]) -> None:
@@ -275,6 +287,11 @@ class EagleDrafter(Proposer):
 
     def commit(self, ids: list[int], accepted: int, features: torch.Tensor | None) -> None:
         # features: target features of the root and the accepted drafts; tokens that follow them.
+        if self.cost is not None and self.proposed is not None:  # what the round of that size cost
+            size, made = self.proposed
+            seconds, before = time.perf_counter() - made, self.measured.get(size)
+            self.measured[size] = seconds if before is None else before + STEP_AVERAGING * (seconds - before)
+            self.costs = measured_costs(self.cost.per_token, self.measured)
         self.predicted += self.last_expected
         self.observed += accepted
         produced = ids[len(ids) - accepted - 1:]
@@ -307,8 +324,13 @@ class EagleDrafter(Proposer):
         embeds = self.target.embed(tokens[None]).to(self.dtype)
         return self.drafter(inputs[None], embeds, pos, self.cache, bias)[0]
 
-    @torch.inference_mode()
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
+        proposal = self._propose(ids, max_depth, max_nodes)
+        self.proposed = (proposal.tree.size, time.perf_counter())
+        return proposal
+
+    @torch.inference_mode()
+    def _propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         start = time.perf_counter()
         total = self.cfg.total_tokens if isinstance(self.cfg.total_tokens, int) else max_nodes
         total, levels = min(total, max_nodes), min(self.cfg.levels, max_depth)
@@ -326,20 +348,13 @@ class EagleDrafter(Proposer):
         kv_cache.roll_back(self.cache, committed)
         drafted = tree.size  # pool nodes from the drafter; grafts come after them, so they are tried after their siblings
         tree = self._graft_lookup(ids, tree, max_depth)
-        if self.cost is not None:  # total_tokens="auto": the size with the most expected tokens per second
+        if self.cost is not None and not self.draw_temperature:  # "auto": the size with the most expected tokens/s
             best_first = sorted(tree.scores[1:].tolist(), reverse=True)
-            size = choose_tree_size(best_first, self.cost, time.perf_counter() - start, calibration).size
-            if self.draw_temperature:  # drawn children: no size may depend on this round's draws, so it sizes the next
-                self.next_size = size
-            else:
-                total = min(total, size)
+            total = min(total, choose_tree_size(best_first, self.costs, time.perf_counter() - start, calibration).size)
+        elif self.cost is not None:  # drawn children: no size may depend on this round's draws, so they size the next
+            self._size_next_round(tree, drafted, time.perf_counter() - start, calibration)
         kept = kept_nodes(tree.scores, total)
         tree = subtree(tree.tokens, tree.parents, tree.scores, kept)
-        if self.draw_temperature and self.cost is not None:  # the drafter's own depth: grafted lookup nodes left out
-            depths = [0]
-            for parent in tree.parents.tolist()[1:]:
-                depths.append(depths[parent] + 1)
-            self.next_depth = max(d for d, node in zip(depths, kept.tolist()) if node < drafted) + 1
         self.last_expected = float(tree.scores[1:].exp().sum())
         if not self.draw_temperature or tree.size < 2:
             return Proposal(tree)
@@ -347,6 +362,28 @@ class EagleDrafter(Proposer):
         return Proposal(tree, child_probs=DrawDistributions(drawn_from, self.draft_ids, self.target.vocab_size,
                                                             self.draw_temperature),
                         drawn=(kept > 0) & (kept < drafted))
+
+    def _size_next_round(self, pool: DraftTree, drafted: int, elapsed: float, calibration: float) -> None:
+        """``next_size`` and ``next_depth`` (sampled "auto") from this round's pool, as if the next one
+        drew the same: the size with the most expected tokens per second, a size paying a drafter
+        call (``step_seconds``) for each depth its nodes need past the first (grafted lookup nodes
+        need their drafted ancestor's), and the depths those nodes need, one more where a deeper
+        level would pay for its call (``expansion_floor``, as greedy "auto" decides each depth)."""
+        parents, scores = pool.parents.tolist(), pool.scores.tolist()
+        depths = [0]
+        for node, parent in enumerate(parents[1:], start=1):
+            depths.append(depths[parent] + (node < drafted))
+        order = best_frontier(scores[1:], len(scores) - 1)
+        calls = [max(1, depths[i + 1]) for i in order]
+        first_call = max(0.0, elapsed - self.step_seconds * (max(calls, default=1) - 1))
+        ranked = [scores[i + 1] for i in order]
+        self.next_size = choose_tree_size(ranked, self.costs, first_call, calibration, calls, self.step_seconds).size
+        needed = max(calls[:self.next_size - 1], default=1)
+        within = [score for score, c in zip(ranked, calls) if c <= needed]
+        deepest = [score for score, c in zip(ranked, calls) if c == needed]
+        floor = expansion_floor(within, deepest, self.costs, first_call + self.step_seconds * (needed - 1),
+                                self.step_seconds, math.log(self.child_prob), calibration)
+        self.next_depth = needed + (floor is not None)
 
     def _children(self, parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int,
                   nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -395,10 +432,8 @@ class EagleDrafter(Proposer):
         A frontier node outside the best ``total - 2`` nodes of the pool so far is not expanded: a
         child scores no higher than its parent and ranks after it, so none of its children could
         be among the ``total - 1`` kept (the final tree is the same, with fewer drafter rows).
-        With ``total_tokens="auto"`` the size is the one with the most expected tokens per second
-        so far (for the root's children, before any of their children is drafted, as if each had one
-        as likely as itself), and the tree stops growing once another depth cannot pay for its
-        drafter call (``deeper_pays``). Not so for drawn children: a node's own draw shapes the scores below it,
+        With ``total_tokens="auto"`` each depth is drafted only where it pays for its drafter call
+        (``_to_expand``). Not so for drawn children: a node's own draw shapes the scores below it,
         so a size or a stop chosen from them would make whether a drawn node is kept depend on its
         own token and bias it; with a fixed size only nodes that outrank a node (never its own
         subtree) decide whether it is kept."""
@@ -410,12 +445,7 @@ class EagleDrafter(Proposer):
         child_tokens, child_scores = self._children(torch.zeros(1, device=self.device), lp, k, [0])
         scores = [0.0] + child_scores[0].tolist()
         tokens, parents = [root] + to_target(child_tokens[0]).tolist(), [-1] + [0] * k
-        frontier = list(range(1, k + 1))  # pool indices
-        if levels > 1:  # the root's children too: expand only those that could have a kept child (auto sizing,
-            # which cannot see their children yet, sizes as if each had one as likely as itself)
-            floor, _ = self._expansion_floor(scores[1:] + scores[1:] if sized else scores[1:], total, sized, start,
-                                             calibration)
-            frontier = [n for n in frontier if floor is not None and scores[n] >= floor]
+        frontier = self._to_expand(list(range(1, k + 1)), scores, levels > 1, total, sized, start, calibration)
         frontier_inputs = self.last_hidden[None].expand(len(frontier), -1)
         ancestors = {i: [i] for i in range(1, k + 1)}  # run-this-round ancestors of a node, itself last
         cached: list[int] = []
@@ -430,34 +460,39 @@ class EagleDrafter(Proposer):
             tokens += to_target(child_tokens.reshape(-1)).tolist()
             parents += [n for n in frontier for _ in range(k)]
             scores += flat_scores
-            best = best_frontier(flat_scores, k)  # positions among this depth's children
-            if d + 1 < levels:  # expand only frontier nodes that could have a kept child
-                floor, choice = self._expansion_floor(scores[1:], total, sized, start, calibration)
-                best = [j for j in best if floor is not None and flat_scores[j] >= floor]
-                if not best or sized and not deeper_pays(
-                        [flat_scores[j] for j in best], choice.tokens_per_second, time.perf_counter() - step_start,
-                        calibration):
-                    break
-            frontier = [size + j for j in best]
+            # the running averages: this call's seconds, each expanded node's best child (ranked first)
+            seconds = time.perf_counter() - step_start
+            self.step_seconds += STEP_AVERAGING * (seconds - self.step_seconds) if self.step_seconds else seconds
+            for j, n in enumerate(frontier):
+                self.child_prob += STEP_AVERAGING * (math.exp(flat_scores[j * k] - scores[n]) - self.child_prob)
+            best = [size + j for j in best_frontier(flat_scores, k)]
+            frontier = self._to_expand(best, scores, d + 1 < levels, total, sized, start, calibration)
+            if not frontier:
+                break
             for n in frontier:
                 ancestors[n] = ancestors[parents[n]] + [n]
-            frontier_inputs = hidden[[j // k for j in best]]
+            frontier_inputs = hidden[[(n - size) // k for n in frontier]]
         return DraftTree(torch.tensor(tokens, device=self.device), torch.tensor(parents, device=self.device),
                          torch.tensor(scores, device=self.device))
 
-    def _expansion_floor(self, pool_scores: list[float], total: int, sized: bool, start: float,
-                         calibration: float) -> tuple[float | None, TreeChoice | None]:
-        """The lowest score a pool node can have and still get a kept child, or None when none can
-        (a child scores no higher than its parent and ranks after it, so its parent must be among the
-        best ``keep - 1`` of the pool ``pool_scores``, root left out), ``keep`` being ``total - 1``
-        or, ``sized``, the size ``auto`` chooses for the pool so far; and that choice."""
-        pool = sorted(pool_scores, reverse=True)
-        keep, choice = total - 1, None
+    def _to_expand(self, candidates: list[int], scores: list[float], deeper: bool, total: int, sized: bool,
+                   start: float, calibration: float) -> list[int]:
+        """Of the pool nodes ``candidates`` (indices into ``scores``, the pool's, root first), those the
+        next drafter call expands (none unless ``deeper``). Sized (auto): those whose expected best
+        child would be kept, if the call pays for itself (``expansion_floor``, from the running
+        averages). Else those that could have a kept child: a child scores no higher than its parent and
+        ranks after it, so its parent must be among the best ``total - 2`` of the pool."""
+        if not deeper:
+            return []
         if sized:
-            choice = choose_tree_size(pool, self.cost, time.perf_counter() - start, calibration)
-            keep = min(keep, choice.size - 1)
-        rank = min(keep - 1, len(pool))
-        return (pool[rank - 1] if rank > 0 else None), choice
+            floor = expansion_floor(scores[1:], [scores[n] for n in candidates], self.costs,
+                                    time.perf_counter() - start, self.step_seconds, math.log(self.child_prob),
+                                    calibration)
+        else:
+            ranked = sorted(scores[1:], reverse=True)
+            rank = min(total - 2, len(ranked))
+            floor = ranked[rank - 1] if rank > 0 else None
+        return [n for n in candidates if floor is not None and scores[n] >= floor]
 
     def _static(self, root: int, levels: int, committed: int) -> DraftTree:
         """EAGLE-1: fill a fixed tree shape (``choices``) with the drafter's ranked children."""

@@ -237,6 +237,59 @@ def test_a_sampled_auto_tree_takes_the_size_chosen_before_its_draws(target, draf
             assert proposal.child_probs[node].sum().item() == pytest.approx(1.0, abs=1e-4)
 
 
+def test_greedy_auto_drafts_a_deeper_level_only_where_it_pays(target, drafter, monkeypatch):
+    """Greedy "auto": the next depth is drafted only when its expected gain pays for the drafter
+    call (``expansion_floor``): never with a curve where each extra token costs a full forward,
+    always with one where tokens are free; the call's seconds and how likely an expanded node's
+    best child is are learned as it drafts."""
+    import eagle.proposers as proposers
+    from eagle.budget import CostCurve
+
+    model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens="auto", depth=4, top_k=3)
+    ids = [7, 1, 2, 3, 4, 5, 9, 1, 2, 3]
+    prefill = target_prefill(target, ids)
+    steep = CostCurve(sizes=[1, 2, 64], seconds=[1.0, 2.0, 64.0])
+    free = CostCurve(sizes=[1, 64], seconds=[1.0, 1.0])
+    for curve, step_seconds, deeper in ((steep, 0.0, False), (free, 0.0, True), (free, 100.0, False)):
+        proposer = proposers.EagleDrafter(model._inference_copy(drafter, torch.float32), target, model.tree, cost=curve)
+        proposer.step_seconds = step_seconds  # a drafter call that takes 100 s never pays, whatever the curve
+        proposer.start(ids, prefill.hidden[0])
+        calls = []
+        run_nodes = proposer._run_nodes
+        monkeypatch.setattr(proposer, "_run_nodes", lambda *args: calls.append(args) or run_nodes(*args))
+        proposer.propose(ids, max_depth=10, max_nodes=100)
+        assert bool(calls) == deeper
+        assert (proposer.step_seconds != step_seconds) == deeper
+        assert (proposer.child_prob != proposers.CHILD_PROB_PRIOR) == deeper and 0 < proposer.child_prob <= 1
+
+
+def test_auto_sizing_keeps_what_rounds_cost_across_generations(target, drafter, monkeypatch):
+    """"auto" times each round from its proposal to its commit, per tree size, and sizes by those
+    times (``measured_costs``); the model keeps them per kind of decoding, so the next generation
+    starts from them."""
+    import eagle.proposers as proposers
+    from eagle.budget import CostCurve
+
+    curve = CostCurve(sizes=[1, 16], seconds=[1.0, 1.0])  # every size as cheap as one token: large trees
+    monkeypatch.setattr("eagle.budget.cost_curve", lambda target, greedy=False: curve)
+    model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens="auto", depth=4, top_k=3)
+    sizes = []
+    propose = proposers.EagleDrafter.propose
+
+    def recorded(self, *args, **kwargs):
+        proposal = propose(self, *args, **kwargs)
+        sizes.append(proposal.tree.size)
+        return proposal
+
+    monkeypatch.setattr(proposers.EagleDrafter, "propose", recorded)
+    model.generate([5, 6, 7, 8], method="eagle-tree", max_new_tokens=12)
+    measured = model._round_seconds[True]
+    assert set(measured) and set(measured) <= set(sizes) and model._round_seconds[False] == {}
+    assert all(0 < seconds < 1.0 for seconds in measured.values())  # far below the curve's second a round
+    proposer = model._proposer("eagle-tree", SamplingConfig(), None)
+    assert proposer.measured is measured and proposer.costs[0] < 1.0 and proposer.costs[-1] < curve.per_token[-1]
+
+
 def test_draw_distributions_give_the_rows_of_the_dense_matrix():
     """``DrawDistributions[i]``: what node i's children were drawn from, over the target's
     vocabulary (softmax of the draft log-probs / temperature over the draft tokens they were

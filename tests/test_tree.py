@@ -116,22 +116,40 @@ def test_auto_tree_size_follows_the_cost_curve():
 
     scores = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.3, 0.1, 0.05, 0.01])).tolist()
     flat = CostCurve(sizes=[1, 64], seconds=[1.0, 1.0])  # a GPU-like curve: more tokens are free
-    assert choose_tree_size(scores, flat, draft_seconds=0.0).size == 8
+    assert choose_tree_size(scores, flat.per_token, draft_seconds=0.0).size == 8
     steep = CostCurve(sizes=[1, 2, 64], seconds=[1.0, 2.0, 64.0])  # every token costs a full forward
-    assert choose_tree_size(scores, steep, draft_seconds=0.0).size == 1
+    assert choose_tree_size(scores, steep.per_token, draft_seconds=0.0).size == 1
     cpu = CostCurve(sizes=[1, 4, 16, 64], seconds=[1.0, 1.5, 2.0, 4.4])
-    choice = choose_tree_size(scores, cpu, draft_seconds=0.5)
+    choice = choose_tree_size(scores, cpu.per_token, draft_seconds=0.5)
     assert choice.size == 6 and choice.tokens_per_second == pytest.approx(3.8 / (0.5 + 1.5 + 0.5 * 2 / 12))
     assert cpu.at(8) == pytest.approx(1.5 + 0.5 * 4 / 12) and cpu.at(128) == pytest.approx(8.8)
 
 
-def test_a_deeper_tree_is_drafted_only_when_it_can_pay():
-    from eagle.budget import deeper_pays
+def test_a_deeper_tree_is_drafted_only_where_it_pays():
+    from eagle.budget import CostCurve, expansion_floor
 
-    frontier = [math.log(0.4), math.log(0.2)]  # at most 0.6 more accepted tokens per round
-    assert deeper_pays(frontier, rate=20.0, step_seconds=0.02)  # 0.6 > 0.4 tokens the call's time is worth
-    assert not deeper_pays(frontier, rate=40.0, step_seconds=0.02)  # 0.6 < 0.8
-    assert not deeper_pays(frontier, rate=20.0, step_seconds=0.02, calibration=0.5)
+    curve = CostCurve(sizes=[1, 2, 3, 4], seconds=[1.0, 1.1, 1.3, 1.8]).per_token
+    pool = [math.log(0.6), math.log(0.2)]  # the root's children, both expandable
+    # the 0.6 node's best child expected at 0.6 * 0.8: root + 2 nodes, 2.08 tokens in 0.2 + 1.3 s, beat the
+    # best size now (root + 1 node, 1.6 tokens in 0.1 + 1.1 s); the 0.2 node's child would not be kept
+    floor = expansion_floor(pool, pool, curve, draft_seconds=0.1, step_seconds=0.1, child_logprob=math.log(0.8))
+    assert floor == pytest.approx(math.log(0.6))
+    assert expansion_floor(pool, pool, curve, 0.1, step_seconds=0.3, child_logprob=math.log(0.8)) is None  # dear call
+    assert expansion_floor(pool, pool, curve, 0.1, 0.1, child_logprob=math.log(0.5)) is None  # unlikely child
+    assert expansion_floor(pool, pool, curve, 0.1, 0.1, math.log(0.8), calibration=0.5) is None  # overconfident drafter
+    assert expansion_floor(pool, pool[1:], curve, 0.1, 0.1, math.log(0.8)) is None  # only the 0.2 node can grow
+    free = CostCurve(sizes=[1, 64], seconds=[1.0, 1.0]).per_token  # more tokens cost nothing: every candidate grows
+    assert expansion_floor(pool, pool, free, 0.1, 0.0, math.log(0.8)) == pytest.approx(math.log(0.2))
+
+
+def test_sizing_moves_the_curve_onto_measured_round_costs():
+    from eagle.budget import measured_costs
+
+    prior = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert measured_costs(prior, {}) == prior
+    # each size takes the gap of the largest measured size at or below it (size 1: size 2's), non-decreasing
+    assert measured_costs(prior, {2: 2.5, 4: 3.0, 9: 1.0}) == pytest.approx([1.5, 2.5, 3.5, 3.5, 4.0])
+    assert measured_costs(prior, {1: 0.5}) == pytest.approx([0.5, 1.5, 2.5, 3.5, 4.5])
 
 
 def test_measured_costs_are_fitted_non_decreasing_by_least_squares():
@@ -163,9 +181,9 @@ def test_a_cost_step_is_seen_and_the_tree_stops_below_it(target):
     scores = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.3, 0.25, 0.1])).tolist()
     stepped = CostCurve(sizes=list(range(1, 9)), seconds=non_decreasing([1.0, 1.1, 1.0, 1.0, 1.0, 1.0, 1.15, 1.2]))
     assert stepped.seconds[5] == pytest.approx(1.02) and stepped.seconds[6] == 1.15  # the step survives the fit
-    assert choose_tree_size(scores, stepped, draft_seconds=0.2).size == 6
+    assert choose_tree_size(scores, stepped.per_token, draft_seconds=0.2).size == 6
     coarse = CostCurve(sizes=[1, 4, 8], seconds=[1.05, 1.05, 1.15])
-    assert choose_tree_size(scores, coarse, draft_seconds=0.2).size == 8
+    assert choose_tree_size(scores, coarse.per_token, draft_seconds=0.2).size == 8
     curve = measure_cost_curve(target, repeats=1)
     assert measure_cost_curve(target, sizes=(1, 4), repeats=1, greedy=True).sizes == [1, 4]
     assert curve.sizes == list(SIZES) and all(s > 0 for s in curve.seconds)
