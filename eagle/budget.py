@@ -69,12 +69,15 @@ class TreeChoice:
 
 
 def choose_tree_size(sorted_scores: Sequence[float], seconds: Sequence[float], draft_seconds: float,
-                     calibration: float = 1.0, depths: Sequence[int] = (), step_seconds: float = 0.0) -> TreeChoice:
+                     calibration: Sequence[float] = (), depths: Sequence[int] = (),
+                     step_seconds: float = 0.0) -> TreeChoice:
     """The total_tokens with the most expected tokens per second this round.
 
     ``sorted_scores`` [M]: cumulative draft log-probabilities of the candidate nodes, best first;
     ``seconds`` [S]: a round's cost (verification) for 1 .. S tree tokens (``CostCurve.per_token``,
-    or ``measured_costs``). With ``depths`` [M] (the drafter calls each candidate needs: its depth,
+    or ``measured_costs``); ``calibration`` [R]: accepted drafts per unit of draft probability of
+    the best, second best, ... candidate, the last for all past R (``Sizing.calibration``; none:
+    1). With ``depths`` [M] (the drafter calls each candidate needs: its depth,
     a grafted node its drafted ancestor's) a size costs ``step_seconds`` for each call past the
     first that its nodes need (``draft_seconds`` being the cost with one), for sizing a round not
     drafted yet. In plain floats: a round asks several times, for a few dozen candidates, where
@@ -82,8 +85,9 @@ def choose_tree_size(sorted_scores: Sequence[float], seconds: Sequence[float], d
     logprobs = sorted_scores[: len(seconds) - 1]  # far past the measured sizes never pays
     expected, best = 1.0, TreeChoice(size=1, tokens_per_second=1.0 / (draft_seconds + seconds[0]))
     calls = 1
+    ranks = len(calibration)
     for n, logprob in enumerate(logprobs, start=2):  # n tokens: the root and the n - 1 best candidates
-        expected += calibration * math.exp(logprob)
+        expected += math.exp(logprob) * (calibration[min(n - 2, ranks - 1)] if ranks else 1.0)
         if depths:
             calls = max(calls, depths[n - 2])
         rate = expected / (draft_seconds + step_seconds * (calls - 1) + seconds[n - 1])
@@ -94,13 +98,13 @@ def choose_tree_size(sorted_scores: Sequence[float], seconds: Sequence[float], d
 
 def expansion_floor(pool: Sequence[float], candidates: Sequence[float], seconds: Sequence[float],
                     draft_seconds: float, step_seconds: float, child_logprob: float,
-                    calibration: float = 1.0) -> float | None:
+                    calibration: Sequence[float] = ()) -> float | None:
     """Which candidate nodes one more drafter call (one more tree depth) should expand, or None when
     expanding none can raise the expected tokens per second.
 
     ``pool`` [M]: cumulative draft log-probabilities of the nodes drafted so far this round (root
     left out); ``candidates`` [F]: those of the nodes that could be expanded (among the pool);
-    ``seconds``: as for ``choose_tree_size``; ``draft_seconds``: the round's drafting so far;
+    ``seconds``, ``calibration``: as for ``choose_tree_size``; ``draft_seconds``: the round's drafting so far;
     ``step_seconds``: what a drafter call costs; ``child_logprob``: the log-probability a node's
     best child typically has given the node (so an expanded candidate s is expected to bring a node
     scoring s + child_logprob). The call pays when the best size of the pool with those children,
@@ -115,26 +119,86 @@ def expansion_floor(pool: Sequence[float], candidates: Sequence[float], seconds:
     return grown[then.size - 2] - child_logprob  # the lowest kept score, a candidate's child reaching it
 
 
-def measured_costs(prior: Sequence[float], measured: dict[int, float]) -> list[float]:
-    """A round's cost for 1 .. S tree tokens from ``prior`` [S] (``CostCurve.per_token``) and what
-    rounds of some sizes really cost in this decoding (``measured``: size -> seconds, each a running
-    average of the time from a proposal to its commit): each size moves by the gap between measured
-    and prior of the largest measured size at or below it (the smallest measured size's gap below
-    that), kept non-decreasing. The curve is timed once per machine, in a loop of bare forwards;
-    in decoding the same sizes were found to cost up to 30% more, and differently so per size (on
-    the reference machine, sampled: 3 tree tokens 3.48 ms by the curve, 4.43 measured), which made
-    "auto" choose trees too large. A size never measured keeps the gap below it, so it may still
-    look cheaper than it is: chosen once, it is measured."""
-    if not measured:
+def measured_costs(prior: Sequence[float], measured: dict[int, float], weights: dict[int, float]) -> list[float]:
+    """A round's cost for 1 .. S tree tokens: the curve ``prior`` [S] (``CostCurve.per_token``) mapped
+    onto what rounds of some sizes really cost in this decoding (``measured``: size -> seconds, running
+    averages of the time from a proposal to its commit) by the line a * prior + b that fits them best
+    (least squares, size n weighted by ``weights[n]``; one size: b alone; a within 0.5-3). The
+    curve is timed once per machine, in a loop of bare forwards; in decoding the sizes were found to
+    cost more, and more so the larger they are (on the reference machine, sampled: 3 tree tokens
+    3.48 ms by the curve, 4.43 measured), which made "auto" choose trees too large. One line for all
+    sizes, not a value per size: a size measured once in a slow spell would look dear, never be
+    chosen again, and so never be measured again."""
+    points = [(prior[n - 1], measured[n], weights.get(n, 1.0)) for n in measured if n <= len(prior)]
+    if not points:
         return list(prior)
-    sizes = sorted(n for n in measured if n <= len(prior))
-    gap = measured[sizes[0]] - prior[sizes[0] - 1] if sizes else 0.0
-    costs, nearest = [], 0
-    for n, seconds in enumerate(prior, start=1):
-        if nearest < len(sizes) and sizes[nearest] == n:
-            gap, nearest = measured[n] - seconds, nearest + 1
-        costs.append(max(seconds + gap, costs[-1] if costs else 0.0))
-    return costs
+    total = sum(w for _, _, w in points)
+    mean_x, mean_y = (sum(w * x for x, _, w in points) / total, sum(w * y for _, y, w in points) / total)
+    spread = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+    a = 1.0 if spread <= 1e-12 * total * mean_x ** 2 else min(3.0, max(0.5, sum(
+        w * (x - mean_x) * (y - mean_y) for x, y, w in points) / spread))
+    b = mean_y - a * mean_x
+    return [a * x + b for x in prior]
+
+
+CALIBRATED_RANKS = 3  # calibration for the best draft of a tree, the second, and all others
+PRIOR_MASS = 1.0  # calibration's prior, per rank: drafts of this much draft probability, accepted as often as it says
+ROUNDS_WEIGHED = 20  # a size's weight in fitting the costs: the rounds timed, up to this
+CHILD_PROB_PRIOR = 0.5  # before any drafter call is seen: an expanded node's best child is a coin flip
+AVERAGING = 0.1  # the weight of each new observation in the running averages
+
+
+@dataclasses.dataclass
+class Sizing:
+    """What "auto" tree sizing learns while decoding; a model keeps one per kind of decoding (greedy,
+    sampled), so each generation starts where the last left off.
+
+    - ``round_seconds``, ``rounds``: tree size -> running average of what a round of it cost (from
+      its proposal to its commit), how many were timed; they map the curve ``prior``
+      (``CostCurve.per_token``) onto decoding's costs: ``costs`` (``measured_costs``);
+    - ``step_seconds``, ``child_prob``: running averages of a drafter call's seconds (0: none seen)
+      and of the probability an expanded node's best child has given the node (``expansion_floor``);
+    - ``predicted``, ``accepted``: per rank of a verified draft in its tree (best score first; the
+      last rank for all past it), their summed draft probabilities (path products) and how many
+      were accepted: ``calibration``, their ratios (with ``PRIOR_MASS``, within 0.25-4). A second
+      drawn sibling (sampled decoding) is accepted less often than its draft probability says
+      (20 dev prompts, 3-token trees: predicted 0.199, accepted 0.159) while the best draft is
+      accepted more often (0.347, 0.385): one factor for all let trees grow where they lost.
+      Calibrating per bucket of draft probability instead did not pay (sampled 0.969x -> 0.944x
+      ``ar``)."""
+
+    prior: Sequence[float]
+    round_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
+    rounds: dict[int, float] = dataclasses.field(default_factory=dict)
+    step_seconds: float = 0.0
+    child_prob: float = CHILD_PROB_PRIOR
+    predicted: list[float] = dataclasses.field(default_factory=lambda: [0.0] * CALIBRATED_RANKS)
+    accepted: list[float] = dataclasses.field(default_factory=lambda: [0.0] * CALIBRATED_RANKS)
+
+    def __post_init__(self) -> None:
+        self.costs = measured_costs(self.prior, self.round_seconds, self.rounds)
+        self.calibration = [1.0] * CALIBRATED_RANKS
+
+    def record_round(self, size: int, seconds: float) -> None:
+        before = self.round_seconds.get(size)
+        self.round_seconds[size] = seconds if before is None else before + AVERAGING * (seconds - before)
+        self.rounds[size] = min(ROUNDS_WEIGHED, self.rounds.get(size, 0) + 1)
+        self.costs = measured_costs(self.prior, self.round_seconds, self.rounds)
+        self.calibration = [1.0] * CALIBRATED_RANKS
+
+    def record_step(self, seconds: float, child_probs: Sequence[float]) -> None:
+        """A drafter call of ``seconds`` that expanded nodes whose best children have ``child_probs``."""
+        self.step_seconds += AVERAGING * (seconds - self.step_seconds) if self.step_seconds else seconds
+        for p in child_probs:
+            self.child_prob += AVERAGING * (p - self.child_prob)
+
+    def record_drafts(self, probs: Sequence[float], accepted: Sequence[bool]) -> None:
+        """A verified tree's drafts, best first: their draft probabilities, whether each was accepted."""
+        for rank, (p, hit) in enumerate(zip(probs, accepted)):
+            self.predicted[min(rank, CALIBRATED_RANKS - 1)] += p
+            self.accepted[min(rank, CALIBRATED_RANKS - 1)] += hit
+        self.calibration = [min(4.0, max(0.25, (hits + PRIOR_MASS) / (sum_p + PRIOR_MASS)))
+                            for hits, sum_p in zip(self.accepted, self.predicted)]
 
 
 def non_decreasing(values: list[float]) -> list[float]:

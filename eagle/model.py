@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import torch
 
 from eagle import draft_lm
+from eagle.budget import Sizing
 from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
 from eagle.drafter import Drafter, LeanDrafter
 from eagle.errors import EagleError
@@ -113,8 +114,8 @@ class EagleModel:
             raise EagleError(f"unknown drafter quantization {drafter_quant!r}; choose from none, {', '.join(FORMATS)}")
         self.drafter_dtype = drafter_dtype or default_drafter_dtype(target)
         self._packed: dict[tuple[int, torch.dtype, str | None], tuple[Any, Any]] = {}
-        # "auto" sizing: what tree rounds of each size cost in this model's decoding so far, greedy and sampled
-        self._round_seconds: dict[bool, dict[int, float]] = {True: {}, False: {}}
+        # what "auto" tree sizing has learned in this model's decoding so far, greedy and sampled (by greedy)
+        self._sizing: dict[bool, Sizing] = {}
 
     def _inference_copy(self, module: Any, dtype: torch.dtype, quant: str | None = None) -> Any:
         """An inference copy in ``dtype`` (a drafter: or quantized to ``quant``), made on first use
@@ -199,14 +200,17 @@ class EagleModel:
             tree = self.tree
             if method == "eagle-chain":
                 tree = dataclasses.replace(tree, top_k=1, total_tokens=tree.levels + 1, choices=None, lookup_tokens=0)
-            cost = None
+            cost = sizing = None
             if tree.total_tokens == "auto":
                 from eagle.budget import cost_curve
 
                 cost = cost_curve(self.target, greedy=sampling.greedy)
+                sizing = self._sizing.get(sampling.greedy)
+                if sizing is None or tuple(sizing.prior) != cost.per_token:  # a curve measured anew starts afresh
+                    sizing = self._sizing[sampling.greedy] = Sizing(cost.per_token)
             return EagleDrafter(self._inference_copy(self.drafter, self.drafter_dtype, self.drafter_quant), self.target,
                                 tree, cost=cost, lookup=self.prompt_lookup, sampling=sampling, generator=generator,
-                                measured=self._round_seconds[sampling.greedy])
+                                sizing=sizing)
         raise EagleError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
     def generate(self, prompt: Any, method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0,

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from eagle import kv_cache
-from eagle.budget import CostCurve, choose_tree_size, expansion_floor, measured_costs
+from eagle.budget import CostCurve, Sizing, choose_tree_size, expansion_floor
 from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
 from eagle.drafter import LeanDrafter
 from eagle.errors import EagleError
@@ -211,8 +211,6 @@ class DraftModel(Proposer):
 
 
 LOOKUP_NODES = 3  # draft nodes (besides the root) whose paths are looked up in the context too
-CHILD_PROB_PRIOR = 0.5  # auto sizing, before any expansion: an expanded node's best child is a coin flip
-STEP_AVERAGING = 0.1  # the weight of each new observation in auto sizing's running averages
 
 
 class EagleDrafter(Proposer):
@@ -225,11 +223,11 @@ class EagleDrafter(Proposer):
 
     def __init__(self, drafter: LeanDrafter, target: Target, cfg: TreeConfig, cost: CostCurve | None = None,
                  lookup: PromptLookupConfig | None = None, sampling: SamplingConfig | None = None,
-                 generator: torch.Generator | None = None, measured: dict[int, float] | None = None) -> None:
+                 generator: torch.Generator | None = None, sizing: Sizing | None = None) -> None:
         """``drafter``: the inference copy (its ``dtype`` is what it is fed the target's features
         and embeddings in); ``cost``: the target's measured forward-time curve, used when
-        ``total_tokens`` is "auto", with ``measured`` (tree size -> seconds a round of it took,
-        running averages; updated in place, so that a dict kept across generations carries them);
+        ``total_tokens`` is "auto", with what sizing learns as it decodes (``sizing``, updated in
+        place, so that one kept across generations carries it; default: a new one from ``cost``);
         ``lookup``: the n-gram sizes for ``cfg.lookup_tokens``;
         ``sampling``/``generator``: with temperature > 0 and ``cfg.sampled`` (dynamic tree) the
         children are drawn from the drafter (``sampled_children``) with ``generator``."""
@@ -243,8 +241,6 @@ class EagleDrafter(Proposer):
         self.cache = drafter.new_cache()
         self.last_hidden: torch.Tensor | None = None  # drafter's prediction of the root's feature [H]
         self.device = target.device
-        self.predicted = self.observed = 1.0  # expected vs real accepted drafts, to calibrate "auto"
-        self.last_expected = 0.0
         self.lookup = lookup or PromptLookupConfig()
         self.lookup_rates = LookupRates(self.lookup.max_ngram)
         self.last_matches: list[tuple[list[int], LookupMatch]] = []  # (path below the root, its lookup)
@@ -256,17 +252,12 @@ class EagleDrafter(Proposer):
         self.drawn_from: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.draft_ids = drafter.to_target_ids(torch.arange(vocab, device=self.device))  # draft index -> target id
         self.next_depth = cfg.levels  # a sampled tree's draft levels with "auto" (see ``_size_next_round``)
-        # auto sizing's view of one more drafter call (``expansion_floor``), learned as it drafts: its seconds
-        # (0: none timed yet) and the probability an expanded node's best child has given the node (running averages)
-        self.step_seconds, self.child_prob = 0.0, CHILD_PROB_PRIOR
-        # and what rounds of each size really cost here (``measured_costs``): tree size -> seconds from a
-        # proposal to its commit, and the per-size costs sizing reads
-        self.measured = measured if measured is not None else {}
-        self.costs = measured_costs(cost.per_token, self.measured) if cost is not None else []
-        self.proposed: tuple[int, float] | None = None  # the last proposal's size and when it was made
+        self.sizing = sizing if sizing is not None or cost is None else Sizing(cost.per_token)
+        self.proposed: tuple[DraftTree, float] | None = None  # the last proposal's tree and when it was made
         # a sampled tree's size with "auto", chosen before its draws (see ``propose``): at first the most
         # nodes that cost no more than one token to verify, then what the previous round's pool asked for
-        self.next_size = max((n for n, c in enumerate(self.costs, start=1) if c <= 1.05 * self.costs[0]), default=0)
+        costs = self.sizing.costs if self.sizing is not None else []
+        self.next_size = max((n for n, c in enumerate(costs, start=1) if c <= 1.05 * costs[0]), default=0)
 
     @torch.inference_mode()
     def _extend(self, features: torch.Tensor, next_tokens: list[int]) -> None:
@@ -287,14 +278,17 @@ class EagleDrafter(Proposer):
 
     def commit(self, ids: list[int], accepted: int, features: torch.Tensor | None) -> None:
         # features: target features of the root and the accepted drafts; tokens that follow them.
-        if self.cost is not None and self.proposed is not None:  # what the round of that size cost
-            size, made = self.proposed
-            seconds, before = time.perf_counter() - made, self.measured.get(size)
-            self.measured[size] = seconds if before is None else before + STEP_AVERAGING * (seconds - before)
-            self.costs = measured_costs(self.cost.per_token, self.measured)
-        self.predicted += self.last_expected
-        self.observed += accepted
         produced = ids[len(ids) - accepted - 1:]
+        if self.sizing is not None and self.proposed is not None:  # what the round cost, which drafts paid off
+            tree, made = self.proposed
+            self.sizing.record_round(tree.size, time.perf_counter() - made)
+            tokens, parents, scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
+            path, node = set(), 0
+            for token in produced[:accepted]:  # the accepted path, node by node
+                node = next(c for c in range(node + 1, len(tokens)) if parents[c] == node and tokens[c] == token)
+                path.add(node)
+            ranked = best_frontier(scores[1:], len(scores) - 1)
+            self.sizing.record_drafts([math.exp(scores[i + 1]) for i in ranked], [i + 1 in path for i in ranked])
         for path, match in self.last_matches:  # judge each lookup whose node the target reached
             if produced[:len(path)] == path:
                 self.lookup_rates.update(match, produced[len(path):])
@@ -326,7 +320,7 @@ class EagleDrafter(Proposer):
 
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         proposal = self._propose(ids, max_depth, max_nodes)
-        self.proposed = (proposal.tree.size, time.perf_counter())
+        self.proposed = (proposal.tree, time.perf_counter())
         return proposal
 
     @torch.inference_mode()
@@ -334,11 +328,11 @@ class EagleDrafter(Proposer):
         start = time.perf_counter()
         total = self.cfg.total_tokens if isinstance(self.cfg.total_tokens, int) else max_nodes
         total, levels = min(total, max_nodes), min(self.cfg.levels, max_depth)
-        self.last_expected, self.last_matches, self.drawn_from = 0.0, [], {}
+        self.last_matches, self.drawn_from = [], {}
         if self.last_hidden is None or levels < 1 or total < 2:
             return Proposal(root_only(ids[-1], self.device))
         committed = kv_cache.cache_length(self.cache)
-        calibration = min(4.0, max(0.25, self.observed / self.predicted))
+        calibration = self.sizing.calibration if self.sizing is not None else []
         if self.draw_temperature and self.cost is not None:
             total, levels = max(2, min(total, self.next_size)), min(levels, self.next_depth)
         if self.cfg.choices:
@@ -350,12 +344,11 @@ class EagleDrafter(Proposer):
         tree = self._graft_lookup(ids, tree, max_depth)
         if self.cost is not None and not self.draw_temperature:  # "auto": the size with the most expected tokens/s
             best_first = sorted(tree.scores[1:].tolist(), reverse=True)
-            total = min(total, choose_tree_size(best_first, self.costs, time.perf_counter() - start, calibration).size)
+            total = min(total, choose_tree_size(best_first, self.sizing.costs, time.perf_counter() - start, calibration).size)
         elif self.cost is not None:  # drawn children: no size may depend on this round's draws, so they size the next
             self._size_next_round(tree, drafted, time.perf_counter() - start, calibration)
         kept = kept_nodes(tree.scores, total)
         tree = subtree(tree.tokens, tree.parents, tree.scores, kept)
-        self.last_expected = float(tree.scores[1:].exp().sum())
         if not self.draw_temperature or tree.size < 2:
             return Proposal(tree)
         drawn_from = {row: self.drawn_from[node] for row, node in enumerate(kept.tolist()) if node in self.drawn_from}
@@ -363,10 +356,10 @@ class EagleDrafter(Proposer):
                                                             self.draw_temperature),
                         drawn=(kept > 0) & (kept < drafted))
 
-    def _size_next_round(self, pool: DraftTree, drafted: int, elapsed: float, calibration: float) -> None:
+    def _size_next_round(self, pool: DraftTree, drafted: int, elapsed: float, calibration: list[float]) -> None:
         """``next_size`` and ``next_depth`` (sampled "auto") from this round's pool, as if the next one
         drew the same: the size with the most expected tokens per second, a size paying a drafter
-        call (``step_seconds``) for each depth its nodes need past the first (grafted lookup nodes
+        call (``Sizing.step_seconds``) for each depth its nodes need past the first (grafted lookup nodes
         need their drafted ancestor's), and the depths those nodes need, one more where a deeper
         level would pay for its call (``expansion_floor``, as greedy "auto" decides each depth)."""
         parents, scores = pool.parents.tolist(), pool.scores.tolist()
@@ -375,14 +368,15 @@ class EagleDrafter(Proposer):
             depths.append(depths[parent] + (node < drafted))
         order = best_frontier(scores[1:], len(scores) - 1)
         calls = [max(1, depths[i + 1]) for i in order]
-        first_call = max(0.0, elapsed - self.step_seconds * (max(calls, default=1) - 1))
+        step = self.sizing.step_seconds
+        first_call = max(0.0, elapsed - step * (max(calls, default=1) - 1))
         ranked = [scores[i + 1] for i in order]
-        self.next_size = choose_tree_size(ranked, self.costs, first_call, calibration, calls, self.step_seconds).size
+        self.next_size = choose_tree_size(ranked, self.sizing.costs, first_call, calibration, calls, step).size
         needed = max(calls[:self.next_size - 1], default=1)
         within = [score for score, c in zip(ranked, calls) if c <= needed]
         deepest = [score for score, c in zip(ranked, calls) if c == needed]
-        floor = expansion_floor(within, deepest, self.costs, first_call + self.step_seconds * (needed - 1),
-                                self.step_seconds, math.log(self.child_prob), calibration)
+        floor = expansion_floor(within, deepest, self.sizing.costs, first_call + step * (needed - 1), step,
+                                math.log(self.sizing.child_prob), calibration)
         self.next_depth = needed + (floor is not None)
 
     def _children(self, parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int,
@@ -426,7 +420,7 @@ class EagleDrafter(Proposer):
         return graft_chains(pool, chains, share=not self.draw_temperature) if chains else pool
 
     def _dynamic(self, root: int, levels: int, total: int, committed: int, start: float,
-                 calibration: float) -> DraftTree:
+                 calibration: list[float]) -> DraftTree:
         """EAGLE-2: the root's top_k children, then the top_k best frontier nodes expanded per depth
         down to ``levels`` draft tokens below the root; return the whole candidate pool.
         A frontier node outside the best ``total - 2`` nodes of the pool so far is not expanded: a
@@ -460,11 +454,9 @@ class EagleDrafter(Proposer):
             tokens += to_target(child_tokens.reshape(-1)).tolist()
             parents += [n for n in frontier for _ in range(k)]
             scores += flat_scores
-            # the running averages: this call's seconds, each expanded node's best child (ranked first)
-            seconds = time.perf_counter() - step_start
-            self.step_seconds += STEP_AVERAGING * (seconds - self.step_seconds) if self.step_seconds else seconds
-            for j, n in enumerate(frontier):
-                self.child_prob += STEP_AVERAGING * (math.exp(flat_scores[j * k] - scores[n]) - self.child_prob)
+            if self.sizing is not None:  # this call's seconds, each expanded node's best child (ranked first)
+                self.sizing.record_step(time.perf_counter() - step_start,
+                                        [math.exp(flat_scores[j * k] - scores[n]) for j, n in enumerate(frontier)])
             best = [size + j for j in best_frontier(flat_scores, k)]
             frontier = self._to_expand(best, scores, d + 1 < levels, total, sized, start, calibration)
             if not frontier:
@@ -476,7 +468,7 @@ class EagleDrafter(Proposer):
                          torch.tensor(scores, device=self.device))
 
     def _to_expand(self, candidates: list[int], scores: list[float], deeper: bool, total: int, sized: bool,
-                   start: float, calibration: float) -> list[int]:
+                   start: float, calibration: list[float]) -> list[int]:
         """Of the pool nodes ``candidates`` (indices into ``scores``, the pool's, root first), those the
         next drafter call expands (none unless ``deeper``). Sized (auto): those whose expected best
         child would be kept, if the call pays for itself (``expansion_floor``, from the running
@@ -485,9 +477,9 @@ class EagleDrafter(Proposer):
         if not deeper:
             return []
         if sized:
-            floor = expansion_floor(scores[1:], [scores[n] for n in candidates], self.costs,
-                                    time.perf_counter() - start, self.step_seconds, math.log(self.child_prob),
-                                    calibration)
+            floor = expansion_floor(scores[1:], [scores[n] for n in candidates], self.sizing.costs,
+                                    time.perf_counter() - start, self.sizing.step_seconds,
+                                    math.log(self.sizing.child_prob), calibration)
         else:
             ranked = sorted(scores[1:], reverse=True)
             rank = min(total - 2, len(ranked))

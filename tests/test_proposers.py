@@ -243,7 +243,7 @@ def test_greedy_auto_drafts_a_deeper_level_only_where_it_pays(target, drafter, m
     always with one where tokens are free; the call's seconds and how likely an expanded node's
     best child is are learned as it drafts."""
     import eagle.proposers as proposers
-    from eagle.budget import CostCurve
+    from eagle.budget import CHILD_PROB_PRIOR, CostCurve
 
     model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens="auto", depth=4, top_k=3)
     ids = [7, 1, 2, 3, 4, 5, 9, 1, 2, 3]
@@ -252,42 +252,47 @@ def test_greedy_auto_drafts_a_deeper_level_only_where_it_pays(target, drafter, m
     free = CostCurve(sizes=[1, 64], seconds=[1.0, 1.0])
     for curve, step_seconds, deeper in ((steep, 0.0, False), (free, 0.0, True), (free, 100.0, False)):
         proposer = proposers.EagleDrafter(model._inference_copy(drafter, torch.float32), target, model.tree, cost=curve)
-        proposer.step_seconds = step_seconds  # a drafter call that takes 100 s never pays, whatever the curve
+        proposer.sizing.step_seconds = step_seconds  # a drafter call that takes 100 s never pays, whatever the curve
         proposer.start(ids, prefill.hidden[0])
         calls = []
         run_nodes = proposer._run_nodes
         monkeypatch.setattr(proposer, "_run_nodes", lambda *args: calls.append(args) or run_nodes(*args))
         proposer.propose(ids, max_depth=10, max_nodes=100)
         assert bool(calls) == deeper
-        assert (proposer.step_seconds != step_seconds) == deeper
-        assert (proposer.child_prob != proposers.CHILD_PROB_PRIOR) == deeper and 0 < proposer.child_prob <= 1
+        assert (proposer.sizing.step_seconds != step_seconds) == deeper
+        assert (proposer.sizing.child_prob != CHILD_PROB_PRIOR) == deeper and 0 < proposer.sizing.child_prob <= 1
 
 
-def test_auto_sizing_keeps_what_rounds_cost_across_generations(target, drafter, monkeypatch):
-    """"auto" times each round from its proposal to its commit, per tree size, and sizes by those
-    times (``measured_costs``); the model keeps them per kind of decoding, so the next generation
-    starts from them."""
+def test_auto_sizing_keeps_what_it_learns_across_generations(target, drafter, monkeypatch):
+    """"auto" times each round from its proposal to its commit, per tree size, and counts which
+    drafts were accepted against what their draft probabilities said, per rank in the tree
+    (``Sizing``); the model keeps that per kind of decoding, so the next generation starts from it."""
     import eagle.proposers as proposers
     from eagle.budget import CostCurve
 
     curve = CostCurve(sizes=[1, 16], seconds=[1.0, 1.0])  # every size as cheap as one token: large trees
     monkeypatch.setattr("eagle.budget.cost_curve", lambda target, greedy=False: curve)
     model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens="auto", depth=4, top_k=3)
-    sizes = []
+    trees = []
     propose = proposers.EagleDrafter.propose
 
     def recorded(self, *args, **kwargs):
         proposal = propose(self, *args, **kwargs)
-        sizes.append(proposal.tree.size)
+        trees.append(proposal.tree)
         return proposal
 
     monkeypatch.setattr(proposers.EagleDrafter, "propose", recorded)
-    model.generate([5, 6, 7, 8], method="eagle-tree", max_new_tokens=12)
-    measured = model._round_seconds[True]
-    assert set(measured) and set(measured) <= set(sizes) and model._round_seconds[False] == {}
-    assert all(0 < seconds < 1.0 for seconds in measured.values())  # far below the curve's second a round
-    proposer = model._proposer("eagle-tree", SamplingConfig(), None)
-    assert proposer.measured is measured and proposer.costs[0] < 1.0 and proposer.costs[-1] < curve.per_token[-1]
+    out = model.generate([5, 6, 7, 8], method="eagle-tree", max_new_tokens=12)
+    sizing = model._sizing[True]
+    assert set(sizing.round_seconds) and set(sizing.round_seconds) <= {tree.size for tree in trees}
+    assert False not in model._sizing or not model._sizing[False].round_seconds
+    assert all(0 < seconds < 1.0 for seconds in sizing.round_seconds.values())  # far below the curve's second a round
+    assert sizing.costs[0] < 1.0 and sizing.costs[-1] < curve.per_token[-1]
+    # the last round ends the generation: it is never committed
+    assert sum(sizing.accepted) == sum(out.accept_lengths[:-1]) - len(out.accept_lengths[:-1]) > 0  # accepted drafts
+    assert sum(sizing.predicted) == pytest.approx(sum(float(t.scores[1:].exp().sum()) for t in trees[:-1]))
+    assert sizing.predicted[0] == pytest.approx(sum(float(t.scores[1:].exp().max()) for t in trees[:-1] if t.size > 1))
+    assert model._proposer("eagle-tree", SamplingConfig(), None).sizing is sizing
 
 
 def test_draw_distributions_give_the_rows_of_the_dense_matrix():

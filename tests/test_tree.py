@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -136,20 +137,48 @@ def test_a_deeper_tree_is_drafted_only_where_it_pays():
     assert floor == pytest.approx(math.log(0.6))
     assert expansion_floor(pool, pool, curve, 0.1, step_seconds=0.3, child_logprob=math.log(0.8)) is None  # dear call
     assert expansion_floor(pool, pool, curve, 0.1, 0.1, child_logprob=math.log(0.5)) is None  # unlikely child
-    assert expansion_floor(pool, pool, curve, 0.1, 0.1, math.log(0.8), calibration=0.5) is None  # overconfident drafter
+    assert expansion_floor(pool, pool, curve, 0.1, 0.1, math.log(0.8), calibration=[0.5]) is None  # overconfident drafter
     assert expansion_floor(pool, pool[1:], curve, 0.1, 0.1, math.log(0.8)) is None  # only the 0.2 node can grow
     free = CostCurve(sizes=[1, 64], seconds=[1.0, 1.0]).per_token  # more tokens cost nothing: every candidate grows
     assert expansion_floor(pool, pool, free, 0.1, 0.0, math.log(0.8)) == pytest.approx(math.log(0.2))
 
 
-def test_sizing_moves_the_curve_onto_measured_round_costs():
+def test_sizing_maps_the_curve_onto_measured_round_costs_by_weighted_least_squares():
     from eagle.budget import measured_costs
 
     prior = [1.0, 2.0, 3.0, 4.0, 5.0]
-    assert measured_costs(prior, {}) == prior
-    # each size takes the gap of the largest measured size at or below it (size 1: size 2's), non-decreasing
-    assert measured_costs(prior, {2: 2.5, 4: 3.0, 9: 1.0}) == pytest.approx([1.5, 2.5, 3.5, 3.5, 4.0])
-    assert measured_costs(prior, {1: 0.5}) == pytest.approx([0.5, 1.5, 2.5, 3.5, 4.5])
+    assert measured_costs(prior, {}, {}) == prior
+    assert measured_costs(prior, {2: 3.0, 4: 7.0, 9: 1.0}, {}) == pytest.approx([1.0, 3.0, 5.0, 7.0, 9.0])  # 2x - 1
+    assert measured_costs(prior, {1: 0.5}, {1: 4.0}) == pytest.approx([0.5, 1.5, 2.5, 3.5, 4.5])  # one size: a shift
+    assert measured_costs(prior, {1: 1.0, 2: 100.0}, {})[:2] == pytest.approx([49.0, 52.0])  # slope at most 3
+    rng = np.random.default_rng(0)  # against numpy's weighted fit
+    measured = {n: 0.7 + 1.3 * prior[n - 1] + rng.normal(0, 0.1) for n in (1, 3, 4)}
+    weights = {1: 2.0, 3: 5.0, 4: 1.0}
+    a, b = np.polyfit([prior[n - 1] for n in measured], list(measured.values()), 1,
+                      w=[math.sqrt(weights[n]) for n in measured])
+    assert measured_costs(prior, measured, weights) == pytest.approx([a * x + b for x in prior])
+
+
+def test_sizing_learns_calibration_per_rank_and_running_costs():
+    from eagle.budget import AVERAGING, CALIBRATED_RANKS, CHILD_PROB_PRIOR, PRIOR_MASS, Sizing, choose_tree_size
+
+    sizing = Sizing(prior=[1.0, 2.0, 3.0])
+    assert sizing.calibration == [1.0] * CALIBRATED_RANKS and sizing.costs == [1.0, 2.0, 3.0]  # face value, the curve
+    for _ in range(10):  # the best draft said 0.5 and was always accepted, the second said 0.4 and never was
+        sizing.record_drafts([0.5, 0.4, 0.1, 0.1], [True, False, False, True])
+    assert sizing.calibration == pytest.approx([(10 + PRIOR_MASS) / (5 + PRIOR_MASS), 0.25,
+                                                (10 + PRIOR_MASS) / (2 + PRIOR_MASS)])  # the third rank: all past it
+    scores = [math.log(0.5), math.log(0.4)]
+    flat = [1.0, 1.0, 1.0]
+    assert choose_tree_size(scores, flat, 0.0).tokens_per_second == pytest.approx(1.9)
+    assert choose_tree_size(scores, flat, 0.0, sizing.calibration).tokens_per_second == pytest.approx(
+        1 + 0.5 * sizing.calibration[0] + 0.4 * 0.25)
+    sizing.record_round(2, 2.5)
+    sizing.record_round(2, 3.5)  # a running average: the first sets it
+    assert sizing.round_seconds == {2: pytest.approx(2.5 + AVERAGING)} and sizing.rounds == {2: 2}
+    assert sizing.costs == pytest.approx([1.6, 2.6, 3.6])  # one size measured: the curve shifted onto it
+    sizing.record_step(0.2, [0.9, 0.9])
+    assert sizing.step_seconds == 0.2 and sizing.child_prob > CHILD_PROB_PRIOR
 
 
 def test_measured_costs_are_fitted_non_decreasing_by_least_squares():
