@@ -344,7 +344,8 @@ class EagleDrafter(Proposer):
         tree = self._graft_lookup(ids, tree, max_depth)
         if self.cost is not None and not self.draw_temperature:  # "auto": the size with the most expected tokens/s
             best_first = sorted(tree.scores[1:].tolist(), reverse=True)
-            total = min(total, choose_tree_size(best_first, self.sizing.costs, time.perf_counter() - start, calibration).size)
+            choice = choose_tree_size(best_first, self.sizing.costs, time.perf_counter() - start, calibration)
+            total = min(total, choice.size)
         elif self.cost is not None:  # drawn children: no size may depend on this round's draws, so they size the next
             self._size_next_round(tree, drafted, time.perf_counter() - start, calibration)
         kept = kept_nodes(tree.scores, total)

@@ -137,7 +137,7 @@ def test_a_deeper_tree_is_drafted_only_where_it_pays():
     assert floor == pytest.approx(math.log(0.6))
     assert expansion_floor(pool, pool, curve, 0.1, step_seconds=0.3, child_logprob=math.log(0.8)) is None  # dear call
     assert expansion_floor(pool, pool, curve, 0.1, 0.1, child_logprob=math.log(0.5)) is None  # unlikely child
-    assert expansion_floor(pool, pool, curve, 0.1, 0.1, math.log(0.8), calibration=[0.5]) is None  # overconfident drafter
+    assert expansion_floor(pool, pool, curve, 0.1, 0.1, math.log(0.8), calibration=[0.5]) is None  # overconfident
     assert expansion_floor(pool, pool[1:], curve, 0.1, 0.1, math.log(0.8)) is None  # only the 0.2 node can grow
     free = CostCurve(sizes=[1, 64], seconds=[1.0, 1.0]).per_token  # more tokens cost nothing: every candidate grows
     assert expansion_floor(pool, pool, free, 0.1, 0.0, math.log(0.8)) == pytest.approx(math.log(0.2))
