@@ -154,8 +154,8 @@ class Sizing:
     sampled), so each generation starts where the last left off.
 
     - ``round_seconds``, ``rounds``: tree size -> running average of what a round of it cost (from
-      its proposal to its commit), how many were timed; they map the curve ``prior``
-      (``CostCurve.per_token``) onto decoding's costs: ``costs`` (``measured_costs``);
+      its proposal to its commit), how many were timed; they map the cached ``curve`` onto
+      decoding's costs: ``costs`` (``measured_costs``);
     - ``step_seconds``, ``child_prob``: running averages of a drafter call's seconds (0: none seen)
       and of the probability an expanded node's best child has given the node (``expansion_floor``);
     - ``predicted``, ``accepted``: per rank of a verified draft in its tree (best score first; the
@@ -167,7 +167,7 @@ class Sizing:
       Calibrating per bucket of draft probability instead did not pay (sampled 0.969x -> 0.944x
       ``ar``)."""
 
-    prior: Sequence[float]
+    curve: CostCurve
     round_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
     rounds: dict[int, float] = dataclasses.field(default_factory=dict)
     step_seconds: float = 0.0
@@ -176,14 +176,14 @@ class Sizing:
     accepted: list[float] = dataclasses.field(default_factory=lambda: [0.0] * CALIBRATED_RANKS)
 
     def __post_init__(self) -> None:
-        self.costs = measured_costs(self.prior, self.round_seconds, self.rounds)
+        self.costs = measured_costs(self.curve.per_token, self.round_seconds, self.rounds)
         self.calibration = [1.0] * CALIBRATED_RANKS
 
     def record_round(self, size: int, seconds: float) -> None:
         before = self.round_seconds.get(size)
         self.round_seconds[size] = seconds if before is None else before + AVERAGING * (seconds - before)
         self.rounds[size] = min(ROUNDS_WEIGHED, self.rounds.get(size, 0) + 1)
-        self.costs = measured_costs(self.prior, self.round_seconds, self.rounds)
+        self.costs = measured_costs(self.curve.per_token, self.round_seconds, self.rounds)
         self.calibration = [1.0] * CALIBRATED_RANKS
 
     def record_step(self, seconds: float, child_probs: Sequence[float]) -> None:

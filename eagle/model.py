@@ -206,8 +206,8 @@ class EagleModel:
 
                 cost = cost_curve(self.target, greedy=sampling.greedy)
                 sizing = self._sizing.get(sampling.greedy)
-                if sizing is None or tuple(sizing.prior) != cost.per_token:  # a curve measured anew starts afresh
-                    sizing = self._sizing[sampling.greedy] = Sizing(cost.per_token)
+                if sizing is None or sizing.curve != cost:  # a curve measured anew starts afresh
+                    sizing = self._sizing[sampling.greedy] = Sizing(cost)
             return EagleDrafter(self._inference_copy(self.drafter, self.drafter_dtype, self.drafter_quant), self.target,
                                 tree, cost=cost, lookup=self.prompt_lookup, sampling=sampling, generator=generator,
                                 sizing=sizing)

@@ -252,7 +252,7 @@ class EagleDrafter(Proposer):
         self.drawn_from: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.draft_ids = drafter.to_target_ids(torch.arange(vocab, device=self.device))  # draft index -> target id
         self.next_depth = cfg.levels  # a sampled tree's draft levels with "auto" (see ``_size_next_round``)
-        self.sizing = sizing if sizing is not None or cost is None else Sizing(cost.per_token)
+        self.sizing = sizing if sizing is not None or cost is None else Sizing(cost)
         self.proposed: tuple[DraftTree, float] | None = None  # the last proposal's tree and when it was made
         # a sampled tree's size with "auto", chosen before its draws (see ``propose``): at first the most
         # nodes that cost no more than one token to verify, then what the previous round's pool asked for

@@ -113,7 +113,9 @@ def test_bench_writes_the_report(saved, tmp_path, capsys):
         assert set(m["per_category"]) == {"a", "b", "uncategorized"}
     for name in ("ar", "pld", "eagle-tree"):
         assert data["methods"][name]["identical_to_ar"] is True
-        assert abs(sum(data["methods"][name]["step_fractions"].values()) - 1) < 0.05
+        # the steps cover a generation but for its set-up (the proposer, ~50 us: 2-3% of a tiny model's 16 tokens
+        # here, 5.6% once on a slower machine), which the bench's clock sees; a step left out would be far more
+        assert abs(sum(data["methods"][name]["step_fractions"].values()) - 1) < 0.1
     assert data["methods"]["hf"]["step_fractions"] is None and data["methods"]["hf"]["mean_accept_length"] == 1
     assert data["methods"]["ar"]["speedup_vs_ar"] == 1.0
     assert png.read_bytes()[:4] == b"\x89PNG"
