@@ -144,6 +144,7 @@ def measured_costs(prior: Sequence[float], measured: dict[int, float], weights: 
 CALIBRATED_RANKS = 3  # calibration for the best draft of a tree, the second, and all others
 PRIOR_MASS = 1.0  # calibration's prior, per rank: drafts of this much draft probability, accepted as often as it says
 ROUNDS_WEIGHED = 20  # a size's weight in fitting the costs: the rounds timed, up to this
+REFIT_ROUNDS = 8  # the costs are fitted anew after this many rounds (at once for a size not timed before)
 CHILD_PROB_PRIOR = 0.5  # before any drafter call is seen: an expanded node's best child is a coin flip
 AVERAGING = 0.1  # the weight of each new observation in the running averages
 
@@ -177,13 +178,17 @@ class Sizing:
 
     def __post_init__(self) -> None:
         self.costs = measured_costs(self.curve.per_token, self.round_seconds, self.rounds)
+        self.unfitted = 0  # rounds recorded since ``costs`` was fitted
         self.calibration = [1.0] * CALIBRATED_RANKS
 
     def record_round(self, size: int, seconds: float) -> None:
         before = self.round_seconds.get(size)
         self.round_seconds[size] = seconds if before is None else before + AVERAGING * (seconds - before)
         self.rounds[size] = min(ROUNDS_WEIGHED, self.rounds.get(size, 0) + 1)
-        self.costs = measured_costs(self.curve.per_token, self.round_seconds, self.rounds)
+        self.unfitted += 1
+        if before is None or self.unfitted >= REFIT_ROUNDS:  # a refit costs ~15 us; the averages move slowly
+            self.costs = measured_costs(self.curve.per_token, self.round_seconds, self.rounds)
+            self.unfitted = 0
         self.calibration = [1.0] * CALIBRATED_RANKS
 
     def record_step(self, seconds: float, child_probs: Sequence[float]) -> None:

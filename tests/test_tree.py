@@ -160,8 +160,8 @@ def test_sizing_maps_the_curve_onto_measured_round_costs_by_weighted_least_squar
 
 
 def test_sizing_learns_calibration_per_rank_and_running_costs():
-    from eagle.budget import (AVERAGING, CALIBRATED_RANKS, CHILD_PROB_PRIOR, PRIOR_MASS, CostCurve, Sizing,
-                              choose_tree_size)
+    from eagle.budget import (AVERAGING, CALIBRATED_RANKS, CHILD_PROB_PRIOR, PRIOR_MASS, REFIT_ROUNDS, CostCurve,
+                              Sizing, choose_tree_size)
 
     sizing = Sizing(CostCurve(sizes=[1, 2, 3], seconds=[1.0, 2.0, 3.0]))
     assert sizing.calibration == [1.0] * CALIBRATED_RANKS  # face value
@@ -175,10 +175,14 @@ def test_sizing_learns_calibration_per_rank_and_running_costs():
     assert choose_tree_size(scores, flat, 0.0).tokens_per_second == pytest.approx(1.9)
     assert choose_tree_size(scores, flat, 0.0, sizing.calibration).tokens_per_second == pytest.approx(
         1 + 0.5 * sizing.calibration[0] + 0.4 * 0.25)
-    sizing.record_round(2, 2.5)
+    sizing.record_round(2, 2.5)  # a size not timed before: fitted at once
+    assert sizing.costs[:3] == pytest.approx([1.5, 2.5, 3.5])  # one size measured: the curve shifted onto it
     sizing.record_round(2, 3.5)  # a running average: the first sets it
     assert sizing.round_seconds == {2: pytest.approx(2.5 + AVERAGING)} and sizing.rounds == {2: 2}
-    assert sizing.costs[:3] == pytest.approx([1.6, 2.6, 3.6])  # one size measured: the curve shifted onto it
+    assert sizing.costs[:3] == pytest.approx([1.5, 2.5, 3.5])  # not refitted for every round
+    for _ in range(REFIT_ROUNDS - 1):
+        sizing.record_round(2, 2.5 + AVERAGING)
+    assert sizing.costs[:3] == pytest.approx([1.6, 2.6, 3.6])
     sizing.record_step(0.2, [0.9, 0.9])
     assert sizing.step_seconds == 0.2 and sizing.child_prob > CHILD_PROB_PRIOR
 
