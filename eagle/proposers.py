@@ -111,19 +111,26 @@ class LookupMatch:
 
 def prompt_lookup(ids: list[int], cfg: PromptLookupConfig, limit: int) -> LookupMatch:
     """The tokens that followed the most recent earlier occurrence of the context's last n-gram
-    (longest n first), at most ``limit`` of them (none when ``limit`` < 1). The ids are searched
-    as 4-byte words (``bytes.rfind``, a hit counts only at a word boundary): a tree round runs it
-    for several nodes over the whole context, where a Python scan took about 80 us a call."""
+    (longest n first), at most ``limit`` of them (none when ``limit`` < 1)."""
+    return lookup_words(array("i", ids).tobytes(), cfg, limit)
+
+
+def lookup_words(data: bytes, cfg: PromptLookupConfig, limit: int) -> LookupMatch:
+    """``prompt_lookup`` of the ids in ``data``, 4-byte words (``array("i", ids).tobytes()``; a
+    tree round looks up several paths below one context, whose words it converts once), searched
+    with ``bytes.rfind`` (a hit counts only at a word boundary): a Python scan took about 80 us a
+    call."""
+    length = len(data) // 4
     if limit < 1:
         return LookupMatch([], 0)
-    data = array("i", ids).tobytes()
     for n in range(cfg.max_ngram, cfg.min_ngram - 1, -1):
-        if len(ids) <= n:
+        if length <= n:
             continue
-        tail, end = data[-4 * n:], 4 * (len(ids) - 1)  # a match ends before the last token
+        tail, end = data[-4 * n:], 4 * (length - 1)  # a match ends before the last token
         while (at := data.rfind(tail, 0, end)) >= 0:
             if at % 4 == 0:
-                return LookupMatch(ids[at // 4 + n: at // 4 + n + limit], n)
+                first = at + 4 * n
+                return LookupMatch(array("i", data[first:first + 4 * limit]).tolist(), n)
             end = at + 4 * n - 1  # misaligned: search again for a match starting before it
     return LookupMatch([], 0)
 
@@ -406,15 +413,15 @@ class EagleDrafter(Proposer):
         if self.cfg.lookup_tokens < 1:
             return pool
         tokens, parents = pool.tokens.tolist(), pool.parents.tolist()
-        best = torch.topk(pool.scores[1:], min(LOOKUP_NODES, pool.size - 1)).indices + 1
-        chains = []
-        for node in [0] + best.tolist():
+        best = best_frontier(pool.scores[1:].tolist(), LOOKUP_NODES)
+        context, chains = array("i", ids).tobytes(), []
+        for node in [0] + [i + 1 for i in best]:
             path, i = [], node
             while i > 0:
                 path.insert(0, tokens[i])
                 i = parents[i]
             limit = min(self.cfg.lookup_tokens, max_depth - len(path))
-            match = prompt_lookup(ids + path, self.lookup, limit)
+            match = lookup_words(context + array("i", path).tobytes(), self.lookup, limit)
             if match.tokens:
                 self.last_matches.append((path, match))
                 chains.append((match.tokens, self.lookup_rates.scores(match), node))
