@@ -189,7 +189,6 @@ class Sizing:
         if before is None or self.unfitted >= REFIT_ROUNDS:  # a refit costs ~15 us; the averages move slowly
             self.costs = measured_costs(self.curve.per_token, self.round_seconds, self.rounds)
             self.unfitted = 0
-        self.calibration = [1.0] * CALIBRATED_RANKS
 
     def record_step(self, seconds: float, child_probs: Sequence[float]) -> None:
         """A drafter call of ``seconds`` that expanded nodes whose best children have ``child_probs``."""

@@ -175,7 +175,9 @@ def test_sizing_learns_calibration_per_rank_and_running_costs():
     assert choose_tree_size(scores, flat, 0.0).tokens_per_second == pytest.approx(1.9)
     assert choose_tree_size(scores, flat, 0.0, sizing.calibration).tokens_per_second == pytest.approx(
         1 + 0.5 * sizing.calibration[0] + 0.4 * 0.25)
+    calibration = list(sizing.calibration)
     sizing.record_round(2, 2.5)  # a size not timed before: fitted at once
+    assert sizing.calibration == calibration  # timing a round leaves what the drafts taught alone
     assert sizing.costs[:3] == pytest.approx([1.5, 2.5, 3.5])  # one size measured: the curve shifted onto it
     sizing.record_round(2, 3.5)  # a running average: the first sets it
     assert sizing.round_seconds == {2: pytest.approx(2.5 + AVERAGING)} and sizing.rounds == {2: 2}
