@@ -291,8 +291,12 @@ class EagleDrafter(Proposer):
             self.sizing.record_round(tree.size, time.perf_counter() - made)
             tokens, parents, scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
             path, node = set(), 0
-            for token in produced[:accepted]:  # the accepted path, node by node
-                node = next(c for c in range(node + 1, len(tokens)) if parents[c] == node and tokens[c] == token)
+            for token in produced[:accepted]:  # the accepted path, node by node: a child with the token (two
+                # siblings share one only in a sampled tree, a lookup chain's after a drawn one, which is tried
+                # first and, if rejected, leaves the chain's no probability: the first is the accepted one)
+                node = next((c for c in range(node + 1, len(tokens)) if parents[c] == node and tokens[c] == token), 0)
+                if not node:
+                    break
                 path.add(node)
             ranked = best_frontier(scores[1:], len(scores) - 1)
             self.sizing.record_drafts([math.exp(scores[i + 1]) for i in ranked], [i + 1 in path for i in ranked])
