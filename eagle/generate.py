@@ -134,9 +134,9 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
         if stop == "length" and len(new) + len(chunk) < max_new_tokens:
             stop = "context"
         ids.extend(chunk)
-        accepted = len(acc.nodes) - 1
         if not stop:
-            proposer.commit(ids, accepted, out.features[0, acc.nodes] if proposer.needs_features else None)
+            path = acc.nodes[1:].tolist()
+            proposer.commit(ids, path, out.features[0, acc.nodes] if proposer.needs_features else None)
         clock.lap("cache")
         # 5. record stats and hand the chunk out
         new.extend(chunk)

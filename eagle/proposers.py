@@ -88,8 +88,9 @@ class Proposer:
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         raise NotImplementedError
 
-    def commit(self, ids: list[int], accepted: int, features: torch.Tensor | None) -> None:
-        """``ids`` now ends with the accepted drafts and the new root; ``accepted`` drafts were kept."""
+    def commit(self, ids: list[int], path: list[int], features: torch.Tensor | None) -> None:
+        """``ids`` now ends with the accepted drafts and the new root; ``path``: the accepted drafts'
+        nodes in the proposed tree, from the root's child down (so ``len(path)`` drafts were kept)."""
 
 
 class NoDraft(Proposer):
@@ -208,7 +209,8 @@ class DraftModel(Proposer):
         tree = chain_tree(ids[-1], torch.tensor(drafts, dtype=torch.long, device=self.device))
         return Proposal(tree, draft_probs=torch.stack(probs))
 
-    def commit(self, ids: list[int], accepted: int, features: torch.Tensor | None) -> None:
+    def commit(self, ids: list[int], path: list[int], features: torch.Tensor | None) -> None:
+        accepted = len(path)
         kv_cache.roll_back(self.cache, len(ids) - 1)  # keep entries of accepted tokens; the new root is pending
         if self.cfg.adaptive and self.drafted:  # grow when all drafts were accepted, shrink on an early rejection
             if accepted >= self.drafted:
@@ -283,26 +285,18 @@ class EagleDrafter(Proposer):
         if features is not None and len(ids) > 1:
             self._extend(features, ids[1:])
 
-    def commit(self, ids: list[int], accepted: int, features: torch.Tensor | None) -> None:
+    def commit(self, ids: list[int], path: list[int], features: torch.Tensor | None) -> None:
         # features: target features of the root and the accepted drafts; tokens that follow them.
-        produced = ids[len(ids) - accepted - 1:]
+        produced = ids[len(ids) - len(path) - 1:]
         if self.sizing is not None and self.proposed is not None:  # what the round cost, which drafts paid off
             tree, made = self.proposed
             self.sizing.record_round(tree.size, time.perf_counter() - made)
-            tokens, parents, scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
-            path, node = set(), 0
-            for token in produced[:accepted]:  # the accepted path, node by node: a child with the token (two
-                # siblings share one only in a sampled tree, a lookup chain's after a drawn one, which is tried
-                # first and, if rejected, leaves the chain's no probability: the first is the accepted one)
-                node = next((c for c in range(node + 1, len(tokens)) if parents[c] == node and tokens[c] == token), 0)
-                if not node:
-                    break
-                path.add(node)
+            scores, kept = tree.scores.tolist(), set(path)
             ranked = best_frontier(scores[1:], len(scores) - 1)
-            self.sizing.record_drafts([math.exp(scores[i + 1]) for i in ranked], [i + 1 in path for i in ranked])
-        for path, match in self.last_matches:  # judge each lookup whose node the target reached
-            if produced[:len(path)] == path:
-                self.lookup_rates.update(match, produced[len(path):])
+            self.sizing.record_drafts([math.exp(scores[i + 1]) for i in ranked], [i + 1 in kept for i in ranked])
+        for drafts, match in self.last_matches:  # judge each lookup whose node the target reached
+            if produced[:len(drafts)] == drafts:
+                self.lookup_rates.update(match, produced[len(drafts):])
         self._extend(features, produced)
 
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:

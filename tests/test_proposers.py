@@ -79,7 +79,8 @@ def test_eagle_tree_grafts_the_lookup_chain_and_learns_from_what_the_target_prod
         paths[i] = paths[parent] + (tokens[i],)
     assert {(4,), (4, 5), (4, 5, 9)} <= set(paths.values())  # "1 2 3" was followed by "4 5 9" before
     assert tree.size > 1 + 2 + 4  # the drafter's own pool (2 + 2 * 2 nodes) did not hold all of them
-    proposer.commit(ids + [4, 5, 0], 2, torch.zeros(3, target.hidden_size, device=target.device))
+    node = {path: i for i, path in paths.items()}
+    proposer.commit(ids + [4, 5, 0], [node[4,], node[4, 5]], torch.zeros(3, target.hidden_size, device=target.device))
     assert proposer.lookup_rates.first[3] == [2.0, 3.0] and proposer.lookup_rates.later == [2.0, 4.0]
     chain = model._proposer("eagle-chain", SamplingConfig(), torch.Generator())
     chain.start(ids, prefill.hidden[0])
@@ -130,7 +131,8 @@ def test_lookups_below_draft_nodes_are_grafted_and_judged_only_where_the_target_
                                    (8, 13, 14, 5)}
     assert [(path, m.ngram) for path, m in proposer.last_matches] == [([], 1), ([6], 1), ([8], 2)]
     proposer.last_hidden = torch.zeros(target.hidden_size, device=dev)
-    proposer.commit(ids + [6, 11, 7], 2, torch.zeros(3, target.hidden_size, device=dev))  # the target produced 6 11 7
+    node = {path: i for i, path in paths.items()}
+    proposer.commit(ids + [6, 11, 7], [node[6,], node[6, 11]], torch.zeros(3, target.hidden_size, device=dev))  # 6 11 7
     rates = proposer.lookup_rates
     assert rates.first[1] == [2.0, 4.0]  # root's "8" refuted, "11" after 6 confirmed
     assert rates.later == [1.0, 3.0]  # "12" refuted
