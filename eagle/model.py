@@ -200,7 +200,7 @@ class EagleModel:
             tree = self.tree
             if method == "eagle-chain":
                 tree = dataclasses.replace(tree, top_k=1, total_tokens=tree.levels + 1, choices=None, lookup_tokens=0)
-            cost = sizing = None
+            sizing = None
             if tree.total_tokens == "auto":
                 from eagle.budget import cost_curve
 
@@ -209,8 +209,7 @@ class EagleModel:
                 if sizing is None or sizing.curve != cost:  # a curve measured anew starts afresh
                     sizing = self._sizing[sampling.greedy] = Sizing(cost)
             return EagleDrafter(self._inference_copy(self.drafter, self.drafter_dtype, self.drafter_quant), self.target,
-                                tree, cost=cost, lookup=self.prompt_lookup, sampling=sampling, generator=generator,
-                                sizing=sizing)
+                                tree, lookup=self.prompt_lookup, sampling=sampling, generator=generator, sizing=sizing)
         raise EagleError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
     def generate(self, prompt: Any, method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0,

@@ -234,9 +234,9 @@ class EagleDrafter(Proposer):
                  lookup: PromptLookupConfig | None = None, sampling: SamplingConfig | None = None,
                  generator: torch.Generator | None = None, sizing: Sizing | None = None) -> None:
         """``drafter``: the inference copy (its ``dtype`` is what it is fed the target's features
-        and embeddings in); ``cost``: the target's measured forward-time curve, used when
-        ``total_tokens`` is "auto", with what sizing learns as it decodes (``sizing``, updated in
-        place, so that one kept across generations carries it; default: a new one from ``cost``);
+        and embeddings in); ``total_tokens`` "auto" sizes by ``sizing`` (what it learns as it
+        decodes, updated in place, so that one kept across generations carries it) or, without one,
+        by a new ``Sizing`` of ``cost``, the target's measured forward-time curve;
         ``lookup``: the n-gram sizes for ``cfg.lookup_tokens``;
         ``sampling``/``generator``: with temperature > 0 and ``cfg.sampled`` (dynamic tree) the
         children are drawn from the drafter (``sampled_children``) with ``generator``."""
@@ -244,7 +244,7 @@ class EagleDrafter(Proposer):
         widest = max((r + 1 for c in cfg.choices or () for r in c), default=cfg.top_k)
         if max(cfg.top_k, widest) > vocab:
             raise EagleError(f"tree top_k / choice rank {max(cfg.top_k, widest)} exceeds the drafter's vocabulary ({vocab})")
-        self.drafter, self.target, self.cfg, self.cost = drafter, target, cfg, cost
+        self.drafter, self.target, self.cfg = drafter, target, cfg
         self.dtype = drafter.dtype
         self.aux_layers = tuple(drafter.config.aux_layers)
         self.cache = drafter.new_cache()
@@ -261,7 +261,7 @@ class EagleDrafter(Proposer):
         self.drawn_from: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.draft_ids = drafter.to_target_ids(torch.arange(vocab, device=self.device))  # draft index -> target id
         self.next_depth = cfg.levels  # a sampled tree's draft levels with "auto" (see ``_size_next_round``)
-        self.sizing = sizing if sizing is not None or cost is None else Sizing(cost)
+        self.sizing = sizing if sizing is not None or cost is None else Sizing(cost)  # None: a fixed total_tokens
         self.proposed: tuple[DraftTree, float] | None = None  # the last proposal's tree and when it was made
         # a sampled tree's size with "auto", chosen before its draws (see ``propose``): at first the most
         # nodes that cost no more than one token to verify, then what the previous round's pool asked for
@@ -338,7 +338,7 @@ class EagleDrafter(Proposer):
             return Proposal(root_only(ids[-1], self.device))
         committed = kv_cache.cache_length(self.cache)
         calibration = self.sizing.calibration if self.sizing is not None else []
-        if self.draw_temperature and self.cost is not None:
+        if self.draw_temperature and self.sizing is not None:
             total, levels = max(2, min(total, self.next_size)), min(levels, self.next_depth)
         if self.cfg.choices:
             tree = self._static(ids[-1], min(levels, max(len(c) for c in self.cfg.choices)), committed)
@@ -347,11 +347,11 @@ class EagleDrafter(Proposer):
         kv_cache.roll_back(self.cache, committed)
         drafted = tree.size  # pool nodes from the drafter; grafts come after them, so they are tried after their siblings
         tree = self._graft_lookup(ids, tree, max_depth)
-        if self.cost is not None and not self.draw_temperature:  # "auto": the size with the most expected tokens/s
+        if self.sizing is not None and not self.draw_temperature:  # "auto": the size with the most expected tokens/s
             best_first = sorted(tree.scores[1:].tolist(), reverse=True)
             choice = choose_tree_size(best_first, self.sizing.costs, time.perf_counter() - start, calibration)
             total = min(total, choice.size)
-        elif self.cost is not None:  # drawn children: no size may depend on this round's draws, so they size the next
+        elif self.sizing is not None:  # drawn children: no size may depend on this round's draws, so they size the next
             self._size_next_round(tree, drafted, time.perf_counter() - start, calibration)
         kept = kept_nodes(tree.scores, total)
         tree = subtree(tree.tokens, tree.parents, tree.scores, kept)
@@ -438,7 +438,7 @@ class EagleDrafter(Proposer):
         own token and bias it; with a fixed size only nodes that outrank a node (never its own
         subtree) decide whether it is kept."""
         k, to_target = self.cfg.top_k, self.drafter.to_target_ids
-        sized = self.cost is not None and not self.draw_temperature
+        sized = self.sizing is not None and not self.draw_temperature
         # the pool in plain lists (node i: its target token, parent and score): a round's pool has a
         # few dozen nodes, where each tensor operation costs more than the Python it replaces
         lp = self._logprobs(self.last_hidden[None])
