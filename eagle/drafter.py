@@ -417,8 +417,8 @@ class LeanDrafter(nn.Module):
                                     down=packed(layer.mlp.down_proj))
                        for layer in drafter.layers]
         self.lm_head = None if drafter.lm_head is None else packed(drafter.lm_head)
-        matrices = [self.fc] + [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        to_huge_pages(matrices + ([self.lm_head] if self.lm_head is not None else []))
+        to_huge_pages([self.fc] + [lin for layer in self.layers for lin in layer.matrices()]
+                      + ([self.lm_head] if self.lm_head is not None else []))
         self.d2t = drafter.d2t
         self._cos = self._sin = torch.empty(0, self.config.head_dim, dtype=dtype, device=drafter.fc.weight.device)
         on_cpu = drafter.fc.weight.device.type == "cpu"

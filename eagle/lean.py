@@ -351,6 +351,9 @@ class LayerWeights:
     gate_up: PackedLinear
     down: PackedLinear
 
+    def matrices(self) -> tuple[PackedLinear, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
+
 
 def decoder_stack(compiled: Any, num_heads: int, scale: float, layers: Sequence[LayerWeights]) -> Any:
     """The compiled kernels' ``DecoderStack`` of ``layers`` (their weights handed over once; each
@@ -426,8 +429,7 @@ class LeanDecoder:
                 post_eps=layer.post_attention_layernorm.variance_epsilon,
                 gate_up=PackedLinear.fused([mlp.gate_proj, mlp.up_proj], stream, encode, once=True),
                 down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, stream, encode, once=True)))
-        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        linears.append(self.head)
+        linears = [lin for layer in self.layers for lin in layer.matrices()] + [self.head]
         tune_kernels(linears)
         self.huge_pages = to_huge_pages(linears)
         self.stack = None if self.compiled is None else decoder_stack(self.compiled, self.num_heads,
@@ -441,14 +443,13 @@ class LeanDecoder:
         first = self.layers[0]
         compiled = (f"compiled kernels {source_digest()} and attention, " if self.compiled is not None else
                     f"compiled kernels {source_digest()}, " if self.head.stream_op is not None else "")
-        coded = [lin.encoded.bits for lin in (self.head, first.qkv, first.o, first.gate_up, first.down)
-                 if lin.encoded is not None]
+        matrices = (self.head, *first.matrices())
+        coded = [lin.encoded.bits for lin in matrices if lin.encoded is not None]
         if coded:
             compiled += f"block-coded weights {coded}, "
         if self.huge_pages:
             compiled += "in huge pages, "
-        return compiled + repr([sorted(lin.plain_rows) for lin in (self.head, first.qkv, first.o, first.gate_up,
-                                                                   first.down)])
+        return compiled + repr([sorted(lin.plain_rows) for lin in matrices])
 
     def new_cache(self) -> StaticCache:
         return StaticCache(len(self.layers))
