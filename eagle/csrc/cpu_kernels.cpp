@@ -539,28 +539,38 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
+// A decoder layer's weights: each product fp32, or codes with their scales (*_s given: stream_linear_q).
+// Without input_norm, qkv reads x itself (an EAGLE drafter's first layer: its input is fc's output).
+struct LayerWeights {
+  c10::optional<torch::Tensor> input_norm;
+  double input_eps;
+  torch::Tensor qkv_w;
+  c10::optional<torch::Tensor> qkv_s, qkv_b;
+  torch::Tensor o_w;
+  c10::optional<torch::Tensor> o_s, o_b;
+  torch::Tensor post_norm;
+  double post_eps;
+  torch::Tensor gate_up_w;
+  c10::optional<torch::Tensor> gate_up_s, gate_up_b;
+  torch::Tensor down_w;
+  c10::optional<torch::Tensor> down_s, down_b;
+};
+
 // decoder_layer: one Llama decoder layer for one sequence of 1-16 rows, in place on x [q, H]:
 // x += o(attention(rope(qkv(rms(x))))), then x += down(silu_mul(gate_up(rms(x)))), the same kernels
-// and sums as the separate calls (x += y gives x + y's bits), without ~20 Python calls per layer.
-// Without input_norm, qkv reads x itself (an EAGLE drafter's first layer: its input is fc's output).
-// Each weight is fp32, or codes with their scales (*_s given: stream_linear_q). Keys and values go to
-// rows start..start+q-1 of the buffers; bias and scale as for attention; once: the weights are read once
-// per forward (a target's: prefetch).
-void decoder_layer(torch::Tensor x, const c10::optional<torch::Tensor>& input_norm, double input_eps, const torch::Tensor& qkv_w,
-                   const c10::optional<torch::Tensor>& qkv_s, const c10::optional<torch::Tensor>& qkv_b,
-                   const torch::Tensor& o_w, const c10::optional<torch::Tensor>& o_s,
-                   const c10::optional<torch::Tensor>& o_b, const torch::Tensor& post_norm, double post_eps,
-                   const torch::Tensor& gate_up_w, const c10::optional<torch::Tensor>& gate_up_s,
-                   const c10::optional<torch::Tensor>& gate_up_b, const torch::Tensor& down_w,
-                   const c10::optional<torch::Tensor>& down_s, const c10::optional<torch::Tensor>& down_b,
-                   const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor key_buf, torch::Tensor value_buf,
-                   int64_t nh, int64_t start, const c10::optional<torch::Tensor>& bias, double scale, bool once) {
+// and sums as the separate calls (x += y gives x + y's bits). Keys and values go to rows start..start+q-1
+// of the buffers; bias and scale as for attention; once: the weights are read once per forward (a
+// target's: prefetch).
+void decoder_layer(torch::Tensor x, const LayerWeights& l, const torch::Tensor& cos, const torch::Tensor& sin,
+                   torch::Tensor key_buf, torch::Tensor value_buf, int64_t nh, int64_t start,
+                   const c10::optional<torch::Tensor>& bias, double scale, bool once) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "decoder_layer: x fp32 [q, H]");
-  const torch::Tensor h = input_norm.has_value() ? rms_norm(x, *input_norm, input_eps) : x;
-  const torch::Tensor q = rope_cache(linear(h, qkv_w, qkv_s, qkv_b, once), cos, sin, key_buf, value_buf, nh, start);
-  x.add_(linear(attention(q, key_buf, value_buf, start + x.size(0), bias, scale), o_w, o_s, o_b, once));
-  x.add_(linear(silu_mul(linear(rms_norm(x, post_norm, post_eps), gate_up_w, gate_up_s, gate_up_b, once)), down_w,
-                down_s, down_b, once));
+  const torch::Tensor h = l.input_norm.has_value() ? rms_norm(x, *l.input_norm, l.input_eps) : x;
+  const torch::Tensor qkv = linear(h, l.qkv_w, l.qkv_s, l.qkv_b, once);
+  const torch::Tensor q = rope_cache(qkv, cos, sin, key_buf, value_buf, nh, start);
+  x.add_(linear(attention(q, key_buf, value_buf, start + x.size(0), bias, scale), l.o_w, l.o_s, l.o_b, once));
+  x.add_(linear(silu_mul(linear(rms_norm(x, l.post_norm, l.post_eps), l.gate_up_w, l.gate_up_s, l.gate_up_b, once)),
+                l.down_w, l.down_s, l.down_b, once));
 }
 
 // DecoderStack: decoder layers whose weights are handed over once (add), run by one call a forward
@@ -570,7 +580,7 @@ class DecoderStack {
  public:
   DecoderStack(int64_t nh, double scale) : nh_(nh), scale_(scale) {}
 
-  // One more layer, the arguments as decoder_layer takes them.
+  // One more layer: its weights, in LayerWeights' order.
   void add(const c10::optional<torch::Tensor>& input_norm, double input_eps, const torch::Tensor& qkv_w,
            const c10::optional<torch::Tensor>& qkv_s, const c10::optional<torch::Tensor>& qkv_b,
            const torch::Tensor& o_w, const c10::optional<torch::Tensor>& o_s, const c10::optional<torch::Tensor>& o_b,
@@ -592,10 +602,7 @@ class DecoderStack {
     TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "DecoderStack: a buffer per layer");
     std::vector<torch::Tensor> outputs(aux.size());
     for (size_t i = 0; i < layers_.size(); ++i) {
-      const Layer& l = layers_[i];
-      decoder_layer(x, l.input_norm, l.input_eps, l.qkv_w, l.qkv_s, l.qkv_b, l.o_w, l.o_s, l.o_b, l.post_norm,
-                    l.post_eps, l.gate_up_w, l.gate_up_s, l.gate_up_b, l.down_w, l.down_s, l.down_b, cos, sin,
-                    keys[i][0], values[i][0], nh_, start, bias, scale_, once);
+      decoder_layer(x, layers_[i], cos, sin, keys[i][0], values[i][0], nh_, start, bias, scale_, once);
       for (size_t j = 0; j < aux.size(); ++j)
         if (aux[j] == static_cast<int64_t>(i)) outputs[j] = x.clone();
     }
@@ -603,23 +610,9 @@ class DecoderStack {
   }
 
  private:
-  struct Layer {
-    c10::optional<torch::Tensor> input_norm;
-    double input_eps;
-    torch::Tensor qkv_w;
-    c10::optional<torch::Tensor> qkv_s, qkv_b;
-    torch::Tensor o_w;
-    c10::optional<torch::Tensor> o_s, o_b;
-    torch::Tensor post_norm;
-    double post_eps;
-    torch::Tensor gate_up_w;
-    c10::optional<torch::Tensor> gate_up_s, gate_up_b;
-    torch::Tensor down_w;
-    c10::optional<torch::Tensor> down_s, down_b;
-  };
   int64_t nh_;
   double scale_;
-  std::vector<Layer> layers_;
+  std::vector<LayerWeights> layers_;
 };
 
 // compact_rows: in each buffer [B, h, capacity, d] (contiguous CPU, any dtype), row keep[j] of the capacity
