@@ -177,7 +177,19 @@ void block_q(const float* x, int64_t K, const uint8_t* codes, const float* scale
 template <int Bits, int M>
 void rows_q(const float* x, int64_t K, const uint8_t* codes, const void* scales, bool half, int64_t N,
             const float* bias, float* out, bool once) {
-  constexpr int J = M <= 2 ? 4 : (M <= 6 ? 3 : (M <= 9 ? 2 : 1));
+  if constexpr (M > 8) {
+    // two passes over W, each with at most 8 rows of x: with more, a block of W met every row of x before the
+    // next, and x outgrew the first-level cache (16 rows of 1536: 96 KB), so the products of 9-16 rows cost
+    // 1.5-3x those of 8; each row's outputs are summed as before (the same bits)
+    constexpr int H = M / 2;
+    rows_q<Bits, H>(x, K, codes, scales, half, N, bias, out, once);
+    rows_q<Bits, M - H>(x + H * K, K, codes, scales, half, N, bias, out + H * N, once);
+    return;
+  }
+  // weight rows decoded at a time, measured (the target's 30 layers and head, cold, two threads): 1 row of x
+  // 8 (4: 4.5% slower, 12 and 16: 12% and 79%, registers spill), 2 rows 4 (6: 4-5% slower, 8: 11%), 3 rows 4
+  // (3: 3-10% slower), 4 rows 3 (4: 2% slower); 5-8 rows as block()
+  constexpr int J = M <= 1 ? 8 : (M <= 3 ? 4 : (M <= 6 ? 3 : 2));
   const int64_t blocks = N / J, row_scales = K / 32 * kScales<Bits>;
   // rows j0..j1 (a multiple of W apart) by block_q; fp16 scales converted W rows at a time, outside it
   // (converted inside its loop, they took registers from the products: 25-30% slower past 4 rows of x)
