@@ -3,8 +3,9 @@
 // stream_linear: y = x W^T (+ b) for a few rows, the weight streamed from memory once. Decoding
 // and tree verification multiply 1-16 rows by each weight matrix: the time is the weight's trip
 // from memory, and a kernel that reads each 16-float vector of W once and uses it for every row
-// costs about as much for 8 rows as for 1. Rows of W are read in order, a few
-// rows are prefetched ahead, and the output range is split among torch's intra-op threads.
+// costs about as much for 8 rows as for 1 (in fp32; from 4-bit codes, decoded in the kernel, the
+// multiply-adds bound it past 2 rows, and 9-16 rows take two passes: rows_q). Rows of W are read in
+// order, a few rows are prefetched ahead, and the output range is split among torch's intra-op threads.
 // Every output is summed in one order (16 lanes along k, then the lanes), whatever the number of
 // rows, so a row's result is bit-identical whichever rows are computed with it.
 //
