@@ -1,11 +1,11 @@
 """eagle: EAGLE-style speculative decoding with a feature-level drafter and dynamic draft trees."""
 
 from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
-from eagle.drafter import Drafter, DrafterConfig
+from eagle.drafting.drafter import Drafter, DrafterConfig
 from eagle.errors import EagleError
-from eagle.generate import GenerationResult
-from eagle.model import METHODS, EagleModel
-from eagle.target import DEFAULT_TARGET, Target, load_target
+from eagle.decoding.loop import GenerationResult
+from eagle.engine import METHODS, EagleModel
+from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
 
 __all__ = [
     "DEFAULT_TARGET", "METHODS", "Drafter", "DrafterConfig", "EagleError", "EagleModel", "GenerationResult",

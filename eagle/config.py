@@ -107,7 +107,7 @@ class TreeConfig:
             object.__setattr__(self, "choices", tuple(tuple(int(r) for r in c) for c in self.choices))
             if not self.choices or any(not c or min(c) < 0 for c in self.choices):
                 raise EagleError("tree choices must be non-empty lists of child ranks >= 0")
-            from eagle.tree import static_layout
+            from eagle.decoding.tree import static_layout
 
             try:
                 static_layout(self.choices)

@@ -21,15 +21,15 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from eagle.errors import EagleError, command
-from eagle.generate import STEPS
-from eagle.model import METHODS
+from eagle.prompts import NO_CATEGORY, read_prompts
+from eagle.decoding.loop import STEPS
+from eagle.engine import METHODS
 from infer.cli import Parser, add_model_args, add_sampling_args, check_method, check_sampling, load_model
 
 PROG = "eagle-bench"
 BENCH_METHODS = ("hf",) + METHODS
 DEFAULT_METHODS = "hf,ar,pld,eagle-tree"
 PARTS = ("prefill",) + STEPS  # the time breakdown, as fractions of total time
-NO_CATEGORY = "uncategorized"
 
 
 # ---- input ---------------------------------------------------------------------------------
@@ -57,44 +57,6 @@ def first_per_category(prompts: list[dict], n: int | None) -> list[dict]:
         if seen[p["category"]] <= n:
             kept.append(p)
     return kept
-
-
-def read_prompts(path: str | Path) -> list[dict]:
-    """A JSONL prompt file -> ``[{"prompt": str, "category": str}]``. Each line is
-    ``{"prompt": str, "category"?: str}`` or MT-bench style ``{"turns": [str, ...], "category": str}``
-    (the first turn is used). Blank lines are skipped; any other bad line is an error naming it."""
-    path = Path(path)
-    if not path.is_file():
-        raise EagleError(f"prompt file not found: {path}")
-    prompts = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}, line {n}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise EagleError(f"{where}: not valid JSON ({exc.msg})") from None
-        if not isinstance(item, dict):
-            raise EagleError(f"{where}: expected a JSON object with 'prompt' or 'turns'")
-        if "prompt" in item:
-            prompt = item["prompt"]
-        elif "turns" in item:
-            turns = item["turns"]
-            if not isinstance(turns, list) or not turns:
-                raise EagleError(f"{where}: 'turns' must be a non-empty list of strings")
-            prompt = turns[0]
-        else:
-            raise EagleError(f"{where}: expected a JSON object with 'prompt' or 'turns'")
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise EagleError(f"{where}: the prompt must be a non-empty string")
-        category = item.get("category", NO_CATEGORY)
-        if not isinstance(category, str) or not category:
-            raise EagleError(f"{where}: 'category' must be a non-empty string")
-        prompts.append({"prompt": prompt, "category": category})
-    if not prompts:
-        raise EagleError(f"no prompts in {path}")
-    return prompts
 
 
 # ---- running -------------------------------------------------------------------------------

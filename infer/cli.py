@@ -12,9 +12,9 @@ from typing import Any, NoReturn, TextIO
 
 from eagle.config import SamplingConfig
 from eagle.errors import EagleError, command
-from eagle.model import METHODS
-from eagle.quant import FORMATS
-from eagle.target import DEFAULT_TARGET
+from eagle.engine import METHODS
+from eagle.runtime.block_codes import FORMATS
+from eagle.runtime.target import DEFAULT_TARGET
 
 PROG = "eagle-generate"
 
@@ -114,7 +114,7 @@ def load_model(args: argparse.Namespace) -> Any:
     """One ``EagleModel`` from the shared model flags."""
     from transformers.utils import logging as hf_logging
 
-    from eagle.model import EagleModel
+    from eagle.engine import EagleModel
 
     check_device(args.device)
     hf_logging.disable_progress_bar()  # keep stderr for our own lines

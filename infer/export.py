@@ -4,16 +4,16 @@
 
 The folder gets config.json, model.safetensors and a README.md with the launch command. No format
 stores the embedding or the LM head (all three take them from the target), so ``--target`` is only
-a check that the drafter was built for that target. Layouts: see ``eagle.interop``."""
+a check that the drafter was built for that target. Layouts: see ``eagle.drafting.checkpoint_formats``."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from eagle.drafter import Drafter
+from eagle.drafting.drafter import Drafter
 from eagle.errors import EagleError, command
-from eagle.interop import EXPORT_FORMATS, export_drafter
+from eagle.drafting.checkpoint_formats import EXPORT_FORMATS, export_drafter
 from infer.cli import Parser
 
 PROG = "eagle-export"
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     drafter = Drafter.from_pretrained(args.drafter, device="cpu", allow_pickle=args.allow_pickle)
     target_name = None
     if args.target:
-        from eagle.target import load_target
+        from eagle.runtime.target import load_target
 
         target = load_target(args.target)
         drafter.check_target(target)

@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from eagle.drafter import Drafter
-from eagle.lean import lean_decoder
-from eagle.quant import block_quantize, decode
-from eagle.target import Target
+from eagle.drafting.drafter import Drafter
+from eagle.runtime.decoder import lean_decoder
+from eagle.runtime.block_codes import block_quantize, decode
+from eagle.runtime.target import Target
 
 
 def word_tokenizer(vocab_size: int, eos: bool = False):
@@ -37,7 +37,7 @@ def tiny_target(vocab_size: int = 32, seed: int = 0, family: str = "llama", eos:
                 init_std: float = 0.3, max_positions: int = 256, hidden: int = 32, layers: int = 2,
                 lean: bool = True, tied: bool = False) -> Target:
     """A random target. ``init_std`` large makes its distributions peaked (not uniform).
-    ``lean``: decode with ``eagle.lean.LeanDecoder`` (as ``load_target`` does), else the model's forward."""
+    ``lean``: decode with ``eagle.runtime.decoder.LeanDecoder`` (as ``load_target`` does), else the model's forward."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(
@@ -67,7 +67,7 @@ def private_cost_curves(tmp_path_factory):
     """Cost curves measured in tests (tiny targets, a machine busy with tests) go to a temporary
     cache, not the user's; converted real targets and compiled kernels stay shared (links to the
     user's cache)."""
-    from eagle.target import cache_root
+    from eagle.cache_dir import cache_root
 
     root = tmp_path_factory.mktemp("eagle-cache")
     for name in ("targets", "extensions"):
@@ -102,5 +102,5 @@ def prompts(n: int, vocab_size: int = 32, seed: int = 0, low: int = 1) -> list[l
 
 def block_quantized(weight: torch.Tensor, bits: int) -> torch.Tensor:
     """``weight`` [N, K] (K a multiple of 32) rounded as llama.cpp quantizes and gguf dequantizes it
-    (Q4_1 for bits 4, Q8_0 for bits 8: ``eagle.quant.block_quantize``); the fp32 dequantized values."""
+    (Q4_1 for bits 4, Q8_0 for bits 8: ``eagle.runtime.block_codes.block_quantize``); the fp32 dequantized values."""
     return decode(block_quantize(weight.detach().float().cpu(), bits)).to(weight.device)

@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--drafter", help="a drafter folder")
-    which.add_argument("--draft-lm", help="a draft LM folder (eagle.draft_lm)")
+    which.add_argument("--draft-lm", help="a draft LM folder (eagle.drafting.draft_lm)")
     parser.add_argument("--selfdistill", required=True, help="manifest.json of the self-distilled data")
     parser.add_argument("--features", required=True, help="manifest.json of the feature shards")
     parser.add_argument("--summary", required=True, help="summary.json of the training run")

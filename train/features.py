@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from eagle.config import load_config_file
 from eagle.errors import EagleError, command
-from eagle.target import DEFAULT_TARGET, Target, load_target, model_features
+from eagle.runtime.target import DEFAULT_TARGET, Target, load_target, model_features
 from train.data import load_all, load_chats, tokenize_all
 
 MANIFEST = "manifest.json"

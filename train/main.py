@@ -1,7 +1,7 @@
 """DeepSpeed training entry: ``deepspeed train/main.py --config configs/train/<name>.yaml``.
 
 Trains an EAGLE drafter (``student: drafter``) or a standalone draft LM for ``sd``
-(``student: draft-lm``, ``eagle.draft_lm``) against the target's stored features.
+(``student: draft-lm``, ``eagle.drafting.draft_lm``) against the target's stored features.
 
 Loss = feature_weight * SmoothL1(predicted feature, target feature) + ce_weight * soft-CE(draft
 logits, target distribution), with U(-noise, noise) on the input features, masked to assistant
@@ -24,11 +24,11 @@ from typing import Callable, Iterable
 
 import torch
 
-from eagle import draft_lm
+from eagle.drafting import draft_lm
 from eagle.config import from_dict, load_config_file
-from eagle.drafter import Drafter, most_frequent
+from eagle.drafting.drafter import Drafter, most_frequent
 from eagle.errors import EagleError, command
-from eagle.target import DEFAULT_TARGET, Target, load_target
+from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
 from train.features import FeatureShards, OnlineFeatures, iter_batches
 from train.loss import LossOutput, eagle_loss, soft_cross_entropy, unroll, uniform_noise
 

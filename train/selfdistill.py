@@ -20,7 +20,7 @@ dev prompt set (a teacher-forced evaluation set for the trainer's ``dev_data``),
 requests that ``--compose N --out FILE`` makes from project-written templates in the way people
 ask (``configs/selfdistill/people.yaml``: roles to play, texts to work on, a form to follow).
 
-With a lean target forward, generation is batched by ``eagle.batch`` (finished rows leave the batch).
+With a lean target forward, generation is batched by ``eagle.decoding.batch`` (finished rows leave the batch).
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from eagle.batch import generate_batch
+from eagle.decoding.batch import generate_batch
 from eagle.config import SamplingConfig, load_config_file
 from eagle.errors import EagleError, command
-from eagle.lean import packed_copy
-from eagle.sampling import make_generator
-from eagle.target import DEFAULT_TARGET, Target, load_target
+from eagle.runtime.decoder import packed_copy
+from eagle.decoding.sampling import make_generator
+from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
 
 
 MAX_IDLE_BATCHES = 10  # batches in a row without a kept conversation before giving up
@@ -124,7 +124,7 @@ def passage_question(template: str, source: str, language: str, rng: random.Rand
 
 
 def generation_model(target: Target) -> Any:
-    """What ``_generate`` runs: None when the target has a lean forward (``eagle.batch``), else a
+    """What ``_generate`` runs: None when the target has a lean forward (``eagle.decoding.batch``), else a
     prepacked copy of its transformers model (~1.7x faster batched ``generate()`` on CPU)."""
     return None if target.lean is not None else packed_copy(target.model)
 
@@ -133,7 +133,7 @@ def generation_model(target: Target) -> Any:
 def _generate(target: Target, model: Any, texts: list[str], max_new_tokens: int, temperature: float, top_p: float,
               seed: int) -> list[tuple[str, bool]]:
     """Batched generation; returns (continuation text, ended with EOS) per input. With the lean
-    forward (``model`` None): ``eagle.batch.generate_batch``, which drops finished rows (measured
+    forward (``model`` None): ``eagle.decoding.batch.generate_batch``, which drops finished rows (measured
     here, 32 answers of up to 128 tokens: 261 tokens/s, vs 190 for ``generate()`` on the packed
     copy); else ``model.generate()`` with left padding."""
     tok = target.tokenizer
@@ -318,7 +318,7 @@ def compose_prompts(templates: dict, n: int, seed: int, exclude: frozenset[str] 
 def known_prompts(paths: list[str]) -> frozenset[str]:
     """The prompts of prompt files (``{prompt}`` or ``{turns}`` per line) and the first user turns
     of chat files (ShareGPT or OpenAI records), for ``compose_prompts``'s ``exclude``."""
-    from infer.bench import read_prompts
+    from eagle.prompts import read_prompts
     from train.data import load_chats, read_records
 
     known: set[str] = set()
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts))
         return
-    from infer.bench import read_prompts
+    from eagle.prompts import read_prompts
     answer_prompts(load_target(cfg.target), read_prompts(args.answer), args.max_new_tokens, cfg.batch_size,
                    Path(args.out), cfg.answer_temperature, cfg.seed)
 

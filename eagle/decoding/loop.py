@@ -1,0 +1,153 @@
+"""The one decoding loop shared by every method: propose -> verify -> accept -> compact cache
+-> record stats. Plain decoding (``ar``) is the same loop with an empty draft."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from typing import Iterator
+
+import torch
+
+from eagle.decoding import acceptance
+from eagle.runtime import kv_cache
+from eagle.config import SamplingConfig, SpeculativeConfig
+from eagle.errors import EagleError
+from eagle.decoding.proposers import Proposer
+from eagle.decoding.sampling import logits_to_probs, sample
+from eagle.runtime.target import Target
+from eagle.decoding.tree_mask import attention_bias, tree_attention
+
+STEPS = ("draft", "verify", "accept", "cache", "other")
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """``token_ids``: new tokens only (an EOS that ended generation included); ``accept_lengths``:
+    tokens gained per target forward, bonus included; ``step_seconds``: time per loop step."""
+
+    text: str
+    token_ids: list[int]
+    accept_lengths: list[int]
+    target_forwards: int
+    elapsed_s: float
+    method: str = ""
+    prompt_tokens: int = 0
+    stop_reason: str = ""
+    prefill_s: float = 0.0
+    step_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def mean_accept_length(self) -> float:
+        return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def truncate_at_stop(tokens: list[int], eos_ids: frozenset[int], room: int) -> tuple[list[int], str]:
+    """Cut a chunk of newly accepted tokens at the first EOS (kept) or at ``room`` tokens.
+    Returns (kept tokens, stop reason: "eos", "length" or "")."""
+    for i, tok in enumerate(tokens[:room]):
+        if tok in eos_ids:
+            return tokens[: i + 1], "eos"
+    if len(tokens) >= room:
+        return tokens[:room], "length"
+    return tokens, ""
+
+
+class _Clock:
+    """Accumulates wall time per step (synchronizing CUDA so the split is honest)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds: dict[str, float] = defaultdict(float)
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.last = time.perf_counter()
+
+    def lap(self, step: str) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.seconds[step] += now - self.last
+        self.last = now
+
+
+@torch.inference_mode()
+def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int,
+                sampling: SamplingConfig, generator: torch.Generator,
+                spec: SpeculativeConfig | None = None, method: str = "") -> Iterator[list[int] | GenerationResult]:
+    """Yield each chunk of accepted new tokens, then the ``GenerationResult``."""
+    if max_new_tokens < 1:
+        raise EagleError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if len(prompt_ids) >= target.max_context:
+        raise EagleError(f"prompt has {len(prompt_ids)} tokens; the model's context is {target.max_context}")
+    device, start = target.device, time.perf_counter()
+    ids, new, accept_lengths, forwards, stop = list(prompt_ids), [], [], 0, ""
+    cache = target.new_cache()
+    features = None
+    if len(ids) > 1:  # prefill everything but the last token, which becomes the first tree root
+        prefix = torch.tensor([ids[:-1]], device=device)
+        out = target.forward(prefix, torch.arange(len(ids) - 1, device=device)[None], cache, logits_from=len(ids) - 1,
+                             aux_layers=proposer.aux_layers)
+        features = out.features[0]
+    proposer.start(ids, features if proposer.needs_features else None)
+    clock = _Clock(device)  # synchronizes CUDA before its first reading
+    prefill_s = clock.last - start
+    while not stop:
+        past = len(ids) - 1
+        # tokens still allowed: by max_new_tokens and by the context (the sequence never outgrows it)
+        room = min(max_new_tokens - len(new), target.max_context - len(ids))
+        # 1. propose a draft tree rooted at the last token, no deeper than the tokens still allowed
+        proposal = proposer.propose(ids, max_depth=room - 1, max_nodes=target.max_context - past)
+        tree = proposal.tree
+        clock.lap("draft")
+        # 2. verify the whole tree in one target forward (tree mask, positions by depth)
+        attn = tree_attention(tree.parents)
+        bias = attention_bias(attn.mask, past, target.dtype) if tree.size > 1 else None
+        out = target.forward(tree.tokens[None], (past + attn.depths)[None], cache, bias,
+                             logits_from=tree.size if sampling.greedy else 0, aux_layers=proposer.aux_layers)
+        choices = target.greedy_tokens(out.hidden[0]) if sampling.greedy else None  # greedy: only the argmaxes
+        forwards += 1
+        clock.lap("verify")
+        # 3. accept: the longest agreeing path (greedy) or lossless rejection sampling
+        logits = out.logits[0]
+        if choices is not None:
+            acc = acceptance.greedy_tree(tree.tokens, tree.parents, attn.paths, choices)
+        elif proposal.draft_probs is not None:
+            acc = acceptance.speculative_chain(tree.tokens[1:], proposal.draft_probs,
+                                               logits_to_probs(logits, sampling), generator,
+                                               lenience=spec.lenience if spec else 1.0)
+        elif tree.size > 1:
+            acc = acceptance.recursive_rejection_tree(tree.tokens, tree.parents, logits_to_probs(logits, sampling),
+                                                      generator, proposal.child_probs, proposal.drawn)
+        else:
+            acc = acceptance.Acceptance(nodes=torch.zeros(1, dtype=torch.long, device=device),
+                                        next_token=int(sample(logits_to_probs(logits[0], sampling), generator)))
+        clock.lap("accept")
+        # 4. compact the target's cache to the accepted path; tell the proposer what was kept
+        kv_cache.compact(cache, past, past + acc.nodes)
+        chunk = tree.tokens[acc.nodes[1:]].tolist() + [acc.next_token]
+        chunk, stop = truncate_at_stop(chunk, target.eos_token_ids, room)
+        if stop == "length" and len(new) + len(chunk) < max_new_tokens:
+            stop = "context"
+        ids.extend(chunk)
+        if not stop:
+            path = acc.nodes[1:].tolist()
+            proposer.commit(ids, path, out.features[0, acc.nodes] if proposer.needs_features else None)
+        clock.lap("cache")
+        # 5. record stats and hand the chunk out
+        new.extend(chunk)
+        accept_lengths.append(len(chunk))
+        yield chunk
+        clock.lap("other")
+    text = target.tokenizer.decode(new, skip_special_tokens=True)
+    clock.lap("other")  # the detokenizing too: a tiny model's whole decoding can cost less
+    elapsed = time.perf_counter() - start
+    yield GenerationResult(text=text, token_ids=new, accept_lengths=accept_lengths, target_forwards=forwards,
+                           elapsed_s=elapsed, method=method, prompt_tokens=len(prompt_ids), stop_reason=stop, prefill_s=prefill_s,
+                           step_seconds=dict(clock.seconds))
+

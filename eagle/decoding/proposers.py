@@ -1,0 +1,525 @@
+"""Draft proposers behind one interface: each proposes a ``DraftTree`` rooted at the last
+context token and is told what the target accepted.
+
+- ``NoDraft`` (``ar``): the root alone; plain decoding through the same loop.
+- ``PromptLookup`` (``pld``): an n-gram match in the context proposes a chain.
+- ``DraftModel`` (``sd``): a separate small LM samples a chain (with its distributions q).
+- ``EagleDrafter`` (``eagle-tree``, ``eagle-chain``): the feature-level drafter grows an
+  EAGLE-2 dynamic tree (a chain is the top_k = 1 case); with ``lookup_tokens`` prompt-lookup
+  chains are grafted onto it, so text copied from the context is verified in the same forward."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from array import array
+from typing import Any
+
+import torch
+
+from eagle.runtime import kv_cache
+from eagle.decoding.tree_sizing import CostCurve, Sizing, choose_tree_size, expansion_floor
+from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
+from eagle.drafting.drafter import LeanDrafter
+from eagle.errors import EagleError
+from eagle.decoding.sampling import logits_to_probs, sample
+from eagle.runtime.target import Target
+from eagle.decoding.tree import (DraftTree, best_frontier, chain_tree, graft_chains, kept_nodes, root_only, sampled_children,
+                        static_layout, subtree, topk_children)
+from eagle.decoding.tree_mask import additive_bias
+
+
+@dataclasses.dataclass
+class DrawDistributions:
+    """What each tree node's drawn children were drawn from, row by row when asked (a round's
+    acceptance reads only the rows along its accepted path). ``logprobs``: tree node -> (the draft
+    indices [M] its children were drawn among, the drafter's log-probabilities there [M]);
+    ``draft_ids`` [V_draft] the target token id of each draft index. ``support(i)`` -> (target
+    token ids [M], float64 softmax(logprobs / temperature) [M]); ``self[i]`` -> [vocab_size]
+    float64, those probabilities at those tokens and zeros elsewhere (all zeros for a node with
+    no drawn children), as a dense [N, V] tensor's row i would be."""
+
+    logprobs: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    draft_ids: torch.Tensor
+    vocab_size: int
+    temperature: float
+
+    def support(self, node: int) -> tuple[torch.Tensor, torch.Tensor]:
+        indices, logprobs = self.logprobs[node]
+        return self.draft_ids[indices], torch.softmax(logprobs.double() / self.temperature, dim=-1)
+
+    def __getitem__(self, node: int) -> torch.Tensor:
+        row = torch.zeros(self.vocab_size, dtype=torch.float64, device=self.draft_ids.device)
+        if node in self.logprobs:
+            ids, probs = self.support(node)
+            row[ids] = probs
+        return row
+
+
+@dataclasses.dataclass
+class Proposal:
+    """A draft tree, plus ``draft_probs`` [K, V] for sampled chains (``sd``), or for a tree some
+    of whose children were drawn without replacement: ``child_probs`` (row i: what node i's
+    drawn children were drawn from; a [N, V] tensor or ``DrawDistributions``) and ``drawn`` [N]
+    bool (which nodes were drawn; the others are deterministic drafts); None for drafts that are
+    not samples."""
+
+    tree: DraftTree
+    draft_probs: torch.Tensor | None = None
+    child_probs: torch.Tensor | DrawDistributions | None = None
+    drawn: torch.Tensor | None = None
+
+
+class Proposer:
+    """Interface. ``start`` after the prefill, ``propose`` each round, ``commit`` after acceptance.
+
+    ``ids``: the whole context (prompt + generated); its last token is the tree root, not yet
+    in the target's cache. ``features``: the target's last hidden states [n, H] for the
+    tokens the target just processed (the prefix on ``start``, the accepted path on ``commit``),
+    followed by the outputs of the target layers ``aux_layers`` ([n, (1 + len(aux_layers)) H])."""
+
+    needs_features = False
+    aux_layers: tuple[int, ...] = ()
+
+    def start(self, ids: list[int], features: torch.Tensor | None) -> None:
+        """Called once the target has prefilled ``ids[:-1]``."""
+
+    def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
+        raise NotImplementedError
+
+    def commit(self, ids: list[int], path: list[int], features: torch.Tensor | None) -> None:
+        """``ids`` now ends with the accepted drafts and the new root; ``path``: the accepted drafts'
+        nodes in the proposed tree, from the root's child down (so ``len(path)`` drafts were kept)."""
+
+
+class NoDraft(Proposer):
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
+        return Proposal(root_only(ids[-1], self.device))
+
+
+@dataclasses.dataclass
+class LookupMatch:
+    """``tokens``: the proposed continuation (empty when nothing matched); ``ngram``: the length
+    of the matched suffix (0 when nothing matched)."""
+
+    tokens: list[int]
+    ngram: int
+
+
+def prompt_lookup(ids: list[int], cfg: PromptLookupConfig, limit: int) -> LookupMatch:
+    """The tokens that followed the most recent earlier occurrence of the context's last n-gram
+    (longest n first), at most ``limit`` of them (none when ``limit`` < 1)."""
+    return lookup_words(array("i", ids).tobytes(), cfg, limit)
+
+
+def lookup_words(data: bytes, cfg: PromptLookupConfig, limit: int) -> LookupMatch:
+    """``prompt_lookup`` of the ids in ``data``, 4-byte words (``array("i", ids).tobytes()``; a
+    tree round looks up several paths below one context, whose words it converts once), searched
+    with ``bytes.rfind`` (a hit counts only at a word boundary): a Python scan took about 80 us a
+    call."""
+    length = len(data) // 4
+    if limit < 1:
+        return LookupMatch([], 0)
+    for n in range(cfg.max_ngram, cfg.min_ngram - 1, -1):
+        if length <= n:
+            continue
+        tail, end = data[-4 * n:], 4 * (length - 1)  # a match ends before the last token
+        while (at := data.rfind(tail, 0, end)) >= 0:
+            if at % 4 == 0:
+                first = at + 4 * n
+                return LookupMatch(array("i", data[first:first + 4 * limit]).tolist(), n)
+            end = at + 4 * n - 1  # misaligned: search again for a match starting before it
+    return LookupMatch([], 0)
+
+
+class LookupRates:
+    """How often the target agrees with prompt-lookup drafts, counted on what it really produced
+    (so the estimate depends on past output only, which keeps decoding lossless): the first draft
+    token after an n-gram match, per n, and each later token once the one before it agreed.
+    Beta(1, 1) priors."""
+
+    def __init__(self, max_ngram: int) -> None:
+        self.first = [[1.0, 2.0] for _ in range(max_ngram + 1)]  # per n: [agreed + 1, tried + 2]
+        self.later = [1.0, 2.0]
+
+    def scores(self, match: LookupMatch) -> list[float]:
+        """Cumulative log-probabilities [len(match.tokens)] for the tree's scoring."""
+        hits, tries = self.first[match.ngram]
+        first, later = math.log(hits / tries), math.log(self.later[0] / self.later[1])
+        return [first + later * i for i in range(len(match.tokens))]
+
+    def update(self, match: LookupMatch, produced: list[int]) -> None:
+        """``produced``: the tokens the target emitted after the root this round (accepted drafts
+        and the next token); draft i is judged only if drafts before it agreed."""
+        for i, (draft, token) in enumerate(zip(match.tokens, produced)):
+            count = self.first[match.ngram] if i == 0 else self.later
+            count[0] += draft == token
+            count[1] += 1
+            if draft != token:
+                return
+
+
+class PromptLookup(Proposer):
+    def __init__(self, cfg: PromptLookupConfig, device: torch.device) -> None:
+        self.cfg, self.device = cfg, device
+
+    def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
+        limit = min(self.cfg.num_draft_tokens, max_depth, max_nodes - 1)
+        draft = prompt_lookup(ids, self.cfg, limit).tokens
+        return Proposal(chain_tree(ids[-1], torch.tensor(draft, dtype=torch.long, device=self.device)))
+
+
+class DraftModel(Proposer):
+    """A separate small causal LM (same tokenizer) drafting ``gamma`` tokens autoregressively,
+    with its own cache rolled back to the accepted prefix after each round."""
+
+    def __init__(self, model: Any, cfg: SpeculativeConfig, sampling: SamplingConfig,
+                 generator: torch.Generator) -> None:
+        self.model, self.cfg, self.sampling, self.generator = model, cfg, sampling, generator
+        self.cache = kv_cache.new_cache(model, "draft model")
+        self.gamma = cfg.gamma
+        self.drafted = 0
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def _step(self, tokens: list[int]) -> torch.Tensor:
+        past = kv_cache.cache_length(self.cache)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        pos = torch.arange(past, past + len(tokens), device=self.device)[None]
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **kv_cache.cache_argument(self.model, self.cache))
+        return out.logits[0, -1].float()
+
+    def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
+        k = self.drafted = min(self.gamma, max_depth, max_nodes - 1)
+        if k <= 0:
+            return Proposal(root_only(ids[-1], self.device))
+        pending = ids[kv_cache.cache_length(self.cache):]
+        drafts, probs = [], []
+        for _ in range(k):
+            q = logits_to_probs(self._step(pending), self.sampling)
+            token = int(q.argmax()) if self.sampling.greedy else int(sample(q, self.generator))
+            drafts.append(token)
+            probs.append(q)
+            pending = [token]
+        tree = chain_tree(ids[-1], torch.tensor(drafts, dtype=torch.long, device=self.device))
+        return Proposal(tree, draft_probs=torch.stack(probs))
+
+    def commit(self, ids: list[int], path: list[int], features: torch.Tensor | None) -> None:
+        accepted = len(path)
+        kv_cache.roll_back(self.cache, len(ids) - 1)  # keep entries of accepted tokens; the new root is pending
+        if self.cfg.adaptive and self.drafted:  # grow when all drafts were accepted, shrink on an early rejection
+            if accepted >= self.drafted:
+                self.gamma = min(self.gamma + 2, self.cfg.max_gamma)
+            elif accepted < self.drafted // 2:
+                self.gamma = max(1, self.gamma - 1)
+
+
+LOOKUP_NODES = 3  # draft nodes (besides the root) whose paths are looked up in the context too
+
+
+class EagleDrafter(Proposer):
+    """EAGLE-2 dynamic tree from the feature-level drafter; ``top_k = 1`` gives a chain. With
+    ``cfg.lookup_tokens`` > 0 prompt-lookup chains join the candidate pool (``_graft_lookup``),
+    scored by how often the target has agreed with such drafts so far (``LookupRates``), and
+    compete with the drafter's nodes for the ``total_tokens`` slots."""
+
+    needs_features = True
+
+    def __init__(self, drafter: LeanDrafter, target: Target, cfg: TreeConfig, cost: CostCurve | None = None,
+                 lookup: PromptLookupConfig | None = None, sampling: SamplingConfig | None = None,
+                 generator: torch.Generator | None = None, sizing: Sizing | None = None) -> None:
+        """``drafter``: the inference copy (its ``dtype`` is what it is fed the target's features
+        and embeddings in); ``total_tokens`` "auto" sizes by ``sizing`` (what it learns as it
+        decodes, updated in place, so that one kept across generations carries it) or, without one,
+        by a new ``Sizing`` of ``cost``, the target's measured forward-time curve;
+        ``lookup``: the n-gram sizes for ``cfg.lookup_tokens``;
+        ``sampling``/``generator``: with temperature > 0 and ``cfg.sampled`` (dynamic tree) the
+        children are drawn from the drafter (``sampled_children``) with ``generator``."""
+        vocab = drafter.config.draft_vocab_size or drafter.config.vocab_size
+        widest = max((r + 1 for c in cfg.choices or () for r in c), default=cfg.top_k)
+        if max(cfg.top_k, widest) > vocab:
+            raise EagleError(f"tree top_k / choice rank {max(cfg.top_k, widest)} exceeds the drafter's vocabulary ({vocab})")
+        self.drafter, self.target, self.cfg = drafter, target, cfg
+        self.dtype = drafter.dtype
+        self.aux_layers = tuple(drafter.config.aux_layers)
+        self.cache = drafter.new_cache()
+        self.last_hidden: torch.Tensor | None = None  # drafter's prediction of the root's feature [H]
+        self.device = target.device
+        self.lookup = lookup or PromptLookupConfig()
+        self.lookup_rates = LookupRates(self.lookup.max_ngram)
+        self.last_matches: list[tuple[list[int], LookupMatch]] = []  # (path below the root, its lookup)
+        self.draw_temperature = 0.0  # what the children are drawn at; 0: the drafter's top_k instead
+        if sampling is not None and not sampling.greedy and cfg.sampled and not cfg.choices:
+            self.draw_temperature = sampling.temperature * cfg.draw_temperature_scale
+        self.generator = generator
+        # pool node -> (the draft indices its children were drawn among, their log-probs)
+        self.drawn_from: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.draft_ids = drafter.to_target_ids(torch.arange(vocab, device=self.device))  # draft index -> target id
+        self.next_depth = cfg.levels  # a sampled tree's draft levels with "auto" (see ``_size_next_round``)
+        self.sizing = sizing if sizing is not None or cost is None else Sizing(cost)  # None: a fixed total_tokens
+        self.proposed: tuple[DraftTree, float] | None = None  # the last proposal's tree and when it was made
+        # a sampled tree's size with "auto", chosen before its draws (see ``propose``): at first the most
+        # nodes that cost no more than one token to verify, then what the previous round's pool asked for
+        costs = self.sizing.costs if self.sizing is not None else []
+        self.next_size = max((n for n, c in enumerate(costs, start=1) if c <= 1.05 * costs[0]), default=0)
+
+    @torch.inference_mode()
+    def _extend(self, features: torch.Tensor, next_tokens: list[int]) -> None:
+        """Feed pairs (f_t, x_{t+1}) for the new committed positions; keep the last prediction."""
+        if not next_tokens:
+            return
+        past = kv_cache.cache_length(self.cache)
+        tokens = torch.tensor([next_tokens], dtype=torch.long, device=self.device)
+        pos = torch.arange(past, past + len(next_tokens), device=self.device)[None]
+        out = self.drafter(features[None].to(self.dtype), self.target.embed(tokens).to(self.dtype), pos, self.cache)
+        self.last_hidden = out[0, -1]
+
+    def start(self, ids: list[int], features: torch.Tensor | None) -> None:
+        self.cache = self.drafter.new_cache()
+        self.last_hidden = None
+        if features is not None and len(ids) > 1:
+            self._extend(features, ids[1:])
+
+    def commit(self, ids: list[int], path: list[int], features: torch.Tensor | None) -> None:
+        # features: target features of the root and the accepted drafts; tokens that follow them.
+        produced = ids[len(ids) - len(path) - 1:]
+        if self.sizing is not None and self.proposed is not None:  # what the round cost, which drafts paid off
+            tree, made = self.proposed
+            self.sizing.record_round(tree.size, time.perf_counter() - made)
+            scores, kept = tree.scores.tolist(), set(path)
+            ranked = best_frontier(scores[1:], len(scores) - 1)
+            self.sizing.record_drafts([math.exp(scores[i + 1]) for i in ranked], [i + 1 in kept for i in ranked])
+        for drafts, match in self.last_matches:  # judge each lookup whose node the target reached
+            if produced[:len(drafts)] == drafts:
+                self.lookup_rates.update(match, produced[len(drafts):])
+        self._extend(features, produced)
+
+    def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Predicted features [F, H] -> draft log-probabilities [F, V_draft]."""
+        logits = self.drafter.draft_logits(hidden, lambda h: self.target.lm_head(h.to(self.target.dtype)))
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def _run_nodes(self, inputs: torch.Tensor, tokens: torch.Tensor, ancestors: list[list[int]], committed: int,
+                   position: int, cached: list[int]) -> torch.Tensor:
+        """One drafter call for F tree nodes of one depth: ``inputs`` [F, H] (their parents'
+        predicted features), ``tokens`` [F]; node f attends to the committed cache, its ancestors
+        already run this round and itself. ``cached`` (node ids in cache order) is extended."""
+        nodes = [a[-1] for a in ancestors]
+        bias = None  # causal: a lone node below every node run so far this round (a chain) sees them all
+        if len(nodes) > 1 or ancestors[0][:-1] != cached:
+            col = {node: j for j, node in enumerate(cached + nodes)}
+            allowed = torch.zeros(len(nodes), committed + len(col), dtype=torch.bool, device=self.device)
+            allowed[:, :committed] = True
+            for row, chain in enumerate(ancestors):
+                allowed[row, [committed + col[a] for a in chain]] = True
+            bias = additive_bias(allowed, self.dtype)
+        cached.extend(nodes)
+        pos = torch.full((1, len(nodes)), position, device=self.device)
+        embeds = self.target.embed(tokens[None]).to(self.dtype)
+        return self.drafter(inputs[None], embeds, pos, self.cache, bias)[0]
+
+    def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
+        proposal = self._propose(ids, max_depth, max_nodes)
+        self.proposed = (proposal.tree, time.perf_counter())
+        return proposal
+
+    @torch.inference_mode()
+    def _propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
+        start = time.perf_counter()
+        total = self.cfg.total_tokens if isinstance(self.cfg.total_tokens, int) else max_nodes
+        total, levels = min(total, max_nodes), min(self.cfg.levels, max_depth)
+        self.last_matches, self.drawn_from = [], {}
+        if self.last_hidden is None or levels < 1 or total < 2:
+            return Proposal(root_only(ids[-1], self.device))
+        committed = kv_cache.cache_length(self.cache)
+        calibration = self.sizing.calibration if self.sizing is not None else []
+        if self.draw_temperature and self.sizing is not None:
+            total, levels = max(2, min(total, self.next_size)), min(levels, self.next_depth)
+        if self.cfg.choices:
+            tree = self._static(ids[-1], min(levels, max(len(c) for c in self.cfg.choices)), committed)
+        else:
+            tree = self._dynamic(ids[-1], levels, total, committed, start, calibration)
+        kv_cache.roll_back(self.cache, committed)
+        drafted = tree.size  # pool nodes from the drafter; grafts come after them, so they are tried after their siblings
+        tree = self._graft_lookup(ids, tree, max_depth)
+        if self.sizing is not None and not self.draw_temperature:  # "auto": the size with the most expected tokens/s
+            best_first = sorted(tree.scores[1:].tolist(), reverse=True)
+            choice = choose_tree_size(best_first, self.sizing.costs, time.perf_counter() - start, calibration)
+            total = min(total, choice.size)
+        elif self.sizing is not None:  # drawn children: no size may depend on this round's draws, so they size the next
+            self._size_next_round(tree, drafted, time.perf_counter() - start, calibration)
+        kept = kept_nodes(tree.scores, total)
+        tree = subtree(tree.tokens, tree.parents, tree.scores, kept)
+        if not self.draw_temperature or tree.size < 2:
+            return Proposal(tree)
+        drawn_from = {row: self.drawn_from[node] for row, node in enumerate(kept.tolist()) if node in self.drawn_from}
+        return Proposal(tree, child_probs=DrawDistributions(drawn_from, self.draft_ids, self.target.vocab_size,
+                                                            self.draw_temperature),
+                        drawn=(kept > 0) & (kept < drafted))
+
+    def _size_next_round(self, pool: DraftTree, drafted: int, elapsed: float, calibration: list[float]) -> None:
+        """``next_size`` and ``next_depth`` (sampled "auto") from this round's pool, as if the next one
+        drew the same: the size with the most expected tokens per second, a size paying a drafter
+        call (``Sizing.step_seconds``) for each depth its nodes need past the first (grafted lookup nodes
+        need their drafted ancestor's), and the depths those nodes need, one more where a deeper
+        level would pay for its call (``expansion_floor``, as greedy "auto" decides each depth)."""
+        parents, scores = pool.parents.tolist(), pool.scores.tolist()
+        depths = [0]
+        for node, parent in enumerate(parents[1:], start=1):
+            depths.append(depths[parent] + (node < drafted))
+        order = best_frontier(scores[1:], len(scores) - 1)
+        calls = [max(1, depths[i + 1]) for i in order]
+        step = self.sizing.step_seconds
+        first_call = max(0.0, elapsed - step * (max(calls, default=1) - 1))
+        ranked = [scores[i + 1] for i in order]
+        self.next_size = choose_tree_size(ranked, self.sizing.costs, first_call, calibration, calls, step).size
+        needed = max(calls[:self.next_size - 1], default=1)
+        within = [score for score, c in zip(ranked, calls) if c <= needed]
+        deepest = [score for score, c in zip(ranked, calls) if c == needed]
+        floor = expansion_floor(within, deepest, self.sizing.costs, first_call + step * (needed - 1), step,
+                                math.log(self.sizing.child_prob), calibration)
+        self.next_depth = needed + (floor is not None)
+
+    def _children(self, parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int,
+                  nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k children of pool nodes ``nodes`` [F]: the drafter's top k, or k draws without
+        replacement when sampling, among its ``draw_support`` most likely tokens (those and their
+        log-probs are kept for ``DrawDistributions``)."""
+        if not self.draw_temperature:
+            return topk_children(parent_scores, logprobs, k)
+        width, support = logprobs.shape[-1], max(k, self.cfg.draw_support)
+        if self.cfg.draw_support and support < width:
+            among_lp, among = torch.topk(logprobs, support, dim=-1)
+        else:
+            among_lp, among = logprobs, torch.arange(width, device=logprobs.device).expand(logprobs.shape[0], -1)
+        self.drawn_from.update(zip(nodes, zip(among, among_lp)))
+        drawn, scores = sampled_children(parent_scores, among_lp, k, self.draw_temperature, self.generator)
+        return among.gather(1, drawn), scores
+
+    def _graft_lookup(self, ids: list[int], pool: DraftTree, max_depth: int) -> DraftTree:
+        """The pool with prompt-lookup continuations grafted on: of the context itself (at the
+        root) and of the context followed by the path to each of the ``LOOKUP_NODES`` best draft
+        nodes (a copied span often starts at a token the drafter guessed). In a sampled tree
+        the chains are new nodes (``share=False``), after all drawn ones: a chain and its place
+        depend only on nodes that outrank it and on its ancestors, so no drawn node's inclusion
+        comes to depend on its own token, and siblings are tried in an order the rule allows."""
+        if self.cfg.lookup_tokens < 1:
+            return pool
+        tokens, parents = pool.tokens.tolist(), pool.parents.tolist()
+        best = best_frontier(pool.scores[1:].tolist(), LOOKUP_NODES)
+        context, chains = array("i", ids).tobytes(), []
+        for node in [0] + [i + 1 for i in best]:
+            path, i = [], node
+            while i > 0:
+                path.insert(0, tokens[i])
+                i = parents[i]
+            limit = min(self.cfg.lookup_tokens, max_depth - len(path))
+            match = lookup_words(context + array("i", path).tobytes(), self.lookup, limit)
+            if match.tokens:
+                self.last_matches.append((path, match))
+                chains.append((match.tokens, self.lookup_rates.scores(match), node))
+        return graft_chains(pool, chains, share=not self.draw_temperature) if chains else pool
+
+    def _dynamic(self, root: int, levels: int, total: int, committed: int, start: float,
+                 calibration: list[float]) -> DraftTree:
+        """EAGLE-2: the root's top_k children, then the top_k best frontier nodes expanded per depth
+        down to ``levels`` draft tokens below the root; return the whole candidate pool.
+        A frontier node outside the best ``total - 2`` nodes of the pool so far is not expanded: a
+        child scores no higher than its parent and ranks after it, so none of its children could
+        be among the ``total - 1`` kept (the final tree is the same, with fewer drafter rows).
+        With ``total_tokens="auto"`` each depth is drafted only where it pays for its drafter call
+        (``_to_expand``). Not so for drawn children: a node's own draw shapes the scores below it,
+        so a size or a stop chosen from them would make whether a drawn node is kept depend on its
+        own token and bias it; with a fixed size only nodes that outrank a node (never its own
+        subtree) decide whether it is kept."""
+        k, to_target = self.cfg.top_k, self.drafter.to_target_ids
+        sized = self.sizing is not None and not self.draw_temperature
+        # the pool in plain lists (node i: its target token, parent and score): a round's pool has a
+        # few dozen nodes, where each tensor operation costs more than the Python it replaces
+        lp = self._logprobs(self.last_hidden[None])
+        child_tokens, child_scores = self._children(torch.zeros(1, device=self.device), lp, k, [0])
+        scores = [0.0] + child_scores[0].tolist()
+        tokens, parents = [root] + to_target(child_tokens[0]).tolist(), [-1] + [0] * k
+        frontier = self._to_expand(list(range(1, k + 1)), scores, levels > 1, total, sized, start, calibration)
+        frontier_inputs = self.last_hidden[None].expand(len(frontier), -1)
+        ancestors = {i: [i] for i in range(1, k + 1)}  # run-this-round ancestors of a node, itself last
+        cached: list[int] = []
+        for d in range(1, levels if frontier else 1):
+            step_start = time.perf_counter()
+            hidden = self._run_nodes(frontier_inputs, torch.tensor([tokens[n] for n in frontier], device=self.device),
+                                     [ancestors[n] for n in frontier], committed, committed + d - 1, cached)
+            lp = self._logprobs(hidden)
+            child_tokens, child_scores = self._children(
+                torch.tensor([scores[n] for n in frontier], device=self.device), lp, k, frontier)  # [F, k]
+            size, flat_scores = len(scores), child_scores.reshape(-1).tolist()
+            tokens += to_target(child_tokens.reshape(-1)).tolist()
+            parents += [n for n in frontier for _ in range(k)]
+            scores += flat_scores
+            if self.sizing is not None:  # this call's seconds, each expanded node's best child (ranked first)
+                self.sizing.record_step(time.perf_counter() - step_start,
+                                        [math.exp(flat_scores[j * k] - scores[n]) for j, n in enumerate(frontier)])
+            best = [size + j for j in best_frontier(flat_scores, k)]
+            frontier = self._to_expand(best, scores, d + 1 < levels, total, sized, start, calibration)
+            if not frontier:
+                break
+            for n in frontier:
+                ancestors[n] = ancestors[parents[n]] + [n]
+            frontier_inputs = hidden[[(n - size) // k for n in frontier]]
+        return DraftTree(torch.tensor(tokens, device=self.device), torch.tensor(parents, device=self.device),
+                         torch.tensor(scores, device=self.device))
+
+    def _to_expand(self, candidates: list[int], scores: list[float], deeper: bool, total: int, sized: bool,
+                   start: float, calibration: list[float]) -> list[int]:
+        """Of the pool nodes ``candidates`` (indices into ``scores``, the pool's, root first), those the
+        next drafter call expands (none unless ``deeper``). Sized (auto): those whose expected best
+        child would be kept, if the call pays for itself (``expansion_floor``, from the running
+        averages). Else those that could have a kept child: a child scores no higher than its parent and
+        ranks after it, so its parent must be among the best ``total - 2`` of the pool."""
+        if not deeper:
+            return []
+        if sized:
+            floor = expansion_floor(scores[1:], [scores[n] for n in candidates], self.sizing.costs,
+                                    time.perf_counter() - start, self.sizing.step_seconds,
+                                    math.log(self.sizing.child_prob), calibration)
+        else:
+            ranked = sorted(scores[1:], reverse=True)
+            rank = min(total - 2, len(ranked))
+            floor = ranked[rank - 1] if rank > 0 else None
+        return [n for n in candidates if floor is not None and scores[n] >= floor]
+
+    def _static(self, root: int, levels: int, committed: int) -> DraftTree:
+        """EAGLE-1: fill a fixed tree shape (``choices``) with the drafter's ranked children."""
+        layout = static_layout(self.cfg.choices)
+        n = int((layout.depths <= levels).sum())  # breadth-first order: shallow nodes come first
+        parents, ranks, depths = layout.parents[:n].tolist(), layout.ranks[:n].tolist(), layout.depths[:n].tolist()
+        tokens, scores = [root] + [0] * (n - 1), [0.0] * n
+        has_children = {p for p in parents if p >= 0}
+        hidden_of = {0: self.last_hidden}
+        ancestors: dict[int, list[int]] = {0: []}
+        cached: list[int] = []
+        for d in range(1, levels + 1):
+            level = [i for i in range(n) if depths[i] == d]
+            if not level:
+                break
+            heads = sorted({parents[i] for i in level})
+            lp = self._logprobs(torch.stack([hidden_of[p] for p in heads]))
+            top_tokens, top_scores = topk_children(torch.tensor([scores[p] for p in heads], device=self.device), lp,
+                                                   max(ranks[i] for i in level) + 1)
+            top_tokens = self.drafter.to_target_ids(top_tokens)
+            for i in level:
+                row = heads.index(parents[i])
+                tokens[i], scores[i] = int(top_tokens[row, ranks[i]]), float(top_scores[row, ranks[i]])
+                ancestors[i] = ancestors[parents[i]] + [i]
+            grow = [i for i in level if i in has_children]
+            if grow and d < levels:
+                inputs = torch.stack([hidden_of[parents[i]] for i in grow])
+                hidden = self._run_nodes(inputs, torch.tensor([tokens[i] for i in grow], device=self.device),
+                                         [ancestors[i] for i in grow], committed, committed + d - 1, cached)
+                hidden_of.update(zip(grow, hidden))
+        return DraftTree(torch.tensor(tokens, device=self.device), torch.tensor(parents, device=self.device),
+                         torch.tensor(scores, device=self.device))

@@ -1,0 +1,290 @@
+"""``total_tokens="auto"``: size the draft tree by measured cost.
+
+The target's forward time as a function of the number of tree tokens is measured once per
+model, device, dtype and thread count, and cached. Each round then keeps the number of nodes
+N that maximizes expected tokens per second, (1 + c * sum of the N - 1 best path
+probabilities) / (draft time + verify time(N)): the tree's path probabilities (products of
+draft probabilities, EAGLE-2's scores) estimate how likely each node is to be accepted, and c
+calibrates them with the acceptance the drafter really achieved so far."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import statistics
+import time
+from typing import Sequence
+
+import torch
+
+from eagle.runtime.target import Target, cache_root
+
+# every size up to 16, coarser past it: matrix kernels block their rows, so the cost steps (on the
+# 2-core reference CPU 1-6 tree tokens cost the same and 7 about 10% more), which sizes 4 and 8
+# with a line between them would hide
+SIZES = tuple(range(1, 17)) + (20, 24, 32, 48, 64)
+
+
+# a measured curve whose repeats spread more than this (median over sizes of the interquartile
+# range over the median) was taken while the machine was busy: it serves the process that measured
+# it but is not cached on disk, so the next process measures again instead of keeping a bad curve
+NOISY = 0.10
+
+
+@dataclasses.dataclass
+class CostCurve:
+    """Measured target forward seconds ``seconds[i]`` for ``sizes[i]`` tree tokens (increasing);
+    ``spread``: how much the repeated timings varied (see ``NOISY``)."""
+
+    sizes: list[int]
+    seconds: list[float]
+    spread: float = 0.0
+
+    def at(self, n: int) -> float:
+        """Piecewise-linear interpolation; linear extrapolation past the last size."""
+        pairs = list(zip(self.sizes, self.seconds))
+        if n <= pairs[0][0]:
+            return pairs[0][1]
+        for (a, ta), (b, tb) in zip(pairs, pairs[1:]):
+            if n <= b:
+                return ta + (tb - ta) * (n - a) / (b - a)
+        return pairs[-1][1] * n / pairs[-1][0]
+
+    @functools.cached_property
+    def per_token(self) -> tuple[float, ...]:
+        """``at(n)`` for n = 1 .. 2 * sizes[-1] + 1, as ``choose_tree_size`` reads it (computed once
+        per curve: a round asks up to three times)."""
+        return tuple(self.at(n) for n in range(1, 2 * self.sizes[-1] + 2))
+
+
+@dataclasses.dataclass
+class TreeChoice:
+    """The best ``size`` (root included) and the expected tokens per second it gives."""
+
+    size: int
+    tokens_per_second: float
+
+
+def choose_tree_size(sorted_scores: Sequence[float], seconds: Sequence[float], draft_seconds: float,
+                     calibration: Sequence[float] = (), depths: Sequence[int] = (),
+                     step_seconds: float = 0.0) -> TreeChoice:
+    """The total_tokens with the most expected tokens per second this round.
+
+    ``sorted_scores`` [M]: cumulative draft log-probabilities of the candidate nodes, best first;
+    ``seconds`` [S]: a round's cost (verification) for 1 .. S tree tokens (``CostCurve.per_token``,
+    or ``measured_costs``); ``calibration`` [R]: accepted drafts per unit of draft probability of
+    the best, second best, ... candidate, the last for all past R (``Sizing.calibration``; none:
+    1). With ``depths`` [M] (the drafter calls each candidate needs: its depth,
+    a grafted node its drafted ancestor's) a size costs ``step_seconds`` for each call past the
+    first that its nodes need (``draft_seconds`` being the cost with one), for sizing a round not
+    drafted yet. In plain floats: a round asks several times, for a few dozen candidates, where
+    tensor operations cost more than the sums."""
+    logprobs = sorted_scores[: len(seconds) - 1]  # far past the measured sizes never pays
+    expected, best = 1.0, TreeChoice(size=1, tokens_per_second=1.0 / (draft_seconds + seconds[0]))
+    calls = 1
+    ranks = len(calibration)
+    for n, logprob in enumerate(logprobs, start=2):  # n tokens: the root and the n - 1 best candidates
+        expected += math.exp(logprob) * (calibration[min(n - 2, ranks - 1)] if ranks else 1.0)
+        if depths:
+            calls = max(calls, depths[n - 2])
+        rate = expected / (draft_seconds + step_seconds * (calls - 1) + seconds[n - 1])
+        if rate > best.tokens_per_second:
+            best = TreeChoice(size=n, tokens_per_second=rate)
+    return best
+
+
+def expansion_floor(pool: Sequence[float], candidates: Sequence[float], seconds: Sequence[float],
+                    draft_seconds: float, step_seconds: float, child_logprob: float,
+                    calibration: Sequence[float] = ()) -> float | None:
+    """Which candidate nodes one more drafter call (one more tree depth) should expand, or None when
+    expanding none can raise the expected tokens per second.
+
+    ``pool`` [M]: cumulative draft log-probabilities of the nodes drafted so far this round (root
+    left out); ``candidates`` [F]: those of the nodes that could be expanded (among the pool);
+    ``seconds``, ``calibration``: as for ``choose_tree_size``; ``draft_seconds``: the round's drafting so far;
+    ``step_seconds``: what a drafter call costs; ``child_logprob``: the log-probability a node's
+    best child typically has given the node (so an expanded candidate s is expected to bring a node
+    scoring s + child_logprob). The call pays when the best size of the pool with those children,
+    after the call's time, beats the best size of the pool now (``choose_tree_size``); then a
+    candidate is worth expanding if its child would be among the nodes that size keeps. Returns the
+    lowest candidate score worth expanding."""
+    now = choose_tree_size(sorted(pool, reverse=True), seconds, draft_seconds, calibration)
+    grown = sorted([*pool, *(s + child_logprob for s in candidates)], reverse=True)
+    then = choose_tree_size(grown, seconds, draft_seconds + step_seconds, calibration)
+    if then.tokens_per_second <= now.tokens_per_second:
+        return None
+    return grown[then.size - 2] - child_logprob  # the lowest kept score, a candidate's child reaching it
+
+
+def measured_costs(prior: Sequence[float], measured: dict[int, float], weights: dict[int, float]) -> list[float]:
+    """A round's cost for 1 .. S tree tokens: the curve ``prior`` [S] (``CostCurve.per_token``) mapped
+    onto what rounds of some sizes really cost in this decoding (``measured``: size -> seconds, running
+    averages of the time from a proposal to its commit) by the line a * prior + b that fits them best
+    (least squares, size n weighted by ``weights[n]``; one size: b alone; a within 0.5-3). The
+    curve is timed once per machine, in a loop of bare forwards; in decoding the sizes were found to
+    cost more, and more so the larger they are (on the reference machine, sampled: 3 tree tokens
+    3.48 ms by the curve, 4.43 measured), which made "auto" choose trees too large. One line for all
+    sizes, not a value per size: a size measured once in a slow spell would look dear, never be
+    chosen again, and so never be measured again."""
+    points = [(prior[n - 1], measured[n], weights.get(n, 1.0)) for n in measured if n <= len(prior)]
+    if not points:
+        return list(prior)
+    total = sum(w for _, _, w in points)
+    mean_x, mean_y = (sum(w * x for x, _, w in points) / total, sum(w * y for _, y, w in points) / total)
+    spread = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+    a = 1.0 if spread <= 1e-12 * total * mean_x ** 2 else min(3.0, max(0.5, sum(
+        w * (x - mean_x) * (y - mean_y) for x, y, w in points) / spread))
+    b = mean_y - a * mean_x
+    return [a * x + b for x in prior]
+
+
+CALIBRATED_RANKS = 3  # calibration for the best draft of a tree, the second, and all others
+PRIOR_MASS = 1.0  # calibration's prior, per rank: drafts of this much draft probability, accepted as often as it says
+ROUNDS_WEIGHED = 20  # a size's weight in fitting the costs: the rounds timed, up to this
+REFIT_ROUNDS = 8  # the costs are fitted anew after this many rounds (at once for a size not timed before)
+CHILD_PROB_PRIOR = 0.5  # before any drafter call is seen: an expanded node's best child is a coin flip
+AVERAGING = 0.1  # the weight of each new observation in the running averages
+
+
+@dataclasses.dataclass
+class Sizing:
+    """What "auto" tree sizing learns while decoding; a model keeps one per kind of decoding (greedy,
+    sampled), so each generation starts where the last left off.
+
+    - ``round_seconds``, ``rounds``: tree size -> running average of what a round of it cost (from
+      its proposal to its commit), how many were timed; they map the cached ``curve`` onto
+      decoding's costs: ``costs`` (``measured_costs``);
+    - ``step_seconds``, ``child_prob``: running averages of a drafter call's seconds (0: none seen)
+      and of the probability an expanded node's best child has given the node (``expansion_floor``);
+    - ``predicted``, ``accepted``: per rank of a verified draft in its tree (best score first; the
+      last rank for all past it), their summed draft probabilities (path products) and how many
+      were accepted: ``calibration``, their ratios (with ``PRIOR_MASS``, within 0.25-4). A second
+      drawn sibling (sampled decoding) is accepted less often than its draft probability says
+      (20 dev prompts, 3-token trees: predicted 0.199, accepted 0.159) while the best draft is
+      accepted more often (0.347, 0.385): one factor for all let trees grow where they lost.
+      Calibrating per bucket of draft probability instead did not pay (sampled 0.969x -> 0.944x
+      ``ar``)."""
+
+    curve: CostCurve
+    round_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
+    rounds: dict[int, float] = dataclasses.field(default_factory=dict)
+    step_seconds: float = 0.0
+    child_prob: float = CHILD_PROB_PRIOR
+    predicted: list[float] = dataclasses.field(default_factory=lambda: [0.0] * CALIBRATED_RANKS)
+    accepted: list[float] = dataclasses.field(default_factory=lambda: [0.0] * CALIBRATED_RANKS)
+
+    def __post_init__(self) -> None:
+        self.costs = measured_costs(self.curve.per_token, self.round_seconds, self.rounds)
+        self.unfitted = 0  # rounds recorded since ``costs`` was fitted
+        self.calibration = [1.0] * CALIBRATED_RANKS
+
+    def record_round(self, size: int, seconds: float) -> None:
+        before = self.round_seconds.get(size)
+        self.round_seconds[size] = seconds if before is None else before + AVERAGING * (seconds - before)
+        self.rounds[size] = min(ROUNDS_WEIGHED, self.rounds.get(size, 0) + 1)
+        self.unfitted += 1
+        if before is None or self.unfitted >= REFIT_ROUNDS:  # a refit costs ~15 us; the averages move slowly
+            self.costs = measured_costs(self.curve.per_token, self.round_seconds, self.rounds)
+            self.unfitted = 0
+
+    def record_step(self, seconds: float, child_probs: Sequence[float]) -> None:
+        """A drafter call of ``seconds`` that expanded nodes whose best children have ``child_probs``."""
+        self.step_seconds += AVERAGING * (seconds - self.step_seconds) if self.step_seconds else seconds
+        for p in child_probs:
+            self.child_prob += AVERAGING * (p - self.child_prob)
+
+    def record_drafts(self, probs: Sequence[float], accepted: Sequence[bool]) -> None:
+        """A verified tree's drafts, best first: their draft probabilities, whether each was accepted."""
+        for rank, (p, hit) in enumerate(zip(probs, accepted)):
+            self.predicted[min(rank, CALIBRATED_RANKS - 1)] += p
+            self.accepted[min(rank, CALIBRATED_RANKS - 1)] += hit
+        self.calibration = [min(4.0, max(0.25, (hits + PRIOR_MASS) / (sum_p + PRIOR_MASS)))
+                            for hits, sum_p in zip(self.accepted, self.predicted)]
+
+
+def non_decreasing(values: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit (pool adjacent violators): a forward over more
+    tokens never costs less, so a timing that says otherwise is noise, averaged with its
+    neighbours (a real step up is kept). [n] -> [n]."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (a, n), (b, m) = blocks[-2], blocks.pop()
+            blocks[-1] = [(a * n + b * m) / (n + m), n + m]
+    return [mean for mean, count in blocks for _ in range(int(count))]
+
+
+@torch.inference_mode()
+def measure_cost_curve(target: Target, sizes: tuple[int, ...] = SIZES, context: int = 128,
+                       repeats: int = 7, greedy: bool = False) -> CostCurve:
+    """Time one target forward of n tree tokens after ``context`` cached tokens, with what a round
+    needs of the head (``greedy``: only the argmaxes, ``Target.greedy_tokens``; else all logits):
+    ``repeats`` rounds over all sizes (so a slow spell of the machine touches every size alike),
+    the median per size, made non-decreasing in n (``non_decreasing``)."""
+    from eagle.runtime import kv_cache
+    from eagle.decoding.tree_mask import causal_bias
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (1, context + max(sizes)), generator=gen).to(target.device)
+    cache = target.new_cache()
+    target.forward(ids[:, :context], torch.arange(context, device=target.device)[None], cache, logits_from=context)
+    runs: dict[int, list[float]] = {n: [] for n in sizes}
+    for round_ in range(repeats + 1):  # the first round warms up
+        # an untimed forward of the smallest size first: timed right after the largest of the round
+        # before (which streams the weights through another kernel), it cost 30% more than in decoding
+        target.forward(ids[:, context:context + sizes[0]], torch.arange(context, context + sizes[0],
+                                                                        device=target.device)[None], cache)
+        kv_cache.roll_back(cache, context)
+        for n in sizes:
+            bias = causal_bias(n, context, target.dtype, target.device)
+            start = time.perf_counter()
+            out = target.forward(ids[:, context:context + n],
+                                 torch.arange(context, context + n, device=target.device)[None], cache, bias,
+                                 logits_from=n if greedy else 0)
+            if greedy:
+                target.greedy_tokens(out.hidden[0])
+            if target.device.type == "cuda":
+                torch.cuda.synchronize()
+            if round_:
+                runs[n].append(time.perf_counter() - start)
+            kv_cache.roll_back(cache, context)
+    return CostCurve(sizes=list(sizes), seconds=non_decreasing([statistics.median(runs[n]) for n in sizes]),
+                     spread=statistics.median(relative_spread(runs[n]) for n in sizes))
+
+
+def relative_spread(times: list[float]) -> float:
+    """Interquartile range over median of repeated timings (0 for fewer than two)."""
+    if len(times) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return (q3 - q1) / statistics.median(times)
+
+
+_UNCACHED: dict[str, CostCurve] = {}  # noisy curves measured by this process (not on disk)
+
+
+def cost_curve(target: Target, greedy: bool = False) -> CostCurve:
+    """The cached cost curve for this target, device, dtype, thread count, kernel choice and kind
+    of decoding (greedy rounds need only the head's argmaxes, which can cost less than its
+    logits: ``eagle.runtime.decoder.GreedyHead``), measured on a miss; kept on disk unless its timings were
+    noisy (``NOISY``)."""
+    key = json.dumps(["v6", target.name, target.tokenizer_fingerprint, target.hidden_size,
+                      target.config.num_hidden_layers, str(target.device), str(target.dtype),
+                      torch.get_num_threads(), target.lean.kernel_choice() if target.lean is not None else "model"]
+                     + (["greedy"] if greedy else []))
+    path = cache_root() / "cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    if path.is_file():
+        return CostCurve(**json.loads(path.read_text()))
+    if key in _UNCACHED:
+        return _UNCACHED[key]
+    curve = measure_cost_curve(target, greedy=greedy)
+    if curve.spread > NOISY:
+        _UNCACHED[key] = curve
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dataclasses.asdict(curve)))
+    return curve

@@ -1,0 +1,414 @@
+"""The EAGLE-1/2 feature-level drafter.
+
+Input: concat(embedding of token t+1, target feature f_t) -> ``fc`` (2H -> H) -> N Llama-style
+decoder layers (layer 0 without input layernorm, no final norm) -> predicted feature f_{t+1}.
+With ``aux_layers`` (EAGLE-3 style feature fusion) ``fc`` also reads the outputs of those target
+layers at t, RMS-normalized ((2 + n) H -> H); where they do not exist (a draft token's own
+prediction, deeper in the tree) they are zeros.
+Token logits come from the target's frozen LM head, or from the drafter's own head over a
+reduced draft vocabulary (``draft_vocab_size``, with the ``d2t`` draft-to-target id map).
+The target's embedding is reused and never stored in the drafter checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from eagle.config import from_dict
+from eagle.errors import EagleError
+from eagle.runtime.kv_cache import StaticCache
+from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels
+from eagle.runtime.decoder import LayerWeights, PackedLinear, decoder_stack, rms_norm, rotate, to_huge_pages
+from eagle.runtime.block_codes import BLOCK, FORMATS
+from eagle.decoding.tree_mask import causal_bias
+from eagle.drafting import checkpoint_formats
+from eagle.drafting.drafter_config import FORMAT, DrafterConfig, TargetInfo
+
+def most_frequent(token_counts: torch.Tensor, n: int) -> torch.Tensor:
+    """[V] token counts -> the ``n`` most frequent token ids, sorted (a draft vocabulary)."""
+    return torch.topk(token_counts.float(), n).indices.sort().values
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def fc_input(features: torch.Tensor, token_embeds: torch.Tensor, cfg: DrafterConfig) -> torch.Tensor:
+    """What ``fc`` reads: concat(embedding, feature, RMS-normalized aux outputs). ``features``
+    [..., H] (a prediction: aux taken as zeros) or [..., (1 + n) H]; -> [..., (2 + n) H]."""
+    h, n = cfg.hidden_size, len(cfg.aux_layers)
+    if not n:
+        return torch.cat([token_embeds, features], dim=-1)
+    if features.shape[-1] == h:
+        aux = features.new_zeros(*features.shape[:-1], n * h)
+    else:
+        aux = features[..., h:].unflatten(-1, (n, h))
+        aux = nn.functional.rms_norm(aux.float(), (h,), eps=cfg.rms_norm_eps).to(features.dtype).flatten(-2)
+    return torch.cat([token_embeds, features[..., :h], aux], dim=-1)
+
+
+def rotary_angles(positions: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
+    """Llama's default rotary embedding: positions [...] -> angles [..., dim] (float32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    angles = positions.float()[..., None] * inv_freq
+    return torch.cat((angles, angles), dim=-1)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding. q/k [B, heads, T, d]; positions [B, T]."""
+    emb = rotary_angles(positions, q.shape[-1], theta)[:, None]
+    cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+    return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig, index: int) -> None:
+        super().__init__()
+        self.cfg, self.index = cfg, index
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor,
+                cache: StaticCache | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        d = self.cfg.head_dim
+        q = self.q_proj(x).view(b, t, -1, d).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, d).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, d).transpose(1, 2)
+        q, k = rope(q, k, positions, self.cfg.rope_theta)
+        if cache is not None:
+            k, v = cache.update(self.index, k, v)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), enable_gqa=True,
+                                                         scale=1.0 / math.sqrt(d))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, index: int) -> None:
+        super().__init__()
+        # EAGLE-1 layout: the first layer reads the fc output directly (no input layernorm).
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if index > 0 else None
+        self.self_attn = Attention(cfg, index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor,
+                cache: StaticCache | None) -> torch.Tensor:
+        h = self.input_layernorm(x) if self.input_layernorm is not None else x
+        x = x + self.self_attn(h, positions, bias, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Drafter(nn.Module):
+    """EAGLE-1/2 drafter. ``forward`` maps (features, next-token embeddings) to predicted features."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear((2 + len(cfg.aux_layers)) * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        if cfg.draft_vocab_size is not None:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size, dtype=torch.long))
+        else:
+            self.lm_head = None
+            self.d2t = None
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target: Any, token_counts: torch.Tensor | None = None, **overrides: Any) -> "Drafter":
+        """An untrained drafter shaped for ``target`` (an ``eagle.Target``). With
+        ``draft_vocab_size=N`` the draft vocabulary is the N most frequent tokens in
+        ``token_counts`` [V] (lowest ids when none are given); its head starts from the
+        target's LM-head rows."""
+        tc = target.config
+        rope_params = getattr(tc, "rope_parameters", None) or {}
+        fields = dict(
+            hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+            num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", tc.num_attention_heads),
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            vocab_size=target.vocab_size, rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+            rope_theta=float(rope_params.get("rope_theta", getattr(tc, "rope_theta", 10000.0))),
+            max_position_embeddings=target.max_context,
+            target=TargetInfo(name=target.name, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                              tokenizer_fingerprint=target.tokenizer_fingerprint))
+        fields.update(overrides)
+        drafter = cls(from_dict(DrafterConfig, fields, where="drafter overrides"))
+        if drafter.lm_head is not None:
+            n = drafter.config.draft_vocab_size
+            ids = most_frequent(token_counts, n) if token_counts is not None else torch.arange(n)
+            drafter.d2t.copy_(ids)
+            with torch.no_grad():
+                drafter.lm_head.weight.copy_(target.model.get_output_embeddings().weight[ids.to(target.device)].float())
+        return drafter.to(device=target.device, dtype=target.dtype)
+
+    @torch.no_grad()
+    def with_draft_vocab(self, ids: torch.Tensor, target: Any) -> "Drafter":
+        """A copy whose draft vocabulary is the target token ids ``ids`` [N] (sorted, unique).
+        Rows of tokens already in the vocabulary are kept. The others start from the target's
+        LM-head rows mapped into this head's space by a least-squares fit [H, H] over the kept
+        tokens (a trained head co-adapts with its features, so raw target rows would not do)."""
+        if self.lm_head is None:
+            raise EagleError("this drafter uses the target's LM head: it has no draft vocabulary to resize")
+        ids = ids.to(self.d2t.device)
+        if ids.ndim != 1 or not torch.equal(ids, torch.unique(ids)) or not 0 < ids.numel() <= self.config.vocab_size:
+            raise EagleError("draft vocabulary ids must be sorted, unique target token ids")
+        config = dataclasses.replace(self.config, draft_vocab_size=int(ids.numel()))
+        drafter = type(self)(config).to(device=self.d2t.device, dtype=self.lm_head.weight.dtype)
+        drafter.load_state_dict({k: v for k, v in self.state_dict().items() if k not in ("lm_head.weight", "d2t")},
+                                strict=False)
+        target_rows = target.model.get_output_embeddings().weight.to(self.lm_head.weight)
+        old_ids = self.d2t
+        mapping = torch.linalg.lstsq(target_rows[old_ids].float(), self.lm_head.weight.float()).solution
+        rows = (target_rows[ids].float() @ mapping).to(self.lm_head.weight.dtype)
+        position = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        position[old_ids] = torch.arange(old_ids.numel(), device=ids.device)
+        kept = position[ids] >= 0
+        rows[kept] = self.lm_head.weight[position[ids][kept]]
+        drafter.lm_head.weight.copy_(rows)
+        drafter.d2t.copy_(ids)
+        return drafter
+
+    @torch.no_grad()
+    def with_aux_layers(self, layers: list[int]) -> "Drafter":
+        """A copy that also fuses the outputs of target ``layers`` (appended to its own aux
+        layers), their ``fc`` columns zero: it predicts exactly what this drafter does until
+        trained (a warm start for EAGLE-3 style fusion)."""
+        config = dataclasses.replace(self.config, aux_layers=self.config.aux_layers + list(layers))
+        drafter = type(self)(config).to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        state = self.state_dict()
+        weight = torch.zeros_like(drafter.fc.weight)
+        weight[:, : self.fc.weight.shape[1]] = state.pop("fc.weight")
+        state["fc.weight"] = weight
+        drafter.load_state_dict(state)
+        return drafter
+
+    @torch.no_grad()
+    def with_layers(self, num_layers: int) -> "Drafter":
+        """A copy with decoder layers appended up to ``num_layers``, each new layer's output
+        projections (``o_proj``, ``down_proj``) zero so that it adds nothing to the residual
+        stream: it predicts exactly what this drafter does until trained (a warm start for a
+        deeper drafter)."""
+        if num_layers < self.config.num_layers:
+            raise EagleError(f"cannot shrink a drafter from {self.config.num_layers} to {num_layers} layers")
+        config = dataclasses.replace(self.config, num_layers=num_layers)
+        drafter = type(self)(config).to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        loaded = drafter.load_state_dict(self.state_dict(), strict=False)
+        appended = tuple(f"layers.{i}." for i in range(self.config.num_layers, num_layers))
+        stray = loaded.unexpected_keys + [k for k in loaded.missing_keys if not k.startswith(appended)]
+        if stray:  # only the appended layers may lack weights; anything else means the copy is not this drafter
+            raise EagleError(f"with_layers: weights that do not match the deeper drafter: {stray}")
+        for layer in drafter.layers[self.config.num_layers:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        return drafter
+
+    def check_target(self, target: Any) -> None:
+        """Refuse a target other than the one this drafter was built for."""
+        info = self.config.target
+        layers = target.model.config.num_hidden_layers
+        if any(i >= layers - 1 for i in self.config.aux_layers):
+            raise EagleError(f"aux_layers {self.config.aux_layers} must name target layers below its last "
+                             f"({target.name} has {layers} layers; the last one's output is the feature itself)")
+        if info.hidden_size != target.hidden_size or info.vocab_size != target.vocab_size:
+            raise EagleError(
+                f"drafter was built for {info.name or 'another target'} (hidden {info.hidden_size}, vocab "
+                f"{info.vocab_size}), but the target {target.name} has hidden {target.hidden_size}, vocab {target.vocab_size}")
+        if info.tokenizer_fingerprint and info.tokenizer_fingerprint != target.tokenizer_fingerprint:
+            raise EagleError(f"drafter was built for {info.name or 'another target'} whose tokenizer differs from "
+                             f"that of {target.name}")
+
+    # ---- persistence ---------------------------------------------------------------------
+    def save_pretrained(self, directory: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(self.config.to_json())
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / "model.safetensors"), metadata={"format": FORMAT})
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, target: Any = None, device: Any = None,
+                        dtype: torch.dtype | None = None, allow_pickle: bool = False) -> "Drafter":
+        """Load ``config.json`` + ``model.safetensors``, ours or in the EAGLE-1/2 release layout
+        (``eagle.drafting.checkpoint_formats``; its ``pytorch_model.bin`` only with ``allow_pickle``, as unpickling can
+        run code). With ``target`` given, check that it is the target the drafter was built for
+        and move the drafter to its device and dtype."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        if not (directory / "config.json").is_file():
+            raise EagleError(f"no drafter at {directory}: config.json missing")
+        try:
+            raw = json.loads((directory / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise EagleError(f"cannot read {directory / 'config.json'}: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise EagleError(f"{directory / 'config.json'} is not a JSON object")
+        if checkpoint_formats.detect_format(raw) != FORMAT:
+            cfg, state = checkpoint_formats.load_eagle_checkpoint(directory, raw, allow_pickle=allow_pickle,
+                                                     shapes=lambda c: cls(c).state_dict())
+            drafter = cls(cfg)
+            drafter.load_state_dict(state)
+        else:
+            if not (directory / "model.safetensors").is_file():
+                raise EagleError(f"no drafter weights at {directory}: model.safetensors missing")
+            drafter = cls(DrafterConfig.from_json(directory / "config.json"))
+            drafter.load_state_dict(load_file(str(directory / "model.safetensors")))
+        if target is not None:
+            drafter.check_target(target)
+            device, dtype = device or target.device, dtype or target.dtype
+        return drafter.to(device=device, dtype=dtype).eval()
+
+    # ---- compute ---------------------------------------------------------------------------
+    def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
+                cache: StaticCache | None = None, attention_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``features`` [B, T, H] (f_t; or [B, T, (1 + n) H] with the n aux layers' outputs),
+        ``token_embeds`` [B, T, H] (embedding of token t+1),
+        ``positions`` [B, T], ``attention_bias`` [B or 1, 1, T, past + T] additive (causal when
+        None) -> predicted features [B, T, H] (f_{t+1}). ``cache`` is extended in place."""
+        x = self.fc(fc_input(features, token_embeds, self.config))
+        past = cache.get_seq_length() if cache is not None else 0
+        if attention_bias is None:
+            attention_bias = causal_bias(x.shape[1], past, x.dtype, x.device)
+        for layer in self.layers:
+            x = layer(x, positions, attention_bias, cache)
+        return x
+
+    def new_cache(self) -> StaticCache:
+        return StaticCache(self.config.num_layers)
+
+    def draft_logits(self, hidden: torch.Tensor, target_lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Predicted features [..., H] -> logits over the draft vocabulary [..., V_draft]."""
+        head = self.lm_head if self.lm_head is not None else target_lm_head
+        return head(hidden)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.d2t is None else self.d2t[draft_ids]
+
+
+
+class LeanDrafter(nn.Module):
+    """Inference-only forward of a ``Drafter`` (as ``eagle.runtime.decoder.LeanDecoder`` is for targets): q/k/v
+    and gate/up fused into one prepacked matrix each (``PackedLinear``), rotary tables computed
+    once, weights cast to ``dtype``. Same ``forward`` as ``Drafter``, and the parts the tree
+    proposer uses (``config``, ``draft_logits``, ``to_target_ids``, ``new_cache``). The tree's
+    drafter calls have ~10 rows, where a call's fixed cost outweighs its arithmetic: in fp32 on
+    a CPU where the compiled kernels run (``eagle.runtime.kernels``), a call of one sequence of at most
+    16 rows runs its decoder layers in one call (``eagle.runtime.decoder.decoder_stack``), as
+    ``eagle.runtime.decoder.LeanDecoder`` does for targets."""
+
+    draft_logits = Drafter.draft_logits
+    to_target_ids = Drafter.to_target_ids
+    new_cache = Drafter.new_cache
+
+    def __init__(self, drafter: Drafter, dtype: torch.dtype | None = None, quant: str | None = None) -> None:
+        """``quant``: a format of ``eagle.runtime.block_codes.FORMATS`` ("q8_0", "q4_1"): the matrices rounded to
+        it (lossy) and computed in fp32, read from their codes by the compiled kernels where they
+        run; a matrix whose input size is not a multiple of 32 stays as it is."""
+        super().__init__()
+        self.config = drafter.config
+        if quant is not None and quant not in FORMATS:
+            raise EagleError(f"unknown drafter quantization {quant!r}; choose from {', '.join(FORMATS)}")
+        if quant is not None and dtype not in (None, torch.float32):
+            raise EagleError(f"a {quant} drafter computes in float32, not {dtype}")
+        self.quant = quant
+        self.dtype = dtype = torch.float32 if quant else dtype or drafter.fc.weight.dtype
+
+        def packed(*linears: nn.Linear) -> PackedLinear:
+            bias = None if linears[0].bias is None else torch.cat([lin.bias.detach().to(dtype) for lin in linears])
+            weight = torch.cat([lin.weight.detach().to(dtype) for lin in linears])
+            if quant is not None and weight.shape[1] % BLOCK == 0:
+                return PackedLinear.quantized(weight, bias, FORMATS[quant])
+            return PackedLinear(weight, bias, encode=False)
+
+        def norm(module: RMSNorm | None) -> torch.Tensor | None:
+            return None if module is None else module.weight.detach().to(dtype)
+
+        self.fc = packed(drafter.fc)
+        eps = self.config.rms_norm_eps
+        self.layers = [LayerWeights(input_norm=norm(layer.input_layernorm), input_eps=eps,
+                                    qkv=packed(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                                    o=packed(layer.self_attn.o_proj), post_norm=norm(layer.post_attention_layernorm),
+                                    post_eps=eps, gate_up=packed(layer.mlp.gate_proj, layer.mlp.up_proj),
+                                    down=packed(layer.mlp.down_proj))
+                       for layer in drafter.layers]
+        self.lm_head = None if drafter.lm_head is None else packed(drafter.lm_head)
+        to_huge_pages([self.fc] + [lin for layer in self.layers for lin in layer.matrices()]
+                      + ([self.lm_head] if self.lm_head is not None else []))
+        self.d2t = drafter.d2t
+        self._cos = self._sin = torch.empty(0, self.config.head_dim, dtype=dtype, device=drafter.fc.weight.device)
+        on_cpu = drafter.fc.weight.device.type == "cpu"
+        compiled = cpu_kernels() if dtype == torch.float32 and on_cpu and attention_fits(self.config.head_dim) else None
+        self.stack = None if compiled is None else decoder_stack(compiled, self.config.num_attention_heads,
+                                                                 1.0 / math.sqrt(self.config.head_dim), self.layers)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, 1, T, d] for positions [B, T], from tables grown to the largest position seen."""
+        need = int(positions.max()) + 1
+        if need > self._cos.shape[0]:
+            size = max(need, 2 * self._cos.shape[0], 256)
+            angles = rotary_angles(torch.arange(size, device=positions.device), self.config.head_dim,
+                                   self.config.rope_theta)
+            self._cos, self._sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        return self._cos[positions][:, None], self._sin[positions][:, None]
+
+    @torch.inference_mode()
+    def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
+                cache: StaticCache | None = None, attention_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``Drafter.forward``: [B, T, H] features and next-token embeddings -> predicted features."""
+        cfg = self.config
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        x = self.fc(fc_input(features, token_embeds, cfg))
+        b, t, _ = x.shape
+        cos, sin = self._rotary(positions)
+        if self.stack is not None and cache is not None and b == 1 and t <= STREAM_MAX_ROWS:
+            # the layers in one call of the compiled kernels, x updated in place
+            like = x.new_empty(1, nkv, t, d)  # a layer's new keys, for the cache
+            bias = None if attention_bias is None else attention_bias[0, 0].contiguous()  # None: causal
+            self.stack.forward(x[0], cos[0, 0], sin[0, 0], cache.keys, cache.values, cache.reserve_layers(like), bias,
+                               False, [])
+            return x
+        past = cache.get_seq_length() if cache is not None else 0
+        if attention_bias is None:
+            attention_bias = causal_bias(t, past, x.dtype, x.device)
+        for i, layer in enumerate(self.layers):
+            h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, layer.input_eps)
+            qk, v = layer.qkv(h).view(b, t, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
+            q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)  # queries and keys rotated together
+            if cache is not None:
+                k, v = cache.update(i, k, v)
+            out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_bias.to(x.dtype),
+                                                             enable_gqa=nkv != nh, scale=1.0 / math.sqrt(d))
+            x = x + layer.o(out.transpose(1, 2).reshape(b, t, nh * d))
+            gate, up = layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps)).split(cfg.intermediate_size, dim=-1)
+            x = x + layer.down(nn.functional.silu(gate) * up)
+        return x

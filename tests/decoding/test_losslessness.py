@@ -1,0 +1,221 @@
+"""Sampling is lossless: the first 3 generated tokens follow the target's exact distribution.
+
+The exact distribution is enumerated from the tiny target (vocabulary 6: 216 triples); 20k
+seeded generations are compared with a chi-square test. Each check also runs a negative
+control (a deliberately broken acceptance rule) that the same test must reject."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from eagle import EagleModel
+from eagle.decoding import acceptance
+from eagle.config import SamplingConfig
+from eagle.drafting.drafter import Drafter
+from eagle.decoding.sampling import logits_to_probs, sample
+
+from tests.conftest import tiny_drafter, tiny_target
+
+VOCAB, PROMPT, SAMPLES, ALPHA = 6, [1, 2, 3], 20000, 1e-3
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model():
+    target = tiny_target(vocab_size=VOCAB, hidden=16, layers=1, init_std=0.5)
+    draft = tiny_target(vocab_size=VOCAB, hidden=16, layers=1, init_std=0.5, seed=9)
+    return EagleModel.from_pretrained(target, drafter=tiny_drafter(target), draft_model=draft.model,
+                                      total_tokens=6, depth=3, top_k=2, gamma=2)
+
+
+@pytest.fixture(scope="module")
+def spread(model):
+    """A drafter whose distributions are spread out (unscaled random weights). ``tiny_drafter``'s
+    are all but point masses on this target (root: 0.69 / 0.31 over two tokens, below it one
+    token), which hides some errors in how drawn children are judged: told the wrong draw
+    temperature, its tree still passed the chi-square check (p = 0.32); with this one it fails
+    (p = 0). (The rejected-draws-kept-in-q control is the other way round: see below.)"""
+    torch.manual_seed(1)
+    return Drafter.from_target(model.target).eval()
+
+
+def exact_triples(model: EagleModel, sampling: SamplingConfig, prompt: list[int] = PROMPT) -> torch.Tensor:
+    """P(x1, x2, x3 | prompt) [V, V, V] by enumerating every 2-token continuation."""
+    pairs = torch.tensor(list(itertools.product(range(VOCAB), repeat=2)))
+    ids = torch.cat([torch.tensor(prompt).expand(len(pairs), -1), pairs], dim=1)
+    with torch.no_grad():
+        logits = model.target.model(ids).logits[:, len(prompt) - 1:]
+    probs = logits_to_probs(logits, sampling)  # [V*V, 3, V]
+    p1 = probs[0, 0]
+    p2 = probs[:, 1].reshape(VOCAB, VOCAB, VOCAB)[:, 0]  # [x1, x2]
+    p3 = probs[:, 2].reshape(VOCAB, VOCAB, VOCAB)  # [x1, x2, x3]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def sampled_triples(model: EagleModel, method: str, sampling: SamplingConfig, n: int,
+                    prompt: list[int] = PROMPT) -> torch.Tensor:
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
+    for seed in range(n):
+        out = model.generate(prompt, method=method, max_new_tokens=3, temperature=sampling.temperature,
+                             top_p=sampling.top_p, seed=seed)
+        counts[tuple(out.token_ids)] += 1
+    return counts
+
+
+def chi_square_p(counts: torch.Tensor, exact: torch.Tensor) -> float:
+    """Goodness of fit; cells expected below 5 are pooled into one. A sample of a triple the
+    target gives probability 0 (outside the top-p nucleus, say) fails outright (p = 0)."""
+    n = counts.sum()
+    expected, observed = (exact.flatten() * n), counts.flatten()
+    possible = exact.flatten() > 0
+    if observed[~possible].sum() > 0:
+        return 0.0
+    expected, observed = expected[possible], observed[possible]
+    big = expected >= 5
+    exp, obs = expected[big], observed[big]
+    if (~big).any():
+        exp = torch.cat([exp, expected[~big].sum()[None]])
+        obs = torch.cat([obs, observed[~big].sum()[None]])
+    assert obs.sum() == n
+    return float(chisquare(obs.numpy(), exp.numpy() * (obs.sum() / exp.sum()).item()).pvalue)
+
+
+def skip_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return p  # broken: resample from p after a rejection instead of normalize(max(0, p - q))
+
+
+def no_renormalization(tokens, parents, target_probs, generator, child_probs=None, drawn=None):
+    """Broken tree rule: rejected siblings keep their mass and the fallback draws from the full p."""
+    kids = acceptance.children_of(parents)
+    node, accepted = 0, [0]
+    while True:
+        p = target_probs[node]
+        for child in kids[node]:
+            if torch.rand(1, generator=generator).item() < p[int(tokens[child])].item():
+                node = child
+                accepted.append(child)
+                break
+        else:
+            return acceptance.Acceptance(nodes=torch.tensor(accepted), next_token=int(sample(p, generator)))
+
+
+def test_speculative_sampling_is_lossless_and_the_check_has_teeth(model, monkeypatch):
+    sampling = SamplingConfig(temperature=1.0)
+    exact = exact_triples(model, sampling)
+    assert chi_square_p(sampled_triples(model, "sd", sampling, SAMPLES), exact) > ALPHA
+    monkeypatch.setattr(acceptance, "residual_distribution", skip_residual)
+    assert chi_square_p(sampled_triples(model, "sd", sampling, SAMPLES // 2), exact) < ALPHA
+
+
+@pytest.mark.parametrize("top_p, lookup_tokens, sampled, temperature, total, scale, support",
+                         [(1.0, 10, False, 1.0, 6, 1.0, 0), (0.8, 10, False, 1.0, 6, 1.0, 0),
+                          (1.0, 0, False, 1.0, 6, 1.0, 0), (1.0, 10, True, 1.0, "auto", 0.85, 0),
+                          (0.8, 10, True, 0.7, 6, 0.5, 3), (1.0, 0, True, 1.0, 6, 0.85, 2)])
+def test_tree_sampling_is_lossless(model, spread, top_p, lookup_tokens, sampled, temperature, total, scale, support,
+                                   tmp_path, monkeypatch):
+    """``lookup_tokens``: prompt-lookup drafts grafted onto the tree (with 6 tokens, the last one
+    has mostly occurred before from the second step on, so lookup drafts compete for the slots).
+    ``sampled``: children drawn from the drafter and recursive speculative decoding (else the
+    drafter's top-k children as deterministic drafts; drawn from the ``spread`` drafter); "auto"
+    sizes them from past rounds. ``scale``: children drawn at the temperature times it
+    (``draw_temperature_scale``); ``support``: drawn among the drafter's 3 or 2 most likely of the
+    6 tokens (``draw_support``; 0: all 6)."""
+    import eagle.decoding.tree_sizing
+
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
+    monkeypatch.setattr(eagle.decoding.tree_sizing, "NOISY", float("inf"))
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p)
+    exact = exact_triples(model, sampling)
+    tree = dataclasses.replace(model.tree, lookup_tokens=lookup_tokens, sampled=sampled, total_tokens=total,
+                               draw_temperature_scale=scale, draw_support=support)
+    tree_model = EagleModel(model.target, spread if sampled else model.drafter, tree=tree)
+    counts = sampled_triples(tree_model, "eagle-tree", sampling, SAMPLES)
+    assert chi_square_p(counts, exact) > ALPHA
+
+
+def test_sampled_tree_with_lookup_grafts_is_lossless(model):
+    """A prompt that repeats itself, so that prompt-lookup chains join the drawn tree in most
+    rounds (~70%; with ``PROMPT`` ~10%), as new nodes after the drawn ones, judged as point masses."""
+    sampling, prompt = SamplingConfig(temperature=1.0), [1, 2, 3, 1, 2]
+    tree_model = EagleModel(model.target, model.drafter, tree=dataclasses.replace(model.tree, lookup_tokens=10))
+    counts = sampled_triples(tree_model, "eagle-tree", sampling, SAMPLES, prompt)
+    assert chi_square_p(counts, exact_triples(model, sampling, prompt)) > ALPHA
+
+
+def test_sharpened_draws_are_lossless_and_must_be_judged_by_what_they_came_from(model, spread, monkeypatch):
+    """Children drawn at half the temperature (``draw_temperature_scale`` 0.5): the output follows
+    the target, and the same check rejects a rule told the distribution at the full temperature."""
+    import eagle.decoding.proposers as proposers
+
+    sampling = SamplingConfig(temperature=1.0)
+    exact = exact_triples(model, sampling)
+    sharp = EagleModel(model.target, spread, tree=dataclasses.replace(model.tree, draw_temperature_scale=0.5))
+    assert chi_square_p(sampled_triples(sharp, "eagle-tree", sampling, SAMPLES), exact) > ALPHA
+    told = proposers.DrawDistributions.support
+    monkeypatch.setattr(proposers.DrawDistributions, "support",
+                        lambda rows, node: told(dataclasses.replace(rows, temperature=rows.temperature / 0.5), node))
+    assert chi_square_p(sampled_triples(sharp, "eagle-tree", sampling, SAMPLES // 2), exact) < ALPHA
+
+
+def test_draws_among_the_top_tokens_must_be_judged_by_that_support(model, spread, monkeypatch):
+    """Children drawn among the drafter's 2 most likely tokens (``draw_support`` 2) but the rule
+    told the distribution over all 6 tokens they were not drawn from: the check rejects it (the
+    same setting told the truth passes in ``test_tree_sampling_is_lossless``)."""
+    import eagle.decoding.proposers as proposers
+
+    drawn_among_top = proposers.EagleDrafter._children
+
+    def untold(self, parent_scores, logprobs, k, nodes):
+        out = drawn_among_top(self, parent_scores, logprobs, k, nodes)
+        everything = torch.arange(logprobs.shape[-1]).expand(logprobs.shape[0], -1)
+        self.drawn_from.update(zip(nodes, zip(everything, logprobs)))
+        return out
+
+    monkeypatch.setattr(proposers.EagleDrafter, "_children", untold)
+    sampling = SamplingConfig(temperature=1.0)
+    tree = dataclasses.replace(model.tree, lookup_tokens=0, draw_temperature_scale=0.85, draw_support=2)
+    counts = sampled_triples(EagleModel(model.target, spread, tree=tree), "eagle-tree", sampling, SAMPLES // 2)
+    assert chi_square_p(counts, exact_triples(model, sampling)) < ALPHA
+
+
+def test_tree_sampling_negative_control_is_rejected(model, monkeypatch):
+    sampling = SamplingConfig(temperature=1.0)
+    monkeypatch.setattr(acceptance, "recursive_rejection_tree", no_renormalization)
+    deterministic = EagleModel(model.target, model.drafter, tree=dataclasses.replace(model.tree, sampled=False))
+    counts = sampled_triples(deterministic, "eagle-tree", sampling, SAMPLES // 2)
+    assert chi_square_p(counts, exact_triples(model, sampling)) < ALPHA
+
+
+def without_replacement_ignored(tokens, parents, target_probs, generator, child_probs, drawn):
+    """Broken sampled-tree rule: a rejected draw stays in q, so later draws are judged by a q
+    they were not drawn from (a deterministic draft: as a point mass)."""
+    kids = acceptance.children_of(parents)
+    node, accepted = 0, [0]
+    while True:
+        r = target_probs[node].double()
+        for child in kids[node]:
+            x = int(tokens[child])
+            q = child_probs[node].double() if drawn[child] else torch.nn.functional.one_hot(
+                torch.tensor(x), r.shape[-1]).double()
+            if torch.rand(1, generator=generator).item() * q[x] < r[x]:
+                node = child
+                accepted.append(child)
+                break
+            r = acceptance.residual_distribution(r, q)
+        else:
+            return acceptance.Acceptance(nodes=torch.tensor(accepted), next_token=int(sample(r, generator)))
+
+
+def test_sampled_tree_negative_control_is_rejected(model, monkeypatch):
+    """With the peaked drafter: there a rejected draw left in q costs the most (a second draw is
+    judged by a q that still gives the first token ~0.7); with ``spread`` this control passes."""
+    sampling = SamplingConfig(temperature=1.0)
+    monkeypatch.setattr(acceptance, "recursive_rejection_tree", without_replacement_ignored)
+    counts = sampled_triples(model, "eagle-tree", sampling, SAMPLES // 2)
+    assert chi_square_p(counts, exact_triples(model, sampling)) < ALPHA

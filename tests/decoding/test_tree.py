@@ -1,0 +1,280 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from eagle.decoding.tree import DraftTree, best_frontier, chain_tree, graft_chains, kept_nodes, static_layout, subtree, topk_children
+from eagle.decoding.tree_mask import tree_attention
+
+
+def test_topk_children_scores_add_parent_score():
+    lp = torch.log_softmax(torch.randn(3, 10), -1)
+    tokens, scores = topk_children(torch.tensor([0.0, -1.0, -2.0]), lp, 4)
+    assert tokens.shape == scores.shape == (3, 4)
+    assert torch.allclose(scores, torch.tensor([0.0, -1.0, -2.0])[:, None] + lp.gather(1, tokens))
+    assert (scores[:, :-1] >= scores[:, 1:]).all()
+
+
+def brute_force_rerank(parents, scores, keep):
+    """Sort all non-root nodes by (score desc, index asc); take ``keep``; check it is a subtree."""
+    order = sorted(range(1, len(scores)), key=lambda i: (-scores[i], i))[:keep]
+    return [0] + sorted(order)
+
+
+def test_kept_nodes_are_the_best_nodes_and_form_a_subtree():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        n = 2 + trial
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+        scores = [0.0]
+        for i in range(1, n):  # a child scores at most its parent (log-probabilities are <= 0)
+            drop = 0.0 if trial % 5 == 0 else -float(torch.rand(1, generator=gen))
+            scores.append(scores[parents[i]] + drop)
+        tokens = torch.arange(n) + 100
+        keep = 1 + trial % 7
+        tree = subtree(tokens, torch.tensor(parents), torch.tensor(scores), kept_nodes(torch.tensor(scores), keep + 1))
+        expected = brute_force_rerank(parents, scores, keep)
+        assert tree.tokens.tolist() == [100 + i for i in expected]
+        assert tree.size <= keep + 1
+        assert tree.parents[0] == -1 and all(0 <= p < i for i, p in enumerate(tree.parents.tolist()) if i)
+        for i, p in enumerate(tree.parents.tolist()[1:], start=1):  # parent mapping preserved
+            assert tree.tokens[p] - 100 == parents[int(tree.tokens[i]) - 100]
+
+
+def token_paths(tokens, parents):
+    """Brute force: node -> the tuple of tokens from the root's child down to it (root: ())."""
+    paths = {}
+    for i, p in enumerate(parents):
+        paths[i] = () if p < 0 else paths[p] + (tokens[i],)
+    return paths
+
+
+def test_graft_chains_adds_exactly_the_chain_prefixes_below_its_node_and_keeps_a_pool():
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(60):
+        n = 1 + trial % 15
+        parents, tokens, scores = [-1], [9], [0.0]
+        while len(parents) < n:  # distinct tokens among siblings from a vocabulary of 4, so chains often overlap
+            p = int(torch.randint(0, len(parents), (1,), generator=gen))
+            free = [t for t in range(4) if all(not (q == p and tokens[j] == t) for j, q in enumerate(parents))]
+            if not free:
+                continue
+            parents.append(p)
+            tokens.append(free[int(torch.randint(0, len(free), (1,), generator=gen))])
+            scores.append(scores[p] - float(torch.rand(1, generator=gen)))
+        at = int(torch.randint(0, len(parents), (1,), generator=gen)) if trial % 2 else 0
+        chain = torch.randint(0, 4, (1 + trial % 5,), generator=gen)
+        chain_scores = scores[at] - torch.rand(chain.shape[0], generator=gen).cumsum(0)
+        pool = DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores))
+        out = graft_chains(pool, [(chain.tolist(), (chain_scores - scores[at]).tolist(), at)])
+        before = token_paths(tokens, parents)
+        after = token_paths(out.tokens.tolist(), out.parents.tolist())
+        prefixes = {before[at] + tuple(chain[:d].tolist()): float(chain_scores[d - 1])
+                    for d in range(1, chain.shape[0] + 1)}
+        assert set(after.values()) == set(before.values()) | set(prefixes) | {()}
+        assert len(set(after.values())) == out.size  # no two siblings share a token
+        assert out.tokens[:len(tokens)].tolist() == tokens and out.parents[:len(parents)].tolist() == parents
+        assert all(0 <= p < i for i, p in enumerate(out.parents.tolist()) if i)
+        old = {path: scores[i] for i, path in before.items()}
+        for i, path in after.items():
+            want = max(old.get(path, -float("inf")), prefixes.get(path, -float("inf"))) if i else 0.0
+            assert out.scores[i].item() == pytest.approx(want)
+            if i:
+                assert out.scores[i] <= out.scores[out.parents[i]] + 1e-6  # kept_nodes' precondition still holds
+        # several chains in one call: as grafting them one after another (the second at a node the first made)
+        second = (torch.randint(0, 4, (3,), generator=gen).tolist(), [-0.5, -0.7, -1.5], out.size - 1)
+        both = graft_chains(pool, [(chain.tolist(), (chain_scores - scores[at]).tolist(), at), second])
+        one_by_one = graft_chains(out, [second])
+        assert torch.equal(both.tokens, one_by_one.tokens) and torch.equal(both.parents, one_by_one.parents)
+        assert torch.allclose(both.scores, one_by_one.scores)
+        apart = graft_chains(pool, [(chain.tolist(), [0.0] * chain.shape[0], 0)] * 2, share=False)
+        assert apart.size == pool.size + 2 * chain.shape[0]  # share=False: always new nodes
+
+
+def test_best_frontier_is_stable():
+    assert best_frontier([-1.0, -0.5, -0.5, -3.0], 2) == [1, 2]
+    assert best_frontier([-1.0, -0.5], 5) == [1, 0]
+
+
+def test_chain_tree():
+    tree = chain_tree(7, torch.tensor([1, 2, 3]))
+    assert tree.tokens.tolist() == [7, 1, 2, 3] and tree.parents.tolist() == [-1, 0, 1, 2]
+
+
+def test_static_layout_from_choices():
+    layout = static_layout([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    assert layout.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3]
+    assert layout.ranks.tolist() == [0, 0, 1, 0, 1, 0, 0]
+    assert layout.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert torch.equal(tree_attention(layout.parents).depths, layout.depths)
+    with pytest.raises(ValueError):
+        static_layout([[0, 1]])
+
+
+def test_auto_tree_size_follows_the_cost_curve():
+    from eagle.decoding.tree_sizing import CostCurve, choose_tree_size
+
+    scores = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.3, 0.1, 0.05, 0.01])).tolist()
+    flat = CostCurve(sizes=[1, 64], seconds=[1.0, 1.0])  # a GPU-like curve: more tokens are free
+    assert choose_tree_size(scores, flat.per_token, draft_seconds=0.0).size == 8
+    steep = CostCurve(sizes=[1, 2, 64], seconds=[1.0, 2.0, 64.0])  # every token costs a full forward
+    assert choose_tree_size(scores, steep.per_token, draft_seconds=0.0).size == 1
+    cpu = CostCurve(sizes=[1, 4, 16, 64], seconds=[1.0, 1.5, 2.0, 4.4])
+    choice = choose_tree_size(scores, cpu.per_token, draft_seconds=0.5)
+    assert choice.size == 6 and choice.tokens_per_second == pytest.approx(3.8 / (0.5 + 1.5 + 0.5 * 2 / 12))
+    assert cpu.at(8) == pytest.approx(1.5 + 0.5 * 4 / 12) and cpu.at(128) == pytest.approx(8.8)
+
+
+def test_a_deeper_tree_is_drafted_only_where_it_pays():
+    from eagle.decoding.tree_sizing import CostCurve, expansion_floor
+
+    curve = CostCurve(sizes=[1, 2, 3, 4], seconds=[1.0, 1.1, 1.3, 1.8]).per_token
+    pool = [math.log(0.6), math.log(0.2)]  # the root's children, both expandable
+    # the 0.6 node's best child expected at 0.6 * 0.8: root + 2 nodes, 2.08 tokens in 0.2 + 1.3 s, beat the
+    # best size now (root + 1 node, 1.6 tokens in 0.1 + 1.1 s); the 0.2 node's child would not be kept
+    floor = expansion_floor(pool, pool, curve, draft_seconds=0.1, step_seconds=0.1, child_logprob=math.log(0.8))
+    assert floor == pytest.approx(math.log(0.6))
+    assert expansion_floor(pool, pool, curve, 0.1, step_seconds=0.3, child_logprob=math.log(0.8)) is None  # dear call
+    assert expansion_floor(pool, pool, curve, 0.1, 0.1, child_logprob=math.log(0.5)) is None  # unlikely child
+    assert expansion_floor(pool, pool, curve, 0.1, 0.1, math.log(0.8), calibration=[0.5]) is None  # overconfident
+    assert expansion_floor(pool, pool[1:], curve, 0.1, 0.1, math.log(0.8)) is None  # only the 0.2 node can grow
+    free = CostCurve(sizes=[1, 64], seconds=[1.0, 1.0]).per_token  # more tokens cost nothing: every candidate grows
+    assert expansion_floor(pool, pool, free, 0.1, 0.0, math.log(0.8)) == pytest.approx(math.log(0.2))
+
+
+def test_sizing_maps_the_curve_onto_measured_round_costs_by_weighted_least_squares():
+    from eagle.decoding.tree_sizing import measured_costs
+
+    prior = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert measured_costs(prior, {}, {}) == prior
+    assert measured_costs(prior, {2: 3.0, 4: 7.0, 9: 1.0}, {}) == pytest.approx([1.0, 3.0, 5.0, 7.0, 9.0])  # 2x - 1
+    assert measured_costs(prior, {1: 0.5}, {1: 4.0}) == pytest.approx([0.5, 1.5, 2.5, 3.5, 4.5])  # one size: a shift
+    assert measured_costs(prior, {1: 1.0, 2: 100.0}, {})[:2] == pytest.approx([49.0, 52.0])  # slope at most 3
+    rng = np.random.default_rng(0)  # against numpy's weighted fit
+    measured = {n: 0.7 + 1.3 * prior[n - 1] + rng.normal(0, 0.1) for n in (1, 3, 4)}
+    weights = {1: 2.0, 3: 5.0, 4: 1.0}
+    a, b = np.polyfit([prior[n - 1] for n in measured], list(measured.values()), 1,
+                      w=[math.sqrt(weights[n]) for n in measured])
+    assert measured_costs(prior, measured, weights) == pytest.approx([a * x + b for x in prior])
+
+
+def test_sizing_learns_calibration_per_rank_and_running_costs():
+    from eagle.decoding.tree_sizing import (AVERAGING, CALIBRATED_RANKS, CHILD_PROB_PRIOR, PRIOR_MASS, REFIT_ROUNDS, CostCurve,
+                              Sizing, choose_tree_size)
+
+    sizing = Sizing(CostCurve(sizes=[1, 2, 3], seconds=[1.0, 2.0, 3.0]))
+    assert sizing.calibration == [1.0] * CALIBRATED_RANKS  # face value
+    assert sizing.costs == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]  # the curve, extrapolated as choose_tree_size reads it
+    for _ in range(10):  # the best draft said 0.5 and was always accepted, the second said 0.4 and never was
+        sizing.record_drafts([0.5, 0.4, 0.1, 0.1], [True, False, False, True])
+    assert sizing.calibration == pytest.approx([(10 + PRIOR_MASS) / (5 + PRIOR_MASS), 0.25,
+                                                (10 + PRIOR_MASS) / (2 + PRIOR_MASS)])  # the third rank: all past it
+    scores = [math.log(0.5), math.log(0.4)]
+    flat = [1.0, 1.0, 1.0]
+    assert choose_tree_size(scores, flat, 0.0).tokens_per_second == pytest.approx(1.9)
+    assert choose_tree_size(scores, flat, 0.0, sizing.calibration).tokens_per_second == pytest.approx(
+        1 + 0.5 * sizing.calibration[0] + 0.4 * 0.25)
+    calibration = list(sizing.calibration)
+    sizing.record_round(2, 2.5)  # a size not timed before: fitted at once
+    assert sizing.calibration == calibration  # timing a round leaves what the drafts taught alone
+    assert sizing.costs[:3] == pytest.approx([1.5, 2.5, 3.5])  # one size measured: the curve shifted onto it
+    sizing.record_round(2, 3.5)  # a running average: the first sets it
+    assert sizing.round_seconds == {2: pytest.approx(2.5 + AVERAGING)} and sizing.rounds == {2: 2}
+    assert sizing.costs[:3] == pytest.approx([1.5, 2.5, 3.5])  # not refitted for every round
+    for _ in range(REFIT_ROUNDS - 1):
+        sizing.record_round(2, 2.5 + AVERAGING)
+    assert sizing.costs[:3] == pytest.approx([1.6, 2.6, 3.6])
+    sizing.record_step(0.2, [0.9, 0.9])
+    assert sizing.step_seconds == 0.2 and sizing.child_prob > CHILD_PROB_PRIOR
+
+
+def test_measured_costs_are_fitted_non_decreasing_by_least_squares():
+    """Against brute force: the best non-decreasing fit on a grid is no better than the PAV fit."""
+    import itertools
+
+    from eagle.decoding.tree_sizing import non_decreasing
+
+    assert non_decreasing([43.0, 46.0, 37.5, 39.7, 43.8, 54.0]) == pytest.approx([41.55] * 4 + [43.8, 54.0])
+    assert non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0] and non_decreasing([]) == []
+    gen = torch.Generator().manual_seed(0)
+    grid = [i / 4 for i in range(13)]  # 0 .. 3 in quarters
+    for _ in range(20):
+        values = (torch.randint(0, 13, (4,), generator=gen) / 4).tolist()
+        fit = non_decreasing(values)
+        assert all(a <= b for a, b in zip(fit, fit[1:])) and sum(fit) == pytest.approx(sum(values))
+        loss = sum((f - v) ** 2 for f, v in zip(fit, values))
+        best = min(sum((f - v) ** 2 for f, v in zip(c, values))
+                   for c in itertools.combinations_with_replacement(grid, 4))
+        assert loss <= best + 1e-9
+
+
+def test_a_cost_step_is_seen_and_the_tree_stops_below_it(target):
+    """CPU kernels block their rows: 6 tree tokens cost what 1 does and 7 a step more. The curve
+    is measured at every small size, and the non-decreasing fit keeps a real step, so auto stops
+    below it; the old coarse curve (1, 4, 8, a line between) put 6 near 8 and chose 8."""
+    from eagle.decoding.tree_sizing import SIZES, CostCurve, choose_tree_size, measure_cost_curve, non_decreasing
+
+    scores = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.3, 0.25, 0.1])).tolist()
+    stepped = CostCurve(sizes=list(range(1, 9)), seconds=non_decreasing([1.0, 1.1, 1.0, 1.0, 1.0, 1.0, 1.15, 1.2]))
+    assert stepped.seconds[5] == pytest.approx(1.02) and stepped.seconds[6] == 1.15  # the step survives the fit
+    assert choose_tree_size(scores, stepped.per_token, draft_seconds=0.2).size == 6
+    coarse = CostCurve(sizes=[1, 4, 8], seconds=[1.05, 1.05, 1.15])
+    assert choose_tree_size(scores, coarse.per_token, draft_seconds=0.2).size == 8
+    curve = measure_cost_curve(target, repeats=1)
+    assert measure_cost_curve(target, sizes=(1, 4), repeats=1, greedy=True).sizes == [1, 4]
+    assert curve.sizes == list(SIZES) and all(s > 0 for s in curve.seconds)
+    assert all(n in curve.sizes for n in range(1, 17))
+
+
+def test_a_noisy_cost_curve_serves_its_process_but_is_not_kept_on_disk(target, tmp_path, monkeypatch):
+    """A curve measured while the machine was busy (timings spread more than ``NOISY``) would
+    steer every later process wrong if cached: it is used by the process that measured it (measured
+    once), and the next process measures again; a steady curve is written to disk."""
+    import eagle.decoding.tree_sizing as budget
+
+    assert budget.relative_spread([1.0]) == 0.0
+    assert budget.relative_spread([1.0, 1.0, 1.0, 1.0, 1.0]) == 0.0
+    assert budget.relative_spread([1.0, 1.0, 2.0, 3.0, 3.0]) == pytest.approx(1.0)  # IQR 2 over median 2
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
+    monkeypatch.setattr(budget, "_UNCACHED", {})
+    spreads = [0.5, 0.5, 0.01]
+    measured = []
+
+    def fake_measure(t, greedy=False):
+        measured.append(spreads[min(len(measured), 2)])
+        return budget.CostCurve(sizes=[1, 2], seconds=[1.0, 1.5], spread=measured[-1])
+
+    monkeypatch.setattr(budget, "measure_cost_curve", fake_measure)
+    noisy = budget.cost_curve(target)
+    assert noisy.spread == 0.5 and budget.cost_curve(target) is noisy and len(measured) == 1
+    assert not list(tmp_path.rglob("*.json"))
+    monkeypatch.setattr(budget, "_UNCACHED", {})  # a new process
+    assert budget.cost_curve(target).spread == 0.5 and len(measured) == 2
+    monkeypatch.setattr(budget, "_UNCACHED", {})
+    steady = budget.cost_curve(target)
+    assert steady.spread == 0.01 and len(list(tmp_path.rglob("*.json"))) == 1
+    monkeypatch.setattr(budget, "_UNCACHED", {})
+    assert budget.cost_curve(target) == steady and len(measured) == 3  # read back from disk
+    budget.cost_curve(target, greedy=True)  # greedy rounds have a curve of their own
+    assert len(measured) == 4 and len(list(tmp_path.rglob("*.json"))) == 2
+
+
+def test_sampled_children_are_draws_without_replacement_scored_by_rank():
+    """First draw ~ softmax(logprobs / T); second draw ~ q(b | not a) summed over a; the scores
+    are the parent's plus the top-k log-probabilities whatever was drawn."""
+    from eagle.decoding.tree import sampled_children
+
+    q = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    lp = q.log()[None].expand(20000, -1)
+    gen = torch.Generator().manual_seed(0)
+    tokens, scores = sampled_children(torch.full((20000,), -1.0), lp, 2, 1.0, gen)
+    assert torch.allclose(scores, (-1.0 + q.log().topk(2).values).expand(20000, -1))
+    assert (tokens[:, 0] != tokens[:, 1]).all()
+    first = torch.bincount(tokens[:, 0], minlength=4) / 20000.0
+    second = torch.bincount(tokens[:, 1], minlength=4) / 20000.0
+    expect_second = torch.stack([sum(q[a] * q[b] / (1 - q[a]) for a in range(4) if a != b) for b in range(4)])
+    assert (first - q).abs().max() < 0.015 and (second - expect_second).abs().max() < 0.015
+    cold = torch.softmax(q.log() / 0.5, -1)  # temperature 0.5 sharpens the draws
+    tokens, _ = sampled_children(torch.zeros(20000), lp, 1, 0.5, gen)
+    assert (torch.bincount(tokens[:, 0], minlength=4) / 20000.0 - cold).abs().max() < 0.015

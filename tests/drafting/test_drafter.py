@@ -1,0 +1,225 @@
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from eagle import Drafter, EagleError, EagleModel
+from eagle.drafting.drafter import LeanDrafter
+from eagle.decoding.tree_mask import attention_bias, tree_attention
+
+from tests.conftest import prompts, tiny_drafter, tiny_target
+
+
+def test_save_and_load_round_trip(tmp_path, target, drafter):
+    drafter.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = Drafter.from_pretrained(tmp_path, target=target)
+    dev = target.device
+    feats, embeds = torch.randn(1, 5, 32, device=dev), torch.randn(1, 5, 32, device=dev)
+    pos = torch.arange(5, device=dev)[None]
+    assert torch.equal(loaded(feats, embeds, pos), drafter(feats, embeds, pos))
+    assert loaded.config == drafter.config
+    assert not any("embed" in k for k in loaded.state_dict())  # the target's embedding is not stored
+
+
+def test_drafter_for_another_target_is_refused(tmp_path, drafter):
+    drafter.save_pretrained(tmp_path)
+    with pytest.raises(EagleError, match="built for"):
+        Drafter.from_pretrained(tmp_path, target=tiny_target(vocab_size=40))
+    with pytest.raises(EagleError, match="tokenizer differs"):
+        same_shape = tiny_target(seed=1)
+        same_shape.tokenizer.add_tokens(["zz"])
+        Drafter.from_pretrained(tmp_path, target=same_shape)
+    with pytest.raises(EagleError, match="built for"):
+        EagleModel.from_pretrained(tiny_target(hidden=48), drafter=str(tmp_path))
+
+
+def test_cached_forward_equals_full_forward(drafter):
+    dev = drafter.fc.weight.device
+    feats, embeds = torch.randn(1, 7, 32, device=dev), torch.randn(1, 7, 32, device=dev)
+    pos = torch.arange(7, device=dev)[None]
+    full = drafter(feats, embeds, pos)
+    cache = drafter.new_cache()
+    first = drafter(feats[:, :4], embeds[:, :4], pos[:, :4], cache)
+    rest = drafter(feats[:, 4:], embeds[:, 4:], pos[:, 4:], cache)
+    assert torch.allclose(torch.cat([first, rest], 1), full, atol=1e-5)
+
+
+def test_reduced_draft_vocabulary(target):
+    counts = torch.zeros(32)
+    counts[[3, 7, 9, 20, 31]] = torch.tensor([5.0, 9.0, 1.0, 4.0, 2.0])
+    small = tiny_drafter(target, draft_vocab_size=4)
+    assert small.lm_head.weight.shape == (4, 32)
+    small = Drafter.from_target(target, token_counts=counts, draft_vocab_size=4)
+    assert small.d2t.tolist() == [3, 7, 20, 31]  # the 4 most frequent, in id order
+    assert torch.equal(small.lm_head.weight, target.model.lm_head.weight[[3, 7, 20, 31]])
+    assert small.to_target_ids(torch.tensor([0, 2])).tolist() == [3, 20]
+    model = EagleModel.from_pretrained(target, drafter=small, total_tokens=8, depth=3, top_k=2)
+    for ids in prompts(5):
+        assert model.generate(ids, method="eagle-tree", max_new_tokens=12).token_ids == \
+            model.generate(ids, method="ar", max_new_tokens=12).token_ids
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tree_forward_matches_sequential_decoding(family):
+    """Every tree node's logits equal those of running its root-to-node path causally."""
+    t = tiny_target(family=family, seed=2)
+    dev = t.device
+    torch.manual_seed(0)
+    prefix = torch.randint(1, 32, (1, 5), device=dev)
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3])
+    tokens = torch.randint(1, 32, (7,), device=dev)
+    attn = tree_attention(parents)
+    cache = DynamicCache(config=t.model.config)
+    t.forward(prefix, torch.arange(5, device=dev)[None], cache)
+    bias = attention_bias(attn.mask, 5, torch.float32).to(dev)
+    tree_logits = t.forward(tokens[None], (5 + attn.depths)[None].to(dev), cache, bias).logits[0]
+    for node in range(7):
+        path = [j for j in range(7) if attn.mask[node, j]]
+        seq = torch.cat([prefix[0], tokens[path]])[None]
+        ref = t.model(seq).logits[0, -1]
+        assert torch.allclose(tree_logits[node], ref, atol=1e-4), (family, node)
+
+
+def test_qwen2_greedy_tree_matches_ar():
+    t = tiny_target(family="qwen2", seed=4)
+    model = EagleModel.from_pretrained(t, drafter=tiny_drafter(t), total_tokens=10, depth=4, top_k=3)
+    for ids in prompts(10, seed=2):
+        assert model.generate(ids, method="eagle-tree", max_new_tokens=16).token_ids == \
+            model.generate(ids, method="ar", max_new_tokens=16).token_ids
+
+
+def test_draft_vocabulary_resize_keeps_trained_rows_and_maps_new_ones():
+    tiny = tiny_target(vocab_size=64, hidden=16, seed=3)
+    drafter = tiny_drafter(tiny, draft_vocab_size=24)  # ids 0..23
+    rows = tiny.model.get_output_embeddings().weight
+    dev = tiny.device
+    mapping = torch.randn(16, 16, device=dev)
+    with torch.no_grad():  # a head that is exactly the target's rows through a linear map: the fit recovers it
+        drafter.lm_head.weight.copy_(rows[drafter.d2t] @ mapping)
+    ids = torch.tensor(sorted(set(range(2, 24)) | {30, 41, 63}), device=dev)
+    resized = drafter.with_draft_vocab(ids, tiny)
+    assert resized.config.draft_vocab_size == 25 and torch.equal(resized.d2t, ids)
+    hidden = torch.randn(5, 16, device=dev)
+    old, new = drafter.draft_logits(hidden, None), resized.draft_logits(hidden, None)
+    assert torch.equal(new[:, :22], old[:, 2:24])  # kept tokens: the trained rows, unchanged
+    torch.testing.assert_close(new[:, 22:], hidden @ (rows[ids[22:]] @ mapping).T, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(resized.fc.weight, drafter.fc.weight)
+    with pytest.raises(EagleError, match="sorted, unique"):
+        drafter.with_draft_vocab(torch.tensor([5, 3]), tiny)
+
+
+@pytest.mark.parametrize("layers, draft_vocab", [(1, None), (2, 8)])
+def test_lean_drafter_computes_what_the_drafter_does(target, layers, draft_vocab):
+    drafter = tiny_drafter(target, num_layers=layers, draft_vocab_size=draft_vocab)
+    lean = LeanDrafter(drafter)
+    dev = target.device
+    torch.manual_seed(0)
+    f, e, pos = torch.randn(1, 9, 32, device=dev), torch.randn(1, 9, 32, device=dev), torch.arange(9, device=dev)[None]
+    with torch.inference_mode():
+        whole = drafter(f, e, pos)
+        assert torch.allclose(lean(f, e, pos), whole, rtol=1e-4, atol=1e-4 * whole.abs().max().item())
+        cache = lean.new_cache()  # cached in two pieces, positions past the first rotary table size
+        lean(f[:, :4], e[:, :4], torch.arange(300, 304, device=dev)[None], cache)
+        rest = lean(f[:, 4:], e[:, 4:], torch.arange(304, 309, device=dev)[None], cache)
+        ref = drafter(f, e, torch.arange(300, 309, device=dev)[None])[:, 4:]
+        assert torch.allclose(rest, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        h = whole[0, :3]
+        assert torch.allclose(lean.draft_logits(h, target.lm_head), drafter.draft_logits(h, target.lm_head), atol=1e-3)
+    assert torch.equal(lean.to_target_ids(torch.tensor([0, 1])), drafter.to_target_ids(torch.tensor([0, 1])))
+    half = LeanDrafter(drafter, torch.bfloat16)
+    with torch.inference_mode():
+        out = half(f.bfloat16(), e.bfloat16(), pos)
+    assert out.dtype == torch.bfloat16 and (out.float() - whole).norm() < 0.15 * whole.norm()  # bf16: ~3 digits
+
+
+@pytest.mark.parametrize("quant, bits", [("q8_0", 8), ("q4_1", 4)])
+def test_a_quantized_lean_drafter_computes_the_drafter_with_quantized_weights(target, quant, bits):
+    """``LeanDrafter(quant=...)``: each matrix rounded to the block format (``block_quantize``), the
+    rest (norms) as they are, computed in fp32: the plain ``Drafter`` with those weights, in one
+    call and cached in two; a format that is not one, or another dtype, is refused."""
+    from eagle.runtime.block_codes import block_quantize, decode
+
+    drafter = tiny_drafter(target, num_layers=2, draft_vocab_size=8)
+    rounded = copy.deepcopy(drafter).float()
+    with torch.no_grad():
+        for module in rounded.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(decode(block_quantize(module.weight.cpu(), bits)).to(module.weight.device))
+    lean = LeanDrafter(drafter, quant=quant)
+    assert lean.dtype == torch.float32 and lean.quant == quant
+    dev = target.device
+    gen = torch.Generator().manual_seed(0)
+    f, e = torch.randn(1, 9, 32, generator=gen).to(dev), torch.randn(1, 9, 32, generator=gen).to(dev)
+    pos = torch.arange(9, device=dev)[None]
+    with torch.inference_mode():
+        ref, plain = rounded(f, e, pos), drafter.float()(f, e, pos)
+        torch.testing.assert_close(lean(f, e, pos), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        cache = lean.new_cache()
+        lean(f[:, :5], e[:, :5], pos[:, :5], cache)
+        torch.testing.assert_close(lean(f[:, 5:], e[:, 5:], pos[:, 5:], cache), ref[:, 5:], rtol=1e-4,
+                                   atol=1e-4 * ref.abs().max().item())
+        h = ref[0, :3]
+        torch.testing.assert_close(lean.draft_logits(h, target.lm_head), rounded.draft_logits(h, target.lm_head),
+                                   rtol=1e-4, atol=1e-3)
+    assert not torch.allclose(ref, plain, atol=1e-4 * ref.abs().max().item())  # the rounding is real
+    with pytest.raises(EagleError, match="unknown drafter quantization"):
+        LeanDrafter(drafter, quant="q5_k")
+    with pytest.raises(EagleError, match="computes in float32"):
+        LeanDrafter(drafter, torch.bfloat16, quant=quant)
+
+
+def test_appended_layers_start_as_the_drafter_they_extend(target):
+    """``with_layers`` appends layers whose output projections are zero: the same predictions
+    (and the same cached keys for the old layers) until the new layer is trained; the new
+    layer's other weights are random, so training can move it; shrinking is refused, and so is a
+    weight that the deeper drafter would drop."""
+    base = tiny_drafter(target, draft_vocab_size=8)
+    deeper = base.with_layers(3)
+    assert deeper.config.num_layers == 3 and len(deeper.layers) == 3
+    dev = target.device
+    torch.manual_seed(0)
+    f, e, pos = torch.randn(1, 6, 32, device=dev), torch.randn(1, 6, 32, device=dev), torch.arange(6, device=dev)[None]
+    assert torch.equal(deeper(f, e, pos), base(f, e, pos))
+    assert torch.equal(deeper.lm_head.weight, base.lm_head.weight) and torch.equal(deeper.d2t, base.d2t)
+    assert deeper.layers[2].self_attn.q_proj.weight.abs().sum() > 0
+    with torch.no_grad():
+        deeper.layers[1].mlp.down_proj.weight.normal_()
+    assert not torch.allclose(deeper(f, e, pos), base(f, e, pos))
+    with pytest.raises(EagleError, match="shrink"):
+        deeper.with_layers(2)
+    base.register_buffer("stray", torch.zeros(1))  # a weight the deeper drafter has no place for: refused, not dropped
+    with pytest.raises(EagleError, match="stray"):
+        base.with_layers(3)
+
+
+def test_fused_aux_layers_start_as_the_drafter_they_extend_and_stay_exact(target):
+    """``with_aux_layers`` adds zero fc columns: the same predictions whatever the aux outputs are;
+    a prediction (H wide) reads as zero aux outputs; greedy eagle-tree with a fusing drafter
+    (random, so its aux columns matter) still equals ar, with either target forward."""
+    base = tiny_drafter(target)
+    fused = base.with_aux_layers([0])
+    assert fused.config.aux_layers == [0] and fused.fc.weight.shape == (32, 3 * 32)
+    dev = target.device
+    torch.manual_seed(0)
+    f, e, pos = torch.randn(1, 6, 64, device=dev), torch.randn(1, 6, 32, device=dev), torch.arange(6, device=dev)[None]
+    if dev.type == "cpu":
+        assert torch.equal(fused(f, e, pos), base(f[..., :32], e, pos))
+    else:  # a GPU's matrix kernels sum in an order chosen by shape: 96 columns and 64 round differently
+        assert torch.allclose(fused(f, e, pos), base(f[..., :32], e, pos), rtol=1e-5, atol=1e-4)
+    with torch.no_grad():
+        fused.fc.weight[:, 64:].normal_()
+    assert not torch.allclose(fused(f, e, pos), base(f[..., :32], e, pos))
+    zeros = torch.cat([f[..., :32], torch.zeros(1, 6, 32, device=dev)], dim=-1)
+    assert torch.equal(fused(f[..., :32], e, pos), fused(zeros, e, pos))
+    lean = LeanDrafter(fused)
+    with torch.inference_mode():
+        assert torch.allclose(lean(f, e, pos), fused(f, e, pos), atol=1e-4 * fused(f, e, pos).abs().max().item())
+    with pytest.raises(EagleError, match="below its last"):
+        base.with_aux_layers([1]).check_target(target)  # the tiny target has 2 layers: layer 1's output is the feature
+    for t in (target, tiny_target(lean=False)):
+        model = EagleModel.from_pretrained(t, drafter=fused, total_tokens=8, depth=3, top_k=2)
+        for ids in prompts(6, seed=5):
+            assert model.generate(ids, method="eagle-tree", max_new_tokens=12).token_ids == \
+                model.generate(ids, method="ar", max_new_tokens=12).token_ids

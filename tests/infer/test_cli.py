@@ -1,0 +1,201 @@
+"""The command lines on a tiny random target saved to disk: eagle-generate and eagle-bench,
+their one-line errors, and the benchmark's statistics on hand-made records."""
+
+import io
+import json
+import re
+
+import pytest
+
+from eagle.engine import EagleModel
+from eagle.prompts import read_prompts
+from infer import bench, cli
+
+from tests.conftest import tiny_drafter, tiny_target
+
+STATS = re.compile(r"^\[(?P<method>[\w-]+)\] (?P<n>\d+) new tokens, [\d.]+ tokens/s, mean accepted length [\d.]+, "
+                   r"\d+ target forwards$")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny target folder and a drafter folder for it."""
+    root = tmp_path_factory.mktemp("models")
+    target = tiny_target()
+    target.model.save_pretrained(root / "target")
+    target.tokenizer.save_pretrained(root / "target")
+    tiny_drafter(target).save_pretrained(root / "drafter")
+    return str(root / "target"), str(root / "drafter")
+
+
+def one_error_line(err: str, prog: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), err
+    return lines[0]
+
+
+# ---- eagle-generate ------------------------------------------------------------------------
+def test_generate_streams_text_and_one_stats_line(saved, capsys):
+    target, drafter = saved
+    assert cli.main(["--target", target, "--drafter", drafter, "--max-new-tokens", "12", "t3 t4 t5"]) == 0
+    out, err = capsys.readouterr()
+    match = STATS.match(err.strip().splitlines()[-1])
+    assert match and match["method"] == "eagle-tree" and match["n"] == "12"  # a drafter: eagle-tree by default
+    assert re.fullmatch(r"(t\d+ ?)+\n", out)
+    assert cli.main(["--target", target, "--max-new-tokens", "12", "t3 t4 t5"]) == 0  # no drafter: ar
+    ar_out, ar_err = capsys.readouterr()
+    assert STATS.match(ar_err.strip().splitlines()[-1])["method"] == "ar"
+    assert ar_out == out  # greedy: the same text
+
+
+def test_interactive_chat_keeps_the_history(saved, capsys, monkeypatch):
+    seen = []
+    original = EagleModel.generate
+
+    def spy(self, prompt, **kwargs):
+        seen.append([dict(m) for m in prompt])
+        return original(self, prompt, **kwargs)
+
+    monkeypatch.setattr(EagleModel, "generate", spy)
+    monkeypatch.setattr("sys.stdin", io.StringIO("t3 t4\n\nt5 t6\n/exit\nt7\n"))
+    assert cli.main(["--target", saved[0], "--interactive", "--method", "pld", "--max-new-tokens", "5"]) == 0
+    _, err = capsys.readouterr()
+    assert len([ln for ln in err.splitlines() if STATS.search(ln.lstrip("> "))]) == 2
+    assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"]
+    assert seen[1][0]["content"] == "t3 t4" and seen[1][2]["content"] == "t5 t6"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "beam", "t3"], "invalid choice: 'beam'"),
+    (["--temperature", "-1", "t3"], "temperature must be >= 0"),
+    (["--drafter", "{tmp}/no-such-drafter", "t3"], "no drafter at"),
+    (["--method", "eagle-tree", "t3"], "needs a drafter"),
+    (["--total-tokens", "0", "t3"], "total-tokens"),
+    (["--lookup-tokens", "-1", "t3"], "lookup_tokens must be >= 0"),
+    (["--draw-temperature-scale", "0", "t3"], "draw_temperature_scale must be > 0"),
+    (["--draw-support", "-1", "t3"], "draw_support must be >= 0"),
+    ([], "give a prompt"),
+])
+def test_generate_errors_are_one_line_and_exit_2(saved, capsys, tmp_path, args, message):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    assert cli.main(["--target", saved[0], *args]) == 2
+    out, err = capsys.readouterr()
+    assert message in one_error_line(err, "eagle-generate") and out == ""
+
+
+# ---- eagle-bench ---------------------------------------------------------------------------
+def write_prompts(path, lines):
+    path.write_text("\n".join(ln if isinstance(ln, str) else json.dumps(ln) for ln in lines) + "\n")
+    return str(path)
+
+
+def test_bench_writes_the_report(saved, tmp_path, capsys):
+    target, drafter = saved
+    prompts = write_prompts(tmp_path / "p.jsonl", [
+        {"prompt": "t3 t4 t5 t3 t4", "category": "a"},
+        {"turns": ["t7 t8 t9 t7 t8", "t2"], "category": "b"},
+        "",
+        {"prompt": "t1 t2 t3 t1 t2"}])
+    report, png = tmp_path / "out" / "b.json", tmp_path / "b.png"
+    assert bench.main(["--target", target, "--drafter", drafter, "--prompts", prompts, "--methods",
+                       "hf,ar,pld,eagle-tree", "--max-new-tokens", "16", "--json", str(report),
+                       "--plot", str(png), "--lookup-tokens", "4", "--drafter-dtype", "float32"]) == 0
+    out, _ = capsys.readouterr()
+    assert "| method | tokens/s | mean accept len | speedup vs ar | speedup vs hf | identical to ar |" in out
+    assert "eagle-bench --target" in out and "torch_threads" in out
+    data = json.loads(report.read_text())
+    assert data["prompts"] == 3 and data["config"]["max_new_tokens"] == 16
+    assert data["config"]["tree"]["lookup_tokens"] == 4 and data["config"]["prompt_lookup"]["max_ngram"] == 3
+    assert data["config"]["drafter_dtype"] == "float32" and data["config"]["drafter_quant"] == "none"
+    assert list(data["methods"]) == ["hf", "ar", "pld", "eagle-tree"]
+    for name, m in data["methods"].items():
+        assert m["tokens_per_second"] > 0 and m["mean_accept_length"] >= 1
+        assert m["speedup_vs_ar"] > 0 and m["speedup_vs_hf"] > 0
+        assert set(m["per_category"]) == {"a", "b", "uncategorized"}
+    for name in ("ar", "pld", "eagle-tree"):
+        assert data["methods"][name]["identical_to_ar"] is True
+        # the steps cover a generation but for its set-up (the proposer, ~50 us: 2-3% of a tiny model's 16 tokens
+        # here, 5.6% once on a slower machine), which the bench's clock sees; a step left out would be far more
+        assert abs(sum(data["methods"][name]["step_fractions"].values()) - 1) < 0.1
+    assert data["methods"]["hf"]["step_fractions"] is None and data["methods"]["hf"]["mean_accept_length"] == 1
+    assert data["methods"]["ar"]["speedup_vs_ar"] == 1.0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_loads_the_target_in_the_dtype_asked_for(saved, tmp_path):
+    report, prompts = tmp_path / "b.json", write_prompts(tmp_path / "p.jsonl", [{"prompt": "t3 t4"}])
+    for dtype in ("bfloat16", "float32"):
+        assert bench.main(["--target", saved[0], "--prompts", prompts, "--methods", "ar", "--max-new-tokens", "2",
+                           "--dtype", dtype, "--json", str(report)]) == 0
+        assert json.loads(report.read_text())["machine"]["dtype"] == dtype
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "prompt file not found"),
+    ("malformed", "line 2: not valid JSON"),
+    ("no-prompt", "line 1: expected a JSON object with 'prompt' or 'turns'"),
+    ("unknown-method", "unknown method(s) 'beam'"),
+    ("no-drafter", "'eagle-tree' needs a drafter"),
+])
+def test_bench_errors_are_one_line_and_exit_2(saved, tmp_path, capsys, case, message):
+    good = write_prompts(tmp_path / "good.jsonl", [{"prompt": "t3 t4"}])
+    argv = {"missing": ["--prompts", str(tmp_path / "nope.jsonl")],
+            "malformed": ["--prompts", write_prompts(tmp_path / "bad.jsonl", [{"prompt": "t3"}, "{not json"])],
+            "no-prompt": ["--prompts", write_prompts(tmp_path / "noprompt.jsonl", [{"text": "t3"}])],
+            "unknown-method": ["--prompts", good, "--methods", "ar,beam"],
+            "no-drafter": ["--prompts", good, "--methods", "ar,eagle-tree"]}[case]
+    assert bench.main(["--target", saved[0], *argv]) == 2
+    out, err = capsys.readouterr()
+    assert message in one_error_line(err, "eagle-bench") and out == ""
+
+
+# ---- statistics on hand-made records -------------------------------------------------------
+def record(method, prompt, tokens, seconds, lengths, category="x", steps=None):
+    return dict(method=method, prompt=prompt, category=category, new_tokens=len(tokens), seconds=seconds,
+                accept_lengths=lengths, target_forwards=len(lengths), token_ids=tokens,
+                step_seconds=steps, prefill_s=None if steps is None else 0.1 * seconds)
+
+
+def test_summarize_hand_made_records():
+    steps = {"draft": 0.2, "verify": 0.5, "accept": 0.1, "cache": 0.05, "other": 0.05}
+    records = [
+        record("hf", 0, [1, 2, 3, 4], 2.0, [1, 1, 1, 1], "a"),
+        record("ar", 0, [1, 2, 3, 4], 1.0, [1, 1, 1, 1], "a", steps),
+        record("pld", 0, [1, 2, 3, 4], 0.5, [3, 1], "a", steps),
+        record("hf", 1, [5, 6], 1.0, [1, 1], "b"),
+        record("ar", 1, [5, 6], 1.0, [1, 1], "b", steps),
+        record("pld", 1, [5, 7], 0.5, [2], "b", steps),
+    ]
+    s = bench.summarize(records)
+    assert list(s) == ["hf", "ar", "pld"]
+    assert s["ar"]["tokens_per_second"] == 3.0 and s["hf"]["tokens_per_second"] == 2.0
+    assert s["pld"]["tokens_per_second"] == 6.0 and s["pld"]["mean_accept_length"] == 2.0
+    assert s["pld"]["speedup_vs_ar"] == 2.0 and s["pld"]["speedup_vs_hf"] == 3.0 and s["hf"]["speedup_vs_ar"] == 2 / 3
+    assert s["ar"]["identical_to_ar"] is True and s["hf"]["identical_to_ar"] is True
+    assert s["pld"]["identical_to_ar"] is False  # prompt 1 differs
+    assert s["pld"]["per_category"]["a"] == {"tokens_per_second": 8.0, "mean_accept_length": 2.0, "prompts": 1}
+    assert s["pld"]["accept_length_histogram"] == {"2": 1, "3": 1, "1": 1} or \
+        s["pld"]["accept_length_histogram"] == {"1": 1, "2": 1, "3": 1}
+    assert s["hf"]["step_fractions"] is None
+    fractions = s["ar"]["step_fractions"]
+    assert fractions["prefill"] == pytest.approx(0.1) and fractions["verify"] == pytest.approx(0.5)
+    text = bench.markdown(s)
+    assert "| pld | 6.0 | 2.00 | 2.00x | 3.00x | NO |" in text and "| a |" in text and "| ar | 10.0% |" in text
+    sampled = bench.summarize(records, greedy=False)
+    assert all(m["identical_to_ar"] is None for m in sampled.values())
+    alone = bench.summarize([r for r in records if r["method"] == "pld"])
+    assert alone["pld"]["speedup_vs_ar"] is None and alone["pld"]["identical_to_ar"] is None
+    assert "| pld | 6.0 | 2.00 | - | - | n/a |" in bench.markdown(alone)
+
+
+def test_read_prompts_and_parse_methods(tmp_path):
+    path = write_prompts(tmp_path / "p.jsonl", [{"turns": ["first", "second"], "category": "writing"},
+                                               {"prompt": "plain"}])
+    assert read_prompts(path) == [{"prompt": "first", "category": "writing"},
+                                        {"prompt": "plain", "category": "uncategorized"}]
+    assert bench.parse_methods(" hf, ar,eagle-tree ") == ["hf", "ar", "eagle-tree"]
+    mixed = [{"prompt": f"p{i}", "category": "ab"[i % 2]} for i in range(7)]
+    assert [p["prompt"] for p in bench.first_per_category(mixed, 2)] == ["p0", "p1", "p2", "p3"]
+    assert bench.first_per_category(mixed, None) == mixed
+    with pytest.raises(Exception, match="twice"):
+        bench.parse_methods("ar,ar")

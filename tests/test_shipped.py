@@ -1,0 +1,43 @@
+"""The drafter and draft LM shipped for the default target: they load, and greedy decoding with them is exact."""
+
+import pytest
+
+from eagle import EagleModel
+from eagle.engine import shipped_drafter
+from eagle.runtime.target import DEFAULT_TARGET
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_drafter_ships_for_the_default_target():
+    assert shipped_drafter(DEFAULT_TARGET) is not None
+
+
+@pytest.fixture(scope="module")
+def model():
+    return EagleModel.from_pretrained(DEFAULT_TARGET, total_tokens=24, depth=5, top_k=6)
+
+
+def test_shipped_drafter_greedy_tree_equals_ar(model):
+    assert model.drafter is not None
+    accepted = []
+    for prompt in ["Give me three tips for staying focused while studying.",
+                   "Write a Python function that checks whether a number is prime."]:
+        ar = model.generate(prompt, method="ar", max_new_tokens=48)
+        for method in ("eagle-tree", "eagle-chain"):
+            out = model.generate(prompt, method=method, max_new_tokens=48)
+            assert out.token_ids == ar.token_ids, method
+            accepted.append(out.mean_accept_length)
+    assert min(accepted) > 1.2  # the trained drafter really drafts accepted tokens
+
+
+def test_shipped_draft_lm_greedy_sd_equals_ar(model):
+    assert model.draft_model is not None  # the draft LM shipped for the default target (eagle/shipped/draft_lms/)
+    accepted = []
+    for prompt in ["Give me three tips for staying focused while studying.",
+                   "Write a Python function that checks whether a number is prime."]:
+        ar = model.generate(prompt, method="ar", max_new_tokens=48)
+        out = model.generate(prompt, method="sd", max_new_tokens=48)
+        assert out.token_ids == ar.token_ids
+        accepted.append(out.mean_accept_length)
+    assert min(accepted) > 1.2  # the distilled draft LM really drafts accepted tokens
