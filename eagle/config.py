@@ -73,7 +73,7 @@ class TreeConfig:
     ``lookup_tokens``: up to this many prompt-lookup draft tokens (an n-gram match in the context,
     as in method ``pld``) join the candidate pool each step, scored by how often the target has
     agreed with them so far; 0 turns it off (then the tree is the drafter's alone, as in EAGLE-2).
-    ``sampled``: when sampling (temperature > 0), the dynamic tree's children are drawn from the
+    ``sampled_tree``: when sampling (temperature > 0), the dynamic tree's children are drawn from the
     drafter's distribution without replacement instead of being its top_k, and verified by
     recursive speculative decoding (``acceptance.recursive_rejection_tree``); prompt-lookup
     chains are then grafted as new nodes after the drawn siblings (never merged with a drawn
@@ -93,7 +93,7 @@ class TreeConfig:
     top_k: int = 10
     choices: Optional[tuple] = None  # EAGLE-1 static tree, e.g. ((0,), (1,), (0, 0)); replaces the dynamic tree
     lookup_tokens: int = 10
-    sampled: bool = True
+    sampled_tree: bool = True
     draw_temperature_scale: float = 0.85
     draw_support: int = 64
 
@@ -139,7 +139,7 @@ class SpeculativeConfig:
 
     gamma: int = 4
     lenience: float = 1.0
-    adaptive: bool = False
+    adaptive_gamma: bool = False
     max_gamma: int = 12
 
     def __post_init__(self) -> None:

@@ -135,7 +135,7 @@ class EagleModel:
     def from_pretrained(cls, target: str | Target = DEFAULT_TARGET, drafter: str | Path | Drafter | None = None,
                         draft_model: str | Any = None, device: Any = None, dtype: torch.dtype | None = None,
                         total_tokens: int | str | None = None, depth: int | None = None, top_k: int | None = None,
-                        tree_choices: list[list[int]] | None = None, lookup_tokens: int | None = None,
+                        choices: list[list[int]] | None = None, lookup_tokens: int | None = None,
                         sampled_tree: bool | None = None, draw_temperature_scale: float | None = None,
                         draw_support: int | None = None, gamma: int | None = None, lenience: float | None = None,
                         adaptive_gamma: bool | None = None,
@@ -145,10 +145,10 @@ class EagleModel:
         if any). ``draft_model``: a model spec (as for targets), a draft LM folder
         (``eagle.drafting.draft_lm``) or a loaded model for ``sd`` (default: the draft LM shipped for the
         target, if any).
-        Tree options: ``total_tokens`` (int or "auto"), ``depth``, ``top_k``, ``tree_choices`` (an
+        Tree options: ``total_tokens`` (int or "auto"), ``depth``, ``top_k``, ``choices`` (an
         EAGLE-1 static tree instead of the dynamic one), ``lookup_tokens`` (prompt-lookup drafts
         grafted onto the tree; 0 turns it off), ``sampled_tree`` (when sampling, draw the children
-        from the drafter instead of taking its top-k: ``TreeConfig.sampled``),
+        from the drafter instead of taking its top-k: ``TreeConfig.sampled_tree``),
         ``draw_temperature_scale``, ``draw_support`` (``TreeConfig``'s); ``sd`` options:
         ``gamma``, ``lenience``, ``adaptive_gamma``; ``pld`` options: ``max_ngram``,
         ``min_ngram``, ``num_draft_tokens`` (the n-gram sizes also apply to ``lookup_tokens``).
@@ -171,11 +171,11 @@ class EagleModel:
                 check_same_tokenizer(tgt, draft)
                 draft_model = draft.model
         tree = {k: v for k, v in dict(total_tokens=total_tokens, depth=depth, top_k=top_k,
-                                      choices=tree_choices, lookup_tokens=lookup_tokens,
-                                      sampled=sampled_tree, draw_temperature_scale=draw_temperature_scale,
+                                      choices=choices, lookup_tokens=lookup_tokens,
+                                      sampled_tree=sampled_tree, draw_temperature_scale=draw_temperature_scale,
                                       draw_support=draw_support).items()
                 if v is not None}
-        spec = {k: v for k, v in dict(gamma=gamma, lenience=lenience, adaptive=adaptive_gamma).items() if v is not None}
+        spec = {k: v for k, v in dict(gamma=gamma, lenience=lenience, adaptive_gamma=adaptive_gamma).items() if v is not None}
         try:
             pl = PromptLookupConfig(**prompt_lookup)
         except TypeError as exc:

@@ -60,9 +60,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="expansion steps after the root's children (EAGLE-2's depth: paths of up to depth + 1 drafts)")
     t.add_argument("--tree-top-k", type=int, help="frontier nodes expanded per step")
     t.add_argument("--lookup-tokens", type=int, help="prompt-lookup draft tokens grafted onto each tree (0: off)")
-    t.add_argument("--topk-drafts", dest="sampled_tree", action="store_false", default=None,
-                   help="when sampling, draft the drafter's top-k children (EAGLE-2) instead of drawing them from "
-                        "it (recursive speculative decoding, the default)")
+    t.add_argument("--sampled-tree", action=argparse.BooleanOptionalAction, default=None,
+                   help="when sampling, draw the tree's children from the drafter (recursive speculative decoding, "
+                        "the default); --no-sampled-tree takes its top-k children (EAGLE-2)")
     t.add_argument("--draw-temperature-scale", type=float,
                    help="when sampling, draw the tree's children at the temperature times this (default 0.85)")
     t.add_argument("--draw-support", type=int,

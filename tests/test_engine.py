@@ -36,7 +36,7 @@ def test_greedy_matches_ar_on_20_prompts(model, method):
 
 def test_adaptive_gamma_is_still_exact(model):
     adaptive = EagleModel(model.target, draft_model=model.draft_model,
-                          speculative=dataclasses.replace(model.speculative, adaptive=True))
+                          speculative=dataclasses.replace(model.speculative, adaptive_gamma=True))
     for ids in prompts(5, seed=3):
         assert adaptive.generate(ids, method="sd", max_new_tokens=20).token_ids == \
             model.generate(ids, method="ar", max_new_tokens=20).token_ids
@@ -170,7 +170,7 @@ def test_auto_total_tokens_is_exact_and_within_budget(target, drafter, monkeypat
 
 def test_static_tree_from_choices_is_exact(target, drafter):
     choices = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
-    static = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=20, tree_choices=choices)
+    static = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=20, choices=choices)
     gained = 0
     for ids in prompts(10, seed=6):
         out = static.generate(ids, method="eagle-tree", max_new_tokens=20)
@@ -190,7 +190,7 @@ def test_tree_settings_that_cannot_work_are_clear_errors(target):
 
 
 def test_eagle_chain_ignores_static_choices(target, drafter):
-    m = EagleModel.from_pretrained(target, drafter=drafter, depth=3, tree_choices=[[0], [1], [0, 0]])
+    m = EagleModel.from_pretrained(target, drafter=drafter, depth=3, choices=[[0], [1], [0, 0]])
     chain = m._proposer("eagle-chain", SamplingConfig(), None)
     assert chain.cfg.choices is None and chain.cfg.top_k == 1
 

@@ -212,7 +212,7 @@ class DraftModel(Proposer):
     def commit(self, ids: list[int], path: list[int], features: torch.Tensor | None) -> None:
         accepted = len(path)
         kv_cache.roll_back(self.cache, len(ids) - 1)  # keep entries of accepted tokens; the new root is pending
-        if self.cfg.adaptive and self.drafted:  # grow when all drafts were accepted, shrink on an early rejection
+        if self.cfg.adaptive_gamma and self.drafted:  # grow when all drafts were accepted, shrink on an early rejection
             if accepted >= self.drafted:
                 self.gamma = min(self.gamma + 2, self.cfg.max_gamma)
             elif accepted < self.drafted // 2:
@@ -238,7 +238,7 @@ class EagleDrafter(Proposer):
         decodes, updated in place, so that one kept across generations carries it) or, without one,
         by a new ``Sizing`` of ``cost``, the target's measured forward-time curve;
         ``lookup``: the n-gram sizes for ``cfg.lookup_tokens``;
-        ``sampling``/``generator``: with temperature > 0 and ``cfg.sampled`` (dynamic tree) the
+        ``sampling``/``generator``: with temperature > 0 and ``cfg.sampled_tree`` (dynamic tree) the
         children are drawn from the drafter (``sampled_children``) with ``generator``."""
         vocab = drafter.config.draft_vocab_size or drafter.config.vocab_size
         widest = max((r + 1 for c in cfg.choices or () for r in c), default=cfg.top_k)
@@ -254,7 +254,7 @@ class EagleDrafter(Proposer):
         self.lookup_rates = LookupRates(self.lookup.max_ngram)
         self.last_matches: list[tuple[list[int], LookupMatch]] = []  # (path below the root, its lookup)
         self.draw_temperature = 0.0  # what the children are drawn at; 0: the drafter's top_k instead
-        if sampling is not None and not sampling.greedy and cfg.sampled and not cfg.choices:
+        if sampling is not None and not sampling.greedy and cfg.sampled_tree and not cfg.choices:
             self.draw_temperature = sampling.temperature * cfg.draw_temperature_scale
         self.generator = generator
         # pool node -> (the draft indices its children were drawn among, their log-probs)

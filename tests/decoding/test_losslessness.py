@@ -132,7 +132,7 @@ def test_tree_sampling_is_lossless(model, spread, top_p, lookup_tokens, sampled,
     monkeypatch.setattr(eagle.decoding.tree_sizing, "NOISY", float("inf"))
     sampling = SamplingConfig(temperature=temperature, top_p=top_p)
     exact = exact_triples(model, sampling)
-    tree = dataclasses.replace(model.tree, lookup_tokens=lookup_tokens, sampled=sampled, total_tokens=total,
+    tree = dataclasses.replace(model.tree, lookup_tokens=lookup_tokens, sampled_tree=sampled, total_tokens=total,
                                draw_temperature_scale=scale, draw_support=support)
     tree_model = EagleModel(model.target, spread if sampled else model.drafter, tree=tree)
     counts = sampled_triples(tree_model, "eagle-tree", sampling, SAMPLES)
@@ -187,7 +187,7 @@ def test_draws_among_the_top_tokens_must_be_judged_by_that_support(model, spread
 def test_tree_sampling_negative_control_is_rejected(model, monkeypatch):
     sampling = SamplingConfig(temperature=1.0)
     monkeypatch.setattr(acceptance, "recursive_rejection_tree", no_renormalization)
-    deterministic = EagleModel(model.target, model.drafter, tree=dataclasses.replace(model.tree, sampled=False))
+    deterministic = EagleModel(model.target, model.drafter, tree=dataclasses.replace(model.tree, sampled_tree=False))
     counts = sampled_triples(deterministic, "eagle-tree", sampling, SAMPLES // 2)
     assert chi_square_p(counts, exact_triples(model, sampling)) < ALPHA
 
