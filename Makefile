@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 PROMPT ?= Write a short poem about the sea, then explain its imagery in two sentences.
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench results clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,8 +26,15 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not integration"
 
 bench: setup
-	$(VENV)/bin/eagle-bench --prompts benchmarks/prompts/dev.jsonl --methods hf,ar,pld,eagle-tree \
-		--max-new-tokens 128 --json out.json
+	$(VENV)/bin/eagle-bench --prompts benchmarks/prompts/dev.jsonl --methods hf,ar,pld,sd,eagle-tree \
+		--per-category 2 --max-new-tokens 128 --title "CPU, greedy" --json docs/results/cpu-greedy.json
+	$(VENV)/bin/eagle-bench --prompts benchmarks/prompts/dev.jsonl --methods ar,eagle-tree \
+		--per-category 2 --max-new-tokens 128 --temperature 1 --seed 0 --title "CPU, temperature 1" \
+		--json docs/results/cpu-t1.json
+	$(MAKE) results
+
+results: setup  # the results page, regenerated whole from the kept eagle-bench reports
+	$(VENV)/bin/eagle-results --header docs/results-header.md docs/results/*.json --out docs/results.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache

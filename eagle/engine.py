@@ -72,8 +72,7 @@ class Stream:
 
 def default_drafter_dtype(target: Target) -> torch.dtype:
     """bf16 for an fp32 target on a CPU that multiplies bf16 natively (oneDNN: AVX512-BF16, AMX):
-    drafting is memory-bound there and bf16 halves its bytes (measured on the reference machine:
-    the drafter's 12288-token head over 10 rows, 1.19 ms fp32 -> 0.40 ms bf16). Else the target's."""
+    drafting is memory-bound there and bf16 halves its bytes. Else the target's."""
     if target.device.type == "cpu" and target.dtype == torch.float32 and cpu_has_fast_bf16():
         return torch.bfloat16
     return target.dtype
@@ -82,9 +81,7 @@ def default_drafter_dtype(target: Target) -> torch.dtype:
 def default_drafter_quant(target: Target) -> str | None:
     """"q8_0" for an fp32 target on a CPU where the compiled kernels run: a drafter call reads its
     weights again after each target forward has pushed them out of the caches, and 8-bit codes are
-    1.125 bytes a weight against bf16's 2 (measured on the reference machine, greedy auto trees on
-    10 dev prompts: drafting and the drafter's pass over accepted tokens 2.80 -> 2.21 ms a round,
-    the same accepted length). Else None (no quantization)."""
+    1.125 bytes a weight against bf16's 2, at the same accepted length. Else None (no quantization)."""
     if target.device.type == "cpu" and target.dtype == torch.float32 and stream_linear_op() is not None:
         return "q8_0"
     return None

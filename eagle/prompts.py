@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
 from eagle.errors import EagleError
 
 NO_CATEGORY = "uncategorized"
+
+
+def read_text(path: Path) -> str:
+    """A text file's contents, gunzipped when its name ends in ``.gz``."""
+    return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text(encoding="utf-8")
 
 
 def read_prompts(path: str | Path) -> list[dict]:
@@ -18,7 +24,7 @@ def read_prompts(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise EagleError(f"prompt file not found: {path}")
     prompts = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path}, line {n}"

@@ -266,17 +266,30 @@ def build_parser() -> Parser:
     parser.add_argument("--warmup", type=int, default=1,
                         help="run every method on the first N prompts first, not counted (default 1)")
     parser.add_argument("--json", help="write the results to this JSON file")
+    parser.add_argument("--title", help="a title stored in the --json report (eagle-results uses it)")
     parser.add_argument("--plot", help="draw accepted lengths and speedups to this PNG file")
     add_sampling_args(parser, max_new_tokens=128, temperature=0.0)
     add_model_args(parser)
     return parser
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine(model: Any) -> dict:
     import torch
 
     info = dict(device=str(model.target.device), dtype=str(model.target.dtype).replace("torch.", ""),
-                torch_threads=torch.get_num_threads(), torch=torch.__version__, platform=platform.platform())
+                torch_threads=torch.get_num_threads(), torch=torch.__version__, platform=platform.platform(),
+                cpu=cpu_name(), date=time.strftime("%Y-%m-%d", time.gmtime()))
     if model.target.device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(model.target.device)
     if model.target.lean is not None:  # the product kernels (compiled, oneDNN or F.linear per row count)
@@ -329,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
                       prompt_lookup=dataclasses.asdict(model.prompt_lookup),
                       drafter_dtype=str(model.drafter_dtype).replace("torch.", ""),
                       drafter_quant=model.drafter_quant or "none")
-        report = dict(config=config, machine=info, prompts=len(prompts), methods=summary,
+        report = dict(title=args.title, config=config, machine=info, prompts=len(prompts), methods=summary,
                       records=[{k: v for k, v in r.items() if k != "token_ids"} for r in records])
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

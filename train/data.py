@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from eagle.errors import EagleError
+from eagle.prompts import read_text
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "bing": "assistant", "bard": "assistant", "system": "system"}
@@ -44,11 +45,12 @@ def to_messages(record: Any) -> list[dict]:
 
 
 def read_records(source: str) -> tuple[list[Any], int]:
-    """Records from a local .json/.jsonl file (or a hub dataset id via ``datasets``); returns
+    """Records from a local .json/.jsonl file, gzipped or not (``.jsonl.gz``), or a hub dataset id via
+    ``datasets``; returns
     (records, number of unparseable lines)."""
     path = Path(source)
     if path.is_file():
-        text = path.read_text()
+        text = read_text(path)
         if path.suffix == ".json" and text.lstrip().startswith("["):
             return json.loads(text), 0
         records, bad = [], 0
@@ -60,7 +62,7 @@ def read_records(source: str) -> tuple[list[Any], int]:
             except json.JSONDecodeError:
                 bad += 1
         return records, bad
-    if path.suffix in (".json", ".jsonl") or path.exists():
+    if path.suffix in (".json", ".jsonl", ".gz") or path.exists():
         raise EagleError(f"chat data not found: {source}")
     import datasets
 

@@ -72,7 +72,7 @@ class TrainConfig:
     lm_ce_positions: int = 0       # draft-lm: cross-entropy on at most this many random positions per micro-batch (0 = all)
     feature_weight: float = 1.0
     autocast: str = "none"         # none | bf16: the loss's forward under torch.autocast in bfloat16 (weights, optimizer
-                                   # and gradients stay float32); ~1.8x faster on a CPU with native bf16 (AVX512-BF16).
+                                   # and gradients stay float32); faster on a CPU with native bf16 (AVX512-BF16).
                                    # On CUDA DeepSpeed's bf16 (on by default there) already does this
     save_every: int = 100
     eval_every: int = 100

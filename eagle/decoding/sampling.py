@@ -33,7 +33,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     """Draw one token per row of ``probs`` [..., V] (non-negative, not necessarily normalized)
     -> [...] (long), by inverting the cumulative distribution at a uniform draw (in float64):
     token i is drawn when cdf[i - 1] <= u < cdf[i], so a zero-probability token never is. On CPU
-    this is ~20x faster than ``torch.multinomial`` over a 49k vocabulary (0.1 vs 1 ms)."""
+    this is much faster than ``torch.multinomial`` over a large vocabulary."""
     flat = probs.reshape(-1, probs.shape[-1])
     if generator is not None and generator.device != flat.device:
         flat = flat.to(generator.device)

@@ -124,9 +124,8 @@ def measured_costs(prior: Sequence[float], measured: dict[int, float], weights: 
     onto what rounds of some sizes really cost in this decoding (``measured``: size -> seconds, running
     averages of the time from a proposal to its commit) by the line a * prior + b that fits them best
     (least squares, size n weighted by ``weights[n]``; one size: b alone; a within 0.5-3). The
-    curve is timed once per machine, in a loop of bare forwards; in decoding the sizes were found to
-    cost more, and more so the larger they are (on the reference machine, sampled: 3 tree tokens
-    3.48 ms by the curve, 4.43 measured), which made "auto" choose trees too large. One line for all
+    curve is timed once per machine, in a loop of bare forwards; in decoding the sizes cost more,
+    and more so the larger they are, which would make "auto" choose trees too large. One line for all
     sizes, not a value per size: a size measured once in a slow spell would look dear, never be
     chosen again, and so never be measured again."""
     points = [(prior[n - 1], measured[n], weights.get(n, 1.0)) for n in measured if n <= len(prior)]

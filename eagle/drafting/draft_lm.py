@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from eagle.config import from_dict
-from eagle.drafting.drafter import TargetInfo
+from eagle.drafting.drafter_config import TargetInfo
 from eagle.errors import EagleError
+from eagle.runtime.block_codes import unpack_state
 
 FORMAT = "eagle-draft-lm/1"
 MARKER = "draft_lm.json"
@@ -116,7 +117,7 @@ def load(directory: str | Path, target: Any, dtype: torch.dtype | None = None) -
         raise EagleError(f"draft LM at {directory} was made for {info.name}, not for {target.name}")
     config = AutoConfig.from_pretrained(directory)
     draft = AutoModelForCausalLM.from_config(config, dtype=dtype or target.dtype)
-    state = load_file(str(directory / "model.safetensors"))
+    state = unpack_state(load_file(str(directory / "model.safetensors")))
     missing, unexpected = draft.load_state_dict(state, strict=False)
     missing = [k for k in missing if "embed_tokens" not in k and "lm_head" not in k]
     if missing or unexpected:

@@ -25,7 +25,7 @@ from eagle.errors import EagleError
 from eagle.runtime.kv_cache import StaticCache
 from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels
 from eagle.runtime.decoder import LayerWeights, PackedLinear, decoder_stack, rms_norm, rotate, to_huge_pages
-from eagle.runtime.block_codes import BLOCK, FORMATS
+from eagle.runtime.block_codes import BLOCK, FORMATS, unpack_state
 from eagle.decoding.tree_mask import causal_bias
 from eagle.drafting import checkpoint_formats
 from eagle.drafting.drafter_config import FORMAT, DrafterConfig, TargetInfo
@@ -282,7 +282,7 @@ class Drafter(nn.Module):
             if not (directory / "model.safetensors").is_file():
                 raise EagleError(f"no drafter weights at {directory}: model.safetensors missing")
             drafter = cls(DrafterConfig.from_json(directory / "config.json"))
-            drafter.load_state_dict(load_file(str(directory / "model.safetensors")))
+            drafter.load_state_dict(unpack_state(load_file(str(directory / "model.safetensors"))))
         if target is not None:
             drafter.check_target(target)
             device, dtype = device or target.device, dtype or target.dtype

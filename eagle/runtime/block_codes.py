@@ -32,8 +32,7 @@ class BlockCodes:
     ``scales``: 4 bits [N, K / 32, 2], each block's (d, m); 8 bits [N, K / 32, 1], each block's d
     (w = d * c). With 4 bits float16 when every d and m is a float16 value (GGUF stores them so,
     ``block_quantize`` rounds them so): 0.125 bytes a weight instead of 0.25, which the kernel
-    converts exactly, a few rows at a time (measured on a 2-core Zen 5: a target's 4-bit layers
-    5-11% faster at 1-4 rows, 4% slower at 7-8; for 8 bits, whose codes take 1 byte a weight, the
+    converts exactly, a few rows at a time (for 8 bits, whose codes take 1 byte a weight, the
     conversion costs more than it saves). Else float32."""
 
     codes: torch.Tensor
@@ -126,3 +125,38 @@ def _nibbles(codes: torch.Tensor) -> torch.Tensor:
     """4-bit codes [N, K / 32, 32] (0..15, any dtype) -> uint8 [N, K / 2] as ``BlockCodes`` packs them."""
     codes = codes.to(torch.uint8)
     return (codes[..., :BLOCK // 2] | (codes[..., BLOCK // 2:] << 4)).reshape(codes.shape[0], -1).contiguous()
+
+
+CODES, SCALES = ".q8_codes", ".q8_scales"  # suffixes of a packed weight's two tensors in a checkpoint
+
+
+def pack_state(state: dict[str, torch.Tensor], min_size: int = 1 << 16) -> dict[str, torch.Tensor]:
+    """A state dict for storage: each float matrix [N, K] of at least ``min_size`` weights with K a
+    multiple of 32 becomes its 8-bit block codes (``NAME.q8_codes`` int8 [N, K]) and float16 scales
+    (``NAME.q8_scales`` [N, K / 32]): 1.0625 bytes a weight instead of bf16's 2. Lossy (Q8_0's
+    rounding, the encoding a drafter computes from by default); other tensors are kept as they are."""
+    out = {}
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and tensor.dim() == 2 and tensor.shape[1] % BLOCK == 0 and (
+                tensor.numel() >= min_size):
+            codes = block_quantize(tensor, 8)
+            out[name + CODES], out[name + SCALES] = codes.codes, codes.scales.squeeze(-1).half()
+        else:
+            out[name] = tensor
+    return out
+
+
+def unpack_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``pack_state``'s inverse: packed weights decoded to float32; a plain state dict is returned as is."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(SCALES):
+            continue
+        if name.endswith(CODES):
+            base = name[:-len(CODES)]
+            if base + SCALES not in state:
+                raise ValueError(f"packed weight {base} has codes but no {base + SCALES}")
+            out[base] = decode(BlockCodes(tensor, state[base + SCALES].float().unsqueeze(-1)))
+        else:
+            out[name] = tensor
+    return out

@@ -3,28 +3,17 @@
 ``LeanDecoder`` does the arithmetic of transformers' Llama/Qwen2 decoder (RMSNorm, RoPE from the
 model's own rotary module, grouped-query SDPA, SiLU-gated MLP) with fewer, larger operations:
 q/k/v and gate/up fused into one matrix each, keys and values written by position into a
-``StaticCache``, masks passed in. It reads the weights of an unmodified transformers model; the
-model itself is not changed and stays usable (its own forward is the reference in the tests).
-In fp32 on AVX-512 CPUs, one sequence of 1-16 tokens (decoding, tree verification) runs each
-decoder layer as one compiled call (``eagle.runtime.kernels``: 1-token forward + head 27.7 -> 22.8 ms on the
-reference machine), whose rows do not depend on each other: a tree node gets the plain step's bits.
-Greedy decoding takes the head's argmax from a bf16 copy of it with an exact fp32 recheck
-(``GreedyHead``). Weights that are exact block encodings (a GGUF target's Q4_1/Q8_0 tensors,
-dequantized at load) are streamed from their codes, the same bits for a sixth (4-bit) or 28%
-(8-bit) of the bytes (``eagle.runtime.block_codes``; 1-token forward + argmax 19.7 -> 7.6 ms on the reference machine), and the head's
-exact logits from its codes then cost less than ``GreedyHead``.
+``StaticCache``, masks passed in. It reads the weights of an unmodified transformers model, which
+stays usable (its own forward is the reference in the tests). In fp32 on AVX-512 CPUs one sequence
+of 1-16 tokens (decoding, tree verification) runs each decoder layer as one compiled call
+(``eagle.runtime.kernels``) whose rows do not depend on each other, so a tree node gets the plain
+step's bits; weights that are exact block encodings (a dequantized GGUF target's) are streamed
+from their codes (``eagle.runtime.block_codes``). Greedy decoding takes the head's argmax from a bf16
+copy with an exact fp32 recheck (``GreedyHead``).
 
-``PackedLinear``: on CPU in fp32 the weight is reordered once for oneDNN's inner product, which
-on the 2-core reference machine runs the 1-64-row products of decoding about twice as fast as
-``F.linear`` (measured: 30 decoder layers of SmolLM2-135M, 1 row 41 -> 21 ms, 16 rows 84 -> 35 ms);
-in bf16 on a CPU with native bf16 (AVX512-BF16, AMX) likewise (the drafter's 12288-token head, 10
-rows: 1.19 ms fp32, 0.40 ms bf16). Elsewhere (CUDA, no oneDNN) it is ``F.linear``. Which is faster depends on
-the machine and the row count: on another machine of the same kind (torch 2.13, MKL 2024.2) ``F.linear`` runs 1-3
-rows faster than oneDNN (MKL has a small-row path; a 1-token forward 39 -> 30 ms) and oneDNN 4 rows and more, so
-``tune_kernels`` measures both per row count, in sweeps through the forward's products
-(``LeanDecoder`` does at load). On CPUs with AVX-512, fp32 products of 1-16 rows go to a compiled kernel instead (``eagle.runtime.kernels``: each weight read once
-for all rows; faster than both at every such row count here, 8 rows of the 30 layers + head 29 -> 21 ms), and
-the tuning is skipped for those rows."""
+``PackedLinear``: ``y = x W^T + b`` with the weight prepacked for oneDNN on CPU, products of 1-16 rows
+by the compiled kernel where it runs, and ``F.linear`` elsewhere (CUDA); ``tune_kernels`` picks
+oneDNN or ``F.linear`` per row count by timing both on this machine. Measurements: docs/performance.md."""
 
 from __future__ import annotations
 
@@ -77,8 +66,7 @@ class PackedLinear(nn.Module):
 
     ``pad_rows`` (set by ``tune_padding``): ``pad_rows[n]`` is how many rows to compute when
     given ``n`` (zero rows appended, their outputs dropped). oneDNN picks its kernel by row count,
-    and for a wide matrix a few rows can cost less than one: on the reference machine the
-    target's 49k-token head takes 3.8 ms for 1 row, 4.8 ms for 2 and 2.9 ms for 5-6."""
+    and for a wide matrix a few rows can cost less than one."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, stream: bool = True,
                  encode: bool = True, once: bool = False) -> None:
@@ -198,8 +186,7 @@ class GreedyHead:
     u = 2^-24); |s_j - x_b w_b,j| <= |x| |w_j - w_b,j| + |x - x_b| |w_b,j|; oneDNN's sum of the exact
     bf16 products is within g |x_b| |w_b,j| of x_b w_b,j, and rounding it to bf16 moves it by at
     most 2^-9 of itself. E takes each norm's maximum over the vocabulary, doubles g, adds 2^-8 |A|
-    and a margin. On the reference machine the head is 113 MB of fp32 and 57 MB in bf16; on the
-    target's features for the dev prompts a median of 2 tokens (at most 49) are recomputed."""
+    and a margin. Typically only a few tokens per row are recomputed."""
 
     def __init__(self, head: PackedLinear) -> None:
         if head.stream_op is None or head.plain_weight is None:
@@ -252,9 +239,8 @@ def tune_kernels(linears: Sequence[PackedLinear], max_rows: int = 8, rounds: int
     come from memory as in a real forward and a kernel pays for what it does to the next product.
     Both matter here: timed per shape on one hot matrix, or cycling the matrices of one shape (they
     fit in this CPU's L3), near-ties went to the kernel that is slower in a forward, and an
-    ``F.linear`` between two packed products makes the next one slower (o and down by ``F.linear``
-    at 4-6 rows: each as fast as packed, the forward 1.2-2 ms slower, all of it in the following
-    gate/up and q/k/v products). So one choice per row count holds for all matrices. Sets each
+    ``F.linear`` between two packed products makes the next one slower. So one choice per row
+    count holds for all matrices. Sets each
     matrix's ``plain_rows`` (the row counts where the ``F.linear`` sweep is faster by ``margin``);
     unpacked weights no row count uses are dropped. Both kernels compute the same product (summed
     in another order, so values may differ in the last bits). Matrices that are not packed, or

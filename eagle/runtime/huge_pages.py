@@ -4,9 +4,8 @@ A decoding step streams every weight of the target once, ~100 MB of codes for th
 with 4 KB pages is some 25,000 pages a forward: far more than the CPU's TLB holds, so each new page costs
 a page walk in the middle of the stream. ``huge_page_copies`` copies the tensors a kernel streams into one
 anonymous mapping advised for huge pages (``madvise(MADV_HUGEPAGE)``, which works where the system's
-setting is "madvise" or "always"), 50 pages instead of 25,000. Measured on the reference machine
-(2-core Zen 5), the target's 30 layers of 4-bit products with a cold cache: 1 row 2.27-2.40 -> 2.05-2.13
-ms (-9 to -11%), 3 rows -2%, 4 rows the same (the products are bound by arithmetic there)."""
+setting is "madvise" or "always"), 50 pages instead of 25,000. It pays most for one-row products, which
+are bound by the weights' trip from memory."""
 
 from __future__ import annotations
 

@@ -6,11 +6,11 @@ keys, keys and values written into the cache buffers; ``attention``: grouped-que
 causal, each row summed over its own keys in order so its result does not depend on the other rows
 or on masked keys between its own), the KV cache's compaction to a verified tree's accepted path
 in every layer at once (``compact_rows``, used by ``eagle.runtime.kv_cache.StaticCache``), and a model's
-decoder layers run by one call a forward (``DecoderStack``: their weights handed over once; a call
-per layer from Python cost about 5 us of argument conversion).
+decoder layers run by one call a forward (``DecoderStack``: their weights handed over once, not
+converted again at every call).
 
 ``cpu_kernels()`` builds them on first use with torch's C++ extension tools (a compiler and
-ninja; about 25 s, once per machine and torch version, cached under ``$EAGLE_CACHE/extensions``)
+ninja; once per machine and torch version, cached under ``$EAGLE_CACHE/extensions``)
 on CPUs with AVX-512, and returns None elsewhere, when the build fails (the callers then use
 oneDNN or ``F.linear``, and torch's operations), or when the environment variable
 ``EAGLE_CPU_KERNELS`` is ``0`` (read once per process: to compare, or to rule the kernels out when

@@ -80,3 +80,43 @@ def test_a_quantized_linear_computes_its_decoded_weight():
             torch.testing.assert_close(linear(x), x @ decoded.T + bias, rtol=1e-5, atol=1e-4)
         if linear.stream_op is not None:
             assert linear.encoded is not None and linear.plain_weight is None
+
+
+def test_pack_state_stores_q8_codes_and_unpacks_to_their_values():
+    from eagle.runtime.block_codes import CODES, SCALES, pack_state, unpack_state
+
+    torch.manual_seed(0)
+    big, small, vec, ids = torch.randn(64, 1024), torch.randn(4, 32), torch.randn(64), torch.arange(10)
+    packed = pack_state({"w": big.bfloat16(), "small": small, "norm": vec, "ids": ids}, min_size=4096)
+    assert set(packed) == {"w" + CODES, "w" + SCALES, "small", "norm", "ids"}
+    assert packed["w" + CODES].dtype == torch.int8 and packed["w" + SCALES].dtype == torch.float16
+    nbytes = sum(t.numel() * t.element_size() for k, t in packed.items() if k.startswith("w."))
+    assert nbytes == 64 * 1024 * 1.0625  # 8-bit codes + a float16 scale per 32 weights
+    out = unpack_state(packed)
+    assert set(out) == {"w", "small", "norm", "ids"}
+    assert torch.equal(out["w"], decode(block_quantize(big.bfloat16().float(), 8)))
+    assert (out["w"] - big).abs().max() < 0.02 * big.abs().max()  # Q8_0: within half a step of each block
+    assert out["small"] is small and out["ids"] is ids
+    plain = {"a": big}
+    assert unpack_state(plain) == plain  # an unpacked checkpoint loads as it is
+
+
+def test_a_packed_drafter_loads_with_its_quantized_weights(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from eagle import Drafter
+    from eagle.runtime.block_codes import pack_state
+    from tests.conftest import tiny_drafter, tiny_target
+
+    target = tiny_target(vocab_size=64, hidden=64)
+    drafter = tiny_drafter(target)
+    drafter.save_pretrained(tmp_path)
+    path = str(tmp_path / "model.safetensors")
+    save_file(pack_state(load_file(path), min_size=1024), path, metadata={"format": "eagle-drafter/1"})
+    loaded = Drafter.from_pretrained(tmp_path, target=target)
+    for name, weight in drafter.state_dict().items():
+        got = loaded.state_dict()[name]
+        if weight.dim() == 2 and weight.numel() >= 1024 and weight.is_floating_point():
+            assert torch.equal(got, decode(block_quantize(weight.float(), 8)).to(got.dtype)), name
+        else:
+            assert torch.equal(got, weight), name

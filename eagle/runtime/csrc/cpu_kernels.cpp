@@ -11,7 +11,7 @@
 //
 // rope_cache, attention, silu_mul: the rest of a decoder layer for one sequence of 1-16 rows, where
 // torch's ~20 small operations per layer (views, rotary, cache writes, SDPA, SiLU) cost more than
-// their arithmetic (about 4 ms of a 27 ms forward on the reference machine). attention sums each row
+// their arithmetic. attention sums each row
 // over its own keys in order, so a tree node's row equals the plain decoding step's, bit for bit.
 //
 // compact_rows: the accepted path's keys and values moved into place in every layer's cache at once.
@@ -27,12 +27,11 @@
 
 namespace {
 
-constexpr int64_t kPrefetchRows = 8;  // measured on the reference machine: 4, 8, 16, 32 rows ahead; 8 best
+constexpr int64_t kPrefetchRows = 8;  // rows ahead; the best of 4, 8, 16 and 32 (docs/performance.md)
 
 // Prefetch a weight line; `once`: a weight read once per forward (a target's, far larger than the
 // caches) is fetched non-temporally, so that streaming it does not push what is read again soon
-// (the drafter's weights, the KV cache) out of the last-level cache (measured on a 2-core Zen 5:
-// greedy tree decoding 2.5-5% faster, plain decoding the same).
+// (the drafter's weights, the KV cache) out of the last-level cache.
 inline void prefetch(const void* p, bool once) {
   if (once) _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
   else _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
@@ -188,13 +187,12 @@ void rows_q(const float* x, int64_t K, const uint8_t* codes, const void* scales,
     rows_q<Bits, M - H>(x + H * K, K, codes, scales, half, N, bias, out + H * N, once);
     return;
   }
-  // weight rows decoded at a time, measured (the target's 30 layers and head, cold, two threads): 1 row of x
-  // 8 (4: 4.5% slower, 12 and 16: 12% and 79%, registers spill), 2 rows 4 (6: 4-5% slower, 8: 11%), 3 rows 4
-  // (3: 3-10% slower), 4 rows 3 (4: 2% slower); 5-8 rows as block()
+  // weight rows decoded at a time per row count of x, the fastest timed (more spill registers); 5-8 rows
+  // as block()
   constexpr int J = M <= 1 ? 8 : (M <= 3 ? 4 : (M <= 6 ? 3 : 2));
   const int64_t blocks = N / J, row_scales = K / 32 * kScales<Bits>;
   // rows j0..j1 (a multiple of W apart) by block_q; fp16 scales converted W rows at a time, outside it
-  // (converted inside its loop, they took registers from the products: 25-30% slower past 4 rows of x)
+  // (converted inside its loop, they take registers from the products)
   auto run = [&](auto w, int64_t j0, int64_t j1) {
     constexpr int W = decltype(w)::value;
     if (!half) return block_q<Bits, M, W>(x, K, codes, static_cast<const float*>(scales) + j0 * row_scales, N, bias,
@@ -293,8 +291,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
 }
 
 // rms_norm: Llama's RMSNorm in fp32, w * (x * 1 / sqrt(mean(x^2) + eps)) per row of x [..., H], in one
-// pass over each row (torch's CPU rms_norm runs five operations, ~50 us for a few rows of 576: 3 ms per
-// forward of a 30-layer target).
+// pass over each row (torch's CPU rms_norm runs five operations).
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "rms_norm: fp32 only");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "rms_norm: CPU tensors only");
@@ -588,8 +585,7 @@ void decoder_layer(torch::Tensor x, const LayerWeights& l, const torch::Tensor& 
 }
 
 // DecoderStack: decoder layers whose weights are handed over once (add), run by one call a forward
-// (forward): a call per layer from Python converted some 25 arguments (about 5 us) and went through a
-// Python loop, 0.2 ms of a 2.7 ms one-token forward of a 30-layer target on the reference machine.
+// (forward), instead of a call per layer from Python that converts some 25 arguments each time.
 class DecoderStack {
  public:
   DecoderStack(int64_t nh, double scale) : nh_(nh), scale_(scale) {}

@@ -1,0 +1,50 @@
+"""eagle-results: the results page rendered from eagle-bench --json reports."""
+
+import json
+
+import pytest
+
+from eagle.errors import EagleError
+from infer import results
+
+SUMMARY = {"ar": {"tokens_per_second": 100.0, "mean_accept_length": 1.0, "speedup_vs_ar": 1.0, "speedup_vs_hf": 4.0,
+                  "identical_to_ar": True, "per_category": {"writing": {"tokens_per_second": 100.0,
+                                                                        "mean_accept_length": 1.0}},
+                  "step_fractions": {"verify": 1.0}},
+           "eagle-tree": {"tokens_per_second": 150.0, "mean_accept_length": 2.0, "speedup_vs_ar": 1.5,
+                          "speedup_vs_hf": 6.0, "identical_to_ar": True,
+                          "per_category": {"writing": {"tokens_per_second": 150.0, "mean_accept_length": 2.0}},
+                          "step_fractions": {"draft": 0.2, "verify": 0.8}}}
+
+
+def report(**extra):
+    return dict(config={"command": "eagle-bench --prompts p.jsonl --methods ar,eagle-tree", "max_new_tokens": 128,
+                        "temperature": 0.0},
+                machine={"device": "cpu", "dtype": "float32", "torch_threads": 2, "torch": "2.13.0",
+                         "cpu": "Some CPU", "date": "2026-11-26"},
+                prompts=20, methods=SUMMARY, **extra)
+
+
+def test_page_has_command_machine_date_and_tables(tmp_path):
+    path = tmp_path / "cpu-greedy.json"
+    path.write_text(json.dumps(report(title="CPU, greedy")))
+    header = tmp_path / "header.md"
+    header.write_text("# Results\n")
+    out = tmp_path / "results.md"
+    results.main([str(path), "--header", str(header), "--out", str(out)])
+    page = out.read_text()
+    assert page.startswith("# Results\n")
+    assert "## CPU, greedy" in page
+    assert "`eagle-bench --prompts p.jsonl --methods ar,eagle-tree`" in page
+    assert "Some CPU" in page and "Date: 2026-11-26" in page and "20 prompts, 128 new tokens, greedy" in page
+    assert "| eagle-tree | 150.0 | 2.00 | 1.50x | 6.00x | yes |" in page
+
+
+def test_a_file_that_is_no_bench_report_is_one_clear_error(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(EagleError, match="not an eagle-bench --json report"):
+        results.render([str(path)])
+    path.write_text("{")
+    with pytest.raises(EagleError, match="cannot read"):
+        results.render([str(path)])
