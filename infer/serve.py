@@ -34,6 +34,11 @@ from eagle.model import METHODS
 PROG = "eagle-serve"
 PAGE = Path(__file__).parent / "static" / "chat.html"
 ROLES = ("system", "developer", "user", "assistant")
+# the tree size of a seeded sampled eagle-tree request on a model whose trees are sized "auto": auto
+# sizing adapts to timings measured while decoding, and the draws depend on the tree, so such a
+# request would not repeat; a fixed size makes it repeat (as the library does with that size)
+SEEDED_TOTAL_TOKENS = 8
+VIEWS = 4  # models with another tree size kept at once
 
 
 class ApiError(Exception):
@@ -62,6 +67,7 @@ class Job:
     seed: int | None
     stop: list[str]
     stream: bool
+    total_tokens: int | str | None = None
     include_usage: bool = False
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -175,6 +181,11 @@ def parse_request(body: Any, chat: bool, model: Any, default_method: str, defaul
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError("'stream_options' must be an object", "stream_options")
+    total_tokens = body.get("total_tokens")
+    if total_tokens is not None and total_tokens != "auto" and (
+            isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 1):
+        raise ApiError(f"'total_tokens' must be a positive integer or \"auto\", got {json.dumps(total_tokens)}",
+                       "total_tokens")
     method = body.get("method", default_method)
     if method is None:
         method = default_method
@@ -187,7 +198,7 @@ def parse_request(body: Any, chat: bool, model: Any, default_method: str, defaul
     except EagleError as exc:
         raise ApiError(str(exc).replace("--drafter", "eagle-serve --drafter"), "method") from None
     return Job(prompt=prompt, chat=chat, method=method, max_tokens=max_tokens, temperature=temperature,
-               top_p=top_p, top_k=max(0, top_k), seed=seed, stop=stop, stream=stream,
+               top_p=top_p, top_k=max(0, top_k), seed=seed, stop=stop, stream=stream, total_tokens=total_tokens,
                include_usage=bool(options.get("include_usage")))
 
 
@@ -274,6 +285,7 @@ class Engine:
         self.admitted = 0  # waiting + running
         self.running = 0
         self.closed = threading.Event()  # set at shutdown: the running generation stops at its next round
+        self.views: dict[int | str, Any] = {}  # total_tokens -> the model with trees of that size
 
     def close(self) -> None:
         self.closed.set()
@@ -335,17 +347,47 @@ class Engine:
                            code="context_length_exceeded")
         return ids
 
+    def tree_size(self, job: Job) -> int | str | None:
+        """The tree size ``job`` decodes with (None: not a tree method or not a tree model)."""
+        tree = getattr(self.model, "tree", None)
+        if job.method != "eagle-tree" or tree is None or tree.choices is not None:
+            return None
+        if job.total_tokens is not None:
+            return job.total_tokens
+        if tree.total_tokens == "auto" and job.seed is not None and job.temperature > 0:
+            return SEEDED_TOTAL_TOKENS
+        return tree.total_tokens
+
+    def model_for(self, size: int | str | None) -> Any:
+        """The model, or one sharing its weights whose trees have ``size`` nodes."""
+        if size is None or size == self.model.tree.total_tokens:
+            return self.model
+        view = self.views.pop(size, None)
+        if view is None:
+            from eagle.model import EagleModel
+
+            m = self.model
+            view = EagleModel(m.target, m.drafter, m.draft_model, dataclasses.replace(m.tree, total_tokens=size),
+                              m.speculative, m.prompt_lookup, m.drafter_dtype, m.drafter_quant or "none")
+        self.views[size] = view  # the most recently used last
+        while len(self.views) > VIEWS:
+            del self.views[next(iter(self.views))]
+        return view
+
     def generate(self, job: Job, emit: Callable[[str, Any], None]) -> None:
         ids = self.encode(job)
         max_tokens = job.max_tokens or self.model.target.max_context - len(ids)
+        size = self.tree_size(job)
+        model = self.model_for(size)
         start = time.perf_counter()
         try:
-            stream = self.model.generate(ids, method=job.method, max_new_tokens=max_tokens,
+            stream = model.generate(ids, method=job.method, max_new_tokens=max_tokens,
                                          temperature=job.temperature, top_p=job.top_p, top_k=job.top_k,
                                          seed=job.seed, stream=True)
         except EagleError as exc:
             raise ApiError(str(exc)) from None
         emit("start", len(ids))
+        job.total_tokens = size
         hold = max((len(s) for s in job.stop), default=1) - 1  # text that may begin a stop string waits
         text, flags, sent, finish, lengths = "", [], 0, None, []
         rounds = stream.rounds()
@@ -396,6 +438,8 @@ class Engine:
                  "mean_accepted_length": round(tokens / len(lengths), 4) if lengths else 0.0,
                  "tokens_per_second": round(tokens / seconds, 3) if seconds > 0 else 0.0,
                  "elapsed_s": round(seconds, 4)}
+        if job.total_tokens is not None:
+            stats["total_tokens"] = job.total_tokens
         if done:
             stats["accept_lengths"] = list(lengths)
         return stats
@@ -603,6 +647,16 @@ def _available(model: Any, method: str) -> bool:
 
 # ---------------------------------------------------------------- the command
 
+def warm_up(model: Any, method: str) -> None:
+    """Decode a few tokens greedily and sampled, so that one-time costs (compiled kernels, the
+    drafter's inference copy, "auto" tree sizing's cost curves) are paid before the first request."""
+    start = time.perf_counter()
+    print(f"{PROG}: warming up ({method}, greedy and sampled)", file=sys.stderr, flush=True)
+    for temperature in (0.0, 1.0):
+        model.generate("Hello", method=method, max_new_tokens=4, temperature=temperature, seed=0)
+    print(f"{PROG}: warmed up in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+
 def build_parser() -> Any:
     from infer.cli import Parser, add_model_args
 
@@ -617,6 +671,9 @@ def build_parser() -> Any:
                         help="requests that may wait behind the running one; more get 429 (default 16)")
     parser.add_argument("--max-tokens", type=int,
                         help="max_tokens of a request that gives none (default: up to the context)")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="serve at once, without first decoding a few tokens greedily and sampled (the first "
+                             "request then pays for compiling kernels and measuring the tree-size cost curves)")
     parser.add_argument("--served-model-name", help="the model id /v1/models lists (default: the target's name)")
     add_model_args(parser)
     return parser
@@ -641,6 +698,8 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(args)
     method = args.method or ("eagle-tree" if model.drafter is not None else "ar")
     check_method(model, method)
+    if not args.no_warmup:
+        warm_up(model, method)
     app = create_app(model, method=method, max_queue=args.max_queue, max_tokens=args.max_tokens,
                      model_name=args.served_model_name)
     print(f"{PROG}: {model.target.name}, method {method}, on http://{args.host}:{args.port}/ "

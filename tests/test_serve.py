@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -178,6 +179,27 @@ def test_seeded_sampling_is_reproducible(server):
         assert any(ask(seed, method) != first for seed in (12, 13, 14))  # the seed matters: it samples
 
 
+def test_seeded_sampling_repeats_with_auto_trees(server):
+    """Auto tree sizing adapts to timings, so a seeded sampled eagle-tree request runs with a fixed tree
+    size (``SEEDED_TOTAL_TOKENS``): it repeats, and equals the library's output with that size."""
+    from starlette.testclient import TestClient
+
+    from infer.serve import SEEDED_TOTAL_TOKENS
+
+    model = server.model
+    auto = EagleModel(model.target, model.drafter, tree=dataclasses.replace(model.tree, total_tokens="auto"))
+    fixed = EagleModel(model.target, model.drafter,
+                       tree=dataclasses.replace(model.tree, total_tokens=SEEDED_TOTAL_TOKENS))
+    body = {"messages": chat("t3 t4 t5"), "max_tokens": 24, "temperature": 1.0, "seed": 5}
+    with TestClient(create_app(auto)) as client:
+        answers = [client.post("/v1/chat/completions", json=body).json() for _ in range(2)]
+        greedy = client.post("/v1/chat/completions", json={**body, "temperature": 0}).json()
+    ref = fixed.generate(chat("t3 t4 t5"), method="eagle-tree", max_new_tokens=24, temperature=1.0, seed=5)
+    assert [a["choices"][0]["message"]["content"] for a in answers] == [ref.text] * 2
+    assert answers[0]["eagle"]["total_tokens"] == SEEDED_TOTAL_TOKENS
+    assert greedy["eagle"]["total_tokens"] == "auto"  # only seeded sampling leaves auto sizing
+
+
 def test_stop_strings_cut_the_text(server):
     ref = server.model.generate(chat("t3 t4 t5"), method="eagle-tree", max_new_tokens=24).text
     words = ref.split()
@@ -249,6 +271,8 @@ BAD = [
     ("chat", {"method": "beam"}, "method"),
     ("chat", {"method": "sd"}, "method"),  # no draft model loaded
     ("chat", {"n": 2}, "n"),
+    ("chat", {"total_tokens": 0}, "total_tokens"),
+    ("chat", {"total_tokens": "many"}, "total_tokens"),
     ("chat", {"messages": chat(LONG)}, "messages"),
     ("text", {}, "prompt"),
     ("text", {"prompt": ""}, "prompt"),
