@@ -33,7 +33,7 @@ class Paced:
     round (to hold the engine busy, or to make a stream slow enough to drop midway)."""
 
     def __init__(self, model: EagleModel) -> None:
-        self.model, self.gate, self.delay = model, threading.Event(), 0.0
+        self.model, self.gate, self.delay, self.fail = model, threading.Event(), 0.0, False
         self.gate.set()
 
     def __getattr__(self, name):
@@ -41,6 +41,8 @@ class Paced:
 
     def generate(self, *args, **kwargs):
         assert self.gate.wait(30)
+        if self.fail:
+            raise RuntimeError("the device fell over")
         stream = self.model.generate(*args, **kwargs)
         delay, rounds = self.delay, stream.rounds
 
@@ -362,6 +364,34 @@ def test_a_dropped_stream_stops_its_generation(server):
     ref = server.model.generate(chat("t9 t2"), method="eagle-tree", max_new_tokens=10).text
     out = server.client.chat.completions.create(model="any", messages=chat("t9 t2"), max_tokens=10, temperature=0)
     assert out.choices[0].message.content == ref
+
+
+def test_a_dropped_plain_request_stops_its_generation(server):
+    server.paced.delay = 0.05
+    cancelled = server.metric('eagle_requests_total{status="499"}')
+    body = {"messages": chat("t3 t4"), "max_tokens": 200, "temperature": 0, "method": "ar"}
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.base + "/v1/chat/completions", json=body, timeout=0.5)
+        wait_for(lambda: server.metric('eagle_requests_total{status="499"}') == cancelled + 1, timeout=5)
+    finally:
+        server.paced.delay = 0.0
+    assert server.http.get("/health").json()["running"] == 0
+
+
+def test_a_failing_generation_is_a_500_and_the_server_goes_on(server):
+    server.paced.fail = True
+    try:
+        for stream in (False, True):
+            response = server.http.post("/v1/chat/completions", json={"messages": chat("t3"), "max_tokens": 4,
+                                                                      "stream": stream})
+            assert response.status_code == 500
+            assert response.json()["error"]["type"] == "server_error"
+            assert "the device fell over" in response.json()["error"]["message"]
+    finally:
+        server.paced.fail = False
+    out = server.client.chat.completions.create(model="any", messages=chat("t3"), max_tokens=4, temperature=0)
+    assert out.choices[0].finish_reason == "length"
 
 
 def test_models_health_and_metrics(server):
