@@ -14,7 +14,6 @@ token of the round)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -518,7 +517,8 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
             if kind == "error":
                 return JSONResponse(payload.body(), status_code=payload.status)
             return Response(status_code=499)
-        prompt_tokens = payload
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": now,
+                "model": name}
 
         def chunk(text: str | None, spans: list | None, stats: dict | None, finish: str | None = None,
                   usage: dict | None = None, role: bool = False) -> str:
@@ -531,8 +531,7 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            out: dict = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                         "created": now, "model": name, "choices": [choice]}
+            out: dict = dict(head, choices=[choice])
             if usage is not None:
                 out["usage"] = usage
             if stats is not None:
@@ -553,7 +552,7 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
                             finish, _, usage, stats = payload
                             yield chunk(None if chat else "", [], stats, finish, usage)
                             if job.include_usage:
-                                yield f"data: {json.dumps({'id': rid, 'object': 'chat.completion.chunk' if chat else 'text_completion', 'created': now, 'model': name, 'choices': [], 'usage': usage})}\n\n"
+                                yield f"data: {json.dumps(dict(head, choices=[], usage=usage))}\n\n"
                             yield "data: [DONE]\n\n"
                             return
                         elif kind == "error":

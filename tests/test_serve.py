@@ -169,6 +169,14 @@ def test_completions_endpoint_takes_raw_text(server):
     assert by_ids["choices"][0]["text"] == ref.text
 
 
+def test_stream_options_include_usage(server):
+    chunks = list(server.client.chat.completions.create(model="any", messages=chat("t3 t4"), max_tokens=5,
+                                                        temperature=0, stream=True,
+                                                        stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
 def test_seeded_sampling_is_reproducible(server):
     def ask(seed, method="eagle-tree"):
         return server.client.chat.completions.create(
