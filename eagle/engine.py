@@ -47,27 +47,64 @@ def shipped_draft_lm(target_name: str) -> Path | None:
     return _shipped(draft_lm.SHIPPED, target_name, draft_lm.MARKER)
 
 
+@dataclasses.dataclass
+class Round:
+    """One decoding round of a ``Stream``: ``tokens``, the new token ids it accepted (the drafts the
+    target agreed with, then the target's own token); ``drafted``, how many of them were drafts (a
+    round cut short by EOS or the token limit counts its last token as the target's); ``spans``,
+    the new text it shows, in order, as (text, drafted) pieces: drafted text comes from accepted
+    drafts. Text of an incomplete multi-byte character waits for a later round."""
+
+    tokens: list[int]
+    drafted: int
+    spans: list[tuple[str, bool]]
+
+    @property
+    def text(self) -> str:
+        return "".join(text for text, _ in self.spans)
+
+
 class Stream:
-    """Iterator of text pieces as tokens are accepted; ``result`` is set once it is exhausted."""
+    """Iterator of text pieces as tokens are accepted; ``result`` is set once it is exhausted.
+    ``rounds()`` iterates per decoding round instead, telling drafted text from the target's."""
 
     def __init__(self, events: Iterator, tokenizer: Any) -> None:
         self.events, self.tokenizer = events, tokenizer
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
+        for round_ in self.rounds():
+            if round_.spans:
+                yield round_.text
+
+    def rounds(self) -> Iterator[Round]:
+        """One ``Round`` per target forward (its ``spans`` may be empty); sets ``result`` at the end."""
         tokens: list[int] = []
         shown = ""
         for event in self.events:
             if isinstance(event, GenerationResult):
                 self.result = event
                 break
+            drafted = len(event) - 1
+            before = shown
+            if drafted:  # the text up to the target's own token: where the drafted text ends
+                before = self.tokenizer.decode(tokens + event[:drafted], skip_special_tokens=True)
             tokens.extend(event)
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+                yield Round(list(event), drafted, [])
                 continue
-            if len(text) > len(shown):
-                yield text[len(shown):]
+            if len(text) <= len(shown):
+                shown = text
+                yield Round(list(event), drafted, [])
+                continue
+            new = text[len(shown):]
+            cut = 0
+            if drafted and before.startswith(shown) and text.startswith(before):
+                cut = len(before) - len(shown)
+            spans = [(piece, flag) for piece, flag in ((new[:cut], True), (new[cut:], False)) if piece]
             shown = text
+            yield Round(list(event), drafted, spans)
 
 
 def default_drafter_dtype(target: Target) -> torch.dtype:
