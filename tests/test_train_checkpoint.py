@@ -5,6 +5,8 @@ skipped with a message; old checkpoints are pruned."""
 
 from __future__ import annotations
 
+import builtins
+import io
 import os
 import shutil
 import signal
@@ -53,6 +55,18 @@ def _instrument(monkeypatch, at: int, ready_fd: int) -> None:
     for owner, name in [(os, "rename"), (os, "replace"), (os, "fsync"), (os, "link"), (os, "mkdir"),
                         (os, "unlink"), (os, "rmdir"), (shutil, "rmtree"), (eagle.atomic, "_exchange")]:
         wrap(owner, name)
+    real_open = io.open
+
+    def opened(file, mode="r", *args, **kwargs):  # a file opened to write: before, and once it is truncated
+        writes = any(c in mode for c in "wax+")
+        if writes:
+            point()
+        handle = real_open(file, mode, *args, **kwargs)
+        if writes:
+            point()
+        return handle
+    monkeypatch.setattr(io, "open", opened)
+    monkeypatch.setattr(builtins, "open", opened)
     real_save = safetensors.torch.save_file
 
     def half_written(tensors, filename, metadata=None):
@@ -100,6 +114,7 @@ def same_weights(a: Drafter, b: Drafter) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
+@pytest.mark.slow
 def test_drafter_save_killed_at_any_step_leaves_the_old_or_the_new_drafter(tmp_path, monkeypatch):
     target = tiny_target(lean=False)
     old, new = tiny_drafter(target, seed=1).float(), tiny_drafter(target, seed=2).float()

@@ -98,9 +98,17 @@ def test_a_drafter_that_predicts_the_target_features_scores_top1_one_and_the_lon
 @pytest.mark.parametrize("wrong", [0.2, 0.5])
 def test_a_partly_wrong_drafter_matches_the_hand_walked_chains(setup, wrong):
     target, dataset, true_next = setup
-    rng = random.Random(1)
+    rng, gen = random.Random(1), torch.Generator().manual_seed(1)
     keys, values = list(true_next), list(true_next.values())
-    table = {k: (values[rng.randrange(len(values))] if rng.random() < wrong else v) for k, v in true_next.items()}
+    table = {}
+    for k, v in true_next.items():
+        draw = rng.random()
+        if draw < wrong:  # another position's feature: mostly the wrong token
+            table[k] = values[rng.randrange(len(values))]
+        elif draw < wrong + 0.2:  # nearly the right feature (the right token), but not one it knows what follows
+            table[k] = v + 1e-3 * torch.randn(v.shape, generator=gen)
+        else:
+            table[k] = v
     got = evaluate(drafter_with(target, table), target, dataset, list(range(len(dataset))), 5)
     want = reference(target, dataset, table, 5)
     assert got == pytest.approx(want, abs=1e-9)

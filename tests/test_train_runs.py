@@ -174,7 +174,7 @@ def test_training_on_online_features_learns_and_checkpoints(space):
     assert after["chain5_accept_length"] > before["chain5_accept_length"] + 0.12
 
 
-# The trainer with two seams a test can slow down or stop at, started by the deepspeed launcher.
+# The trainer with two seams a test can slow down or stop at.
 HOOKED_MAIN = '''
 import os, sys, time
 import train.checkpoint, train.main
@@ -203,15 +203,22 @@ sys.exit(train.main.main())
 '''
 
 
+def single_rank(space) -> dict:
+    """The environment of rank 0 of 1 as the deepspeed launcher sets it (the trainer started directly)."""
+    return {**environment(space), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port()}
+
+
 def start(space, cfg: Path, **env: str) -> subprocess.Popen:
     script = space["root"] / "hooked_main.py"
     script.write_text(HOOKED_MAIN)
-    return subprocess.Popen(deepspeed(script, "--config", str(cfg)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**environment(space), **env}, cwd=ROOT, start_new_session=True)
+    return subprocess.Popen([sys.executable, str(script), "--config", str(cfg)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**single_rank(space), **env}, cwd=ROOT,
+                            start_new_session=True)
 
 
 def read_until(proc: subprocess.Popen, stop, timeout: float = 240) -> list[str]:
-    """stdout lines until ``stop(line)`` (then SIGKILL to the launcher and the trainer) or the end."""
+    """stdout lines until ``stop(line)`` (then SIGKILL to the trainer's process group) or the end."""
     lines, deadline = [], time.time() + timeout
     for line in proc.stdout:
         lines.append(line)
@@ -256,8 +263,8 @@ def test_a_run_killed_at_a_random_step_and_while_checkpointing_resumes_to_the_sa
     Drafter.from_pretrained(out / "drafter")  # the drafter folder too is whole
     # 3. `latest` emptied as well: a one-line note, the same checkpoint, and the run ends where it would have
     (ckpt / "latest").write_text("")
-    proc = subprocess.run(deepspeed(train.main.__file__, "--config", str(cfg)), capture_output=True, text=True,
-                          env=environment(space), timeout=300, cwd=ROOT)
+    proc = subprocess.run([sys.executable, train.main.__file__, "--config", str(cfg)], capture_output=True, text=True,
+                          env=single_rank(space), timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"eagle-train: resuming from {ckpt / latest}; skipped: latest is empty" in proc.stderr
     assert "Traceback" not in proc.stderr and f"resumed from step {kept} " in proc.stdout
