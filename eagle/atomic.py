@@ -119,8 +119,9 @@ def atomic_directory(directory: str | Path, keep_other_files: bool = False) -> I
     """Fill the yielded empty folder (``NAME.tmp``, beside ``directory``); on leaving the block
     without an exception it replaces ``directory`` in one step (see the module docstring). With
     ``keep_other_files`` the files of the old folder that the block did not write are carried
-    over (hard links), as writing into the folder in place would have kept them."""
-    directory = Path(directory)
+    over (hard links), as writing into the folder in place would have kept them. A symbolic
+    link is followed: the folder it points to is replaced and the link kept."""
+    directory = Path(os.path.realpath(directory))
     directory.parent.mkdir(parents=True, exist_ok=True)
     recover_directory(directory)
     tmp = directory.with_name(directory.name + ".tmp")

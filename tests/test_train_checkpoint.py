@@ -173,6 +173,18 @@ def test_a_folder_save_killed_at_any_step_is_old_or_new_also_without_exchange(tm
         assert seen[0] == "old" and seen[-1] == "new" and set(seen) == {"old", "new"}, (exchange, seen)
 
 
+def test_a_save_through_a_symbolic_link_or_into_the_current_folder_replaces_the_folder_it_names(tmp_path, monkeypatch):
+    real = tmp_path / "store" / "v1"
+    train.main.save_atomically(lambda tmp: (tmp / "a").write_text("old"), real)
+    (tmp_path / "drafter").symlink_to(real, target_is_directory=True)
+    train.main.save_atomically(lambda tmp: (tmp / "a").write_text("new"), tmp_path / "drafter")
+    assert (tmp_path / "drafter").is_symlink() and (real / "a").read_text() == "new"
+    assert sorted(p.name for p in real.parent.iterdir()) == ["v1"]
+    monkeypatch.chdir(real)
+    train.main.save_atomically(lambda tmp: (tmp / "a").write_text("newer"), ".")
+    assert (real / "a").read_text() == "newer"
+
+
 def fake_deepspeed_save(ckpt_dir: Path, step: int) -> None:
     """What ``engine.save_checkpoint`` leaves before publication: files under ``step<N>.partial``."""
     partial = ckpt_dir / checkpoint.partial_tag(f"step{step}")

@@ -68,7 +68,10 @@ def run_files(space, name: str, zero: str = "zero1", **overrides) -> tuple[Path,
 
 
 def environment(space) -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_DIR": str(space["root"] / "wandb"),
+    """The trainer's environment: on the CPU (float32, so its evaluation can be recomputed exactly here),
+    wandb offline, this checkout first on the path."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "offline",
+            "WANDB_DIR": str(space["root"] / "wandb"),
             "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
