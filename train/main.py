@@ -6,8 +6,10 @@ Trains an EAGLE drafter (``student: drafter``) or a standalone draft LM for ``sd
 Loss = feature_weight * SmoothL1(predicted feature, target feature) + ce_weight * soft-CE(draft
 logits, target distribution), with U(-noise, noise) on the input features, masked to assistant
 tokens. Checkpoints every ``save_every`` optimizer steps, crash-safe and checksummed, the newest
-``keep_last`` kept (``train.checkpoint``); a rerun resumes from the newest intact one. Held-out evaluation reports top-1 accuracy and the expected accepted length of a depth-5
-chain (also on ``dev_data``, when set). wandb logging (offline by default; ``--report-to none`` turns it off)."""
+``keep_last`` kept (``train.checkpoint``); a rerun resumes from the one ``latest`` names, or
+else the newest intact one. Held-out
+evaluation reports top-1 accuracy and the expected accepted length of a depth-5 chain (also on
+``dev_data``, when set). wandb logging (offline by default; ``--report-to none`` turns it off)."""
 
 from __future__ import annotations
 
@@ -261,9 +263,9 @@ def evaluate(student: torch.nn.Module, target: Target, dataset, indices: list[in
 @dataclasses.dataclass
 class Student:
     """What a run trains: ``module`` (given to DeepSpeed; ``forward`` as the loss expects),
-    ``parameters`` (the trainable ones), ``name`` (its output folder), ``save`` (to a folder) and
-    ``loss`` (engine, micro-batch, noise generator) -> LossOutput; ``aux_layers``: the target
-    layers whose outputs it reads besides the feature."""
+    ``parameters`` (the trainable ones), ``name`` (its output folder), ``save`` (to a folder, which
+    it replaces in one step) and ``loss`` (engine, micro-batch, noise generator) -> LossOutput;
+    ``aux_layers``: the target layers whose outputs it reads besides the feature."""
 
     module: torch.nn.Module
     parameters: list[torch.nn.Parameter]
