@@ -5,9 +5,11 @@ Trains an EAGLE drafter (``student: drafter``) or a standalone draft LM for ``sd
 
 Loss = feature_weight * SmoothL1(predicted feature, target feature) + ce_weight * soft-CE(draft
 logits, target distribution), with U(-noise, noise) on the input features, masked to assistant
-tokens. Atomic checkpoints every ``save_every`` optimizer steps; a rerun resumes from the last
-one. Held-out evaluation reports top-1 accuracy and the expected accepted length of a depth-5
-chain (also on ``dev_data``, when set). wandb logging (offline by default; ``--report-to none`` turns it off)."""
+tokens. Checkpoints every ``save_every`` optimizer steps, crash-safe and checksummed, the newest
+``keep_last`` kept (``train.checkpoint``); a rerun resumes from the one ``latest`` names, or
+else the newest intact one. Held-out
+evaluation reports top-1 accuracy and the expected accepted length of a depth-5 chain (also on
+``dev_data``, when set). wandb logging (offline by default; ``--report-to none`` turns it off)."""
 
 from __future__ import annotations
 
@@ -24,11 +26,13 @@ from typing import Callable, Iterable
 
 import torch
 
+from eagle.atomic import atomic_directory, write_file
 from eagle.drafting import draft_lm
 from eagle.config import from_dict, load_config_file
 from eagle.drafting.drafter import Drafter, most_frequent
 from eagle.errors import EagleError, command
 from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
+from train import checkpoint
 from train.features import FeatureShards, OnlineFeatures, iter_batches
 from train.loss import LossOutput, eagle_loss, soft_cross_entropy, unroll, uniform_noise
 
@@ -75,6 +79,7 @@ class TrainConfig:
                                    # and gradients stay float32); faster on a CPU with native bf16 (AVX512-BF16).
                                    # On CUDA DeepSpeed's bf16 (on by default there) already does this
     save_every: int = 100
+    keep_last: int = 3             # checkpoints kept on disk (the newest; 0 = all)
     eval_every: int = 100
     eval_fraction: float = 0.05
     eval_chain_depth: int = 5
@@ -93,6 +98,8 @@ class TrainConfig:
             raise EagleError(f"unroll_steps must be >= 1, got {self.unroll_steps}")
         if self.autocast not in AUTOCAST:
             raise EagleError(f"autocast must be one of {', '.join(AUTOCAST)}, got {self.autocast!r}")
+        if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 0:
+            raise EagleError(f"keep_last must be an integer >= 0 (0 keeps every checkpoint), got {self.keep_last!r}")
         if self.examples_from < 0 or self.replay_fraction < 0:
             raise EagleError(f"examples_from and replay_fraction must be >= 0, got {self.examples_from} and "
                              f"{self.replay_fraction}")
@@ -256,9 +263,9 @@ def evaluate(student: torch.nn.Module, target: Target, dataset, indices: list[in
 @dataclasses.dataclass
 class Student:
     """What a run trains: ``module`` (given to DeepSpeed; ``forward`` as the loss expects),
-    ``parameters`` (the trainable ones), ``name`` (its output folder), ``save`` (to a folder) and
-    ``loss`` (engine, micro-batch, noise generator) -> LossOutput; ``aux_layers``: the target
-    layers whose outputs it reads besides the feature."""
+    ``parameters`` (the trainable ones), ``name`` (its output folder), ``save`` (to a folder, which
+    it replaces in one step) and ``loss`` (engine, micro-batch, noise generator) -> LossOutput;
+    ``aux_layers``: the target layers whose outputs it reads besides the feature."""
 
     module: torch.nn.Module
     parameters: list[torch.nn.Parameter]
@@ -313,20 +320,16 @@ def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
         params = draft_lm.trainable_parameters(lm)
         for p in params:
             p.requires_grad_(True)
-        return Student(HiddenStates(lm).train(), params, "draft_lm", lambda path: draft_lm.save(lm, path, target),
+        return Student(HiddenStates(lm).train(), params, "draft_lm",
+                       lambda path: save_atomically(lambda tmp: draft_lm.save(lm, tmp, target), path),
                        lambda engine, batch, gen: draft_lm_loss(engine, target, batch, cfg, gen))
     raise EagleError(f"unknown student {cfg.student!r}: choose drafter or draft-lm")
 
 
 def save_atomically(save: Callable[[Path], None], directory: Path) -> None:
-    tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save(tmp)
-    old = directory.with_name(directory.name + ".old")
-    if directory.exists():
-        directory.rename(old)
-    tmp.rename(directory)
-    shutil.rmtree(old, ignore_errors=True)
+    """``save`` into a fresh folder beside ``directory`` that then replaces it in one step (``eagle.atomic``)."""
+    with atomic_directory(directory) as tmp:
+        save(tmp)
 
 
 def token_counts(examples: Iterable[dict], vocab_size: int) -> torch.Tensor:
@@ -414,8 +417,18 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     out = Path(cfg.out_dir)
     ckpt_dir = out / "checkpoints"
     state = {"step": 0, "epoch": 0, "micro_in_epoch": 0, "wall_s": 0.0}
-    if (ckpt_dir / "latest").is_file():
-        _, client = engine.load_checkpoint(str(ckpt_dir))
+    resume = [None]
+    if rank == 0:  # one rank verifies; all load what it chose
+        checkpoint.clean(ckpt_dir)
+        tag, verified, skipped = checkpoint.choose(ckpt_dir)
+        message = checkpoint.resume_message(ckpt_dir, tag, verified, skipped)
+        if message:
+            print(message, file=sys.stderr, flush=True)
+        resume = [tag]
+    if world > 1:
+        torch.distributed.broadcast_object_list(resume, src=0)
+    if resume[0] is not None:
+        _, client = engine.load_checkpoint(str(ckpt_dir), tag=resume[0])
         state.update({k: client[k] for k in state if client and k in client})  # DeepSpeed adds its own keys
         if rank == 0:
             print(f"resumed from step {state['step']} (epoch {state['epoch']})", flush=True)
@@ -464,9 +477,14 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
                     run.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
             if step % cfg.save_every == 0 or step == total_steps:
                 state["wall_s"] = wall_before + time.time() - start
-                engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state=dict(state))
+                tag = f"step{step}"
+                if rank == 0:  # before the barrier DeepSpeed's save begins with
+                    shutil.rmtree(ckpt_dir / checkpoint.partial_tag(tag), ignore_errors=True)
+                engine.save_checkpoint(str(ckpt_dir), tag=checkpoint.partial_tag(tag), client_state=dict(state),
+                                       save_latest=False)  # returns once every rank has written its files
                 if rank == 0:
-                    save_atomically(student.save, out / student.name)
+                    checkpoint.publish(ckpt_dir, tag, cfg.keep_last)
+                    student.save(out / student.name)
             if step >= total_steps:
                 break
         else:
@@ -477,13 +495,13 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     if rank == 0:
         if evaluates and not metrics:
             metrics = evaluate_all()
-        save_atomically(student.save, out / student.name)
+        student.save(out / student.name)
         epochs = state["epoch"] + state["micro_in_epoch"] / micro_per_epoch
         summary = {"steps": state["step"], "epochs": round(epochs, 2), "eval": metrics,
                    "wall_s": wall_before + time.time() - start,
                    "train_examples": len(train_idx), "eval_examples": len(eval_idx), "init_from": cfg.init_from,
                    "config": dataclasses.asdict(cfg)}
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_file(out / "summary.json", json.dumps(summary, indent=2))
         if run:
             run.finish()
         return summary

@@ -247,13 +247,17 @@ class Drafter(nn.Module):
 
     # ---- persistence ---------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path) -> None:
+        """Write ``config.json`` + ``model.safetensors`` to ``directory``, crash-safe: a kill at any
+        instant leaves the old drafter or the new one (``eagle.atomic.atomic_directory``; other
+        files already in the folder, such as a model card, are kept)."""
         from safetensors.torch import save_file
 
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "config.json").write_text(self.config.to_json())
+        from eagle.atomic import atomic_directory
+
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(directory / "model.safetensors"), metadata={"format": FORMAT})
+        with atomic_directory(directory, keep_other_files=True) as tmp:
+            (tmp / "config.json").write_text(self.config.to_json())
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": FORMAT})
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, target: Any = None, device: Any = None,

@@ -273,6 +273,17 @@ def test_unrolled_passes_equal_the_drafts_of_inference():
     assert not torch.allclose(preds[1][:, 1:], preds[0][:, 1:], atol=1e-3)
 
 
+def held_out_eval(target_dir: str, features: str, drafter_dir: Path, seed: int = 0, eval_fraction: float = 0.1,
+                  online: bool = False) -> dict:
+    """``train.main.evaluate`` of a saved drafter on the held-out split a run with these settings draws."""
+    target = load_target(target_dir, lean=False)
+    dataset = train.main.online_dataset(target, features, 1024, []) if online else FeatureShards(features, target)
+    order = list(range(len(dataset)))
+    random.Random(seed).shuffle(order)
+    drafter = Drafter.from_pretrained(drafter_dir, target=target).float()
+    return train.main.evaluate(drafter, target, dataset, order[:max(1, int(len(order) * eval_fraction))], 5)
+
+
 def deepspeed_run(workspace, out: Path, **overrides) -> list[dict]:
     ds = json.loads(Path("configs/deepspeed/zero1.json").read_text())
     ds["optimizer"]["params"]["lr"] = 3e-3
@@ -305,8 +316,11 @@ def test_deepspeed_training_end_to_end_and_resume(workspace):
     assert drafter.config.target.tokenizer_fingerprint == target.tokenizer_fingerprint
     assert (out / "checkpoints" / "latest").read_text().strip() == "step10"
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 10 and 0 <= summary["eval"]["top1"] <= 1
-    assert summary["eval"]["chain5_accept_length"] >= 1.0
+    assert summary["steps"] == 10
+    # what the run reports is the held-out evaluation of the drafter it saved (tests/test_train_eval.py checks
+    # the evaluation itself against hand-walked chains)
+    target_dir, features = workspace["target"], workspace["features"]
+    assert summary["eval"] == pytest.approx(held_out_eval(str(target_dir), str(features), out / "drafter"), abs=1e-9)
     # resume: the step counter and the optimizer state continue from the checkpoint
     more = deepspeed_run(workspace, out, max_steps=16, unroll_steps=2)
     steps = [row["step"] for row in more if "loss" in row]
