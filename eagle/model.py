@@ -126,6 +126,10 @@ class EagleModel:
         if entry is None or entry[0] is not module:
             if isinstance(module, Drafter):
                 copy = LeanDrafter(module, None if quant else dtype, quant)
+                if self.target.graphs is not None:  # the drafter on static shapes too (graphs on CUDA)
+                    from eagle.cuda_graphs import GraphedDrafter
+
+                    copy = GraphedDrafter(copy, self.target.graphs.cache.capacity, self.target.graphs.capture)
             else:
                 copy = packed_copy(module, dtype)
             entry = self._packed[key] = (module, copy)
@@ -140,7 +144,7 @@ class EagleModel:
                         draw_support: int | None = None, gamma: int | None = None, lenience: float | None = None,
                         adaptive_gamma: bool | None = None,
                         drafter_dtype: torch.dtype | None = None, drafter_quant: str | None = None,
-                        **prompt_lookup: Any) -> "EagleModel":
+                        cuda_graphs: bool | None = None, **prompt_lookup: Any) -> "EagleModel":
         """``drafter``: a drafter folder or ``Drafter`` (default: the one shipped for the target,
         if any). ``draft_model``: a model spec (as for targets), a draft LM folder
         (``eagle.draft_lm``) or a loaded model for ``sd`` (default: the draft LM shipped for the
@@ -152,8 +156,10 @@ class EagleModel:
         ``draw_temperature_scale``, ``draw_support`` (``TreeConfig``'s); ``sd`` options:
         ``gamma``, ``lenience``, ``adaptive_gamma``; ``pld`` options: ``max_ngram``,
         ``min_ngram``, ``num_draft_tokens`` (the n-gram sizes also apply to ``lookup_tokens``).
-        ``drafter_dtype``, ``drafter_quant``: see ``EagleModel``."""
-        tgt = load_target(target, device=device, dtype=dtype)
+        ``drafter_dtype``, ``drafter_quant``: see ``EagleModel``. ``cuda_graphs``: the target and the
+        drafter on static shapes replayed as CUDA graphs (``eagle.cuda_graphs``; default: on CUDA;
+        ``True`` on a CPU runs that static path without graphs)."""
+        tgt = load_target(target, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
         if drafter is None and isinstance(target, str):
             drafter = shipped_drafter(target)
         if drafter is not None and not isinstance(drafter, Drafter):
