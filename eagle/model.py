@@ -42,6 +42,23 @@ def shipped_drafter(target_name: str) -> Path | None:
     return _shipped(SHIPPED, target_name, "model.safetensors")
 
 
+def shipped_drafter_for(target: Target) -> Path | None:
+    """The drafter shipped for a target with ``target``'s tokenizer (by fingerprint), hidden size and
+    vocabulary, whatever the target is called (a ``.gguf`` file or folder of a shipped target's model)."""
+    import json
+
+    for path in sorted(SHIPPED.glob("*/config.json")):
+        try:
+            info = json.loads(path.read_text()).get("target", {})
+        except (OSError, ValueError):
+            continue
+        if (info.get("tokenizer_fingerprint") == target.tokenizer_fingerprint
+                and info.get("hidden_size") == target.hidden_size and info.get("vocab_size") == target.vocab_size
+                and (path.parent / "model.safetensors").is_file()):
+            return path.parent
+    return None
+
+
 def shipped_draft_lm(target_name: str) -> Path | None:
     """The draft LM shipped with the package for a named target, if any."""
     return _shipped(draft_lm.SHIPPED, target_name, draft_lm.MARKER)
@@ -161,7 +178,7 @@ class EagleModel:
         ``True`` on a CPU runs that static path without graphs)."""
         tgt = load_target(target, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
         if drafter is None and isinstance(target, str):
-            drafter = shipped_drafter(target)
+            drafter = shipped_drafter(target) or shipped_drafter_for(tgt)
         if drafter is not None and not isinstance(drafter, Drafter):
             drafter = Drafter.from_pretrained(drafter, target=tgt)
         elif drafter is not None:

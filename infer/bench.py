@@ -317,6 +317,8 @@ def machine(model: Any) -> dict:
                 torch_threads=torch.get_num_threads(), torch=torch.__version__, platform=platform.platform())
     if model.target.device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(model.target.device)
+    if model.target.graphs is not None:
+        info["graphs"] = model.target.graphs.describe()
     if model.target.lean is not None:  # the product kernels (compiled, oneDNN or F.linear per row count)
         info["kernels"] = model.target.lean.kernel_choice()
     return info
