@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 PROMPT ?= Write a short poem about the sea, then explain its imagery in two sentences.
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,6 +28,10 @@ test-fast: setup
 bench: setup
 	$(VENV)/bin/eagle-bench --prompts benchmarks/prompts/dev.jsonl --methods hf,ar,pld,eagle-tree \
 		--max-new-tokens 128 --json out.json
+
+# on a GPU machine with the packages installed (see scripts/gpu_check.sh; results in $$OUT, default ./gpu-out)
+gpu-check:
+	bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache

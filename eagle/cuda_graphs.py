@@ -52,6 +52,8 @@ class GraphCache(StaticCache):
     """A ``StaticCache`` whose buffers are views of one preallocated tensor ``kv``
     [2, layers, 1, kv_heads, capacity, head_dim] that never moves (graphs hold its address)."""
 
+    gathers = True  # ``eagle.kv_cache.compact`` hands every compaction to ``compact`` (no check on the host)
+
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__(num_layers)
@@ -89,7 +91,10 @@ def layer_stack(layers: Sequence[LayerWeights], x: torch.Tensor, cos: torch.Tens
     outputs of ``aux_layers``. The arithmetic of ``eagle.lean.LeanDecoder``'s torch layer."""
     b, q_len = x.shape[:2]
     nh, nkv, d = num_heads, num_kv_heads, head_dim
-    keys_len = mask.shape[-1]
+    keys_len, group = mask.shape[-1], nh // nkv
+    # grouped-query attention as plain attention: the query heads sharing a key head become rows of one
+    # head ([1, nkv, group * q, d]), the mask tiled to match; one fused kernel where ``enable_gqa`` may not be
+    rows_mask = mask.repeat(1, 1, group, 1) if group > 1 else mask
     kept = []
     for i, layer in enumerate(layers):
         h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, layer.input_eps)
@@ -98,9 +103,9 @@ def layer_stack(layers: Sequence[LayerWeights], x: torch.Tensor, cos: torch.Tens
         keys, values = kv[0, i], kv[1, i]
         keys.index_copy_(2, write, k)
         values.index_copy_(2, write, v)
-        out = F.scaled_dot_product_attention(q, keys[:, :, :keys_len], values[:, :, :keys_len], attn_mask=mask,
-                                             enable_gqa=nkv != nh, scale=d ** -0.5)
-        x = x + layer.o(out.transpose(1, 2).reshape(b, q_len, nh * d))
+        out = F.scaled_dot_product_attention(q.reshape(b, nkv, group * q_len, d), keys[:, :, :keys_len],
+                                             values[:, :, :keys_len], attn_mask=rows_mask, scale=d ** -0.5)
+        x = x + layer.o(out.view(b, nh, q_len, d).transpose(1, 2).reshape(b, q_len, nh * d))
         x = x + layer.down(silu_mul(layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps))))
         if i in aux_layers:
             kept.append(x)
@@ -213,7 +218,7 @@ class TargetGraphs(_Runner):
     def __init__(self, lean: Any, capacity: int, capture: bool = True, buckets: Sequence[int] = BUCKETS) -> None:
         weight = lean.head.weight
         device, dtype = weight.device, weight.dtype
-        capacity += buckets[-1]
+        capacity = -(-(capacity + buckets[-1]) // 16) * 16  # room for padded rows; aligned rows for the kernels
         super().__init__(GraphCache(len(lean.layers), lean.num_kv_heads, lean.head_dim, capacity, dtype, device),
                          dtype, device, capture, buckets)
         self.lean = lean
@@ -273,7 +278,7 @@ class GraphedDrafter:
         self.inner, self.config, self.dtype = drafter, drafter.config, drafter.dtype
         cfg = drafter.config
         device = drafter.fc.weight.device
-        capacity += buckets[-1]
+        capacity = -(-(capacity + buckets[-1]) // 16) * 16
         self.runner = _Runner(GraphCache(cfg.num_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, self.dtype,
                                          device), self.dtype, device, capture, buckets)
         angles = rotary_angles(self.runner.positions[:capacity], cfg.head_dim, cfg.rope_theta)

@@ -194,8 +194,8 @@ def summarize(records: Iterable[dict], greedy: bool = True) -> dict:
 
     tokens/s is total new tokens over total time; the mean accepted length is over all steps
     of all prompts; speedups are ratios of tokens/s (None when ar / hf did not run);
-    ``identical_to_ar`` says whether every prompt's tokens equal ar's (None unless greedy and
-    ar ran)."""
+    ``identical_to_ar`` says whether every prompt's tokens equal ar's, ``identical_share`` for
+    which share of the prompts they do (both None unless greedy and ar ran)."""
     records = list(records)
     methods = list(dict.fromkeys(r["method"] for r in records))
     ar_tokens = {r["prompt"]: r["token_ids"] for r in records if r["method"] == "ar"}
@@ -205,6 +205,8 @@ def summarize(records: Iterable[dict], greedy: bool = True) -> dict:
         stats = _rates(mine)
         stats["target_forwards"] = sum(r["target_forwards"] for r in mine)
         stats["identical_to_ar"] = (all(r["token_ids"] == ar_tokens.get(r["prompt"]) for r in mine)
+                                    if greedy and ar_tokens else None)
+        stats["identical_share"] = (sum(r["token_ids"] == ar_tokens.get(r["prompt"]) for r in mine) / len(mine)
                                     if greedy and ar_tokens else None)
         categories = list(dict.fromkeys(r.get("category", NO_CATEGORY) for r in mine))
         stats["per_category"] = {
