@@ -94,7 +94,7 @@ BENCH=($PY -m infer.bench --target "$TARGET" --prompts $PROMPTS --max-new-tokens
 GRAPHS=(--cuda-graphs)  # the default on CUDA; on a CPU the same static path without graphs
 
 # (a) tests on the device (the static/graph path, decoding, trees, acceptance, lean forward)
-part tests $TEST_LIMIT env EAGLE_TEST_DEVICE=$TESTDEV $PY -m pytest -q -x -m "not slow and not integration" \
+part tests $TEST_LIMIT env EAGLE_TEST_DEVICE=$TESTDEV $PY -m pytest -q -m "not slow and not integration" \
   -p no:cacheprovider --junitxml="$OUT/pytest.xml" \
   tests/test_cuda_graphs.py tests/test_generate.py tests/test_tree_mask.py tests/test_acceptance.py
 
