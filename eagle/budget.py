@@ -282,7 +282,10 @@ def cost_curve(target: Target, greedy: bool = False) -> CostCurve:
         return CostCurve(**json.loads(path.read_text()))
     if key in _UNCACHED:
         return _UNCACHED[key]
-    curve = measure_cost_curve(target, greedy=greedy)
+    # on static shapes a size costs what its bucket costs: measure each bucket and the size just past it, so
+    # that interpolating between them gives the steps
+    sizes = target.graphs.curve_sizes() if target.graphs is not None else SIZES
+    curve = measure_cost_curve(target, sizes=sizes, greedy=greedy)
     if curve.spread > NOISY:
         _UNCACHED[key] = curve
     else:

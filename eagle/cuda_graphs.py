@@ -226,6 +226,10 @@ class TargetGraphs(_Runner):
             cos, sin = lean.rotary(torch.zeros(1, dtype=dtype, device=device), self.positions[None, :capacity])
         self.cos, self.sin = cos[0], sin[0]  # [capacity, d]
 
+    def curve_sizes(self) -> tuple[int, ...]:
+        """Tree sizes for a cost curve (``eagle.budget``): each bucket and the size just past it."""
+        return tuple(sorted({1, *self.buckets, *(b + 1 for b in self.buckets[:-1])}))
+
     def describe(self) -> str:
         return f"cuda graphs {list(self.buckets)}" if self.capture else f"static buckets {list(self.buckets)}"
 

@@ -67,6 +67,14 @@ def test_auto_tree_sizes_on_the_static_path_stay_exact(pair):
             plain.generate(ids, method="ar", max_new_tokens=20).token_ids
 
 
+def test_cost_curves_on_static_shapes_are_measured_at_the_bucket_steps(target):
+    from eagle.budget import cost_curve
+
+    static = with_graphs(target, capture=False)
+    assert static.graphs.curve_sizes() == (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64)
+    assert cost_curve(static, greedy=True).sizes == list(static.graphs.curve_sizes())
+
+
 def test_padded_tree_forward_equals_the_lean_forward(pair):
     """A tree of 5 nodes after a prefix, padded to 8 rows, and later a tree of 3 rows: hidden states
     and aux features as the lean forward computes them, and the kept keys/values equal."""
