@@ -88,11 +88,13 @@ PROMPTS=benchmarks/prompts/dev.jsonl
 TESTS=(tests/test_cuda_graphs.py tests/test_generate.py tests/test_tree_mask.py tests/test_acceptance.py)
 if [ "$DEVICE" = cuda ]; then
   export EAGLE_CPU_KERNELS=0  # the CPU side (the trained drafter's check) runs torch's operations: nothing compiled
-  NEW=128; LIMIT=(); FEW=(--limit 5); TESTDEV=cuda; TEST_LIMIT=120; BENCH_LIMIT=200; DEV_ARGS=(--device cuda)
+  NEW=128; LIMIT=(); FEW=(--limit 5); TESTDEV=cuda; TEST_LIMIT=120; BENCH_LIMIT=200; SHORT=120; TRAIN_LIMIT=150; DEV_ARGS=(--device cuda --warmup 1)
 else
-  NEW=16; LIMIT=(--limit 2); FEW=(--limit 1); TESTDEV=cpu; TEST_LIMIT=900; BENCH_LIMIT=600; BUDGET=${EAGLE_GPU_CHECK_BUDGET:-3600}; TESTS=(tests/test_cuda_graphs.py tests/test_tree_mask.py); DEV_ARGS=(--device cpu)
+  # the rehearsal: 16 new tokens for 2 prompts, fixed trees (no cost curve to measure), no warm-up
+  NEW=16; LIMIT=(--limit 2); FEW=(--limit 1); TESTDEV=cpu; TEST_LIMIT=900; BENCH_LIMIT=900; SHORT=900; TRAIN_LIMIT=900; BUDGET=${EAGLE_GPU_CHECK_BUDGET:-7200}
+  TESTS=(tests/test_cuda_graphs.py); DEV_ARGS=(--device cpu --warmup 0 --total-tokens 12)
 fi
-BENCH=($PY -m infer.bench --target "$TARGET" --prompts $PROMPTS --max-new-tokens $NEW "${DEV_ARGS[@]}" --warmup 1)
+BENCH=($PY -m infer.bench --target "$TARGET" --prompts $PROMPTS --max-new-tokens $NEW "${DEV_ARGS[@]}")
 GRAPHS=(--cuda-graphs)  # the default on CUDA; on a CPU the same static path without graphs
 
 # (a) tests on the device (the static/graph path, decoding, trees, acceptance, lean forward)
@@ -102,15 +104,15 @@ part tests $TEST_LIMIT env EAGLE_TEST_DEVICE=$TESTDEV $PY -m pytest -q -m "not s
 # (b) the benchmark: the first load converts the .gguf once into $EAGLE_CACHE
 part bench-fp32-greedy $BENCH_LIMIT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods hf,ar,eagle-tree --dtype float32 \
   --json "$OUT/bench-fp32-greedy.json"
-part bench-fp32-t1 120 "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype float32 \
+part bench-fp32-t1 $SHORT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype float32 \
   --temperature 1 --seed 0 --json "$OUT/bench-fp32-t1.json"
-part bench-bf16-greedy 120 "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype bfloat16 \
+part bench-bf16-greedy $SHORT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype bfloat16 \
   --json "$OUT/bench-bf16-greedy.json"
-part bench-fp32-nographs 120 "${BENCH[@]}" "${FEW[@]}" --methods ar,eagle-tree --dtype float32 --no-cuda-graphs \
+part bench-fp32-nographs $SHORT "${BENCH[@]}" "${FEW[@]}" --methods ar,eagle-tree --dtype float32 --no-cuda-graphs \
   --json "$OUT/bench-fp32-nographs.json"
 
 # (c) training: DeepSpeed ZeRO-2 (bf16 on CUDA), checkpoint, resume, the drafter loaded on the CPU
-part train-smoke 150 $PY scripts/train_smoke.py --out "$OUT/train" --device $DEVICE --target "$TARGET" \
+part train-smoke $TRAIN_LIMIT $PY scripts/train_smoke.py --out "$OUT/train" --device $DEVICE --target "$TARGET" \
   --steps 6 --more 4 --timeout 100
 
 # the summary
