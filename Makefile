@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 PROMPT ?= Write a short poem about the sea, then explain its imagery in two sentences.
 
-.PHONY: setup demo test test-fast bench results clean
+.PHONY: setup demo test test-fast bench results gpu-check clean
+
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,6 +36,10 @@ bench: setup
 
 results: setup  # the results page, regenerated whole from the kept eagle-bench reports
 	$(VENV)/bin/eagle-results --header docs/results-header.md docs/results/*.json --out docs/results.md
+
+# on a GPU machine with the packages installed (see scripts/gpu_check.sh; results in $$OUT, default ./gpu-out)
+gpu-check:
+	bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache

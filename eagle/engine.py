@@ -42,6 +42,23 @@ def shipped_drafter(target_name: str) -> Path | None:
     return _shipped(SHIPPED, target_name, "model.safetensors")
 
 
+def shipped_drafter_for(target: Target) -> Path | None:
+    """The drafter shipped for a target with ``target``'s tokenizer (by fingerprint), hidden size and
+    vocabulary, whatever the target is called (a ``.gguf`` file or folder of a shipped target's model)."""
+    import json
+
+    for path in sorted(SHIPPED.glob("*/config.json")):
+        try:
+            info = json.loads(path.read_text()).get("target", {})
+        except (OSError, ValueError):
+            continue
+        if (info.get("tokenizer_fingerprint") == target.tokenizer_fingerprint
+                and info.get("hidden_size") == target.hidden_size and info.get("vocab_size") == target.vocab_size
+                and (path.parent / "model.safetensors").is_file()):
+            return path.parent
+    return None
+
+
 def shipped_draft_lm(target_name: str) -> Path | None:
     """The draft LM shipped with the package for a named target, if any."""
     return _shipped(draft_lm.SHIPPED, target_name, draft_lm.MARKER)
@@ -160,6 +177,10 @@ class EagleModel:
         if entry is None or entry[0] is not module:
             if isinstance(module, Drafter):
                 copy = LeanDrafter(module, None if quant else dtype, quant)
+                if self.target.graphs is not None:  # the drafter on static shapes too (graphs on CUDA)
+                    from eagle.runtime.cuda_graphs import GraphedDrafter
+
+                    copy = GraphedDrafter(copy, self.target.graphs.cache.capacity, self.target.graphs.capture)
             else:
                 copy = packed_copy(module, dtype)
             entry = self._packed[key] = (module, copy)
@@ -174,7 +195,7 @@ class EagleModel:
                         draw_support: int | None = None, gamma: int | None = None, lenience: float | None = None,
                         adaptive_gamma: bool | None = None,
                         drafter_dtype: torch.dtype | None = None, drafter_quant: str | None = None,
-                        **prompt_lookup: Any) -> "EagleModel":
+                        cuda_graphs: bool | None = None, **prompt_lookup: Any) -> "EagleModel":
         """``drafter``: a drafter folder or ``Drafter`` (default: the one shipped for the target,
         if any). ``draft_model``: a model spec (as for targets), a draft LM folder
         (``eagle.drafting.draft_lm``) or a loaded model for ``sd`` (default: the draft LM shipped for the
@@ -186,10 +207,12 @@ class EagleModel:
         ``draw_temperature_scale``, ``draw_support`` (``TreeConfig``'s); ``sd`` options:
         ``gamma``, ``lenience``, ``adaptive_gamma``; ``pld`` options: ``max_ngram``,
         ``min_ngram``, ``num_draft_tokens`` (the n-gram sizes also apply to ``lookup_tokens``).
-        ``drafter_dtype``, ``drafter_quant``: see ``EagleModel``."""
-        tgt = load_target(target, device=device, dtype=dtype)
+        ``drafter_dtype``, ``drafter_quant``: see ``EagleModel``. ``cuda_graphs``: the target and the
+        drafter on static shapes replayed as CUDA graphs (``eagle.runtime.cuda_graphs``; default: on CUDA;
+        ``True`` on a CPU runs that static path without graphs)."""
+        tgt = load_target(target, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
         if drafter is None and isinstance(target, str):
-            drafter = shipped_drafter(target)
+            drafter = shipped_drafter(target) or shipped_drafter_for(tgt)
         if drafter is not None and not isinstance(drafter, Drafter):
             drafter = Drafter.from_pretrained(drafter, target=tgt)
         elif drafter is not None:

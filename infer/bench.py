@@ -156,8 +156,8 @@ def summarize(records: Iterable[dict], greedy: bool = True) -> dict:
 
     tokens/s is total new tokens over total time; the mean accepted length is over all steps
     of all prompts; speedups are ratios of tokens/s (None when ar / hf did not run);
-    ``identical_to_ar`` says whether every prompt's tokens equal ar's (None unless greedy and
-    ar ran)."""
+    ``identical_to_ar`` says whether every prompt's tokens equal ar's, ``identical_share`` for
+    which share of the prompts they do (both None unless greedy and ar ran)."""
     records = list(records)
     methods = list(dict.fromkeys(r["method"] for r in records))
     ar_tokens = {r["prompt"]: r["token_ids"] for r in records if r["method"] == "ar"}
@@ -167,6 +167,8 @@ def summarize(records: Iterable[dict], greedy: bool = True) -> dict:
         stats = _rates(mine)
         stats["target_forwards"] = sum(r["target_forwards"] for r in mine)
         stats["identical_to_ar"] = (all(r["token_ids"] == ar_tokens.get(r["prompt"]) for r in mine)
+                                    if greedy and ar_tokens else None)
+        stats["identical_share"] = (sum(r["token_ids"] == ar_tokens.get(r["prompt"]) for r in mine) / len(mine)
                                     if greedy and ar_tokens else None)
         categories = list(dict.fromkeys(r.get("category", NO_CATEGORY) for r in mine))
         stats["per_category"] = {
@@ -292,6 +294,8 @@ def machine(model: Any) -> dict:
                 cpu=cpu_name(), date=time.strftime("%Y-%m-%d", time.gmtime()))
     if model.target.device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(model.target.device)
+    if model.target.graphs is not None:
+        info["graphs"] = model.target.graphs.describe()
     if model.target.lean is not None:  # the product kernels (compiled, oneDNN or F.linear per row count)
         info["kernels"] = model.target.lean.kernel_choice()
     return info

@@ -54,6 +54,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="what the target computes in (default auto: bfloat16 on CUDA, float32 on a CPU); greedy "
                         "output equals plain decoding's token for token in float32, while in 16-bit formats a "
                         "forward of several tokens can round differently from one of a single token")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the target and drafter on static shapes replayed as CUDA graphs (default: on CUDA; "
+                        "on a CPU the same static path runs without graphs)")
     t = parser.add_argument_group("draft tree (eagle-tree, eagle-chain)")
     t.add_argument("--total-tokens", type=total_tokens_arg, help="tree nodes verified per step (int or 'auto')")
     t.add_argument("--depth", type=int,
@@ -128,7 +131,7 @@ def load_model(args: argparse.Namespace) -> Any:
         sampled_tree=args.sampled_tree, draw_temperature_scale=args.draw_temperature_scale,
         draw_support=args.draw_support, gamma=args.gamma,
         lenience=args.lenience, adaptive_gamma=args.adaptive_gamma, drafter_dtype=drafter_dtype,
-        drafter_quant=None if args.drafter_quant == "auto" else args.drafter_quant)
+        drafter_quant=None if args.drafter_quant == "auto" else args.drafter_quant, cuda_graphs=args.cuda_graphs)
 
 
 def check_method(model: Any, method: str) -> None:

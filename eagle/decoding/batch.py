@@ -62,7 +62,7 @@ def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int
                          f"({target.max_context})")
     device, eos = target.device, torch.tensor(sorted(target.eos_token_ids), device=target.device)
     ids, real, positions = (t.to(device) for t in padded_batch(prompts, pad_id=0))  # padding is masked: any id
-    cache = target.new_cache()
+    cache = target.lean.new_cache()  # rows are dropped as they end: a growable cache
     out = target.forward(ids, positions, cache, batch_bias(real, ids.shape[1], target.dtype), logits_from=ids.shape[1] - 1)
     rows = torch.arange(len(prompts), device=device)  # which prompt each batch row is
     new: list[list[int]] = [[] for _ in prompts]

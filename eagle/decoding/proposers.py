@@ -313,11 +313,12 @@ class EagleDrafter(Proposer):
         bias = None  # causal: a lone node below every node run so far this round (a chain) sees them all
         if len(nodes) > 1 or ancestors[0][:-1] != cached:
             col = {node: j for j, node in enumerate(cached + nodes)}
-            allowed = torch.zeros(len(nodes), committed + len(col), dtype=torch.bool, device=self.device)
+            # built on the host and moved once: on a GPU each row's assignment would be a copy and a launch
+            allowed = torch.zeros(len(nodes), committed + len(col), dtype=torch.bool)
             allowed[:, :committed] = True
             for row, chain in enumerate(ancestors):
                 allowed[row, [committed + col[a] for a in chain]] = True
-            bias = additive_bias(allowed, self.dtype)
+            bias = additive_bias(allowed.to(self.device), self.dtype)
         cached.extend(nodes)
         pos = torch.full((1, len(nodes)), position, device=self.device)
         embeds = self.target.embed(tokens[None]).to(self.dtype)

@@ -274,13 +274,17 @@ def cost_curve(target: Target, greedy: bool = False) -> CostCurve:
     key = json.dumps(["v6", target.name, target.tokenizer_fingerprint, target.hidden_size,
                       target.config.num_hidden_layers, str(target.device), str(target.dtype),
                       torch.get_num_threads(), target.lean.kernel_choice() if target.lean is not None else "model"]
-                     + (["greedy"] if greedy else []))
+                     + (["greedy"] if greedy else [])
+                     + ([target.graphs.describe()] if target.graphs is not None else []))
     path = cache_root() / "cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     if path.is_file():
         return CostCurve(**json.loads(path.read_text()))
     if key in _UNCACHED:
         return _UNCACHED[key]
-    curve = measure_cost_curve(target, greedy=greedy)
+    # on static shapes a size costs what its bucket costs: measure each bucket and the size just past it, so
+    # that interpolating between them gives the steps
+    sizes = target.graphs.curve_sizes() if target.graphs is not None else SIZES
+    curve = measure_cost_curve(target, sizes=sizes, greedy=greedy)
     if curve.spread > NOISY:
         _UNCACHED[key] = curve
     else:

@@ -135,6 +135,9 @@ def roll_back(cache: Any, length: int) -> None:
 def compact(cache: Any, start: int, keep: torch.Tensor) -> None:
     """Move the entries at absolute positions ``keep`` [m] (all >= start, increasing) to
     ``start .. start + m - 1`` and drop the rest: the accepted tree path becomes contiguous."""
+    if getattr(cache, "gathers", False):  # one gather on the device costs less than a look from the host
+        cache.compact(start, keep)
+        return
     m = keep.shape[0]
     contiguous = bool(torch.equal(keep.cpu(), torch.arange(start, start + m)))
     if contiguous:

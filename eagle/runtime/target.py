@@ -41,6 +41,7 @@ class Target:
     device: torch.device
     dtype: torch.dtype
     lean: LeanDecoder | None = None  # the fast forward, when the architecture has one
+    graphs: Any = None  # the lean forward on static shapes (``eagle.runtime.cuda_graphs.TargetGraphs``), when used
 
     @property
     def config(self) -> Any:
@@ -90,7 +91,10 @@ class Target:
 
     def new_cache(self) -> Any:
         """An empty cache for ``forward``: a ``StaticCache`` for the lean forward, else a
-        ``DynamicCache`` for the model's own forward."""
+        ``DynamicCache`` for the model's own forward; with ``graphs`` that runner's one
+        ``GraphCache``, emptied (one generation at a time)."""
+        if self.graphs is not None:
+            return self.graphs.new_cache()
         return self.lean.new_cache() if self.lean is not None else kv_cache.new_cache(self.model)
 
     def encode_prompt(self, prompt: Any) -> list[int]:
@@ -135,7 +139,10 @@ class Target:
         if isinstance(cache, kv_cache.StaticCache):
             if self.lean is None:
                 raise EagleError(f"{self.name} has no lean forward: use Target.new_cache() for its cache")
-            out = self.lean.forward(input_ids, position_ids, cache, attention_mask, aux_layers)
+            if self.graphs is not None and cache is self.graphs.cache:
+                out = self.graphs.forward(input_ids, position_ids, cache, attention_mask, aux_layers)
+            else:
+                out = self.lean.forward(input_ids, position_ids, cache, attention_mask, aux_layers)
         else:
             out = model_features(self.model.model(input_ids=input_ids, position_ids=position_ids,
                                                   attention_mask=attention_mask, use_cache=True,
@@ -230,12 +237,13 @@ def _resolve(spec: str) -> tuple[str, dict]:
 
 
 def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device | None = None,
-                dtype: torch.dtype | None = None, lean: bool = True) -> Target:
+                dtype: torch.dtype | None = None, lean: bool = True, cuda_graphs: bool | None = None) -> Target:
     """Load a target from a local folder, a cached hub id (never the network), a ``.gguf`` file,
     or the name ``smollm2-135m-instruct``. ``lean``: decode with ``eagle.runtime.decoder.LeanDecoder`` when
-    the architecture is supported (Llama, Qwen2), else with the model's own forward."""
+    the architecture is supported (Llama, Qwen2), else with the model's own forward.
+    ``cuda_graphs``: see ``use_cuda_graphs`` (a given ``Target`` gets them too)."""
     if isinstance(spec, Target):
-        return spec
+        return use_cuda_graphs(spec, cuda_graphs)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev, dt = default_device_dtype(device, dtype)
@@ -250,5 +258,22 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
         raise EagleError(f"cannot load model {spec!r}: {exc}") from exc
     model.to(dev).eval()
     model.requires_grad_(False)
-    return Target(model=model, tokenizer=tokenizer, name=str(spec), device=dev, dtype=dt,
-                  lean=lean_decoder(model) if lean else None)
+    return use_cuda_graphs(Target(model=model, tokenizer=tokenizer, name=str(spec), device=dev, dtype=dt,
+                                  lean=lean_decoder(model) if lean else None), cuda_graphs)
+
+
+def use_cuda_graphs(target: Target, cuda_graphs: bool | None) -> Target:
+    """``target`` decoding through ``eagle.runtime.cuda_graphs`` (static KV cache, bucketed shapes, CUDA graphs):
+    ``None`` (default) on CUDA when it has a lean forward; ``True`` also on a CPU, where the same
+    static path runs without graphs; ``False`` never (a copy without them)."""
+    if cuda_graphs is None:
+        cuda_graphs = target.device.type == "cuda" and target.lean is not None
+    if not cuda_graphs:
+        return target if target.graphs is None else dataclasses.replace(target, graphs=None)
+    if target.lean is None:
+        raise EagleError(f"cuda_graphs needs the lean forward, which {target.name} does not have")
+    if target.graphs is not None:
+        return target
+    from eagle.runtime.cuda_graphs import with_graphs
+
+    return with_graphs(target)

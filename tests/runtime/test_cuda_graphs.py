@@ -1,0 +1,181 @@
+"""The static decoding path (``eagle.runtime.cuda_graphs``): bucketed, padded, static-cache forwards of the
+target and the drafter give what the plain lean forwards give; on CUDA, replayed graphs give what
+the same path gives eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle.runtime.cuda_graphs import GraphCache, TargetGraphs, bucket_for, keys_for, with_graphs
+from eagle.runtime.kv_cache import StaticCache
+from eagle.engine import EagleModel
+from eagle.runtime.target import use_cuda_graphs
+from eagle.decoding.tree_mask import attention_bias, tree_attention
+from tests.conftest import prompts, tiny_drafter, tiny_target
+from tests.conftest import test_device as device_under_test
+
+cuda = pytest.mark.skipif(device_under_test().type != "cuda", reason="needs EAGLE_TEST_DEVICE=cuda")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def pair(request):
+    target = tiny_target(family=request.param, seed=3)
+    return target, tiny_drafter(target, seed=4)
+
+
+def models(target, drafter, **options):
+    plain = EagleModel.from_pretrained(target, drafter=drafter, cuda_graphs=False, **options)
+    static = EagleModel.from_pretrained(target, drafter=drafter, cuda_graphs=True, **options)
+    return plain, static
+
+
+def test_buckets_and_key_lengths():
+    assert [bucket_for(n) for n in (1, 2, 3, 5, 16, 17, 64)] == [1, 2, 4, 8, 16, 32, 64]
+    assert bucket_for(65) is None
+    assert keys_for(10, 4096) == 256 and keys_for(257, 4096) == 512 and keys_for(5000, 4200) == 4200
+
+
+@pytest.mark.parametrize("method", ["ar", "eagle-tree", "eagle-chain"])
+def test_static_path_gives_the_plain_paths_greedy_tokens(pair, method):
+    target, drafter = pair
+    plain, static = models(target, drafter, total_tokens=12, depth=4)
+    assert static.target.graphs is not None and plain.target.graphs is None
+    for ids in prompts(5, seed=5):
+        want = plain.generate(ids, method=method, max_new_tokens=16)
+        got = static.generate(ids, method=method, max_new_tokens=16)
+        assert got.token_ids == want.token_ids
+        assert got.accept_lengths == want.accept_lengths  # the drafter's trees are the same too
+
+
+def test_static_path_keeps_seeded_sampling(pair):
+    """Sampling is untouched: the same seed draws the same tokens (hence the same distribution)."""
+    target, drafter = pair
+    plain, static = models(target, drafter, total_tokens=10, depth=3)
+    for ids in prompts(4, seed=6):
+        for method in ("ar", "eagle-tree"):
+            want = plain.generate(ids, method=method, max_new_tokens=20, temperature=1.0, seed=11)
+            got = static.generate(ids, method=method, max_new_tokens=20, temperature=1.0, seed=11)
+            assert got.token_ids == want.token_ids
+
+
+def test_auto_tree_sizes_on_the_static_path_stay_exact(pair):
+    target, drafter = pair
+    plain, static = models(target, drafter, total_tokens="auto", depth=4, top_k=3)
+    for ids in prompts(4, seed=7):
+        assert static.generate(ids, method="eagle-tree", max_new_tokens=20).token_ids == \
+            plain.generate(ids, method="ar", max_new_tokens=20).token_ids
+
+
+def test_cost_curves_on_static_shapes_are_measured_at_the_bucket_steps(target):
+    from eagle.decoding.tree_sizing import cost_curve
+
+    static = with_graphs(target, capture=False)
+    assert static.graphs.curve_sizes() == (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64)
+    assert cost_curve(static, greedy=True).sizes == list(static.graphs.curve_sizes())
+
+
+def test_padded_tree_forward_equals_the_lean_forward(pair):
+    """A tree of 5 nodes after a prefix, padded to 8 rows, and later a tree of 3 rows: hidden states
+    and aux features as the lean forward computes them, and the kept keys/values equal."""
+    target, _ = pair
+    static = with_graphs(target, capture=False)
+    runner: TargetGraphs = static.graphs
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(1, target.vocab_size, (1, 9), generator=gen).to(target.device)
+    plain_cache, cache = target.lean.new_cache(), static.new_cache()
+    assert isinstance(cache, GraphCache)
+    pos = torch.arange(9, device=target.device)[None]
+    a = target.lean.forward(prefix, pos, plain_cache, aux_layers=(0,))
+    b = runner.forward(prefix, pos, cache, aux_layers=(0,))
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    for parents in ([-1, 0, 0, 1, 1], [-1, 0, 1]):
+        parents = torch.tensor(parents, device=target.device)
+        past = plain_cache.get_seq_length()
+        tree = tree_attention(parents)
+        tokens = torch.randint(1, target.vocab_size, (1, parents.shape[0]), generator=gen).to(target.device)
+        bias = attention_bias(tree.mask, past, target.dtype)
+        a = target.lean.forward(tokens, (past + tree.depths)[None], plain_cache, bias)
+        b = runner.forward(tokens, (past + tree.depths)[None], cache, bias)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        keep = past + tree.paths[-1][tree.paths[-1] >= 0]
+        plain_cache.compact(past, keep)
+        cache.compact(past, keep)
+        assert cache.get_seq_length() == plain_cache.get_seq_length()
+        n = cache.get_seq_length()
+        for i in range(len(target.lean.layers)):
+            torch.testing.assert_close(cache.keys[i][..., :n, :], plain_cache.keys[i][..., :n, :], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(cache.values[i][..., :n, :], plain_cache.values[i][..., :n, :], rtol=1e-4,
+                                       atol=1e-4)
+
+
+def test_graph_cache_compacts_like_the_static_cache():
+    gen = torch.Generator().manual_seed(1)
+    graph = GraphCache(3, 2, 4, 32, torch.float32, torch.device("cpu"))
+    plain = StaticCache(3)
+    for i in range(3):
+        k, v = torch.randn(2, 1, 2, 10, 4, generator=gen)
+        graph.update(i, k, v)
+        plain.update(i, k, v)
+    keep = torch.tensor([4, 6, 9])
+    graph.compact(4, keep)
+    plain.compact(4, keep)
+    for i in range(3):
+        assert torch.equal(graph.keys[i][..., :7, :], plain.keys[i][..., :7, :])
+        assert torch.equal(graph.values[i][..., :7, :], plain.values[i][..., :7, :])
+    assert graph.get_seq_length() == 7
+
+
+def test_the_option_selects_the_path(target):
+    assert use_cuda_graphs(target, None).graphs is None or target.device.type == "cuda"
+    assert use_cuda_graphs(target, False).graphs is None
+    on = use_cuda_graphs(target, True)
+    assert isinstance(on.graphs, TargetGraphs) and on.graphs.capture == (target.device.type == "cuda")
+    assert use_cuda_graphs(on, True) is on and use_cuda_graphs(on, False).graphs is None
+    with pytest.raises(Exception, match="lean forward"):
+        use_cuda_graphs(tiny_target(lean=False), True)
+
+
+def test_a_cache_too_small_is_a_clear_error(target):
+    small = with_graphs(target, capture=False, capacity=8, buckets=(1, 2, 4))
+    model = EagleModel.from_pretrained(small, cuda_graphs=True)
+    with pytest.raises(Exception, match="static KV cache holds"):
+        model.generate(list(range(1, 8)), method="ar", max_new_tokens=20)
+
+
+@cuda
+@pytest.mark.parametrize("method", ["ar", "eagle-tree"])
+def test_graph_replay_equals_the_eager_static_path(pair, method):
+    target, drafter = pair
+    graphed = EagleModel.from_pretrained(with_graphs(target, capture=True), drafter=drafter, total_tokens=12, depth=4)
+    eager = EagleModel.from_pretrained(with_graphs(target, capture=False), drafter=drafter, total_tokens=12, depth=4)
+    assert graphed.target.graphs.capture and not eager.target.graphs.capture
+    for ids in prompts(6, seed=8):
+        got = graphed.generate(ids, method=method, max_new_tokens=16)
+        want = eager.generate(ids, method=method, max_new_tokens=16)
+        assert got.token_ids == want.token_ids
+    assert graphed.target.graphs.captured > 0
+
+
+@cuda
+def test_graph_replay_of_a_tree_forward_equals_the_eager_one(pair):
+    target, _ = pair
+    outs = []
+    for capture in (True, False):
+        static = with_graphs(target, capture=capture)
+        cache = static.new_cache()
+        ids = torch.arange(1, 11, device=target.device)[None] % target.vocab_size
+        static.graphs.forward(ids, torch.arange(10, device=target.device)[None], cache)
+        for _ in range(2):  # the second call replays the captured graph
+            cache.truncate(10)
+            parents = torch.tensor([-1, 0, 0, 1], device=target.device)
+            tree = tree_attention(parents)
+            bias = attention_bias(tree.mask, 10, target.dtype)
+            out = static.graphs.forward(ids[:, :4], (10 + tree.depths)[None], cache, bias)
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@cuda
+def test_cuda_targets_use_graphs_by_default(target):
+    assert EagleModel.from_pretrained(target).target.graphs.capture
