@@ -105,7 +105,7 @@ def layer_stack(layers: Sequence[LayerWeights], x: torch.Tensor, cos: torch.Tens
         values.index_copy_(2, write, v)
         out = F.scaled_dot_product_attention(q.reshape(b, nkv, group * q_len, d), keys[:, :, :keys_len],
                                              values[:, :, :keys_len], attn_mask=rows_mask, scale=d ** -0.5)
-        x = x + layer.o(out.view(b, nh, q_len, d).transpose(1, 2).reshape(b, q_len, nh * d))
+        x = x + layer.o(out.reshape(b, nh, q_len, d).transpose(1, 2).reshape(b, q_len, nh * d))
         x = x + layer.down(silu_mul(layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps))))
         if i in aux_layers:
             kept.append(x)

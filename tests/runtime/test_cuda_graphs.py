@@ -75,6 +75,7 @@ def test_cost_curves_on_static_shapes_are_measured_at_the_bucket_steps(target):
     assert cost_curve(static, greedy=True).sizes == list(static.graphs.curve_sizes())
 
 
+@torch.inference_mode()  # as in decoding: the caches' tensors are inference tensors
 def test_padded_tree_forward_equals_the_lean_forward(pair):
     """A tree of 5 nodes after a prefix, padded to 8 rows, and later a tree of 3 rows: hidden states
     and aux features as the lean forward computes them, and the kept keys/values equal."""
