@@ -444,11 +444,11 @@ class Chromium:
         os.close(from_chrome)
         self.buffer, self.next_id = b"", 0
 
-    def call(self, method: str, session: str | None = None, timeout: float = 20.0, **params) -> dict:
+    def call(self, method: str, attached: str | None = None, timeout: float = 20.0, **params) -> dict:
         self.next_id += 1
         message = {"id": self.next_id, "method": method, "params": params}
-        if session:
-            message["sessionId"] = session
+        if attached:
+            message["sessionId"] = attached
         os.write(self.out, json.dumps(message).encode() + b"\0")
         deadline = time.monotonic() + timeout
         while True:
@@ -490,7 +490,7 @@ def test_chat_page_streams_in_headless_chromium(server, tmp_path):
     server.paced.delay = 0.05  # slow enough to watch the answer grow
     try:
         target = browser.call("Target.createTarget", url=f"{server.base}/?{query}")["targetId"]
-        session = browser.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        attached = browser.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
         script = """JSON.stringify({state: document.body.dataset.state || "",
             answer: (document.querySelector(".msg.assistant .body") || {}).textContent || "",
             drafted: [...document.querySelectorAll(".msg.assistant .drafted")].map(e => e.textContent),
@@ -498,7 +498,7 @@ def test_chat_page_streams_in_headless_chromium(server, tmp_path):
             stats: document.getElementById("stats").textContent})"""
         seen, deadline = [], time.monotonic() + 30
         while True:
-            value = browser.call("Runtime.evaluate", session, expression=script, returnByValue=True)["result"]
+            value = browser.call("Runtime.evaluate", attached, expression=script, returnByValue=True)["result"]
             page = json.loads(value.get("value") or '{"state": "", "answer": ""}')  # none before the page loaded
             seen.append(page["answer"])
             if page["state"] in ("done", "error") or time.monotonic() > deadline:
