@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from eagle.config import from_dict
+from eagle.config import check_bool, check_float, check_int, from_dict
 from eagle.errors import EagleError
 from eagle.kv_cache import StaticCache
 from eagle.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels
@@ -63,6 +63,21 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         if isinstance(self.target, dict):
             self.target = from_dict(TargetInfo, self.target, where="drafter config 'target'")
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+            check_int(name, getattr(self, name), 1)
+        for name in ("head_dim", "draft_vocab_size"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        check_int("num_layers", self.num_layers)
+        check_int("max_position_embeddings", self.max_position_embeddings, 1)
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not check_float(name, getattr(self, name)) > 0:
+                raise EagleError(f"{name} must be > 0, got {getattr(self, name)}")
+        check_bool("fc_bias", self.fc_bias)
+        if not isinstance(self.aux_layers, (list, tuple)):
+            raise EagleError(f"aux_layers must be a list of target layer indices, got {self.aux_layers!r}")
+        if not isinstance(self.target, TargetInfo):
+            raise EagleError(f"target must be an object with the target's name and sizes, got {self.target!r}")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_layers < 1:
@@ -76,12 +91,40 @@ class DrafterConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "DrafterConfig":
-        data = json.loads(Path(path).read_text())
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise EagleError(f"cannot read {path}: {exc}") from None
+        if not isinstance(data, dict):
+            raise EagleError(f"{path} is not a JSON object")
         data.pop("format", None)
         return from_dict(cls, data, where=str(path))
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **dataclasses.asdict(self)}, indent=2)
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file; a damaged or truncated file is an ``EagleError`` naming it."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError, OSError, ...
+        raise EagleError(f"cannot read {path} (damaged or truncated?): {exc}") from None
+
+
+def check_state(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
+    """Refuse a state dict whose keys or shapes differ from ``module``'s, naming the first difference."""
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise EagleError(f"{what} do not match the config: missing {missing[:3] or 'none'}, "
+                         f"unexpected {unexpected[:3] or 'none'}")
+    for key, shape in expected.items():
+        if tuple(state[key].shape) != shape:
+            raise EagleError(f"{what} do not match the config: {key} has shape {list(state[key].shape)}, "
+                             f"the config implies {list(shape)}")
 
 
 def most_frequent(token_counts: torch.Tensor, n: int) -> torch.Tensor:
@@ -316,8 +359,6 @@ class Drafter(nn.Module):
         (``eagle.interop``; its ``pytorch_model.bin`` only with ``allow_pickle``, as unpickling can
         run code). With ``target`` given, check that it is the target the drafter was built for
         and move the drafter to its device and dtype."""
-        from safetensors.torch import load_file
-
         from eagle import interop
 
         directory = Path(directory)
@@ -337,7 +378,12 @@ class Drafter(nn.Module):
             if not (directory / "model.safetensors").is_file():
                 raise EagleError(f"no drafter weights at {directory}: model.safetensors missing")
             drafter = cls(DrafterConfig.from_json(directory / "config.json"))
-            drafter.load_state_dict(load_file(str(directory / "model.safetensors")))
+            state = read_safetensors(directory / "model.safetensors")
+            check_state(drafter, state, f"drafter weights {directory / 'model.safetensors'}")
+            drafter.load_state_dict(state)
+        if drafter.d2t is not None and not (0 <= int(drafter.d2t.min()) and int(drafter.d2t.max()) < drafter.config.vocab_size):
+            raise EagleError(f"drafter at {directory}: its draft-to-target id map d2t holds ids outside "
+                             f"0..{drafter.config.vocab_size - 1}")
         if target is not None:
             drafter.check_target(target)
             device, dtype = device or target.device, dtype or target.dtype

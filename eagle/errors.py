@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 
@@ -31,3 +33,35 @@ def command(prog: str) -> Callable[[Callable[[list[str] | None], None]], Callabl
         return main
 
     return wrap
+
+
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file's content; a file that is missing, unreadable or not UTF-8 is an
+    ``EagleError`` naming it (and for bad bytes, ``file:line``, the byte and its column)."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise EagleError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise EagleError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at column {column})") from None
+
+
+def check_writable(path: str | Path, flag: str) -> None:
+    """Refuse an output file that could not be written later (checked before a long run)."""
+    path = Path(path)
+    if path.is_dir():
+        raise EagleError(f"{flag} {path} is a folder, not a file")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise EagleError(f"{flag} {path}: {parent} is not a folder")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise EagleError(f"{flag} {path}: the file is not writable")
+    if not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        raise EagleError(f"{flag} {path}: cannot write in {parent}")

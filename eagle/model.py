@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -11,7 +13,7 @@ import torch
 
 from eagle import draft_lm
 from eagle.budget import Sizing
-from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
+from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig, check_bool, check_int
 from eagle.drafter import Drafter, LeanDrafter
 from eagle.errors import EagleError
 from eagle.generate import GenerationResult, decode_loop
@@ -48,11 +50,27 @@ def shipped_draft_lm(target_name: str) -> Path | None:
 
 
 class Stream:
-    """Iterator of text pieces as tokens are accepted; ``result`` is set once it is exhausted."""
+    """Iterator of text pieces as tokens are accepted; ``result`` is set once it is exhausted.
+    ``close()`` (or leaving a ``with`` block) abandons the generation; one still open when the
+    interpreter exits is closed then, before the modules it runs in are torn down."""
 
     def __init__(self, events: Iterator, tokenizer: Any) -> None:
         self.events, self.tokenizer = events, tokenizer
         self.result: GenerationResult | None = None
+        _OPEN_STREAMS.add(self)
+
+    def close(self) -> None:
+        """Stop the generation (its generator's clean-up runs now); a closed stream yields nothing more."""
+        _OPEN_STREAMS.discard(self)
+        close = getattr(self.events, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def __iter__(self) -> Iterator[str]:
         tokens: list[int] = []
@@ -60,6 +78,7 @@ class Stream:
         for event in self.events:
             if isinstance(event, GenerationResult):
                 self.result = event
+                _OPEN_STREAMS.discard(self)
                 break
             tokens.extend(event)
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -68,6 +87,17 @@ class Stream:
             if len(text) > len(shown):
                 yield text[len(shown):]
             shown = text
+
+
+_OPEN_STREAMS: "weakref.WeakSet[Stream]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_streams() -> None:
+    """A generation abandoned mid-way is a suspended generator that runs under ``torch.inference_mode``;
+    finalized during interpreter shutdown, torch's wrapper would fail on its torn-down modules."""
+    for stream in list(_OPEN_STREAMS):
+        stream.close()
 
 
 def default_drafter_dtype(target: Target) -> torch.dtype:
@@ -153,6 +183,10 @@ class EagleModel:
         ``gamma``, ``lenience``, ``adaptive_gamma``; ``pld`` options: ``max_ngram``,
         ``min_ngram``, ``num_draft_tokens`` (the n-gram sizes also apply to ``lookup_tokens``).
         ``drafter_dtype``, ``drafter_quant``: see ``EagleModel``."""
+        tree, spec, pl = option_configs(
+            total_tokens=total_tokens, depth=depth, top_k=top_k, tree_choices=tree_choices,
+            lookup_tokens=lookup_tokens, sampled_tree=sampled_tree, draw_temperature_scale=draw_temperature_scale,
+            draw_support=draw_support, gamma=gamma, lenience=lenience, adaptive_gamma=adaptive_gamma, **prompt_lookup)
         tgt = load_target(target, device=device, dtype=dtype)
         if drafter is None and isinstance(target, str):
             drafter = shipped_drafter(target)
@@ -170,18 +204,7 @@ class EagleModel:
                 draft = load_target(draft_model, device=tgt.device, dtype=tgt.dtype)
                 check_same_tokenizer(tgt, draft)
                 draft_model = draft.model
-        tree = {k: v for k, v in dict(total_tokens=total_tokens, depth=depth, top_k=top_k,
-                                      choices=tree_choices, lookup_tokens=lookup_tokens,
-                                      sampled=sampled_tree, draw_temperature_scale=draw_temperature_scale,
-                                      draw_support=draw_support).items()
-                if v is not None}
-        spec = {k: v for k, v in dict(gamma=gamma, lenience=lenience, adaptive=adaptive_gamma).items() if v is not None}
-        try:
-            pl = PromptLookupConfig(**prompt_lookup)
-        except TypeError as exc:
-            raise EagleError(f"unknown option: {exc}") from exc
-        return cls(tgt, drafter, draft_model, TreeConfig(**tree), SpeculativeConfig(**spec), pl, drafter_dtype,
-                   drafter_quant)
+        return cls(tgt, drafter, draft_model, tree, spec, pl, drafter_dtype, drafter_quant)
 
     def _proposer(self, method: str, sampling: SamplingConfig, generator: torch.Generator) -> Proposer:
         device = self.target.device
@@ -218,8 +241,10 @@ class EagleModel:
         """Generate from ``prompt`` (a string, chat messages, or token ids). Returns a
         ``GenerationResult``, or with ``stream=True`` a ``Stream`` of text pieces."""
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        if max_new_tokens < 1:
-            raise EagleError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_int("max_new_tokens", max_new_tokens, 1)
+        if not isinstance(method, str) or method not in METHODS:
+            raise EagleError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        check_bool("stream", stream)
         prompt_ids = self.target.encode_prompt(prompt)
         generator = make_generator(seed)
         proposer = self._proposer(method, sampling, generator)
@@ -229,6 +254,27 @@ class EagleModel:
             return Stream(events, self.target.tokenizer)
         *_, result = events
         return result
+
+
+def option_configs(total_tokens: int | str | None = None, depth: int | None = None, top_k: int | None = None,
+                   tree_choices: list[list[int]] | None = None, lookup_tokens: int | None = None,
+                   sampled_tree: bool | None = None, draw_temperature_scale: float | None = None,
+                   draw_support: int | None = None, gamma: int | None = None, lenience: float | None = None,
+                   adaptive_gamma: bool | None = None,
+                   **prompt_lookup: Any) -> tuple[TreeConfig, SpeculativeConfig, PromptLookupConfig]:
+    """``EagleModel.from_pretrained``'s option names -> the configs they make (None: the default),
+    checked without loading anything."""
+    tree = {k: v for k, v in dict(total_tokens=total_tokens, depth=depth, top_k=top_k,
+                                  choices=tree_choices, lookup_tokens=lookup_tokens,
+                                  sampled=sampled_tree, draw_temperature_scale=draw_temperature_scale,
+                                  draw_support=draw_support).items()
+            if v is not None}
+    spec = {k: v for k, v in dict(gamma=gamma, lenience=lenience, adaptive=adaptive_gamma).items() if v is not None}
+    try:
+        pl = PromptLookupConfig(**prompt_lookup)
+    except TypeError as exc:
+        raise EagleError(f"unknown option: {exc}") from exc
+    return TreeConfig(**tree), SpeculativeConfig(**spec), pl
 
 
 def check_same_tokenizer(target: Target, draft: Target) -> None:

@@ -20,10 +20,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
-from eagle.errors import EagleError, command
+from eagle.errors import EagleError, check_writable, command, read_text
 from eagle.generate import STEPS
 from eagle.model import METHODS
-from infer.cli import Parser, add_model_args, add_sampling_args, check_method, check_sampling, load_model
+from infer.cli import (Parser, add_model_args, add_sampling_args, check_method, check_model_args, check_sampling,
+                       load_model)
 
 PROG = "eagle-bench"
 BENCH_METHODS = ("hf",) + METHODS
@@ -67,10 +68,10 @@ def read_prompts(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise EagleError(f"prompt file not found: {path}")
     prompts = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(read_text(path).splitlines(), 1):
         if not line.strip():
             continue
-        where = f"{path}, line {n}"
+        where = f"{path}:{n}"
         try:
             item = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -334,11 +335,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.warmup < 0:
         raise EagleError(f"--warmup must be >= 0, got {args.warmup}")
     prompts = first_per_category(read_prompts(args.prompts), args.per_category)[: args.limit]
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            check_writable(path, flag)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise EagleError("--plot needs matplotlib: pip install 'eagle[bench]'") from None
+    check_model_args(args)
     model = load_model(args)
     for method in methods:
         if method != "hf":

@@ -131,8 +131,8 @@ def test_bench_loads_the_target_in_the_dtype_asked_for(saved, tmp_path):
 
 @pytest.mark.parametrize("case, message", [
     ("missing", "prompt file not found"),
-    ("malformed", "line 2: not valid JSON"),
-    ("no-prompt", "line 1: expected a JSON object with 'prompt' or 'turns'"),
+    ("malformed", "bad.jsonl:2: not valid JSON"),
+    ("no-prompt", "noprompt.jsonl:1: expected a JSON object with 'prompt' or 'turns'"),
     ("unknown-method", "unknown method(s) 'beam'"),
     ("no-drafter", "'eagle-tree' needs a drafter"),
 ])
