@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -52,16 +51,17 @@ def read_text(path: str | Path) -> str:
 
 
 def check_writable(path: str | Path, flag: str) -> None:
-    """Refuse an output file that could not be written later (checked before a long run)."""
+    """Refuse an output file that could not be written later (checked before a long run): its
+    folder is made and the file opened for appending, and removed again if it was not there."""
     path = Path(path)
     if path.is_dir():
         raise EagleError(f"{flag} {path} is a folder, not a file")
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise EagleError(f"{flag} {path}: {parent} is not a folder")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise EagleError(f"{flag} {path}: the file is not writable")
-    if not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
-        raise EagleError(f"{flag} {path}: cannot write in {parent}")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise EagleError(f"{flag} {path}: cannot write it ({exc.strerror or exc})") from None
+    if not existed:
+        path.unlink()

@@ -164,10 +164,10 @@ def examples_digest(examples: list[dict]) -> str:
 
 def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
     """Compute missing or corrupt shards; return the feature folder."""
+    chats, replayed = load_all(cfg.data, cfg.skip_malformed), replay_draw(cfg.replay, cfg.replay_seed)
     target = target or load_target(cfg.target, lean=False)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    chats, replayed = load_all(cfg.data, cfg.skip_malformed), replay_draw(cfg.replay, cfg.replay_seed)
     if chats.problems:
         more = f" (and {len(chats.problems) - 1} more)" if len(chats.problems) > 1 else ""
         print(f"eagle-features: warning: skipped {len(chats.problems)} malformed line(s): {chats.problems[0]}{more}",
