@@ -235,3 +235,24 @@ class PromptLookupConfig:
             raise EagleError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
         if self.num_draft_tokens < 1:
             raise EagleError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+
+
+def option_configs(total_tokens: int | str | None = None, depth: int | None = None, top_k: int | None = None,
+                   tree_choices: list[list[int]] | None = None, lookup_tokens: int | None = None,
+                   sampled_tree: bool | None = None, draw_temperature_scale: float | None = None,
+                   draw_support: int | None = None, gamma: int | None = None, lenience: float | None = None,
+                   adaptive_gamma: bool | None = None,
+                   **prompt_lookup: Any) -> tuple[TreeConfig, SpeculativeConfig, PromptLookupConfig]:
+    """``EagleModel.from_pretrained``'s option names -> the configs they make (None: the default),
+    checked without loading anything."""
+    tree = {k: v for k, v in dict(total_tokens=total_tokens, depth=depth, top_k=top_k,
+                                  choices=tree_choices, lookup_tokens=lookup_tokens,
+                                  sampled=sampled_tree, draw_temperature_scale=draw_temperature_scale,
+                                  draw_support=draw_support).items()
+            if v is not None}
+    spec = {k: v for k, v in dict(gamma=gamma, lenience=lenience, adaptive=adaptive_gamma).items() if v is not None}
+    try:
+        pl = PromptLookupConfig(**prompt_lookup)
+    except TypeError as exc:
+        raise EagleError(f"unknown option: {exc}") from exc
+    return TreeConfig(**tree), SpeculativeConfig(**spec), pl

@@ -20,9 +20,10 @@ import torch
 from eagle.config import from_dict
 from eagle.drafter import TargetInfo, read_safetensors
 from eagle.errors import EagleError
+from eagle.inputs import DRAFT_LM_MARKER
 
 FORMAT = "eagle-draft-lm/1"
-MARKER = "draft_lm.json"
+MARKER = DRAFT_LM_MARKER
 SHIPPED = Path(__file__).parent / "draft_models"
 
 

@@ -13,10 +13,12 @@ import torch
 
 from eagle import draft_lm
 from eagle.budget import Sizing
-from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig, check_bool, check_int
+from eagle.config import (PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig, check_bool, check_int,
+                          option_configs)
 from eagle.drafter import Drafter, LeanDrafter
 from eagle.errors import EagleError
 from eagle.generate import GenerationResult, decode_loop
+from eagle.inputs import METHODS
 from eagle.kernels import stream_linear_op
 from eagle.lean import cpu_has_fast_bf16, packed_copy
 from eagle.proposers import DraftModel, EagleDrafter, NoDraft, PromptLookup, Proposer
@@ -24,7 +26,6 @@ from eagle.quant import FORMATS
 from eagle.sampling import make_generator
 from eagle.target import DEFAULT_TARGET, Target, load_target
 
-METHODS = ("ar", "pld", "sd", "eagle-chain", "eagle-tree")
 SHIPPED = Path(__file__).parent / "drafters"
 
 
@@ -254,27 +255,6 @@ class EagleModel:
             return Stream(events, self.target.tokenizer)
         *_, result = events
         return result
-
-
-def option_configs(total_tokens: int | str | None = None, depth: int | None = None, top_k: int | None = None,
-                   tree_choices: list[list[int]] | None = None, lookup_tokens: int | None = None,
-                   sampled_tree: bool | None = None, draw_temperature_scale: float | None = None,
-                   draw_support: int | None = None, gamma: int | None = None, lenience: float | None = None,
-                   adaptive_gamma: bool | None = None,
-                   **prompt_lookup: Any) -> tuple[TreeConfig, SpeculativeConfig, PromptLookupConfig]:
-    """``EagleModel.from_pretrained``'s option names -> the configs they make (None: the default),
-    checked without loading anything."""
-    tree = {k: v for k, v in dict(total_tokens=total_tokens, depth=depth, top_k=top_k,
-                                  choices=tree_choices, lookup_tokens=lookup_tokens,
-                                  sampled=sampled_tree, draw_temperature_scale=draw_temperature_scale,
-                                  draw_support=draw_support).items()
-            if v is not None}
-    spec = {k: v for k, v in dict(gamma=gamma, lenience=lenience, adaptive=adaptive_gamma).items() if v is not None}
-    try:
-        pl = PromptLookupConfig(**prompt_lookup)
-    except TypeError as exc:
-        raise EagleError(f"unknown option: {exc}") from exc
-    return TreeConfig(**tree), SpeculativeConfig(**spec), pl
 
 
 def check_same_tokenizer(target: Target, draft: Target) -> None:

@@ -11,11 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-from eagle.config import SamplingConfig, check_int
+from eagle.config import SamplingConfig, check_int, option_configs
 from eagle.errors import EagleError, command
-from eagle.model import METHODS
-from eagle.quant import FORMATS
-from eagle.target import DEFAULT_TARGET, check_prompt_text
+from eagle.inputs import DEFAULT_TARGET, FORMATS, METHODS, check_prompt_text, check_spec, is_draft_lm
 
 PROG = "eagle-generate"
 
@@ -121,10 +119,6 @@ def option_args(args: argparse.Namespace) -> dict:
 def check_model_args(args: argparse.Namespace) -> None:
     """Refuse bad model flags before anything is loaded: options out of range, a target, drafter
     or draft model that is not there, a device that does not exist."""
-    from eagle import draft_lm
-    from eagle.model import option_configs
-    from eagle.target import check_spec
-
     option_configs(**option_args(args))
     check_spec(args.target)
     if args.drafter is not None:
@@ -133,7 +127,7 @@ def check_model_args(args: argparse.Namespace) -> None:
             raise EagleError(f"no drafter at {args.drafter}: no such folder")
         if not (path / "config.json").is_file():
             raise EagleError(f"no drafter at {args.drafter}: config.json missing")
-    if args.draft_model is not None and not draft_lm.is_draft_lm(args.draft_model):
+    if args.draft_model is not None and not is_draft_lm(args.draft_model):
         check_spec(args.draft_model)
     check_device(args.device)
 
