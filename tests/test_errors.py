@@ -340,3 +340,12 @@ def test_a_closed_stream_stops_and_a_finished_one_has_its_result(target):
     assert first and stream.result is None and list(stream) == []  # closed: nothing more
     stream = model.generate([1, 2, 3], max_new_tokens=20, stream=True)
     assert "".join(stream) == model.generate([1, 2, 3], max_new_tokens=20).text and stream.result is not None
+
+
+def test_a_damaged_gguf_file_is_one_error(tmp_path):
+    from eagle.target import load_target
+
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 40)  # the magic, then garbage
+    with pytest.raises(EagleError, match=f"^cannot read GGUF file {path}: "):
+        load_target(str(path))
