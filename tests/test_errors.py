@@ -18,7 +18,7 @@ from eagle.config import SamplingConfig, SpeculativeConfig, TreeConfig, PromptLo
 from eagle.drafter import Drafter
 from eagle.errors import EagleError
 from eagle.model import EagleModel
-from infer import bench, cli
+from infer import cli
 from train import features
 
 from .conftest import tiny_drafter, tiny_target
