@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from pathlib import Path
 from typing import Any, Mapping, Optional, TypeVar, Union
 
@@ -11,18 +13,66 @@ from eagle.errors import EagleError
 T = TypeVar("T")
 
 
+def check_int(name: str, value: Any, low: int | None = None, hint: str = "") -> int:
+    """``value`` if it is an integer (not a bool) >= ``low``, else an ``EagleError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise EagleError(f"{name} must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise EagleError(f"{name} must be >= {low}{hint}, got {value}")
+    return int(value)
+
+
+def check_float(name: str, value: Any) -> float:
+    """``value`` if it is a finite real number (not a bool), else an ``EagleError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise EagleError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise EagleError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise EagleError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def check_seed(value: Any) -> int | None:
+    """A seed: None or an integer that ``torch.Generator.manual_seed`` takes."""
+    if value is None:
+        return None
+    check_int("seed", value)
+    if not -(1 << 63) <= value < (1 << 64):
+        raise EagleError(f"seed must be in [-2**63, 2**64), got {value}")
+    return int(value)
+
+
 def from_dict(cls: type[T], data: Mapping[str, Any] | None, where: str = "") -> T:
-    """Build dataclass ``cls`` from ``data``; an unknown key is an error naming the key."""
+    """Build dataclass ``cls`` from ``data``; an unknown or missing key is an error naming the key."""
+    place = f" in {where}" if where else ""
+    if data is not None and not isinstance(data, Mapping):
+        raise EagleError(f"expected a mapping of config keys{place}, got {type(data).__name__}")
     data = dict(data or {})
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    fields = dataclasses.fields(cls)
+    names = {f.name for f in fields}
+    unknown = sorted(set(data) - names, key=str)
     if unknown:
-        place = f" in {where}" if where else ""
         raise EagleError(
             f"unknown config key(s) {', '.join(repr(k) for k in unknown)}{place}; "
             f"allowed: {', '.join(sorted(names))}"
         )
-    return cls(**data)
+    missing = [f.name for f in fields if f.name not in data and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise EagleError(f"missing config key(s) {', '.join(repr(k) for k in missing)}{place}")
+    try:
+        return cls(**data)
+    except EagleError as exc:
+        if not place or place in str(exc):
+            raise
+        raise EagleError(f"{exc}{place}") from None
+    except (TypeError, ValueError) as exc:  # a value of the wrong type deeper in the constructor
+        raise EagleError(f"bad config value{place}: {exc}") from None
 
 
 def load_config_file(cls: type[T], path: str | None, overrides: list[str] = (), where: str = "config") -> T:
@@ -50,6 +100,10 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        check_float("temperature", self.temperature)
+        check_float("top_p", self.top_p)
+        check_int("top_k", self.top_k)
+        check_seed(self.seed)
         if self.temperature < 0:
             raise EagleError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -104,7 +158,11 @@ class TreeConfig:
 
     def __post_init__(self) -> None:
         if self.choices is not None:
-            object.__setattr__(self, "choices", tuple(tuple(int(r) for r in c) for c in self.choices))
+            try:
+                object.__setattr__(self, "choices", tuple(tuple(check_int("a tree choice's rank", r) for r in c)
+                                                          for c in self.choices))
+            except TypeError:
+                raise EagleError(f"tree choices must be lists of child ranks, got {self.choices!r}") from None
             if not self.choices or any(not c or min(c) < 0 for c in self.choices):
                 raise EagleError("tree choices must be non-empty lists of child ranks >= 0")
             from eagle.decoding.tree import static_layout
@@ -116,8 +174,14 @@ class TreeConfig:
         if isinstance(self.total_tokens, str):
             if self.total_tokens != "auto":
                 raise EagleError(f"total_tokens must be a positive integer or 'auto', got {self.total_tokens!r}")
+        elif isinstance(self.total_tokens, bool) or not isinstance(self.total_tokens, numbers.Integral):
+            raise EagleError(f"total_tokens must be a positive integer or 'auto', got {self.total_tokens!r}")
         elif self.total_tokens < 1:
             raise EagleError(f"total_tokens must be >= 1, got {self.total_tokens}")
+        for name in ("depth", "top_k", "lookup_tokens", "draw_support"):
+            check_int(name, getattr(self, name))
+        check_bool("sampled_tree", self.sampled_tree)
+        check_float("draw_temperature_scale", self.draw_temperature_scale)
         if self.depth < 0:
             raise EagleError(f"depth must be >= 0 (0: the root's children only), got {self.depth}")
         if self.top_k < 1:
@@ -143,6 +207,10 @@ class SpeculativeConfig:
     max_gamma: int = 12
 
     def __post_init__(self) -> None:
+        check_int("gamma", self.gamma)
+        check_int("max_gamma", self.max_gamma)
+        check_float("lenience", self.lenience)
+        check_bool("adaptive_gamma", self.adaptive_gamma)
         if self.gamma < 1:
             raise EagleError(f"gamma must be >= 1, got {self.gamma}")
         if not 0.0 < self.lenience <= 1.0:
@@ -161,7 +229,30 @@ class PromptLookupConfig:
     num_draft_tokens: int = 8
 
     def __post_init__(self) -> None:
+        for name in ("max_ngram", "min_ngram", "num_draft_tokens"):
+            check_int(name, getattr(self, name))
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise EagleError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
         if self.num_draft_tokens < 1:
             raise EagleError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+
+
+def option_configs(total_tokens: int | str | None = None, depth: int | None = None, top_k: int | None = None,
+                   choices: list[list[int]] | None = None, lookup_tokens: int | None = None,
+                   sampled_tree: bool | None = None, draw_temperature_scale: float | None = None,
+                   draw_support: int | None = None, gamma: int | None = None, lenience: float | None = None,
+                   adaptive_gamma: bool | None = None,
+                   **prompt_lookup: Any) -> tuple[TreeConfig, SpeculativeConfig, PromptLookupConfig]:
+    """``EagleModel.from_pretrained``'s option names -> the configs they make (None: the default),
+    checked without loading anything."""
+    tree = {k: v for k, v in dict(total_tokens=total_tokens, depth=depth, top_k=top_k,
+                                  choices=choices, lookup_tokens=lookup_tokens,
+                                  sampled_tree=sampled_tree, draw_temperature_scale=draw_temperature_scale,
+                                  draw_support=draw_support).items()
+            if v is not None}
+    spec = {k: v for k, v in dict(gamma=gamma, lenience=lenience, adaptive_gamma=adaptive_gamma).items() if v is not None}
+    try:
+        pl = PromptLookupConfig(**prompt_lookup)
+    except TypeError as exc:
+        raise EagleError(f"unknown option: {exc}") from exc
+    return TreeConfig(**tree), SpeculativeConfig(**spec), pl

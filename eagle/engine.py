@@ -3,26 +3,29 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
-from eagle.drafting import draft_lm
+from eagle.config import (PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig, check_bool, check_int,
+                          option_configs)
+from eagle.decoding.loop import GenerationResult, decode_loop
+from eagle.decoding.proposers import DraftModel, EagleDrafter, NoDraft, PromptLookup, Proposer
+from eagle.decoding.sampling import make_generator
 from eagle.decoding.tree_sizing import Sizing
-from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
+from eagle.drafting import draft_lm
 from eagle.drafting.drafter import Drafter, LeanDrafter
 from eagle.errors import EagleError
-from eagle.decoding.loop import GenerationResult, decode_loop
-from eagle.runtime.kernels import stream_linear_op
-from eagle.runtime.decoder import cpu_has_fast_bf16, packed_copy
-from eagle.decoding.proposers import DraftModel, EagleDrafter, NoDraft, PromptLookup, Proposer
+from eagle.inputs import METHODS
 from eagle.runtime.block_codes import FORMATS
-from eagle.decoding.sampling import make_generator
+from eagle.runtime.decoder import cpu_has_fast_bf16, packed_copy
+from eagle.runtime.kernels import stream_linear_op
 from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
 
-METHODS = ("ar", "pld", "sd", "eagle-chain", "eagle-tree")
 SHIPPED = Path(__file__).parent / "shipped" / "drafters"
 
 
@@ -83,11 +86,27 @@ class Round:
 
 class Stream:
     """Iterator of text pieces as tokens are accepted; ``result`` is set once it is exhausted.
-    ``rounds()`` iterates per decoding round instead, telling drafted text from the target's."""
+    ``rounds()`` iterates per decoding round instead, telling drafted text from the target's.
+    ``close()`` (or leaving a ``with`` block) abandons the generation; one still open when the
+    interpreter exits is closed then, before the modules it runs in are torn down."""
 
     def __init__(self, events: Iterator, tokenizer: Any) -> None:
         self.events, self.tokenizer = events, tokenizer
         self.result: GenerationResult | None = None
+        _OPEN_STREAMS.add(self)
+
+    def close(self) -> None:
+        """Stop the generation (its generator's clean-up runs now); a closed stream yields nothing more."""
+        _OPEN_STREAMS.discard(self)
+        close = getattr(self.events, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def __iter__(self) -> Iterator[str]:
         for round_ in self.rounds():
@@ -101,6 +120,7 @@ class Stream:
         for event in self.events:
             if isinstance(event, GenerationResult):
                 self.result = event
+                _OPEN_STREAMS.discard(self)
                 break
             drafted = len(event) - 1
             before = shown
@@ -122,6 +142,17 @@ class Stream:
             spans = [(piece, flag) for piece, flag in ((new[:cut], True), (new[cut:], False)) if piece]
             shown = text
             yield Round(list(event), drafted, spans)
+
+
+_OPEN_STREAMS: "weakref.WeakSet[Stream]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_streams() -> None:
+    """A generation abandoned mid-way is a suspended generator that runs under ``torch.inference_mode``;
+    finalized during interpreter shutdown, torch's wrapper would fail on its torn-down modules."""
+    for stream in list(_OPEN_STREAMS):
+        stream.close()
 
 
 def default_drafter_dtype(target: Target) -> torch.dtype:
@@ -210,6 +241,10 @@ class EagleModel:
         ``drafter_dtype``, ``drafter_quant``: see ``EagleModel``. ``cuda_graphs``: the target and the
         drafter on static shapes replayed as CUDA graphs (``eagle.runtime.cuda_graphs``; default: on CUDA;
         ``True`` on a CPU runs that static path without graphs)."""
+        tree, spec, pl = option_configs(
+            total_tokens=total_tokens, depth=depth, top_k=top_k, choices=choices,
+            lookup_tokens=lookup_tokens, sampled_tree=sampled_tree, draw_temperature_scale=draw_temperature_scale,
+            draw_support=draw_support, gamma=gamma, lenience=lenience, adaptive_gamma=adaptive_gamma, **prompt_lookup)
         tgt = load_target(target, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
         if drafter is None and isinstance(target, str):
             drafter = shipped_drafter(target) or shipped_drafter_for(tgt)
@@ -227,18 +262,7 @@ class EagleModel:
                 draft = load_target(draft_model, device=tgt.device, dtype=tgt.dtype)
                 check_same_tokenizer(tgt, draft)
                 draft_model = draft.model
-        tree = {k: v for k, v in dict(total_tokens=total_tokens, depth=depth, top_k=top_k,
-                                      choices=choices, lookup_tokens=lookup_tokens,
-                                      sampled_tree=sampled_tree, draw_temperature_scale=draw_temperature_scale,
-                                      draw_support=draw_support).items()
-                if v is not None}
-        spec = {k: v for k, v in dict(gamma=gamma, lenience=lenience, adaptive_gamma=adaptive_gamma).items() if v is not None}
-        try:
-            pl = PromptLookupConfig(**prompt_lookup)
-        except TypeError as exc:
-            raise EagleError(f"unknown option: {exc}") from exc
-        return cls(tgt, drafter, draft_model, TreeConfig(**tree), SpeculativeConfig(**spec), pl, drafter_dtype,
-                   drafter_quant)
+        return cls(tgt, drafter, draft_model, tree, spec, pl, drafter_dtype, drafter_quant)
 
     def _proposer(self, method: str, sampling: SamplingConfig, generator: torch.Generator) -> Proposer:
         device = self.target.device
@@ -275,8 +299,10 @@ class EagleModel:
         """Generate from ``prompt`` (a string, chat messages, or token ids). Returns a
         ``GenerationResult``, or with ``stream=True`` a ``Stream`` of text pieces."""
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        if max_new_tokens < 1:
-            raise EagleError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_int("max_new_tokens", max_new_tokens, 1)
+        if not isinstance(method, str) or method not in METHODS:
+            raise EagleError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        check_bool("stream", stream)
         prompt_ids = self.target.encode_prompt(prompt)
         generator = make_generator(seed)
         proposer = self._proposer(method, sampling, generator)

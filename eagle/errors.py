@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
+
 import functools
 import sys
+from pathlib import Path
 from typing import Callable
 
 
@@ -31,3 +34,39 @@ def command(prog: str) -> Callable[[Callable[[list[str] | None], None]], Callabl
         return main
 
     return wrap
+
+
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file's content, gunzipped when its name ends in ``.gz``; a file that is missing,
+    unreadable or not UTF-8 is an ``EagleError`` naming it (and for bad bytes, ``file:line``, the byte
+    and its column)."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+        if path.suffix == ".gz":
+            data = gzip.decompress(data)
+    except (OSError, EOFError) as exc:
+        raise EagleError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise EagleError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at column {column})") from None
+
+
+def check_writable(path: str | Path, flag: str) -> None:
+    """Refuse an output file that could not be written later (checked before a long run): its
+    folder is made and the file opened for appending, and removed again if it was not there."""
+    path = Path(path)
+    if path.is_dir():
+        raise EagleError(f"{flag} {path} is a folder, not a file")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise EagleError(f"{flag} {path}: cannot write it ({exc.strerror or exc})") from None
+    if not existed:
+        path.unlink()

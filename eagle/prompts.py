@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 
-from eagle.errors import EagleError
+from eagle.errors import EagleError, read_text
 
 NO_CATEGORY = "uncategorized"
-
-
-def read_text(path: Path) -> str:
-    """A text file's contents, gunzipped when its name ends in ``.gz``."""
-    return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text(encoding="utf-8")
 
 
 def read_prompts(path: str | Path) -> list[dict]:
@@ -27,7 +21,7 @@ def read_prompts(path: str | Path) -> list[dict]:
     for n, line in enumerate(read_text(path).splitlines(), 1):
         if not line.strip():
             continue
-        where = f"{path}, line {n}"
+        where = f"{path}:{n}"
         try:
             item = json.loads(line)
         except json.JSONDecodeError as exc:

@@ -20,11 +20,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
-from eagle.errors import EagleError, command
-from eagle.prompts import NO_CATEGORY, read_prompts
 from eagle.decoding.loop import STEPS
-from eagle.engine import METHODS
-from infer.cli import Parser, add_model_args, add_sampling_args, check_method, check_sampling, load_model
+from eagle.errors import EagleError, check_writable, command
+from eagle.inputs import METHODS
+from eagle.prompts import NO_CATEGORY, read_prompts
+from infer.cli import (Parser, add_model_args, add_sampling_args, check_method, check_model_args, check_sampling,
+                       load_model)
 
 PROG = "eagle-bench"
 BENCH_METHODS = ("hf",) + METHODS
@@ -313,11 +314,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.warmup < 0:
         raise EagleError(f"--warmup must be >= 0, got {args.warmup}")
     prompts = first_per_category(read_prompts(args.prompts), args.per_category)[: args.limit]
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            check_writable(path, flag)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise EagleError("--plot needs matplotlib: pip install 'eagle[bench]'") from None
+    check_model_args(args)
     model = load_model(args)
     for method in methods:
         if method != "hf":

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-from eagle.config import SamplingConfig
+from eagle.config import SamplingConfig, check_int, option_configs
 from eagle.errors import EagleError, command
-from eagle.engine import METHODS
-from eagle.runtime.block_codes import FORMATS
-from eagle.runtime.target import DEFAULT_TARGET
+from eagle.inputs import DEFAULT_TARGET, FORMATS, METHODS, check_prompt_text, check_spec, is_draft_lm
 
 PROG = "eagle-generate"
 
@@ -96,8 +95,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, temp
 def check_sampling(args: argparse.Namespace) -> None:
     """Refuse bad sampling options before anything is loaded."""
     SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    if args.max_new_tokens < 1:
-        raise EagleError(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
+    check_int("max_new_tokens", args.max_new_tokens, 1)
 
 
 def check_device(device: str | None) -> None:
@@ -111,6 +109,30 @@ def check_device(device: str | None) -> None:
         raise EagleError(f"bad --device {device!r}: {exc}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise EagleError(f"--device {device}: CUDA is not available on this machine")
+
+
+def option_args(args: argparse.Namespace) -> dict:
+    """The tree and ``sd`` flags as ``EagleModel.from_pretrained`` options."""
+    return dict(total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k,
+                lookup_tokens=args.lookup_tokens, sampled_tree=args.sampled_tree,
+                draw_temperature_scale=args.draw_temperature_scale, draw_support=args.draw_support,
+                gamma=args.gamma, lenience=args.lenience, adaptive_gamma=args.adaptive_gamma)
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """Refuse bad model flags before anything is loaded: options out of range, a target, drafter
+    or draft model that is not there, a device that does not exist."""
+    option_configs(**option_args(args))
+    check_spec(args.target)
+    if args.drafter is not None:
+        path = Path(args.drafter).expanduser()
+        if not path.is_dir():
+            raise EagleError(f"no drafter at {args.drafter}: no such folder")
+        if not (path / "config.json").is_file():
+            raise EagleError(f"no drafter at {args.drafter}: config.json missing")
+    if args.draft_model is not None and not is_draft_lm(args.draft_model):
+        check_spec(args.draft_model)
+    check_device(args.device)
 
 
 def load_model(args: argparse.Namespace) -> Any:
@@ -127,11 +149,8 @@ def load_model(args: argparse.Namespace) -> Any:
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     return EagleModel.from_pretrained(
         args.target, drafter=args.drafter, draft_model=args.draft_model, device=args.device, dtype=dtype,
-        total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k, lookup_tokens=args.lookup_tokens,
-        sampled_tree=args.sampled_tree, draw_temperature_scale=args.draw_temperature_scale,
-        draw_support=args.draw_support, gamma=args.gamma,
-        lenience=args.lenience, adaptive_gamma=args.adaptive_gamma, drafter_dtype=drafter_dtype,
-        drafter_quant=None if args.drafter_quant == "auto" else args.drafter_quant, cuda_graphs=args.cuda_graphs)
+        drafter_dtype=drafter_dtype, drafter_quant=None if args.drafter_quant == "auto" else args.drafter_quant,
+        cuda_graphs=args.cuda_graphs, **option_args(args))
 
 
 def check_method(model: Any, method: str) -> None:
@@ -206,7 +225,10 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if not args.interactive and args.prompt is None:
         raise EagleError("give a prompt, or --interactive")
+    if args.prompt is not None:
+        check_prompt_text(args.prompt)
     check_sampling(args)
+    check_model_args(args)
     model = load_model(args)
     if args.method is None:
         args.method = "eagle-tree" if model.drafter is not None else "ar"

@@ -34,12 +34,33 @@ def test_greedy_matches_ar_on_20_prompts(model, method):
     assert gained > 20  # drafts were really accepted sometimes, not only bonus tokens
 
 
-def test_adaptive_gamma_is_still_exact(model):
+def test_adaptive_gamma_is_still_exact(model, monkeypatch):
+    from eagle.decoding.proposers import DraftModel
+
+    gammas = []
+    propose = DraftModel.propose
+
+    def spy(self, *args, **kwargs):
+        gammas.append(self.gamma)
+        return propose(self, *args, **kwargs)
+
+    monkeypatch.setattr(DraftModel, "propose", spy)
     adaptive = EagleModel(model.target, draft_model=model.draft_model,
                           speculative=dataclasses.replace(model.speculative, adaptive_gamma=True))
     for ids in prompts(5, seed=3):
         assert adaptive.generate(ids, method="sd", max_new_tokens=20).token_ids == \
             model.generate(ids, method="ar", max_new_tokens=20).token_ids
+    # a random draft model is often rejected early: gamma (3) shrinks
+    assert min(gammas) < model.speculative.gamma
+    # a perfect draft (the target itself) is always accepted: gamma grows by 2 a round up to max_gamma
+    t = model.target
+    perfect = EagleModel(t, draft_model=t.model, drafter_dtype=t.dtype,
+                         speculative=dataclasses.replace(model.speculative, gamma=4, max_gamma=9, adaptive_gamma=True))
+    out = perfect.generate([3, 4, 5], method="sd", max_new_tokens=60)
+    assert out.accept_lengths[:5] == [5, 7, 9, 10, 10]
+    fixed = EagleModel(t, draft_model=t.model, speculative=dataclasses.replace(model.speculative, gamma=4),
+                       drafter_dtype=t.dtype)
+    assert fixed.generate([3, 4, 5], method="sd", max_new_tokens=40).accept_lengths[:5] == [5] * 5
 
 
 def test_accepted_drafts_with_a_self_draft():
@@ -161,11 +182,42 @@ def test_auto_total_tokens_is_exact_and_within_budget(target, drafter, monkeypat
 
     monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
     monkeypatch.setattr(eagle.decoding.tree_sizing, "NOISY", float("inf"))  # sub-millisecond timings of a tiny model are noisy
-    auto = EagleModel.from_pretrained(target, drafter=drafter, total_tokens="auto", depth=4, top_k=3)
+    monkeypatch.setattr(eagle.decoding.tree_sizing, "_UNCACHED", {})  # a noisy curve kept in memory by an earlier test
+    auto = EagleModel.from_pretrained(target, drafter=drafter, total_tokens="auto", depth=4, top_k=3,
+                                      lookup_tokens=0)
     for ids in prompts(5, seed=4):
         out = auto.generate(ids, method="eagle-tree", max_new_tokens=16)
         assert out.token_ids == auto.generate(ids, method="ar", max_new_tokens=16).token_ids
     assert list((tmp_path / "cost").glob("*.json"))  # the measured curve is cached
+
+    # the tree verified each round (its size recorded by the sizing) is what the cost curve pays for
+    # on a target whose rounds take what the curve says they take (then the sizing's refit keeps it)
+    sizes = []
+    record = eagle.decoding.tree_sizing.Sizing.record_round
+
+    def sizes_under(seconds_of: callable) -> list[int]:
+        curve = eagle.decoding.tree_sizing.CostCurve(list(eagle.decoding.tree_sizing.SIZES), [seconds_of(n) for n in eagle.decoding.tree_sizing.SIZES])
+        monkeypatch.setattr(eagle.decoding.tree_sizing, "cost_curve", lambda target, greedy=False: curve)
+        monkeypatch.setattr(eagle.decoding.tree_sizing.Sizing, "record_round",
+                            lambda self, size, seconds: (sizes.append(size), record(self, size, seconds_of(size))))
+        model = EagleModel(target, drafter, tree=TreeConfig(total_tokens="auto", depth=4, top_k=3, lookup_tokens=0),
+                           drafter_quant="none")
+        sizes.clear()
+        for ids in prompts(3, seed=4):
+            out = model.generate(ids, method="eagle-tree", max_new_tokens=16)
+            assert out.token_ids == model.generate(ids, method="ar", max_new_tokens=16).token_ids
+            assert max(out.accept_lengths) <= max(sizes[-len(out.accept_lengths):])  # accepted within the tree
+        return list(sizes)
+
+    # (the curves are in seconds, so that the drafter's own time, milliseconds, hardly counts)
+    # each token past the first costs 100 s: no draft pays for that, every round verifies the root alone
+    assert set(sizes_under(lambda n: 0.001 + 100.0 * (n - 1))) == {1}
+    # tokens cost nothing more: trees as large as the drafted pool (root, 3 children, 4 expansions of 3 x 3)
+    free = sizes_under(lambda n: 100.0)
+    assert sum(free) / len(free) > 8 and max(free) <= 1 + 3 + 4 * 9
+    # a budget: 4 tokens cost as 1, each past them 100 s more (5 tokens never pay: their rate is at most half)
+    budget = sizes_under(lambda n: 100.0 * max(1, n - 3))
+    assert max(budget) == 4
 
 
 def test_static_tree_from_choices_is_exact(target, drafter):

@@ -2,7 +2,9 @@
 
 Reads ShareGPT (``conversations: [{from, value}]``) or OpenAI-messages (``messages: [{role,
 content}]``) records from local JSON/JSONL files (or a hub dataset id through ``datasets`` when
-online). Malformed lines are skipped and counted, not fatal."""
+online). A line that is not JSON or not a conversation is an error naming ``file:line``; with
+``skip_malformed`` it is skipped, counted and named instead. Conversations without an assistant
+turn are skipped and counted."""
 
 from __future__ import annotations
 
@@ -11,8 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from eagle.errors import EagleError
-from eagle.prompts import read_text
+from eagle.errors import EagleError, read_text
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "bing": "assistant", "bard": "assistant", "system": "system"}
@@ -24,6 +25,7 @@ class LoadedChats:
 
     conversations: list[list[dict]]
     skipped: dict[str, int]
+    problems: list[str] = dataclasses.field(default_factory=list)  # "file:line: why" per malformed line skipped
 
 
 def to_messages(record: Any) -> list[dict]:
@@ -44,42 +46,65 @@ def to_messages(record: Any) -> list[dict]:
     return messages
 
 
-def read_records(source: str) -> tuple[list[Any], int]:
-    """Records from a local .json/.jsonl file, gzipped or not (``.jsonl.gz``), or a hub dataset id via
-    ``datasets``; returns
-    (records, number of unparseable lines)."""
+def read_numbered(source: str) -> tuple[list[tuple[str, Any]], list[str]]:
+    """Records from a local .json/.jsonl file, gzipped or not (``.jsonl.gz``), or a hub dataset id
+    via ``datasets``, each with
+    where it is (``file:line``, or ``dataset[i]``); returns (records, "file:line: why" for each
+    line that is not JSON). A file that is not UTF-8, or a .json array that does not parse, is an
+    ``EagleError`` naming the place."""
     path = Path(source)
     if path.is_file():
         text = read_text(path)
         if path.suffix == ".json" and text.lstrip().startswith("["):
-            return json.loads(text), 0
-        records, bad = [], 0
-        for line in text.splitlines():
+            try:
+                records = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise EagleError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno})") from None
+            return [(f"{path}[{i}]", r) for i, r in enumerate(records)], []
+        records, bad = [], []
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                bad += 1
+                records.append((f"{path}:{n}", json.loads(line)))
+            except json.JSONDecodeError as exc:
+                bad.append(f"{path}:{n}: not valid JSON ({exc.msg}, column {exc.colno})")
         return records, bad
     if path.suffix in (".json", ".jsonl", ".gz") or path.exists():
         raise EagleError(f"chat data not found: {source}")
     import datasets
 
     try:
-        return list(datasets.load_dataset(source, split="train")), 0
+        return [(f"{source}[{i}]", r) for i, r in enumerate(datasets.load_dataset(source, split="train"))], []
     except Exception as exc:  # the datasets library raises many kinds here (offline, missing, ...)
         raise EagleError(f"cannot load dataset {source!r}: {exc}") from exc
 
 
-def load_chats(source: str) -> LoadedChats:
-    records, bad_json = read_records(source)
-    skipped = {"malformed_json": bad_json, "malformed_record": 0, "no_assistant_turn": 0}
+def read_records(source: str) -> tuple[list[Any], int]:
+    """Records from a local .json/.jsonl file (or a hub dataset id via ``datasets``); returns
+    (records, number of lines that are not JSON)."""
+    records, bad = read_numbered(source)
+    return [r for _, r in records], len(bad)
+
+
+def load_chats(source: str, skip_malformed: bool = False) -> LoadedChats:
+    """The conversations of one source. A malformed line (not JSON, or not a conversation) is an
+    ``EagleError`` naming ``file:line``, or with ``skip_malformed`` skipped and named in ``problems``."""
+    records, problems = read_numbered(source)
+    if problems and not skip_malformed:
+        more = f" (and {len(problems) - 1} more malformed line(s); skip_malformed=true skips them)" \
+            if len(problems) > 1 else ""
+        raise EagleError(problems[0] + more)
+    skipped = {"malformed_json": len(problems), "malformed_record": 0, "no_assistant_turn": 0}
     chats = []
-    for record in records:
+    for where, record in records:
         try:
             messages = to_messages(record)
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError) as exc:
+            problem = f"{where}: not a conversation ({exc_text(exc)})"
+            if not skip_malformed:
+                raise EagleError(problem) from None
+            problems.append(problem)
             skipped["malformed_record"] += 1
             continue
         if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
@@ -88,16 +113,22 @@ def load_chats(source: str) -> LoadedChats:
         chats.append(messages)
     if not chats:
         raise EagleError(f"{source}: no usable conversation with an assistant turn (skipped: {skipped})")
-    return LoadedChats(conversations=chats, skipped=skipped)
+    return LoadedChats(conversations=chats, skipped=skipped, problems=problems)
 
 
-def load_all(sources: str | Sequence[str]) -> LoadedChats:
+def exc_text(exc: Exception) -> str:
+    """A short reason from a record's ``KeyError``/``TypeError``/``ValueError``."""
+    return f"missing key {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else str(exc)
+
+
+def load_all(sources: str | Sequence[str], skip_malformed: bool = False) -> LoadedChats:
     """``load_chats`` of one source or of several, concatenated in order (skips summed)."""
-    loaded = [load_chats(s) for s in ([sources] if isinstance(sources, str) else sources)]
+    loaded = [load_chats(s, skip_malformed) for s in ([sources] if isinstance(sources, str) else sources)]
     if not loaded:
         raise EagleError("no chat data source given")
     skipped = {key: sum(part.skipped[key] for part in loaded) for key in loaded[0].skipped}
-    return LoadedChats(conversations=[c for part in loaded for c in part.conversations], skipped=skipped)
+    return LoadedChats(conversations=[c for part in loaded for c in part.conversations], skipped=skipped,
+                       problems=[p for part in loaded for p in part.problems])
 
 
 def assistant_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:

@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 import torch
 from tqdm import tqdm
 
-from eagle.config import load_config_file
+from eagle.config import check_bool, check_int, load_config_file
 from eagle.errors import EagleError, command
 from eagle.runtime.target import DEFAULT_TARGET, Target, load_target, model_features
 from train.data import load_all, load_chats, tokenize_all
@@ -41,8 +41,16 @@ class FeaturesConfig:
     # random in the order given, all from one random.Random(replay_seed)
     replay: dict[str, int] = dataclasses.field(default_factory=dict)
     replay_seed: int = 0
+    # a data line that is not JSON or not a conversation: an error naming file:line (False), or skipped and
+    # named on stderr (True)
+    skip_malformed: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("max_length", "shard_size", "batch_tokens"):
+            check_int(name, getattr(self, name), 1)
+        check_bool("skip_malformed", self.skip_malformed)
+        if self.feature_dtype not in ("float16", "bfloat16", "float32"):
+            raise EagleError(f"feature_dtype must be float16, bfloat16 or float32, got {self.feature_dtype!r}")
         object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
         if not isinstance(self.data, str):
             object.__setattr__(self, "data", tuple(self.data))
@@ -156,10 +164,14 @@ def examples_digest(examples: list[dict]) -> str:
 
 def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
     """Compute missing or corrupt shards; return the feature folder."""
+    chats, replayed = load_all(cfg.data, cfg.skip_malformed), replay_draw(cfg.replay, cfg.replay_seed)
     target = target or load_target(cfg.target, lean=False)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    chats, replayed = load_all(cfg.data), replay_draw(cfg.replay, cfg.replay_seed)
+    if chats.problems:
+        more = f" (and {len(chats.problems) - 1} more)" if len(chats.problems) > 1 else ""
+        print(f"eagle-features: warning: skipped {len(chats.problems)} malformed line(s): {chats.problems[0]}{more}",
+              file=sys.stderr)
     examples = tokenize_all(target.tokenizer, replayed + chats.conversations, cfg.max_length)
     identity = target_identity(target)
     manifest_path = out_dir / MANIFEST
@@ -169,6 +181,7 @@ def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
         manifest = {"target": identity, "shards": {}}
     manifest["source"], manifest["config"] = cfg.data, dataclasses.asdict(cfg)  # data may have been appended since
     manifest["skipped"] = chats.skipped
+    manifest["malformed_lines"] = chats.problems
     manifest["replayed"] = len(replayed)
     manifest["num_examples"] = len(examples)
     dtype = getattr(torch, cfg.feature_dtype)

@@ -40,6 +40,7 @@ import torch
 
 from eagle.config import from_dict
 from eagle.drafting.drafter_config import FORMAT, DrafterConfig, TargetInfo
+from eagle.drafting.weights import read_safetensors
 from eagle.errors import EagleError
 
 EAGLE_LAYOUT = "eagle-1"  # what detect_format returns for an EAGLE-1/2 release config
@@ -199,8 +200,7 @@ def eagle_state_to_drafter(state: dict[str, torch.Tensor], cfg: dict | None = No
 def read_weights(directory: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
     """``model.safetensors``, else ``pytorch_model.bin`` (only with ``allow_pickle``)."""
     if (directory / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-        return load_file(str(directory / "model.safetensors"))
+        return read_safetensors(directory / "model.safetensors")
     path = directory / "pytorch_model.bin"
     if not path.is_file():
         raise EagleError(f"no drafter weights at {directory}: neither model.safetensors nor pytorch_model.bin")

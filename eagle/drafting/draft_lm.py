@@ -19,11 +19,13 @@ import torch
 
 from eagle.config import from_dict
 from eagle.drafting.drafter_config import TargetInfo
+from eagle.drafting.weights import read_safetensors
 from eagle.errors import EagleError
+from eagle.inputs import DRAFT_LM_MARKER
 from eagle.runtime.block_codes import unpack_state
 
 FORMAT = "eagle-draft-lm/1"
-MARKER = "draft_lm.json"
+MARKER = DRAFT_LM_MARKER
 SHIPPED = Path(__file__).parent.parent / "shipped" / "draft_lms"
 
 
@@ -101,7 +103,6 @@ def load(directory: str | Path, target: Any, dtype: torch.dtype | None = None) -
     """Load a saved draft LM for ``target`` (refused for a target with another vocabulary or
     tokenizer), on the target's device, in ``dtype`` (default: the target's; the shared
     embedding keeps the target's), in eval mode with gradients off."""
-    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     directory = Path(directory)
@@ -109,15 +110,25 @@ def load(directory: str | Path, target: Any, dtype: torch.dtype | None = None) -
         meta = json.loads((directory / MARKER).read_text())
     except (OSError, ValueError) as exc:
         raise EagleError(f"no draft LM at {directory}: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise EagleError(f"{directory / MARKER} is not a JSON object")
     if meta.get("format") != FORMAT:
         raise EagleError(f"{directory / MARKER}: unknown format {meta.get('format')!r}")
     info = from_dict(TargetInfo, meta.get("target", {}), where=str(directory / MARKER))
     if (info.vocab_size, info.hidden_size) != (target.vocab_size, target.hidden_size) or \
             info.tokenizer_fingerprint != target.tokenizer_fingerprint:
         raise EagleError(f"draft LM at {directory} was made for {info.name}, not for {target.name}")
-    config = AutoConfig.from_pretrained(directory)
-    draft = AutoModelForCausalLM.from_config(config, dtype=dtype or target.dtype)
-    state = unpack_state(load_file(str(directory / "model.safetensors")))
+    try:
+        config = AutoConfig.from_pretrained(directory)
+        draft = AutoModelForCausalLM.from_config(config, dtype=dtype or target.dtype)
+    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError, ... here
+        raise EagleError(f"cannot read the draft LM's {directory / 'config.json'}: {exc}") from None
+    state = unpack_state(read_safetensors(directory / "model.safetensors"))
+    expected = draft.state_dict()
+    wrong = [k for k, v in state.items() if k in expected and tuple(v.shape) != tuple(expected[k].shape)]
+    if wrong:
+        raise EagleError(f"draft LM at {directory} does not match its config: {wrong[0]} has shape "
+                         f"{list(state[wrong[0]].shape)}, the config implies {list(expected[wrong[0]].shape)}")
     missing, unexpected = draft.load_state_dict(state, strict=False)
     missing = [k for k in missing if "embed_tokens" not in k and "lm_head" not in k]
     if missing or unexpected:

@@ -29,6 +29,7 @@ from eagle.runtime.block_codes import BLOCK, FORMATS, unpack_state
 from eagle.decoding.tree_mask import causal_bias
 from eagle.drafting import checkpoint_formats
 from eagle.drafting.drafter_config import FORMAT, DrafterConfig, TargetInfo
+from eagle.drafting.weights import check_state, read_safetensors
 
 def most_frequent(token_counts: torch.Tensor, n: int) -> torch.Tensor:
     """[V] token counts -> the ``n`` most frequent token ids, sorted (a draft vocabulary)."""
@@ -266,7 +267,6 @@ class Drafter(nn.Module):
         (``eagle.drafting.checkpoint_formats``; its ``pytorch_model.bin`` only with ``allow_pickle``, as unpickling can
         run code). With ``target`` given, check that it is the target the drafter was built for
         and move the drafter to its device and dtype."""
-        from safetensors.torch import load_file
 
         directory = Path(directory)
         if not (directory / "config.json").is_file():
@@ -286,7 +286,12 @@ class Drafter(nn.Module):
             if not (directory / "model.safetensors").is_file():
                 raise EagleError(f"no drafter weights at {directory}: model.safetensors missing")
             drafter = cls(DrafterConfig.from_json(directory / "config.json"))
-            drafter.load_state_dict(unpack_state(load_file(str(directory / "model.safetensors"))))
+            state = unpack_state(read_safetensors(directory / "model.safetensors"))
+            check_state(drafter, state, f"drafter weights {directory / 'model.safetensors'}")
+            drafter.load_state_dict(state)
+        if drafter.d2t is not None and not (0 <= int(drafter.d2t.min()) and int(drafter.d2t.max()) < drafter.config.vocab_size):
+            raise EagleError(f"drafter at {directory}: its draft-to-target id map d2t holds ids outside "
+                             f"0..{drafter.config.vocab_size - 1}")
         if target is not None:
             drafter.check_target(target)
             device, dtype = device or target.device, dtype or target.dtype

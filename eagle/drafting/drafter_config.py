@@ -6,7 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from eagle.config import from_dict
+from eagle.config import check_bool, check_float, check_int, from_dict
 from eagle.errors import EagleError
 
 FORMAT = "eagle-drafter/1"
@@ -44,6 +44,21 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         if isinstance(self.target, dict):
             self.target = from_dict(TargetInfo, self.target, where="drafter config 'target'")
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+            check_int(name, getattr(self, name), 1)
+        for name in ("head_dim", "draft_vocab_size"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        check_int("num_layers", self.num_layers)
+        check_int("max_position_embeddings", self.max_position_embeddings, 1)
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not check_float(name, getattr(self, name)) > 0:
+                raise EagleError(f"{name} must be > 0, got {getattr(self, name)}")
+        check_bool("fc_bias", self.fc_bias)
+        if not isinstance(self.aux_layers, (list, tuple)):
+            raise EagleError(f"aux_layers must be a list of target layer indices, got {self.aux_layers!r}")
+        if not isinstance(self.target, TargetInfo):
+            raise EagleError(f"target must be an object with the target's name and sizes, got {self.target!r}")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_layers < 1:
@@ -57,7 +72,12 @@ class DrafterConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "DrafterConfig":
-        data = json.loads(Path(path).read_text())
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise EagleError(f"cannot read {path}: {exc}") from None
+        if not isinstance(data, dict):
+            raise EagleError(f"{path} is not a JSON object")
         data.pop("format", None)
         return from_dict(cls, data, where=str(path))
 

@@ -20,9 +20,10 @@ import dataclasses
 
 import torch
 
+from eagle.inputs import FORMATS  # noqa: F401 (block_quantize's formats by their GGUF names -> bits)
+
 BLOCK = 32
 PROBE_ROWS = 8
-FORMATS = {"q8_0": 8, "q4_1": 4}  # block_quantize's formats by their GGUF names -> bits
 
 
 @dataclasses.dataclass

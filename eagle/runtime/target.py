@@ -16,9 +16,9 @@ import torch
 from eagle.runtime import kv_cache
 from eagle.cache_dir import cache_root
 from eagle.errors import EagleError
+from eagle.inputs import DEFAULT_TARGET, check_prompt_text, check_spec  # noqa: F401 (names of this module too)
 from eagle.runtime.decoder import LeanDecoder, lean_decoder
 
-DEFAULT_TARGET = "smollm2-135m-instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -100,26 +100,36 @@ class Target:
     def encode_prompt(self, prompt: Any) -> list[int]:
         """A string (chat template applied), a list of chat messages, or token ids -> token ids."""
         if isinstance(prompt, torch.Tensor):
+            if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+                raise EagleError(f"token ids must be integers, got a tensor of {prompt.dtype}")
             ids = [int(t) for t in prompt.reshape(-1).tolist()]
         elif isinstance(prompt, str):
-            if not prompt.strip():
-                raise EagleError("empty prompt")
+            check_prompt_text(prompt)
             ids = self.apply_chat_template([{"role": "user", "content": prompt}])
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
             ids = self.apply_chat_template(list(prompt))
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = [int(t) for t in prompt]
         else:
             raise EagleError("prompt must be a string, a list of chat messages, or a list/tensor of token ids")
         if not ids:
             raise EagleError("empty prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EagleError(f"token id {bad[0]} is out of range: the vocabulary of {self.name} has ids "
+                             f"0..{self.vocab_size - 1}")
         if len(ids) >= self.max_context:
             raise EagleError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
         return ids
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if any(not str(m.get("content", "")).strip() for m in messages):
+        for m in messages:
+            if not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
+                raise EagleError(f"a chat message needs a 'role' and a 'content' string, got {m!r}")
+        if any(not m["content"].strip() for m in messages):
             raise EagleError("empty prompt: a chat message has no content")
+        for m in messages:
+            check_prompt_text(m["content"])
         if getattr(self.tokenizer, "chat_template", None):
             out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
@@ -219,21 +229,19 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
 
 def _resolve(spec: str) -> tuple[str, dict]:
     """Map a target spec to (path or hub id, extra from_pretrained kwargs)."""
-    if spec.lower() == DEFAULT_TARGET:
+    kind = check_spec(spec)
+    if kind == "default":
         return str(converted_gguf_dir(smollm2_gguf_path())), {}
-    path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise EagleError(f"GGUF file not found: {spec}")
-        return str(converted_gguf_dir(path)), {}
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise EagleError(f"{spec} is a folder but holds no config.json: not a Hugging Face model folder")
-        return str(path), {}
-    if spec.count("/") == 1 and not path.exists():
-        return spec, {"local_files_only": True}
-    raise EagleError(f"unknown model spec {spec!r}: give a model folder, a .gguf file, a hub id in the local "
-                     f"cache, or {DEFAULT_TARGET!r}")
+    if kind == "gguf":
+        try:
+            return str(converted_gguf_dir(Path(spec).expanduser())), {}
+        except EagleError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the GGUF reader raises ValueError, KeyError, struct.error, ...
+            raise EagleError(f"cannot read GGUF file {spec}: {type(exc).__name__}: {exc}") from None
+    if kind == "folder":
+        return str(Path(spec).expanduser()), {}
+    return spec, {"local_files_only": True}
 
 
 def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device | None = None,
@@ -256,6 +264,9 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
             raise EagleError(f"unknown model spec {spec!r}: not a local folder and not in the local Hugging Face "
                              f"cache (no downloads are made)") from exc
         raise EagleError(f"cannot load model {spec!r}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - a damaged folder: SafetensorError, ValueError, KeyError, ...
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise EagleError(f"cannot load model {spec!r} (damaged files?): {type(exc).__name__}: {message}") from exc
     model.to(dev).eval()
     model.requires_grad_(False)
     return use_cuda_graphs(Target(model=model, tokenizer=tokenizer, name=str(spec), device=dev, dtype=dt,

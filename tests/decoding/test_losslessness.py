@@ -219,3 +219,59 @@ def test_sampled_tree_negative_control_is_rejected(model, monkeypatch):
     monkeypatch.setattr(acceptance, "recursive_rejection_tree", without_replacement_ignored)
     counts = sampled_triples(model, "eagle-tree", sampling, SAMPLES // 2)
     assert chi_square_p(counts, exact_triples(model, sampling)) < ALPHA
+
+
+def over_accepting(tokens, parents, target_probs, generator, child_probs=None, drawn=None):
+    """Broken rule for deterministic drafts: a draft x is accepted with probability sqrt(p(x)), not
+    p(x), and the fallback draws from the full p."""
+    kids = acceptance.children_of(parents)
+    node, accepted = 0, [0]
+    while True:
+        p = target_probs[node]
+        for child in kids[node]:
+            if torch.rand(1, generator=generator).item() ** 2 < p[int(tokens[child])].item():
+                node = child
+                accepted.append(child)
+                break
+        else:
+            return acceptance.Acceptance(nodes=torch.tensor(accepted), next_token=int(sample(p, generator)))
+
+
+def test_sampled_prompt_lookup_is_lossless_and_the_check_has_teeth(model, monkeypatch):
+    """Method ``pld`` at temperature 1 on a prompt that repeats itself, so that most rounds draft a
+    looked-up chain (deterministic drafts, judged as point masses). The control over-accepts them
+    (resampling from the full p after a rejection, ``skip_residual``, was too small an error for
+    this check to see: p = 0.19 with 10k samples)."""
+    sampling, prompt = SamplingConfig(temperature=1.0), [1, 2, 3, 1, 2]
+    exact = exact_triples(model, sampling, prompt)
+    counts = sampled_triples(model, "pld", sampling, SAMPLES // 2, prompt)
+    assert chi_square_p(counts, exact) > ALPHA
+    drafted = [model.generate(prompt, method="pld", max_new_tokens=3, temperature=1.0, seed=s).accept_lengths
+               for s in range(200)]
+    assert sum(max(lengths) > 1 for lengths in drafted) > 50  # looked-up drafts were accepted, not only bonus tokens
+    monkeypatch.setattr(acceptance, "recursive_rejection_tree", over_accepting)
+    assert chi_square_p(sampled_triples(model, "pld", sampling, SAMPLES // 4, prompt), exact) < ALPHA
+
+
+def test_reduced_vocabulary_drafters_sampled_tree_is_lossless_and_the_check_has_teeth(model, monkeypatch):
+    """A drafter over 4 of the 6 tokens (``draft_vocab_size``; d2t = [0, 2, 3, 5], so draft index
+    and target id differ), its children drawn from it: the output follows the target, tokens 1 and
+    4 included (they come only from residuals). The control tells the rule the draw distributions
+    laid out by draft index instead of target id."""
+    import eagle.decoding.proposers as proposers
+
+    torch.manual_seed(2)
+    counts = torch.tensor([9.0, 1.0, 8.0, 7.0, 2.0, 6.0])
+    small = Drafter.from_target(model.target, token_counts=counts, draft_vocab_size=4).eval()
+    assert small.d2t.tolist() == [0, 2, 3, 5]
+    sampling = SamplingConfig(temperature=1.0)
+    exact = exact_triples(model, sampling)
+    tree = dataclasses.replace(model.tree, sampled_tree=True, lookup_tokens=0, draw_support=0)
+    reduced = EagleModel(model.target, small, tree=tree)
+    sampled = sampled_triples(reduced, "eagle-tree", sampling, SAMPLES)
+    assert chi_square_p(sampled, exact) > ALPHA
+    assert sampled[:, 1].sum() > 0 and sampled[:, 4].sum() > 0
+    told = proposers.DrawDistributions.support
+    monkeypatch.setattr(proposers.DrawDistributions, "support", lambda rows, node: told(
+        dataclasses.replace(rows, draft_ids=torch.arange(len(rows.draft_ids), device=rows.draft_ids.device)), node))
+    assert chi_square_p(sampled_triples(reduced, "eagle-tree", sampling, SAMPLES // 2), exact) < ALPHA

@@ -241,7 +241,7 @@ def test_a_noisy_cost_curve_serves_its_process_but_is_not_kept_on_disk(target, t
     spreads = [0.5, 0.5, 0.01]
     measured = []
 
-    def fake_measure(t, greedy=False):
+    def fake_measure(t, greedy=False, sizes=None):
         measured.append(spreads[min(len(measured), 2)])
         return budget.CostCurve(sizes=[1, 2], seconds=[1.0, 1.5], spread=measured[-1])
 

@@ -89,7 +89,21 @@ def write_prompts(path, lines):
     return str(path)
 
 
-def test_bench_writes_the_report(saved, tmp_path, capsys):
+def test_bench_writes_the_report(saved, tmp_path, capsys, monkeypatch):
+    from matplotlib.figure import Figure
+
+    drawn = []  # per saved figure and panel: title, bar heights, x tick labels, legend labels
+    savefig = Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        fig.canvas.draw()
+        drawn.append([(ax.get_title(), [p.get_height() for p in ax.patches],
+                       [t.get_text() for t in ax.get_xticklabels()],
+                       [t.get_text() for t in ax.get_legend().get_texts()] if ax.get_legend() else [])
+                      for ax in fig.axes])
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
     target, drafter = saved
     prompts = write_prompts(tmp_path / "p.jsonl", [
         {"prompt": "t3 t4 t5 t3 t4", "category": "a"},
@@ -120,6 +134,27 @@ def test_bench_writes_the_report(saved, tmp_path, capsys):
     assert data["methods"]["hf"]["step_fractions"] is None and data["methods"]["hf"]["mean_accept_length"] == 1
     assert data["methods"]["ar"]["speedup_vs_ar"] == 1.0
     assert png.read_bytes()[:4] == b"\x89PNG"
+    # the plot shows what the report says: per method its accepted-length fractions, and its speedup vs ar
+    methods = list(data["methods"])
+    [[(left_title, left_heights, _, legend), (right_title, right_heights, right_labels, _)]] = drawn
+    assert left_title == "Accepted length" and legend == methods
+    longest = max(int(n) for m in data["methods"].values() for n in m["accept_length_histogram"])
+    fractions = []
+    for m in data["methods"].values():
+        hist = m["accept_length_histogram"]
+        fractions += [hist.get(str(n), 0) / sum(hist.values()) for n in range(1, longest + 1)]
+    assert left_heights == pytest.approx(fractions) and longest > 1
+    assert right_title == "Speedup" and right_labels == methods
+    assert right_heights == pytest.approx([data["methods"][m]["speedup_vs_ar"] for m in methods])
+    from matplotlib.image import imread
+
+    pixels = imread(str(png))
+    assert pixels.shape[:2] == (480, 1320)  # 11 x 4 inches at 120 dpi
+    painted = (pixels[..., :3] < 0.9).any(-1)  # not white: axes, text, bars
+    assert 0.02 < painted.mean() < 0.5
+    green = (abs(pixels[..., 0] - 0x2C / 255) < 0.05) & (abs(pixels[..., 1] - 0xA0 / 255) < 0.05) & \
+        (abs(pixels[..., 2] - 0x2C / 255) < 0.05)  # tab:green: the speedup bars fill part of the right half
+    assert green[:, 660:].sum() > 2000
 
 
 def test_bench_loads_the_target_in_the_dtype_asked_for(saved, tmp_path):
@@ -132,8 +167,8 @@ def test_bench_loads_the_target_in_the_dtype_asked_for(saved, tmp_path):
 
 @pytest.mark.parametrize("case, message", [
     ("missing", "prompt file not found"),
-    ("malformed", "line 2: not valid JSON"),
-    ("no-prompt", "line 1: expected a JSON object with 'prompt' or 'turns'"),
+    ("malformed", "bad.jsonl:2: not valid JSON"),
+    ("no-prompt", "noprompt.jsonl:1: expected a JSON object with 'prompt' or 'turns'"),
     ("unknown-method", "unknown method(s) 'beam'"),
     ("no-drafter", "'eagle-tree' needs a drafter"),
 ])

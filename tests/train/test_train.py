@@ -44,8 +44,9 @@ def save_tiny_chat_target(path: Path, seed: int = 0, vocab_size: int = 32) -> Pa
     return path
 
 
-def synthetic_chats(path: Path, n: int = 50, seed: int = 0) -> Path:
-    """Conversations whose answers follow a learnable rule (each word + 1), plus junk lines."""
+def synthetic_chats(path: Path, n: int = 50, seed: int = 0, junk: bool = False) -> Path:
+    """Conversations whose answers follow a learnable rule (each word + 1); with ``junk`` followed by a line
+    that is not JSON, one without an assistant turn and one that is not a conversation."""
     rng = random.Random(seed)
     lines = []
     for _ in range(n):
@@ -54,7 +55,7 @@ def synthetic_chats(path: Path, n: int = 50, seed: int = 0) -> Path:
         answer = " ".join(f"t{4 + (start + i) % 28}" for i in range(rng.randint(8, 20)))
         lines.append(json.dumps({"conversations": [{"from": "human", "value": question},
                                                    {"from": "gpt", "value": answer}]}))
-    lines += ["{not json", json.dumps({"conversations": [{"from": "human", "value": "t5"}]}), json.dumps({"x": 1})]
+    lines += [] if not junk else ["{not json", json.dumps({"conversations": [{"from": "human", "value": "t5"}]}), json.dumps({"x": 1})]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -69,10 +70,26 @@ def workspace(tmp_path_factory):
     return {"root": root, "target": target_dir, "data": data, "features": features}
 
 
-def test_chat_loading_skips_and_counts_malformed_lines(workspace):
-    chats = load_chats(str(workspace["data"]))
+def test_chat_loading_names_malformed_lines_or_skips_and_counts_them(tmp_path):
+    data = synthetic_chats(tmp_path / "junk.jsonl", junk=True)
+    with pytest.raises(EagleError) as error:
+        load_chats(str(data))  # the first bad line is an error naming it
+    assert str(error.value) == f"{data}:51: not valid JSON (Expecting property name enclosed in double quotes, column 2)"
+    data.write_text(data.read_text().replace("{not json\n", ""))
+    with pytest.raises(EagleError) as error:
+        load_chats(str(data))
+    assert str(error.value) == f"{data}:52: not a conversation (record has neither 'messages' nor 'conversations')"
+    data = synthetic_chats(tmp_path / "junk.jsonl", junk=True)
+    chats = load_chats(str(data), skip_malformed=True)
     assert len(chats.conversations) == 50
     assert chats.skipped == {"malformed_json": 1, "malformed_record": 1, "no_assistant_turn": 1}
+    assert chats.problems == [f"{data}:51: not valid JSON (Expecting property name enclosed in double quotes, column 2)",
+                              f"{data}:53: not a conversation (record has neither 'messages' nor 'conversations')"]
+    out = tmp_path / "f"
+    build(FeaturesConfig(target=str(save_tiny_chat_target(tmp_path / "t")), data=str(data), out_dir=str(out),
+                         skip_malformed=True))
+    manifest = load_manifest(out)
+    assert manifest["skipped"]["malformed_json"] == 1 and manifest["malformed_lines"] == chats.problems
 
 
 def test_dataset_without_assistant_turns_is_a_clear_error(tmp_path):
@@ -129,7 +146,7 @@ def test_features_of_several_chat_files_are_their_concatenation(workspace, tmp_p
     cfg = load_config_file(FeaturesConfig, None, [*common, f"data=[{workspace['data']}, {part}]"])
     shards = FeatureShards(build(cfg))  # the folder of the first file, a second file appended
     manifest = load_manifest(tmp_path / "f")
-    assert len(shards) == 55 and manifest["skipped"]["malformed_json"] == 1
+    assert len(shards) == 55
     assert manifest["source"] == [str(workspace["data"]), str(part)]  # names the files it now holds
     tok = load_target(str(workspace["target"])).tokenizer
     assert tok.decode(shards[54]["input_ids"]).count("t13 t6 t7") == 1  # the second file's last conversation is last
