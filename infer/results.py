@@ -38,7 +38,7 @@ def section(report: dict, source: str) -> str:
              + f". Data: `{source}`.", ""]
     if report.get("note"):
         lines += [report["note"], ""]
-    return "\n".join(lines) + markdown(summary)
+    return "\n".join(lines) + "\n" + markdown(summary)
 
 
 def render(paths: list[str], header: str = "") -> str:
