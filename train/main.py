@@ -1,4 +1,4 @@
-"""DeepSpeed training entry: ``deepspeed train/main.py --config configs/train/<name>.yaml``.
+"""DeepSpeed training entry: ``deepspeed train/main.py --config RUN.yaml`` (e.g. ``configs/recipes/*/train.yaml``).
 
 Trains an EAGLE drafter (``student: drafter``) or a standalone draft LM for ``sd``
 (``student: draft-lm``, ``eagle.drafting.draft_lm``) against the target's stored features.
