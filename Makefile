@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 PROMPT ?= Write a short poem about the sea, then explain its imagery in two sentences.
 
-.PHONY: setup demo test test-fast bench results gpu-check clean
+.PHONY: setup demo test test-all test-fast bench results gpu-check clean
 
 
 $(STAMP): pyproject.toml
@@ -20,7 +20,12 @@ setup: $(STAMP)
 demo: setup
 	$(VENV)/bin/eagle-generate --max-new-tokens 128 "$(PROMPT)"  # eagle-tree with the shipped drafter
 
+# make test: the suite without the tests marked slow (statistical, training runs, kill tests); CI (CI=true) and
+# make test-all run everything
 test: setup
+	$(PY) -m pytest -q -ra $(if $(CI),,-m "not slow")
+
+test-all: setup
 	$(PY) -m pytest -q -ra
 
 test-fast: setup
