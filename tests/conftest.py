@@ -104,3 +104,12 @@ def block_quantized(weight: torch.Tensor, bits: int) -> torch.Tensor:
     """``weight`` [N, K] (K a multiple of 32) rounded as llama.cpp quantizes and gguf dequantizes it
     (Q4_1 for bits 4, Q8_0 for bits 8: ``eagle.runtime.block_codes.block_quantize``); the fp32 dequantized values."""
     return decode(block_quantize(weight.detach().float().cpu(), bits)).to(weight.device)
+
+
+def save_tiny_model(root) -> tuple[str, str]:
+    """A tiny target saved as a model folder under ``root`` and a drafter folder for it -> (target, drafter)."""
+    target = tiny_target()
+    target.model.save_pretrained(root / "target")
+    target.tokenizer.save_pretrained(root / "target")
+    tiny_drafter(target).save_pretrained(root / "drafter")
+    return str(root / "target"), str(root / "drafter")

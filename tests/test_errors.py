@@ -21,7 +21,7 @@ from eagle.engine import EagleModel
 from infer import cli
 from train import features
 
-from tests.conftest import tiny_drafter, tiny_target
+from tests.conftest import save_tiny_model, tiny_target
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,10 +73,7 @@ def one_line(err: str, prog: str = "eagle-generate") -> str:
 def files(tmp_path_factory):
     """A target folder, a drafter folder for it, a file that is named .gguf but is not one."""
     root = tmp_path_factory.mktemp("bad-input")
-    target = tiny_target()
-    target.model.save_pretrained(root / "target")
-    target.tokenizer.save_pretrained(root / "target")
-    tiny_drafter(target).save_pretrained(root / "drafter")
+    save_tiny_model(root)
     (root / "x.gguf").write_text("not a gguf file\n")
     return root
 

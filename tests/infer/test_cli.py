@@ -11,7 +11,7 @@ from eagle.engine import EagleModel
 from eagle.prompts import read_prompts
 from infer import bench, cli
 
-from tests.conftest import tiny_drafter, tiny_target
+from tests.conftest import save_tiny_model
 
 STATS = re.compile(r"^\[(?P<method>[\w-]+)\] (?P<n>\d+) new tokens, [\d.]+ tokens/s, mean accepted length [\d.]+, "
                    r"\d+ target forwards$")
@@ -20,12 +20,7 @@ STATS = re.compile(r"^\[(?P<method>[\w-]+)\] (?P<n>\d+) new tokens, [\d.]+ token
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A tiny target folder and a drafter folder for it."""
-    root = tmp_path_factory.mktemp("models")
-    target = tiny_target()
-    target.model.save_pretrained(root / "target")
-    target.tokenizer.save_pretrained(root / "target")
-    tiny_drafter(target).save_pretrained(root / "drafter")
-    return str(root / "target"), str(root / "drafter")
+    return save_tiny_model(tmp_path_factory.mktemp("models"))
 
 
 def one_error_line(err: str, prog: str) -> str:
