@@ -1,6 +1,11 @@
-"""The EAGLE-1/2 feature-level drafter.
+"""The feature-level drafters: EAGLE-1/2 (``kind`` "eagle") and EAGLE-3 (``kind`` "eagle3").
 
-Input: concat(embedding of token t+1, target feature f_t) -> ``fc`` (2H -> H) -> N Llama-style
+EAGLE-3: the outputs of the target layers ``aux_layers`` [..., n H] -> ``fc`` (n H -> H, no bias)
+-> one decoder layer whose attention reads cat(input_layernorm(token embedding), hidden_norm(x))
+(2H -> q/k/v; residual x) -> the output hidden state, which is what deeper tree levels feed on
+instead of target features; logits = ``lm_head(norm(hidden))`` over the draft vocabulary.
+
+EAGLE-1/2 input: concat(embedding of token t+1, target feature f_t) -> ``fc`` (2H -> H) -> N Llama-style
 decoder layers (layer 0 without input layernorm, no final norm) -> predicted feature f_{t+1}.
 With ``aux_layers`` (EAGLE-3 style feature fusion) ``fc`` also reads the outputs of those target
 layers at t, RMS-normalized ((2 + n) H -> H); where they do not exist (a draft token's own
@@ -31,6 +36,12 @@ from eagle.drafting import checkpoint_formats
 from eagle.drafting.drafter_config import FORMAT, DrafterConfig, TargetInfo
 from eagle.drafting.weights import check_state, read_safetensors
 
+def default_eagle3_layers(num_layers: int) -> list[int]:
+    """The target layers an EAGLE-3 drafter fuses by default, in our convention (outputs of layers
+    1, L/2-1, L-4): what vLLM and llama.cpp call layers 2, L/2 and L-3 (the inputs of those layers)."""
+    return sorted({max(0, i) for i in (1, num_layers // 2 - 1, num_layers - 4)})  # fewer on a tiny target
+
+
 def most_frequent(token_counts: torch.Tensor, n: int) -> torch.Tensor:
     """[V] token counts -> the ``n`` most frequent token ids, sorted (a draft vocabulary)."""
     return torch.topk(token_counts.float(), n).indices.sort().values
@@ -60,6 +71,24 @@ def fc_input(features: torch.Tensor, token_embeds: torch.Tensor, cfg: DrafterCon
     return torch.cat([token_embeds, features[..., :h], aux], dim=-1)
 
 
+def fused_input(fc: Callable[[torch.Tensor], torch.Tensor], features: torch.Tensor, token_embeds: torch.Tensor,
+                cfg: DrafterConfig) -> torch.Tensor:
+    """The residual stream a drafter's layers start from, [..., H]. "eagle": ``fc(fc_input(...))``.
+    "eagle3": ``features`` [..., (1 + n) H] are target features (the last hidden state, unused, then
+    the n aux layers' outputs), fused by ``fc``; [..., H] is the drafter's own output hidden state
+    (deeper in a tree, or a later training-time-test step), taken as it is."""
+    if cfg.kind != "eagle3":
+        return fc(fc_input(features, token_embeds, cfg))
+    h = cfg.hidden_size
+    if features.shape[-1] == h:
+        return features
+    if features.shape[-1] != (1 + len(cfg.aux_layers)) * h:
+        raise EagleError(f"eagle3 drafter: features of width {features.shape[-1]}, expected {h} (its own hidden "
+                         f"states) or {(1 + len(cfg.aux_layers)) * h} (target features with {len(cfg.aux_layers)} "
+                         f"aux layers)")
+    return fc(features[..., h:])
+
+
 def rotary_angles(positions: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
     """Llama's default rotary embedding: positions [...] -> angles [..., dim] (float32)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
@@ -79,9 +108,10 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.index = cfg, index
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        width = 2 * h if cfg.kind == "eagle3" else h  # EAGLE-3: cat(normed embedding, normed hidden)
+        self.q_proj = nn.Linear(width, cfg.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(width, cfg.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(width, cfg.num_key_value_heads * d, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor,
@@ -111,32 +141,44 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """EAGLE-1 layout: the first layer reads the fc output directly (no input layernorm). EAGLE-3
+    (the SpecForge / vLLM names): ``input_layernorm`` normalizes the token embedding,
+    ``hidden_norm`` the hidden state, and attention reads their concatenation."""
+
     def __init__(self, cfg: DrafterConfig, index: int) -> None:
         super().__init__()
-        # EAGLE-1 layout: the first layer reads the fc output directly (no input layernorm).
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if index > 0 else None
+        eagle3 = cfg.kind == "eagle3"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if index > 0 or eagle3 else None
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if eagle3 else None
         self.self_attn = Attention(cfg, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor,
-                cache: StaticCache | None) -> torch.Tensor:
-        h = self.input_layernorm(x) if self.input_layernorm is not None else x
+                cache: StaticCache | None, token_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if self.hidden_norm is not None:
+            h = torch.cat([self.input_layernorm(token_embeds), self.hidden_norm(x)], dim=-1)
+        else:
+            h = self.input_layernorm(x) if self.input_layernorm is not None else x
         x = x + self.self_attn(h, positions, bias, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Drafter(nn.Module):
-    """EAGLE-1/2 drafter. ``forward`` maps (features, next-token embeddings) to predicted features."""
+    """An EAGLE drafter of either kind. ``forward`` maps (features, next-token embeddings) to the
+    output hidden states (EAGLE-1/2: predicted features), ``draft_logits`` those to draft logits."""
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.fc = nn.Linear((2 + len(cfg.aux_layers)) * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
+        eagle3 = cfg.kind == "eagle3"
+        fc_in = len(cfg.aux_layers) if eagle3 else 2 + len(cfg.aux_layers)
+        self.fc = nn.Linear(fc_in * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        if cfg.draft_vocab_size is not None:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-            self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size, dtype=torch.long))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if eagle3 else None
+        if cfg.draft_vocab_size is not None or eagle3:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size or cfg.vocab_size, bias=False)
+            self.register_buffer("d2t", torch.arange(self.lm_head.out_features, dtype=torch.long))
         else:
             self.lm_head = None
             self.d2t = None
@@ -147,7 +189,9 @@ class Drafter(nn.Module):
         """An untrained drafter shaped for ``target`` (an ``eagle.Target``). With
         ``draft_vocab_size=N`` the draft vocabulary is the N most frequent tokens in
         ``token_counts`` [V] (lowest ids when none are given); its head starts from the
-        target's LM-head rows."""
+        target's LM-head rows. ``kind="eagle3"`` without ``aux_layers`` fuses the target layers
+        that vLLM and llama.cpp default to (their 2, L/2, L-3: outputs of ours 1, L/2-1, L-4), and
+        its final norm starts from the target's."""
         tc = target.config
         rope_params = getattr(tc, "rope_parameters", None) or {}
         fields = dict(
@@ -161,13 +205,20 @@ class Drafter(nn.Module):
             target=TargetInfo(name=target.name, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
                               tokenizer_fingerprint=target.tokenizer_fingerprint))
         fields.update(overrides)
+        if fields.get("kind") == "eagle3" and not fields.get("aux_layers"):
+            fields["aux_layers"] = default_eagle3_layers(tc.num_hidden_layers)
         drafter = cls(from_dict(DrafterConfig, fields, where="drafter overrides"))
         if drafter.lm_head is not None:
-            n = drafter.config.draft_vocab_size
-            ids = most_frequent(token_counts, n) if token_counts is not None else torch.arange(n)
+            n = drafter.lm_head.out_features
+            ids = most_frequent(token_counts, n) if token_counts is not None and n < target.vocab_size \
+                else torch.arange(n)
             drafter.d2t.copy_(ids)
             with torch.no_grad():
                 drafter.lm_head.weight.copy_(target.model.get_output_embeddings().weight[ids.to(target.device)].float())
+        final_norm = getattr(getattr(target.model, "model", None), "norm", None)
+        if drafter.norm is not None and getattr(final_norm, "weight", None) is not None:
+            with torch.no_grad():
+                drafter.norm.weight.copy_(final_norm.weight.float())
         return drafter.to(device=target.device, dtype=target.dtype)
 
     @torch.no_grad()
@@ -201,7 +252,9 @@ class Drafter(nn.Module):
     def with_aux_layers(self, layers: list[int]) -> "Drafter":
         """A copy that also fuses the outputs of target ``layers`` (appended to its own aux
         layers), their ``fc`` columns zero: it predicts exactly what this drafter does until
-        trained (a warm start for EAGLE-3 style fusion)."""
+        trained (a warm start for EAGLE-3 style fusion). EAGLE-1/2 drafters only."""
+        if self.config.kind != "eagle":
+            raise EagleError("with_aux_layers widens an EAGLE-1/2 drafter's fc; an eagle3 drafter's layers are fixed")
         config = dataclasses.replace(self.config, aux_layers=self.config.aux_layers + list(layers))
         drafter = type(self)(config).to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
         state = self.state_dict()
@@ -217,6 +270,8 @@ class Drafter(nn.Module):
         projections (``o_proj``, ``down_proj``) zero so that it adds nothing to the residual
         stream: it predicts exactly what this drafter does until trained (a warm start for a
         deeper drafter)."""
+        if self.config.kind != "eagle" and num_layers != self.config.num_layers:
+            raise EagleError("an eagle3 drafter has one decoder layer")
         if num_layers < self.config.num_layers:
             raise EagleError(f"cannot shrink a drafter from {self.config.num_layers} to {num_layers} layers")
         config = dataclasses.replace(self.config, num_layers=num_layers)
@@ -300,23 +355,27 @@ class Drafter(nn.Module):
     # ---- compute ---------------------------------------------------------------------------
     def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
                 cache: StaticCache | None = None, attention_bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``features`` [B, T, H] (f_t; or [B, T, (1 + n) H] with the n aux layers' outputs),
+        """``features`` [B, T, H] (f_t, or an eagle3 drafter's own output; or [B, T, (1 + n) H] with
+        the n aux layers' outputs),
         ``token_embeds`` [B, T, H] (embedding of token t+1),
         ``positions`` [B, T], ``attention_bias`` [B or 1, 1, T, past + T] additive (causal when
         None) -> predicted features [B, T, H] (f_{t+1}). ``cache`` is extended in place."""
-        x = self.fc(fc_input(features, token_embeds, self.config))
+        x = fused_input(self.fc, features, token_embeds, self.config)
         past = cache.get_seq_length() if cache is not None else 0
         if attention_bias is None:
             attention_bias = causal_bias(x.shape[1], past, x.dtype, x.device)
         for layer in self.layers:
-            x = layer(x, positions, attention_bias, cache)
+            x = layer(x, positions, attention_bias, cache, token_embeds)
         return x
 
     def new_cache(self) -> StaticCache:
         return StaticCache(self.config.num_layers)
 
     def draft_logits(self, hidden: torch.Tensor, target_lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Predicted features [..., H] -> logits over the draft vocabulary [..., V_draft]."""
+        """Predicted features (eagle3: output hidden states) [..., H] -> logits over the draft vocabulary
+        [..., V_draft] (eagle3: through its final norm)."""
+        if self.norm is not None:
+            hidden = self.norm(hidden)
         head = self.lm_head if self.lm_head is not None else target_lm_head
         return head(hidden)
 
@@ -335,7 +394,6 @@ class LeanDrafter(nn.Module):
     16 rows runs its decoder layers in one call (``eagle.runtime.decoder.decoder_stack``), as
     ``eagle.runtime.decoder.LeanDecoder`` does for targets."""
 
-    draft_logits = Drafter.draft_logits
     to_target_ids = Drafter.to_target_ids
     new_cache = Drafter.new_cache
 
@@ -364,21 +422,33 @@ class LeanDrafter(nn.Module):
 
         self.fc = packed(drafter.fc)
         eps = self.config.rms_norm_eps
-        self.layers = [LayerWeights(input_norm=norm(layer.input_layernorm), input_eps=eps,
+        eagle3 = self.config.kind == "eagle3"  # input_layernorm normalizes the embedding, hidden_norm the hidden state
+        self.layers = [LayerWeights(input_norm=norm(layer.hidden_norm if eagle3 else layer.input_layernorm),
+                                    input_eps=eps,
                                     qkv=packed(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
                                     o=packed(layer.self_attn.o_proj), post_norm=norm(layer.post_attention_layernorm),
                                     post_eps=eps, gate_up=packed(layer.mlp.gate_proj, layer.mlp.up_proj),
-                                    down=packed(layer.mlp.down_proj))
+                                    down=packed(layer.mlp.down_proj),
+                                    embed_norm=norm(layer.input_layernorm) if eagle3 else None)
                        for layer in drafter.layers]
+        self.norm = norm(drafter.norm)
         self.lm_head = None if drafter.lm_head is None else packed(drafter.lm_head)
         to_huge_pages([self.fc] + [lin for layer in self.layers for lin in layer.matrices()]
                       + ([self.lm_head] if self.lm_head is not None else []))
         self.d2t = drafter.d2t
         self._cos = self._sin = torch.empty(0, self.config.head_dim, dtype=dtype, device=drafter.fc.weight.device)
         on_cpu = drafter.fc.weight.device.type == "cpu"
-        compiled = cpu_kernels() if dtype == torch.float32 and on_cpu and attention_fits(self.config.head_dim) else None
+        fits = dtype == torch.float32 and on_cpu and attention_fits(self.config.head_dim) and not eagle3
+        compiled = cpu_kernels() if fits else None  # the compiled stack has no EAGLE-3 attention input
         self.stack = None if compiled is None else decoder_stack(compiled, self.config.num_attention_heads,
                                                                  1.0 / math.sqrt(self.config.head_dim), self.layers)
+
+    def draft_logits(self, hidden: torch.Tensor, target_lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """As ``Drafter.draft_logits``."""
+        if self.norm is not None:
+            hidden = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        head = self.lm_head if self.lm_head is not None else target_lm_head
+        return head(hidden)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, 1, T, d] for positions [B, T], from tables grown to the largest position seen."""
@@ -396,7 +466,7 @@ class LeanDrafter(nn.Module):
         """As ``Drafter.forward``: [B, T, H] features and next-token embeddings -> predicted features."""
         cfg = self.config
         nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        x = self.fc(fc_input(features, token_embeds, cfg))
+        x = fused_input(self.fc, features, token_embeds, cfg)
         b, t, _ = x.shape
         cos, sin = self._rotary(positions)
         if self.stack is not None and cache is not None and b == 1 and t <= STREAM_MAX_ROWS:
@@ -410,7 +480,7 @@ class LeanDrafter(nn.Module):
         if attention_bias is None:
             attention_bias = causal_bias(t, past, x.dtype, x.device)
         for i, layer in enumerate(self.layers):
-            h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, layer.input_eps)
+            h = layer.attention_input(x, token_embeds)
             qk, v = layer.qkv(h).view(b, t, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
             q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)  # queries and keys rotated together
             if cache is not None:

@@ -10,6 +10,7 @@ from eagle.config import check_bool, check_float, check_int, from_dict
 from eagle.errors import EagleError
 
 FORMAT = "eagle-drafter/1"
+KINDS = ("eagle", "eagle3")  # EAGLE-1/2 feature regression; EAGLE-3 multi-layer fusion with its own head
 
 
 @dataclasses.dataclass
@@ -24,7 +25,16 @@ class TargetInfo:
 
 @dataclasses.dataclass
 class DrafterConfig:
-    """Drafter architecture (the JSON in ``configs/drafter/`` and in a checkpoint's config.json)."""
+    """Drafter architecture (the JSON in ``configs/drafter/`` and in a checkpoint's config.json).
+
+    ``kind``: "eagle" (EAGLE-1/2: fc over the token embedding and the target's last hidden state,
+    predicts the next feature, logits from the target's LM head or a draft-vocabulary head) or
+    "eagle3" (EAGLE-3: fc fuses the outputs of the target layers ``aux_layers`` only, one decoder
+    layer attends over cat(normed embedding, normed hidden), final norm, its own head over the draft
+    vocabulary; deeper in a tree it feeds on its own output hidden states).
+    ``aux_layers`` are 0-based target decoder layers whose *outputs* are read (Hugging Face
+    ``hidden_states[i + 1]``); vLLM, SGLang and llama.cpp name the same tensors ``i + 1`` (the input
+    of layer ``i + 1``): an EAGLE-3 default of their layers 2, L/2, L-3 is ours 1, L/2-1, L-4."""
 
     hidden_size: int
     intermediate_size: int
@@ -39,6 +49,7 @@ class DrafterConfig:
     fc_bias: bool = False
     draft_vocab_size: int | None = None
     aux_layers: list[int] = dataclasses.field(default_factory=list)  # target layers (0-based) whose outputs fc fuses
+    kind: str = "eagle"
     target: TargetInfo = dataclasses.field(default_factory=TargetInfo)
 
     def __post_init__(self) -> None:
@@ -59,6 +70,13 @@ class DrafterConfig:
             raise EagleError(f"aux_layers must be a list of target layer indices, got {self.aux_layers!r}")
         if not isinstance(self.target, TargetInfo):
             raise EagleError(f"target must be an object with the target's name and sizes, got {self.target!r}")
+        if self.kind not in KINDS:
+            raise EagleError(f"drafter kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind == "eagle3":
+            if not self.aux_layers:
+                raise EagleError("an eagle3 drafter fuses target layers: set aux_layers (e.g. 1, L/2-1, L-4)")
+            if self.num_layers != 1 or self.fc_bias:
+                raise EagleError("an eagle3 drafter has one decoder layer and no fc bias (as every consumer loads it)")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_layers < 1:

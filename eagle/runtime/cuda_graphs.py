@@ -84,11 +84,14 @@ class GraphCache(StaticCache):
 
 def layer_stack(layers: Sequence[LayerWeights], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv: torch.Tensor, write: torch.Tensor, mask: torch.Tensor, num_heads: int, num_kv_heads: int,
-                head_dim: int, aux_layers: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                head_dim: int, aux_layers: Sequence[int] = (),
+                embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Llama decoder layers on static shapes: x [1, B, H]; cos/sin [1, 1, B, d]; ``kv`` the cache
     [2, layers, 1, kv_heads, capacity, d]; ``write`` [B] the positions the new keys/values go to;
     ``mask`` additive [1, 1, B, Lk] over the first Lk positions. Returns x after the layers and the
-    outputs of ``aux_layers``. The arithmetic of ``eagle.runtime.decoder.LeanDecoder``'s torch layer."""
+    outputs of ``aux_layers``. ``embeds`` [1, B, H]: the token embeddings an EAGLE-3 drafter layer's
+    attention reads too (``LayerWeights.attention_input``). The arithmetic of
+    ``eagle.runtime.decoder.LeanDecoder``'s torch layer."""
     b, q_len = x.shape[:2]
     nh, nkv, d = num_heads, num_kv_heads, head_dim
     keys_len, group = mask.shape[-1], nh // nkv
@@ -97,7 +100,7 @@ def layer_stack(layers: Sequence[LayerWeights], x: torch.Tensor, cos: torch.Tens
     rows_mask = mask.repeat(1, 1, group, 1) if group > 1 else mask
     kept = []
     for i, layer in enumerate(layers):
-        h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, layer.input_eps)
+        h = layer.attention_input(x, embeds)
         qk, v = layer.qkv(h).view(b, q_len, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
         q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)
         keys, values = kv[0, i], kv[1, i]
@@ -277,7 +280,7 @@ class GraphedDrafter:
     tokens plus a round's drafted ones)."""
 
     def __init__(self, drafter: Any, capacity: int, capture: bool = True, buckets: Sequence[int] = BUCKETS) -> None:
-        from eagle.drafting.drafter import fc_input, rotary_angles
+        from eagle.drafting.drafter import fused_input, rotary_angles
 
         self.inner, self.config, self.dtype = drafter, drafter.config, drafter.dtype
         cfg = drafter.config
@@ -287,7 +290,7 @@ class GraphedDrafter:
                                          device), self.dtype, device, capture, buckets)
         angles = rotary_angles(self.runner.positions[:capacity], cfg.head_dim, cfg.rope_theta)
         self.cos, self.sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
-        self._fc_input = fc_input
+        self._fused_input = fused_input
 
     def __getattr__(self, name: str) -> Any:  # draft_logits, to_target_ids, d2t, lm_head, ...
         return getattr(self.inner, name)
@@ -305,11 +308,11 @@ class GraphedDrafter:
         cfg, inner = self.config, self.inner
 
         def run() -> torch.Tensor:
-            x = inner.fc(self._fc_input(inputs["features"], inputs["embeds"], cfg))
+            x = self._fused_input(inner.fc, inputs["features"], inputs["embeds"], cfg)
             pos = inputs["pos"][0]
             x, _ = layer_stack(inner.layers, x, self.cos[pos][None, None], self.sin[pos][None, None],
                                self.runner.cache.kv, inputs["write"], inputs["mask"], cfg.num_attention_heads,
-                               cfg.num_key_value_heads, cfg.head_dim)
+                               cfg.num_key_value_heads, cfg.head_dim, embeds=inputs["embeds"])
             return x
 
         return _Entry(inputs, run)

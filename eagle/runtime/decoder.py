@@ -336,6 +336,15 @@ class LayerWeights:
     post_eps: float
     gate_up: PackedLinear
     down: PackedLinear
+    embed_norm: torch.Tensor | None = None  # EAGLE-3 drafter: attention reads cat(norm(embedding), norm(x))
+
+    def attention_input(self, x: torch.Tensor, embeds: torch.Tensor | None) -> torch.Tensor:
+        """What q/k/v read: x normed by ``input_norm`` (if any), after the normed token embeddings
+        when ``embed_norm`` is set. [..., H] -> [..., H or 2H]."""
+        h = x if self.input_norm is None else rms_norm(x, self.input_norm, self.input_eps)
+        if self.embed_norm is None:
+            return h
+        return torch.cat([rms_norm(embeds, self.embed_norm, self.input_eps), h], dim=-1)
 
     def matrices(self) -> tuple[PackedLinear, ...]:
         return self.qkv, self.o, self.gate_up, self.down
