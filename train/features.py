@@ -250,16 +250,24 @@ class OnlineFeatures(torch.utils.data.Dataset):
         return len(self.examples)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ex = self.examples[i]
-        feat = compute_features(self.target, [ex], 1 << 30, self.aux_layers)[0]
+        return self.many([i])[0]
+
+    def many(self, indices: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+        """The items of ``indices``, their features from one batched target forward."""
+        examples = [self.examples[i] for i in indices]
+        feats = compute_features(self.target, examples, 1 << 30, self.aux_layers)
         h = self.target.hidden_size
-        return {"input_ids": torch.tensor(ex["input_ids"]), "loss_mask": torch.tensor(ex["loss_mask"]).bool(),
-                "hidden": feat[:, :h], **({"aux": feat[:, h:]} if self.aux_layers else {})}
+        return [{"input_ids": torch.tensor(ex["input_ids"]), "loss_mask": torch.tensor(ex["loss_mask"]).bool(),
+                 "hidden": feat[:, :h], **({"aux": feat[:, h:]} if self.aux_layers else {})}
+                for ex, feat in zip(examples, feats)]
 
 
 def iter_batches(dataset: torch.utils.data.Dataset, indices: list[int], batch_size: int) -> Iterator[dict]:
+    """Collated batches of ``indices`` in order (an ``OnlineFeatures`` computes each batch in one forward)."""
+    many = getattr(dataset, "many", None)
     for i in range(0, len(indices), batch_size):
-        yield collate([dataset[j] for j in indices[i:i + batch_size]])
+        chunk = indices[i:i + batch_size]
+        yield collate(many(chunk) if many is not None else [dataset[j] for j in chunk])
 
 
 def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

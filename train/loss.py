@@ -85,14 +85,16 @@ def unroll_bias(length: int, step: int, dtype: torch.dtype, device: torch.device
 
 
 def unroll(drafter: torch.nn.Module, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
-           steps: int, num_layers: int) -> list[torch.Tensor]:
+           steps: int, num_layers: int, own_hidden: bool = False) -> list[torch.Tensor]:
     """Training-time test (HASS / EAGLE-3 style): ``steps`` drafter passes over whole sequences.
     ``features`` [B, T, F] (f_t, noised by the caller; F = H, or (1 + n) H with n aux layers'
     outputs), ``token_embeds`` [B, T, H] (token t+1), ``positions`` [B, T] -> ``steps`` predictions
     [B, T, H]. Pass j > 0 feeds pass j-1's prediction at t - 1 as the feature at t (aux outputs
     zero, as at inference), attending as ``unroll_bias`` says, so prediction j at
     position t (t >= j) equals the depth-(j+1) draft of inference from root t - j; every one
-    still targets f_{t+1}. ``drafter`` may be a wrapper (a DeepSpeed engine) of a ``Drafter``."""
+    still targets f_{t+1}. ``own_hidden`` (EAGLE-3): pass j > 0 feeds pass j-1's output hidden
+    state [B, T, H] alone, as the drafter's deeper tree levels do. ``drafter`` may be a wrapper
+    (a DeepSpeed engine) of a ``Drafter``."""
     cache = ConcatCache(num_layers)
     length = features.shape[1]
     preds, feats = [], features
@@ -100,6 +102,9 @@ def unroll(drafter: torch.nn.Module, features: torch.Tensor, token_embeds: torch
         bias = unroll_bias(length, step, features.dtype, features.device)
         pred = drafter(feats, token_embeds, positions, cache=cache, attention_bias=bias)
         preds.append(pred)
+        if own_hidden:  # position 0 has no root beyond step 0: what it reads is never seen by a rooted query
+            feats = torch.cat([pred[:, :1], pred[:, :-1]], dim=1)
+            continue
         padded = torch.nn.functional.pad(pred[:, :-1], (0, features.shape[-1] - pred.shape[-1]))
         feats = torch.cat([features[:, :1], padded], dim=1)  # position 0 has no root beyond step 0
     return preds

@@ -44,7 +44,8 @@ AUTOCAST = ("none", "bf16")
 class TrainConfig:
     target: str = DEFAULT_TARGET
     features: str = ""             # feature folder made by eagle-features (offline mode)
-    data: str = ""                 # chat data, for online mode (features computed during training)
+    data: str | tuple[str, ...] = ""  # chat data (one file, or several concatenated), for online mode (features
+                                   # computed during training)
     online: bool = False
     max_length: int = 1024
     student: str = "drafter"       # drafter (EAGLE feature drafter) | draft-lm (standalone draft LM for 'sd')
@@ -90,8 +91,14 @@ class TrainConfig:
     report_to: str = "wandb"       # wandb | none
     wandb_project: str = "eagle"
 
+    max_wall_s: float = 0.0        # stop (checkpoint and save) after this many seconds of training (0 = no limit)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
+        if not isinstance(self.data, str):
+            object.__setattr__(self, "data", tuple(self.data))
+        if isinstance(self.max_wall_s, bool) or not isinstance(self.max_wall_s, (int, float)) or self.max_wall_s < 0:
+            raise EagleError(f"max_wall_s must be a number of seconds >= 0, got {self.max_wall_s!r}")
         if self.replay_fraction and not self.examples_from:
             raise EagleError("replay_fraction replays examples before examples_from: set examples_from too")
         if self.unroll_steps < 1:
@@ -186,7 +193,9 @@ def draft_lm_loss(model, target: Target, batch: dict, cfg: TrainConfig,
 def step_loss(model, drafter: Drafter, target: Target, batch: dict, cfg: TrainConfig,
               generator: torch.Generator | None) -> LossOutput:
     """The EAGLE loss of one micro-batch; with ``unroll_steps`` n > 1 the mean of the losses of n
-    unrolled passes (``train.loss.unroll``) weighted by ``unroll_decay``**j."""
+    unrolled passes (``train.loss.unroll``) weighted by ``unroll_decay``**j. An eagle3 drafter is
+    trained on the cross-entropy alone (its ``smooth_l1`` is 0), each pass feeding the previous
+    pass's output hidden states (EAGLE-3's training-time test)."""
     b = shift(batch, target.device, fuse=bool(drafter.config.aux_layers))
     dtype = next(drafter.parameters()).dtype
     feats = uniform_noise(b["features"].to(dtype), cfg.noise, generator)
@@ -194,7 +203,8 @@ def step_loss(model, drafter: Drafter, target: Target, batch: dict, cfg: TrainCo
     pos = torch.arange(length, device=target.device)[None].expand(feats.shape[0], -1)
     with torch.no_grad():
         embeds = target.embed(b["tokens"]).to(dtype)
-    preds = unroll(model, feats, embeds, pos, cfg.unroll_steps, drafter.config.num_layers)
+    eagle3 = drafter.config.kind == "eagle3"
+    preds = unroll(model, feats, embeds, pos, cfg.unroll_steps, drafter.config.num_layers, own_hidden=eagle3)
     lm_head = target.model.get_output_embeddings()
     losses, weights = [], []
     for step, pred in enumerate(preds):
@@ -204,8 +214,11 @@ def step_loss(model, drafter: Drafter, target: Target, batch: dict, cfg: TrainCo
         with torch.no_grad():
             target_logits = target_draft_logits(drafter, lm_head, target_m.to(target.dtype)).to(dtype)
         ones = torch.ones(pred_m.shape[0], dtype=torch.bool, device=target.device)
-        losses.append(eagle_loss(pred_m, target_m, draft_logits, target_logits, ones, cfg.ce_weight,
-                                 cfg.feature_weight))
+        if eagle3:  # no feature to regress: its hidden state is its own (and its loss the cross-entropy alone)
+            losses.append(eagle_loss(target_m, target_m, draft_logits, target_logits, ones, cfg.ce_weight, 0.0))
+        else:
+            losses.append(eagle_loss(pred_m, target_m, draft_logits, target_logits, ones, cfg.ce_weight,
+                                     cfg.feature_weight))
         weights.append(cfg.unroll_decay ** step)
     return LossOutput(*(sum(w * getattr(l, f.name) for w, l in zip(weights, losses)) / sum(weights)
                         for f in dataclasses.fields(LossOutput)))
@@ -243,7 +256,8 @@ def evaluate(student: torch.nn.Module, target: Target, dataset, indices: list[in
             pos = torch.arange(b["tokens"].shape[1], device=target.device)[None].expand(b["tokens"].shape[0], -1)
             embeds = target.embed(b["tokens"]).to(dtype)
             truth = lm_head(b["target"].to(target.dtype)).argmax(-1)
-            preds = unroll(student, b["features"].to(dtype), embeds, pos, depth, student.config.num_layers)
+            preds = unroll(student, b["features"].to(dtype), embeds, pos, depth, student.config.num_layers,
+                           own_hidden=student.config.kind == "eagle3")
             correct = [(student.to_target_ids(student.draft_logits(p.to(target.dtype), lm_head).argmax(-1)) == truth)
                        & b["valid"] for p in preds]
         else:
@@ -350,9 +364,10 @@ def vocab_counts(cfg: TrainConfig, target: Target, dataset) -> torch.Tensor:
     return token_counts(tokenize_all(target.tokenizer, chats, cfg.max_length), target.vocab_size)
 
 
-def online_dataset(target: Target, source: str, max_length: int, aux_layers: list[int]) -> OnlineFeatures:
-    from train.data import load_chats, tokenize_all
-    return OnlineFeatures(target, tokenize_all(target.tokenizer, load_chats(source).conversations, max_length),
+def online_dataset(target: Target, source: str | tuple[str, ...], max_length: int,
+                   aux_layers: list[int]) -> OnlineFeatures:
+    from train.data import load_all, tokenize_all
+    return OnlineFeatures(target, tokenize_all(target.tokenizer, load_all(source).conversations, max_length),
                           aux_layers)
 
 
@@ -438,6 +453,13 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
         run = wandb.init(project=cfg.wandb_project, dir=str(out), mode=os.environ.get("WANDB_MODE", "offline"),
                          config=dataclasses.asdict(cfg), resume="allow", id=f"eagle-{out.name}")
     generator = torch.Generator().manual_seed(cfg.seed + state["step"])
+
+    def out_of_time() -> bool:  # the same answer on every rank: rank 0's clock decides
+        late = torch.tensor([float(bool(cfg.max_wall_s) and time.time() - start >= cfg.max_wall_s)], device=device)
+        if world > 1:
+            torch.distributed.broadcast(late, src=0)
+        return bool(late.item())
+
     metrics: dict = {}
     start, losses = time.time(), []
     wall_before = state["wall_s"]  # training time of earlier (resumed) runs
@@ -470,12 +492,13 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
                 print(json.dumps(line), flush=True)
                 if run:
                     run.log(line, step=step)
-            if evaluates and (step % cfg.eval_every == 0 or step == total_steps):
+            late = out_of_time()
+            if evaluates and (step % cfg.eval_every == 0 or step == total_steps or late):
                 metrics = evaluate_all()
                 print(json.dumps({"step": step, "eval": metrics}), flush=True)
                 if run:
                     run.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
-            if step % cfg.save_every == 0 or step == total_steps:
+            if step % cfg.save_every == 0 or step == total_steps or late:
                 state["wall_s"] = wall_before + time.time() - start
                 tag = f"step{step}"
                 if rank == 0:  # before the barrier DeepSpeed's save begins with
@@ -485,7 +508,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
                 if rank == 0:
                     checkpoint.publish(ckpt_dir, tag, cfg.keep_last)
                     student.save(out / student.name)
-            if step >= total_steps:
+            if step >= total_steps or late:
                 break
         else:
             state["epoch"] += 1

@@ -267,17 +267,20 @@ def test_loss_is_zero_for_a_perfect_prediction_and_masked():
     assert eagle_loss(noisy, h, logits, logits, mask).smooth_l1 == 0
 
 
-def test_unrolled_passes_equal_the_drafts_of_inference():
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_unrolled_passes_equal_the_drafts_of_inference(kind):
     """Pass j at position t of the training-time unroll == the depth-(j+1) chain drafted at
-    inference from root t - j (target features up to the root in the cache, then own drafts)."""
-    target = tiny_target(lean=False)
-    drafter = tiny_drafter(target).float()
+    inference from root t - j (target features up to the root in the cache, then own drafts;
+    for an eagle3 drafter its own output hidden states)."""
+    target = tiny_target(lean=False, layers=8 if kind == "eagle3" else 2)
+    drafter = tiny_drafter(target, kind=kind).float()
     length, hidden = 7, target.hidden_size
+    width = hidden * (1 + len(drafter.config.aux_layers))
     gen = torch.Generator().manual_seed(0)
-    feats, embeds = torch.randn(1, length, hidden, generator=gen), torch.randn(1, length, hidden, generator=gen)
+    feats, embeds = torch.randn(1, length, width, generator=gen), torch.randn(1, length, hidden, generator=gen)
     pos = torch.arange(length)[None]
     with torch.no_grad():
-        preds = unroll(drafter, feats, embeds, pos, 3, drafter.config.num_layers)
+        preds = unroll(drafter, feats, embeds, pos, 3, drafter.config.num_layers, own_hidden=kind == "eagle3")
         for step in range(3):
             for t in range(step, length):
                 root = t - step
