@@ -34,12 +34,27 @@ PARTS = ("prefill",) + STEPS  # the time breakdown, as fractions of total time
 
 
 # ---- input ---------------------------------------------------------------------------------
+DRAFTER_METHODS = ("eagle-tree", "eagle-chain")
+
+
+def split_method(name: str) -> tuple[str, str | None]:
+    """``"eagle-tree@DIR"`` -> ("eagle-tree", "DIR"): an EAGLE method with another drafter folder than
+    ``--drafter`` (to compare drafters in one process); a plain name -> (name, None)."""
+    method, at, drafter = name.partition("@")
+    return method, (drafter if at else None)
+
+
 def parse_methods(text: str) -> list[str]:
-    """``"hf,ar,pld"`` -> ``["hf", "ar", "pld"]``; unknown or repeated names are errors."""
+    """``"hf,ar,pld"`` -> ``["hf", "ar", "pld"]``; unknown or repeated names are errors. An EAGLE
+    method may name its own drafter folder: ``eagle-tree@DIR``."""
     methods = [m.strip() for m in text.split(",") if m.strip()]
     if not methods:
         raise EagleError("--methods is empty; choose from " + ", ".join(BENCH_METHODS))
-    unknown = [m for m in methods if m not in BENCH_METHODS]
+    for m in methods:
+        method, drafter = split_method(m)
+        if drafter is not None and (method not in DRAFTER_METHODS or not drafter):
+            raise EagleError(f"{m!r}: only {' and '.join(DRAFTER_METHODS)} take a drafter folder after '@'")
+    unknown = [m for m in methods if split_method(m)[0] not in BENCH_METHODS]
     if unknown:
         raise EagleError(f"unknown method(s) {', '.join(map(repr, unknown))}; choose from {', '.join(BENCH_METHODS)}")
     if len(set(methods)) != len(methods):
@@ -117,7 +132,17 @@ def run_one(model: Any, ids: list[int], method: str, args: Any) -> dict:
                    top_k=args.top_k, seed=args.seed)
     if method == "hf":
         return run_hf(model, ids, **options)
-    return run_eagle(model, ids, method, **options)
+    return run_eagle(model, ids, split_method(method)[0], **options)
+
+
+def with_drafter(model: Any, folder: str) -> Any:
+    """An ``EagleModel`` on ``model``'s target and settings with the drafter in ``folder``."""
+    from eagle.drafting.drafter import Drafter
+    from eagle.engine import EagleModel
+
+    drafter = Drafter.from_pretrained(folder, target=model.target)
+    return EagleModel(model.target, drafter, model.draft_model, model.tree, model.speculative, model.prompt_lookup,
+                      model.drafter_dtype, model.drafter_quant or "none")
 
 
 # ---- statistics (pure) ---------------------------------------------------------------------
@@ -262,7 +287,8 @@ def build_parser() -> Parser:
     parser.add_argument("--prompts", required=True,
                         help='JSONL: {"prompt": str, "category"?: str} or {"turns": [str, ...], "category": str}')
     parser.add_argument("--methods", default=DEFAULT_METHODS,
-                        help=f"comma list from {', '.join(BENCH_METHODS)} (default {DEFAULT_METHODS})")
+                        help=f"comma list from {', '.join(BENCH_METHODS)} (default {DEFAULT_METHODS}); "
+                             f"eagle-tree@DIR (or eagle-chain@DIR) runs with the drafter in DIR instead of --drafter")
     parser.add_argument("--limit", type=int, help="only the first N prompts")
     parser.add_argument("--per-category", type=int,
                         help="only the first N prompts of each category (every category stays represented)")
@@ -324,9 +350,10 @@ def main(argv: list[str] | None = None) -> None:
             raise EagleError("--plot needs matplotlib: pip install 'eagle[bench]'") from None
     check_model_args(args)
     model = load_model(args)
+    models = {m: with_drafter(model, split_method(m)[1]) if split_method(m)[1] else model for m in methods}
     for method in methods:
         if method != "hf":
-            check_method(model, method)
+            check_method(models[method], split_method(method)[0])
     ids = [model.target.encode_prompt(p["prompt"]) for p in prompts]
     command = shlex.join([PROG] + argv)
     info = machine(model)
@@ -336,11 +363,11 @@ def main(argv: list[str] | None = None) -> None:
 
     for i in range(min(args.warmup, len(prompts))):
         for method in methods:
-            run_one(model, ids[i], method, args)
+            run_one(models[method], ids[i], method, args)
     records = []
     for i in tqdm(range(len(prompts)), desc="prompts", unit="prompt", file=sys.stderr):
         for method in methods:
-            record = run_one(model, ids[i], method, args)
+            record = run_one(models[method], ids[i], method, args)
             records.append(dict(method=method, prompt=i, category=prompts[i]["category"], **record))
     summary = summarize(records, greedy=args.temperature == 0)
     print()
