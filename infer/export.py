@@ -1,10 +1,12 @@
-"""``eagle-export``: write a drafter in the EAGLE-1 layout for the EAGLE repo, vLLM or SGLang.
+"""``eagle-export``: write a drafter for the EAGLE repo, vLLM, SGLang, SpecForge or llama.cpp.
 
-    eagle-export --drafter DIR --format {eagle,vllm,sglang} --out DIR [--target SPEC]
+    eagle-export --drafter DIR --format {eagle,eagle3,vllm,sglang} --out DIR [--target SPEC]
 
-The folder gets config.json, model.safetensors and a README.md with the launch command. No format
-stores the embedding or the LM head (all three take them from the target), so ``--target`` is only
-a check that the drafter was built for that target. Layouts: see ``eagle.drafting.checkpoint_formats``."""
+EAGLE-1/2 drafters go to the EAGLE-1 layout (eagle, vllm, sglang); EAGLE-3 drafters to the EAGLE-3
+release layout (eagle3 = sglang, which SpecForge and llama.cpp's converter also read; eagle for the
+EAGLE repo) or vLLM's (vllm). The folder gets config.json, model.safetensors and a README.md with the
+launch commands. No format stores the embedding, so ``--target`` is only a check that the drafter
+was built for that target. Layouts: see ``eagle.drafting.checkpoint_formats``."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ PROG = "eagle-export"
 
 def build_parser() -> Parser:
     parser = Parser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
-    parser.add_argument("--drafter", required=True, help="drafter folder (ours, or an EAGLE-1/2 release)")
+    parser.add_argument("--drafter", required=True, help="drafter folder (ours, or an EAGLE-1/2 or EAGLE-3 release)")
     parser.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="who will load the export")
     parser.add_argument("--out", required=True, help="output folder (new, empty, or an earlier export)")
     parser.add_argument("--target", help="check the drafter against this target (folder, .gguf, hub id in the cache)")
@@ -36,14 +38,14 @@ def main(argv: list[str] | None = None) -> None:
     if Path(args.out).resolve() == Path(args.drafter).resolve():
         raise EagleError("--out must differ from --drafter")
     drafter = Drafter.from_pretrained(args.drafter, device="cpu", allow_pickle=args.allow_pickle)
-    target_name = None
+    target_name = target_layers = None
     if args.target:
         from eagle.runtime.target import load_target
 
         target = load_target(args.target)
         drafter.check_target(target)
-        target_name = args.target
-    out = export_drafter(drafter, args.out, args.format, target_name=target_name)
+        target_name, target_layers = args.target, target.model.config.num_hidden_layers
+    out = export_drafter(drafter, args.out, args.format, target_name=target_name, target_layers=target_layers)
     print(f"wrote {args.format} drafter to {out} (launch command in {out / 'README.md'})")
 
 

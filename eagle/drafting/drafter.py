@@ -33,13 +33,8 @@ from eagle.runtime.decoder import LayerWeights, PackedLinear, decoder_stack, rms
 from eagle.runtime.block_codes import BLOCK, FORMATS, unpack_state
 from eagle.decoding.tree_mask import causal_bias
 from eagle.drafting import checkpoint_formats
-from eagle.drafting.drafter_config import FORMAT, DrafterConfig, TargetInfo
+from eagle.drafting.drafter_config import FORMAT, DrafterConfig, TargetInfo, default_eagle3_layers
 from eagle.drafting.weights import check_state, read_safetensors
-
-def default_eagle3_layers(num_layers: int) -> list[int]:
-    """The target layers an EAGLE-3 drafter fuses by default, in our convention (outputs of layers
-    1, L/2-1, L-4): what vLLM and llama.cpp call layers 2, L/2 and L-3 (the inputs of those layers)."""
-    return sorted({max(0, i) for i in (1, num_layers // 2 - 1, num_layers - 4)})  # fewer on a tiny target
 
 
 def most_frequent(token_counts: torch.Tensor, n: int) -> torch.Tensor:
@@ -318,10 +313,12 @@ class Drafter(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | Path, target: Any = None, device: Any = None,
                         dtype: torch.dtype | None = None, allow_pickle: bool = False) -> "Drafter":
-        """Load ``config.json`` + ``model.safetensors``, ours or in the EAGLE-1/2 release layout
-        (``eagle.drafting.checkpoint_formats``; its ``pytorch_model.bin`` only with ``allow_pickle``, as unpickling can
-        run code). With ``target`` given, check that it is the target the drafter was built for
-        and move the drafter to its device and dtype."""
+        """Load ``config.json`` + ``model.safetensors``, ours or in an EAGLE-1/2 or EAGLE-3 release
+        layout (``eagle.drafting.checkpoint_formats``; a ``pytorch_model.bin`` only with ``allow_pickle``, as
+        unpickling can run code). With ``target`` given, check that it is the target the drafter was
+        built for and move the drafter to its device and dtype; an EAGLE-3 config naming no aux
+        layers then gets the consumers' default for that target, and an embedding stored in an
+        EAGLE-3 checkpoint must be the target's."""
 
         directory = Path(directory)
         if not (directory / "config.json").is_file():
@@ -332,7 +329,15 @@ class Drafter(nn.Module):
             raise EagleError(f"cannot read {directory / 'config.json'}: {exc}") from exc
         if not isinstance(raw, dict):
             raise EagleError(f"{directory / 'config.json'} is not a JSON object")
-        if checkpoint_formats.detect_format(raw) != FORMAT:
+        layout = checkpoint_formats.detect_format(raw)
+        if layout == checkpoint_formats.EAGLE3_LAYOUT:
+            cfg, state = checkpoint_formats.load_eagle3_checkpoint(
+                directory, raw, allow_pickle=allow_pickle, shapes=lambda c: cls(c).state_dict(),
+                target_layers=None if target is None else target.model.config.num_hidden_layers,
+                target_embedding=None if target is None else target.model.get_input_embeddings().weight)
+            drafter = cls(cfg)
+            drafter.load_state_dict(state)
+        elif layout != FORMAT:
             cfg, state = checkpoint_formats.load_eagle_checkpoint(directory, raw, allow_pickle=allow_pickle,
                                                      shapes=lambda c: cls(c).state_dict())
             drafter = cls(cfg)

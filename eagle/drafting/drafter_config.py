@@ -13,6 +13,16 @@ FORMAT = "eagle-drafter/1"
 KINDS = ("eagle", "eagle3")  # EAGLE-1/2 feature regression; EAGLE-3 multi-layer fusion with its own head
 
 
+def default_eagle3_layers(num_layers: int) -> list[int]:
+    """The target layers an EAGLE-3 drafter fuses by default (ours: outputs of layers 1, L/2-1, L-4):
+    SpecForge's default written the same way (specforge/algorithms/model_providers.py
+    ``resolve_eagle_capture_layers``), and the inputs of layers 2, L/2, L-3 that vLLM
+    (``get_eagle3_aux_hidden_state_layers`` in vllm/model_executor/models/llama.py), llama.cpp
+    (conversion/llama.py) and SGLang (``set_eagle3_layers_to_capture`` in
+    python/sglang/srt/models/llama.py) capture when a config names none. Fewer on a tiny target."""
+    return sorted({max(0, i) for i in (1, num_layers // 2 - 1, num_layers - 4)})
+
+
 @dataclasses.dataclass
 class TargetInfo:
     """What a drafter was built for; loading it against another target is refused."""
@@ -33,8 +43,10 @@ class DrafterConfig:
     layer attends over cat(normed embedding, normed hidden), final norm, its own head over the draft
     vocabulary; deeper in a tree it feeds on its own output hidden states).
     ``aux_layers`` are 0-based target decoder layers whose *outputs* are read (Hugging Face
-    ``hidden_states[i + 1]``); vLLM, SGLang and llama.cpp name the same tensors ``i + 1`` (the input
-    of layer ``i + 1``): an EAGLE-3 default of their layers 2, L/2, L-3 is ours 1, L/2-1, L-4."""
+    ``hidden_states[i + 1]``), as SGLang and SpecForge write them in ``eagle_config.
+    eagle_aux_hidden_state_layer_ids``; vLLM and llama.cpp name the same tensors ``i + 1`` (the input
+    of layer ``i + 1``, top-level ``eagle_aux_hidden_state_layer_ids``). See ``default_eagle3_layers``
+    and ``eagle.drafting.checkpoint_formats``."""
 
     hidden_size: int
     intermediate_size: int

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle.drafting.drafter import FORMAT, Drafter
 from eagle.errors import EagleError
-from eagle.drafting.checkpoint_formats import EAGLE_LAYOUT, TARGET_KEY, detect_format, export_drafter
+from eagle.drafting.checkpoint_formats import EAGLE3_LAYOUT, EAGLE_LAYOUT, TARGET_KEY, detect_format, export_drafter
 from infer.export import main as export_main
 from tests.conftest import tiny_drafter, tiny_target
 
@@ -266,8 +266,8 @@ def test_exported_folder_for_another_target_is_refused(target, tmp_path):
 
 
 def test_unsupported_configs(tmp_path):
-    with pytest.raises(EagleError, match="EAGLE-3"):
-        detect_format({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 8})
+    assert detect_format({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 8}) == EAGLE3_LAYOUT
+    assert detect_format({"architectures": ["LlamaForCausalLM"], "eagle_config": {}}) == EAGLE3_LAYOUT
     with pytest.raises(EagleError, match="unknown drafter format"):
         detect_format({"format": "eagle-drafter/9"})
     with pytest.raises(EagleError, match="Qwen2"):
