@@ -26,7 +26,8 @@ from eagle.runtime.decoder import cpu_has_fast_bf16, packed_copy
 from eagle.runtime.kernels import stream_linear_op
 from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
 
-SHIPPED = Path(__file__).parent / "shipped" / "drafters"
+SHIPPED = Path(__file__).parent / "shipped" / "drafters"  # the default drafter per target
+SHIPPED_BY_KIND = {"eagle": SHIPPED, "eagle3": Path(__file__).parent / "shipped" / "eagle3_drafters"}
 
 
 def _shipped(root: Path, target_name: str, marker: str) -> Path | None:
@@ -40,17 +41,18 @@ def _shipped(root: Path, target_name: str, marker: str) -> Path | None:
     return path if (path / marker).is_file() else None
 
 
-def shipped_drafter(target_name: str) -> Path | None:
-    """The drafter shipped with the package for a named target, if any."""
-    return _shipped(SHIPPED, target_name, "model.safetensors")
+def shipped_drafter(target_name: str, kind: str = "eagle") -> Path | None:
+    """The drafter of ``kind`` ("eagle": the default one; "eagle3") shipped with the package for a
+    named target, if any."""
+    return _shipped(SHIPPED_BY_KIND[kind], target_name, "model.safetensors")
 
 
-def shipped_drafter_for(target: Target) -> Path | None:
-    """The drafter shipped for a target with ``target``'s tokenizer (by fingerprint), hidden size and
-    vocabulary, whatever the target is called (a ``.gguf`` file or folder of a shipped target's model)."""
+def shipped_drafter_for(target: Target, kind: str = "eagle") -> Path | None:
+    """The drafter of ``kind`` shipped for a target with ``target``'s tokenizer (by fingerprint), hidden
+    size and vocabulary, whatever the target is called (a ``.gguf`` file or folder of a shipped target's model)."""
     import json
 
-    for path in sorted(SHIPPED.glob("*/config.json")):
+    for path in sorted(SHIPPED_BY_KIND[kind].glob("*/config.json")):
         try:
             info = json.loads(path.read_text()).get("target", {})
         except (OSError, ValueError):
@@ -228,7 +230,7 @@ class EagleModel:
                         drafter_dtype: torch.dtype | None = None, drafter_quant: str | None = None,
                         cuda_graphs: bool | None = None, **prompt_lookup: Any) -> "EagleModel":
         """``drafter``: a drafter folder or ``Drafter`` (default: the one shipped for the target,
-        if any). ``draft_model``: a model spec (as for targets), a draft LM folder
+        if any; "eagle3": the EAGLE-3 drafter shipped for it). ``draft_model``: a model spec (as for targets), a draft LM folder
         (``eagle.drafting.draft_lm``) or a loaded model for ``sd`` (default: the draft LM shipped for the
         target, if any).
         Tree options: ``total_tokens`` (int or "auto"), ``depth``, ``top_k``, ``choices`` (an
@@ -248,6 +250,11 @@ class EagleModel:
         tgt = load_target(target, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
         if drafter is None and isinstance(target, str):
             drafter = shipped_drafter(target) or shipped_drafter_for(tgt)
+        elif isinstance(drafter, str) and drafter in SHIPPED_BY_KIND and not Path(drafter).exists():
+            kind, drafter = drafter, (shipped_drafter(target, drafter) if isinstance(target, str) else None) or \
+                shipped_drafter_for(tgt, drafter)
+            if drafter is None:
+                raise EagleError(f"no {kind} drafter is shipped for target {tgt.name}: pass a drafter folder")
         if drafter is not None and not isinstance(drafter, Drafter):
             drafter = Drafter.from_pretrained(drafter, target=tgt)
         elif drafter is not None:

@@ -39,7 +39,8 @@ DRAFTER_METHODS = ("eagle-tree", "eagle-chain")
 
 def split_method(name: str) -> tuple[str, str | None]:
     """``"eagle-tree@DIR"`` -> ("eagle-tree", "DIR"): an EAGLE method with another drafter folder than
-    ``--drafter`` (to compare drafters in one process); a plain name -> (name, None)."""
+    ``--drafter`` (to compare drafters in one process; ``@eagle3``: the EAGLE-3 drafter shipped for the
+    target); a plain name -> (name, None)."""
     method, at, drafter = name.partition("@")
     return method, (drafter if at else None)
 
@@ -140,6 +141,13 @@ def with_drafter(model: Any, folder: str) -> Any:
     from eagle.drafting.drafter import Drafter
     from eagle.engine import EagleModel
 
+    from eagle.engine import SHIPPED_BY_KIND, shipped_drafter_for
+
+    if folder in SHIPPED_BY_KIND and not Path(folder).exists():  # a shipped drafter by kind, e.g. eagle-tree@eagle3
+        shipped = shipped_drafter_for(model.target, folder)
+        if shipped is None:
+            raise EagleError(f"no {folder} drafter is shipped for target {model.target.name}")
+        folder = str(shipped)
     drafter = Drafter.from_pretrained(folder, target=model.target)
     return EagleModel(model.target, drafter, model.draft_model, model.tree, model.speculative, model.prompt_lookup,
                       model.drafter_dtype, model.drafter_quant or "none")

@@ -14,6 +14,7 @@ from typing import Any, NoReturn, TextIO
 from eagle.config import SamplingConfig, check_int, option_configs
 from eagle.errors import EagleError, command
 from eagle.inputs import DEFAULT_TARGET, FORMATS, METHODS, check_prompt_text, check_spec, is_draft_lm
+from eagle.drafting.drafter_config import KINDS as DRAFTER_KINDS
 
 PROG = "eagle-generate"
 
@@ -45,7 +46,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--target", default=DEFAULT_TARGET,
                    help=f"model folder, .gguf file, cached hub id, or {DEFAULT_TARGET!r} (default)")
-    g.add_argument("--drafter", help="drafter folder (default: the one shipped for the target, if any)")
+    g.add_argument("--drafter", help="drafter folder (default: the one shipped for the target, if any; 'eagle3': "
+                                     "the EAGLE-3 drafter shipped for it)")
     g.add_argument("--draft-model", help="draft model for method 'sd': a model spec or a draft LM folder, same "
                                          "tokenizer as the target (default: the draft LM shipped for the target, if any)")
     g.add_argument("--device", help="torch device, e.g. cpu or cuda (default: cuda when present)")
@@ -124,7 +126,7 @@ def check_model_args(args: argparse.Namespace) -> None:
     or draft model that is not there, a device that does not exist."""
     option_configs(**option_args(args))
     check_spec(args.target)
-    if args.drafter is not None:
+    if args.drafter is not None and not (args.drafter in DRAFTER_KINDS and not Path(args.drafter).exists()):
         path = Path(args.drafter).expanduser()
         if not path.is_dir():
             raise EagleError(f"no drafter at {args.drafter}: no such folder")

@@ -31,6 +31,21 @@ def test_shipped_drafter_greedy_tree_equals_ar(model):
     assert min(accepted) > 1.2  # the trained drafter really drafts accepted tokens
 
 
+def test_shipped_eagle3_drafter_greedy_tree_equals_ar(model):
+    """The EAGLE-3 drafter shipped beside the default one (``drafter="eagle3"``) drafts accepted tokens exactly."""
+    eagle3 = EagleModel.from_pretrained(DEFAULT_TARGET, drafter="eagle3", total_tokens=24, depth=5, top_k=6)
+    assert eagle3.drafter.config.kind == "eagle3" and model.drafter.config.kind == "eagle"
+    accepted = []
+    for prompt in ["Give me three tips for staying focused while studying.",
+                   "Write a Python function that checks whether a number is prime."]:
+        ar = model.generate(prompt, method="ar", max_new_tokens=48)
+        for method in ("eagle-tree", "eagle-chain"):
+            out = eagle3.generate(prompt, method=method, max_new_tokens=48)
+            assert out.token_ids == ar.token_ids, method
+            accepted.append(out.mean_accept_length)
+    assert min(accepted) > 1.2
+
+
 def test_shipped_draft_lm_greedy_sd_equals_ar(model):
     assert model.draft_model is not None  # the draft LM shipped for the default target (eagle/shipped/draft_lms/)
     accepted = []

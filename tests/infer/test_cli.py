@@ -11,7 +11,8 @@ from eagle.engine import EagleModel
 from eagle.prompts import read_prompts
 from infer import bench, cli
 
-from tests.conftest import save_tiny_model
+from eagle.runtime.target import load_target
+from tests.conftest import save_tiny_model, tiny_drafter
 
 STATS = re.compile(r"^\[(?P<method>[\w-]+)\] (?P<n>\d+) new tokens, [\d.]+ tokens/s, mean accepted length [\d.]+, "
                    r"\d+ target forwards$")
@@ -229,3 +230,27 @@ def test_read_prompts_and_parse_methods(tmp_path):
     assert bench.first_per_category(mixed, None) == mixed
     with pytest.raises(Exception, match="twice"):
         bench.parse_methods("ar,ar")
+    assert bench.parse_methods("eagle-tree,eagle-tree@runs/x") == ["eagle-tree", "eagle-tree@runs/x"]
+    assert bench.split_method("eagle-chain@a@b") == ("eagle-chain", "a@b")
+    for bad in ("ar@runs/x", "eagle-tree@", "sd@runs/x"):
+        with pytest.raises(Exception, match="take a drafter folder"):
+            bench.parse_methods(bad)
+
+
+def test_bench_compares_drafters_in_one_process(saved, tmp_path, capsys):
+    """``eagle-tree@DIR`` runs beside ``eagle-tree`` with the drafter in DIR: another drafter drafts
+    differently (another accepted length), and greedy output stays ar's."""
+
+    target_dir, drafter_dir = saved
+    other = tmp_path / "other"
+    tiny_drafter(load_target(target_dir), seed=7).save_pretrained(other)
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt": "t3 t4 t5 t3 t4"}, {"prompt": "t7 t8 t9 t7"}])
+    report = tmp_path / "b.json"
+    methods = f"ar,eagle-tree,eagle-tree@{other}"
+    assert bench.main(["--target", target_dir, "--drafter", drafter_dir, "--prompts", prompts, "--methods", methods,
+                       "--max-new-tokens", "24", "--json", str(report), "--warmup", "0", "--lookup-tokens", "0"]) == 0
+    data = json.loads(report.read_text())["methods"]
+    assert list(data) == methods.split(",")
+    assert data[f"eagle-tree@{other}"]["identical_to_ar"] is True and data["eagle-tree"]["identical_to_ar"] is True
+    hist = [data[m]["accept_length_histogram"] for m in ("eagle-tree", f"eagle-tree@{other}")]
+    assert hist[0] != hist[1]  # the other drafter really ran
