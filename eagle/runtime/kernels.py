@@ -28,6 +28,7 @@ import os
 import shutil
 import sys
 import warnings
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -56,6 +57,22 @@ def _ninja_on_path() -> bool:
     return shutil.which("ninja") is not None
 
 
+STALE_LOCK_S = 600.0  # a build takes 25 s to a few minutes; a lock older than this was left by a killed one
+
+
+def clear_stale_lock(build: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove ``build/lock`` when it is older than ``max_age_s``: torch's builder leaves it behind when
+    killed mid-build, and every later load would wait for it forever. True when one was removed."""
+    lock = build / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            lock.unlink()
+            return True
+    except OSError:  # no lock, or another process removed it first
+        pass
+    return False
+
+
 @functools.cache
 def cpu_kernels() -> Any | None:
     """The compiled module (``stream_linear``, ``rms_norm``), or None where it cannot run here
@@ -71,6 +88,8 @@ def cpu_kernels() -> Any | None:
 
     build = cache_root() / "extensions" / f"torch-{torch.__version__}"
     build.mkdir(parents=True, exist_ok=True)
+    if clear_stale_lock(build):
+        print(f"eagle: removed a stale build lock in {build} (left by a killed build)", file=sys.stderr)
     if not any(build.glob(f"{NAME}*.so")):
         print("eagle: compiling the fp32 CPU kernels (once per machine, about 25 s)", file=sys.stderr)
     try:

@@ -392,3 +392,20 @@ def test_compact_rows_moves_the_kept_rows_of_every_buffer_as_index_select_does()
         module.compact_rows(buffers, start, [9])  # a source before its destination
     with pytest.raises(RuntimeError):
         module.compact_rows(buffers, start, [40])  # past the buffers
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    """A killed build leaves ``lock`` behind, on which every later load would wait forever; one a live
+    build holds (recent) stays."""
+    import os
+    import time
+
+    from eagle.runtime.kernels import STALE_LOCK_S, clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not clear_stale_lock(tmp_path) and lock.exists()
+    old = time.time() - STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    assert clear_stale_lock(tmp_path) and not lock.exists()
+    assert not clear_stale_lock(tmp_path)  # nothing left to remove
