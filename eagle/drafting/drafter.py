@@ -38,8 +38,12 @@ from eagle.drafting.weights import check_state, read_safetensors
 
 def default_eagle3_layers(num_layers: int) -> list[int]:
     """The target layers an EAGLE-3 drafter fuses by default, in our convention (outputs of layers
-    1, L/2-1, L-4): what vLLM and llama.cpp call layers 2, L/2 and L-3 (the inputs of those layers)."""
-    return sorted({max(0, i) for i in (1, num_layers // 2 - 1, num_layers - 4)})  # fewer on a tiny target
+    1, L/2-1, L-4): what vLLM and llama.cpp call layers 2, L/2 and L-3 (the inputs of those layers).
+    On a shallow target fewer, all below its last layer (``Drafter.check_target``); none for L < 2."""
+    if num_layers < 2:
+        raise EagleError(f"an eagle3 drafter fuses target layers below the last: the target needs at least 2 "
+                         f"layers, it has {num_layers}")
+    return sorted({min(max(0, i), num_layers - 2) for i in (1, num_layers // 2 - 1, num_layers - 4)})
 
 
 def most_frequent(token_counts: torch.Tensor, n: int) -> torch.Tensor:
