@@ -89,6 +89,26 @@ def drafter(target: Target) -> Drafter:
     return tiny_drafter(target)
 
 
+@pytest.fixture(scope="session")
+def eagle3_target() -> Target:
+    """A target deep enough for EAGLE-3's default aux layers (1, 3, 4 of 8)."""
+    return tiny_target(layers=8)
+
+
+@pytest.fixture(scope="session")
+def eagle3_drafter(eagle3_target: Target) -> Drafter:
+    """An EAGLE-3 drafter over a 20-token draft vocabulary for ``eagle3_target``."""
+    return tiny_drafter(eagle3_target, kind="eagle3", draft_vocab_size=20)
+
+
+@pytest.fixture(scope="session", params=["eagle", "eagle3"])
+def kind_pair(request) -> tuple[Target, Drafter]:
+    """(target, drafter) of each drafter kind: the EAGLE-1/2 ``target``/``drafter`` fixtures, then the EAGLE-3 pair."""
+    if request.param == "eagle":
+        return request.getfixturevalue("target"), request.getfixturevalue("drafter")
+    return request.getfixturevalue("eagle3_target"), request.getfixturevalue("eagle3_drafter")
+
+
 def prompts(n: int, vocab_size: int = 32, seed: int = 0, low: int = 1) -> list[list[int]]:
     """n random token-id prompts of lengths 1..12 (some with repeats, for prompt lookup)."""
     gen = torch.Generator().manual_seed(seed)

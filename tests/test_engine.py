@@ -21,8 +21,16 @@ def model(target, drafter):
                                       top_k=3, gamma=3)
 
 
-@pytest.mark.parametrize("method", ["pld", "sd", "eagle-chain", "eagle-tree"])
-def test_greedy_matches_ar_on_20_prompts(model, method):
+@pytest.fixture(scope="module")
+def eagle3_model(eagle3_target, eagle3_drafter):
+    return EagleModel.from_pretrained(eagle3_target, drafter=eagle3_drafter, total_tokens=12, depth=4, top_k=3)
+
+
+@pytest.mark.parametrize("kind, method", [("eagle", "pld"), ("eagle", "sd"), ("eagle", "eagle-chain"),
+                                          ("eagle", "eagle-tree"), ("eagle3", "eagle-chain"), ("eagle3", "eagle-tree")])
+def test_greedy_matches_ar_on_20_prompts(request, kind, method):
+    """With the default prompt-lookup grafts; ``kind``: the drafter's (EAGLE-1/2 or EAGLE-3)."""
+    model = request.getfixturevalue("model" if kind == "eagle" else "eagle3_model")
     gained = 0
     for ids in prompts(20):
         ref = model.generate(ids, method="ar", max_new_tokens=24)
@@ -220,7 +228,8 @@ def test_auto_total_tokens_is_exact_and_within_budget(target, drafter, monkeypat
     assert max(budget) == 4
 
 
-def test_static_tree_from_choices_is_exact(target, drafter):
+def test_static_tree_from_choices_is_exact(kind_pair):
+    target, drafter = kind_pair
     choices = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
     static = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=20, choices=choices)
     gained = 0

@@ -19,8 +19,12 @@ def default_eagle3_layers(num_layers: int) -> list[int]:
     ``resolve_eagle_capture_layers``), and the inputs of layers 2, L/2, L-3 that vLLM
     (``get_eagle3_aux_hidden_state_layers`` in vllm/model_executor/models/llama.py), llama.cpp
     (conversion/llama.py) and SGLang (``set_eagle3_layers_to_capture`` in
-    python/sglang/srt/models/llama.py) capture when a config names none. Fewer on a tiny target."""
-    return sorted({max(0, i) for i in (1, num_layers // 2 - 1, num_layers - 4)})
+    python/sglang/srt/models/llama.py) capture when a config names none. On a shallow target fewer, all
+    below its last layer (``Drafter.check_target``); none for L < 2."""
+    if num_layers < 2:
+        raise EagleError(f"an eagle3 drafter fuses target layers below the last: the target needs at least 2 "
+                         f"layers, it has {num_layers}")
+    return sorted({min(max(0, i), num_layers - 2) for i in (1, num_layers // 2 - 1, num_layers - 4)})
 
 
 @dataclasses.dataclass

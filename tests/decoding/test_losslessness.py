@@ -275,3 +275,32 @@ def test_reduced_vocabulary_drafters_sampled_tree_is_lossless_and_the_check_has_
     monkeypatch.setattr(proposers.DrawDistributions, "support", lambda rows, node: told(
         dataclasses.replace(rows, draft_ids=torch.arange(len(rows.draft_ids), device=rows.draft_ids.device)), node))
     assert chi_square_p(sampled_triples(reduced, "eagle-tree", sampling, SAMPLES // 2), exact) < ALPHA
+
+
+def test_eagle3_drafters_sampled_tree_is_lossless_and_the_check_has_teeth(monkeypatch):
+    """An EAGLE-3 drafter (fusing layers 0 and 1 of a 3-layer target; its own head over 4 of the 6
+    tokens, d2t = [0, 2, 3, 5]; deeper levels fed its own hidden states), children drawn from it:
+    the output follows the target, tokens 1 and 4 included (only from residuals). The control
+    tells the rule the draw distributions laid out by draft index instead of target id."""
+    import eagle.decoding.proposers as proposers
+    from eagle.config import TreeConfig
+
+    target = tiny_target(vocab_size=VOCAB, hidden=16, layers=3, init_std=0.5)
+    torch.manual_seed(2)
+    counts = torch.tensor([9.0, 1.0, 8.0, 7.0, 2.0, 6.0])
+    drafter = Drafter.from_target(target, kind="eagle3", token_counts=counts, draft_vocab_size=4).eval()
+    assert drafter.d2t.tolist() == [0, 2, 3, 5] and drafter.config.aux_layers == [0, 1]
+    tree = TreeConfig(total_tokens=6, depth=3, top_k=2, sampled_tree=True, lookup_tokens=0, draw_support=0)
+    model = EagleModel(target, drafter, tree=tree)
+    sampling = SamplingConfig(temperature=1.0)
+    exact = exact_triples(model, sampling)
+    sampled = sampled_triples(model, "eagle-tree", sampling, SAMPLES)
+    assert chi_square_p(sampled, exact) > ALPHA
+    assert sampled[:, 1].sum() > 0 and sampled[:, 4].sum() > 0
+    drafted = [model.generate(PROMPT, method="eagle-tree", max_new_tokens=3, temperature=1.0, seed=s).accept_lengths
+               for s in range(200)]
+    assert sum(max(lengths) > 1 for lengths in drafted) > 50  # drawn drafts were accepted, not only bonus tokens
+    told = proposers.DrawDistributions.support
+    monkeypatch.setattr(proposers.DrawDistributions, "support", lambda rows, node: told(
+        dataclasses.replace(rows, draft_ids=torch.arange(len(rows.draft_ids), device=rows.draft_ids.device)), node))
+    assert chi_square_p(sampled_triples(model, "eagle-tree", sampling, SAMPLES // 2), exact) < ALPHA

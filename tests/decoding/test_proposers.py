@@ -14,11 +14,12 @@ from eagle.decoding.tree import DraftTree
 from tests.conftest import prompts
 
 
-def target_prefill(target, ids: list[int]):
-    """The target's forward over the context before the root ``ids[-1]`` (on the target's device)."""
+def target_prefill(target, ids: list[int], aux_layers: tuple[int, ...] = ()):
+    """The target's forward over the context before the root ``ids[-1]`` (on the target's device),
+    with the outputs of ``aux_layers`` (``.features``: what a drafter fusing them reads)."""
     dev = target.device
     return target.forward(torch.tensor([ids[:-1]], device=dev), torch.arange(len(ids) - 1, device=dev)[None],
-                          target.new_cache())
+                          target.new_cache(), aux_layers=aux_layers)
 
 
 def test_prompt_lookup_takes_the_longest_then_most_recent_match():
@@ -139,8 +140,10 @@ def test_lookups_below_draft_nodes_are_grafted_and_judged_only_where_the_target_
     assert rates.first[2] == [1.0, 2.0]  # the lookup below draft 8 is not judged: the target did not go there
 
 
-def test_greedy_without_lookup_matches_ar(target, drafter):
-    """The drafter's tree alone (EAGLE-2); with lookup (the default) see tests/test_engine.py."""
+def test_greedy_without_lookup_matches_ar(kind_pair):
+    """The drafter's tree alone (EAGLE-2), with a drafter of each kind; with lookup (the default)
+    see tests/test_engine.py."""
+    target, drafter = kind_pair
     model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=12, depth=4, top_k=3, lookup_tokens=0)
     for ids in prompts(20, seed=4):
         assert model.generate(ids, method="eagle-tree", max_new_tokens=24).token_ids == \
@@ -153,13 +156,23 @@ def brute_force_eagle2(proposer, ids: list[int], features: torch.Tensor, depth: 
     """EAGLE-2 by its code, each node's predicted feature recomputed by running the drafter
     causally over the context and the node's path: the root's k children, then ``depth``
     expansions of the k best frontier nodes (paths of up to depth + 1 drafts); the kept paths
-    -> their scores."""
+    -> their scores. An EAGLE-3 drafter reads the target's ``features`` [n, (1 + a) H] over the
+    context and its own predictions [H] along the path: two calls, the second on the first's cache."""
     drafter, target = proposer.drafter, proposer.target
 
     def predict(path: list[int], path_features: list[torch.Tensor]) -> torch.Tensor:
+        dev = target.device
+        if drafter.config.kind == "eagle3":
+            cache, context = drafter.new_cache(), torch.tensor([ids[1:]], device=dev)
+            out = drafter(features[None], target.embed(context), torch.arange(context.shape[1], device=dev)[None], cache)
+            if path:
+                positions = torch.arange(context.shape[1], context.shape[1] + len(path), device=dev)[None]
+                out = drafter(torch.stack(path_features)[None], target.embed(torch.tensor([path], device=dev)),
+                              positions, cache)
+            return out[0, -1]
         feats = torch.cat([features, torch.stack(path_features)]) if path_features else features
-        tokens = torch.tensor([ids[1:] + path], device=target.device)
-        positions = torch.arange(tokens.shape[1], device=target.device)[None]
+        tokens = torch.tensor([ids[1:] + path], device=dev)
+        positions = torch.arange(tokens.shape[1], device=dev)[None]
         return drafter(feats[None], target.embed(tokens), positions)[0, -1]
 
     def children(path, path_features, hidden, score):
@@ -178,19 +191,28 @@ def brute_force_eagle2(proposer, ids: list[int], features: torch.Tensor, depth: 
     return {tuple(pool[i][0]): pool[i][2] for i in kept}
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("total, frontier_rows", [(3, "first"), (5, "fewer"), (7, None), (9, None), (12, None),
                                                   (40, "all")])
-def test_dynamic_tree_equals_brute_force_eagle2_and_skips_nodes_that_cannot_be_kept(target, total, frontier_rows):
-    """With a flat draft distribution (no weight scaling) deep and shallow nodes compete."""
+def test_dynamic_tree_equals_brute_force_eagle2_and_skips_nodes_that_cannot_be_kept(request, kind, total,
+                                                                                    frontier_rows):
+    """With a flat draft distribution (no weight scaling) deep and shallow nodes compete. An
+    EAGLE-3 drafter (over a draft vocabulary) is fed the target's aux features at the root and its
+    own predictions below."""
     depth, k = 4, 3
     torch.manual_seed(5)
-    flat = Drafter.from_target(target).eval()
+    if kind == "eagle":
+        target = request.getfixturevalue("target")
+        flat = Drafter.from_target(target).eval()
+    else:
+        target = request.getfixturevalue("eagle3_target")
+        flat = Drafter.from_target(target, kind="eagle3", draft_vocab_size=20).eval()
     model = EagleModel.from_pretrained(target, drafter=flat, total_tokens=total, depth=depth, top_k=k, lookup_tokens=0,
                                        drafter_dtype=torch.float32)
     ids = [3, 9, 4, 17, 8, 2, 11]
-    prefill = target_prefill(target, ids)
+    prefill = target_prefill(target, ids, tuple(flat.config.aux_layers))
     proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
-    proposer.start(ids, prefill.hidden[0])
+    proposer.start(ids, prefill.features[0])
     rows = []
     run_nodes = proposer._run_nodes
     proposer._run_nodes = lambda inputs, *args: rows.append(inputs.shape[0]) or run_nodes(inputs, *args)
@@ -199,7 +221,7 @@ def test_dynamic_tree_equals_brute_force_eagle2_and_skips_nodes_that_cannot_be_k
     for i, parent in enumerate(tree.parents.tolist()[1:], start=1):
         paths[i] = paths[parent] + (tokens[i],)
     got = {paths[i]: scores[i] for i in range(1, tree.size)}
-    want = brute_force_eagle2(proposer, ids, prefill.hidden[0], depth, k, total)
+    want = brute_force_eagle2(proposer, ids, prefill.features[0], depth, k, total)
     assert got.keys() == want.keys()
     assert [got[p] for p in want] == pytest.approx(list(want.values()), abs=1e-4)
     if frontier_rows == "first":  # 2 nodes kept: only the best of the root's children can have a kept child

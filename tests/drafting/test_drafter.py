@@ -223,3 +223,227 @@ def test_fused_aux_layers_start_as_the_drafter_they_extend_and_stay_exact(target
         for ids in prompts(6, seed=5):
             assert model.generate(ids, method="eagle-tree", max_new_tokens=12).token_ids == \
                 model.generate(ids, method="ar", max_new_tokens=12).token_ids
+
+
+# ---- EAGLE-3 drafters (kind "eagle3") ----------------------------------------------------------
+
+def eagle3_reference(drafter: Drafter, features: torch.Tensor, embeds: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-3 written out from its definition (SpecForge ``llama3_eagle.py``), causal, no cache:
+    ``features`` [1, T, (1 + n) H] (target: last hidden state unused, then the n aux outputs, fused
+    by fc) or [1, T, H] (the drafter's own output hidden states, taken as they are); one layer
+    attends over cat(input_layernorm(embedding), hidden_norm(x)) with residual x -> (hidden
+    [1, T, H], logits lm_head(norm(hidden)) [1, T, V_draft])."""
+    cfg, layer = drafter.config, drafter.layers[0]
+    h, nh, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    t = features.shape[1]
+
+    def norm(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * weight
+
+    def rope(x):  # [1, T, heads, d], rotate-half layout
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+        angles = positions[0].float()[:, None] * inv_freq
+        cos, sin = torch.cat([angles, angles], -1).cos()[:, None], torch.cat([angles, angles], -1).sin()[:, None]
+        return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+
+    x = features if features.shape[-1] == h else features[..., h:] @ drafter.fc.weight.T
+    a = torch.cat([norm(embeds, layer.input_layernorm.weight), norm(x, layer.hidden_norm.weight)], -1)
+    attn = layer.self_attn
+    q = rope((a @ attn.q_proj.weight.T).view(1, t, nh, d)).transpose(1, 2)
+    k = rope((a @ attn.k_proj.weight.T).view(1, t, nkv, d)).transpose(1, 2).repeat_interleave(nh // nkv, 1)
+    v = (a @ attn.v_proj.weight.T).view(1, t, nkv, d).transpose(1, 2).repeat_interleave(nh // nkv, 1)
+    scores = (q @ k.transpose(-1, -2)) / d ** 0.5
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+    x = x + (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, t, nh * d) @ attn.o_proj.weight.T
+    mlp, post = layer.mlp, norm(x, layer.post_attention_layernorm.weight)
+    x = x + (torch.nn.functional.silu(post @ mlp.gate_proj.weight.T) * (post @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+    return x, norm(x, drafter.norm.weight) @ drafter.lm_head.weight.T
+
+
+def eagle3_inputs(drafter, t: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random target features [1, t, (1 + n) H], own hidden states [1, t, H], token embeddings [1, t, H]."""
+    cfg, dev = drafter.config, drafter.fc.weight.device
+    gen = torch.Generator().manual_seed(seed)
+    width = (1 + len(cfg.aux_layers)) * cfg.hidden_size
+    f, own, e = (torch.randn(1, t, w, generator=gen).to(dev) for w in (width, cfg.hidden_size, cfg.hidden_size))
+    return f, own, e
+
+
+def test_an_eagle3_drafter_computes_eagle3(eagle3_drafter):
+    """The drafter equals EAGLE-3 written out: target features through fc (their first H columns,
+    the last hidden state, unread), own hidden states as they are (fc not used at all: NaN
+    weights there change nothing), logits through the final norm and the draft head."""
+    drafter = eagle3_drafter
+    assert drafter.fc.weight.shape == (32, 3 * 32) and drafter.fc.bias is None
+    assert drafter.layers[0].self_attn.q_proj.weight.shape == (32, 2 * 32)
+    f, own, e = eagle3_inputs(drafter, 7)
+    pos = torch.arange(3, 10, device=f.device)[None]
+    with torch.no_grad():
+        for features in (f, own):
+            want, want_logits = eagle3_reference(drafter, features, e, pos)
+            got = drafter(features, e, pos)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+            torch.testing.assert_close(drafter.draft_logits(got, None), want_logits, rtol=1e-4,
+                                       atol=1e-4 * want_logits.abs().max().item())
+        changed = f.clone()
+        changed[..., :32] = torch.randn_like(changed[..., :32])
+        assert torch.equal(drafter(changed, e, pos), drafter(f, e, pos))
+        assert not torch.allclose(drafter(f, e, pos), drafter(own, e, pos))
+        broken = copy.deepcopy(drafter)
+        broken.fc.weight.fill_(float("nan"))
+        assert torch.equal(broken(own, e, pos), drafter(own, e, pos))
+        assert broken(f, e, pos).isnan().all()
+        assert LeanDrafter(broken)(own, e, pos).isfinite().all()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(aux_layers=[]), "set aux_layers"),
+    (dict(num_layers=2), "one decoder layer"),
+    (dict(fc_bias=True), "no fc bias"),
+    (dict(kind="eagle4"), "kind must be one of eagle, eagle3"),
+])
+def test_eagle3_configs_that_cannot_be_are_clear_errors(eagle3_drafter, change, message):
+    import dataclasses
+
+    with pytest.raises(EagleError, match=message):
+        dataclasses.replace(eagle3_drafter.config, **change)
+
+
+def test_eagle3_features_of_another_width_are_a_clear_error(eagle3_drafter):
+    f, _, e = eagle3_inputs(eagle3_drafter, 3)
+    pos = torch.arange(3, device=f.device)[None]
+    for drafter in (eagle3_drafter, LeanDrafter(eagle3_drafter)):
+        for width in (2 * 32, 3 * 32, 5 * 32):  # not H, nor (1 + 3) H
+            with pytest.raises(EagleError, match=f"features of width {width}, expected 32 .* or 128"):
+                drafter(f[..., :width] if width < 128 else torch.cat([f, e], -1), e, pos)
+
+
+def test_eagle3_drafters_are_made_from_the_target(eagle3_target):
+    """``from_target(kind="eagle3")``: the default aux layers (1, L/2-1, L-4; fewer, all below the
+    last layer, on shallow targets), the head from the target's LM-head rows of the draft
+    vocabulary, the final norm from the target's; layers asked for are kept; a target of one
+    layer has none to fuse."""
+    from eagle.drafting.drafter import default_eagle3_layers
+
+    target = tiny_target(layers=8)
+    with torch.no_grad():
+        target.model.model.norm.weight.uniform_(0.5, 1.5)  # not ones, which a fresh norm has too
+    counts = torch.arange(32.0).flip(0)  # token 0 most frequent
+    drafter = Drafter.from_target(target, kind="eagle3", draft_vocab_size=20, token_counts=counts)
+    assert drafter.config.kind == "eagle3" and drafter.config.aux_layers == [1, 3, 4]
+    assert torch.equal(drafter.norm.weight, target.model.model.norm.weight)
+    assert drafter.d2t.tolist() == list(range(20))
+    assert torch.equal(drafter.lm_head.weight, target.model.lm_head.weight[:20])
+    assert Drafter.from_target(target, kind="eagle3", aux_layers=[0, 6]).config.aux_layers == [0, 6]
+    full = Drafter.from_target(target, kind="eagle3")  # no draft vocabulary: a head over the target's
+    assert full.lm_head.weight.shape == (32, 32) and full.d2t.tolist() == list(range(32))
+    assert full.to_target_ids(torch.tensor([5])).tolist() == [5]
+    assert default_eagle3_layers(32) == [1, 15, 28]  # vLLM and llama.cpp's 2, 16, 29
+    for layers in range(2, 9):
+        shallow = tiny_target(layers=layers, hidden=16)
+        Drafter.from_target(shallow, kind="eagle3").check_target(shallow)  # its default layers are valid for it
+    with pytest.raises(EagleError, match="at least 2 layers"):
+        Drafter.from_target(tiny_target(layers=1, hidden=16), kind="eagle3")
+
+
+def test_eagle3_drafters_cannot_be_widened_or_deepened(eagle3_drafter):
+    with pytest.raises(EagleError, match="an eagle3 drafter's layers are fixed"):
+        eagle3_drafter.with_aux_layers([2])
+    with pytest.raises(EagleError, match="one decoder layer"):
+        eagle3_drafter.with_layers(2)
+
+
+def test_eagle3_save_and_load_round_trip(tmp_path, eagle3_target, eagle3_drafter):
+    """Saved and loaded: the same config (kind, aux layers) and weights (final norm, hidden_norm,
+    head, d2t); loaded from 8-bit block codes (``pack_state``), the matrices are their Q8_0 values."""
+    from safetensors.torch import load_file, save_file
+
+    from eagle.runtime.block_codes import block_quantize, decode, pack_state
+
+    drafter = eagle3_drafter
+    drafter.save_pretrained(tmp_path)
+    loaded = Drafter.from_pretrained(tmp_path, target=eagle3_target)
+    assert loaded.config == drafter.config and loaded.config.kind == "eagle3"
+    assert loaded.state_dict().keys() == drafter.state_dict().keys() >= {"norm.weight", "layers.0.hidden_norm.weight",
+                                                                          "lm_head.weight", "d2t"}
+    for name, weight in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], weight), name
+    f, own, e = eagle3_inputs(drafter, 5)
+    pos = torch.arange(5, device=f.device)[None]
+    with torch.no_grad():
+        for features in (f, own):
+            assert torch.equal(loaded(features, e, pos), drafter(features, e, pos))
+    path = str(tmp_path / "model.safetensors")
+    save_file(pack_state(load_file(path), min_size=1024), path, metadata={"format": "eagle-drafter/1"})
+    assert any(k.endswith(".q8_codes") for k in load_file(path))
+    packed = Drafter.from_pretrained(tmp_path, target=eagle3_target)
+    for name, weight in drafter.state_dict().items():
+        got = packed.state_dict()[name]
+        if weight.dim() == 2 and weight.numel() >= 1024:
+            assert torch.equal(got, decode(block_quantize(weight.float(), 8)).to(got.dtype)), name
+        else:
+            assert torch.equal(got, weight), name
+    with pytest.raises(EagleError, match="below its last"):  # a target too shallow for its aux layers
+        Drafter.from_pretrained(tmp_path, target=tiny_target(layers=4))
+
+
+def test_an_eagle3_lean_drafter_computes_what_the_drafter_does(eagle3_target, eagle3_drafter):
+    """In one call and cached in pieces (target features, then own hidden states below them, as a
+    tree's deeper levels are fed), positions past the first rotary table size; logits through the
+    final norm; bf16 within its precision."""
+    drafter, lean = eagle3_drafter, LeanDrafter(eagle3_drafter)
+    assert lean.stack is None  # the compiled stack has no EAGLE-3 attention input
+    f, own, e = eagle3_inputs(drafter, 9)
+    pos = torch.arange(9, device=f.device)[None]
+    with torch.inference_mode():
+        for features in (f, own):
+            whole = drafter(features, e, pos)
+            torch.testing.assert_close(lean(features, e, pos), whole, rtol=1e-4, atol=1e-4 * whole.abs().max().item())
+        want, ref_cache = [], drafter.new_cache()
+        got, cache = [], lean.new_cache()
+        for features, lo, hi in ((f, 0, 4), (own, 4, 6), (f, 6, 7), (own, 7, 9)):
+            p = torch.arange(300 + lo, 300 + hi, device=f.device)[None]
+            want.append(drafter(features[:, lo:hi], e[:, lo:hi], p, ref_cache))
+            got.append(lean(features[:, lo:hi], e[:, lo:hi], p, cache))
+        want, got = torch.cat(want, 1), torch.cat(got, 1)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        h = want[0, :3]
+        torch.testing.assert_close(lean.draft_logits(h, None), drafter.draft_logits(h, None), rtol=1e-4, atol=1e-3)
+        assert not torch.allclose(lean.draft_logits(h, None), h @ drafter.lm_head.weight.T, atol=1e-2)  # normed
+    assert torch.equal(lean.to_target_ids(torch.tensor([0, 19])), drafter.to_target_ids(torch.tensor([0, 19])))
+    half = LeanDrafter(drafter, torch.bfloat16)
+    with torch.inference_mode():
+        whole = drafter(f, e, pos)
+        out = half(f.bfloat16(), e.bfloat16(), pos)
+    assert out.dtype == torch.bfloat16 and (out.float() - whole).norm() < 0.15 * whole.norm()
+
+
+@pytest.mark.parametrize("quant, bits", [("q8_0", 8), ("q4_1", 4)])
+def test_a_quantized_eagle3_lean_drafter_computes_the_drafter_with_quantized_weights(eagle3_drafter, quant, bits):
+    """As for EAGLE-1/2 drafters: fc, the 2H-wide q/k/v, the MLP and the head rounded to the block
+    format, norms as they are: the plain drafter with those weights, on both inputs and cached."""
+    from eagle.runtime.block_codes import block_quantize, decode
+
+    drafter = eagle3_drafter
+    rounded = copy.deepcopy(drafter).float()
+    with torch.no_grad():
+        for module in rounded.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(decode(block_quantize(module.weight.cpu(), bits)).to(module.weight.device))
+    lean = LeanDrafter(drafter, quant=quant)
+    assert lean.quant == quant and lean.dtype == torch.float32
+    f, own, e = eagle3_inputs(drafter, 9, seed=1)
+    pos = torch.arange(9, device=f.device)[None]
+    with torch.inference_mode():
+        for features in (f, own):
+            ref, plain = rounded(features, e, pos), drafter(features, e, pos)
+            torch.testing.assert_close(lean(features, e, pos), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+            assert not torch.allclose(ref, plain, atol=1e-4 * ref.abs().max().item())  # the rounding is real
+        cache = lean.new_cache()
+        lean(f[:, :5], e[:, :5], pos[:, :5], cache)
+        ref = rounded(f, e, pos)
+        torch.testing.assert_close(lean(f[:, 5:], e[:, 5:], pos[:, 5:], cache), ref[:, 5:], rtol=1e-4,
+                                   atol=1e-4 * ref.abs().max().item())
+        h = ref[0, :3]
+        torch.testing.assert_close(lean.draft_logits(h, None), rounded.draft_logits(h, None), rtol=1e-4, atol=1e-3)

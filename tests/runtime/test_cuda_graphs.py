@@ -36,9 +36,7 @@ def test_buckets_and_key_lengths():
     assert keys_for(10, 4096) == 256 and keys_for(257, 4096) == 512 and keys_for(5000, 4200) == 4200
 
 
-@pytest.mark.parametrize("method", ["ar", "eagle-tree", "eagle-chain"])
-def test_static_path_gives_the_plain_paths_greedy_tokens(pair, method):
-    target, drafter = pair
+def assert_static_path_gives_the_plain_paths_greedy_tokens(target, drafter, method: str) -> None:
     plain, static = models(target, drafter, total_tokens=12, depth=4)
     assert static.target.graphs is not None and plain.target.graphs is None
     for ids in prompts(5, seed=5):
@@ -46,6 +44,59 @@ def test_static_path_gives_the_plain_paths_greedy_tokens(pair, method):
         got = static.generate(ids, method=method, max_new_tokens=16)
         assert got.token_ids == want.token_ids
         assert got.accept_lengths == want.accept_lengths  # the drafter's trees are the same too
+
+
+@pytest.mark.parametrize("method", ["ar", "eagle-tree", "eagle-chain"])
+def test_static_path_gives_the_plain_paths_greedy_tokens(pair, method):
+    assert_static_path_gives_the_plain_paths_greedy_tokens(*pair, method)
+
+
+@pytest.mark.parametrize("method", ["eagle-tree", "eagle-chain"])
+def test_static_path_gives_the_plain_paths_greedy_tokens_with_an_eagle3_drafter(eagle3_target, eagle3_drafter,
+                                                                               method):
+    assert_static_path_gives_the_plain_paths_greedy_tokens(eagle3_target, eagle3_drafter, method)
+
+
+@torch.inference_mode()
+def test_a_graphed_eagle3_drafter_computes_what_the_lean_drafter_does(eagle3_drafter):
+    """``GraphedDrafter`` over an EAGLE-3 ``LeanDrafter`` (captured graphs on CUDA, else the same
+    static path eagerly), as the tree proposer calls it: committed target features [.., 4 H]
+    (padded to a bucket), two tree levels of its own hidden states [.., H] under a tree mask, the
+    cache rolled back and extended again (a shape replayed): the lean drafter's outputs."""
+    from eagle.decoding.tree_mask import additive_bias
+    from eagle.drafting.drafter import LeanDrafter
+    from eagle.runtime.cuda_graphs import GraphedDrafter
+
+    lean = LeanDrafter(eagle3_drafter)
+    graphed = GraphedDrafter(LeanDrafter(eagle3_drafter), 64, capture=device_under_test().type == "cuda")
+    dev, h = lean.fc.weight.device, eagle3_drafter.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    feats, embeds = torch.randn(1, 16, 4 * h, generator=gen).to(dev), torch.randn(1, 16, h, generator=gen).to(dev)
+    own = torch.randn(1, 3, h, generator=gen).to(dev)  # level-1 inputs: the root's prediction, as the proposer feeds it
+    plain_cache, cache = lean.new_cache(), graphed.new_cache()
+
+    def both(features, tokens, positions, allowed=None):
+        bias = None if allowed is None else additive_bias(allowed.to(dev), lean.dtype)
+        want = lean(features, tokens, positions, plain_cache, bias)
+        got = graphed(features, tokens, positions, cache, bias)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        assert cache.get_seq_length() == plain_cache.get_seq_length()
+        return want
+
+    for _ in range(2):  # the second time each shape is replayed
+        plain_cache.truncate(0)
+        cache.set_length(0)
+        both(feats[:, :5], embeds[:, :5], torch.arange(5, device=dev)[None])
+        level1 = both(own, embeds[:, 5:8], torch.full((1, 3), 5, device=dev),
+                      torch.cat([torch.ones(3, 5, dtype=torch.bool), torch.eye(3, dtype=torch.bool)], 1))
+        allowed = torch.zeros(2, 10, dtype=torch.bool)  # a child of level-1 node 0 and one of node 2
+        allowed[:, :5] = True
+        allowed[0, [5, 8]] = allowed[1, [7, 9]] = True
+        both(level1[:, [0, 2]], embeds[:, 8:10], torch.full((1, 2), 6, device=dev), allowed)
+        plain_cache.truncate(5)
+        cache.set_length(5)
+        both(feats[:, 5:7], embeds[:, 10:12], torch.arange(5, 7, device=dev)[None])
+    assert graphed.runner.captured > 0 or device_under_test().type != "cuda"
 
 
 def test_static_path_keeps_seeded_sampling(pair):
@@ -147,7 +198,15 @@ def test_a_cache_too_small_is_a_clear_error(target):
 @cuda
 @pytest.mark.parametrize("method", ["ar", "eagle-tree"])
 def test_graph_replay_equals_the_eager_static_path(pair, method):
-    target, drafter = pair
+    assert_graph_replay_equals_the_eager_static_path(*pair, method)
+
+
+@cuda
+def test_graph_replay_with_an_eagle3_drafter_equals_the_eager_static_path(eagle3_target, eagle3_drafter):
+    assert_graph_replay_equals_the_eager_static_path(eagle3_target, eagle3_drafter, "eagle-tree")
+
+
+def assert_graph_replay_equals_the_eager_static_path(target, drafter, method: str) -> None:
     graphed = EagleModel.from_pretrained(with_graphs(target, capture=True), drafter=drafter, total_tokens=12, depth=4)
     eager = EagleModel.from_pretrained(with_graphs(target, capture=False), drafter=drafter, total_tokens=12, depth=4)
     assert graphed.target.graphs.capture and not eager.target.graphs.capture
