@@ -110,7 +110,8 @@ def test_bench_writes_the_report(saved, tmp_path, capsys, monkeypatch):
                        "hf,ar,pld,eagle-tree", "--max-new-tokens", "16", "--json", str(report),
                        "--plot", str(png), "--lookup-tokens", "4", "--drafter-dtype", "float32"]) == 0
     out, _ = capsys.readouterr()
-    assert "| method | tokens/s | mean accept len | speedup vs ar | speedup vs hf | identical to ar |" in out
+    assert ("| method | tokens/s | decode tokens/s | mean accept len | speedup vs ar | speedup vs hf | "
+            "identical to ar |") in out
     assert "eagle-bench --target" in out and "torch_threads" in out
     data = json.loads(report.read_text())
     assert data["prompts"] == 3 and data["config"]["max_new_tokens"] == 16
