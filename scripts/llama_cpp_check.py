@@ -97,6 +97,8 @@ def check(args: argparse.Namespace) -> int:
             stack.callback(server.close)
             servers[method] = server.start()
         print(f"llama-server: {llama_cpp.version(folder, binary)}; draft: {source}")
+        for server in servers.values():  # warm-up, not compared
+            chat(server, prompts[0], 8)
         mismatches, drafted, accepted, tokens = 0, 0, 0, 0
         for i, prompt in enumerate(prompts):
             plain = chat(servers["llama.cpp"], prompt, args.max_tokens)
