@@ -694,3 +694,22 @@ def test_batched_generation_is_the_same_with_and_without_the_lean_forward(tmp_pa
     args = (12, 0.0, 1.0, 0)
     assert selfdistill._generate(lean, None, texts, *args) == \
         selfdistill._generate(plain, selfdistill.generation_model(plain), texts, *args)
+
+
+@pytest.mark.slow
+def test_max_wall_s_stops_with_a_checkpoint_and_the_drafter(workspace):
+    """A run past its wall-clock limit stops after the step it is in, saves a checkpoint and the
+    drafter, and says so in its summary; a later run resumes from there."""
+    out = workspace["root"] / "timed"
+    deepspeed_run(workspace, out, max_steps=50, max_wall_s=0.001)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 1 and (out / "checkpoints" / "latest").read_text().strip() == "step1"
+    assert (out / "drafter" / "model.safetensors").is_file()
+    more = deepspeed_run(workspace, out, max_steps=3)
+    assert [row["step"] for row in more if "loss" in row][0] > 1
+
+
+def test_max_wall_s_must_be_a_number_of_seconds():
+    for bad in (-1, "soon", True):
+        with pytest.raises(EagleError, match="max_wall_s"):
+            train.main.TrainConfig(max_wall_s=bad)
