@@ -90,7 +90,7 @@ import torch
 
 from eagle.config import from_dict
 from eagle.drafting.drafter_config import FORMAT, DrafterConfig, TargetInfo, default_eagle3_layers
-from eagle.drafting.weights import read_safetensors
+from eagle.drafting.weights import check_state, read_safetensors
 from eagle.errors import EagleError
 
 EAGLE_LAYOUT = "eagle-1"  # what detect_format returns for an EAGLE-1/2 release config
@@ -530,15 +530,7 @@ def load_eagle3_checkpoint(directory: Path, cfg: dict, shapes: Callable[[Drafter
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         draft_vocab_size=None if identity else draft_vocab, aux_layers=eagle3_aux_layers(cfg, target_layers),
         target=target_info)
-    expected = {k: tuple(v.shape) for k, v in shapes(dcfg).items()}
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise EagleError(f"EAGLE-3 drafter weights at {directory} do not match its config.json: missing "
-                         f"{missing or 'none'}, unexpected {unexpected or 'none'}")
-    for key, shape in expected.items():
-        if tuple(state[key].shape) != shape:
-            raise EagleError(f"EAGLE-3 drafter weight {key} has shape {tuple(state[key].shape)}, config.json "
-                             f"implies {shape}")
+    check_state(shapes(dcfg), state, f"EAGLE-3 drafter weights at {directory}")
     return dcfg, state
 
 

@@ -348,7 +348,7 @@ class Drafter(nn.Module):
                 raise EagleError(f"no drafter weights at {directory}: model.safetensors missing")
             drafter = cls(DrafterConfig.from_json(directory / "config.json"))
             state = unpack_state(read_safetensors(directory / "model.safetensors"))
-            check_state(drafter, state, f"drafter weights {directory / 'model.safetensors'}")
+            check_state(drafter.state_dict(), state, f"drafter weights {directory / 'model.safetensors'}")
             drafter.load_state_dict(state)
         if drafter.d2t is not None and not (0 <= int(drafter.d2t.min()) and int(drafter.d2t.max()) < drafter.config.vocab_size):
             raise EagleError(f"drafter at {directory}: its draft-to-target id map d2t holds ids outside "

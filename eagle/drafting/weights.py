@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from eagle.errors import EagleError
 
@@ -20,9 +19,10 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
         raise EagleError(f"cannot read {path} (damaged or truncated?): {exc}") from None
 
 
-def check_state(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
-    """Refuse a state dict whose keys or shapes differ from ``module``'s, naming the first difference."""
-    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+def check_state(reference: dict[str, torch.Tensor], state: dict[str, torch.Tensor], what: str) -> None:
+    """Refuse a state dict whose keys or shapes differ from ``reference`` (a module's state dict),
+    naming the first difference."""
+    expected = {k: tuple(v.shape) for k, v in reference.items()}
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
         raise EagleError(f"{what} do not match the config: missing {missing[:3] or 'none'}, "
