@@ -18,39 +18,39 @@ def model():
     return EagleModel.from_pretrained(DEFAULT_TARGET, total_tokens=24, depth=5, top_k=6)
 
 
-def test_shipped_drafter_greedy_tree_equals_ar(model):
-    assert model.drafter is not None
+PROMPTS = ["Give me three tips for staying focused while studying.",
+           "Write a Python function that checks whether a number is prime."]
+
+
+def check_drafts_exactly(drafting: EagleModel, plain: EagleModel) -> None:
+    """Greedy eagle-tree and eagle-chain with ``drafting``'s drafter equal ``plain``'s ar, and the
+    trained drafter really drafts accepted tokens."""
     accepted = []
-    for prompt in ["Give me three tips for staying focused while studying.",
-                   "Write a Python function that checks whether a number is prime."]:
-        ar = model.generate(prompt, method="ar", max_new_tokens=48)
+    for prompt in PROMPTS:
+        ar = plain.generate(prompt, method="ar", max_new_tokens=48)
         for method in ("eagle-tree", "eagle-chain"):
-            out = model.generate(prompt, method=method, max_new_tokens=48)
+            out = drafting.generate(prompt, method=method, max_new_tokens=48)
             assert out.token_ids == ar.token_ids, method
             accepted.append(out.mean_accept_length)
-    assert min(accepted) > 1.2  # the trained drafter really drafts accepted tokens
+    assert min(accepted) > 1.2
+
+
+def test_shipped_drafter_greedy_tree_equals_ar(model):
+    assert model.drafter is not None
+    check_drafts_exactly(model, model)
 
 
 def test_shipped_eagle3_drafter_greedy_tree_equals_ar(model):
     """The EAGLE-3 drafter shipped beside the default one (``drafter="eagle3"``) drafts accepted tokens exactly."""
     eagle3 = EagleModel.from_pretrained(DEFAULT_TARGET, drafter="eagle3", total_tokens=24, depth=5, top_k=6)
     assert eagle3.drafter.config.kind == "eagle3" and model.drafter.config.kind == "eagle"
-    accepted = []
-    for prompt in ["Give me three tips for staying focused while studying.",
-                   "Write a Python function that checks whether a number is prime."]:
-        ar = model.generate(prompt, method="ar", max_new_tokens=48)
-        for method in ("eagle-tree", "eagle-chain"):
-            out = eagle3.generate(prompt, method=method, max_new_tokens=48)
-            assert out.token_ids == ar.token_ids, method
-            accepted.append(out.mean_accept_length)
-    assert min(accepted) > 1.2
+    check_drafts_exactly(eagle3, model)
 
 
 def test_shipped_draft_lm_greedy_sd_equals_ar(model):
     assert model.draft_model is not None  # the draft LM shipped for the default target (eagle/shipped/draft_lms/)
     accepted = []
-    for prompt in ["Give me three tips for staying focused while studying.",
-                   "Write a Python function that checks whether a number is prime."]:
+    for prompt in PROMPTS:
         ar = model.generate(prompt, method="ar", max_new_tokens=48)
         out = model.generate(prompt, method="sd", max_new_tokens=48)
         assert out.token_ids == ar.token_ids

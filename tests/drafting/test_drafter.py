@@ -8,7 +8,7 @@ from eagle import Drafter, EagleError, EagleModel
 from eagle.drafting.drafter import LeanDrafter
 from eagle.decoding.tree_mask import attention_bias, tree_attention
 
-from tests.conftest import prompts, tiny_drafter, tiny_target
+from tests.conftest import block_quantized, prompts, tiny_drafter, tiny_target
 
 
 def test_save_and_load_round_trip(tmp_path, target, drafter):
@@ -134,19 +134,23 @@ def test_lean_drafter_computes_what_the_drafter_does(target, layers, draft_vocab
     assert out.dtype == torch.bfloat16 and (out.float() - whole).norm() < 0.15 * whole.norm()  # bf16: ~3 digits
 
 
+def rounded_copy(drafter: Drafter, bits: int) -> Drafter:
+    """A float32 copy of ``drafter`` with every linear weight rounded to the block format of ``bits``."""
+    rounded = copy.deepcopy(drafter).float()
+    with torch.no_grad():
+        for module in rounded.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(block_quantized(module.weight, bits))
+    return rounded
+
+
 @pytest.mark.parametrize("quant, bits", [("q8_0", 8), ("q4_1", 4)])
 def test_a_quantized_lean_drafter_computes_the_drafter_with_quantized_weights(target, quant, bits):
     """``LeanDrafter(quant=...)``: each matrix rounded to the block format (``block_quantize``), the
     rest (norms) as they are, computed in fp32: the plain ``Drafter`` with those weights, in one
     call and cached in two; a format that is not one, or another dtype, is refused."""
-    from eagle.runtime.block_codes import block_quantize, decode
-
     drafter = tiny_drafter(target, num_layers=2, draft_vocab_size=8)
-    rounded = copy.deepcopy(drafter).float()
-    with torch.no_grad():
-        for module in rounded.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(decode(block_quantize(module.weight.cpu(), bits)).to(module.weight.device))
+    rounded = rounded_copy(drafter, bits)
     lean = LeanDrafter(drafter, quant=quant)
     assert lean.dtype == torch.float32 and lean.quant == quant
     dev = target.device
@@ -423,14 +427,8 @@ def test_an_eagle3_lean_drafter_computes_what_the_drafter_does(eagle3_target, ea
 def test_a_quantized_eagle3_lean_drafter_computes_the_drafter_with_quantized_weights(eagle3_drafter, quant, bits):
     """As for EAGLE-1/2 drafters: fc, the 2H-wide q/k/v, the MLP and the head rounded to the block
     format, norms as they are: the plain drafter with those weights, on both inputs and cached."""
-    from eagle.runtime.block_codes import block_quantize, decode
-
     drafter = eagle3_drafter
-    rounded = copy.deepcopy(drafter).float()
-    with torch.no_grad():
-        for module in rounded.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(decode(block_quantize(module.weight.cpu(), bits)).to(module.weight.device))
+    rounded = rounded_copy(drafter, bits)
     lean = LeanDrafter(drafter, quant=quant)
     assert lean.quant == quant and lean.dtype == torch.float32
     f, own, e = eagle3_inputs(drafter, 9, seed=1)
