@@ -64,6 +64,18 @@ def shipped_drafter_for(target: Target, kind: str = "eagle") -> Path | None:
     return None
 
 
+def shipped_drafter_of_kind(spec: Any, target: Target, target_name: str | None = None) -> Path | None:
+    """When ``spec`` names a drafter kind ("eagle", "eagle3") rather than a folder: the drafter of that
+    kind shipped for ``target`` (by ``target_name``, else by tokenizer fingerprint), an error when none
+    is; otherwise None (``spec`` is a folder or a ``Drafter``)."""
+    if not (isinstance(spec, str) and spec in SHIPPED_BY_KIND and not Path(spec).exists()):
+        return None
+    path = (shipped_drafter(target_name, spec) if target_name else None) or shipped_drafter_for(target, spec)
+    if path is None:
+        raise EagleError(f"no {spec} drafter is shipped for target {target.name}: pass a drafter folder")
+    return path
+
+
 def shipped_draft_lm(target_name: str) -> Path | None:
     """The draft LM shipped with the package for a named target, if any."""
     return _shipped(draft_lm.SHIPPED, target_name, draft_lm.MARKER)
@@ -250,11 +262,8 @@ class EagleModel:
         tgt = load_target(target, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
         if drafter is None and isinstance(target, str):
             drafter = shipped_drafter(target) or shipped_drafter_for(tgt)
-        elif isinstance(drafter, str) and drafter in SHIPPED_BY_KIND and not Path(drafter).exists():
-            kind, drafter = drafter, (shipped_drafter(target, drafter) if isinstance(target, str) else None) or \
-                shipped_drafter_for(tgt, drafter)
-            if drafter is None:
-                raise EagleError(f"no {kind} drafter is shipped for target {tgt.name}: pass a drafter folder")
+        else:
+            drafter = shipped_drafter_of_kind(drafter, tgt, target if isinstance(target, str) else None) or drafter
         if drafter is not None and not isinstance(drafter, Drafter):
             drafter = Drafter.from_pretrained(drafter, target=tgt)
         elif drafter is not None:

@@ -155,15 +155,9 @@ def drafter_name(model: Any) -> str | None:
 def with_drafter(model: Any, folder: str) -> Any:
     """An ``EagleModel`` on ``model``'s target and settings with the drafter in ``folder``."""
     from eagle.drafting.drafter import Drafter
-    from eagle.engine import EagleModel
+    from eagle.engine import EagleModel, shipped_drafter_of_kind
 
-    from eagle.engine import SHIPPED_BY_KIND, shipped_drafter_for
-
-    if folder in SHIPPED_BY_KIND and not Path(folder).exists():  # a shipped drafter by kind, e.g. eagle-tree@eagle3
-        shipped = shipped_drafter_for(model.target, folder)
-        if shipped is None:
-            raise EagleError(f"no {folder} drafter is shipped for target {model.target.name}")
-        folder = str(shipped)
+    folder = shipped_drafter_of_kind(folder, model.target) or folder  # a kind, e.g. eagle-tree@eagle3
     drafter = Drafter.from_pretrained(folder, target=model.target)
     return EagleModel(model.target, drafter, model.draft_model, model.tree, model.speculative, model.prompt_lookup,
                       model.drafter_dtype, model.drafter_quant or "none")
