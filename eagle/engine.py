@@ -13,6 +13,8 @@ import torch
 
 from eagle.config import (PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig, check_bool, check_int,
                           option_configs)
+from eagle.decoding.device_rounds import (MAX_TREE, DeviceTreeDrafter, auto_total, device_decode_loop,
+                                          device_rounds_apply)
 from eagle.decoding.loop import GenerationResult, decode_loop
 from eagle.decoding.proposers import DraftModel, EagleDrafter, NoDraft, PromptLookup, Proposer
 from eagle.decoding.sampling import make_generator
@@ -192,13 +194,15 @@ class EagleModel:
     def __init__(self, target: Target, drafter: Drafter | None = None, draft_model: Any = None,
                  tree: TreeConfig | None = None, speculative: SpeculativeConfig | None = None,
                  prompt_lookup: PromptLookupConfig | None = None, drafter_dtype: torch.dtype | None = None,
-                 drafter_quant: str | None = None) -> None:
+                 drafter_quant: str | None = None, device_rounds: bool | None = None) -> None:
         """``drafter_dtype``: what the drafter and the draft model compute in (default
         ``default_drafter_dtype``). ``drafter_quant``: the EAGLE drafter's weights rounded to a block
         format of ``eagle.runtime.block_codes.FORMATS`` and computed in fp32, or "none" (default
         ``default_drafter_quant``, unless ``drafter_dtype`` is given). They only propose; every token
         is still the target's, whatever their precision (``sd`` accepts against the draft
-        probabilities it really sampled from)."""
+        probabilities it really sampled from). ``device_rounds``: ``eagle-tree``/``eagle-chain`` rounds
+        drafted, verified and accepted on the device with one host read each
+        (``eagle.decoding.device_rounds``; default: on CUDA), where the tree options allow it."""
         self.target, self.drafter, self.draft_model = target, drafter, draft_model
         self.tree = tree or TreeConfig()
         self.speculative = speculative or SpeculativeConfig()
@@ -209,6 +213,9 @@ class EagleModel:
         if self.drafter_quant is not None and self.drafter_quant not in FORMATS:
             raise EagleError(f"unknown drafter quantization {drafter_quant!r}; choose from none, {', '.join(FORMATS)}")
         self.drafter_dtype = drafter_dtype or default_drafter_dtype(target)
+        if device_rounds is not None:
+            check_bool("device_rounds", device_rounds)
+        self.device_rounds = target.device.type == "cuda" if device_rounds is None else device_rounds
         self._packed: dict[tuple[int, torch.dtype, str | None], tuple[Any, Any]] = {}
         # what "auto" tree sizing has learned in this model's decoding so far, greedy and sampled (by greedy)
         self._sizing: dict[bool, Sizing] = {}
@@ -240,7 +247,8 @@ class EagleModel:
                         draw_support: int | None = None, gamma: int | None = None, lenience: float | None = None,
                         adaptive_gamma: bool | None = None,
                         drafter_dtype: torch.dtype | None = None, drafter_quant: str | None = None,
-                        cuda_graphs: bool | None = None, **prompt_lookup: Any) -> "EagleModel":
+                        cuda_graphs: bool | None = None, device_rounds: bool | None = None,
+                        **prompt_lookup: Any) -> "EagleModel":
         """``drafter``: a drafter folder or ``Drafter`` (default: the one shipped for the target,
         if any; "eagle3": the EAGLE-3 drafter shipped for it). ``draft_model``: a model spec (as for targets), a draft LM folder
         (``eagle.drafting.draft_lm``) or a loaded model for ``sd`` (default: the draft LM shipped for the
@@ -254,7 +262,7 @@ class EagleModel:
         ``min_ngram``, ``num_draft_tokens`` (the n-gram sizes also apply to ``lookup_tokens``).
         ``drafter_dtype``, ``drafter_quant``: see ``EagleModel``. ``cuda_graphs``: the target and the
         drafter on static shapes replayed as CUDA graphs (``eagle.runtime.cuda_graphs``; default: on CUDA;
-        ``True`` on a CPU runs that static path without graphs)."""
+        ``True`` on a CPU runs that static path without graphs). ``device_rounds``: see ``EagleModel``."""
         tree, spec, pl = option_configs(
             total_tokens=total_tokens, depth=depth, top_k=top_k, choices=choices,
             lookup_tokens=lookup_tokens, sampled_tree=sampled_tree, draw_temperature_scale=draw_temperature_scale,
@@ -278,7 +286,29 @@ class EagleModel:
                 draft = load_target(draft_model, device=tgt.device, dtype=tgt.dtype)
                 check_same_tokenizer(tgt, draft)
                 draft_model = draft.model
-        return cls(tgt, drafter, draft_model, tree, spec, pl, drafter_dtype, drafter_quant)
+        return cls(tgt, drafter, draft_model, tree, spec, pl, drafter_dtype, drafter_quant, device_rounds)
+
+    def _method_tree(self, method: str) -> TreeConfig:
+        """The tree options ``method`` drafts with (``eagle-chain``: one branch, no lookup)."""
+        if method == "eagle-chain":
+            return dataclasses.replace(self.tree, top_k=1, total_tokens=self.tree.levels + 1, choices=None,
+                                       lookup_tokens=0)
+        return self.tree
+
+    def _device_drafter(self, method: str, sampling: SamplingConfig) -> DeviceTreeDrafter | None:
+        """The drafter of ``method``'s device rounds, or None where they do not apply (off, another
+        method, no drafter, or tree options only the host path has)."""
+        if not self.device_rounds or method not in ("eagle-tree", "eagle-chain") or self.drafter is None:
+            return None
+        tree = self._method_tree(method)
+        if not device_rounds_apply(tree, sampling):
+            return None
+        k = tree.top_k
+        pool = 1 + k + tree.depth * k * k
+        total = tree.total_tokens if isinstance(tree.total_tokens, int) else auto_total(self.target, pool,
+                                                                                         sampling.greedy)
+        return DeviceTreeDrafter(self._inference_copy(self.drafter, self.drafter_dtype, self.drafter_quant),
+                                 self.target, k, tree.depth, min(total, MAX_TREE))
 
     def _proposer(self, method: str, sampling: SamplingConfig, generator: torch.Generator) -> Proposer:
         device = self.target.device
@@ -294,9 +324,7 @@ class EagleModel:
         if method in ("eagle-tree", "eagle-chain"):
             if self.drafter is None:
                 raise EagleError(f"method {method!r} needs a drafter: pass drafter=... (--drafter)")
-            tree = self.tree
-            if method == "eagle-chain":
-                tree = dataclasses.replace(tree, top_k=1, total_tokens=tree.levels + 1, choices=None, lookup_tokens=0)
+            tree = self._method_tree(method)
             sizing = None
             if tree.total_tokens == "auto":
                 from eagle.decoding.tree_sizing import cost_curve
@@ -321,9 +349,13 @@ class EagleModel:
         check_bool("stream", stream)
         prompt_ids = self.target.encode_prompt(prompt)
         generator = make_generator(seed)
-        proposer = self._proposer(method, sampling, generator)
-        events = decode_loop(self.target, proposer, prompt_ids, max_new_tokens, sampling, generator, self.speculative,
-                             method)
+        device_drafter = self._device_drafter(method, sampling)
+        if device_drafter is not None:
+            events = device_decode_loop(self.target, device_drafter, prompt_ids, max_new_tokens, sampling, generator,
+                                        method)
+        else:
+            events = decode_loop(self.target, self._proposer(method, sampling, generator), prompt_ids, max_new_tokens,
+                                 sampling, generator, self.speculative, method)
         if stream:
             return Stream(events, self.target.tokenizer)
         *_, result = events

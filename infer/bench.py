@@ -160,7 +160,7 @@ def with_drafter(model: Any, folder: str) -> Any:
     folder = shipped_drafter_of_kind(folder, model.target) or folder  # a kind, e.g. eagle-tree@eagle3
     drafter = Drafter.from_pretrained(folder, target=model.target)
     return EagleModel(model.target, drafter, model.draft_model, model.tree, model.speculative, model.prompt_lookup,
-                      model.drafter_dtype, model.drafter_quant or "none")
+                      model.drafter_dtype, model.drafter_quant or "none", model.device_rounds)
 
 
 # ---- statistics (pure) ---------------------------------------------------------------------
@@ -445,6 +445,8 @@ def machine(model: Any) -> dict:
         info["gpu"] = torch.cuda.get_device_name(model.target.device)
     if model.target.graphs is not None:
         info["graphs"] = model.target.graphs.describe()
+    if model.device_rounds:
+        info["device_rounds"] = True
     if model.target.lean is not None:  # the product kernels (compiled, oneDNN or F.linear per row count)
         info["kernels"] = model.target.lean.kernel_choice()
     return info

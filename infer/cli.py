@@ -58,6 +58,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run the target and drafter on static shapes replayed as CUDA graphs (default: on CUDA; "
                         "on a CPU the same static path runs without graphs)")
+    g.add_argument("--device-rounds", action=argparse.BooleanOptionalAction, default=None,
+                   help="eagle-tree/eagle-chain rounds drafted, verified and accepted on the device with one host read "
+                        "each: fixed-shape EAGLE-2 trees, no prompt-lookup grafts, top-k children when sampling "
+                        "(default: on CUDA, where the tree options allow it)")
     t = parser.add_argument_group("draft tree (eagle-tree, eagle-chain)")
     t.add_argument("--total-tokens", type=total_tokens_arg, help="tree nodes verified per step (int or 'auto')")
     t.add_argument("--depth", type=int,
@@ -152,7 +156,7 @@ def load_model(args: argparse.Namespace) -> Any:
     return EagleModel.from_pretrained(
         args.target, drafter=args.drafter, draft_model=args.draft_model, device=args.device, dtype=dtype,
         drafter_dtype=drafter_dtype, drafter_quant=None if args.drafter_quant == "auto" else args.drafter_quant,
-        cuda_graphs=args.cuda_graphs, **option_args(args))
+        cuda_graphs=args.cuda_graphs, device_rounds=args.device_rounds, **option_args(args))
 
 
 def check_method(model: Any, method: str) -> None:

@@ -367,7 +367,8 @@ class Engine:
 
             m = self.model
             view = EagleModel(m.target, m.drafter, m.draft_model, dataclasses.replace(m.tree, total_tokens=size),
-                              m.speculative, m.prompt_lookup, m.drafter_dtype, m.drafter_quant or "none")
+                              m.speculative, m.prompt_lookup, m.drafter_dtype, m.drafter_quant or "none",
+                              m.device_rounds)
         self.views[size] = view  # the most recently used last
         while len(self.views) > VIEWS:
             del self.views[next(iter(self.views))]

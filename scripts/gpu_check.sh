@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check, in one run with nothing downloaded (about 6-8 minutes on one H100):
 #   (a) the test subset on CUDA (EAGLE_TEST_DEVICE=cuda);
-#   (b) eagle-bench on the default target: hf,ar,eagle-tree fp32 greedy; ar,eagle-tree at temperature 1;
-#       ar,eagle-tree bf16 greedy (share of prompts identical to bf16 ar); ar,eagle-tree without graphs;
+#   (b) eagle-bench on the default target, CUDA graphs and device rounds (eagle.decoding.device_rounds):
+#       hf,ar,eagle-tree fp32 greedy; ar,eagle-tree at temperature 1 (top-k children: --no-sampled-tree);
+#       ar,eagle-tree bf16 greedy (share of prompts identical to bf16 ar); ar,eagle-tree with host rounds
+#       (--no-device-rounds, 5 prompts: what device rounds gain);
 #   (c) the training smoke run (scripts/train_smoke.py: DeepSpeed ZeRO-2 in bf16, resume, CPU load).
 # $OUT (default ./gpu-out) gets at most 8 files: gpu-check.json (the summary), gpu-check.log (progress with
 # timestamps and the end of each part's output), pytest.xml, the four bench-*.json and train-smoke.json; each
@@ -95,18 +97,19 @@ fi
 say "target: $TARGET"
 
 PROMPTS=benchmarks/prompts/dev.jsonl
-TESTS=(tests/runtime/test_cuda_graphs.py tests/test_engine.py tests/decoding/test_tree_mask.py tests/decoding/test_acceptance.py)
+TESTS=(tests/runtime/test_cuda_graphs.py tests/decoding/test_device_rounds.py tests/test_engine.py tests/decoding/test_tree_mask.py
+       tests/decoding/test_acceptance.py)
 if [ "$DEVICE" = cuda ]; then
   export EAGLE_CPU_KERNELS=0  # the CPU side (the trained drafter's check) runs torch's operations: nothing compiled
   NEW=128; LIMIT=(); FEW=(--limit 5); TESTDEV=cuda; TEST_LIMIT=120; BENCH_LIMIT=200; SHORT=120; TRAIN_LIMIT=150; DEV_ARGS=(--device cuda --warmup 1)
 else
   # the rehearsal: 16 new tokens for 2 prompts, fixed trees (no cost curve to measure), no warm-up
   NEW=16; LIMIT=(--limit 2); FEW=(--limit 1); TESTDEV=cpu; TEST_LIMIT=900; BENCH_LIMIT=900; SHORT=900; TRAIN_LIMIT=900; BUDGET=${EAGLE_GPU_CHECK_BUDGET:-7200}
-  TESTS=(tests/runtime/test_cuda_graphs.py); DEV_ARGS=(--device cpu --warmup 0 --total-tokens 12)
+  TESTS=(tests/runtime/test_cuda_graphs.py tests/decoding/test_device_rounds.py); DEV_ARGS=(--device cpu --warmup 0 --total-tokens 12)
 fi
 [ -n "${EAGLE_GPU_CHECK_TESTS:-}" ] && read -r -a TESTS <<< "$EAGLE_GPU_CHECK_TESTS"  # another test selection
 BENCH=($PY -m infer.bench --target "$TARGET" --prompts $PROMPTS --max-new-tokens $NEW "${DEV_ARGS[@]}")
-GRAPHS=(--cuda-graphs)  # the default on CUDA; on a CPU the same static path without graphs
+GRAPHS=(--cuda-graphs --device-rounds)  # the defaults on CUDA; on a CPU the same static path without graphs
 
 # (a) tests on the device (the static/graph path, decoding, trees, acceptance, lean forward)
 part tests $TEST_LIMIT env EAGLE_TEST_DEVICE=$TESTDEV $PY -m pytest -q -m "not slow and not integration" \
@@ -116,11 +119,11 @@ part tests $TEST_LIMIT env EAGLE_TEST_DEVICE=$TESTDEV $PY -m pytest -q -m "not s
 part bench-fp32-greedy $BENCH_LIMIT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods hf,ar,eagle-tree --dtype float32 \
   --json "$OUT/bench-fp32-greedy.json"
 part bench-fp32-t1 $SHORT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype float32 \
-  --temperature 1 --seed 0 --json "$OUT/bench-fp32-t1.json"
+  --temperature 1 --seed 0 --no-sampled-tree --json "$OUT/bench-fp32-t1.json"
 part bench-bf16-greedy $SHORT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype bfloat16 \
   --json "$OUT/bench-bf16-greedy.json"
-part bench-fp32-nographs $SHORT "${BENCH[@]}" "${FEW[@]}" --methods ar,eagle-tree --dtype float32 --no-cuda-graphs \
-  --json "$OUT/bench-fp32-nographs.json"
+part bench-fp32-host-rounds $SHORT "${BENCH[@]}" "${FEW[@]}" --methods ar,eagle-tree --dtype float32 --cuda-graphs \
+  --no-device-rounds --json "$OUT/bench-fp32-host-rounds.json"
 
 # (c) training: DeepSpeed ZeRO-2 (bf16 on CUDA), checkpoint, resume, the drafter loaded on the CPU
 if $PY -c "import deepspeed" > /dev/null 2>&1; then
@@ -151,7 +154,7 @@ if xml.is_file():
                                   if c.find("failure") is not None or c.find("error") is not None]
 keys = ("tokens_per_second", "mean_accept_length", "speedup_vs_ar", "speedup_vs_hf", "identical_to_ar",
         "identical_share", "step_fractions")
-for name in ("bench-fp32-greedy", "bench-fp32-t1", "bench-bf16-greedy", "bench-fp32-nographs"):
+for name in ("bench-fp32-greedy", "bench-fp32-t1", "bench-bf16-greedy", "bench-fp32-host-rounds"):
     path = out / f"{name}.json"
     if path.is_file():
         data = json.loads(path.read_text())

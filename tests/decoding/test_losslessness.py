@@ -304,3 +304,34 @@ def test_eagle3_drafters_sampled_tree_is_lossless_and_the_check_has_teeth(monkey
     monkeypatch.setattr(proposers.DrawDistributions, "support", lambda rows, node: told(
         dataclasses.replace(rows, draft_ids=torch.arange(len(rows.draft_ids), device=rows.draft_ids.device)), node))
     assert chi_square_p(sampled_triples(model, "eagle-tree", sampling, SAMPLES // 2), exact) < ALPHA
+
+
+def device_no_renormalization(tree, probs, generator):
+    """Broken device rule: a child is accepted with probability p(x) whatever its earlier siblings
+    took, and the next token comes from the full p."""
+    from eagle.decoding.device_rounds import DeviceAcceptance, deepest_agreeing
+
+    mass = probs[tree.parents.clamp(min=0), tree.tokens].double()
+    index = torch.arange(tree.size)
+    uniform = torch.rand(tree.size, generator=generator, dtype=torch.float64)
+    accepted = (uniform < mass) & (index > 0)
+    earlier = (tree.parents[:, None] == tree.parents[None, :]) & (index[None, :] < index[:, None])
+    first = accepted & ~((earlier.double() @ accepted.double()) > 0)
+    best, path, count = deepest_agreeing(tree, first)
+    return DeviceAcceptance(path, count, sample(probs[best], generator))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_device_rounds_sampling_is_lossless_and_the_check_has_teeth(model, spread, top_p, monkeypatch):
+    """Device rounds (``eagle.decoding.device_rounds``) at temperature 1: the drafter's top-k children
+    (``spread``: deep and shallow nodes compete), accepted by ``sampled_accept`` on the device."""
+    from eagle.decoding import device_rounds
+
+    sampling = SamplingConfig(temperature=1.0, top_p=top_p)
+    exact = exact_triples(model, sampling)
+    tree = dataclasses.replace(model.tree, sampled_tree=False, lookup_tokens=0)
+    device = EagleModel(model.target, spread, tree=tree, device_rounds=True)
+    assert device._device_drafter("eagle-tree", sampling) is not None
+    assert chi_square_p(sampled_triples(device, "eagle-tree", sampling, SAMPLES), exact) > ALPHA
+    monkeypatch.setattr(device_rounds, "sampled_accept", device_no_renormalization)
+    assert chi_square_p(sampled_triples(device, "eagle-tree", sampling, SAMPLES // 2), exact) < ALPHA

@@ -1,0 +1,371 @@
+"""Tree decoding whose rounds stay on the device, with one host synchronisation per round.
+
+The host path (``eagle.decoding.loop.decode_loop`` with ``EagleDrafter``) reads the pool's scores,
+the tree and the accepted path back to the host several times a round; on a GPU each read waits
+for the device to drain, and the launches of the next step wait for the read. Here a round keeps
+every tensor on the device, in shapes fixed by (top_k, depth, total_tokens), as EAGLE-2's own
+implementation does:
+
+1. draft (``DeviceTreeDrafter.draft``): the root's top_k children; then ``depth`` times the top_k
+   best frontier nodes run through the drafter in one call (k rows under a tree mask over the
+   committed cache and the nodes run before them) and each gets its top_k children. The pool has
+   1 + k + depth k^2 nodes; the root and the best total_tokens - 1 are the tree (``select_tree``);
+2. verify: one target forward over the tree (the static path pads it to its bucket);
+3. accept on the device (``greedy_accept``; ``sampled_accept`` at temperature > 0, recursive
+   rejection over the top-k children), then one copy to the host: the number of accepted
+   nodes, the next token and the path's tokens;
+4. compact the target's cache with one gather and feed the drafter the accepted path.
+
+Prompt-lookup grafts, drawn children (``TreeConfig.sampled_tree``) and static trees (``choices``)
+belong to the host path; ``total_tokens="auto"`` is one size for the whole generation, the largest
+whose verify costs at most ``AUTO_COST`` times a one-token forward on the target's cost curve."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from typing import Iterator
+
+import torch
+
+from eagle.config import SamplingConfig, TreeConfig
+from eagle.decoding.loop import GenerationResult, truncate_at_stop
+from eagle.decoding.sampling import logits_to_probs, sample
+from eagle.decoding.tree import topk_children
+from eagle.decoding.tree_mask import additive_bias
+from eagle.errors import EagleError
+from eagle.runtime import kv_cache
+from eagle.runtime.target import Target
+
+MAX_TREE = 64  # the most tree tokens a round verifies: the largest static bucket (``cuda_graphs.BUCKETS``)
+AUTO_COST = 1.3  # "auto": the largest tree whose verify costs at most this many one-token forwards
+
+
+@dataclasses.dataclass
+class DeviceTree:
+    """A draft tree on the device: ``tokens`` [T] target ids (root first); ``parents`` [T] long
+    (root -1, parents[i] < i); ``scores`` [T] the cumulative draft log-probability of each path
+    (root 0); ``depths`` [T] long (root 0); ``ancestors`` [T, T] bool, ancestors[i, j] = j is i or
+    an ancestor of i; ``max_depth``: no node is deeper."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    scores: torch.Tensor
+    depths: torch.Tensor
+    ancestors: torch.Tensor
+    max_depth: int
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """``parents`` [T] (root -1, parents[i] < i), no node deeper than ``max_depth`` -> [T, T] bool,
+    [i, j] = j is i or an ancestor of i (``max_depth`` steps up, fixed: no data-dependent shape)."""
+    index = torch.arange(parents.shape[0], device=parents.device)
+    mask = index[:, None] == index[None, :]
+    up = parents
+    for _ in range(max_depth):
+        mask |= index[None, :] == up[:, None]  # a root's -1 matches no column
+        up = torch.where(up >= 0, parents[up.clamp(min=0)], up)
+    return mask
+
+
+def select_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, depths: torch.Tensor,
+                total: int, max_depth: int) -> DeviceTree:
+    """The root and the ``total - 1`` best-scoring nodes of a pool, in pool order, re-indexed.
+
+    Pool: ``tokens``/``parents``/``scores``/``depths`` [M], index 0 the root, parents[i] < i, no
+    child scoring above its parent. Ties go to the lower index (a stable sort), so a kept node's
+    parent, which scores at least as high and comes first, is kept too: the result is a tree."""
+    m = tokens.shape[0]
+    best = torch.sort(scores[1:], descending=True, stable=True).indices[:total - 1] + 1
+    kept = torch.cat([torch.zeros(1, dtype=torch.long, device=tokens.device), torch.sort(best).values])
+    new_index = torch.full((m,), -1, dtype=torch.long, device=tokens.device)
+    new_index[kept] = torch.arange(kept.shape[0], device=tokens.device)
+    pool_parents = parents[kept]
+    new_parents = torch.where(pool_parents >= 0, new_index[pool_parents.clamp(min=0)], pool_parents)
+    return DeviceTree(tokens[kept], new_parents, scores[kept], depths[kept], ancestor_matrix(new_parents, max_depth),
+                      max_depth)
+
+
+@dataclasses.dataclass
+class DeviceAcceptance:
+    """``path`` [max_depth + 1] long: the accepted nodes by depth, root first (entries past
+    ``count - 1`` are arbitrary); ``count`` [] long: accepted nodes, root included; ``next_token``
+    [] long: the target's token after the last accepted node. All on the device."""
+
+    path: torch.Tensor
+    count: torch.Tensor
+    next_token: torch.Tensor
+
+
+def deepest_agreeing(tree: DeviceTree, agrees: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``agrees`` [T] bool (the root's entry ignored): whether the target took each node given its
+    parent. -> (the deepest node all of whose non-root ancestors-or-self agree [] (the first on a tie),
+    the path to it by depth [max_depth + 1], its accepted count [])."""
+    index = torch.arange(tree.size, device=agrees.device)
+    agrees = agrees | (index == 0)
+    reached = ~(tree.ancestors & ~agrees[None, :]).any(-1)  # [T]
+    best = torch.where(reached, tree.depths, -1).argmax()
+    slots = torch.full((tree.max_depth + 2,), 0, dtype=torch.long, device=agrees.device)
+    on_path = tree.ancestors[best]
+    slots.scatter_(0, torch.where(on_path, tree.depths, tree.max_depth + 1), index)  # off-path nodes: a spare slot
+    return best, slots[:tree.max_depth + 1], tree.depths[best] + 1
+
+
+def greedy_accept(tree: DeviceTree, argmax: torch.Tensor) -> DeviceAcceptance:
+    """The longest path whose every token is the target's argmax at its parent, plus the bonus.
+    ``argmax`` [T]: the target's greedy token after each node."""
+    agrees = tree.tokens == argmax[tree.parents.clamp(min=0)]
+    best, path, count = deepest_agreeing(tree, agrees)
+    return DeviceAcceptance(path, count, argmax[best])
+
+
+def sampled_accept(tree: DeviceTree, probs: torch.Tensor, generator: torch.Generator) -> DeviceAcceptance:
+    """Recursive rejection sampling over a tree of deterministic drafts (SpecInfer; EAGLE-2's
+    top-k children), exact for any ``probs`` [T, V] (the warped target distribution after each
+    node), given that no draft depends on the target's draws.
+
+    At node v the children are tried in index order; after the earlier siblings x_1..x_{j-1} were
+    rejected, what the target still owes is p_v without them, renormalized, so child j is accepted
+    with probability p_v(x_j) / (1 - sum_{i<j} p_v(x_i)): every node's chance is known in advance
+    and one uniform draw per node decides all of them at once. The walk stops at the first node none
+    of whose children was accepted; the next token is drawn from its p without its children."""
+    t = tree.size
+    index = torch.arange(t, device=probs.device)
+    parent = tree.parents.clamp(min=0)
+    mass = probs[parent, tree.tokens].double()  # [T] p_parent(x)
+    siblings_before = (tree.parents[:, None] == tree.parents[None, :]) & (index[None, :] < index[:, None])
+    owed = 1.0 - siblings_before.double() @ mass
+    chance = torch.where(owed > 1e-12, mass / owed.clamp(min=1e-12), torch.ones_like(mass)).clamp(max=1.0)
+    uniform = torch.rand(t, generator=generator, dtype=torch.float64, device=generator.device).to(probs.device)
+    accepted = (uniform < chance) & (index > 0)
+    first = accepted & ~((siblings_before.double() @ accepted.double()) > 0)  # tried in order: the first acceptance
+    best, path, count = deepest_agreeing(tree, first)
+    children = torch.zeros(probs.shape[-1], dtype=probs.dtype, device=probs.device)
+    children.index_add_(0, tree.tokens, (tree.parents == best).to(probs.dtype))
+    owed_probs = probs[best] * (children == 0)
+    return DeviceAcceptance(path, count, sample(owed_probs, generator))
+
+
+class DeviceTreeDrafter:
+    """The feature-level drafter growing EAGLE-2 trees of fixed shape on the device (``draft``),
+    fed what the target accepted (``extend``). ``drafter``: the inference copy (``LeanDrafter``,
+    or a ``GraphedDrafter`` whose calls replay CUDA graphs); ``top_k``/``depth``/``total`` as in
+    ``TreeConfig`` (``total`` an int)."""
+
+    def __init__(self, drafter, target: Target, top_k: int, depth: int, total: int) -> None:
+        vocab = drafter.config.draft_vocab_size or drafter.config.vocab_size
+        if top_k > vocab:
+            raise EagleError(f"tree top_k {top_k} exceeds the drafter's vocabulary ({vocab})")
+        self.drafter, self.target, self.top_k, self.depth, self.total = drafter, target, top_k, depth, total
+        self.dtype, self.device = drafter.dtype, target.device
+        self.draft_ids = drafter.to_target_ids(torch.arange(vocab, device=self.device))  # draft index -> target id
+        self.cache = drafter.new_cache()
+        self.last_hidden: torch.Tensor | None = None  # the drafter's prediction at the root [H]
+        self._layouts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def start(self) -> None:
+        self.cache = self.drafter.new_cache()
+        self.last_hidden = None
+
+    @torch.inference_mode()
+    def extend(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Feed pairs (f_t, x_{t+1}) for newly committed positions: ``features`` [n, F], ``next_tokens`` [n]."""
+        past = kv_cache.cache_length(self.cache)
+        n = next_tokens.shape[0]
+        pos = torch.arange(past, past + n, device=self.device)[None]
+        out = self.drafter(features[None].to(self.dtype), self.target.embed(next_tokens[None]).to(self.dtype), pos,
+                           self.cache)
+        self.last_hidden = out[0, -1]
+
+    def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.drafter.draft_logits(hidden, lambda h: self.target.lm_head(h.to(self.target.dtype)))
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def expansions(self, levels: int, committed: int) -> int:
+        """Drafter calls for paths of at most ``levels`` drafts: ``levels - 1``, at most ``depth``,
+        and no more than the drafter's cache has room for after ``committed`` positions."""
+        calls = max(0, min(self.depth, levels - 1))
+        capacity = getattr(self.cache, "capacity", None)
+        if capacity is not None:  # a static cache: each call writes k rows, padded to their bucket
+            from eagle.runtime.cuda_graphs import bucket_for
+
+            padded = bucket_for(self.top_k) or self.top_k
+            calls = min(calls, max(0, (capacity - committed - padded) // self.top_k + 1))
+        return calls
+
+    def _layout(self, calls: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What every tree of ``calls`` drafter calls shares, made once: the first level's parents
+        [1 + k], the pool's depths [1 + k + calls k^2] and the k x k identity."""
+        layout = self._layouts.get(calls)
+        if layout is None:
+            k, dev = self.top_k, self.device
+            depths = [0] + [1] * k + [d + 1 for d in range(1, calls + 1) for _ in range(k * k)]
+            layout = self._layouts[calls] = (torch.tensor([-1] + [0] * k, device=dev), torch.tensor(depths, device=dev),
+                                             torch.eye(k, dtype=torch.bool, device=dev))
+        return layout
+
+    @torch.inference_mode()
+    def draft(self, root: torch.Tensor, levels: int) -> DeviceTree:
+        """A tree below ``root`` [1] (target id) with paths of at most ``levels`` drafts (at most
+        ``depth`` + 1). Leaves the drafter's cache as it found it."""
+        k, dev = self.top_k, self.device
+        committed = kv_cache.cache_length(self.cache)
+        calls = self.expansions(levels, committed)
+        first_parents, pool_depths, eye = self._layout(calls)
+        picks, scores = topk_children(torch.zeros(1, device=dev), self._logprobs(self.last_hidden[None]), k)
+        frontier = torch.arange(1, k + 1, device=dev)  # pool indices of the nodes the next call runs
+        frontier_scores, frontier_tokens = scores[0], self.draft_ids[picks[0]]
+        inputs = self.last_hidden[None].expand(k, -1)
+        tokens, parents, pool_scores = [root, frontier_tokens], [first_parents], [scores.new_zeros(1), frontier_scores]
+        earlier = torch.zeros(k, calls * k, dtype=torch.bool, device=dev)  # which nodes run before are ancestors
+        size = 1 + k
+        for d in range(1, calls + 1):
+            run = (d - 1) * k
+            allowed = torch.cat([torch.ones(k, committed, dtype=torch.bool, device=dev), earlier[:, :run], eye], 1)
+            pos = torch.full((1, k), committed + d - 1, device=dev)
+            hidden = self.drafter(inputs[None], self.target.embed(frontier_tokens[None]).to(self.dtype), pos,
+                                  self.cache, additive_bias(allowed, self.dtype))[0]
+            child_picks, child_scores = topk_children(frontier_scores, self._logprobs(hidden), k)  # [k, k]
+            flat_scores, flat_tokens = child_scores.reshape(-1), self.draft_ids[child_picks.reshape(-1)]
+            tokens.append(flat_tokens)
+            parents.append(frontier.repeat_interleave(k))
+            pool_scores.append(flat_scores)
+            if d < calls:  # the next call runs the k best children
+                best = torch.topk(flat_scores, k).indices
+                rows = torch.div(best, k, rounding_mode="floor")
+                frontier, frontier_scores, frontier_tokens = size + best, flat_scores[best], flat_tokens[best]
+                inputs = hidden[rows]
+                earlier = earlier[rows]
+                earlier[torch.arange(k, device=dev), run + rows] = True
+            size += k * k
+        kv_cache.roll_back(self.cache, committed)
+        return select_tree(torch.cat(tokens).long(), torch.cat(parents), torch.cat(pool_scores), pool_depths,
+                           min(self.total, size), calls + 1)
+
+
+def auto_total(target: Target, pool: int, greedy: bool) -> int:
+    """``total_tokens="auto"``: the largest tree (at most ``MAX_TREE``, ``pool``) whose verify costs
+    at most ``AUTO_COST`` one-token forwards on the target's measured cost curve (at least 2)."""
+    from eagle.decoding.tree_sizing import cost_curve
+
+    curve = cost_curve(target, greedy=greedy)
+    one = curve.at(1)
+    fits = [n for n in range(2, min(MAX_TREE, pool) + 1) if curve.at(n) <= AUTO_COST * one]
+    return max(fits, default=2)
+
+
+def device_rounds_apply(tree: TreeConfig, sampling: SamplingConfig) -> bool:
+    """Whether a tree of ``tree`` at ``sampling`` can run in device rounds (else the host path runs it)."""
+    return tree.choices is None and (sampling.greedy or not tree.sampled_tree)
+
+
+class _Clock:
+    """Seconds per step. On CUDA the laps are events read once at the end, so that timing adds no
+    synchronisation; elsewhere wall time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.laps: list[tuple[str, object]] = []
+        self.start = self._now()
+
+    def _now(self) -> object:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def lap(self, step: str) -> None:
+        self.laps.append((step, self._now()))
+
+    def seconds(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        last = self.start
+        if self.cuda:
+            torch.cuda.synchronize()
+        for step, mark in self.laps:
+            out[step] += last.elapsed_time(mark) / 1000 if self.cuda else mark - last
+            last = mark
+        return dict(out)
+
+
+@torch.inference_mode()
+def device_decode_loop(target: Target, drafter: DeviceTreeDrafter, prompt_ids: list[int], max_new_tokens: int,
+                       sampling: SamplingConfig, generator: torch.Generator,
+                       method: str = "") -> Iterator[list[int] | GenerationResult]:
+    """``decode_loop``'s contract (yield each chunk of accepted tokens, then the ``GenerationResult``)
+    with device rounds: one host read per round."""
+    if max_new_tokens < 1:
+        raise EagleError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if len(prompt_ids) >= target.max_context:
+        raise EagleError(f"prompt has {len(prompt_ids)} tokens; the model's context is {target.max_context}")
+    device, start = target.device, time.perf_counter()
+    if not sampling.greedy and generator.device != device:  # draws on the device, seeded from the caller's generator
+        seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
+        generator = torch.Generator(device).manual_seed(seed)
+    ids, new, accept_lengths, forwards, stop = list(prompt_ids), [], [], 0, ""
+    aux = tuple(drafter.drafter.config.aux_layers)
+    cache = target.new_cache()
+    drafter.start()
+    prompt = torch.tensor(ids, device=device)
+    if len(ids) > 1:  # prefill all but the last token, which roots the first tree
+        out = target.forward(prompt[None, :-1], torch.arange(len(ids) - 1, device=device)[None], cache,
+                             logits_from=len(ids) - 1, aux_layers=aux)
+        drafter.extend(out.features[0], prompt[1:])
+    root = prompt[-1:]
+    if device.type == "cuda":  # the prefill's own time: the one synchronisation outside the rounds
+        torch.cuda.synchronize(device)
+    prefill_s = time.perf_counter() - start
+    clock = _Clock(device)
+    while not stop:
+        past = len(ids) - 1
+        room = min(max_new_tokens - len(new), target.max_context - len(ids))
+        # 1. draft a tree of fixed shape below the root
+        if drafter.last_hidden is None:  # a one-token prompt: nothing to draft from yet
+            tree = select_tree(root, torch.tensor([-1], device=device), torch.zeros(1, device=device),
+                               torch.zeros(1, dtype=torch.long, device=device), 1, 0)
+        else:
+            tree = drafter.draft(root, max(1, min(drafter.depth + 1, room - 1)))
+        clock.lap("draft")
+        # 2. verify it in one target forward
+        allowed = torch.cat([torch.ones(tree.size, past, dtype=torch.bool, device=device), tree.ancestors], 1)
+        bias = additive_bias(allowed, target.dtype) if tree.size > 1 else None
+        out = target.forward(tree.tokens[None], (past + tree.depths)[None], cache, bias,
+                             logits_from=tree.size if sampling.greedy else 0, aux_layers=aux)
+        forwards += 1
+        clock.lap("verify")
+        # 3. accept on the device; one read brings the count, the next token and the path's tokens
+        if sampling.greedy:
+            acc = greedy_accept(tree, target.greedy_tokens(out.hidden[0]))
+        else:
+            acc = sampled_accept(tree, logits_to_probs(out.logits[0], sampling), generator)
+        head = torch.stack([acc.count, acc.next_token])
+        read = torch.cat([head, tree.tokens[acc.path]]).tolist()
+        count, next_token, path_tokens = read[0], read[1], read[2:]
+        clock.lap("accept")
+        # 4. compact the target's cache to the accepted path; feed the drafter
+        nodes = acc.path[:count]
+        kv_cache.compact(cache, past, past + nodes)
+        chunk, stop = truncate_at_stop(path_tokens[1:count] + [next_token], target.eos_token_ids, room)
+        if stop == "length" and len(new) + len(chunk) < max_new_tokens:
+            stop = "context"
+        ids.extend(chunk)
+        if not stop:
+            root = acc.next_token.reshape(1)
+            drafter.extend(out.features[0, nodes], torch.cat([tree.tokens[nodes[1:]], root]))
+        clock.lap("cache")
+        new.extend(chunk)
+        accept_lengths.append(len(chunk))
+        yield chunk
+        clock.lap("other")
+    text = target.tokenizer.decode(new, skip_special_tokens=True)
+    clock.lap("other")
+    elapsed = time.perf_counter() - start
+    yield GenerationResult(text=text, token_ids=new, accept_lengths=accept_lengths, target_forwards=forwards,
+                           elapsed_s=elapsed, method=method, prompt_tokens=len(prompt_ids), stop_reason=stop,
+                           prefill_s=prefill_s, step_seconds=clock.seconds())

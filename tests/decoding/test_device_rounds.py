@@ -1,0 +1,281 @@
+"""Device rounds (``eagle.decoding.device_rounds``): each piece against its host-path twin or a brute
+force, greedy output identical to ``ar``, and one host read per round."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from eagle import EagleModel
+from eagle.config import SamplingConfig, TreeConfig
+from eagle.decoding import acceptance
+from eagle.decoding.device_rounds import (DeviceTree, ancestor_matrix, device_rounds_apply, greedy_accept,
+                                          sampled_accept, select_tree)
+from eagle.decoding.tree import kept_nodes, subtree
+from eagle.decoding.tree_mask import tree_attention
+from eagle.drafting.drafter import Drafter
+from eagle.errors import EagleError
+
+from tests.conftest import prompts, tiny_drafter, tiny_target
+from tests.decoding.test_proposers import brute_force_eagle2, target_prefill
+
+
+def random_tree(rng: random.Random, n: int) -> list[int]:
+    return [-1] + [rng.randrange(i) for i in range(1, n)]
+
+
+def depth_of(parents: list[int]) -> list[int]:
+    depths = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def device_tree(tokens: list[int], parents: list[int]) -> DeviceTree:
+    depths = depth_of(parents)
+    p = torch.tensor(parents)
+    return DeviceTree(torch.tensor(tokens), p, torch.zeros(len(parents)), torch.tensor(depths),
+                      ancestor_matrix(p, max(depths)), max(depths))
+
+
+def test_ancestor_matrix_is_the_tree_mask():
+    rng = random.Random(0)
+    for n in (1, 2, 5, 17, 40):
+        parents = random_tree(rng, n)
+        p = torch.tensor(parents)
+        assert torch.equal(ancestor_matrix(p, max(depth_of(parents))), tree_attention(p).mask)
+        if max(depth_of(parents)) > 1:  # too few steps up miss the deepest ancestors
+            assert not torch.equal(ancestor_matrix(p, max(depth_of(parents)) - 1), tree_attention(p).mask)
+
+
+def test_select_tree_keeps_what_the_host_path_keeps_ties_included():
+    rng = random.Random(1)
+    for trial in range(30):
+        m = rng.randrange(2, 40)
+        parents = random_tree(rng, m)
+        scores = [0.0]
+        for i in range(1, m):  # a child scores no higher than its parent; coarse values make ties
+            scores.append(scores[parents[i]] - rng.choice([0.0, 0.5, 1.0]))
+        tokens = [rng.randrange(100) for _ in range(m)]
+        depths = depth_of(parents)
+        total = rng.randrange(1, m + 1)
+        got = select_tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores), torch.tensor(depths),
+                          total, max(depths))
+        kept = kept_nodes(torch.tensor(scores), total)
+        want = subtree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores), kept)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
+        assert torch.equal(got.scores, want.scores)
+        assert got.depths.tolist() == depth_of(want.parents.tolist())
+        assert torch.equal(got.ancestors, tree_attention(want.parents).mask)
+
+
+def test_greedy_accept_is_the_host_rule():
+    rng = random.Random(2)
+    for trial in range(200):
+        n = rng.randrange(1, 20)
+        parents = random_tree(rng, n)
+        tokens = [rng.randrange(3) for _ in range(n)]
+        for child in range(1, n):  # siblings carry distinct tokens, as top-k children do
+            while tokens[child] in [tokens[s] for s in range(1, child) if parents[s] == parents[child]]:
+                tokens[child] = rng.randrange(50)
+        argmax = torch.tensor([rng.randrange(3) for _ in range(n)])
+        tree = device_tree(tokens, parents)
+        got = greedy_accept(tree, argmax)
+        want = acceptance.greedy_tree(tree.tokens, tree.parents, tree_attention(tree.parents).paths, argmax)
+        count = int(got.count)
+        assert got.path[:count].tolist() == want.nodes.tolist()
+        assert int(got.next_token) == want.next_token
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("total", [2, 5, 9, 40])
+def test_device_draft_is_brute_force_eagle2(request, kind, total):
+    """The fixed-shape tree: the k best frontier nodes expanded at every depth, the best
+    ``total - 1`` of the pool kept, each with its score, as EAGLE-2's code does (brute force:
+    every node's feature recomputed from scratch)."""
+    depth, k = 4, 3
+    torch.manual_seed(5)
+    if kind == "eagle":
+        target = request.getfixturevalue("target")
+        flat = Drafter.from_target(target).eval()
+    else:
+        target = request.getfixturevalue("eagle3_target")
+        flat = Drafter.from_target(target, kind="eagle3", draft_vocab_size=20).eval()
+    model = EagleModel.from_pretrained(target, drafter=flat, total_tokens=total, depth=depth, top_k=k, lookup_tokens=0,
+                                       drafter_dtype=torch.float32, device_rounds=True)
+    ids = [3, 9, 4, 17, 8, 2, 11]
+    prefill = target_prefill(target, ids, tuple(flat.config.aux_layers))
+    drafter = model._device_drafter("eagle-tree", SamplingConfig())
+    drafter.start()
+    drafter.extend(prefill.features[0], torch.tensor(ids[1:], device=target.device))
+    tree = drafter.draft(torch.tensor([ids[-1]], device=target.device), depth + 1)
+    paths, tokens, scores = {0: ()}, tree.tokens.tolist(), tree.scores.tolist()
+    for i, parent in enumerate(tree.parents.tolist()[1:], start=1):
+        paths[i] = paths[parent] + (tokens[i],)
+    got = {paths[i]: scores[i] for i in range(1, tree.size)}
+    proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
+    want = brute_force_eagle2(proposer, ids, prefill.features[0], depth, k, total)
+    assert got.keys() == want.keys()
+    assert [got[p] for p in want] == pytest.approx(list(want.values()), abs=1e-4)
+    assert tree.depths.tolist() == [len(paths[i]) for i in range(tree.size)]
+    assert drafter.cache.get_seq_length() == len(ids) - 1  # the round's nodes are gone from the drafter's cache
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("method", ["eagle-tree", "eagle-chain"])
+def test_greedy_device_rounds_equal_ar(kind_pair, graphs, method):
+    target, drafter = kind_pair
+    for options in (dict(total_tokens=12, depth=4, top_k=3), dict(total_tokens=40, depth=5, top_k=4)):
+        model = EagleModel.from_pretrained(target, drafter=drafter, cuda_graphs=graphs, device_rounds=True, **options)
+        for ids in prompts(8, seed=4):
+            got = model.generate(ids, method=method, max_new_tokens=24)
+            assert got.token_ids == model.generate(ids, method="ar", max_new_tokens=24).token_ids
+            assert sum(got.accept_lengths) == len(got.token_ids) and got.target_forwards == len(got.accept_lengths)
+
+
+def test_device_rounds_accept_deep_paths():
+    """On a peaked target with a vocabulary of 8, drafts are accepted several deep in some rounds:
+    identity with ``ar`` alone would also hold for trees that are never accepted."""
+    target = tiny_target(vocab_size=8, seed=1, init_std=1.0)
+    drafter = tiny_drafter(target, seed=2)
+    model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=20, depth=4, top_k=4, lookup_tokens=0,
+                                       device_rounds=True)
+    host = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=20, depth=4, top_k=4, lookup_tokens=0,
+                                      device_rounds=False)
+    got = [model.generate(ids, method="eagle-tree", max_new_tokens=40) for ids in prompts(6, vocab_size=8, seed=3)]
+    want = [host.generate(ids, method="ar", max_new_tokens=40) for ids in prompts(6, vocab_size=8, seed=3)]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert max(max(g.accept_lengths) for g in got) >= 3
+
+
+def test_generation_stops_at_eos_and_at_the_context_end():
+    target = tiny_target(vocab_size=16, seed=2, eos=True, max_positions=48)
+    model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target, seed=3), total_tokens=16, depth=5, top_k=3,
+                                       device_rounds=True, cuda_graphs=True)
+    for ids in prompts(6, vocab_size=16, seed=9):
+        for budget in (1, 5, 60):
+            got = model.generate(ids, method="eagle-tree", max_new_tokens=budget)
+            want = model.generate(ids, method="ar", max_new_tokens=budget)
+            assert got.token_ids == want.token_ids and got.stop_reason == want.stop_reason
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts the operations that make a CUDA host wait for the device: reading a value
+    (``.item()``, ``int()``, ``bool()``), and the ops whose output size depends on the data."""
+
+    SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default",
+               "aten.masked_select.default", "aten.unique_consecutive.default", "aten._unique2.default"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in self.SYNCING:
+            self.counts[str(func)] += 1
+        if str(func).startswith("aten.index") and len(args) > 1 and isinstance(args[1], (list, tuple)) and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+            self.counts["boolean index"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def host_reads(model: EagleModel, monkeypatch, **generate) -> tuple[collections.Counter, int]:
+    """What one generation reads back to the host: (syncing ops, ``.tolist()`` calls) and its rounds."""
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
+    with SyncCounter() as counter:
+        result = model.generate(**generate)
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    counts = counter.counts + collections.Counter({"tolist": len(reads)})
+    return counts, len(result.accept_lengths)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_round_reads_the_device_once(target, drafter, monkeypatch, temperature):
+    """On the static path (what a GPU runs), with the greedy head that reads candidates on a CPU
+    switched off (a GPU has none): one ``.tolist()`` a round and nothing else that waits. The host
+    path, the control, reads many times a round."""
+    monkeypatch.setattr(target.lean, "greedy_head", None)
+    options = dict(drafter=drafter, total_tokens=12, depth=4, top_k=3, cuda_graphs=True, sampled_tree=False)
+    device = EagleModel.from_pretrained(target, device_rounds=True, **options)
+    host = EagleModel.from_pretrained(target, device_rounds=False, **options)
+    generate = dict(prompt=[3, 4, 5, 6, 7, 3, 4], method="eagle-tree", max_new_tokens=20, temperature=temperature,
+                    seed=0)
+    device.generate(**generate)  # first use: kernels, graphs, layouts
+    counts, rounds = host_reads(device, monkeypatch, **generate)
+    assert counts == collections.Counter({"tolist": rounds})
+    counts, rounds = host_reads(host, monkeypatch, **generate)
+    assert sum(counts.values()) > 3 * rounds
+
+
+def test_device_rounds_default_on_cuda_only_and_fall_back_where_the_tree_needs_the_host(target, drafter):
+    model = EagleModel.from_pretrained(target, drafter=drafter)
+    assert model.device_rounds == (target.device.type == "cuda")
+    with pytest.raises(EagleError, match="device_rounds"):
+        EagleModel.from_pretrained(target, drafter=drafter, device_rounds="yes")
+    on = EagleModel.from_pretrained(target, drafter=drafter, device_rounds=True)
+    greedy, sampled = SamplingConfig(), SamplingConfig(temperature=1.0)
+    assert on._device_drafter("eagle-tree", greedy) is not None
+    assert on._device_drafter("eagle-tree", sampled) is None  # drawn children: the host path
+    assert on._device_drafter("eagle-chain", sampled) is None
+    assert on._device_drafter("ar", greedy) is None
+    assert not device_rounds_apply(TreeConfig(choices=((0,), (1,))), greedy)
+    assert device_rounds_apply(TreeConfig(sampled_tree=False), sampled)
+    big = EagleModel.from_pretrained(target, drafter=drafter, device_rounds=True, total_tokens=200, depth=6, top_k=10)
+    assert big._device_drafter("eagle-tree", greedy).total == 64  # the largest static bucket
+
+
+def test_sampled_accept_follows_the_recursive_rule_in_distribution():
+    """One tree, one target distribution per node: how often each (accepted path, next token)
+    outcome comes out of ``sampled_accept`` matches the host's ``recursive_rejection_tree``
+    (itself checked against exact distributions in test_losslessness.py), and the host rule's
+    exact outcome probabilities computed by enumeration."""
+    vocab = 5
+    parents = [-1, 0, 0, 1, 1, 2]
+    tokens = [0, 1, 3, 2, 4, 0]
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(parents), vocab, generator=gen)
+    for child, parent in enumerate(parents[1:], start=1):  # drafts the target likes, as a drafter's top-k are
+        logits[parent, tokens[child]] += 1.5
+    probs = torch.softmax(logits, -1)
+    tree = device_tree(tokens, parents)
+
+    def exact() -> dict[tuple, float]:  # enumerate the recursive rule
+        out: dict[tuple, float] = collections.defaultdict(float)
+
+        def walk(node, path, mass):
+            r = probs[node].double().clone()
+            kids = [c for c in range(len(parents)) if parents[c] == node]
+            for c in kids:
+                x = tokens[c]
+                chance = float(r[x] / r.sum())
+                walk(c, path + (c,), mass * chance)
+                mass *= 1 - chance
+                r[x] = 0
+            for x in range(vocab):
+                out[(path, x)] += mass * float(r[x] / r.sum())
+
+        walk(0, (0,), 1.0)
+        return out
+
+    want = exact()
+    n = 20000
+    counts: collections.Counter = collections.Counter()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(n):
+        acc = sampled_accept(tree, probs, gen)
+        counts[(tuple(acc.path[:int(acc.count)].tolist()), int(acc.next_token))] += 1
+    assert set(counts) <= {key for key, p in want.items() if p > 0}
+    from scipy.stats import chisquare
+
+    big = [key for key, p in want.items() if p * n >= 5]
+    small = [key for key, p in want.items() if 0 < p * n < 5]  # pooled into one cell
+    observed = [counts[key] for key in big] + ([sum(counts[key] for key in small)] if small else [])
+    expected = [want[key] * n for key in big] + ([sum(want[key] * n for key in small)] if small else [])
+    expected = [e * n / sum(expected) for e in expected]
+    assert chisquare(observed, expected).pvalue > 1e-3
