@@ -166,7 +166,7 @@ class DeviceTreeDrafter:
         self.draft_ids = drafter.to_target_ids(torch.arange(vocab, device=self.device))  # draft index -> target id
         self.cache = drafter.new_cache()
         self.last_hidden: torch.Tensor | None = None  # the drafter's prediction at the root [H]
-        self._layouts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def start(self) -> None:
         self.cache = self.drafter.new_cache()
@@ -198,39 +198,99 @@ class DeviceTreeDrafter:
             calls = min(calls, max(0, (capacity - committed - padded) // self.top_k + 1))
         return calls
 
-    def _layout(self, calls: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _layout(self, calls: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What every tree of ``calls`` drafter calls shares, made once: the first level's parents
-        [1 + k], the pool's depths [1 + k + calls k^2] and the k x k identity."""
+        [1 + k] and the pool's depths [1 + k + calls k^2]."""
         layout = self._layouts.get(calls)
         if layout is None:
             k, dev = self.top_k, self.device
             depths = [0] + [1] * k + [d + 1 for d in range(1, calls + 1) for _ in range(k * k)]
-            layout = self._layouts[calls] = (torch.tensor([-1] + [0] * k, device=dev), torch.tensor(depths, device=dev),
-                                             torch.eye(k, dtype=torch.bool, device=dev))
+            layout = self._layouts[calls] = (torch.tensor([-1] + [0] * k, device=dev), torch.tensor(depths, device=dev))
         return layout
 
     @torch.inference_mode()
     def draft(self, root: torch.Tensor, levels: int) -> DeviceTree:
         """A tree below ``root`` [1] (target id) with paths of at most ``levels`` drafts (at most
-        ``depth`` + 1). Leaves the drafter's cache as it found it."""
-        k, dev = self.top_k, self.device
+        ``depth`` + 1). Leaves the drafter's cache as it found it. With a ``GraphedDrafter`` the whole
+        phase (every drafter call, top-k and the selection) is one static function of the root, the
+        root's prediction and the committed length, replayed as one CUDA graph."""
         committed = kv_cache.cache_length(self.cache)
         calls = self.expansions(levels, committed)
-        first_parents, pool_depths, eye = self._layout(calls)
-        picks, scores = topk_children(torch.zeros(1, device=dev), self._logprobs(self.last_hidden[None]), k)
-        frontier = torch.arange(1, k + 1, device=dev)  # pool indices of the nodes the next call runs
-        frontier_scores, frontier_tokens = scores[0], self.draft_ids[picks[0]]
-        inputs = self.last_hidden[None].expand(k, -1)
-        tokens, parents, pool_scores = [root, frontier_tokens], [first_parents], [scores.new_zeros(1), frontier_scores]
-        earlier = torch.zeros(k, calls * k, dtype=torch.bool, device=dev)  # which nodes run before are ancestors
-        size = 1 + k
-        for d in range(1, calls + 1):
+        runner = getattr(self.drafter, "runner", None)
+        if runner is None or self.cache is not runner.cache:
+            tree = self._grow(self.last_hidden, root, calls, self._cached_step(committed))
+            kv_cache.roll_back(self.cache, committed)
+            return tree
+        from eagle.runtime.cuda_graphs import _Entry, keys_for
+
+        keys_len = keys_for(committed + calls * self.top_k, runner.cache.capacity)
+
+        def make() -> _Entry:
+            inputs = dict(hidden=torch.zeros_like(self.last_hidden), root=torch.zeros_like(root),
+                          committed=torch.zeros((), dtype=torch.long, device=self.device))
+            step = self._static_step(inputs["committed"], calls, keys_len)
+            return _Entry(inputs, lambda: astuple(self._grow(inputs["hidden"], inputs["root"], calls, step)))
+
+        def fill(entry: _Entry) -> None:
+            entry.inputs["hidden"].copy_(self.last_hidden)
+            entry.inputs["root"].copy_(root)
+            entry.inputs["committed"].fill_(committed)
+
+        return DeviceTree(*runner.run_static(("draft phase", calls, keys_len), make, fill))
+
+    def _cached_step(self, committed: int):
+        """A drafter call through the drafter's own forward and cache (grown on the host; ``draft``
+        rolls it back)."""
+        k, dev = self.top_k, self.device
+
+        def step(d: int, inputs: torch.Tensor, tokens: torch.Tensor, earlier: torch.Tensor) -> torch.Tensor:
             run = (d - 1) * k
+            eye = torch.eye(k, dtype=torch.bool, device=dev)
             allowed = torch.cat([torch.ones(k, committed, dtype=torch.bool, device=dev), earlier[:, :run], eye], 1)
             pos = torch.full((1, k), committed + d - 1, device=dev)
-            hidden = self.drafter(inputs[None], self.target.embed(frontier_tokens[None]).to(self.dtype), pos,
-                                  self.cache, additive_bias(allowed, self.dtype))[0]
-            child_picks, child_scores = topk_children(frontier_scores, self._logprobs(hidden), k)  # [k, k]
+            return self.drafter(inputs[None], self.target.embed(tokens[None]).to(self.dtype), pos, self.cache,
+                                additive_bias(allowed, self.dtype))[0]
+
+        return step
+
+    def _static_step(self, committed: torch.Tensor, calls: int, keys_len: int):
+        """A drafter call on a ``GraphedDrafter``'s cache with every index computed on the device
+        from ``committed`` [] (the cache's committed length): call d writes its k rows at committed
+        + (d - 1) k on, at position committed + d - 1, and attends over the first ``keys_len``
+        positions: the committed ones, its ancestors among the rows run before, itself."""
+        k, dev, graphed = self.top_k, self.device, self.drafter
+        rows = torch.arange(k, device=dev)
+        columns = torch.arange(keys_len, device=dev)
+
+        def step(d: int, inputs: torch.Tensor, tokens: torch.Tensor, earlier: torch.Tensor) -> torch.Tensor:
+            run = (d - 1) * k
+            relative = columns - committed  # [Lk] key position past the committed ones
+            slot = relative.clamp(0, calls * k - 1).expand(k, -1)
+            ancestor = earlier.gather(1, slot) & ((relative >= 0) & (relative < run))[None, :]
+            allowed = (relative < 0)[None, :] | ancestor | (relative[None, :] - run == rows[:, None])
+            positions = (committed + d - 1).expand(k)
+            return graphed.step(inputs[None], self.target.embed(tokens[None]).to(self.dtype), positions,
+                                committed + run + rows, additive_bias(allowed, self.dtype))[0]
+
+        return step
+
+    def _grow(self, hidden: torch.Tensor, root: torch.Tensor, calls: int, step) -> DeviceTree:
+        """The draft phase: the root's top-k below ``root`` [1] from the root's prediction ``hidden``
+        [H], then ``calls`` expansions, each ``step(d, inputs [k, H], tokens [k], earlier [k, calls k])``
+        -> the frontier's predictions [k, H] (``earlier``: which rows of earlier calls are each
+        frontier node's ancestors); then the selection."""
+        k, dev = self.top_k, self.device
+        first_parents, pool_depths = self._layout(calls)
+        picks, scores = topk_children(torch.zeros(1, device=dev), self._logprobs(hidden[None]), k)
+        frontier = torch.arange(1, k + 1, device=dev)  # pool indices of the nodes the next call runs
+        frontier_scores, frontier_tokens = scores[0], self.draft_ids[picks[0]]
+        inputs = hidden[None].expand(k, -1)
+        tokens, parents, pool_scores = [root, frontier_tokens], [first_parents], [scores.new_zeros(1), frontier_scores]
+        earlier = torch.zeros(k, calls * k, dtype=torch.bool, device=dev)
+        size = 1 + k
+        for d in range(1, calls + 1):
+            out = step(d, inputs, frontier_tokens, earlier)
+            child_picks, child_scores = topk_children(frontier_scores, self._logprobs(out), k)  # [k, k]
             flat_scores, flat_tokens = child_scores.reshape(-1), self.draft_ids[child_picks.reshape(-1)]
             tokens.append(flat_tokens)
             parents.append(frontier.repeat_interleave(k))
@@ -239,13 +299,17 @@ class DeviceTreeDrafter:
                 best = torch.topk(flat_scores, k).indices
                 rows = torch.div(best, k, rounding_mode="floor")
                 frontier, frontier_scores, frontier_tokens = size + best, flat_scores[best], flat_tokens[best]
-                inputs = hidden[rows]
+                inputs = out[rows]
                 earlier = earlier[rows]
-                earlier[torch.arange(k, device=dev), run + rows] = True
+                earlier[torch.arange(k, device=dev), (d - 1) * k + rows] = True
             size += k * k
-        kv_cache.roll_back(self.cache, committed)
         return select_tree(torch.cat(tokens).long(), torch.cat(parents), torch.cat(pool_scores), pool_depths,
                            min(self.total, size), calls + 1)
+
+
+def astuple(tree: DeviceTree) -> tuple:
+    """A tree's fields in order, tensors and all (a static function's output)."""
+    return tuple(getattr(tree, f.name) for f in dataclasses.fields(tree))
 
 
 def auto_total(target: Target, pool: int, greedy: bool) -> int:

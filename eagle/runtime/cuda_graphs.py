@@ -23,6 +23,7 @@ without graphs: the graph-free path the tests compare with the plain forward. Ca
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -123,6 +124,7 @@ class _Entry:
     run: Callable[[], torch.Tensor]
     output: torch.Tensor | None = None
     graph: Any = None
+    eager: bool = False  # its capture failed: it runs eagerly
 
 
 class _Runner:
@@ -165,16 +167,23 @@ class _Runner:
     def _call(self, key: tuple, size: int, keys_len: int, make: Callable[[int, int], _Entry],
               fill: Callable[[_Entry], None]) -> torch.Tensor:
         """Fill the inputs of shape ``key`` (made on first use) and run it: replay its graph, or run it eagerly."""
-        bucketed = size in self.buckets
-        entry = self.entries.get(key) if bucketed else None
-        if entry is None:
+        if size not in self.buckets:  # a prefill: eager, at its own size
             entry = make(size, keys_len)
-            if bucketed:
-                self.entries[key] = entry
+            fill(entry)
+            return entry.run()
+        return self.run_static(key, lambda: make(size, keys_len), fill)
+
+    def run_static(self, key: Any, make: Callable[[], _Entry], fill: Callable[[_Entry], None]) -> Any:
+        """Run the static function ``key`` (its entry made on first use) on inputs ``fill`` writes:
+        captured on first use and replayed after when capturing, else eagerly. Its output (a tensor
+        or a tuple of them) lives in static memory, overwritten by the next call of the same key."""
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = make()
         fill(entry)
         if entry.graph is not None:
             entry.graph.replay()
-        elif bucketed and self.capture:
+        elif self.capture and not entry.eager:
             entry.output = self._capture(entry)
         else:
             entry.output = entry.run()
@@ -190,8 +199,14 @@ class _Runner:
                 entry.run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = entry.run()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = entry.run()
+        except Exception as exc:  # noqa: BLE001 - an operation that cannot be captured: run this shape eagerly
+            warnings.warn(f"CUDA graph capture failed, running this shape eagerly: {type(exc).__name__}: {exc}")
+            torch.cuda.synchronize(self.device)
+            entry.eager = True
+            return entry.run()
         entry.graph = graph
         self.captured += 1
         graph.replay()
@@ -308,14 +323,21 @@ class GraphedDrafter:
         cfg, inner = self.config, self.inner
 
         def run() -> torch.Tensor:
-            x = self._fused_input(inner.fc, inputs["features"], inputs["embeds"], cfg)
-            pos = inputs["pos"][0]
-            x, _ = layer_stack(inner.layers, x, self.cos[pos][None, None], self.sin[pos][None, None],
-                               self.runner.cache.kv, inputs["write"], inputs["mask"], cfg.num_attention_heads,
-                               cfg.num_key_value_heads, cfg.head_dim, embeds=inputs["embeds"])
-            return x
+            return self.step(inputs["features"], inputs["embeds"], inputs["pos"][0], inputs["write"], inputs["mask"])
 
         return _Entry(inputs, run)
+
+    def step(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
+             mask: torch.Tensor) -> torch.Tensor:
+        """The drafter's layers on its cache, every shape fixed and every index on the device (to be
+        captured inside a larger static function): ``features`` [1, B, F], ``embeds`` [1, B, H],
+        ``positions`` [B], ``write`` [B] cache positions, ``mask`` additive [1, 1, B, Lk] -> [1, B, H]."""
+        cfg = self.config
+        x = self._fused_input(self.inner.fc, features, embeds, cfg)
+        x, _ = layer_stack(self.inner.layers, x, self.cos[positions][None, None], self.sin[positions][None, None],
+                           self.runner.cache.kv, write, mask, cfg.num_attention_heads, cfg.num_key_value_heads,
+                           cfg.head_dim, embeds=embeds)
+        return x
 
     @torch.inference_mode()
     def __call__(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,

@@ -93,10 +93,12 @@ def test_greedy_accept_is_the_host_rule():
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("total", [2, 5, 9, 40])
-def test_device_draft_is_brute_force_eagle2(request, kind, total):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_device_draft_is_brute_force_eagle2(request, kind, total, graphs):
     """The fixed-shape tree: the k best frontier nodes expanded at every depth, the best
     ``total - 1`` of the pool kept, each with its score, as EAGLE-2's code does (brute force:
-    every node's feature recomputed from scratch)."""
+    every node's feature recomputed from scratch). ``graphs``: the whole phase as one static
+    function on the static path (replayed as one graph on CUDA), twice (the second a replay)."""
     depth, k = 4, 3
     torch.manual_seed(5)
     if kind == "eagle":
@@ -106,13 +108,18 @@ def test_device_draft_is_brute_force_eagle2(request, kind, total):
         target = request.getfixturevalue("eagle3_target")
         flat = Drafter.from_target(target, kind="eagle3", draft_vocab_size=20).eval()
     model = EagleModel.from_pretrained(target, drafter=flat, total_tokens=total, depth=depth, top_k=k, lookup_tokens=0,
-                                       drafter_dtype=torch.float32, device_rounds=True)
+                                       drafter_dtype=torch.float32, device_rounds=True, cuda_graphs=graphs)
     ids = [3, 9, 4, 17, 8, 2, 11]
     prefill = target_prefill(target, ids, tuple(flat.config.aux_layers))
     drafter = model._device_drafter("eagle-tree", SamplingConfig())
     drafter.start()
     drafter.extend(prefill.features[0], torch.tensor(ids[1:], device=target.device))
-    tree = drafter.draft(torch.tensor([ids[-1]], device=target.device), depth + 1)
+    for _ in range(2):
+        tree = drafter.draft(torch.tensor([ids[-1]], device=target.device), depth + 1)
+    assert drafter.cache.get_seq_length() == len(ids) - 1  # the round's nodes are gone from the drafter's cache
+    runner = getattr(drafter.drafter, "runner", None)
+    assert (runner is not None) == graphs
+    assert not graphs or any(key[0] == "draft phase" for key in runner.entries)
     paths, tokens, scores = {0: ()}, tree.tokens.tolist(), tree.scores.tolist()
     for i, parent in enumerate(tree.parents.tolist()[1:], start=1):
         paths[i] = paths[parent] + (tokens[i],)
@@ -122,7 +129,6 @@ def test_device_draft_is_brute_force_eagle2(request, kind, total):
     assert got.keys() == want.keys()
     assert [got[p] for p in want] == pytest.approx(list(want.values()), abs=1e-4)
     assert tree.depths.tolist() == [len(paths[i]) for i in range(tree.size)]
-    assert drafter.cache.get_seq_length() == len(ids) - 1  # the round's nodes are gone from the drafter's cache
 
 
 @pytest.mark.parametrize("graphs", [False, True])
