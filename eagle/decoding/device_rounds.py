@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import defaultdict
 from typing import Iterator
 
 import torch
 
 from eagle.config import SamplingConfig, TreeConfig
-from eagle.decoding.loop import GenerationResult, truncate_at_stop
+from eagle.decoding.loop import Clock, GenerationResult, chunk_and_stop, finish
 from eagle.decoding.sampling import logits_to_probs, sample
 from eagle.decoding.tree import topk_children
 from eagle.decoding.tree_mask import additive_bias
@@ -328,36 +327,6 @@ def device_rounds_apply(tree: TreeConfig, sampling: SamplingConfig) -> bool:
     return tree.choices is None and (sampling.greedy or not tree.sampled_tree)
 
 
-class _Clock:
-    """Seconds per step. On CUDA the laps are events read once at the end, so that timing adds no
-    synchronisation; elsewhere wall time."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.laps: list[tuple[str, object]] = []
-        self.start = self._now()
-
-    def _now(self) -> object:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def lap(self, step: str) -> None:
-        self.laps.append((step, self._now()))
-
-    def seconds(self) -> dict[str, float]:
-        out: dict[str, float] = defaultdict(float)
-        last = self.start
-        if self.cuda:
-            torch.cuda.synchronize()
-        for step, mark in self.laps:
-            out[step] += last.elapsed_time(mark) / 1000 if self.cuda else mark - last
-            last = mark
-        return dict(out)
-
-
 @torch.inference_mode()
 def device_decode_loop(target: Target, drafter: DeviceTreeDrafter, prompt_ids: list[int], max_new_tokens: int,
                        sampling: SamplingConfig, generator: torch.Generator,
@@ -382,10 +351,8 @@ def device_decode_loop(target: Target, drafter: DeviceTreeDrafter, prompt_ids: l
                              logits_from=len(ids) - 1, aux_layers=aux)
         drafter.extend(out.features[0], prompt[1:])
     root = prompt[-1:]
-    if device.type == "cuda":  # the prefill's own time: the one synchronisation outside the rounds
-        torch.cuda.synchronize(device)
+    clock = Clock(device, events=True)  # synchronizes CUDA once: the prefill's own time
     prefill_s = time.perf_counter() - start
-    clock = _Clock(device)
     while not stop:
         past = len(ids) - 1
         room = min(max_new_tokens - len(new), target.max_context - len(ids))
@@ -415,9 +382,7 @@ def device_decode_loop(target: Target, drafter: DeviceTreeDrafter, prompt_ids: l
         # 4. compact the target's cache to the accepted path; feed the drafter
         nodes = acc.path[:count]
         kv_cache.compact(cache, past, past + nodes)
-        chunk, stop = truncate_at_stop(path_tokens[1:count] + [next_token], target.eos_token_ids, room)
-        if stop == "length" and len(new) + len(chunk) < max_new_tokens:
-            stop = "context"
+        chunk, stop = chunk_and_stop(path_tokens[1:count] + [next_token], target, room, len(new), max_new_tokens)
         ids.extend(chunk)
         if not stop:
             root = acc.next_token.reshape(1)
@@ -427,9 +392,4 @@ def device_decode_loop(target: Target, drafter: DeviceTreeDrafter, prompt_ids: l
         accept_lengths.append(len(chunk))
         yield chunk
         clock.lap("other")
-    text = target.tokenizer.decode(new, skip_special_tokens=True)
-    clock.lap("other")
-    elapsed = time.perf_counter() - start
-    yield GenerationResult(text=text, token_ids=new, accept_lengths=accept_lengths, target_forwards=forwards,
-                           elapsed_s=elapsed, method=method, prompt_tokens=len(prompt_ids), stop_reason=stop,
-                           prefill_s=prefill_s, step_seconds=clock.seconds())
+    yield finish(target, clock, new, accept_lengths, forwards, start, len(prompt_ids), stop, prefill_s, method)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import defaultdict
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -58,22 +58,65 @@ def truncate_at_stop(tokens: list[int], eos_ids: frozenset[int], room: int) -> t
     return tokens, ""
 
 
-class _Clock:
-    """Accumulates wall time per step (synchronizing CUDA so the split is honest)."""
+class Clock:
+    """Time per step. Wall time, synchronizing CUDA at each lap so the split is honest; with
+    ``events`` on CUDA, events read once at the end instead (timing adds no synchronisation)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device, events: bool = False) -> None:
+        self.cuda, self.events = device.type == "cuda", events and device.type == "cuda"
         self.seconds: dict[str, float] = defaultdict(float)
+        self.marks: list[tuple[str, Any]] = []
         if self.cuda:
             torch.cuda.synchronize()
-        self.last = time.perf_counter()
+        self.last: Any = time.perf_counter()
+        if self.events:
+            self.last = self._event()
+
+    @staticmethod
+    def _event() -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def lap(self, step: str) -> None:
+        if self.events:
+            self.marks.append((step, self._event()))
+            return
         if self.cuda:
             torch.cuda.synchronize()
         now = time.perf_counter()
         self.seconds[step] += now - self.last
         self.last = now
+
+    def step_seconds(self) -> dict[str, float]:
+        if self.marks:
+            torch.cuda.synchronize()
+            for step, mark in self.marks:
+                self.seconds[step] += self.last.elapsed_time(mark) / 1000
+                self.last = mark
+            self.marks = []
+        return dict(self.seconds)
+
+
+def chunk_and_stop(tokens: list[int], target: Target, room: int, produced: int,
+                   max_new_tokens: int) -> tuple[list[int], str]:
+    """A round's new tokens cut at an EOS or at ``room`` (``truncate_at_stop``), with the stop reason
+    "context" where the room ran out before ``max_new_tokens`` (``produced`` tokens so far)."""
+    chunk, stop = truncate_at_stop(tokens, target.eos_token_ids, room)
+    if stop == "length" and produced + len(chunk) < max_new_tokens:
+        stop = "context"
+    return chunk, stop
+
+
+def finish(target: Target, clock: Clock, new: list[int], accept_lengths: list[int], forwards: int, start: float,
+           prompt_tokens: int, stop: str, prefill_s: float, method: str) -> GenerationResult:
+    """The ``GenerationResult`` of a finished loop (the detokenizing timed too: a tiny model's whole
+    decoding can cost less)."""
+    text = target.tokenizer.decode(new, skip_special_tokens=True)
+    clock.lap("other")
+    return GenerationResult(text=text, token_ids=new, accept_lengths=accept_lengths, target_forwards=forwards,
+                            elapsed_s=time.perf_counter() - start, method=method, prompt_tokens=prompt_tokens,
+                            stop_reason=stop, prefill_s=prefill_s, step_seconds=clock.step_seconds())
 
 
 @torch.inference_mode()
@@ -95,7 +138,7 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
                              aux_layers=proposer.aux_layers)
         features = out.features[0]
     proposer.start(ids, features if proposer.needs_features else None)
-    clock = _Clock(device)  # synchronizes CUDA before its first reading
+    clock = Clock(device)  # synchronizes CUDA before its first reading
     prefill_s = clock.last - start
     while not stop:
         past = len(ids) - 1
@@ -131,9 +174,7 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
         # 4. compact the target's cache to the accepted path; tell the proposer what was kept
         kv_cache.compact(cache, past, past + acc.nodes)
         chunk = tree.tokens[acc.nodes[1:]].tolist() + [acc.next_token]
-        chunk, stop = truncate_at_stop(chunk, target.eos_token_ids, room)
-        if stop == "length" and len(new) + len(chunk) < max_new_tokens:
-            stop = "context"
+        chunk, stop = chunk_and_stop(chunk, target, room, len(new), max_new_tokens)
         ids.extend(chunk)
         if not stop:
             path = acc.nodes[1:].tolist()
@@ -144,10 +185,5 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
         accept_lengths.append(len(chunk))
         yield chunk
         clock.lap("other")
-    text = target.tokenizer.decode(new, skip_special_tokens=True)
-    clock.lap("other")  # the detokenizing too: a tiny model's whole decoding can cost less
-    elapsed = time.perf_counter() - start
-    yield GenerationResult(text=text, token_ids=new, accept_lengths=accept_lengths, target_forwards=forwards,
-                           elapsed_s=elapsed, method=method, prompt_tokens=len(prompt_ids), stop_reason=stop, prefill_s=prefill_s,
-                           step_seconds=dict(clock.seconds))
+    yield finish(target, clock, new, accept_lengths, forwards, start, len(prompt_ids), stop, prefill_s, method)
 

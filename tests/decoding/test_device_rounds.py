@@ -17,11 +17,10 @@ from eagle.decoding.device_rounds import (DeviceTree, ancestor_matrix, device_ro
                                           sampled_accept, select_tree)
 from eagle.decoding.tree import kept_nodes, subtree
 from eagle.decoding.tree_mask import tree_attention
-from eagle.drafting.drafter import Drafter
 from eagle.errors import EagleError
 
 from tests.conftest import prompts, tiny_drafter, tiny_target
-from tests.decoding.test_proposers import brute_force_eagle2, target_prefill
+from tests.decoding.test_proposers import brute_force_eagle2, flat_pair, target_prefill
 
 
 def random_tree(rng: random.Random, n: int) -> list[int]:
@@ -100,13 +99,7 @@ def test_device_draft_is_brute_force_eagle2(request, kind, total, graphs):
     every node's feature recomputed from scratch). ``graphs``: the whole phase as one static
     function on the static path (replayed as one graph on CUDA), twice (the second a replay)."""
     depth, k = 4, 3
-    torch.manual_seed(5)
-    if kind == "eagle":
-        target = request.getfixturevalue("target")
-        flat = Drafter.from_target(target).eval()
-    else:
-        target = request.getfixturevalue("eagle3_target")
-        flat = Drafter.from_target(target, kind="eagle3", draft_vocab_size=20).eval()
+    target, flat = flat_pair(request, kind)
     model = EagleModel.from_pretrained(target, drafter=flat, total_tokens=total, depth=depth, top_k=k, lookup_tokens=0,
                                        drafter_dtype=torch.float32, device_rounds=True, cuda_graphs=graphs)
     ids = [3, 9, 4, 17, 8, 2, 11]

@@ -191,6 +191,17 @@ def brute_force_eagle2(proposer, ids: list[int], features: torch.Tensor, depth: 
     return {tuple(pool[i][0]): pool[i][2] for i in kept}
 
 
+def flat_pair(request, kind: str):
+    """(target, drafter of ``kind`` with unscaled random weights): a flat draft distribution, where deep
+    and shallow nodes compete. An EAGLE-3 drafter drafts over 20 of the 32 tokens."""
+    torch.manual_seed(5)
+    if kind == "eagle":
+        target = request.getfixturevalue("target")
+        return target, Drafter.from_target(target).eval()
+    target = request.getfixturevalue("eagle3_target")
+    return target, Drafter.from_target(target, kind="eagle3", draft_vocab_size=20).eval()
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("total, frontier_rows", [(3, "first"), (5, "fewer"), (7, None), (9, None), (12, None),
                                                   (40, "all")])
@@ -200,13 +211,7 @@ def test_dynamic_tree_equals_brute_force_eagle2_and_skips_nodes_that_cannot_be_k
     EAGLE-3 drafter (over a draft vocabulary) is fed the target's aux features at the root and its
     own predictions below."""
     depth, k = 4, 3
-    torch.manual_seed(5)
-    if kind == "eagle":
-        target = request.getfixturevalue("target")
-        flat = Drafter.from_target(target).eval()
-    else:
-        target = request.getfixturevalue("eagle3_target")
-        flat = Drafter.from_target(target, kind="eagle3", draft_vocab_size=20).eval()
+    target, flat = flat_pair(request, kind)
     model = EagleModel.from_pretrained(target, drafter=flat, total_tokens=total, depth=depth, top_k=k, lookup_tokens=0,
                                        drafter_dtype=torch.float32)
     ids = [3, 9, 4, 17, 8, 2, 11]
