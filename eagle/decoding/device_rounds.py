@@ -9,7 +9,8 @@ implementation does:
 1. draft (``DeviceTreeDrafter.draft``): the root's top_k children; then ``depth`` times the top_k
    best frontier nodes run through the drafter in one call (k rows under a tree mask over the
    committed cache and the nodes run before them) and each gets its top_k children. The pool has
-   1 + k + depth k^2 nodes; the root and the best total_tokens - 1 are the tree (``select_tree``);
+   1 + k + depth k^2 nodes; the root and the best total_tokens - 1 are the tree (``select_tree``).
+   With a ``GraphedDrafter`` the whole phase is one static function, replayed as one CUDA graph;
 2. verify: one target forward over the tree (the static path pads it to its bucket);
 3. accept on the device (``greedy_accept``; ``sampled_accept`` at temperature > 0, recursive
    rejection over the top-k children), then one copy to the host: the number of accepted
