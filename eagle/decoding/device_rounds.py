@@ -236,7 +236,9 @@ class DeviceTreeDrafter:
             entry.inputs["root"].copy_(root)
             entry.inputs["committed"].fill_(committed)
 
-        return DeviceTree(*runner.run_static(("draft phase", calls, keys_len), make, fill))
+        # every shape the phase depends on: tree and chain (k, total) share one drafter and its runner
+        key = ("draft phase", self.top_k, self.total, calls, keys_len)
+        return DeviceTree(*runner.run_static(key, make, fill))
 
     def _cached_step(self, committed: int):
         """A drafter call through the drafter's own forward and cache (grown on the host; ``draft``

@@ -136,6 +136,18 @@ def test_greedy_device_rounds_equal_ar(kind_pair, graphs, method):
             assert sum(got.accept_lengths) == len(got.token_ids) and got.target_forwards == len(got.accept_lengths)
 
 
+def test_tree_and_chain_share_a_drafter_but_not_its_draft_phase(target, drafter):
+    """One model's ``eagle-tree`` and ``eagle-chain`` draft through the same static drafter (one
+    runner, one cache); each keeps its own tree shape whichever ran first."""
+    options = dict(drafter=drafter, total_tokens=12, depth=4, top_k=3, cuda_graphs=True, device_rounds=True)
+    ids = prompts(3, seed=11)
+    alone = {m: [EagleModel.from_pretrained(target, **options).generate(p, method=m, max_new_tokens=24).accept_lengths
+                 for p in ids] for m in ("eagle-chain", "eagle-tree")}
+    shared = EagleModel.from_pretrained(target, **options)
+    for method in ("eagle-tree", "eagle-chain", "eagle-tree"):
+        assert [shared.generate(p, method=method, max_new_tokens=24).accept_lengths for p in ids] == alone[method]
+
+
 def test_device_rounds_accept_deep_paths():
     """On a peaked target with a vocabulary of 8, drafts are accepted several deep in some rounds:
     identity with ``ar`` alone would also hold for trees that are never accepted."""
