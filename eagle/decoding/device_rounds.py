@@ -30,7 +30,7 @@ from typing import Iterator
 import torch
 
 from eagle.config import SamplingConfig, TreeConfig
-from eagle.decoding.loop import Clock, GenerationResult, chunk_and_stop, finish
+from eagle.decoding.loop import Clock, GenerationResult, check_request, chunk_and_stop, finish
 from eagle.decoding.sampling import logits_to_probs, sample
 from eagle.decoding.tree import topk_children
 from eagle.decoding.tree_mask import additive_bias
@@ -310,7 +310,8 @@ class DeviceTreeDrafter:
 
 
 def astuple(tree: DeviceTree) -> tuple:
-    """A tree's fields in order, tensors and all (a static function's output)."""
+    """A tree's fields in order, the tensors themselves (a static function's output, which must stay
+    in the graph's memory: ``dataclasses.astuple`` would deep-copy them)."""
     return tuple(getattr(tree, f.name) for f in dataclasses.fields(tree))
 
 
@@ -336,10 +337,7 @@ def device_decode_loop(target: Target, drafter: DeviceTreeDrafter, prompt_ids: l
                        method: str = "") -> Iterator[list[int] | GenerationResult]:
     """``decode_loop``'s contract (yield each chunk of accepted tokens, then the ``GenerationResult``)
     with device rounds: one host read per round."""
-    if max_new_tokens < 1:
-        raise EagleError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if len(prompt_ids) >= target.max_context:
-        raise EagleError(f"prompt has {len(prompt_ids)} tokens; the model's context is {target.max_context}")
+    check_request(target, prompt_ids, max_new_tokens)
     device, start = target.device, time.perf_counter()
     if not sampling.greedy and generator.device != device:  # draws on the device, seeded from the caller's generator
         seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))

@@ -98,6 +98,14 @@ class Clock:
         return dict(self.seconds)
 
 
+def check_request(target: Target, prompt_ids: list[int], max_new_tokens: int) -> None:
+    """Refuse what no decoding loop can serve: no new tokens, or a prompt that fills the context."""
+    if max_new_tokens < 1:
+        raise EagleError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if len(prompt_ids) >= target.max_context:
+        raise EagleError(f"prompt has {len(prompt_ids)} tokens; the model's context is {target.max_context}")
+
+
 def chunk_and_stop(tokens: list[int], target: Target, room: int, produced: int,
                    max_new_tokens: int) -> tuple[list[int], str]:
     """A round's new tokens cut at an EOS or at ``room`` (``truncate_at_stop``), with the stop reason
@@ -124,10 +132,7 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
                 sampling: SamplingConfig, generator: torch.Generator,
                 spec: SpeculativeConfig | None = None, method: str = "") -> Iterator[list[int] | GenerationResult]:
     """Yield each chunk of accepted new tokens, then the ``GenerationResult``."""
-    if max_new_tokens < 1:
-        raise EagleError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if len(prompt_ids) >= target.max_context:
-        raise EagleError(f"prompt has {len(prompt_ids)} tokens; the model's context is {target.max_context}")
+    check_request(target, prompt_ids, max_new_tokens)
     device, start = target.device, time.perf_counter()
     ids, new, accept_lengths, forwards, stop = list(prompt_ids), [], [], 0, ""
     cache = target.new_cache()

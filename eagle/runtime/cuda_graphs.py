@@ -320,7 +320,6 @@ class GraphedDrafter:
                       pos=torch.zeros(1, size, dtype=torch.long, device=dev),
                       write=torch.zeros(size, dtype=torch.long, device=dev),
                       mask=torch.zeros(1, 1, size, keys_len, dtype=self.dtype, device=dev))
-        cfg, inner = self.config, self.inner
 
         def run() -> torch.Tensor:
             return self.step(inputs["features"], inputs["embeds"], inputs["pos"][0], inputs["write"], inputs["mask"])
