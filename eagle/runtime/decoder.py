@@ -436,8 +436,9 @@ class LeanDecoder:
         the head and for each layer matrix (layer 0's stand for all): timings measured with one
         choice do not hold for another."""
         first = self.layers[0]
-        compiled = (f"compiled kernels {source_digest()} and attention, " if self.compiled is not None else
-                    f"compiled kernels {source_digest()}, " if self.head.stream_op is not None else "")
+        isa = cpu_kernels().isa if self.compiled is not None or self.head.stream_op is not None else ""
+        compiled = (f"compiled {isa} kernels {source_digest()} and attention, " if self.compiled is not None else
+                    f"compiled {isa} kernels {source_digest()}, " if self.head.stream_op is not None else "")
         matrices = (self.head, *first.matrices())
         coded = [lin.encoded.bits for lin in matrices if lin.encoded is not None]
         if coded:

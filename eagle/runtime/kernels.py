@@ -10,11 +10,15 @@ decoder layers run by one call a forward (``DecoderStack``: their weights handed
 converted again at every call).
 
 ``cpu_kernels()`` builds them on first use with torch's C++ extension tools (a compiler and
-ninja; once per machine and torch version, cached under ``$EAGLE_CACHE/extensions``)
-on CPUs with AVX-512, and returns None elsewhere, when the build fails (the callers then use
-oneDNN or ``F.linear``, and torch's operations), or when the environment variable
-``EAGLE_CPU_KERNELS`` is ``0`` (read once per process: to compare, or to rule the kernels out when
-debugging). ``eagle.runtime.decoder.PackedLinear`` uses ``stream_linear`` for 1-16 rows,
+ninja; once per machine, torch version and instruction set, cached under ``$EAGLE_CACHE/extensions``)
+for the best instruction set this CPU has (``ISAS``: ``avx512``, ``avx2`` with FMA and F16C, or
+``portable``: plain C++ that the compiler vectorizes for any CPU), and returns None when the build
+fails (the callers then use oneDNN or ``F.linear``, and torch's operations) or when the environment
+variable ``EAGLE_CPU_KERNELS`` is ``0``. ``EAGLE_CPU_ISA`` picks a lower one (``avx2`` on an AVX-512
+CPU runs as a CPU without AVX-512 would); both are read once per process (to compare, or to rule the
+kernels out when debugging). AVX2 computes AVX-512's bits; the portable path rounds a multiply-add
+twice, so its bits differ from theirs, but on every path a row's result does not depend on the rows
+computed with it. ``eagle.runtime.decoder.PackedLinear`` uses ``stream_linear`` for 1-16 rows,
 ``eagle.runtime.decoder.LeanDecoder`` and ``eagle.drafting.drafter.LeanDrafter`` a ``DecoderStack`` (for one sequence
 of 1-16 rows). Built with
 ``-ffp-contract=off``: a product and a sum stay two roundings, as in torch's operations, so the
@@ -40,9 +44,37 @@ NAME = "eagle_cpu_kernels"
 StreamOp = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", bool], torch.Tensor]
 
 
+ISAS = ("avx512", "avx2", "portable")  # best first
+ISA_FLAGS = {"avx512": ["-mavx512f", "-DEAGLE_ISA_AVX512"],
+             "avx2": ["-mavx2", "-mfma", "-mf16c", "-DEAGLE_ISA_AVX2"],
+             "portable": []}
+ISA_ENV = "EAGLE_CPU_ISA"
+
+
 def cpu_has_avx512() -> bool:
     """Whether torch's CPU dispatch found AVX-512 on this machine."""
     return "AVX512" in torch.backends.cpu.get_cpu_capability()
+
+
+def cpu_isas() -> tuple[str, ...]:
+    """The kernels' instruction sets this CPU runs, best first (torch's CPU dispatch decides: AVX2 there
+    implies FMA and F16C)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    found = ["avx512"] if "AVX512" in capability else []
+    found += ["avx2"] if "AVX512" in capability or "AVX2" in capability else []
+    return tuple(found) + ("portable",)
+
+
+def chosen_isa() -> str:
+    """The instruction set ``cpu_kernels()`` builds for: ``$EAGLE_CPU_ISA`` if this CPU runs it, else the best."""
+    wanted, have = os.environ.get(ISA_ENV, ""), cpu_isas()
+    if not wanted:
+        return have[0]
+    if wanted not in ISAS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISAS)}, got {wanted!r}")
+    if wanted not in have:
+        raise ValueError(f"{ISA_ENV}={wanted}: this CPU runs only {', '.join(have)}")
+    return wanted
 
 
 def _ninja_on_path() -> bool:
@@ -75,10 +107,20 @@ def clear_stale_lock(build: Path, max_age_s: float = STALE_LOCK_S) -> bool:
 
 @functools.cache
 def cpu_kernels() -> Any | None:
-    """The compiled module (``stream_linear``, ``rms_norm``), or None where it cannot run here
-    (no AVX-512, no compiler or ninja) or is turned off (``EAGLE_CPU_KERNELS=0``)."""
-    if os.environ.get("EAGLE_CPU_KERNELS", "1") == "0" or not cpu_has_avx512():
+    """The compiled module for ``chosen_isa()`` (``stream_linear``, ``rms_norm``, ...; its ``isa`` names
+    the instruction set), or None where it cannot run here (no compiler or ninja) or is turned off
+    (``EAGLE_CPU_KERNELS=0``)."""
+    if os.environ.get("EAGLE_CPU_KERNELS", "1") == "0":
         return None
+    return kernels_for(chosen_isa())
+
+
+@functools.cache
+def kernels_for(isa: str) -> Any | None:
+    """The compiled module for one instruction set of ``cpu_isas()`` (tests run every one this CPU has),
+    or None when it does not build here."""
+    if isa not in cpu_isas():
+        raise ValueError(f"this CPU does not run the {isa} kernels (it runs {', '.join(cpu_isas())})")
     if not _ninja_on_path():
         warnings.warn("eagle: ninja not found; the compiled fp32 kernels are off (pip install ninja)")
         return None
@@ -86,26 +128,32 @@ def cpu_kernels() -> Any | None:
 
     from eagle.cache_dir import cache_root
 
-    build = cache_root() / "extensions" / f"torch-{torch.__version__}"
+    build = cache_root() / "extensions" / f"torch-{torch.__version__}" / isa
     build.mkdir(parents=True, exist_ok=True)
     if clear_stale_lock(build):
         print(f"eagle: removed a stale build lock in {build} (left by a killed build)", file=sys.stderr)
-    if not any(build.glob(f"{NAME}*.so")):
-        print("eagle: compiling the fp32 CPU kernels (once per machine, about 25 s)", file=sys.stderr)
+    name = f"{NAME}_{isa}"
+    if not any(build.glob(f"{name}*.so")):
+        print(f"eagle: compiling the fp32 CPU kernels for {isa} (once per machine, about 25 s)", file=sys.stderr)
     try:
-        return cpp_extension.load(name=NAME, sources=[str(SOURCE)], build_directory=str(build),
-                                  extra_cflags=["-O3", "-mavx512f", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"],
-                                  verbose=False)
+        return cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build),
+                                  extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"] + ISA_FLAGS[isa],
+                                  extra_ldflags=["-fopenmp"], verbose=False)
     except (OSError, RuntimeError, ImportError) as exc:
-        warnings.warn(f"eagle: the fp32 CPU kernels did not build ({exc}); using oneDNN / F.linear")
+        warnings.warn(f"eagle: the fp32 CPU kernels ({isa}) did not build ({exc}); using oneDNN / F.linear")
         return None
 
 
-@functools.cache
 def source_digest() -> str:
-    """A short hash of the kernels' source: timings measured with one version of them (the tree
-    proposer's cached cost curves, ``eagle.decoding.tree_sizing``) do not hold for another."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:8]
+    """A short hash of the kernels' source and instruction set: timings measured with one version of
+    them (the tree proposer's cached cost curves, ``eagle.decoding.tree_sizing``) do not hold for
+    another."""
+    return hashlib.sha256(_source_bytes() + chosen_isa().encode()).hexdigest()[:8]
+
+
+@functools.cache
+def _source_bytes() -> bytes:
+    return SOURCE.read_bytes()
 
 
 def attention_fits(head_dim: int) -> bool:

@@ -1,5 +1,6 @@
 """The compiled fp32 kernels (eagle/runtime/csrc/cpu_kernels.cpp): float64 references, row independence,
-where PackedLinear and LeanDecoder use them."""
+where PackedLinear and LeanDecoder use them. Every test runs once per instruction set this CPU has
+(``kernels.cpu_isas()``: AVX-512, AVX2, portable), chosen as ``EAGLE_CPU_ISA`` would."""
 
 import pytest
 import torch
@@ -9,12 +10,56 @@ from eagle.runtime import kernels
 from eagle.runtime.decoder import PackedLinear
 
 
+@pytest.fixture(autouse=True, params=kernels.cpu_isas())
+def isa(request, monkeypatch):
+    """Each test once per instruction set: ``cpu_kernels()`` (so PackedLinear, LeanDecoder) builds for it."""
+    monkeypatch.setenv(kernels.ISA_ENV, request.param)
+    kernels.cpu_kernels.cache_clear()
+    yield request.param
+    kernels.cpu_kernels.cache_clear()
+
+
 def op_or_skip():
     op = kernels.stream_linear_op()
     if op is None:
-        assert not kernels.cpu_has_avx512(), "AVX-512 CPU, yet the streamed kernel did not build"
-        pytest.skip("the streamed kernel runs on AVX-512 CPUs only")
+        pytest.skip("the compiled kernels did not build here (no compiler or ninja)")
+    assert kernels.cpu_kernels().isa == kernels.chosen_isa()
     return op
+
+
+def test_the_isa_is_the_best_this_cpu_runs_unless_the_environment_picks_a_lower_one(monkeypatch):
+    have = kernels.cpu_isas()
+    assert have[-1] == "portable" and ("avx512" in have) == kernels.cpu_has_avx512()
+    monkeypatch.delenv(kernels.ISA_ENV)
+    assert kernels.chosen_isa() == have[0]
+    for wrong, message in (("sse9", "must be one of"), *((isa, "runs only") for isa in kernels.ISAS if isa not in have)):
+        monkeypatch.setenv(kernels.ISA_ENV, wrong)
+        with pytest.raises(ValueError, match=message):
+            kernels.chosen_isa()
+
+
+def test_every_isa_gives_close_results_and_avx2_gives_avx512s_bits():
+    """The same products, norms and attention on each instruction set: AVX2 and AVX-512 sum the same
+    fused multiply-adds in the same order (the same bits); the portable path rounds a multiply-add twice."""
+    modules = {isa: kernels.kernels_for(isa) for isa in kernels.cpu_isas()}
+    if any(m is None for m in modules.values()):
+        pytest.skip("the compiled kernels did not build here")
+    gen = torch.Generator().manual_seed(11)
+    w, x = torch.randn(70, 200, generator=gen), torch.randn(5, 200, generator=gen)
+    q, keys, values = (torch.randn(4, 3, 64, generator=gen), torch.randn(2, 40, 64, generator=gen),
+                       torch.randn(2, 40, 64, generator=gen))
+    gate_up = torch.randn(3, 64, generator=gen) * 4
+
+    def run(m):
+        return (m.stream_linear(x, w, None), m.rms_norm(x, w[0], 1e-5),
+                m.attention(q, keys, values, 40, None, 0.125), m.silu_mul(gate_up))
+
+    results = {isa: run(m) for isa, m in modules.items()}
+    for isa, got in results.items():
+        for a, b in zip(got, results["portable"]):
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), isa
+    if "avx512" in results:
+        assert all(torch.equal(a, b) for a, b in zip(results["avx2"], results["avx512"]))
 
 
 # K with and without a tail of fewer than 16; N not a multiple of any block width
@@ -409,3 +454,48 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     os.utime(lock, (old, old))
     assert clear_stale_lock(tmp_path) and not lock.exists()
     assert not clear_stale_lock(tmp_path)  # nothing left to remove
+
+
+# GGML types streamed by stream_linear_gguf: (type id, weights and bytes a block, offsets of float16 scales)
+GGML_BLOCKS = {"Q4_0": (2, 32, 18, [0]), "Q4_1": (3, 32, 20, [0, 2]), "Q5_0": (6, 32, 22, [0]),
+               "Q5_1": (7, 32, 24, [0, 2]), "Q8_0": (8, 32, 34, [0]), "Q4_K": (12, 256, 144, [0, 2]),
+               "Q5_K": (13, 256, 176, [0, 2]), "Q6_K": (14, 256, 210, [208])}
+
+
+def random_gguf_rows(name: str, rows: int, in_features: int, seed: int):
+    """GGUF bytes [rows, row bytes] of random codes with float16 scales of ordinary size, and the fp32 weight
+    gguf-py de-quantizes them to."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    type_id, weights, size, halves = GGML_BLOCKS[name]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * in_features // weights, size), dtype=np.uint8)
+    for offset in halves:
+        scale = (rng.uniform(1e-3, 3e-2, len(blocks)) * rng.choice([-1, 1], len(blocks))).astype(np.float16)
+        blocks[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+    raw = blocks.reshape(rows, -1)
+    weight = quants.dequantize(raw, GGMLQuantizationType(type_id)).reshape(rows, in_features).astype(np.float32)
+    return torch.from_numpy(raw.copy()), type_id, torch.from_numpy(weight)
+
+
+@pytest.mark.parametrize("name", list(GGML_BLOCKS))
+def test_stream_linear_gguf_gives_the_bits_of_the_fp32_kernel_on_the_dequantized_weight(name):
+    """Each GGUF block type read from its own bytes: the outputs of stream_linear on the weight gguf-py
+    de-quantizes, bit for bit, for 1-16 rows (so a tree row gets a plain step's bits), near a float64 product."""
+    module = module_or_skip()
+    in_features = 512
+    raw, type_id, weight = random_gguf_rows(name, 29, in_features, seed=len(name))
+    gen = torch.Generator().manual_seed(type_id)
+    bias = torch.randn(29, generator=gen)
+    for rows in range(1, kernels.STREAM_MAX_ROWS + 1):
+        x = torch.randn(rows, in_features, generator=gen)
+        for b in (None, bias):
+            got = module.stream_linear_gguf(x, raw, type_id, b)
+            assert torch.equal(got, module.stream_linear(x, weight, b)), (name, rows)
+        want = x.double() @ weight.double().T
+        assert torch.allclose(got.double() - bias.double(), want, atol=1e-3), name
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        module.stream_linear_gguf(torch.randn(1, in_features - 32), raw, type_id, None)
+    with pytest.raises(RuntimeError, match="is not streamed"):
+        module.stream_linear_gguf(torch.randn(1, in_features), raw, 10, None)  # Q2_K

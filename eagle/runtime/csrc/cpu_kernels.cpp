@@ -1,4 +1,9 @@
-// CPU kernels for decoding in fp32 (AVX-512), built on first use by eagle.kernels.
+// CPU kernels for decoding in fp32, built on first use by eagle.runtime.kernels, once per instruction set:
+// EAGLE_ISA_AVX512 (-mavx512f), EAGLE_ISA_AVX2 (-mavx2 -mfma -mf16c), or neither: portable C++ whose loops any
+// compiler vectorizes for the machine it targets. Every kernel is written against one 16-lane vector type V
+// (below): the same sums in the same order on every instruction set, so AVX2 gives AVX-512's bits (fused
+// multiply-adds on both); the portable path multiplies and adds separately (two roundings), so its bits differ
+// from theirs but not between its own rows.
 //
 // stream_linear: y = x W^T (+ b) for a few rows, the weight streamed from memory once. Decoding
 // and tree verification multiply 1-16 rows by each weight matrix: the time is the weight's trip
@@ -17,7 +22,13 @@
 // compact_rows: the accepted path's keys and values moved into place in every layer's cache at once.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)
 #include <immintrin.h>
+#endif
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#endif
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -25,7 +36,234 @@
 #include <type_traits>
 #include <vector>
 
+// Each instruction set's build is its own extension module, and one process may load several (the tests do):
+// their symbols live in a namespace of their own, and their Python class is local to its module.
+#if defined(EAGLE_ISA_AVX512)
+#define EAGLE_ISA_NS eagle_avx512
+#elif defined(EAGLE_ISA_AVX2)
+#define EAGLE_ISA_NS eagle_avx2
+#else
+#define EAGLE_ISA_NS eagle_portable
+#endif
+
+namespace EAGLE_ISA_NS {
+
 namespace {
+
+
+// ---- V: 16 floats, and the few operations the kernels need -----------------------------------------------
+// vsum is _mm512_reduce_add_ps's tree on every instruction set (lanes i + (i + 8), then i + (i + 4), then
+// (0 + 2) + (1 + 3)), so a sum's bits do not depend on the instruction set that computed it.
+#if defined(EAGLE_ISA_AVX512)
+struct V { __m512 r; };
+inline __mmask16 lanes(int64_t n) {  // the first min(n, 16) lanes (n >= 0)
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+inline V vzero() { return {_mm512_setzero_ps()}; }
+inline V vset1(float a) { return {_mm512_set1_ps(a)}; }
+inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V vloadn(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(lanes(n), p)}; }
+inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v.r); }
+inline void vstoren(float* p, V v, int64_t n) { _mm512_mask_storeu_ps(p, lanes(n), v.r); }
+inline V vadd(V a, V b) { return {_mm512_add_ps(a.r, b.r)}; }
+inline V vsub(V a, V b) { return {_mm512_sub_ps(a.r, b.r)}; }
+inline V vmul(V a, V b) { return {_mm512_mul_ps(a.r, b.r)}; }
+inline V vdiv(V a, V b) { return {_mm512_div_ps(a.r, b.r)}; }
+inline V vmax(V a, V b) { return {_mm512_max_ps(a.r, b.r)}; }
+inline V vmin(V a, V b) { return {_mm512_min_ps(a.r, b.r)}; }
+inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.r, b.r, c.r)}; }  // a * b + c
+inline V vfnma(V a, V b, V c) { return {_mm512_fnmadd_ps(a.r, b.r, c.r)}; }  // c - a * b
+inline float vsum(V v) { return _mm512_reduce_add_ps(v.r); }
+inline float vmaxall(V v) { return _mm512_reduce_max_ps(v.r); }
+inline V vfirst(V v, int64_t n, float fill) { return {_mm512_mask_mov_ps(_mm512_set1_ps(fill), lanes(n), v.r)}; }
+inline V viota() { return {_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)}; }
+inline V vround(V v) { return {_mm512_roundscale_ps(v.r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+inline V vscale2(V p, V n) { return {_mm512_scalef_ps(p.r, n.r)}; }  // p * 2^n, n whole in [-126, 127]
+inline V vzero_below(V v, V x, float t) {  // v where x >= t, else 0
+  return {_mm512_mask_mov_ps(v.r, _mm512_cmp_ps_mask(x.r, _mm512_set1_ps(t), _CMP_LT_OQ), _mm512_setzero_ps())};
+}
+// A vector of x held in a register for the J weight rows it meets: without this the compiler reloads it from
+// memory for each of them (an FMA with a memory operand), and with several weight rows the loads, not the FMAs,
+// bound the loop (8 rows: about 10% slower). With one weight row the load is folded into the FMA as before.
+template <int J>
+inline V in_register(V v) {
+  if constexpr (J > 1) asm("" : "+v"(v.r));
+  return v;
+}
+// A block's 32 weights from its codes: 4 bits, w = fma(d, c, m) (byte i: codes i and i + 16), the block's 16
+// possible weights computed once and each code picking its own (vpermps reads an index's low 4 bits); 8 bits,
+// w = d * c.
+inline void decode4(const uint8_t* codes, float d, float m, V& lo, V& hi) {
+  const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(d), viota().r, _mm512_set1_ps(m));
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  lo.r = _mm512_permutexvar_ps(bytes, table);
+  hi.r = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
+inline void decode8(const uint8_t* codes, float d, V& lo, V& hi) {
+  const __m512 dv = _mm512_set1_ps(d);
+  const __m128i* c = reinterpret_cast<const __m128i*>(codes);
+  lo.r = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c))));
+  hi.r = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c + 1))));
+}
+inline void half16(const uint16_t* src, float* dst) {
+  _mm512_storeu_ps(dst, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))));
+}
+constexpr const char* kIsa = "avx512";
+
+#elif defined(EAGLE_ISA_AVX2)
+struct V { __m256 a, b; };  // lanes 0-7, 8-15
+inline __m256i lanes8(int64_t n) {  // the first min(max(n, 0), 8) of 8 lanes, as a load/store mask
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(std::max<int64_t>(n, 0), 8))), idx);
+}
+inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V vloadn(const float* p, int64_t n) {
+  return {_mm256_maskload_ps(p, lanes8(n)), _mm256_maskload_ps(p + 8, lanes8(n - 8))};
+}
+inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
+inline void vstoren(float* p, V v, int64_t n) {
+  _mm256_maskstore_ps(p, lanes8(n), v.a);
+  _mm256_maskstore_ps(p + 8, lanes8(n - 8), v.b);
+}
+#define EAGLE_V2(name, op) \
+  inline V name(V x, V y) { return {op(x.a, y.a), op(x.b, y.b)}; }
+EAGLE_V2(vadd, _mm256_add_ps) EAGLE_V2(vsub, _mm256_sub_ps) EAGLE_V2(vmul, _mm256_mul_ps)
+EAGLE_V2(vdiv, _mm256_div_ps) EAGLE_V2(vmax, _mm256_max_ps) EAGLE_V2(vmin, _mm256_min_ps)
+#undef EAGLE_V2
+inline V vfma(V x, V y, V z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+inline V vfnma(V x, V y, V z) { return {_mm256_fnmadd_ps(x.a, y.a, z.a), _mm256_fnmadd_ps(x.b, y.b, z.b)}; }
+inline float vsum(V v) {
+  const __m256 h = _mm256_add_ps(v.b, v.a);                                                // i + (i + 8)
+  const __m128 q = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));      // i + (i + 4)
+  const __m128 p = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));           // i + (i + 2)
+  return _mm_cvtss_f32(p) + _mm_cvtss_f32(_mm_shuffle_ps(p, p, _MM_SHUFFLE(1, 1, 1, 1)));
+}
+inline float vmaxall(V v) {
+  const __m256 h = _mm256_max_ps(v.b, v.a);
+  const __m128 q = _mm_max_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
+  const __m128 p = _mm_max_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
+  return std::max(_mm_cvtss_f32(p), _mm_cvtss_f32(_mm_shuffle_ps(p, p, _MM_SHUFFLE(1, 1, 1, 1))));
+}
+inline V vfirst(V v, int64_t n, float fill) {
+  const __m256 f = _mm256_set1_ps(fill);
+  return {_mm256_blendv_ps(f, v.a, _mm256_castsi256_ps(lanes8(n))),
+          _mm256_blendv_ps(f, v.b, _mm256_castsi256_ps(lanes8(n - 8)))};
+}
+inline V viota() { return {_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15)}; }
+inline V vround(V v) {
+  return {_mm256_round_ps(v.a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+          _mm256_round_ps(v.b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+inline __m256 pow2(__m256 n) {  // 2^n for whole n in [-126, 127], built in the exponent field
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline V vscale2(V p, V n) { return {_mm256_mul_ps(p.a, pow2(n.a)), _mm256_mul_ps(p.b, pow2(n.b))}; }
+inline V vzero_below(V v, V x, float t) {
+  const __m256 tv = _mm256_set1_ps(t), z = _mm256_setzero_ps();
+  return {_mm256_blendv_ps(v.a, z, _mm256_cmp_ps(x.a, tv, _CMP_LT_OQ)),
+          _mm256_blendv_ps(v.b, z, _mm256_cmp_ps(x.b, tv, _CMP_LT_OQ))};
+}
+template <int J>
+inline V in_register(V v) {
+  if constexpr (J > 1) asm("" : "+x"(v.a), "+x"(v.b));
+  return v;
+}
+// fma(d, c, m) per code: the value AVX-512's table holds for that code
+inline void decode4(const uint8_t* codes, float d, float m, V& lo, V& hi) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  const __m256i b0 = _mm256_cvtepu8_epi32(bytes), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+  const __m256i low = _mm256_set1_epi32(15);
+  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+  auto w = [&](__m256i c) { return _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(c), mv); };
+  lo = {w(_mm256_and_si256(b0, low)), w(_mm256_and_si256(b1, low))};
+  hi = {w(_mm256_srli_epi32(b0, 4)), w(_mm256_srli_epi32(b1, 4))};
+}
+inline void decode8(const uint8_t* codes, float d, V& lo, V& hi) {
+  const __m256 dv = _mm256_set1_ps(d);
+  auto w = [&](const uint8_t* p) {
+    return _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+  };
+  lo = {w(codes), w(codes + 8)};
+  hi = {w(codes + 16), w(codes + 24)};
+}
+inline void half16(const uint16_t* src, float* dst) {
+  _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  _mm256_storeu_ps(dst + 8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8))));
+}
+constexpr const char* kIsa = "avx2";
+
+#else
+// Portable: plain loops over 16 lanes that the compiler vectorizes for its target; a * b + c as two roundings
+// (built with -ffp-contract=off, and no fused multiply-add instruction is assumed).
+struct alignas(64) V { float l[16]; };
+#define EAGLE_LANES(expr)                \
+  V out;                                 \
+  for (int i = 0; i < 16; ++i) out.l[i] = (expr); \
+  return out;
+inline V vzero() { EAGLE_LANES(0.0f) }
+inline V vset1(float a) { EAGLE_LANES(a) }
+inline V vload(const float* p) { EAGLE_LANES(p[i]) }
+inline V vloadn(const float* p, int64_t n) { EAGLE_LANES(i < n ? p[i] : 0.0f) }
+inline void vstore(float* p, V v) { for (int i = 0; i < 16; ++i) p[i] = v.l[i]; }
+inline void vstoren(float* p, V v, int64_t n) { for (int i = 0; i < 16 && i < n; ++i) p[i] = v.l[i]; }
+inline V vadd(V a, V b) { EAGLE_LANES(a.l[i] + b.l[i]) }
+inline V vsub(V a, V b) { EAGLE_LANES(a.l[i] - b.l[i]) }
+inline V vmul(V a, V b) { EAGLE_LANES(a.l[i] * b.l[i]) }
+inline V vdiv(V a, V b) { EAGLE_LANES(a.l[i] / b.l[i]) }
+inline V vmax(V a, V b) { EAGLE_LANES(a.l[i] > b.l[i] ? a.l[i] : b.l[i]) }
+inline V vmin(V a, V b) { EAGLE_LANES(a.l[i] < b.l[i] ? a.l[i] : b.l[i]) }
+inline V vfma(V a, V b, V c) { EAGLE_LANES(a.l[i] * b.l[i] + c.l[i]) }
+inline V vfnma(V a, V b, V c) { EAGLE_LANES(c.l[i] - a.l[i] * b.l[i]) }
+inline V vfirst(V v, int64_t n, float fill) { EAGLE_LANES(i < n ? v.l[i] : fill) }
+inline V viota() { EAGLE_LANES(static_cast<float>(i)) }
+// round to nearest, ties to even, for |x| < 2^22: adding and subtracting 1.5 * 2^23 (exact: no contraction)
+inline V vround(V v) { EAGLE_LANES((v.l[i] + 12582912.0f) - 12582912.0f) }
+inline V vscale2(V p, V n) {  // p * 2^n, n whole in [-126, 127], 2^n built in the exponent field
+  V out;
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n.l[i]) + 127) << 23;
+    float two;
+    std::memcpy(&two, &bits, sizeof two);
+    out.l[i] = p.l[i] * two;
+  }
+  return out;
+}
+inline V vzero_below(V v, V x, float t) { EAGLE_LANES(x.l[i] < t ? 0.0f : v.l[i]) }
+#undef EAGLE_LANES
+inline float vsum(V v) {
+  float h[8], q[4];
+  for (int i = 0; i < 8; ++i) h[i] = v.l[i] + v.l[i + 8];
+  for (int i = 0; i < 4; ++i) q[i] = h[i] + h[i + 4];
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+inline float vmaxall(V v) {
+  float m = v.l[0];
+  for (int i = 1; i < 16; ++i) m = v.l[i] > m ? v.l[i] : m;
+  return m;
+}
+template <int J>
+inline V in_register(V v) { return v; }
+// d * c + m equals fma(d, c, m) for these codes (d a float16 value, c < 16: d * c is exact)
+inline void decode4(const uint8_t* codes, float d, float m, V& lo, V& hi) {
+  for (int i = 0; i < 16; ++i) {
+    lo.l[i] = d * static_cast<float>(codes[i] & 15) + m;
+    hi.l[i] = d * static_cast<float>(codes[i] >> 4) + m;
+  }
+}
+inline void decode8(const uint8_t* codes, float d, V& lo, V& hi) {
+  const int8_t* c = reinterpret_cast<const int8_t*>(codes);
+  for (int i = 0; i < 16; ++i) {
+    lo.l[i] = d * static_cast<float>(c[i]);
+    hi.l[i] = d * static_cast<float>(c[i + 16]);
+  }
+}
+inline void half16(const uint16_t* src, float* dst) {
+  for (int i = 0; i < 16; ++i) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
+}
+constexpr const char* kIsa = "portable";
+#endif
 
 constexpr int64_t kPrefetchRows = 8;  // rows ahead; the best of 4, 8, 16 and 32 (docs/performance.md)
 
@@ -33,72 +271,87 @@ constexpr int64_t kPrefetchRows = 8;  // rows ahead; the best of 4, 8, 16 and 32
 // caches) is fetched non-temporally, so that streaming it does not push what is read again soon
 // (the drafter's weights, the KV cache) out of the last-level cache.
 inline void prefetch(const void* p, bool once) {
+#if defined(__x86_64__) || defined(_M_X64)
   if (once) _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
   else _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+#else
+  if (once) __builtin_prefetch(p, 0, 0);
+  else __builtin_prefetch(p, 0, 3);
+#endif
 }
 
-// The mask of the first min(n, 16) lanes of a vector (n >= 0): a row's tail, or a group of up to 16.
-inline __mmask16 lanes(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
-}
+// Register budgets: the rows of x one pass over W serves, and the weight rows J met at a time per row count M,
+// the fastest timed. AVX-512 has 32 vector registers of 16 lanes; a V takes two of AVX2's 16, so there fewer
+// accumulators fit and a product of more rows takes more passes (each row's sums unchanged: the same bits).
+#if defined(EAGLE_ISA_AVX512)
+constexpr int kPassRows = 16, kPassRowsQ = 8;
+template <int M> constexpr int kJ = M <= 2 ? 4 : (M <= 6 ? 3 : (M <= 9 ? 2 : 1));
+template <int M> constexpr int kJQ = M <= 1 ? 8 : (M <= 3 ? 4 : (M <= 6 ? 3 : 2));
+#elif defined(EAGLE_ISA_AVX2)
+constexpr int kPassRows = 4, kPassRowsQ = 4;
+template <int M> constexpr int kJ = M <= 1 ? 4 : (M <= 2 ? 2 : 1);
+template <int M> constexpr int kJQ = M <= 1 ? 2 : 1;
+#else
+constexpr int kPassRows = 4, kPassRowsQ = 4;
+template <int M> constexpr int kJ = M <= 1 ? 4 : (M <= 2 ? 2 : 1);
+template <int M> constexpr int kJQ = M <= 1 ? 2 : 1;
+#endif
 
-// A vector of x held in a register for the J weight rows it meets: without this the compiler
-// reloads it from memory for each of them (an FMA with a memory operand), and with several weight
-// rows the loads, not the FMAs, bound the loop (8 rows: about 10% slower). With one weight row
-// the load is folded into the FMA as before.
-template <int J>
-inline __m512 in_register(__m512 v) {
-  if constexpr (J > 1) asm("" : "+v"(v));
-  return v;
-}
-
-// Outputs j0..j1 (a multiple of J apart) of the M rows of x [M, K]; w [N, K]; out [M, N].
+// Outputs j0..j1 (a multiple of J apart) of the M rows of x [M, K]; w [N, K]; out [M, N]. x's rows are K apart
+// (ldx) and out's N apart.
 template <int M, int J>
 void block(const float* x, int64_t K, const float* w, int64_t N, const float* bias, float* out,
            int64_t j0, int64_t j1, bool once) {
-  const int64_t whole = K / 16 * 16;
-  const __mmask16 tail = lanes(K - whole);
+  const int64_t whole = K / 16 * 16, tail = K - whole;
   for (int64_t j = j0; j < j1; j += J) {
-    __m512 acc[M][J];
+    V acc[M][J];
     for (int i = 0; i < M; ++i)
-      for (int b = 0; b < J; ++b) acc[i][b] = _mm512_setzero_ps();
+      for (int b = 0; b < J; ++b) acc[i][b] = vzero();
     for (int64_t k = 0; k < whole; k += 16) {
-      __m512 wv[J];
-      for (int b = 0; b < J; ++b) wv[b] = _mm512_loadu_ps(w + (j + b) * K + k);
+      V wv[J];
+      for (int b = 0; b < J; ++b) wv[b] = vload(w + (j + b) * K + k);
       for (int b = 0; b < J; ++b)
         prefetch(w + (j + b + kPrefetchRows) * K + k, once);
       for (int i = 0; i < M; ++i) {
-        const __m512 xv = in_register<J>(_mm512_loadu_ps(x + i * K + k));
-        for (int b = 0; b < J; ++b) acc[i][b] = _mm512_fmadd_ps(xv, wv[b], acc[i][b]);
+        const V xv = in_register<J>(vload(x + i * K + k));
+        for (int b = 0; b < J; ++b) acc[i][b] = vfma(xv, wv[b], acc[i][b]);
       }
     }
     if (tail) {
-      __m512 wv[J];
-      for (int b = 0; b < J; ++b) wv[b] = _mm512_maskz_loadu_ps(tail, w + (j + b) * K + whole);
+      V wv[J];
+      for (int b = 0; b < J; ++b) wv[b] = vloadn(w + (j + b) * K + whole, tail);
       for (int i = 0; i < M; ++i) {
-        const __m512 xv = in_register<J>(_mm512_maskz_loadu_ps(tail, x + i * K + whole));
-        for (int b = 0; b < J; ++b) acc[i][b] = _mm512_fmadd_ps(xv, wv[b], acc[i][b]);
+        const V xv = in_register<J>(vloadn(x + i * K + whole, tail));
+        for (int b = 0; b < J; ++b) acc[i][b] = vfma(xv, wv[b], acc[i][b]);
       }
     }
     for (int i = 0; i < M; ++i)
       for (int b = 0; b < J; ++b)
-        out[i * N + j + b] = _mm512_reduce_add_ps(acc[i][b]) + (bias ? bias[j + b] : 0.0f);
+        out[i * N + j + b] = vsum(acc[i][b]) + (bias ? bias[j + b] : 0.0f);
   }
 }
 
-// J weight rows at a time: as many as the 32 vector registers hold accumulators for.
+// J weight rows at a time: as many as the vector registers hold accumulators for; more rows of x than one pass
+// serves split in two (each half's sums as before).
 template <int M>
 void rows(const float* x, int64_t K, const float* w, int64_t N, const float* bias, float* out, bool once) {
-  constexpr int J = M <= 2 ? 4 : (M <= 6 ? 3 : (M <= 9 ? 2 : 1));
-  const int64_t blocks = N / J;
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    block<M, J>(x, K, w, N, bias, out, b0 * J, b1 * J, once);
-  });
-  if (blocks * J < N) block<M, 1>(x, K, w, N, bias, out, blocks * J, N, once);
+  if constexpr (M > kPassRows) {
+    constexpr int H = M / 2;
+    rows<H>(x, K, w, N, bias, out, once);
+    rows<M - H>(x + H * K, K, w, N, bias, out + H * N, once);
+    return;
+  } else {
+    constexpr int J = kJ<M>;
+    const int64_t blocks = N / J;
+    at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+      block<M, J>(x, K, w, N, bias, out, b0 * J, b1 * J, once);
+    });
+    if (blocks * J < N) block<M, 1>(x, K, w, N, bias, out, blocks * J, N, once);
+  }
 }
 
-// The same product with W kept as its exact block encoding (eagle.quant): each block of 32 weights
-// of a row is w = fma(d, c, m) for 4-bit codes c (0..15, 16 bytes, byte i = c[i] | c[i + 16] << 4)
+// The same product with W kept as its exact block encoding (eagle.runtime.block_codes): each block of 32
+// weights of a row is w = fma(d, c, m) for 4-bit codes c (0..15, 16 bytes, byte i = c[i] | c[i + 16] << 4)
 // and a (d, m) pair of scales, or w = d * c for 8-bit codes (-127..127) and one scale d (kScales).
 // A weight vector is decoded to the very fp32 values of W and summed in the same order as block():
 // the same bits, from 0.625-0.75 or 1.125 bytes per weight instead of 4.
@@ -106,34 +359,21 @@ template <int Bits>
 constexpr int64_t kScales = Bits == 4 ? 2 : 1;  // scales per block
 
 template <int Bits>
-inline void decode(const uint8_t* codes, const float* scales, __m512& lo, __m512& hi) {
-  const __m512 d = _mm512_set1_ps(scales[0]);
-  if constexpr (Bits == 4) {
-    const __m512 m = _mm512_set1_ps(scales[1]);
-    // the block's 16 possible weights fma(d, c, m), c = 0..15, then each code picks its own (vpermps
-    // reads an index's low 4 bits): the same values as decoding each code, in 5 operations, not 7
-    const __m512 table = _mm512_fmadd_ps(
-        d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), m);
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-    lo = _mm512_permutexvar_ps(bytes, table);
-    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
-  } else {
-    const __m128i* c = reinterpret_cast<const __m128i*>(codes);
-    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c))));
-    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c + 1))));
-  }
+inline void decode(const uint8_t* codes, const float* scales, V& lo, V& hi) {
+  if constexpr (Bits == 4) decode4(codes, scales[0], scales[1], lo, hi);
+  else decode8(codes, scales[0], lo, hi);
 }
 
 // n float16 values (scales as GGUF stores them: half the bytes of fp32) -> fp32 in dst, exactly.
 void half_to_float(const uint16_t* src, int64_t n, float* dst) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  for (; i + 16 <= n; i += 16) half16(src + i, dst + i);
   if (i < n) {
     uint16_t tail[16] = {0};
+    float converted[16];
     std::memcpy(tail, src + i, (n - i) * sizeof(uint16_t));
-    _mm512_mask_storeu_ps(dst + i, lanes(n - i),
-                          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail))));
+    half16(tail, converted);
+    std::memcpy(dst + i, converted, (n - i) * sizeof(float));
   }
 }
 
@@ -148,63 +388,62 @@ void block_q(const float* x, int64_t K, const uint8_t* codes, const float* scale
   const int64_t row_bytes = K * Bits / 8, blocks = K / 32, row_scales = blocks * kScales<Bits>;
   for (int64_t j = j0; j < j1; j += J) {
     const float* sp = scales + (j - j0) * row_scales;
-    __m512 acc[M][J];
+    V acc[M][J];
     for (int i = 0; i < M; ++i)
-      for (int b = 0; b < J; ++b) acc[i][b] = _mm512_setzero_ps();
+      for (int b = 0; b < J; ++b) acc[i][b] = vzero();
     const uint8_t* cp = codes + j * row_bytes;
     const float* xp = x;
     for (int64_t kb = 0; kb < blocks; ++kb, cp += kBlockBytes, sp += kScales<Bits>, xp += 32) {
-      __m512 lo[J], hi[J];
+      V lo[J], hi[J];
       for (int b = 0; b < J; ++b) {
         decode<Bits>(cp + b * row_bytes, sp + b * row_scales, lo[b], hi[b]);
         prefetch(cp + (b + kPrefetchRows) * row_bytes, once);
       }
       for (int i = 0; i < M; ++i) {
-        const __m512 xv = in_register<J>(_mm512_loadu_ps(xp + i * K));
-        for (int b = 0; b < J; ++b) acc[i][b] = _mm512_fmadd_ps(xv, lo[b], acc[i][b]);
+        const V xv = in_register<J>(vload(xp + i * K));
+        for (int b = 0; b < J; ++b) acc[i][b] = vfma(xv, lo[b], acc[i][b]);
       }
       for (int i = 0; i < M; ++i) {
-        const __m512 xv = in_register<J>(_mm512_loadu_ps(xp + i * K + 16));
-        for (int b = 0; b < J; ++b) acc[i][b] = _mm512_fmadd_ps(xv, hi[b], acc[i][b]);
+        const V xv = in_register<J>(vload(xp + i * K + 16));
+        for (int b = 0; b < J; ++b) acc[i][b] = vfma(xv, hi[b], acc[i][b]);
       }
     }
     for (int i = 0; i < M; ++i)
       for (int b = 0; b < J; ++b)
-        out[i * N + j + b] = _mm512_reduce_add_ps(acc[i][b]) + (bias ? bias[j + b] : 0.0f);
+        out[i * N + j + b] = vsum(acc[i][b]) + (bias ? bias[j + b] : 0.0f);
   }
 }
 
 template <int Bits, int M>
 void rows_q(const float* x, int64_t K, const uint8_t* codes, const void* scales, bool half, int64_t N,
             const float* bias, float* out, bool once) {
-  if constexpr (M > 8) {
-    // two passes over W, each with at most 8 rows of x: with more, a block of W met every row of x before the
-    // next, and x outgrew the first-level cache (16 rows of 1536: 96 KB): the target's products of 12 and 16 rows
-    // cost 1.9x and 3.0x those of 8 in one pass, 1.4x and 2.0x in two; each row's outputs are summed as before
-    // (the same bits)
+  if constexpr (M > kPassRowsQ) {
+    // several passes over W, each with at most kPassRowsQ rows of x: with more, a block of W met every row of x
+    // before the next, and x outgrew the first-level cache (16 rows of 1536: 96 KB): the target's products of 12
+    // and 16 rows cost 1.9x and 3.0x those of 8 in one pass, 1.4x and 2.0x in two (AVX-512); each row's outputs
+    // are summed as before (the same bits)
     constexpr int H = M / 2;
     rows_q<Bits, H>(x, K, codes, scales, half, N, bias, out, once);
     rows_q<Bits, M - H>(x + H * K, K, codes, scales, half, N, bias, out + H * N, once);
     return;
+  } else {
+    constexpr int J = kJQ<M>;
+    const int64_t blocks = N / J, row_scales = K / 32 * kScales<Bits>;
+    // rows j0..j1 (a multiple of W apart) by block_q; fp16 scales converted W rows at a time, outside it
+    // (converted inside its loop, they take registers from the products)
+    auto run = [&](auto w, int64_t j0, int64_t j1) {
+      constexpr int W = decltype(w)::value;
+      if (!half) return block_q<Bits, M, W>(x, K, codes, static_cast<const float*>(scales) + j0 * row_scales, N,
+                                            bias, out, j0, j1, once);
+      std::vector<float> converted(W * row_scales);
+      for (int64_t j = j0; j < j1; j += W) {
+        half_to_float(static_cast<const uint16_t*>(scales) + j * row_scales, W * row_scales, converted.data());
+        block_q<Bits, M, W>(x, K, codes, converted.data(), N, bias, out, j, j + W, once);
+      }
+    };
+    at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) { run(std::integral_constant<int, J>(), b0 * J, b1 * J); });
+    if (blocks * J < N) run(std::integral_constant<int, 1>(), blocks * J, N);
   }
-  // weight rows decoded at a time per row count of x, the fastest timed (more spill registers); 5-8 rows
-  // as block()
-  constexpr int J = M <= 1 ? 8 : (M <= 3 ? 4 : (M <= 6 ? 3 : 2));
-  const int64_t blocks = N / J, row_scales = K / 32 * kScales<Bits>;
-  // rows j0..j1 (a multiple of W apart) by block_q; fp16 scales converted W rows at a time, outside it
-  // (converted inside its loop, they take registers from the products)
-  auto run = [&](auto w, int64_t j0, int64_t j1) {
-    constexpr int W = decltype(w)::value;
-    if (!half) return block_q<Bits, M, W>(x, K, codes, static_cast<const float*>(scales) + j0 * row_scales, N, bias,
-                                          out, j0, j1, once);
-    std::vector<float> converted(W * row_scales);
-    for (int64_t j = j0; j < j1; j += W) {
-      half_to_float(static_cast<const uint16_t*>(scales) + j * row_scales, W * row_scales, converted.data());
-      block_q<Bits, M, W>(x, K, codes, converted.data(), N, bias, out, j, j + W, once);
-    }
-  };
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) { run(std::integral_constant<int, J>(), b0 * J, b1 * J); });
-  if (blocks * J < N) run(std::integral_constant<int, 1>(), blocks * J, N);
 }
 
 }  // namespace
@@ -284,6 +523,211 @@ torch::Tensor stream_linear_q(const torch::Tensor& x, const torch::Tensor& codes
   return out;
 }
 
+// ---- stream_linear_gguf: the product with W in GGUF's own block layouts --------------------------------------
+// Each row of W is its GGUF bytes (ggml's block layouts: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in blocks of 32 weights,
+// Q4_K, Q5_K, Q6_K in super-blocks of 256). A few rows at a time are decoded to fp32 into a buffer the caches
+// hold, by plain loops the compiler vectorizes, then multiplied by block(): every decoded weight is exact (d * c
+// is exact in fp32 for these codes and scales; a minimum is subtracted or added once, as ggml and gguf-py
+// decode), so the outputs have the bits of stream_linear on the de-quantized W, from 0.56-1.06 bytes a weight.
+namespace {
+
+enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+struct GgmlLayout {
+  int64_t weights, bytes;  // per block
+};
+
+GgmlLayout ggml_layout(int64_t type) {
+  switch (type) {
+    case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ5_0: return {32, 22};
+    case kQ5_1: return {32, 24};
+    case kQ8_0: return {32, 34};
+    case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
+    case kQ6_K: return {256, 210};
+    default: TORCH_CHECK(false, "stream_linear_gguf: GGML type ", type, " is not streamed (Q4_0, Q4_1, Q5_0, Q5_1, ",
+                         "Q8_0, Q4_K, Q5_K, Q6_K are)");
+  }
+  return {0, 0};
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// Q4_K and Q5_K: the 6-bit scale and minimum of sub-block j (0..7) from the super-block's 12 scale bytes.
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    mn = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One row of K weights from its GGUF bytes into out (fp32), as gguf-py's dequantize computes them.
+template <int64_t Type>
+void decode_row(const uint8_t* p, int64_t K, float* out) {
+  if constexpr (Type == kQ8_0) {
+    for (int64_t b = 0; b < K / 32; ++b, p += 34, out += 32) {
+      const float d = half_at(p);
+      const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
+      for (int l = 0; l < 32; ++l) out[l] = static_cast<float>(q[l]) * d;
+    }
+  } else if constexpr (Type == kQ4_0 || Type == kQ4_1) {
+    constexpr int64_t size = Type == kQ4_0 ? 18 : 20;
+    for (int64_t b = 0; b < K / 32; ++b, p += size, out += 32) {
+      const float d = half_at(p);
+      const uint8_t* q = p + (Type == kQ4_0 ? 2 : 4);
+      if constexpr (Type == kQ4_0) {
+        for (int l = 0; l < 16; ++l) {
+          out[l] = d * static_cast<float>((q[l] & 15) - 8);
+          out[l + 16] = d * static_cast<float>((q[l] >> 4) - 8);
+        }
+      } else {
+        const float m = half_at(p + 2);
+        for (int l = 0; l < 16; ++l) {
+          out[l] = d * static_cast<float>(q[l] & 15) + m;
+          out[l + 16] = d * static_cast<float>(q[l] >> 4) + m;
+        }
+      }
+    }
+  } else if constexpr (Type == kQ5_0 || Type == kQ5_1) {
+    constexpr int64_t size = Type == kQ5_0 ? 22 : 24, head = Type == kQ5_0 ? 2 : 4;
+    for (int64_t b = 0; b < K / 32; ++b, p += size, out += 32) {
+      const float d = half_at(p);
+      uint32_t qh;
+      std::memcpy(&qh, p + head, sizeof qh);
+      const uint8_t* q = p + head + 4;
+      int32_t c[32];
+      for (int l = 0; l < 16; ++l) {
+        c[l] = (q[l] & 15) | (((qh >> l) & 1) << 4);
+        c[l + 16] = (q[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+      }
+      if constexpr (Type == kQ5_0) {
+        for (int l = 0; l < 32; ++l) out[l] = d * static_cast<float>(c[l] - 16);
+      } else {
+        const float m = half_at(p + 2);
+        for (int l = 0; l < 32; ++l) out[l] = d * static_cast<float>(c[l]) + m;
+      }
+    }
+  } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
+    constexpr int64_t size = Type == kQ4_K ? 144 : 176;
+    for (int64_t b = 0; b < K / 256; ++b, p += size, out += 256) {
+      const float d = half_at(p), dmin = half_at(p + 2);
+      const uint8_t* scales = p + 4;
+      const uint8_t* qh = p + 16;  // Q5_K only: bit j of byte l is the fifth bit of weight l of sub-block j
+      const uint8_t* qs = p + (Type == kQ4_K ? 16 : 48);
+      for (int j = 0; j < 8; ++j) {
+        int sc, mn;
+        scale_min_k4(j, scales, sc, mn);
+        const float dj = d * static_cast<float>(sc), mj = dmin * static_cast<float>(mn);
+        const uint8_t* q = qs + 32 * (j / 2);
+        const int shift = 4 * (j % 2);
+        float* o = out + 32 * j;
+        if constexpr (Type == kQ4_K) {
+          for (int l = 0; l < 32; ++l) o[l] = dj * static_cast<float>((q[l] >> shift) & 15) - mj;
+        } else {
+          for (int l = 0; l < 32; ++l)
+            o[l] = dj * static_cast<float>(((q[l] >> shift) & 15) | (((qh[l] >> j) & 1) << 4)) - mj;
+        }
+      }
+    }
+  } else {  // Q6_K: ql [128], qh [64], int8 scales [16] (one per 16 weights), d
+    for (int64_t b = 0; b < K / 256; ++b, p += 210, out += 256) {
+      const uint8_t* ql = p;
+      const uint8_t* qh = p + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+      const float d = half_at(p + 208);
+      for (int n = 0; n < 2; ++n)
+        for (int r = 0; r < 4; ++r) {  // weights 32 r .. 32 r + 31 of half n
+          const uint8_t* low = ql + 64 * n + 32 * (r % 2);
+          const int lshift = 4 * (r / 2), hshift = 2 * r;
+          float* o = out + 128 * n + 32 * r;
+          const float s0 = d * static_cast<float>(sc[8 * n + 2 * r]), s1 = d * static_cast<float>(sc[8 * n + 2 * r + 1]);
+          for (int l = 0; l < 32; ++l) {
+            const int q = (((low[l] >> lshift) & 15) | (((qh[32 * n + l] >> hshift) & 3) << 4)) - 32;
+            o[l] = (l < 16 ? s0 : s1) * static_cast<float>(q);
+          }
+        }
+    }
+  }
+}
+
+constexpr int64_t kDecodedRows = 12;  // W rows decoded at a time: a multiple of every J
+
+// Outputs j0..j1 of the M rows of x (M <= kPassRows), W's rows decoded kDecodedRows at a time.
+template <int64_t Type, int M>
+void gguf_pass(const float* x, int64_t K, const uint8_t* raw, int64_t row_bytes, int64_t N, const float* bias,
+               float* out, int64_t j0, int64_t j1, float* buf) {
+  constexpr int J = kJ<M>;
+  for (int64_t j = j0; j < j1; j += kDecodedRows) {
+    const int64_t n = std::min(kDecodedRows, j1 - j);
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t b = 0; b < row_bytes; b += 64) prefetch(raw + (j + r + kDecodedRows) * row_bytes + b, true);
+      decode_row<Type>(raw + (j + r) * row_bytes, K, buf + r * K);
+    }
+    const float* w = buf - j * K;  // block() reads row j + b at w + (j + b) * K
+    const int64_t whole = n / J * J;
+    if (whole) block<M, J>(x, K, w, N, bias, out, j, j + whole, false);
+    if (whole < n) block<M, 1>(x, K, w, N, bias, out, j + whole, j + n, false);
+  }
+}
+
+template <int64_t Type>
+void gguf_rows(const float* x, int64_t M, int64_t K, const uint8_t* raw, int64_t row_bytes, int64_t N,
+               const float* bias, float* out) {
+  at::parallel_for(0, (N + kDecodedRows - 1) / kDecodedRows, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> buf(kDecodedRows * K);
+    const int64_t j0 = g0 * kDecodedRows, j1 = std::min(N, g1 * kDecodedRows);
+    for (int64_t p0 = 0; p0 < M; p0 += kPassRows) {
+      const int64_t rows_here = std::min<int64_t>(kPassRows, M - p0);
+      for_rows(rows_here, "stream_linear_gguf", [&](auto m) {
+        if constexpr (decltype(m)::value <= kPassRows)
+          gguf_pass<Type, decltype(m)::value>(x + p0 * K, K, raw, row_bytes, N, bias, out + p0 * N, j0, j1, buf.data());
+      });
+    }
+  });
+}
+
+}  // namespace
+
+// stream_linear_gguf: y = x W^T (+ b) for 1-16 rows of x [M, K] with W given as its GGUF rows raw uint8 [N, row
+// bytes] of GGML type `type`: the bits of stream_linear on W de-quantized as gguf-py does.
+torch::Tensor stream_linear_gguf(const torch::Tensor& x, const torch::Tensor& raw, int64_t type,
+                                 const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.device().is_cpu(),
+              "stream_linear_gguf: contiguous fp32 CPU x [M, K]");
+  TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.is_contiguous() && raw.dim() == 2 && raw.device().is_cpu(),
+              "stream_linear_gguf: contiguous uint8 CPU rows [N, row bytes]");
+  const GgmlLayout layout = ggml_layout(type);
+  const int64_t M = x.size(0), K = x.size(1), N = raw.size(0);
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, "stream_linear_gguf: 1 to 16 rows, got ", M);
+  TORCH_CHECK(K % layout.weights == 0 && raw.size(1) == K / layout.weights * layout.bytes,
+              "stream_linear_gguf: shapes do not match x [M, K] (K a multiple of ", layout.weights, ")");
+  const float* b = bias_data(bias, N, "stream_linear_gguf");
+  auto out = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* rp = raw.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t rb = raw.size(1);
+  switch (type) {
+#define EAGLE_GGML(t) \
+  case t:             \
+    gguf_rows<t>(xp, M, K, rp, rb, N, b, op); \
+    break;
+    EAGLE_GGML(kQ4_0) EAGLE_GGML(kQ4_1) EAGLE_GGML(kQ5_0) EAGLE_GGML(kQ5_1) EAGLE_GGML(kQ8_0) EAGLE_GGML(kQ4_K)
+    EAGLE_GGML(kQ5_K) EAGLE_GGML(kQ6_K)
+#undef EAGLE_GGML
+  }
+  return out;
+}
+
 // A weight for decoder_layer: fp32 [N, K], or codes with their scales (stream_linear_q).
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scales,
                      const c10::optional<torch::Tensor>& bias, bool once) {
@@ -297,29 +741,25 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "rms_norm: CPU tensors only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.dim() == 1 && x.size(-1) == w.size(0),
               "rms_norm: contiguous x [..., H] and w [H]");
-  const int64_t H = w.size(0), rows = x.numel() / H, whole = H / 16 * 16;
-  const __mmask16 tail = lanes(H - whole);
+  const int64_t H = w.size(0), rows = x.numel() / H, whole = H / 16 * 16, tail = H - whole;
   auto out = torch::empty_like(x);
   const float* wp = w.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
     const float* xp = x.data_ptr<float>() + r * H;
     float* op = out.data_ptr<float>() + r * H;
-    __m512 acc = _mm512_setzero_ps();
+    V acc = vzero();
     for (int64_t k = 0; k < whole; k += 16) {
-      const __m512 v = _mm512_loadu_ps(xp + k);
-      acc = _mm512_fmadd_ps(v, v, acc);
+      const V v = vload(xp + k);
+      acc = vfma(v, v, acc);
     }
     if (tail) {
-      const __m512 v = _mm512_maskz_loadu_ps(tail, xp + whole);
-      acc = _mm512_fmadd_ps(v, v, acc);
+      const V v = vloadn(xp + whole, tail);
+      acc = vfma(v, v, acc);
     }
-    const float mean = _mm512_reduce_add_ps(acc) / static_cast<float>(H);
-    const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(mean + static_cast<float>(eps)));
-    for (int64_t k = 0; k < whole; k += 16)
-      _mm512_storeu_ps(op + k, _mm512_mul_ps(_mm512_loadu_ps(wp + k), _mm512_mul_ps(_mm512_loadu_ps(xp + k), scale)));
-    if (tail)
-      _mm512_mask_storeu_ps(op + whole, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, wp + whole),
-                                                            _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, xp + whole), scale)));
+    const float mean = vsum(acc) / static_cast<float>(H);
+    const V scale = vset1(1.0f / std::sqrt(mean + static_cast<float>(eps)));
+    for (int64_t k = 0; k < whole; k += 16) vstore(op + k, vmul(vload(wp + k), vmul(vload(xp + k), scale)));
+    if (tail) vstoren(op + whole, vmul(vloadn(wp + whole, tail), vmul(vloadn(xp + whole, tail), scale)), tail);
   }
   return out;
 }
@@ -328,30 +768,30 @@ namespace {
 
 // exp for 16 floats: 2^n * p(r), r = x - n ln 2 (Cephes' expf polynomial, ~1 ulp); 0 below -87 (where
 // expf is 0 or subnormal: a softmax term that small cannot change a sum of terms up to 1).
-inline __m512 exp16(__m512 x) {
-  const __m512 clamped = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-  return _mm512_mask_mov_ps(_mm512_scalef_ps(p, n), tiny, _mm512_setzero_ps());
+inline V exp16(V x) {
+  const V clamped = vmax(vmin(x, vset1(88.0f)), vset1(-88.0f));
+  const V n = vround(vmul(clamped, vset1(1.44269504088896341f)));
+  V r = vfnma(n, vset1(0.693359375f), clamped);
+  r = vfnma(n, vset1(-2.12194440e-4f), r);
+  V p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
+  return vzero_below(vscale2(p, n), x, -87.0f);
 }
 
 // reduce_add16: lane c of the result is the sum of the 16 lanes of the vector in slot c of v
-// (kSlotKey[s]: the lane whose vector goes in slot s; it is its own inverse), each summed by
-// _mm512_reduce_add_ps's tree (halves, quarters, pairs, then the last two): the bits that
-// reduction gives each vector alone, for 16 vectors in 45 operations instead of about 130.
+// (kSlotKey[s]: the lane whose vector goes in slot s; it is its own inverse), each summed by vsum's tree
+// (halves, quarters, pairs, then the last two): the bits that reduction gives each vector alone; with
+// AVX-512 for 16 vectors in 45 operations instead of about 130.
 constexpr int kSlotKey[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
-inline __m512 reduce_add16(const __m512* v) {
+#if defined(EAGLE_ISA_AVX512)
+inline V reduce_add16(const V* vv) {
+  const __m512* v = reinterpret_cast<const __m512*>(vv);
   __m512 halves[8], quarters[4], pairs[2];
   for (int j = 0; j < 8; ++j)  // lanes i + (i + 8) of v[j] (low half) and of v[j + 8] (high half)
     halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[j], v[j + 8], _MM_SHUFFLE(1, 0, 1, 0)),
@@ -362,9 +802,16 @@ inline __m512 reduce_add16(const __m512* v) {
   for (int j = 0; j < 2; ++j)  // lanes i + (i + 2) of each quarter
     pairs[j] = _mm512_add_ps(_mm512_shuffle_ps(quarters[j], quarters[j + 2], _MM_SHUFFLE(1, 0, 1, 0)),
                              _mm512_shuffle_ps(quarters[j], quarters[j + 2], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return {_mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                        _mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)))};
 }
+#else
+inline V reduce_add16(const V* v) {
+  alignas(64) float sums[16];
+  for (int c = 0; c < 16; ++c) sums[c] = vsum(v[kSlotKey[c]]);
+  return vload(sums);
+}
+#endif
 
 constexpr float kMasked = -1e30f;  // an additive bias at or below this excludes the key
 
@@ -399,11 +846,9 @@ torch::Tensor rope_cache(const torch::Tensor& qkv, const torch::Tensor& cos, con
       const float* x = row + h * d;
       float* dst = h < nh ? op + (h * q + i) * d : kp + ((h - nh) * cap + start + i) * d;
       for (int64_t t = 0; t < half; t += 16) {
-        const __m512 x1 = _mm512_loadu_ps(x + t), x2 = _mm512_loadu_ps(x + half + t);
-        _mm512_storeu_ps(dst + t, _mm512_sub_ps(_mm512_mul_ps(x1, _mm512_loadu_ps(c + t)),
-                                                _mm512_mul_ps(x2, _mm512_loadu_ps(s + t))));
-        _mm512_storeu_ps(dst + half + t, _mm512_add_ps(_mm512_mul_ps(x2, _mm512_loadu_ps(c + half + t)),
-                                                       _mm512_mul_ps(x1, _mm512_loadu_ps(s + half + t))));
+        const V x1 = vload(x + t), x2 = vload(x + half + t);
+        vstore(dst + t, vsub(vmul(x1, vload(c + t)), vmul(x2, vload(s + t))));
+        vstore(dst + half + t, vadd(vmul(x2, vload(c + half + t)), vmul(x1, vload(s + half + t))));
       }
     }
     for (int64_t h = 0; h < nkv; ++h)
@@ -414,53 +859,50 @@ torch::Tensor rope_cache(const torch::Tensor& qkv, const torch::Tensor& cos, con
 
 // One query row of one head (attention, below): softmax(q k^T * sc + add) v over its n keys, listed
 // in idx (cache rows) with their biases in add; V vectors of 16 per head; score: room for n + 16.
-template <int V>
+template <int NV>
 void attend_row(const float* qv, const float* kh, const float* vh, const int32_t* idx, const float* add,
                 int64_t n, float sc, float* score, float* dst) {
-  constexpr int64_t d = 16 * V;
-  __m512 qreg[V];
-  for (int64_t v = 0; v < V; ++v) qreg[v] = _mm512_loadu_ps(qv + 16 * v);
-  __m512 most = _mm512_set1_ps(-INFINITY);
+  constexpr int64_t d = 16 * NV;
+  V qreg[NV];
+  for (int64_t v = 0; v < NV; ++v) qreg[v] = vload(qv + 16 * v);
+  V most = vset1(-INFINITY);
   for (int64_t c0 = 0; c0 < n; c0 += 16) {  // the scores of 16 keys at a time
     const int64_t count = std::min<int64_t>(16, n - c0);
-    __m512 dots[16];
+    V dots[16];
     for (int s = 0; s < 16; ++s) {
       const int64_t c = kSlotKey[s];
       if (c >= count) {
-        dots[s] = _mm512_setzero_ps();
+        dots[s] = vzero();
         continue;
       }
       const float* k = kh + static_cast<int64_t>(idx[c0 + c]) * d;
-      __m512 acc = _mm512_mul_ps(qreg[0], _mm512_loadu_ps(k));
-      for (int64_t v = 1; v < V; ++v) acc = _mm512_fmadd_ps(qreg[v], _mm512_loadu_ps(k + 16 * v), acc);
+      V acc = vmul(qreg[0], vload(k));
+      for (int64_t v = 1; v < NV; ++v) acc = vfma(qreg[v], vload(k + 16 * v), acc);
       dots[s] = acc;
     }
-    const __mmask16 live = lanes(count);
-    const __m512 scores = _mm512_add_ps(_mm512_mul_ps(reduce_add16(dots), _mm512_set1_ps(sc)),
-                                        _mm512_maskz_loadu_ps(live, add + c0));
-    _mm512_mask_storeu_ps(score + c0, live, scores);
-    most = _mm512_mask_max_ps(most, live, most, scores);
+    const V scores = vadd(vmul(reduce_add16(dots), vset1(sc)), vloadn(add + c0, count));
+    vstoren(score + c0, scores, count);
+    most = vmax(most, vfirst(scores, count, -INFINITY));
   }
-  const float best = _mm512_reduce_max_ps(most);
-  const __m512 top = _mm512_set1_ps(best);
-  __m512 total = _mm512_setzero_ps();
+  const float best = vmaxall(most);
+  const V top = vset1(best);
+  V total = vzero();
   for (int64_t c = 0; c < n; c += 16) {
-    const __mmask16 live = lanes(n - c);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, score + c), top));
-    const __m512 kept = _mm512_maskz_mov_ps(live, e);
-    _mm512_storeu_ps(score + c, kept);
-    total = _mm512_add_ps(total, kept);
+    const int64_t live = std::min<int64_t>(16, n - c);
+    const V kept = vfirst(exp16(vsub(vloadn(score + c, live), top)), live, 0.0f);
+    vstore(score + c, kept);
+    total = vadd(total, kept);
   }
-  const float inv = 1.0f / _mm512_reduce_add_ps(total);
-  __m512 acc[V];
-  for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
+  const float inv = 1.0f / vsum(total);
+  V acc[NV];
+  for (int64_t v = 0; v < NV; ++v) acc[v] = vzero();
   for (int64_t c = 0; c < n; ++c) {
-    const __m512 w = _mm512_set1_ps(score[c]);
+    const V w = vset1(score[c]);
     const float* val = vh + static_cast<int64_t>(idx[c]) * d;
-    for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(val + 16 * v), acc[v]);
+    for (int64_t v = 0; v < NV; ++v) acc[v] = vfma(w, vload(val + 16 * v), acc[v]);
   }
-  const __m512 scale_out = _mm512_set1_ps(inv);
-  for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(dst + 16 * v, _mm512_mul_ps(acc[v], scale_out));
+  const V scale_out = vset1(inv);
+  for (int64_t v = 0; v < NV; ++v) vstore(dst + 16 * v, vmul(acc[v], scale_out));
 }
 
 // attention: softmax(q k^T * scale + bias) v for a few query rows over the first `length` cached keys,
@@ -539,13 +981,13 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   auto out = torch::empty({rows, inter}, gate_up.options());
   const float* src = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const __m512 one = _mm512_set1_ps(1.0f);
+  const V one = vset1(1.0f);
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t t = 0; t < inter; t += 16) {
-      const __m512 g = _mm512_loadu_ps(src + i * 2 * inter + t);
-      const __m512 u = _mm512_loadu_ps(src + i * 2 * inter + inter + t);
-      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      _mm512_storeu_ps(op + i * inter + t, _mm512_mul_ps(silu, u));
+      const V g = vload(src + i * 2 * inter + t);
+      const V u = vload(src + i * 2 * inter + inter + t);
+      const V silu = vdiv(g, vadd(one, exp16(vsub(vzero(), g))));
+      vstore(op + i * inter + t, vmul(silu, u));
     }
   return out;
 }
@@ -646,18 +1088,25 @@ void compact_rows(const std::vector<torch::Tensor>& buffers, int64_t start, cons
   }
 }
 
+}  // namespace EAGLE_ISA_NS
+
+using namespace EAGLE_ISA_NS;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
+  m.attr("isa") = kIsa;
   m.def("stream_linear", &stream_linear, "y = x W^T (+ b), fp32, 1-16 rows, W streamed once", py::arg("x"),
         py::arg("w"), py::arg("bias"), py::arg("once") = false);
   m.def("stream_linear_q", &stream_linear_q, "stream_linear with W as exact block codes and scales: the same bits",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("bias"), py::arg("once") = false);
+  m.def("stream_linear_gguf", &stream_linear_gguf, "stream_linear with W as its GGUF rows (GGML type): the bits of "
+        "the de-quantized W", py::arg("x"), py::arg("raw"), py::arg("type"), py::arg("bias"));
   m.def("rms_norm", &rms_norm, "Llama's RMSNorm, fp32, one pass per row");
   m.def("rope_cache", &rope_cache, "rotary queries and keys, keys and values into the cache buffers, fp32");
   m.def("attention", &attention, "grouped-query attention of a few rows over the cache, fp32, row-independent");
   m.def("silu_mul", &silu_mul, "silu(gate) * up, fp32");
   m.def("compact_rows", &compact_rows, "copy rows keep[j] of each cache buffer to start + j, for all layers at once");
-  py::class_<DecoderStack>(m, "DecoderStack", "decoder layers run by one call a forward (decoder_layer each)")
+  py::class_<DecoderStack>(m, "DecoderStack", py::module_local(), "decoder layers run by one call a forward (decoder_layer each)")
       .def(py::init<int64_t, double>(), py::arg("nh"), py::arg("scale"))
       .def("add", &DecoderStack::add, "append a layer: decoder_layer's weight arguments")
       .def("forward", &DecoderStack::forward, "every layer in place on x [q, H]; copies of x after the aux layers",
