@@ -36,6 +36,7 @@ from train.data import to_messages
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 ANSWER_TOP_P = 0.95  # when sampling (as the self-written chats' answers)
+SAVE_EVERY = 100  # conversations written between two updates of stats.json
 
 
 @dataclasses.dataclass
@@ -269,7 +270,9 @@ def run(cfg: Any) -> Path:
     old = json.loads(stats_path.read_text()) if stats_path.exists() else {}
     if old and old.get("target") != cfg.target:
         raise EagleError(f"{out_dir} was made by target {old.get('target')!r}, not {cfg.target!r}")
-    done = {r["id"] for split in paths.values() for r in completed(split)}
+    kept = {held: completed(path) for held, path in paths.items()}
+    done = {r["id"] for records in kept.values() for r in records}
+    written = {"train": len(kept[False]), "heldout": len(kept[True])}
     gen = collections.Counter(old.get("generation", {}))
     for key in ("turns_answered", "answers_ended_eos", "answers_cut_at_max", "answer_tokens", "prompt_tokens",
                 "empty_answers", "turns_cut_by_context", "first_turn_too_long", "no_answer", "wall_s"):
@@ -285,8 +288,6 @@ def run(cfg: Any) -> Path:
     start, run_tokens = time.time(), gen["answer_tokens"]
 
     def save() -> None:
-        written = {name: sum(1 for _ in paths[held].open()) if paths[held].exists() else 0
-                   for name, held in (("train", False), ("heldout", True))}
         body = {"target": cfg.target, "config": dataclasses.asdict(cfg), "source": stats, "written": written,
                 "generation": {**gen, "wall_s": round(gen["wall_s"] + time.time() - start, 1)}}
         tmp = stats_path.with_suffix(".tmp")
@@ -305,8 +306,9 @@ def run(cfg: Any) -> Path:
                 continue
             with paths[chat.heldout].open("a", encoding="utf-8") as f:
                 f.write(json.dumps(record_of(chat, answers, cfg.source), ensure_ascii=False) + "\n")
-        if work.done and bar.n % 50 < len(work.done):
-            save()
+            written["heldout" if chat.heldout else "train"] += 1
+            if sum(written.values()) % SAVE_EVERY == 0:
+                save()
         work.done.clear()
     bar.close()
     save()
