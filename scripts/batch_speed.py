@@ -4,8 +4,9 @@
     python scripts/batch_speed.py --rows 8 --prompts 8 --max-new-tokens 64          # a CPU
 
 Prompts: the chat-templated dev prompts, cycled. An untimed warm-up on the first 2 x rows prompts (CUDA
-graphs are captured there; a shape it did not meet is captured in the timed run), then the timed run: prints one JSON line (rows, prompts, new tokens, seconds,
-tokens/s, device, dtype). ``--temperature`` > 0 samples (top-p 0.95)."""
+graphs are captured there; a shape it did not meet is captured in the timed run), then the timed run:
+prints one JSON line (rows, prompts, new tokens, seconds, tokens/s, device, dtype). ``--temperature``
+> 0 samples (top-p 0.95)."""
 
 from __future__ import annotations
 

@@ -82,8 +82,9 @@ class SelfDistillConfig:
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise EagleError(f"{key} must be in [0, 1], got {getattr(self, key)}")
         for key in ("rows", "max_turns", "num_conversations", "answer_max_tokens", "context_tokens"):
-            if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
-                raise EagleError(f"{key} must be a whole number >= 0, got {getattr(self, key)!r}")
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise EagleError(f"{key} must be a whole number >= 0, got {value!r}")
         if self.answer_max_tokens < 1 or self.context_tokens <= self.answer_max_tokens:
             raise EagleError(f"need 1 <= answer_max_tokens < context_tokens, got {self.answer_max_tokens} and "
                              f"{self.context_tokens}")

@@ -1,14 +1,16 @@
 import json
 import random
+from pathlib import Path
 
 import pytest
 
-from eagle.config import SamplingConfig
+from eagle import EagleError
+from eagle.config import SamplingConfig, load_config_file
 from eagle.decoding.batch import generate_batch
 from eagle.runtime.target import load_target
 from train import regenerate
 from train.data import load_chats
-from train.selfdistill import main as selfdistill_main
+from train.selfdistill import SelfDistillConfig, main as selfdistill_main
 
 from tests.train.test_train import save_tiny_chat_target
 
@@ -108,3 +110,12 @@ def test_every_turn_is_the_targets_answer_given_the_regenerated_conversation(tmp
     sampled = run_regenerate(tmp_path, target_dir, source, tmp_path / "s1", "answer_temperature=1.0")
     assert run_regenerate(tmp_path, target_dir, source, tmp_path / "s2", "answer_temperature=1.0", "rows=3") == sampled
     assert sampled != run_regenerate(tmp_path, target_dir, source, tmp_path / "s3", "answer_temperature=1.0", "seed=5")
+
+
+def test_the_sharegpt_recipe_parses_and_bad_settings_are_refused():
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config_file(SelfDistillConfig, str(root / "configs/recipes/smollm2-135m-instruct/sharegpt.yaml"))
+    assert cfg.source == "sharegpt" and cfg.answer_max_tokens < cfg.context_tokens
+    for bad in ({"rows": -1}, {"max_turns": True}, {"answer_max_tokens": 4096}, {"heldout_fraction": 1.5}):
+        with pytest.raises(EagleError):
+            SelfDistillConfig(**bad)
