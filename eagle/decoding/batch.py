@@ -1,22 +1,60 @@
-"""Batched plain decoding with the lean target forward: many prompts, one forward per step.
+"""Batched plain decoding with the lean target forward: many requests on a fixed number of rows.
 
-Not speculative: it is for throughput (making training data: ``train.selfdistill``), where
-batching does what drafting does for one stream. Prompts are left-padded; the padding is masked
-out of every attention and each row's positions start at 0 on its first real token, so a row
-decodes as it would alone (up to floating-point rounding). Rows that end are dropped from the
-batch (and from the cache), so the batch only pays for the sequences still running."""
+Not speculative: it is for throughput (making training data: ``train.selfdistill``), where batching
+does what drafting does for one stream. ``BatchDecoder`` keeps ``rows`` sequences in one preallocated
+KV cache [2, layers, rows, kv_heads, capacity, head_dim], each row at its own length: one decode step
+runs every row, each writing its token at its own position and attending to its own positions only,
+so a row decodes as it would alone (up to floating-point rounding). A row that ends (EOS or its
+token cap) is refilled from the queue of pending requests (continuous refill): free rows are prefilled
+together once ``refill_at`` of them are free. On CUDA each step (the forward and the draw) is replayed
+as a CUDA graph, one per row bucket and attended length; on a CPU the same functions run eagerly.
+When the queue runs dry, the running rows move to the front and the step runs on a smaller bucket.
+
+Sampled tokens come from counter-based noise per request (``request_noise``): what a request draws
+depends on its seed and prompt only, not on its row or its neighbours, so a run is reproducible (and
+resumable) whatever the batching. Measurements: docs/data.md."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from eagle.config import SamplingConfig
+from eagle.decoding.sampling import logits_to_probs
 from eagle.errors import EagleError
-from eagle.decoding.sampling import logits_to_probs, sample
+from eagle.runtime.decoder import rms_norm, rotate, silu_mul
 from eagle.runtime.target import Target
-from eagle.decoding.tree_mask import additive_bias
+
+MASK31 = (1 << 31) - 1
+MIN_KEYS = 64  # the shortest attended cache length; longer ones double up to the capacity
+CUDA_ROWS, CPU_ROWS = 256, 8  # default rows per device kind
+PREFILL_TOKENS = 8192  # padded prompt tokens per prefill call (bounds its memory)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One prompt to decode: token ids, its cap on new tokens, the 31-bit key of its random draws
+    (``request_seed``) and ``key``, handed back with its ``Result``."""
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    seed: int = 0
+    key: Any = None
+
+
+@dataclasses.dataclass
+class Result:
+    """A finished request: its ``key``, the new tokens (the EOS that ended it excluded) and whether
+    it stopped at an EOS (else at its ``max_new_tokens``)."""
+
+    key: Any
+    token_ids: list[int]
+    ended: bool
 
 
 @dataclasses.dataclass
@@ -28,28 +66,273 @@ class BatchOutput:
     ended: list[bool]
 
 
-def padded_batch(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Left-pad token lists -> (input ids [B, P], real-token mask [B, P], positions [B, P]);
-    positions count real tokens only (0 on each row's first one; padding gets 0 too)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)
-    real = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts])
-    return ids, real, (real.long().cumsum(1) - 1).clamp(min=0)
+def default_rows(device: torch.device) -> int:
+    return CUDA_ROWS if device.type == "cuda" else CPU_ROWS
 
 
-def batch_bias(real_keys: torch.Tensor, q_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [B, 1, q, K] for the last ``q_len`` of K positions: causal, and no
-    attention to padding. ``real_keys`` [B, K] (True = a real token)."""
-    k_len = real_keys.shape[1]
-    causal = torch.ones(q_len, k_len, dtype=torch.bool, device=real_keys.device).tril(k_len - q_len)
-    return additive_bias(causal[None] & real_keys[:, None, :], dtype)
+def request_seed(seed: int, index: int) -> int:
+    """The 31-bit noise key of request ``index`` of a run seeded ``seed`` (any strings or ints)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:4], "little") & MASK31
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """An integer hash of int64 values in [0, 2^31) onto [0, 2^31) (products stay below 2^58)."""
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & MASK31
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & MASK31
+    return x ^ (x >> 16)
+
+
+def request_noise(keys: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform noise in (0, 1) [R, vocab] float32 for rows with noise keys ``keys`` [R] at token
+    index ``steps`` [R] (int64): a function of (key, step, token) alone, the same on every device."""
+    row = _mix(_mix(keys & MASK31) ^ (steps & MASK31))
+    bits = _mix(_mix(row[:, None] ^ torch.arange(vocab, device=keys.device)[None])) & 0xFFFFFF
+    return (bits.float() + 0.5) / float(1 << 24)
+
+
+def draw_tokens(logits: torch.Tensor, sampling: SamplingConfig, keys: torch.Tensor,
+                steps: torch.Tensor) -> torch.Tensor:
+    """Logits [R, V] -> one token per row [R]: the argmax when greedy, else a draw from
+    ``logits_to_probs`` by an exponential race (argmax of p / -log u: token i wins with probability
+    p_i; a zero-probability token never does) on ``request_noise(keys, steps)``."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    probs = logits_to_probs(logits, sampling)
+    return (probs / -torch.log(request_noise(keys, steps, logits.shape[-1]))).argmax(-1)
+
+
+def keys_for(end: int, capacity: int) -> int:
+    """Cache positions a step attends over when its rows write below ``end``: the smallest power of
+    two >= max(end, ``MIN_KEYS``), at most ``capacity``."""
+    return min(capacity, max(MIN_KEYS, 1 << max(0, end - 1).bit_length()))
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    """The smallest of the increasing ``buckets`` >= n."""
+    return next(b for b in buckets if b >= n)
+
+
+def prefill_groups(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices of prompts of ``lengths``, shortest first, cut into groups whose padded size (count x
+    longest) stays within ``budget`` tokens (a longer prompt goes alone)."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def decode_rows(lean: Any, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ids: torch.Tensor,
+                positions: torch.Tensor, keys_len: int) -> torch.Tensor:
+    """One decode step of R rows, every shape fixed and every index on the device (capturable):
+    ``kv`` [2, layers, R, kv_heads, C, d] (row r's keys at its positions), ``cos``/``sin`` [C, d]
+    rotary tables, ``ids``/``positions`` [R] each row's token and where it goes. Row r attends to
+    its positions 0 .. positions[r] among the first ``keys_len``. -> final-norm features [R, H]."""
+    r = ids.shape[0]
+    nh, nkv, d = lean.num_heads, lean.num_kv_heads, lean.head_dim
+    x = lean.embed(ids)[:, None]  # [R, 1, H]
+    c, s = cos[positions][:, None, None], sin[positions][:, None, None]  # [R, 1, 1, d]
+    allowed = torch.arange(keys_len, device=ids.device)[None] <= positions[:, None]  # [R, Lk]
+    mask = torch.zeros(r, 1, 1, keys_len, dtype=x.dtype, device=x.device).masked_fill(
+        ~allowed[:, None, None], torch.finfo(x.dtype).min)
+    write = positions[:, None, None, None].expand(r, nkv, 1, d)
+    for i, layer in enumerate(lean.layers):
+        h = layer.attention_input(x, None)
+        qk, v = layer.qkv(h).view(r, 1, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
+        q, k = rotate(qk, c, s).split([nh, nkv], dim=1)  # [R, heads, 1, d]
+        keys, values = kv[0, i], kv[1, i]  # [R, kv_heads, C, d]
+        keys.scatter_(2, write, k)
+        values.scatter_(2, write, v)
+        # the query heads sharing a key head as rows of one head (grouped-query attention)
+        out = F.scaled_dot_product_attention(q.reshape(r, nkv, nh // nkv, d), keys[:, :, :keys_len],
+                                             values[:, :, :keys_len], attn_mask=mask, scale=d ** -0.5)
+        x = x + layer.o(out.reshape(r, 1, nh * d))
+        x = x + layer.down(silu_mul(layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps))))
+    return rms_norm(x, lean.norm, lean.norm_eps)[:, 0]
+
+
+def prefill_rows(lean: Any, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                 ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Prompts ``ids`` [n, P] (right-padded) into cache rows ``slots`` [n] at positions 0 .. P-1
+    (a padded position's keys are overwritten before any step attends to them); -> final-norm
+    features of each row's token ``last`` [n] (its last real one) [n, H]."""
+    n, p = ids.shape
+    nh, nkv, d = lean.num_heads, lean.num_kv_heads, lean.head_dim
+    x = lean.embed(ids)
+    c, s = cos[:p][None, None], sin[:p][None, None]
+    for i, layer in enumerate(lean.layers):
+        qk, v = layer.qkv(layer.attention_input(x, None)).view(n, p, nh + 2 * nkv, d).transpose(1, 2).split(
+            [nh + nkv, nkv], dim=1)
+        q, k = rotate(qk, c, s).split([nh, nkv], dim=1)
+        kv[0, i, slots, :, :p] = k
+        kv[1, i, slots, :, :p] = v
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh, scale=d ** -0.5)
+        x = x + layer.o(out.transpose(1, 2).reshape(n, p, nh * d))
+        x = x + layer.down(silu_mul(layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps))))
+    return rms_norm(x[torch.arange(n, device=ids.device), last], lean.norm, lean.norm_eps)
+
+
+@dataclasses.dataclass
+class _Row:
+    request: Request
+    tokens: list[int]
+    position: int  # where the row's pending token (in the ids buffer) is written by the next step
+
+
+class BatchDecoder:
+    """``rows`` sequences of at most ``capacity`` tokens each (prompt and new tokens) decoded
+    together, greedy or sampled as ``sampling`` says. ``capture`` (default: on CUDA): replay each
+    step as a CUDA graph. ``refill_at`` (default: an eighth of the rows, at least 1): free rows
+    wait until that many are free, so one prefill serves many. ``stream`` runs requests."""
+
+    def __init__(self, target: Target, rows: int, capacity: int, sampling: SamplingConfig,
+                 capture: bool | None = None, refill_at: int | None = None,
+                 prefill_tokens: int = PREFILL_TOKENS) -> None:
+        if target.lean is None:
+            raise EagleError(f"{target.name} has no lean forward; batched decoding needs one")
+        if rows < 1 or capacity < 2:
+            raise EagleError(f"a batch decoder needs rows >= 1 and capacity >= 2, got {rows} and {capacity}")
+        lean, device, dtype = target.lean, target.device, target.dtype
+        self.target, self.lean, self.sampling, self.rows = target, lean, sampling, rows
+        self.capacity = -(-capacity // MIN_KEYS) * MIN_KEYS  # attended lengths stay multiples of 64
+        self.refill_at = refill_at or max(1, rows // 8)
+        self.prefill_tokens = prefill_tokens
+        self.eos = frozenset(target.eos_token_ids)
+        self.kv = torch.zeros(2, len(lean.layers), rows, lean.num_kv_heads, self.capacity, lean.head_dim,
+                              dtype=dtype, device=device)
+        with torch.inference_mode():
+            cos, sin = lean.rotary(torch.zeros(1, dtype=dtype, device=device),
+                                   torch.arange(self.capacity, device=device)[None])
+        self.cos, self.sin = cos[0], sin[0]  # [C, d]
+        # per row: the pending token, where it goes, its request's noise key, how many tokens it drew
+        self.ids, self.positions, self.keys, self.steps = (torch.zeros(rows, dtype=torch.long, device=device)
+                                                           for _ in range(4))
+        self.buckets = tuple(sorted({rows, *(1 << k for k in range(rows.bit_length()) if 1 << k < rows)}))
+        self.capture = (device.type == "cuda") if capture is None else capture and device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+
+    def check(self, request: Request) -> None:
+        n = len(request.prompt)
+        if n < 1 or request.max_new_tokens < 1:
+            raise EagleError(f"a request needs a prompt token and max_new_tokens >= 1, got {n} and "
+                             f"{request.max_new_tokens}")
+        if n + request.max_new_tokens > self.capacity:
+            raise EagleError(f"a prompt of {n} tokens plus {request.max_new_tokens} new ones exceeds the decoder's "
+                             f"capacity ({self.capacity})")
+
+    @torch.inference_mode()
+    def stream(self, take: Callable[[], Request | None]) -> Iterator[Result]:
+        """Decode requests from ``take`` (None: none pending now) until none runs and none is
+        pending, yielding each ``Result`` as it finishes: the caller may queue a follow-up (the next
+        turn of a conversation) before it resumes the iteration."""
+        slots: list[_Row | None] = [None] * self.rows
+        while True:
+            free = [s for s, row in enumerate(slots) if row is None]
+            if free and (len(free) >= self.refill_at or len(free) == self.rows):
+                batch = []
+                while len(batch) < len(free):
+                    request = take()
+                    if request is None:
+                        break
+                    self.check(request)
+                    batch.append(request)
+                if batch:
+                    yield from self._admit(batch, free, slots)
+                    continue
+            live = [s for s, row in enumerate(slots) if row is not None]
+            if not live:
+                return
+            size = bucket_for(live[-1] + 1, self.buckets)
+            if bucket_for(len(live), self.buckets) < size:
+                self._compact(live, slots)
+                size = bucket_for(len(live), self.buckets)
+            yield from self._step(size, slots)
+
+    def _admit(self, batch: list[Request], free: list[int], slots: list[_Row | None]) -> Iterator[Result]:
+        """Prefill ``batch`` into the first free rows (in groups, shortest prompts first) and take
+        each one's first token."""
+        device = self.kv.device
+        for group in prefill_groups([len(r.prompt) for r in batch], self.prefill_tokens):
+            rows = [free.pop(0) for _ in group]
+            requests = [batch[i] for i in group]
+            width = max(len(r.prompt) for r in requests)
+            ids = torch.tensor([list(r.prompt) + [0] * (width - len(r.prompt)) for r in requests], device=device)
+            lengths = torch.tensor([len(r.prompt) for r in requests], device=device)
+            where = torch.tensor(rows, device=device)
+            hidden = prefill_rows(self.lean, self.kv, self.cos, self.sin, where, ids, lengths - 1)
+            keys = torch.tensor([r.seed for r in requests], device=device)
+            tokens = draw_tokens(self.lean.head(hidden).float(), self.sampling, keys, torch.zeros_like(keys))
+            self.ids[where], self.positions[where], self.keys[where] = tokens, lengths, keys
+            self.steps[where] = 1
+            for s, request, token in zip(rows, requests, tokens.tolist()):
+                slots[s] = _Row(request, [], len(request.prompt))
+                yield from self._accept(s, token, slots)
+
+    def _compact(self, live: list[int], slots: list[_Row | None]) -> None:
+        """Move the running rows ``live`` (increasing) to rows 0 .. len(live)-1."""
+        src = torch.tensor(live, device=self.kv.device)
+        n, used = len(live), keys_for(max(slots[s].position for s in live) + 1, self.capacity)
+        self.kv[:, :, :n, :, :used] = self.kv[:, :, src, :, :used]
+        for buf in (self.ids, self.positions, self.keys, self.steps):
+            buf[:n] = buf[src]
+        moved = [slots[s] for s in live]
+        slots[:] = moved + [None] * (self.rows - n)
+
+    def _step(self, size: int, slots: list[_Row | None]) -> Iterator[Result]:
+        """One decode step of rows 0 .. size-1 (free ones compute and are ignored)."""
+        keys_len = keys_for(max(row.position for row in slots[:size] if row is not None) + 1, self.capacity)
+        tokens = self._run(size, keys_len)
+        host = tokens.tolist()
+        self.ids[:size].copy_(tokens)
+        self.positions[:size].add_(1).clamp_(max=self.capacity - 1)  # free rows keep writing in range
+        self.steps[:size].add_(1)
+        for s in range(size):
+            if slots[s] is not None:
+                slots[s].position += 1
+                yield from self._accept(s, host[s], slots)
+
+    def _run(self, size: int, keys_len: int) -> torch.Tensor:
+        """The step's tokens [size] (a graph's static output on CUDA, replayed; else computed)."""
+        def run() -> torch.Tensor:
+            hidden = decode_rows(self.lean, self.kv[:, :, :size], self.cos, self.sin, self.ids[:size],
+                                 self.positions[:size], keys_len)
+            return draw_tokens(self.lean.head(hidden).float(), self.sampling, self.keys[:size], self.steps[:size])
+
+        if not self.capture:
+            return run()
+        entry = self.graphs.get((size, keys_len))
+        if entry is None:
+            from eagle.runtime.cuda_graphs import capture_graph
+
+            graph, output = capture_graph(run, self.kv.device, self.pool)
+            self.graphs[(size, keys_len)] = (graph, output) if graph is not None else (None, None)
+            return output
+        graph, output = entry
+        if graph is None:  # could not be captured: eager
+            return run()
+        graph.replay()
+        return output
+
+    def _accept(self, s: int, token: int, slots: list[_Row | None]) -> Iterator[Result]:
+        """Row ``s`` drew ``token``: keep it, or end the row (EOS or its cap) and free it."""
+        row = slots[s]
+        ended = token in self.eos
+        if not ended:
+            row.tokens.append(token)
+        if ended or len(row.tokens) >= row.request.max_new_tokens:
+            slots[s] = None
+            yield Result(row.request.key, row.tokens, ended)
 
 
 @torch.inference_mode()
 def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
-                   generator: torch.Generator) -> BatchOutput:
-    """Decode every prompt (token ids) for up to ``max_new_tokens``, stopping each at an EOS:
-    greedy or sampled as ``sampling`` says (one generator for all rows)."""
+                   seed: int = 0, rows: int | None = None) -> BatchOutput:
+    """Decode every prompt (token ids) for up to ``max_new_tokens``, stopping each at an EOS: greedy
+    or sampled as ``sampling`` says, prompt i's draws keyed by ``request_seed(seed, i)``. ``rows``:
+    sequences decoded at once (default: 256 on CUDA, 8 on a CPU, at most the number of prompts)."""
     if target.lean is None:
         raise EagleError(f"{target.name} has no lean forward; batched decoding needs one")
     if not prompts or min(len(p) for p in prompts) < 1:
@@ -60,29 +343,10 @@ def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int
     if longest + max_new_tokens > target.max_context:
         raise EagleError(f"a prompt of {longest} tokens plus {max_new_tokens} new ones exceeds the model's context "
                          f"({target.max_context})")
-    device, eos = target.device, torch.tensor(sorted(target.eos_token_ids), device=target.device)
-    ids, real, positions = (t.to(device) for t in padded_batch(prompts, pad_id=0))  # padding is masked: any id
-    cache = target.lean.new_cache()  # rows are dropped as they end: a growable cache
-    out = target.forward(ids, positions, cache, batch_bias(real, ids.shape[1], target.dtype), logits_from=ids.shape[1] - 1)
-    rows = torch.arange(len(prompts), device=device)  # which prompt each batch row is
-    new: list[list[int]] = [[] for _ in prompts]
-    ended = [False] * len(prompts)
-    next_pos = positions[:, -1] + 1
-    for step in range(max_new_tokens):
-        logits = out.logits[:, -1]
-        tokens = logits.argmax(-1) if sampling.greedy else sample(logits_to_probs(logits, sampling), generator)
-        stop = torch.isin(tokens, eos)
-        for row, token, done in zip(rows.tolist(), tokens.tolist(), stop.tolist()):
-            ended[row] = done
-            if not done:
-                new[row].append(token)
-        going = (~stop).nonzero().flatten()
-        if going.numel() == 0 or step + 1 == max_new_tokens:
-            break
-        if going.numel() < rows.numel():  # drop finished rows from the batch and the cache
-            rows, tokens, real, next_pos = rows[going], tokens[going], real[going], next_pos[going]
-            cache.keep_rows(going)
-        real = torch.cat([real, torch.ones_like(real[:, :1])], dim=1)
-        out = target.forward(tokens[:, None], next_pos[:, None], cache, batch_bias(real, 1, target.dtype))
-        next_pos = next_pos + 1
-    return BatchOutput(token_ids=new, ended=ended)
+    decoder = BatchDecoder(target, min(rows or default_rows(target.device), len(prompts)), longest + max_new_tokens,
+                           sampling)
+    pending = collections.deque(Request(p, max_new_tokens, request_seed(seed, i), i) for i, p in enumerate(prompts))
+    out = BatchOutput(token_ids=[[] for _ in prompts], ended=[False] * len(prompts))
+    for result in decoder.stream(lambda: pending.popleft() if pending else None):
+        out.token_ids[result.key], out.ended[result.key] = result.token_ids, result.ended
+    return out

@@ -116,6 +116,29 @@ def layer_stack(layers: Sequence[LayerWeights], x: torch.Tensor, cos: torch.Tens
     return x, kept
 
 
+def capture_graph(run: Callable[[], Any], device: torch.device, pool: Any) -> tuple[Any, Any]:
+    """Warm ``run`` up on a side stream, then capture it in a ``torch.cuda.CUDAGraph`` (as PyTorch
+    documents) and replay it once -> (graph, its output in static memory). ``run`` must give the same
+    result when run again on the same inputs (the warm-up runs already wrote what it writes). An
+    operation that cannot be captured: a warning, and (None, the output of an eager run)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(WARMUP_RUNS):
+            run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            output = run()
+    except Exception as exc:  # noqa: BLE001 - an operation that cannot be captured: run this shape eagerly
+        warnings.warn(f"CUDA graph capture failed, running this shape eagerly: {type(exc).__name__}: {exc}")
+        torch.cuda.synchronize(device)
+        return None, run()
+    graph.replay()
+    return graph, output
+
+
 @dataclasses.dataclass
 class _Entry:
     """One static shape: its input buffers, the function over them, its output, its graph."""
@@ -190,26 +213,13 @@ class _Runner:
         return entry.output
 
     def _capture(self, entry: _Entry) -> torch.Tensor:
-        """Warm up on a side stream, then capture (as PyTorch documents); the warm-up runs already
-        wrote this call's keys and values, so the caller gets their result without a replay."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_RUNS):
-                entry.run()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                output = entry.run()
-        except Exception as exc:  # noqa: BLE001 - an operation that cannot be captured: run this shape eagerly
-            warnings.warn(f"CUDA graph capture failed, running this shape eagerly: {type(exc).__name__}: {exc}")
-            torch.cuda.synchronize(self.device)
+        """Capture ``entry`` (``capture_graph``); a shape that cannot be captured runs eagerly from then on."""
+        graph, output = capture_graph(entry.run, self.device, self.pool)
+        if graph is None:
             entry.eager = True
-            return entry.run()
-        entry.graph = graph
-        self.captured += 1
-        graph.replay()
+        else:
+            entry.graph = graph
+            self.captured += 1
         return output
 
     def _shape(self, n: int) -> tuple[int, int, int]:

@@ -1,52 +1,80 @@
+import collections
+
 import pytest
 import torch
 
 from eagle import EagleError, EagleModel
-from eagle.decoding.batch import batch_bias, generate_batch, padded_batch
 from eagle.config import SamplingConfig
-from eagle.decoding.sampling import make_generator
+from eagle.decoding.batch import (BatchDecoder, Request, bucket_for, generate_batch, keys_for, prefill_groups,
+                                  request_noise, request_seed)
 
 from tests.conftest import prompts, tiny_target
 
 
-def test_padded_batch_left_pads_and_counts_positions_from_the_first_real_token():
-    ids, real, pos = padded_batch([[5, 6, 7], [9]], pad_id=0)
-    assert ids.tolist() == [[5, 6, 7], [0, 0, 9]]
-    assert real.tolist() == [[True, True, True], [False, False, True]]
-    assert pos.tolist() == [[0, 1, 2], [0, 0, 0]]
+def test_prefill_groups_keep_the_padded_size_within_the_budget():
+    lengths = [5, 1, 9, 3, 3, 40]
+    groups = prefill_groups(lengths, budget=12)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert all(len(g) * max(lengths[i] for i in g) <= 12 or len(g) == 1 for g in groups)
+    assert [lengths[g[0]] for g in groups] == sorted(lengths[g[0]] for g in groups)
+    assert groups[-1] == [5]  # longer than the budget: alone
 
 
-def test_batch_bias_equals_a_brute_force_mask():
-    real = torch.tensor([[False, True, True, True, True], [True, True, False, True, True]])
-    for q in (1, 2, 5):
-        bias = batch_bias(real, q, torch.float32)
-        assert bias.shape == (2, 1, q, 5)
-        for b in range(2):
-            for i in range(q):
-                for j in range(5):
-                    allowed = bool(real[b, j]) and j <= 5 - q + i
-                    assert (bias[b, 0, i, j] == 0) == allowed
+def test_keys_and_buckets():
+    assert [keys_for(e, 512) for e in (1, 64, 65, 200, 511, 900)] == [64, 64, 128, 256, 512, 512]
+    assert [bucket_for(n, (1, 2, 4, 6)) for n in (1, 3, 5, 6)] == [1, 4, 6, 6]
 
 
-def test_greedy_batch_equals_decoding_each_prompt_alone():
-    """Different prompt lengths (padding), rows ending at EOS at different steps (dropped from the
-    batch and its cache) and rows running to the limit: each row equals plain decoding."""
-    target = tiny_target(eos=True, seed=3)
+def test_greedy_rows_equal_decoding_each_prompt_alone_with_refills():
+    """More prompts than rows (finished rows refilled from the queue, the tail run on smaller row
+    buckets), prompt lengths 1-18, rows ending at EOS at different steps and rows running to the
+    limit: each row's tokens are plain single-stream greedy decoding's."""
+    target = tiny_target(eos=True, seed=10)
     model = EagleModel(target)
-    batch = prompts(12, seed=4)
-    out = generate_batch(target, batch, 20, SamplingConfig(), make_generator(0))
+    batch = prompts(23, seed=4)
+    out = generate_batch(target, batch, 20, SamplingConfig(), rows=4)
     assert any(out.ended) and not all(out.ended)
+    assert len({len(t) for t in out.token_ids}) > 8  # answers of many lengths: rows refilled at different steps
     for ids, tokens, ended in zip(batch, out.token_ids, out.ended):
         alone = model.generate(ids, method="ar", max_new_tokens=20)
         assert tokens + ([0] if ended else []) == alone.token_ids, ids
 
 
-def test_sampled_batch_rows_follow_the_target_distribution():
-    """First tokens of 3000 rows of one prompt (next to a longer one, so it is padded) match the
-    target's softmax; the negative control (another prompt's distribution) does not."""
+def test_follow_up_requests_queued_while_streaming_are_decoded():
+    """A request queued by the consumer after a result (the next turn of a conversation) runs, and
+    gives what it gives when decoded on its own."""
+    target = tiny_target(eos=True, seed=3)
+    decoder = BatchDecoder(target, rows=2, capacity=80, sampling=SamplingConfig(), refill_at=1)
+    pending = collections.deque(Request(p, 6, key=("first", i)) for i, p in enumerate(prompts(5, seed=1)))
+    seen = {}
+    for result in decoder.stream(lambda: pending.popleft() if pending else None):
+        seen[result.key] = result.token_ids
+        if result.key[0] == "first":
+            follow = prompts(5, seed=1)[result.key[1]] + result.token_ids + [7, 8]
+            pending.append(Request(follow, 6, key=("second", tuple(follow))))
+    assert len(seen) == 10
+    for key, tokens in seen.items():
+        if key[0] == "second":
+            assert generate_batch(target, [list(key[1])], 6, SamplingConfig(), rows=1).token_ids[0] == tokens
+
+
+def test_sampled_tokens_depend_on_the_seed_not_on_the_batching():
+    target = tiny_target(eos=True, seed=5, init_std=0.1)
+    batch = prompts(10, seed=2)
+    sampling = SamplingConfig(temperature=1.0, top_p=0.9)
+    one = generate_batch(target, batch, 12, sampling, seed=7, rows=1)
+    many = generate_batch(target, batch, 12, sampling, seed=7, rows=4)
+    assert one == many
+    assert generate_batch(target, batch, 12, sampling, seed=8, rows=4) != many
+    assert generate_batch(target, batch, 12, SamplingConfig(), seed=7, rows=4) != many
+
+
+def test_sampled_rows_follow_the_target_distribution():
+    """First tokens of 3000 requests of one prompt (beside a longer one) match the target's
+    softmax; the negative control (another prompt's distribution) does not."""
     target = tiny_target(init_std=0.1)
     prompt, other = [4, 7, 9], [1, 2, 3, 4, 5, 6, 7]
-    out = generate_batch(target, [other] + [prompt] * 3000, 1, SamplingConfig(temperature=1.0), make_generator(0))
+    out = generate_batch(target, [other] + [prompt] * 3000, 1, SamplingConfig(temperature=1.0), seed=0, rows=256)
     counts = torch.bincount(torch.tensor([t[0] for t in out.token_ids[1:]]), minlength=target.vocab_size).float()
 
     def probs(ids):
@@ -58,12 +86,25 @@ def test_sampled_batch_rows_follow_the_target_distribution():
     assert tv < 0.05 and control > 0.15, (float(tv), float(control))
 
 
+def test_request_noise_is_uniform_and_differs_per_key_and_step():
+    keys, steps = torch.tensor([1, 1, 2]), torch.tensor([0, 1, 0])
+    noise = request_noise(keys, steps, 20000)
+    assert noise.min() > 0 and noise.max() < 1
+    assert abs(float(noise.mean()) - 0.5) < 0.01
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    assert torch.equal(noise, request_noise(keys, steps, 20000))
+    assert request_seed(0, 1) != request_seed(1, 0) and 0 <= request_seed(3, 4) < 2 ** 31
+
+
 def test_batch_needs_the_lean_forward_and_prompts():
     with pytest.raises(EagleError, match="lean forward"):
-        generate_batch(tiny_target(lean=False), [[1, 2]], 3, SamplingConfig(), make_generator(0))
+        generate_batch(tiny_target(lean=False), [[1, 2]], 3, SamplingConfig())
     with pytest.raises(EagleError, match="at least one"):
-        generate_batch(tiny_target(), [[]], 3, SamplingConfig(), make_generator(0))
+        generate_batch(tiny_target(), [[]], 3, SamplingConfig())
     with pytest.raises(EagleError, match="max_new_tokens"):
-        generate_batch(tiny_target(), [[1, 2]], 0, SamplingConfig(), make_generator(0))
+        generate_batch(tiny_target(), [[1, 2]], 0, SamplingConfig())
     with pytest.raises(EagleError, match="exceeds the model's context"):
-        generate_batch(tiny_target(max_positions=16), [[1] * 10, [2]], 7, SamplingConfig(), make_generator(0))
+        generate_batch(tiny_target(max_positions=16), [[1] * 10, [2]], 7, SamplingConfig())
+    decoder = BatchDecoder(tiny_target(), rows=2, capacity=64, sampling=SamplingConfig())
+    with pytest.raises(EagleError, match="capacity"):
+        list(decoder.stream(lambda: Request([1] * 60, 10)))

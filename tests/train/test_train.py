@@ -24,7 +24,6 @@ from train.features import FeatureShards, FeaturesConfig, build, load_manifest
 from train.loss import eagle_loss, unroll
 from eagle.decoding.batch import generate_batch
 from eagle.config import SamplingConfig, load_config_file
-from eagle.decoding.sampling import make_generator
 from train.main import TrainConfig
 from train import selfdistill
 from train.selfdistill import main as selfdistill_main, passage_question, sentences
@@ -618,7 +617,7 @@ def test_selfdistill_answers_a_prompt_file_sampled_seeded_per_batch(tmp_path):
         ids = [target.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                                     add_generation_prompt=True) for q in asked[start:start + 2]]
         ids = [target.tokenizer(text, add_special_tokens=False)["input_ids"] for text in ids]
-        out = generate_batch(target, ids, 8, SamplingConfig(temperature=1.0, top_p=0.95), make_generator(7 + start))
+        out = generate_batch(target, ids, 8, SamplingConfig(temperature=1.0, top_p=0.95), 7 + start)
         assert sampled[start:start + 2] == [target.tokenizer.decode(t, skip_special_tokens=True) for t in out.token_ids]
     full = (tmp_path / "t1.jsonl").read_text()
     (tmp_path / "t1.jsonl").write_text(full[: full.index("\n") + 1])  # resumed after the first record

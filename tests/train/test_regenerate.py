@@ -1,0 +1,121 @@
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from eagle import EagleError
+from eagle.config import SamplingConfig, load_config_file
+from eagle.decoding.batch import generate_batch
+from eagle.runtime.target import load_target
+from train import regenerate
+from train.data import load_chats
+from train.selfdistill import SelfDistillConfig, main as selfdistill_main
+
+from tests.train.test_train import save_tiny_chat_target
+
+
+def sharegpt(users: list[str], system: str | None = None) -> dict:
+    turns = [{"from": "system", "value": system}] if system else []
+    for u in users:
+        turns += [{"from": "human", "value": u}, {"from": "gpt", "value": "t9 t9"}]
+    return {"id": "x", "conversations": turns}
+
+
+def test_read_elements_keeps_the_complete_elements_of_a_cut_array_and_counts_bad_lines():
+    whole = json.dumps([sharegpt(["t5"]), sharegpt(["t6 t7"]), sharegpt(["t8"])])
+    records, bad, cut = regenerate.read_elements(whole[:-20])
+    assert len(records) == 2 and bad == 0 and cut
+    assert regenerate.read_elements(whole) == (json.loads(whole), 0, False)
+    lines = json.dumps(sharegpt(["t5"])) + "\n{not json\n\n" + json.dumps({"messages": []}) + "\n"
+    records, bad, cut = regenerate.read_elements(lines)
+    assert len(records) == 2 and bad == 1 and not cut
+
+
+def test_select_chats_drops_malformed_benchmark_and_duplicate_conversations(tmp_path):
+    (tmp_path / "mt.jsonl").write_text(json.dumps({"turns": ["t20 t21", "t22   t23"], "category": "c"}) + "\n")
+    (tmp_path / "dev.jsonl").write_text(json.dumps({"prompt": "t30"}) + "\n")
+    excluded = regenerate.benchmark_prompts(str(tmp_path))
+    records = [sharegpt(["t5 t6", "t7"]), sharegpt(["t5  t6", "t7 "]),  # a duplicate up to whitespace
+               sharegpt(["t8", "t22 t23"]),  # a second turn is an MT-bench turn
+               sharegpt(["t30"]), sharegpt(["t31"], system="t4"), {"conversations": [{"from": "x", "value": "t5"}]},
+               {"conversations": [{"from": "gpt", "value": "t5"}]}, "junk",
+               sharegpt(["t10", "t11", "t12"])]
+    chats, stats = regenerate.select_chats(records, excluded, heldout_fraction=0.0, max_turns=2)
+    assert [c.users for c in chats] == [["t5 t6", "t7"], ["t31"], ["t10", "t11"]] and chats[1].system == "t4"
+    assert (stats["malformed"], stats["no_user_turn"], stats["excluded_benchmark"], stats["duplicates"],
+            stats["turns_over_max_turns"], stats["kept"]) == (2, 1, 2, 1, 1, 3)
+    assert stats["excluded_by_file"] == {str(tmp_path / "dev.jsonl"): 1, str(tmp_path / "mt.jsonl"): 1}
+
+
+def test_heldout_split_is_fixed_by_the_conversation_not_its_place():
+    records = [sharegpt([f"t{4 + i % 50} t{5 + i // 50}"]) for i in range(400)]
+    chats, _ = regenerate.select_chats(records, {}, 0.25, 0)
+    held = {c.id for c in chats if c.heldout}
+    assert 60 < len(held) < 140
+    random.Random(0).shuffle(records)
+    again, _ = regenerate.select_chats(records, {}, 0.25, 0)
+    assert {c.id for c in again if c.heldout} == held
+
+
+def run_regenerate(tmp_path, target_dir, source, out, *settings):
+    selfdistill_main(["--set", f"target={target_dir}", f"source={source}", f"out_dir={out}", "answer_max_tokens=6",
+                      "context_tokens=40", "rows=2", f"exclude_prompts={tmp_path / 'bench.jsonl'}", *settings])
+    return {r["id"]: r for path in ("data.jsonl", "heldout.jsonl") if (out / path).exists()
+            for r in map(json.loads, (out / path).read_text().splitlines())}
+
+
+@pytest.mark.slow
+def test_every_turn_is_the_targets_answer_given_the_regenerated_conversation(tmp_path):
+    """Multi-turn: answer t is the target's greedy answer to u1, a1, ..., u_t (its own earlier
+    answers, not the source's); a benchmark prompt's conversation and a duplicate are dropped and
+    counted; a turn that would not fit the context ends its conversation; the output is chat data
+    the trainer reads; a killed run resumes to the same data; sampled answers are seeded."""
+    target_dir = save_tiny_chat_target(tmp_path / "target", vocab_size=64)
+    (tmp_path / "bench.jsonl").write_text(json.dumps({"prompt": "t40 t41"}) + "\n")
+    rng = random.Random(0)
+    records = [sharegpt([" ".join(f"t{rng.randint(4, 63)}" for _ in range(rng.randint(1, 5)))
+                         for _ in range(rng.randint(1, 3))]) for _ in range(12)]
+    records += [sharegpt(["t40 t41"]), records[0], sharegpt([" ".join(["t5"] * 40), "t6"])]
+    source = tmp_path / "sharegpt.json"
+    source.write_text(json.dumps(records)[:-1])  # cut short like the package's file
+    out = tmp_path / "out"
+    made = run_regenerate(tmp_path, target_dir, source, out, "heldout_fraction=0.3")
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["source"]["excluded_benchmark"] == 1 and stats["source"]["duplicates"] == 1
+    assert stats["source"]["source_cut_short"] and stats["source"]["kept"] == 13
+    assert stats["generation"]["first_turn_too_long"] == 1
+    assert stats["written"]["train"] + stats["written"]["heldout"] == len(made) == 12 and stats["written"]["heldout"]
+    target = load_target(str(target_dir))
+    turns = 0
+    for record in made.values():
+        convo = record["conversations"]
+        users, answers = [m["value"] for m in convo[::2]], [m["value"] for m in convo[1::2]]
+        for t, answer in enumerate(answers):
+            messages = [{"role": role, "content": text} for u, a in zip(users[:t], answers)
+                        for role, text in (("user", u), ("assistant", a))] + [{"role": "user", "content": users[t]}]
+            text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = target.tokenizer(text, add_special_tokens=False)["input_ids"]
+            alone = generate_batch(target, [ids], 6, SamplingConfig()).token_ids[0]
+            assert answer == target.tokenizer.decode(alone, skip_special_tokens=True).strip()
+            turns += 1
+    assert turns > len(made)  # multi-turn conversations were answered turn by turn
+    assert len(load_chats(str(out / "data.jsonl")).conversations) == stats["written"]["train"]
+
+    lines = (out / "data.jsonl").read_text().splitlines()  # killed while writing the third record
+    (out / "data.jsonl").write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][:15])
+    assert run_regenerate(tmp_path, target_dir, source, out, "heldout_fraction=0.3") == made
+    assert len((out / "data.jsonl").read_text().splitlines()) == len(lines)
+
+    sampled = run_regenerate(tmp_path, target_dir, source, tmp_path / "s1", "answer_temperature=1.0")
+    assert run_regenerate(tmp_path, target_dir, source, tmp_path / "s2", "answer_temperature=1.0", "rows=3") == sampled
+    assert sampled != run_regenerate(tmp_path, target_dir, source, tmp_path / "s3", "answer_temperature=1.0", "seed=5")
+
+
+def test_the_sharegpt_recipe_parses_and_bad_settings_are_refused():
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config_file(SelfDistillConfig, str(root / "configs/recipes/smollm2-135m-instruct/sharegpt.yaml"))
+    assert cfg.source == "sharegpt" and cfg.answer_max_tokens < cfg.context_tokens
+    for bad in ({"rows": -1}, {"max_turns": True}, {"answer_max_tokens": 4096}, {"heldout_fraction": 1.5}):
+        with pytest.raises(EagleError):
+            SelfDistillConfig(**bad)

