@@ -386,15 +386,22 @@ def vocab_counts(cfg: TrainConfig, target: Target, dataset) -> torch.Tensor:
     """The token counts [V] a draft vocabulary is chosen from: ``draft_vocab_data``'s chats, else the training data."""
     if not cfg.draft_vocab_data:
         return token_counts(dataset.examples, target.vocab_size)
-    from train.data import load_all, tokenize_all
-    chats = load_all(list(cfg.draft_vocab_data)).conversations
-    return token_counts(tokenize_all(target.tokenizer, chats, cfg.max_length), target.vocab_size)
+    return token_counts(tokenized(target, cfg.draft_vocab_data, cfg.max_length), target.vocab_size)
+
+
+def tokenized(target: Target, sources: str | tuple[str, ...], max_length: int) -> list[dict]:
+    """The tokenized chats of ``sources`` (``train.data.tokenize_sources``), cached per file under
+    ``$EAGLE_CACHE/tokenized`` for the next run on the same data."""
+    from eagle.cache_dir import cache_root
+    from train.data import tokenize_sources
+
+    return tokenize_sources(target.tokenizer, target.tokenizer_fingerprint, sources, max_length,
+                            cache_root() / "tokenized")
 
 
 def online_dataset(target: Target, source: str | tuple[str, ...], max_length: int,
                    aux_layers: list[int]) -> OnlineFeatures:
-    from train.data import load_all, tokenize_all
-    return OnlineFeatures(target, tokenize_all(target.tokenizer, load_all(source).conversations, max_length),
+    return OnlineFeatures(target, tokenized(target, source, max_length),
                           aux_layers)
 
 

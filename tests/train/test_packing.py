@@ -125,3 +125,19 @@ def test_packed_online_features_equal_stored_features(tmp_path):
     assert from_online.keys() == from_stored.keys()
     for key in from_online:
         torch.testing.assert_close(from_online[key], from_stored[key].to(from_online[key].dtype), atol=1e-4, rtol=1e-4)
+
+
+def test_tokenized_sources_are_cached_and_parallel_as_tokenize_all(tmp_path):
+    from train.data import load_all, tokenize_all, tokenize_parallel, tokenize_sources
+
+    target = load_target(str(save_tiny_chat_target(tmp_path / "target")), lean=False)
+    first, second = synthetic_chats(tmp_path / "a.jsonl", n=30), synthetic_chats(tmp_path / "b.jsonl", n=20, seed=1)
+    chats = load_all([str(first), str(second)]).conversations
+    want = tokenize_all(target.tokenizer, chats, 24)
+    assert tokenize_parallel(target.tokenizer, chats * 20, 24, workers=2) == want * 20
+    cache = tmp_path / "cache"
+    for _ in range(2):  # computed and stored, then read back
+        assert tokenize_sources(target.tokenizer, "fp", [str(first), str(second)], 24, cache) == want
+    assert len(list(cache.glob("*.pt"))) == 2
+    other = tokenize_sources(target.tokenizer, "fp", str(first), 12, cache)  # another max_length: another key
+    assert other == tokenize_all(target.tokenizer, load_all(str(first)).conversations, 12)
