@@ -44,10 +44,12 @@ def soft_cross_entropy(draft_logits: torch.Tensor, target_logits: torch.Tensor) 
 
 
 def uniform_noise(features: torch.Tensor, amplitude: float, generator: torch.Generator | None = None) -> torch.Tensor:
-    """features + U(-a, a), the input-feature noise of EAGLE training."""
+    """features + U(-a, a), the input-feature noise of EAGLE training (drawn on the ``generator``'s
+    device: a CUDA generator keeps it off the host)."""
     if amplitude <= 0:
         return features
-    noise = torch.rand(features.shape, generator=generator, device="cpu").to(features.device, features.dtype)
+    where = generator.device if generator is not None else torch.device("cpu")  # drawn where the generator lives
+    noise = torch.rand(features.shape, generator=generator, device=where).to(features.device, features.dtype)
     return features + (noise * 2 - 1) * amplitude
 
 

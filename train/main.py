@@ -199,7 +199,8 @@ def draft_lm_loss(model, target: Target, batch: dict, cfg: TrainConfig,
     lm_head = target.model.get_output_embeddings()
     pred_m, target_m = hidden[b["mask"]], b["target"][b["mask"]].to(hidden.dtype)
     if 0 < cfg.lm_ce_positions < pred_m.shape[0]:
-        pick = torch.randperm(pred_m.shape[0], generator=generator)[: cfg.lm_ce_positions].to(pred_m.device)
+        where = generator.device if generator is not None else torch.device("cpu")
+        pick = torch.randperm(pred_m.shape[0], generator=generator, device=where)[: cfg.lm_ce_positions].to(pred_m.device)
     else:
         pick = torch.arange(pred_m.shape[0], device=pred_m.device)
     draft_logits = lm_head(pred_m[pick].to(target.dtype))
@@ -522,7 +523,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
         import wandb
         run = wandb.init(project=cfg.wandb_project, dir=str(out), mode=os.environ.get("WANDB_MODE", "offline"),
                          config=dataclasses.asdict(cfg), resume="allow", id=f"eagle-{out.name}")
-    generator = torch.Generator().manual_seed(cfg.seed + state["step"])
+    generator = torch.Generator(device).manual_seed(cfg.seed + state["step"])  # noise drawn on the device
 
     def out_of_time() -> bool:  # the same answer on every rank: rank 0's clock decides
         late = torch.tensor([float(bool(cfg.max_wall_s) and time.time() - start >= cfg.max_wall_s)], device=device)

@@ -141,3 +141,13 @@ def test_tokenized_sources_are_cached_and_parallel_as_tokenize_all(tmp_path):
     assert len(list(cache.glob("*.pt"))) == 2
     other = tokenize_sources(target.tokenizer, "fp", str(first), 12, cache)  # another max_length: another key
     assert other == tokenize_all(target.tokenizer, load_all(str(first)).conversations, 12)
+
+
+@pytest.mark.parametrize("overrides, named", [({"pack_tokens": -1}, "pack_tokens"), ({"pack_tokens": True}, "pack_tokens"),
+                                              ({"pack_tokens": 256, "max_length": 512}, "at least max_length"),
+                                              ({"pack_tokens": 1024, "student": "draft-lm"}, "draft-lm")])
+def test_bad_pack_tokens_are_named(overrides, named):
+    from eagle import EagleError
+
+    with pytest.raises(EagleError, match=named):
+        trainer.TrainConfig(**overrides)
