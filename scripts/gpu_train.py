@@ -1,6 +1,6 @@
 """One GPU window that retrains the drafters: data, training of each drafter kind, accepted length.
 
-    python scripts/gpu_train.py --out DIR [--target SPEC] [--budget 690] [--sharegpt FILE] [--init-eagle3 DIR] ...
+    python scripts/gpu_train.py --out DIR [--target SPEC] [--budget 630] [--sharegpt FILE] [--init-eagle3 DIR] ...
 
 1. Data: with ``--sharegpt`` (a ShareGPT .json/.jsonl, a cut-off JSON array read element by element)
    its first user turns (not a dev prompt, at most ``--prompts``) are answered by the target
@@ -257,12 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="/tmp/gpu-train-work", help="every step's whole output")
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    parser.add_argument("--budget", type=float, default=690, help="seconds for everything")
+    parser.add_argument("--budget", type=float, default=630, help="seconds for everything")
     parser.add_argument("--kinds", default="eagle3,eagle", help="drafter kinds to train, in this order")
     parser.add_argument("--eagle3-share", type=float, default=0.6, help="eagle3's share of the training time")
     parser.add_argument("--sharegpt", help="ShareGPT file whose first user turns the target answers")
     parser.add_argument("--prompts", type=int, default=30000, help="at most this many ShareGPT prompts")
-    parser.add_argument("--gen-s", type=float, default=200, help="seconds of answering at most")
+    parser.add_argument("--gen-s", type=float, default=150, help="seconds of answering at most")
     parser.add_argument("--gen-batch", type=int, default=256)
     parser.add_argument("--answer-tokens", type=int, default=256)
     parser.add_argument("--data", nargs="*", default=TRACKED, help="chat files trained on besides the answers")
@@ -277,10 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument("--save-every", type=int, default=500)
     parser.add_argument("--log-every", type=int, default=25)
-    parser.add_argument("--startup-s", type=float, default=90, help="seconds allowed a trainer to start and finish")
+    parser.add_argument("--startup-s", type=float, default=60, help="seconds allowed a trainer to start and finish")
     parser.add_argument("--bench-s", type=float, default=120, help="seconds kept for the benchmark")
     parser.add_argument("--bench-prompts", default="benchmarks/prompts/dev.jsonl")
-    parser.add_argument("--bench-limit", type=int, default=20)
+    parser.add_argument("--bench-limit", type=int, default=10)
     parser.add_argument("--bench-new-tokens", type=int, default=128)
     parser.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=None,
                         help="also measure the shipped drafters (default: for the default target)")
