@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 PROMPT ?= Write a short poem about the sea, then explain its imagery in two sentences.
 
-.PHONY: setup demo test test-all test-fast bench results gpu-check llama-cpp-check clean
+.PHONY: setup demo test test-all test-fast bench results gpu-check gpu-train llama-cpp-check clean
 
 
 $(STAMP): pyproject.toml
@@ -45,6 +45,10 @@ results: setup  # the results page, regenerated whole from the kept eagle-bench 
 # on a GPU machine with the packages installed (see scripts/gpu_check.sh; results in $$OUT, default ./gpu-out)
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# one GPU window that retrains both drafters (docs/gpu-window.md; results in $$OUT, default ./gpu-out)
+gpu-train:
+	bash scripts/gpu_train.sh
 
 # llama.cpp's EAGLE-3 path (not part of make test): build llama.cpp into .llama.cpp once (scripts/llama_cpp.sh),
 # convert the drafter (DRAFTER=DIR: ours or SpecForge EAGLE-3 layout, or DRAFTER=random; default: the shipped

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from train.launch import run_single  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}t2 {% else %}t3 {% endif %}"
                  "{{ m['content'] }} t0 {% endfor %}{% if add_generation_prompt %}t3 {% endif %}")
@@ -75,36 +74,6 @@ def chats(path: Path, tiny: bool, n: int = 64) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_trainer(config: Path, log: Path, timeout: float) -> tuple[int, list[dict]]:
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WANDB_MODE": "disabled",
-           "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                                                        if p])}
-    try:
-        proc = subprocess.run([sys.executable, str(ROOT / "train" / "main.py"), "--config", str(config),
-                               "--report-to", "none"], capture_output=True, text=True, env=env, timeout=timeout,
-                              cwd=ROOT)
-        code, out, err = proc.returncode, proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        code, out, err = 124, exc.stdout or "", exc.stderr or ""
-        out, err = (out.decode() if isinstance(out, bytes) else out), (err.decode() if isinstance(err, bytes) else err)
-    log.write_text(out + "\n--- stderr ---\n" + err)
-    rows = []
-    for line in out.splitlines():
-        if line.startswith("{"):
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                pass
-    return code, rows
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -144,7 +113,7 @@ def main() -> int:
 
     first = out / "first.yaml"
     first.write_text(yaml.safe_dump({**base, "max_steps": args.steps}))
-    code, rows = run_trainer(first, out / "first.log", args.timeout)
+    code, rows = run_single(first, out / "first.log", args.timeout)
     losses = [r["loss"] for r in rows if "loss" in r]
     checks["first_run_exit_0"] = code == 0
     checks["losses_finite"] = bool(losses) and all(l == l and abs(l) < 1e6 for l in losses)
@@ -153,7 +122,7 @@ def main() -> int:
     report["first_losses"] = losses
     second = out / "second.yaml"
     second.write_text(yaml.safe_dump({**base, "max_steps": args.steps + args.more}))
-    code, rows = run_trainer(second, out / "second.log", args.timeout)
+    code, rows = run_single(second, out / "second.log", args.timeout)
     steps = [r["step"] for r in rows if "loss" in r]
     checks["resume_exit_0"] = code == 0
     checks["resumed_past_checkpoint"] = bool(steps) and steps[0] == args.steps + 1

@@ -60,6 +60,16 @@ training data.
 """
 
 
+def _speed_text(summary: dict) -> str:
+    """Trained tokens and their rate (runs from before the trainer counted them record neither)."""
+    if not summary.get("tokens_per_s"):
+        return ""
+    packed = summary.get("config", {}).get("pack_tokens")
+    how = f", conversations packed into rows of {packed} tokens" if packed else ""
+    return (f" {summary.get('train_tokens', 0)} tokens trained, {summary['tokens_per_s']:.0f} tokens/s of "
+            f"training{how}.")
+
+
 def _resized_text(summary: dict) -> str:
     cfg = summary.get("config", {})
     if not (cfg.get("init_from") and cfg.get("draft_vocab_size")):
@@ -146,7 +156,7 @@ repository's pipeline on 2 CPU cores. `EagleModel.from_pretrained("{cfg['target'
 ## Training
 `deepspeed --num_gpus 1 train/main.py --config {train_yaml}`: {summary['steps']} optimizer steps
 ({_epochs(summary['epochs'])}) on {summary['train_examples']} examples{_subset_text(summary)}; {_loss_text(summary, 'configs/deepspeed/cpu-small.json')}.
-Wall time {summary.get('wall_s', 0) / 60:.0f} minutes.{_resized_text(summary)}
+Wall time {summary.get('wall_s', 0) / 60:.0f} minutes.{_speed_text(summary)}{_resized_text(summary)}
 {_lineage(summary, earlier or [])}
 Held-out evaluation ({summary['eval_examples']} conversations): top-1 accuracy {summary['eval'].get('top1', 0):.3f},
 expected accepted length of a depth-5 chain {summary['eval'].get('chain5_accept_length', 0):.2f} (drafts unrolled as

@@ -158,3 +158,62 @@ def tokenize_chat(tokenizer: Any, messages: list[dict], max_length: int) -> dict
 def tokenize_all(tokenizer: Any, chats: Iterable[list[dict]], max_length: int) -> list[dict[str, list[int]]]:
     out = [tokenize_chat(tokenizer, m, max_length) for m in chats]
     return [ex for ex in out if sum(ex["loss_mask"]) > 0]
+
+
+def _tokenize_chunk(args: tuple[Any, list[list[dict]], int]) -> list[dict[str, list[int]]]:
+    tokenizer, chats, max_length = args
+    return tokenize_all(tokenizer, chats, max_length)
+
+
+def tokenize_parallel(tokenizer: Any, chats: list[list[dict]], max_length: int, workers: int = 0) -> list[dict]:
+    """``tokenize_all`` over ``workers`` processes (0: one per CPU core, at most 16; few chats: this
+    process), the same examples in the same order."""
+    import os
+
+    workers = workers or min(16, os.cpu_count() or 1)
+    if workers < 2 or len(chats) < 512:
+        return tokenize_all(tokenizer, chats, max_length)
+    import multiprocessing
+
+    size = -(-len(chats) // (4 * workers))
+    chunks = [(tokenizer, chats[i:i + size], max_length) for i in range(0, len(chats), size)]
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        return [ex for part in pool.map(_tokenize_chunk, chunks) for ex in part]
+
+
+def tokenize_sources(tokenizer: Any, fingerprint: str, sources: str | Sequence[str], max_length: int,
+                     cache: Path | None = None) -> list[dict[str, list[int]]]:
+    """The tokenized chats of one chat file or several (concatenated in order), as
+    ``tokenize_all(tokenizer, load_all(sources).conversations, max_length)``; with ``cache`` (a
+    folder) each file's examples are kept there, keyed by its bytes, the tokenizer's ``fingerprint``
+    and ``max_length``, so a later run (another drafter kind, the draft vocabulary count) reads them."""
+    import hashlib
+    import os
+
+    import torch
+
+    out: list[dict[str, list[int]]] = []
+    for source in ([sources] if isinstance(sources, str) else list(sources)):
+        path = Path(source)
+        key = None
+        if cache is not None and path.is_file():
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            key = cache / f"{hashlib.sha256(f'{digest}:{fingerprint}:{max_length}'.encode()).hexdigest()[:24]}.pt"
+            if key.is_file():
+                stored = torch.load(key)
+                ids, masks, ends = stored["input_ids"].tolist(), stored["loss_mask"].tolist(), stored["ends"].tolist()
+                out.extend({"input_ids": ids[a:b], "loss_mask": masks[a:b]} for a, b in zip([0] + ends[:-1], ends))
+                continue
+        examples = tokenize_parallel(tokenizer, load_chats(source).conversations, max_length)
+        out.extend(examples)
+        if key is not None:
+            key.parent.mkdir(parents=True, exist_ok=True)
+            lengths = torch.tensor([len(ex["input_ids"]) for ex in examples], dtype=torch.long)
+            tmp = key.with_suffix(f".tmp{os.getpid()}")
+            torch.save({"input_ids": torch.tensor([t for ex in examples for t in ex["input_ids"]], dtype=torch.int32),
+                        "loss_mask": torch.tensor([m for ex in examples for m in ex["loss_mask"]], dtype=torch.uint8),
+                        "ends": torch.cumsum(lengths, 0)}, tmp)
+            tmp.replace(key)
+    if not out and not isinstance(sources, str) and not list(sources):
+        raise EagleError("no chat data source given")
+    return out

@@ -44,10 +44,12 @@ def soft_cross_entropy(draft_logits: torch.Tensor, target_logits: torch.Tensor) 
 
 
 def uniform_noise(features: torch.Tensor, amplitude: float, generator: torch.Generator | None = None) -> torch.Tensor:
-    """features + U(-a, a), the input-feature noise of EAGLE training."""
+    """features + U(-a, a), the input-feature noise of EAGLE training (drawn on the ``generator``'s
+    device: a CUDA generator keeps it off the host)."""
     if amplitude <= 0:
         return features
-    noise = torch.rand(features.shape, generator=generator, device="cpu").to(features.device, features.dtype)
+    where = generator.device if generator is not None else torch.device("cpu")  # drawn where the generator lives
+    noise = torch.rand(features.shape, generator=generator, device=where).to(features.device, features.dtype)
     return features + (noise * 2 - 1) * amplitude
 
 
@@ -70,22 +72,29 @@ class ConcatCache:
         return self.keys[index], self.values[index]
 
 
-def unroll_bias(length: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def unroll_bias(length: int, step: int, dtype: torch.dtype, device: torch.device,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
     """Additive mask [1, 1, T, T * (step + 1)] for unrolled step ``step`` (0-based) over the
     keys of steps 0..step concatenated (each block T long, block i from step i).
 
     Query t of step j is the depth-(j+1) draft from root r = t - j, as at inference: it sees the
     step-0 keys at positions <= r (made from target features, the KV cache) and, for i = 1..j,
     the step-i key at position r + i (its own chain, itself last). Queries with t < j have no
-    root; they see only themselves and are left out of losses."""
+    root; they see only themselves and are left out of losses. With ``segments`` [B, T] (packed
+    rows, ``train.packing``) a query also sees only keys of its own segment: [B, 1, T, T * (step + 1)]."""
     t = torch.arange(length, device=device)
     blocks = [t[None, :] <= (t[:, None] - step)]
     blocks += [t[None, :] == (t[:, None] - step + i) for i in range(1, step + 1)]
-    return additive_bias(torch.cat(blocks, dim=1), dtype)
+    allowed = torch.cat(blocks, dim=1)
+    if segments is not None:
+        same = segments[:, :, None] == segments[:, None, :]
+        allowed = allowed[None] & same.repeat(1, 1, step + 1)
+    return additive_bias(allowed, dtype)
 
 
 def unroll(drafter: torch.nn.Module, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
-           steps: int, num_layers: int, own_hidden: bool = False) -> list[torch.Tensor]:
+           steps: int, num_layers: int, own_hidden: bool = False,
+           segments: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Training-time test (HASS / EAGLE-3 style): ``steps`` drafter passes over whole sequences.
     ``features`` [B, T, F] (f_t, noised by the caller; F = H, or (1 + n) H with n aux layers'
     outputs), ``token_embeds`` [B, T, H] (token t+1), ``positions`` [B, T] -> ``steps`` predictions
@@ -94,12 +103,14 @@ def unroll(drafter: torch.nn.Module, features: torch.Tensor, token_embeds: torch
     position t (t >= j) equals the depth-(j+1) draft of inference from root t - j; every one
     still targets f_{t+1}. ``own_hidden`` (EAGLE-3): pass j > 0 feeds pass j-1's output hidden
     state [B, T, H] alone, as the drafter's deeper tree levels do. ``drafter`` may be a wrapper
-    (a DeepSpeed engine) of a ``Drafter``."""
+    (a DeepSpeed engine) of a ``Drafter``. Packed rows: ``segments`` [B, T] and per-segment
+    ``positions``; a query is rooted when its position is >= j, and what a segment's first
+    position reads from the segment before is seen by unrooted queries only."""
     cache = ConcatCache(num_layers)
     length = features.shape[1]
     preds, feats = [], features
     for step in range(steps):
-        bias = unroll_bias(length, step, features.dtype, features.device)
+        bias = unroll_bias(length, step, features.dtype, features.device, segments)
         pred = drafter(feats, token_embeds, positions, cache=cache, attention_bias=bias)
         preds.append(pred)
         if own_hidden:  # position 0 has no root beyond step 0: what it reads is never seen by a rooted query

@@ -34,6 +34,7 @@ from eagle.errors import EagleError, command
 from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
 from train import checkpoint
 from train.features import FeatureShards, OnlineFeatures, iter_batches
+from train.packing import collate_packed, pack_rows, packed_features
 from train.loss import LossOutput, eagle_loss, soft_cross_entropy, unroll, uniform_noise
 
 
@@ -92,6 +93,10 @@ class TrainConfig:
     wandb_project: str = "eagle"
 
     max_wall_s: float = 0.0        # stop (checkpoint and save) after this many seconds of training (0 = no limit)
+    pack_tokens: int = 0           # drafter: pack whole conversations into rows of at most this many tokens (a
+                                   # micro-batch is then train_micro_batch_size_per_gpu such rows; attention blocked
+                                   # between conversations: train.packing); 0 = one conversation per row, padded.
+                                   # Online features are then computed on the device, on the packed rows
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
@@ -107,6 +112,14 @@ class TrainConfig:
             raise EagleError(f"autocast must be one of {', '.join(AUTOCAST)}, got {self.autocast!r}")
         if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 0:
             raise EagleError(f"keep_last must be an integer >= 0 (0 keeps every checkpoint), got {self.keep_last!r}")
+        if isinstance(self.pack_tokens, bool) or not isinstance(self.pack_tokens, int) or self.pack_tokens < 0:
+            raise EagleError(f"pack_tokens must be an integer >= 0 (0 pads one conversation per row), "
+                             f"got {self.pack_tokens!r}")
+        if self.pack_tokens and self.pack_tokens < self.max_length:
+            raise EagleError(f"pack_tokens {self.pack_tokens} must be at least max_length {self.max_length} "
+                             f"(a row holds whole conversations)")
+        if self.pack_tokens and self.student != "drafter":
+            raise EagleError("pack_tokens packs a drafter's micro-batches: student draft-lm trains padded")
         if self.examples_from < 0 or self.replay_fraction < 0:
             raise EagleError(f"examples_from and replay_fraction must be >= 0, got {self.examples_from} and "
                              f"{self.replay_fraction}")
@@ -136,13 +149,22 @@ def shift(batch: dict, device: torch.device, fuse: bool = False) -> dict:
     the inputs are [B, T-1, (1 + n) H]: f_t followed by the aux layers' outputs at t.
 
     The predicted feature f_{t+1} yields the distribution of token x_{t+2}, so pair t is
-    trained when x_{t+2} is an assistant token (``mask``); ``valid`` marks real (unpadded) pairs."""
+    trained when x_{t+2} is an assistant token of the same conversation (``mask``); ``valid``
+    marks real pairs (x_{t+1} unpadded, of the same conversation). ``positions`` and
+    ``segments`` [B, T-1] are those of token t: from a packed batch (``train.packing``), else
+    0, 1, ... and one segment per row."""
     hidden = batch["hidden"].to(device)
     features = torch.cat([hidden, batch["aux"].to(device)], dim=-1) if fuse else hidden
     loss_mask, valid = batch["loss_mask"].to(device), batch["valid"].to(device)
-    mask = torch.cat([loss_mask[:, 2:], torch.zeros_like(loss_mask[:, :1])], dim=1)
+    rows, length = loss_mask.shape
+    segment = batch["segment"].to(device) if "segment" in batch else torch.zeros_like(loss_mask, dtype=torch.long)
+    positions = batch["positions"].to(device) if "positions" in batch else \
+        torch.arange(length, device=device)[None].expand(rows, -1)
+    same2 = torch.cat([segment[:, 2:] == segment[:, :-2], torch.zeros_like(loss_mask[:, :1])], dim=1)
+    mask = torch.cat([loss_mask[:, 2:], torch.zeros_like(loss_mask[:, :1])], dim=1) & same2
     return {"features": features[:, :-1], "tokens": batch["input_ids"][:, 1:].to(device),
-            "target": hidden[:, 1:], "mask": mask, "valid": valid[:, 1:]}
+            "target": hidden[:, 1:], "mask": mask, "valid": valid[:, 1:] & (segment[:, 1:] == segment[:, :-1]),
+            "positions": positions[:, :-1], "segments": segment[:, :-1] if "segment" in batch else None}
 
 
 class HiddenStates(torch.nn.Module):
@@ -177,7 +199,8 @@ def draft_lm_loss(model, target: Target, batch: dict, cfg: TrainConfig,
     lm_head = target.model.get_output_embeddings()
     pred_m, target_m = hidden[b["mask"]], b["target"][b["mask"]].to(hidden.dtype)
     if 0 < cfg.lm_ce_positions < pred_m.shape[0]:
-        pick = torch.randperm(pred_m.shape[0], generator=generator)[: cfg.lm_ce_positions].to(pred_m.device)
+        where = generator.device if generator is not None else torch.device("cpu")
+        pick = torch.randperm(pred_m.shape[0], generator=generator, device=where)[: cfg.lm_ce_positions].to(pred_m.device)
     else:
         pick = torch.arange(pred_m.shape[0], device=pred_m.device)
     draft_logits = lm_head(pred_m[pick].to(target.dtype))
@@ -199,27 +222,32 @@ def step_loss(model, drafter: Drafter, target: Target, batch: dict, cfg: TrainCo
     b = shift(batch, target.device, fuse=bool(drafter.config.aux_layers))
     dtype = next(drafter.parameters()).dtype
     feats = uniform_noise(b["features"].to(dtype), cfg.noise, generator)
-    length = feats.shape[1]
-    pos = torch.arange(length, device=target.device)[None].expand(feats.shape[0], -1)
     with torch.no_grad():
         embeds = target.embed(b["tokens"]).to(dtype)
     eagle3 = drafter.config.kind == "eagle3"
-    preds = unroll(model, feats, embeds, pos, cfg.unroll_steps, drafter.config.num_layers, own_hidden=eagle3)
+    preds = unroll(model, feats, embeds, b["positions"], cfg.unroll_steps, drafter.config.num_layers,
+                   own_hidden=eagle3, segments=b["segments"])
     lm_head = target.model.get_output_embeddings()
+    mask0 = b["mask"]
+    target_m = b["target"][mask0].to(dtype)  # [N, H]: every pass targets the same features, a subset of these
+    with torch.no_grad():  # the soft labels once for all passes, over the draft vocabulary only
+        target_logits_all = target_draft_logits(drafter, lm_head, target_m.to(target.dtype)).to(dtype)
+    rooted = b["positions"][mask0]  # a masked position t has a root in pass j when its position is >= j
     losses, weights = [], []
     for step, pred in enumerate(preds):
-        mask = b["mask"] & (torch.arange(length, device=target.device) >= step)  # position t has a root for t >= step
-        pred_m, target_m = pred[mask], b["target"][mask].to(dtype)  # only masked positions reach the LM heads
+        keep = rooted >= step
+        pred_m = pred[mask0][keep]  # only masked positions reach the LM heads
         draft_logits = drafter.draft_logits(pred_m.to(target.dtype), lm_head).to(dtype)
-        with torch.no_grad():
-            target_logits = target_draft_logits(drafter, lm_head, target_m.to(target.dtype)).to(dtype)
+        target_logits, target_s = target_logits_all[keep], target_m[keep]
         ones = torch.ones(pred_m.shape[0], dtype=torch.bool, device=target.device)
         if eagle3:  # no feature to regress: its hidden state is its own (and its loss the cross-entropy alone)
-            losses.append(eagle_loss(target_m, target_m, draft_logits, target_logits, ones, cfg.ce_weight, 0.0))
+            losses.append(eagle_loss(target_s, target_s, draft_logits, target_logits, ones, cfg.ce_weight, 0.0))
         else:
-            losses.append(eagle_loss(pred_m, target_m, draft_logits, target_logits, ones, cfg.ce_weight,
+            losses.append(eagle_loss(pred_m, target_s, draft_logits, target_logits, ones, cfg.ce_weight,
                                      cfg.feature_weight))
+        del draft_logits, target_logits
         weights.append(cfg.unroll_decay ** step)
+    del target_logits_all
     return LossOutput(*(sum(w * getattr(l, f.name) for w, l in zip(weights, losses)) / sum(weights)
                         for f in dataclasses.fields(LossOutput)))
 
@@ -359,15 +387,22 @@ def vocab_counts(cfg: TrainConfig, target: Target, dataset) -> torch.Tensor:
     """The token counts [V] a draft vocabulary is chosen from: ``draft_vocab_data``'s chats, else the training data."""
     if not cfg.draft_vocab_data:
         return token_counts(dataset.examples, target.vocab_size)
-    from train.data import load_all, tokenize_all
-    chats = load_all(list(cfg.draft_vocab_data)).conversations
-    return token_counts(tokenize_all(target.tokenizer, chats, cfg.max_length), target.vocab_size)
+    return token_counts(tokenized(target, cfg.draft_vocab_data, cfg.max_length), target.vocab_size)
+
+
+def tokenized(target: Target, sources: str | tuple[str, ...], max_length: int) -> list[dict]:
+    """The tokenized chats of ``sources`` (``train.data.tokenize_sources``), cached per file under
+    ``$EAGLE_CACHE/tokenized`` for the next run on the same data."""
+    from eagle.cache_dir import cache_root
+    from train.data import tokenize_sources
+
+    return tokenize_sources(target.tokenizer, target.tokenizer_fingerprint, sources, max_length,
+                            cache_root() / "tokenized")
 
 
 def online_dataset(target: Target, source: str | tuple[str, ...], max_length: int,
                    aux_layers: list[int]) -> OnlineFeatures:
-    from train.data import load_all, tokenize_all
-    return OnlineFeatures(target, tokenize_all(target.tokenizer, load_all(source).conversations, max_length),
+    return OnlineFeatures(target, tokenized(target, source, max_length),
                           aux_layers)
 
 
@@ -383,6 +418,40 @@ def training_examples(candidates: list[int], cfg: TrainConfig) -> list[int]:
     old = [i for i in candidates if i < cfg.examples_from]
     replay = random.Random(cfg.seed).sample(old, min(len(old), round(len(new) * cfg.replay_fraction)))
     return new + replay
+
+
+def token_item(dataset, i: int) -> dict[str, torch.Tensor]:
+    """Example ``i`` as ``collate_packed`` takes it: stored features included, or (online) its tokens alone."""
+    if isinstance(dataset, OnlineFeatures):
+        ex = dataset.examples[i]
+        return {"input_ids": torch.tensor(ex["input_ids"]), "loss_mask": torch.tensor(ex["loss_mask"]).bool()}
+    return dataset[i]
+
+
+def example_lengths(dataset) -> list[int]:
+    """Tokens of every example of ``dataset`` (what packing fills rows with)."""
+    return [len(ex["input_ids"]) for ex in dataset.examples]
+
+
+def packed_batch(dataset, rows: list[list[int]], target: Target, aux_layers: list[int]) -> dict:
+    """A packed micro-batch of ``rows`` (lists of example indices; ``train.packing.collate_packed``);
+    online, the features come from one target forward over the packed rows, on its device."""
+    batch = collate_packed([[token_item(dataset, i) for i in row] for row in rows])
+    if "hidden" not in batch:
+        feats = packed_features(target, batch["input_ids"], batch["positions"], batch["segment"], aux_layers)
+        feats = feats * batch["valid"].to(feats.device)[..., None]  # a row's unfilled tail: zeros, as collated
+        batch["hidden"] = feats[..., :target.hidden_size]
+        if aux_layers:
+            batch["aux"] = feats[..., target.hidden_size:]
+    return batch
+
+
+def epoch_units(train_idx: list[int], epoch: int, cfg: TrainConfig, lengths: list[int] | None) -> list:
+    """What one epoch's micro-batches are made of, in order: example indices (a seeded shuffle), or
+    with ``pack_tokens`` rows of them packed in that order."""
+    perm = list(train_idx)
+    random.Random(cfg.seed * 1000 + epoch).shuffle(perm)
+    return pack_rows(lengths, perm, cfg.pack_tokens) if cfg.pack_tokens else perm
 
 
 def train(cfg: TrainConfig, report_to: str) -> dict:
@@ -411,8 +480,10 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     ds_probe = json.loads(Path(cfg.deepspeed_config).read_text())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     micro, accum = ds_probe.get("train_micro_batch_size_per_gpu", 1), ds_probe.get("gradient_accumulation_steps", 1)
-    steps_per_epoch = max(1, len(train_idx) // (micro * accum * world))
-    micro_per_epoch = max(1, len(train_idx) // (micro * world))
+    lengths = example_lengths(dataset) if cfg.pack_tokens else None
+    units_per_epoch = len(epoch_units(train_idx, 0, cfg, lengths))  # rows when packed (about the same each epoch)
+    steps_per_epoch = max(1, units_per_epoch // (micro * accum * world))
+    micro_per_epoch = max(1, units_per_epoch // (micro * world))
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     dev = None
     if cfg.dev_data and rank == 0:  # the target is frozen: compute the dev features once, not at every evaluation
@@ -431,7 +502,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
                                            config=deepspeed_dict(cfg, device, total_steps))
     out = Path(cfg.out_dir)
     ckpt_dir = out / "checkpoints"
-    state = {"step": 0, "epoch": 0, "micro_in_epoch": 0, "wall_s": 0.0}
+    state = {"step": 0, "epoch": 0, "micro_in_epoch": 0, "wall_s": 0.0, "tokens": 0}
     resume = [None]
     if rank == 0:  # one rank verifies; all load what it chose
         checkpoint.clean(ckpt_dir)
@@ -452,7 +523,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
         import wandb
         run = wandb.init(project=cfg.wandb_project, dir=str(out), mode=os.environ.get("WANDB_MODE", "offline"),
                          config=dataclasses.asdict(cfg), resume="allow", id=f"eagle-{out.name}")
-    generator = torch.Generator().manual_seed(cfg.seed + state["step"])
+    generator = torch.Generator(device).manual_seed(cfg.seed + state["step"])  # noise drawn on the device
 
     def out_of_time() -> bool:  # the same answer on every rank: rank 0's clock decides
         late = torch.tensor([float(bool(cfg.max_wall_s) and time.time() - start >= cfg.max_wall_s)], device=device)
@@ -461,41 +532,53 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
         return bool(late.item())
 
     metrics: dict = {}
-    start, losses = time.time(), []
-    wall_before = state["wall_s"]  # training time of earlier (resumed) runs
+    start, losses, curve = time.time(), [], []
+    wall_before, tokens_before = state["wall_s"], state["tokens"]  # training time and tokens of earlier runs
+    paused = 0.0  # seconds of this run spent evaluating and saving (not training)
+
+    def tokens_per_s() -> float:  # this run's trained tokens per second of training
+        return (state["tokens"] - tokens_before) / max(1e-9, time.time() - start - paused)
+
     while state["step"] < total_steps and state["epoch"] < cfg.epochs:
-        perm = list(train_idx)
-        random.Random(cfg.seed * 1000 + state["epoch"]).shuffle(perm)
-        usable = len(perm) // (world * micro) * world * micro  # every rank runs the same number of micro-batches
+        units = epoch_units(train_idx, state["epoch"], cfg, lengths)
+        usable = len(units) // (world * micro) * world * micro  # every rank runs the same number of micro-batches
         if usable == 0:
-            raise EagleError(f"{len(perm)} training examples cannot fill one micro-batch of {micro} on {world} ranks")
-        shard = perm[:usable][rank::world]
+            raise EagleError(f"{len(units)} training {'rows' if cfg.pack_tokens else 'examples'} cannot fill one "
+                             f"micro-batch of {micro} on {world} ranks")
+        shard = units[:usable][rank::world]
         micro_batches = list(range(0, len(shard) - micro + 1, micro))
         for mb in micro_batches[state["micro_in_epoch"]:]:
-            batch = iter_batches(dataset, shard[mb:mb + micro], micro).__next__()
+            chunk = shard[mb:mb + micro]
+            batch = packed_batch(dataset, chunk, target, student.aux_layers) if cfg.pack_tokens else \
+                iter_batches(dataset, chunk, micro).__next__()
+            state["tokens"] += int(batch["valid"].sum()) * world  # (a CPU tensor: no device sync)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
                 loss = student.loss(engine, batch, generator)
             engine.backward(loss.total)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
             state["micro_in_epoch"] += 1
-            losses.append(tuple(float(x.detach()) for x in (loss.total, loss.smooth_l1, loss.ce, loss.top1)))
+            losses.append(torch.stack([x.detach().float() for x in (loss.total, loss.smooth_l1, loss.ce, loss.top1)]))
             if not boundary:
                 continue
             state["step"] += 1
             step = state["step"]
             if rank == 0 and step % cfg.log_every == 0:
-                avg = [sum(x) / len(x) for x in zip(*losses)]
+                avg = torch.stack(losses).mean(0).tolist()  # one device read per log line
                 losses = []
                 line = {"step": step, "loss": avg[0], "smooth_l1": avg[1], "ce": avg[2], "top1": avg[3],
-                        "lr": engine.get_lr()[0], "elapsed_s": time.time() - start}
+                        "lr": engine.get_lr()[0], "elapsed_s": time.time() - start, "tokens": state["tokens"],
+                        "tokens_per_s": tokens_per_s()}
                 print(json.dumps(line), flush=True)
+                curve.append(line)
                 if run:
                     run.log(line, step=step)
             late = out_of_time()
+            pause_from = time.time()
             if evaluates and (step % cfg.eval_every == 0 or step == total_steps or late):
                 metrics = evaluate_all()
                 print(json.dumps({"step": step, "eval": metrics}), flush=True)
+                curve.append({"step": step, "eval": metrics, "elapsed_s": time.time() - start})
                 if run:
                     run.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
             if step % cfg.save_every == 0 or step == total_steps or late:
@@ -508,6 +591,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
                 if rank == 0:
                     checkpoint.publish(ckpt_dir, tag, cfg.keep_last)
                     student.save(out / student.name)
+            paused += time.time() - pause_from
             if step >= total_steps or late:
                 break
         else:
@@ -521,7 +605,8 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
         student.save(out / student.name)
         epochs = state["epoch"] + state["micro_in_epoch"] / micro_per_epoch
         summary = {"steps": state["step"], "epochs": round(epochs, 2), "eval": metrics,
-                   "wall_s": wall_before + time.time() - start,
+                   "wall_s": wall_before + time.time() - start, "train_tokens": state["tokens"],
+                   "tokens_per_s": tokens_per_s(), "run_wall_s": time.time() - start, "curve": curve,
                    "train_examples": len(train_idx), "eval_examples": len(eval_idx), "init_from": cfg.init_from,
                    "config": dataclasses.asdict(cfg)}
         write_file(out / "summary.json", json.dumps(summary, indent=2))

@@ -411,11 +411,12 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
         "feat.json": {"num_examples": 48, "tokens": 12000, "config": {"max_length": 512, "feature_dtype": "float16"},
                       "source": ["data/a.jsonl", "data/b.jsonl"]},
         "summary.json": {"steps": 30, "epochs": 2, "train_examples": 46, "eval_examples": 2, "wall_s": 120.0,
+                         "train_tokens": 90000, "tokens_per_s": 812.4,
                          "eval": {"top1": 0.5, "chain5_accept_length": 1.9, "dev_top1": 0.25,
                                   "dev_chain5_accept_length": 1.4}, "init_from": "runs/b",
                          "config": {"unroll_steps": 2, "ce_weight": 0.1, "noise": 0.1, "init_from": "runs/b",
                                     "autocast": "bf16", "examples_from": 40, "replay_fraction": 1.0,
-                                    "draft_vocab_size": 12, "dev_data": "data/dev.jsonl"}},
+                                    "draft_vocab_size": 12, "dev_data": "data/dev.jsonl", "pack_tokens": 1024}},
         "first.json": {"steps": 10, "epochs": 5, "train_examples": 20, "wall_s": 60.0},
         "second.json": {"steps": 20, "epochs": 3, "train_examples": 30, "wall_s": 240.0},
         "bench.json": {"config": {"command": "eagle-bench --prompts dev.jsonl"}, "prompts": 3,
@@ -446,6 +447,7 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
     assert "(`dev_data: data/dev.jsonl`,\nnever trained on): top-1 0.250, depth-5 chain 1.40." in card
     assert "50 prompts; the drafter's tree alone): mean accepted length\n**2.75**, 9.00 tokens/s." in card
     assert "50 prompts; prompt-lookup chains of up to 10 tokens grafted on): mean accepted length\n**3.25**" in card
+    assert "90000 tokens trained, 812 tokens/s of training, conversations packed into rows of 1024" in card
     assert "fc 2H -> H," in card and "stored as float16, computed from `data/a.jsonl`, `data/b.jsonl`." in card
     drafter.with_aux_layers([0]).save_pretrained(tmp_path / "fused")  # an EAGLE-3 style fusing drafter says so
     (tmp_path / "feat1.json").write_text(json.dumps({**records["feat.json"], "source": "data/one.jsonl",

@@ -1,0 +1,370 @@
+"""One GPU window that retrains the drafters: data, training of each drafter kind, accepted length.
+
+    python scripts/gpu_train.py --out DIR [--target SPEC] [--budget 630] [--sharegpt FILE] [--init-eagle3 DIR] ...
+
+1. Data: with ``--sharegpt`` (a ShareGPT .json/.jsonl, a cut-off JSON array read element by element)
+   its first user turns (not a dev prompt, at most ``--prompts``) are answered by the target
+   (``eagle-selfdistill --answer``, batched) for at most ``--gen-s`` seconds; the answers complete by
+   then are used with the ``--data`` chat files (default: the tracked ``data/*/data.jsonl.gz``).
+2. Training: each kind of ``--kinds`` (``eagle3``, ``eagle``) in turn, online features on packed rows
+   (``pack_tokens``), bf16 on CUDA, until its share of the time left (``max_wall_s``), warm-started from
+   ``--init-eagle3`` / ``--init-eagle`` when given.
+3. Accepted length: ``eagle-bench`` greedy (float32) on the dev prompts with the 60/6/10 tree
+   (total_tokens 60, depth 6, tree top-k 10, no lookup), each new drafter and (for the default target) the
+   shipped one of its kind.
+4. ``--out`` gets at most 8 files of at most 15 MiB: ``window.json`` (the report), ``window.log``,
+   ``<kind>-drafter.tar`` per kind (config and 8-bit block-coded weights, as shipped) and the answers
+   made in step 1 (``data.jsonl.gz``, split into parts when larger).
+
+Every step's whole output stays in ``--work``. Exit status 0 when every kind trained and was measured."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from train.launch import run_single  # noqa: E402
+
+RECIPE = ROOT / "configs" / "recipes" / "smollm2-135m-instruct"
+TRACKED = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "data").glob("*/data.jsonl.gz"))
+KINDS = ("eagle3", "eagle")
+PIECE = 15 << 20  # bytes per returned file (the limit is 16 MiB)
+SHIPPED = {"eagle3": "eagle3", "eagle": ""}  # eagle-bench's name of the shipped drafter of each kind
+
+
+def log(message: str, path: Path) -> None:
+    line = f"[{time.strftime('%H:%M:%S', time.gmtime())}] {message}"
+    print(line, flush=True)
+    with path.open("a") as f:
+        f.write(line + "\n")
+
+
+def sharegpt_records(path: Path):
+    """The records of a ShareGPT file: JSON lines, or a JSON array read element by element, so a
+    file cut off mid-array yields every complete record before the cut."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        text = f.read()
+    head = text.lstrip()
+    if not head.startswith("["):
+        for line in text.splitlines():
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except ValueError:
+                    continue
+        return
+    decoder, i = json.JSONDecoder(), text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return
+        try:
+            record, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return  # the cut
+        yield record
+
+
+def sharegpt_prompts(path: Path, n: int, exclude: set[str], max_chars: int = 2000) -> list[dict]:
+    """At most ``n`` distinct first user turns of a ShareGPT file (``{prompt, category}``), in file
+    order, none in ``exclude`` and none longer than ``max_chars``."""
+    seen, prompts = set(exclude), []
+    for record in sharegpt_records(path):
+        turns = record.get("conversations") if isinstance(record, dict) else None
+        first = next((t.get("value") for t in turns or [] if isinstance(t, dict) and t.get("from") in ("human", "user")),
+                     None)
+        if not isinstance(first, str) or not first.strip() or len(first) > max_chars or first in seen:
+            continue
+        seen.add(first)
+        prompts.append({"prompt": first, "category": "sharegpt"})
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def prepare_sharegpt(source: Path, dest: Path) -> int:
+    """The first user turns of a ShareGPT file as a small ShareGPT .jsonl.gz (one human turn per record)
+    to carry instead of the whole file; -> records written."""
+    records = [{"conversations": [{"from": "human", "value": p["prompt"]}]}
+               for p in sharegpt_prompts(source, 10 ** 9, set())]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_bytes(gzip.compress("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode(), 9))
+    return len(records)
+
+
+def complete_lines(path: Path) -> int:
+    """Drop a half-written last line of a JSONL file (a generation stopped mid-write); -> lines kept."""
+    if not path.is_file():
+        return 0
+    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.endswith("}")]
+    path.write_text("".join(ln + "\n" for ln in lines), encoding="utf-8")
+    return len(lines)
+
+
+def make_data(args, work: Path, logf: Path, deadline: float) -> dict:
+    """Step 1: the target's answers to ShareGPT prompts, within ``--gen-s`` seconds."""
+    from eagle.prompts import read_prompts
+
+    exclude = {p["prompt"] for p in read_prompts(ROOT / "benchmarks" / "prompts" / "dev.jsonl")}
+    prompts = sharegpt_prompts(Path(args.sharegpt), args.prompts, exclude)
+    prompt_file, answers = work / "prompts.jsonl", work / "answers.jsonl"
+    prompt_file.write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts), encoding="utf-8")
+    limit = max(1, min(args.gen_s, deadline - time.time()))
+    log(f"data: answering {len(prompts)} ShareGPT prompts for at most {limit:.0f}s", logf)
+    t0 = time.time()
+    cmd = [sys.executable, "-m", "train.selfdistill", "--answer", str(prompt_file), "--out", str(answers),
+           "--max-new-tokens", str(args.answer_tokens), "--set", f"target={args.target}",
+           f"batch_size={args.gen_batch}"]
+    with (work / "selfdistill.txt").open("w") as out:
+        try:
+            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=limit).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124  # expected: the answers complete by then are kept
+    kept = complete_lines(answers)
+    took = time.time() - t0
+    log(f"data: {kept} answers in {took:.0f}s (rc {rc})", logf)
+    return {"prompts": len(prompts), "answers": kept, "seconds": round(took, 1), "rc": rc,
+            "file": str(answers) if kept else None}
+
+
+def ds_config(args, work: Path, kind: str) -> Path:
+    """The DeepSpeed config of a kind's run: the GPU recipe's optimizer, ``--rows`` packed rows per micro-batch."""
+    ds = json.loads((RECIPE / "deepspeed-gpu.json").read_text())
+    ds["train_micro_batch_size_per_gpu"] = args.rows
+    lr = args.lr
+    ds["optimizer"]["params"]["lr"] = lr
+    ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
+                                                        "warmup_num_steps": args.warmup_steps}}
+    path = work / f"{kind}-ds.json"
+    path.write_text(json.dumps(ds, indent=2))
+    return path
+
+
+def train_config(args, kind: str, data: list[str], work: Path, wall_s: float) -> dict:
+    """A kind's TrainConfig keys: the recipe's loss settings, online features on packed rows,
+    ``wall_s`` seconds of training, a warm start when carried in."""
+    import yaml
+
+    if kind == "eagle3":
+        base = yaml.safe_load((RECIPE / "eagle3.yaml").read_text())
+        keep = ("drafter_config", "draft_vocab_size", "noise", "ce_weight", "feature_weight", "unroll_steps",
+                "unroll_decay", "max_length")
+    else:
+        base = yaml.safe_load((RECIPE / "train.yaml").read_text())
+        keep = ("drafter_config", "draft_vocab_size", "noise", "ce_weight", "unroll_steps", "max_length")
+    cfg = {k: base[k] for k in keep if k in base}
+    cfg.update(target=args.target, online=True, data=data, pack_tokens=args.pack_tokens,
+               deepspeed_config=str(ds_config(args, work, kind)), out_dir=str(work / kind), epochs=1000,
+               max_wall_s=round(wall_s, 1), save_every=args.save_every, keep_last=1, eval_every=10 ** 9,
+               eval_fraction=0.01, log_every=args.log_every, autocast="bf16", report_to="none")
+    if args.dev_data:
+        cfg["dev_data"] = args.dev_data
+    init = getattr(args, f"init_{kind}")
+    if init:  # the warm start keeps its architecture and draft vocabulary
+        cfg.update(init_from=init, draft_vocab_size=0)
+    elif cfg.get("draft_vocab_size"):
+        cfg["draft_vocab_data"] = data  # the draft vocabulary: the most frequent answer tokens of this data
+    for item in getattr(args, f"set_{kind}"):
+        key, _, value = item.partition("=")
+        cfg[key] = yaml.safe_load(value)
+    return cfg
+
+
+def pack_drafter(folder: Path, tar_path: Path) -> int:
+    """A trained drafter folder -> a tar of its config and its weights as 8-bit block codes (as
+    shipped, ``eagle.runtime.block_codes.pack_state``); -> bytes written."""
+    from safetensors.torch import load_file, save
+
+    from eagle.drafting.drafter import FORMAT
+    from eagle.runtime.block_codes import pack_state
+
+    weights = save(pack_state(load_file(str(folder / "model.safetensors"))), metadata={"format": FORMAT})
+    with tarfile.open(tar_path, "w") as tar:
+        for name, blob in (("config.json", (folder / "config.json").read_bytes()), ("model.safetensors", weights)):
+            info = tarfile.TarInfo(f"{tar_path.stem}/{name}")
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+    return tar_path.stat().st_size
+
+
+def return_data(answers: Path, out: Path, max_parts: int) -> list[str]:
+    """The answers, gzipped, as ``data.jsonl.gz`` or (larger than one returned file) parts
+    ``data.jsonl.gz.00``, ``.01``, ... to concatenate; at most ``max_parts`` (lines past them dropped)."""
+    blob = gzip.compress(answers.read_bytes(), compresslevel=9)
+    if len(blob) > PIECE * max_parts:  # keep the first lines that fit
+        lines = answers.read_bytes().splitlines(keepends=True)
+        while len(blob) > PIECE * max_parts and lines:
+            lines = lines[: int(len(lines) * PIECE * max_parts / len(blob) * 0.97)]
+            blob = gzip.compress(b"".join(lines), compresslevel=9)
+    if len(blob) <= PIECE:
+        (out / "data.jsonl.gz").write_bytes(blob)
+        return ["data.jsonl.gz"]
+    names = []
+    for i in range(0, len(blob), PIECE):
+        names.append(f"data.jsonl.gz.{i // PIECE:02d}")
+        (out / names[-1]).write_bytes(blob[i:i + PIECE])
+    return names
+
+
+def bench(args, drafters: dict[str, Path], work: Path, logf: Path, limit: float) -> dict:
+    """Step 3: greedy eagle-bench, 60/6/10 tree, no lookup: each new drafter and the shipped ones."""
+    methods = [f"eagle-tree@{folder}" for folder in drafters.values()]
+    names = {f"eagle-tree@{folder}": f"new-{kind}" for kind, folder in drafters.items()}
+    if args.baselines:
+        for kind in drafters:
+            method = f"eagle-tree@{SHIPPED[kind]}" if SHIPPED[kind] else "eagle-tree"
+            methods.append(method)
+            names[method] = f"shipped-{kind}"
+    report = work / "bench.json"
+    cmd = [sys.executable, "-m", "infer.bench", "--target", args.target, "--prompts", args.bench_prompts,
+           "--methods", ",".join(methods), "--limit", str(args.bench_limit), "--max-new-tokens",
+           str(args.bench_new_tokens), "--total-tokens", "60", "--depth", "6", "--tree-top-k", "10",
+           "--lookup-tokens", "0", "--temperature", "0", "--device", args.device, "--dtype", "float32", "--warmup", "0",
+           "--json", str(report)]
+    log(f"bench: {' '.join(cmd[2:])}", logf)
+    with (work / "bench.txt").open("w") as out:
+        try:
+            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=max(1, limit)).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    if rc != 0 or not report.is_file():
+        log(f"bench: failed (rc {rc}); see {work / 'bench.txt'}", logf)
+        return {"rc": rc}
+    data = json.loads(report.read_text())
+    result = {"rc": rc, "prompts": data["prompts"], "machine": data["machine"]}
+    for method, stats in data["methods"].items():
+        result[names.get(method, method)] = {"mean_accept_length": stats.get("mean_accept_length"),
+                                             "tokens_per_second": stats.get("tokens_per_second")}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="what comes back (at most 8 files)")
+    parser.add_argument("--work", default="/tmp/gpu-train-work", help="every step's whole output")
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    parser.add_argument("--budget", type=float, default=630, help="seconds for everything")
+    parser.add_argument("--kinds", default="eagle3,eagle", help="drafter kinds to train, in this order")
+    parser.add_argument("--eagle3-share", type=float, default=0.6, help="eagle3's share of the training time")
+    parser.add_argument("--sharegpt", help="ShareGPT file whose first user turns the target answers")
+    parser.add_argument("--prompts", type=int, default=30000, help="at most this many ShareGPT prompts")
+    parser.add_argument("--gen-s", type=float, default=150, help="seconds of answering at most")
+    parser.add_argument("--gen-batch", type=int, default=256)
+    parser.add_argument("--answer-tokens", type=int, default=256)
+    parser.add_argument("--data", nargs="*", default=TRACKED, help="chat files trained on besides the answers")
+    parser.add_argument("--dev-data", default="data/dev-smollm2-greedy.jsonl", help="held-out chats ('' = none)")
+    parser.add_argument("--init-eagle3", default="", help="warm start: an eagle3 drafter folder")
+    parser.add_argument("--init-eagle", default="", help="warm start: an eagle drafter folder")
+    parser.add_argument("--set-eagle3", nargs="*", default=[], metavar="KEY=VALUE", help="train config overrides")
+    parser.add_argument("--set-eagle", nargs="*", default=[], metavar="KEY=VALUE", help="train config overrides")
+    parser.add_argument("--pack-tokens", type=int, default=2048, help="tokens per packed row")
+    parser.add_argument("--rows", type=int, default=8, help="packed rows per micro-batch")
+    parser.add_argument("--lr", type=float, default=8e-4)
+    parser.add_argument("--warmup-steps", type=int, default=50)
+    parser.add_argument("--save-every", type=int, default=500)
+    parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--startup-s", type=float, default=60, help="seconds allowed a trainer to start and finish")
+    parser.add_argument("--bench-s", type=float, default=120, help="seconds kept for the benchmark")
+    parser.add_argument("--bench-prompts", default="benchmarks/prompts/dev.jsonl")
+    parser.add_argument("--bench-limit", type=int, default=10)
+    parser.add_argument("--bench-new-tokens", type=int, default=128)
+    parser.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=None,
+                        help="also measure the shipped drafters (default: for the default target)")
+    parser.add_argument("--prepare-sharegpt", metavar="DEST",
+                        help="instead: write --sharegpt's first user turns to DEST (.jsonl.gz, small enough to carry)")
+    args = parser.parse_args(argv)
+    if args.prepare_sharegpt:
+        if not args.sharegpt:
+            parser.error("--prepare-sharegpt needs --sharegpt")
+        print(f"{prepare_sharegpt(Path(args.sharegpt), Path(args.prepare_sharegpt))} prompts -> {args.prepare_sharegpt}")
+        return 0
+    import torch
+
+    start = time.time()
+    deadline = start + args.budget
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.baselines is None:
+        args.baselines = args.target == "smollm2-135m-instruct"
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        parser.error(f"unknown kind(s) {', '.join(unknown)}: choose from {', '.join(KINDS)}")
+    out, work = Path(args.out).resolve(), Path(args.work).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    logf = out / "window.log"
+    logf.write_text("")
+    import yaml
+
+    report: dict = {"device": args.device, "target": args.target, "budget_s": args.budget, "kinds": {},
+                    "args": {k: v for k, v in vars(args).items()}}
+    if args.device == "cuda":
+        report["gpu"] = torch.cuda.get_device_name(0)
+    log(f"window: {args.device} {report.get('gpu', '')}, budget {args.budget:.0f}s, kinds {kinds}", logf)
+    data = list(args.data)
+    if args.sharegpt:
+        made = make_data(args, work, logf, deadline - args.bench_s - len(kinds) * args.startup_s - 30)
+        report["data"] = made
+        if made["file"]:
+            data.append(made["file"])
+    report["data_files"] = data
+    drafters: dict[str, Path] = {}
+    for n, kind in enumerate(kinds):
+        left = deadline - time.time() - args.bench_s - (len(kinds) - n) * args.startup_s
+        share = args.eagle3_share if (kind == "eagle3" and len(kinds) > 1) else 1.0 / (len(kinds) - n)
+        wall = max(1.0, left * share)
+        cfg = train_config(args, kind, data, work, wall)
+        path = work / f"{kind}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        log(f"train {kind}: {wall:.0f}s of training (config {path})", logf)
+        t0 = time.time()
+        code, rows = run_single(path, work / f"{kind}.txt", wall + args.startup_s + 60)
+        summary_path = work / kind / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        entry = {"rc": code, "seconds": round(time.time() - t0, 1), "train_s_budget": round(wall, 1)}
+        entry.update({k: summary.get(k) for k in ("steps", "epochs", "train_tokens", "tokens_per_s", "run_wall_s",
+                                                   "train_examples", "eval")})
+        entry["curve"] = summary.get("curve") or [r for r in rows if "loss" in r or "eval" in r]
+        report["kinds"][kind] = entry
+        log(f"train {kind}: rc {code}, {entry.get('steps')} steps, {entry.get('tokens_per_s') or 0:.0f} tokens/s, "
+            f"{entry['seconds']:.0f}s", logf)
+        if (work / kind / "drafter" / "model.safetensors").is_file():
+            drafters[kind] = work / kind / "drafter"
+    if drafters:
+        report["bench"] = bench(args, drafters, work, logf, max(args.bench_s, deadline - time.time()))
+        for kind in drafters:
+            new, old = report["bench"].get(f"new-{kind}", {}), report["bench"].get(f"shipped-{kind}", {})
+            report["kinds"][kind]["accept_length"] = new.get("mean_accept_length")
+            report["kinds"][kind]["shipped_accept_length"] = old.get("mean_accept_length")
+    files = ["window.json", "window.log"]
+    for kind, folder in drafters.items():
+        size = pack_drafter(folder, out / f"{kind}-drafter.tar")
+        report["kinds"][kind]["returned_bytes"] = size
+        files.append(f"{kind}-drafter.tar")
+    if report.get("data", {}).get("file"):
+        report["data"]["returned"] = return_data(Path(report["data"]["file"]), out, 8 - len(files))
+    report["wall_s"] = round(time.time() - start, 1)
+    report["ok"] = bool(kinds) and all(report["kinds"].get(k, {}).get("rc") == 0 for k in kinds) and all(
+        report["kinds"][k].get("accept_length") for k in kinds)
+    (out / "window.json").write_text(json.dumps(report, indent=2) + "\n")
+    log(f"window done in {report['wall_s']:.0f}s, ok {report['ok']}: {out / 'window.json'}", logf)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
