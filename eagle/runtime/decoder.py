@@ -376,8 +376,13 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
-def lean_decoder(model: Any) -> "LeanDecoder | None":
-    """A ``LeanDecoder`` for ``model`` when its architecture is supported, else None."""
+def lean_decoder(model: Any) -> Any:
+    """A lean forward for ``model`` when its architecture is supported, else None: a ``LeanDecoder``
+    (Llama, Qwen2) or an ``eagle.runtime.gemma.GemmaDecoder`` (Gemma-3)."""
+    from eagle.runtime import gemma
+
+    if getattr(model.config, "model_type", None) in gemma.GEMMA_MODEL_TYPES:
+        return gemma.GemmaDecoder(model) if gemma.unsupported_reason(model) is None else None
     return LeanDecoder(model) if unsupported_reason(model) is None else None
 
 
