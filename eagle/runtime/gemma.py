@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle.decoding.tree_mask import causal_bias
-from eagle.runtime.decoder import GreedyHead, PackedLinear, cpu_has_fast_bf16, rotate
+from eagle.runtime.decoder import HeadAndCache, PackedLinear, lm_head, rotate
 from eagle.runtime.kernels import cpu_kernels
 from eagle.runtime.kv_cache import StaticCache
 
@@ -111,7 +111,7 @@ class GemmaLayer:
         return self.qkv, self.o, self.gate_up, self.down
 
 
-class GemmaDecoder:
+class GemmaDecoder(HeadAndCache):
     """Gemma-3's decoder stack + tied LM head (the interface of ``LeanDecoder``). Rows of a batch
     share the cache length."""
 
@@ -134,10 +134,7 @@ class GemmaDecoder:
         self.rotary = inner.rotary_emb
         self.layer_types = tuple(sorted(set(cfg.layer_types)))
         self.norm = norm_scale(inner.norm)
-        self.head = PackedLinear(weight, stream=stream, encode=encode, once=True)
-        self.head.tune_padding()
-        bf16_screen = stream and self.head.encoded is None and cpu_has_fast_bf16()
-        self.greedy_head = GreedyHead(self.head) if bf16_screen else None
+        self.head, self.greedy_head = lm_head(weight, stream, encode)
         self.layers = []
         for layer, layer_type in zip(inner.layers, cfg.layer_types):
             attn, mlp = layer.self_attn, layer.mlp
@@ -160,15 +157,6 @@ class GemmaDecoder:
         coded = [lin.encoded.bits for lin in matrices if lin.encoded is not None]
         return f"gemma3 torch layers, {streamed}" + (f"block-coded weights {coded}, " if coded else "") + repr(
             [sorted(lin.plain_rows) for lin in matrices])
-
-    def new_cache(self) -> StaticCache:
-        return StaticCache(len(self.layers))
-
-    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-norm features [N, H] -> the token of each row's largest logit [N]."""
-        if self.greedy_head is not None:
-            return self.greedy_head(hidden)
-        return self.head(hidden).argmax(-1)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache,
