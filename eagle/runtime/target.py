@@ -286,7 +286,7 @@ def use_cuda_graphs(target: Target, cuda_graphs: bool | None) -> Target:
     if not cuda_graphs:
         return target if target.graphs is None else dataclasses.replace(target, graphs=None)
     if not isinstance(target.lean, LeanDecoder):
-        raise EagleError(f"cuda_graphs needs the lean Llama-family forward, which {target.name} does not have")
+        raise EagleError(f"cuda_graphs needs the lean forward of a Llama-family target, which {target.name} is not")
     if target.graphs is not None:
         return target
     from eagle.runtime.cuda_graphs import with_graphs
