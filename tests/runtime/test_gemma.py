@@ -105,18 +105,20 @@ def gemma_eagle3_model(gemma):
     return EagleModel.from_pretrained(gemma, drafter=drafter, total_tokens=12, depth=4, top_k=3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, method", [("eagle", "eagle-tree"), ("eagle", "eagle-chain"), ("eagle", "pld"),
                                           ("eagle3", "eagle-tree")])
 def test_greedy_matches_ar_past_the_window(request, kind, method):
-    """Prompts of 1-18 tokens and 24 new ones: most generations run well past the window of 8."""
+    """Prompts of 1-12 tokens (plus their repeated halves) and 20 new ones: the generations run past
+    the window of 8."""
     model = request.getfixturevalue("gemma_model" if kind == "eagle" else "gemma_eagle3_model")
     gained = 0
-    for ids in prompts(12):
-        ref = model.generate(ids, method="ar", max_new_tokens=24)
-        out = model.generate(ids, method=method, max_new_tokens=24)
+    for ids in prompts(8, seed=1):
+        ref = model.generate(ids, method="ar", max_new_tokens=20)
+        out = model.generate(ids, method=method, max_new_tokens=20)
         assert out.token_ids == ref.token_ids, (method, ids)
         gained += max(out.accept_lengths)
-    assert gained > 12  # drafts were really accepted sometimes
+    assert gained > 8  # drafts were really accepted sometimes
 
 
 def test_ar_matches_transformers_greedy_generate(gemma_model, gemma):
@@ -126,3 +128,11 @@ def test_ar_matches_transformers_greedy_generate(gemma_model, gemma):
         theirs = gemma.model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
                                       attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):]
     assert ours == theirs.tolist()
+
+
+def test_cuda_graphs_are_refused_for_gemma(gemma):
+    from eagle.runtime.target import use_cuda_graphs
+
+    assert use_cuda_graphs(gemma, None).graphs is None
+    with pytest.raises(Exception, match="lean forward of a Llama-family target"):
+        use_cuda_graphs(gemma, True)
