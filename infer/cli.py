@@ -171,7 +171,8 @@ def check_method(model: Any, method: str) -> None:
 
 def build_parser() -> Parser:
     parser = Parser(prog=PROG, description="Generate text with EAGLE-style speculative decoding.")
-    parser.add_argument("prompt", nargs="?", help="the user message (chat template applied)")
+    parser.add_argument("prompt", nargs="?", help="the user message (the chat template applied when the target "
+                                                  "has one; a base model's prompt is tokenized as is)")
     parser.add_argument("-i", "--interactive", action="store_true",
                         help="multi-turn chat on stdin; /exit or end of input quits")
     parser.add_argument("--method", choices=METHODS,

@@ -53,6 +53,34 @@ def tiny_target(vocab_size: int = 32, seed: int = 0, family: str = "llama", eos:
                   device=test_device(), dtype=torch.float32, lean=lean_decoder(model) if lean else None)
 
 
+def tiny_gemma(vocab_size: int = 32, seed: int = 0, window: int = 8, hidden: int = 32, layers: int = 4,
+               init_std: float = 0.3, max_positions: int = 256, lean: bool = True) -> Target:
+    """A random Gemma-3 text target: sliding-window layers (``window``) beside full-attention ones
+    (every third layer), local and global RoPE (the global one scaled), query_pre_attn_scalar apart
+    from head_dim, random (1 + w) norms, tied embedding."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=12,
+        sliding_window=window, layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
+                                            for i in range(layers)],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
+        max_position_embeddings=max_positions, initializer_range=init_std, tie_word_embeddings=True,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(cfg).eval().to(test_device())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.5)
+    model.generation_config.eos_token_id = None
+    model.requires_grad_(False)
+    return Target(model=model, tokenizer=word_tokenizer(vocab_size), name=f"tiny-gemma3-{seed}",
+                  device=test_device(), dtype=torch.float32, lean=lean_decoder(model) if lean else None)
+
+
 def tiny_drafter(target: Target, seed: int = 1, **overrides) -> Drafter:
     torch.manual_seed(seed)
     drafter = Drafter.from_target(target, **overrides).eval()

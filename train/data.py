@@ -131,9 +131,27 @@ def load_all(sources: str | Sequence[str], skip_malformed: bool = False) -> Load
                        problems=[p for part in loaded for p in part.problems])
 
 
+def plain_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """A base model's rendering (a tokenizer without chat template): its BOS text where it adds one
+    to a prompt, then the contents back to back, as a prompt followed by its continuation is
+    decoded (``eagle.runtime.target.Target.encode_prompt`` tokenizes a prompt as is). Returns the
+    text and the character spans of the assistant contents."""
+    bos = tokenizer.bos_token or ""
+    adds_bos = bool(bos) and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
+    text, spans = bos if adds_bos else "", []
+    for message in messages:
+        if message["role"] == "assistant":
+            spans.append((len(text), len(text) + len(message["content"])))
+        text += message["content"]
+    return text, spans
+
+
 def assistant_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """Render with the chat template; return the text and the character spans of assistant
-    replies (content and the template's end-of-turn text up to the next turn)."""
+    replies (content and the template's end-of-turn text up to the next turn). Without a chat
+    template: ``plain_spans``."""
+    if not getattr(tokenizer, "chat_template", None):
+        return plain_spans(tokenizer, messages)
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans = []
     for i, message in enumerate(messages):

@@ -190,6 +190,7 @@ class Drafter(nn.Module):
         its final norm starts from the target's."""
         tc = target.config
         rope_params = getattr(tc, "rope_parameters", None) or {}
+        rope_params = rope_params.get("full_attention", rope_params)  # per layer type (Gemma-3): the global one
         fields = dict(
             hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
             num_attention_heads=tc.num_attention_heads,
@@ -212,9 +213,11 @@ class Drafter(nn.Module):
             with torch.no_grad():
                 drafter.lm_head.weight.copy_(target.model.get_output_embeddings().weight[ids.to(target.device)].float())
         final_norm = getattr(getattr(target.model, "model", None), "norm", None)
-        if drafter.norm is not None and getattr(final_norm, "weight", None) is not None:
+        # the lean forward's final-norm scale is the factor applied ((1 + w) for Gemma), the module's weight is not
+        scale = target.lean.norm if target.lean is not None else getattr(final_norm, "weight", None)
+        if drafter.norm is not None and scale is not None:
             with torch.no_grad():
-                drafter.norm.weight.copy_(final_norm.weight.float())
+                drafter.norm.weight.copy_(scale.float())
         return drafter.to(device=target.device, dtype=target.dtype)
 
     @torch.no_grad()

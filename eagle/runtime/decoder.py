@@ -376,12 +376,46 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
-def lean_decoder(model: Any) -> "LeanDecoder | None":
-    """A ``LeanDecoder`` for ``model`` when its architecture is supported, else None."""
+def lean_decoder(model: Any) -> Any:
+    """A lean forward for ``model`` when its architecture is supported, else None: a ``LeanDecoder``
+    (Llama, Qwen2) or an ``eagle.runtime.gemma.GemmaDecoder`` (Gemma-3)."""
+    from eagle.runtime import gemma
+
+    if getattr(model.config, "model_type", None) in gemma.GEMMA_MODEL_TYPES:
+        return gemma.GemmaDecoder(model) if gemma.unsupported_reason(model) is None else None
     return LeanDecoder(model) if unsupported_reason(model) is None else None
 
 
-class LeanDecoder:
+def lm_head(weight: torch.Tensor, stream: bool, encode: bool) -> tuple[PackedLinear, "GreedyHead | None"]:
+    """A target's LM head [V, H] as a lean forward computes it: the product (row padding tuned) and,
+    where bf16 products are native and the streamed kernel runs, the ``GreedyHead`` for greedy
+    argmaxes (an encoded head streams fewer bytes than a bf16 copy: its exact logits are cheaper)."""
+    head = PackedLinear(weight, stream=stream, encode=encode, once=True)
+    head.tune_padding()
+    bf16_screen = stream and head.encoded is None and cpu_has_fast_bf16()
+    return head, GreedyHead(head) if bf16_screen else None
+
+
+class HeadAndCache:
+    """What the lean forwards share: ``argmax`` through their LM head (``head``, ``greedy_head``:
+    ``lm_head``) and a fresh cache for their ``layers``."""
+
+    head: PackedLinear
+    greedy_head: GreedyHead | None
+    layers: list
+
+    def new_cache(self) -> StaticCache:
+        return StaticCache(len(self.layers))
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-norm features [N, H] -> the token of each row's largest logit [N]: what
+        ``head(hidden).argmax(-1)`` gives (``GreedyHead`` where it runs)."""
+        if self.greedy_head is not None:
+            return self.greedy_head(hidden)
+        return self.head(hidden).argmax(-1)
+
+
+class LeanDecoder(HeadAndCache):
     """The target's decoder stack + LM head as a few fused operations. Rows of a batch share
     the cache length (left-pad them and mask the padding: ``eagle.decoding.batch``)."""
 
@@ -407,12 +441,7 @@ class LeanDecoder:
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm, self.norm_eps = inner.norm.weight.detach(), inner.norm.variance_epsilon
-        self.head = PackedLinear(weight, stream=stream, encode=encode, once=True)
-        self.head.tune_padding()
-        # greedy decoding's argmax from a bf16 copy of the head, where bf16 products are native (an
-        # encoded head streams fewer bytes than that copy: its exact logits are cheaper)
-        bf16_screen = stream and self.head.encoded is None and cpu_has_fast_bf16()
-        self.greedy_head = GreedyHead(self.head) if bf16_screen else None
+        self.head, self.greedy_head = lm_head(weight, stream, encode)
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -446,16 +475,6 @@ class LeanDecoder:
         if self.huge_pages:
             compiled += "in huge pages, "
         return compiled + repr([sorted(lin.plain_rows) for lin in matrices])
-
-    def new_cache(self) -> StaticCache:
-        return StaticCache(len(self.layers))
-
-    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-norm features [N, H] -> the token of each row's largest logit [N]: what
-        ``head(hidden).argmax(-1)`` gives (``GreedyHead`` where it runs)."""
-        if self.greedy_head is not None:
-            return self.greedy_head(hidden)
-        return self.head(hidden).argmax(-1)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache,

@@ -18,6 +18,7 @@ from eagle.cache_dir import cache_root
 from eagle.errors import EagleError
 from eagle.inputs import DEFAULT_TARGET, check_prompt_text, check_spec  # noqa: F401 (names of this module too)
 from eagle.runtime.decoder import LeanDecoder, lean_decoder
+from eagle.runtime.gguf_file import check_gguf
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -40,7 +41,7 @@ class Target:
     name: str
     device: torch.device
     dtype: torch.dtype
-    lean: LeanDecoder | None = None  # the fast forward, when the architecture has one
+    lean: Any = None  # the fast forward (``LeanDecoder`` or ``GemmaDecoder``), when the architecture has one
     graphs: Any = None  # the lean forward on static shapes (``eagle.runtime.cuda_graphs.TargetGraphs``), when used
 
     @property
@@ -204,12 +205,14 @@ def smollm2_gguf_path() -> Path:
 
 
 def converted_gguf_dir(gguf_path: Path) -> Path:
-    """Convert a GGUF file once to a safetensors model folder in the cache; return that folder."""
+    """Convert a GGUF file once to a safetensors model folder in the cache; return that folder. A file
+    eagle cannot run is refused first (``eagle.runtime.gguf_file.check_gguf``)."""
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     out = cache_root() / "targets" / f"{gguf_path.stem}-{key}"
     if (out / "model.safetensors").is_file():
         return out
+    check_gguf(gguf_path)  # refuses in about a second what cannot run, before any tensor is converted
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -247,8 +250,9 @@ def _resolve(spec: str) -> tuple[str, dict]:
 def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device | None = None,
                 dtype: torch.dtype | None = None, lean: bool = True, cuda_graphs: bool | None = None) -> Target:
     """Load a target from a local folder, a cached hub id (never the network), a ``.gguf`` file,
-    or the name ``smollm2-135m-instruct``. ``lean``: decode with ``eagle.runtime.decoder.LeanDecoder`` when
-    the architecture is supported (Llama, Qwen2), else with the model's own forward.
+    or the name ``smollm2-135m-instruct``. ``lean``: decode with ``eagle.runtime.decoder.LeanDecoder`` (Llama,
+    Qwen2) or ``eagle.runtime.gemma.GemmaDecoder`` (Gemma-3) when the architecture is supported, else
+    with the model's own forward.
     ``cuda_graphs``: see ``use_cuda_graphs`` (a given ``Target`` gets them too)."""
     if isinstance(spec, Target):
         return use_cuda_graphs(spec, cuda_graphs)
@@ -278,11 +282,11 @@ def use_cuda_graphs(target: Target, cuda_graphs: bool | None) -> Target:
     ``None`` (default) on CUDA when it has a lean forward; ``True`` also on a CPU, where the same
     static path runs without graphs; ``False`` never (a copy without them)."""
     if cuda_graphs is None:
-        cuda_graphs = target.device.type == "cuda" and target.lean is not None
+        cuda_graphs = target.device.type == "cuda" and isinstance(target.lean, LeanDecoder)
     if not cuda_graphs:
         return target if target.graphs is None else dataclasses.replace(target, graphs=None)
-    if target.lean is None:
-        raise EagleError(f"cuda_graphs needs the lean forward, which {target.name} does not have")
+    if not isinstance(target.lean, LeanDecoder):
+        raise EagleError(f"cuda_graphs needs the lean forward of a Llama-family target, which {target.name} is not")
     if target.graphs is not None:
         return target
     from eagle.runtime.cuda_graphs import with_graphs

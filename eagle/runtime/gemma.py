@@ -1,0 +1,201 @@
+"""A lean inference forward for Gemma-3 text targets, sliding-window layers included.
+
+``GemmaDecoder`` does the arithmetic of transformers' Gemma-3 decoder with the interface of
+``eagle.runtime.decoder.LeanDecoder`` (``forward``, ``new_cache``, ``head``, ``argmax``): (1 + w)
+RMSNorms before and after attention and the MLP, RMSNorms on each head's queries and keys, the
+embedding scaled by sqrt(hidden) (the model's own embedding module), RoPE from the model's rotary
+module per layer type (local and global theta, rope scaling as configured), scores scaled by
+``query_pre_attn_scalar ** -0.5``, a gelu-tanh gated MLP and the tied embedding as LM head.
+
+Sliding-window layers keep every key in the ``StaticCache`` (so a rejected tree branch rolls back
+as in any layer) and mask what lies outside the window instead: a query at position p sees keys at
+positions p - window + 1 .. p, and in tree verification only those of them the tree mask allows
+(the prefix and its ancestors). Full-attention layers take the mask as given. Pure torch (the
+products through ``PackedLinear``)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from eagle.decoding.tree_mask import causal_bias
+from eagle.runtime.decoder import HeadAndCache, PackedLinear, lm_head, rotate
+from eagle.runtime.kernels import cpu_kernels
+from eagle.runtime.kv_cache import StaticCache
+
+GEMMA_MODEL_TYPES = ("gemma3_text",)
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def gemma_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: normalize and multiply by ``scale`` (= 1 + w, fp32) in fp32, then cast to
+    the input dtype. [..., D] -> [..., D]."""
+    return (F.rms_norm(x.float(), scale.shape, None, eps) * scale).to(x.dtype)
+
+
+def norm_scale(norm: Any) -> torch.Tensor:
+    """The fp32 factor a Gemma RMSNorm module applies after normalizing: 1 + its weight."""
+    return 1.0 + norm.weight.detach().float()
+
+
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma's gated MLP activation: [..., 2 I] (gate, then up) -> gelu_tanh(gate) * up [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def sliding_bias(bias: torch.Tensor | None, position_ids: torch.Tensor, past: int,
+                 window: int) -> tuple[torch.Tensor | None, int]:
+    """The mask of a sliding-window layer for a forward of q tokens after ``past`` cached ones, and
+    the first cache slot it reads (slots before it are out of every query's window).
+    ``bias``: the forward's additive mask [1 or B, 1, q, past + q] (None: causal); ``position_ids``
+    [B, q]. A query at position p keeps the keys ``bias`` allows at positions > p - window. Cached
+    slot j holds position j + position_ids[:, 0] - past (the first query continues the prefix, as
+    in every forward eagle makes, a tree's root included). Returns (mask [1 or B, 1, q,
+    past + q - start], or None where causal attention to every read slot is right; start)."""
+    q_len = position_ids.shape[1]
+    start = max(0, past - window + 1)
+    if bias is None and q_len == 1:
+        return None, start
+    if bias is None:
+        bias = causal_bias(q_len, past, torch.float32, position_ids.device)
+    offset = position_ids[:, :1] - past  # [B, 1]
+    key_positions = torch.cat([torch.arange(start, past, device=position_ids.device)[None] + offset,
+                               position_ids], dim=1)  # [B, past + q - start]
+    far = position_ids[:, :, None] - key_positions[:, None, :] >= window  # [B, q, K]
+    return bias[..., start:].masked_fill(far[:, None], torch.finfo(bias.dtype).min), start
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why ``GemmaDecoder`` cannot run ``model`` (None when it can)."""
+    cfg = model.config
+    if getattr(cfg, "model_type", None) not in GEMMA_MODEL_TYPES:
+        return f"model type {getattr(cfg, 'model_type', None)!r} is not one of {GEMMA_MODEL_TYPES}"
+    if getattr(cfg, "hidden_activation", None) not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return f"activation {getattr(cfg, 'hidden_activation', None)!r} is not gelu-tanh"
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, name, None) is not None:
+            return f"{name.replace('_', ' ')}"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    if set(cfg.layer_types) - {SLIDING, FULL}:
+        return f"layer types {sorted(set(cfg.layer_types) - {SLIDING, FULL})}"
+    if not hasattr(getattr(model, "model", None), "rotary_emb"):
+        return "no rotary embedding module at model.model.rotary_emb"
+    return None
+
+
+@dataclasses.dataclass
+class GemmaLayer:
+    """A Gemma-3 decoder layer for inference: the (1 + w) scales of its six RMSNorms, fused q/k/v
+    and gate/up products, its layer type and window (None: full attention)."""
+
+    input_norm: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    pre_feedforward_norm: torch.Tensor
+    post_feedforward_norm: torch.Tensor
+    qkv: PackedLinear
+    o: PackedLinear
+    gate_up: PackedLinear
+    down: PackedLinear
+    layer_type: str
+    window: int | None
+
+    def matrices(self) -> tuple[PackedLinear, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+
+class GemmaDecoder(HeadAndCache):
+    """Gemma-3's decoder stack + tied LM head (the interface of ``LeanDecoder``). Rows of a batch
+    share the cache length."""
+
+    def __init__(self, model: Any, kernels: bool = True, encode: bool = True) -> None:
+        """``kernels``: in fp32 on CPU, the products of 1-16 rows by the compiled streamed kernel where
+        it runs; ``encode``: with it, weights that are exact block encodings are streamed from their codes."""
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"GemmaDecoder cannot run this model: {reason}")
+        cfg, inner = model.config, model.model
+        weight = model.get_output_embeddings().weight
+        stream = kernels and weight.dtype == torch.float32 and weight.device.type == "cpu" and cpu_kernels() is not None
+        self.compiled = None  # no compiled decoder layer for this architecture
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
+        self.eps = cfg.rms_norm_eps
+        self.embed = inner.embed_tokens  # scales by sqrt(hidden) in the embedding's dtype
+        self.rotary = inner.rotary_emb
+        self.layer_types = tuple(sorted(set(cfg.layer_types)))
+        self.norm = norm_scale(inner.norm)
+        self.head, self.greedy_head = lm_head(weight, stream, encode)
+        self.layers = []
+        for layer, layer_type in zip(inner.layers, cfg.layer_types):
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(GemmaLayer(
+                input_norm=norm_scale(layer.input_layernorm), q_norm=norm_scale(attn.q_norm),
+                k_norm=norm_scale(attn.k_norm), post_attention_norm=norm_scale(layer.post_attention_layernorm),
+                pre_feedforward_norm=norm_scale(layer.pre_feedforward_layernorm),
+                post_feedforward_norm=norm_scale(layer.post_feedforward_layernorm),
+                qkv=PackedLinear.fused([attn.q_proj, attn.k_proj, attn.v_proj], stream, encode, once=True),
+                o=PackedLinear(attn.o_proj.weight, attn.o_proj.bias, stream, encode, once=True),
+                gate_up=PackedLinear.fused([mlp.gate_proj, mlp.up_proj], stream, encode, once=True),
+                down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, stream, encode, once=True),
+                layer_type=layer_type, window=cfg.sliding_window if layer_type == SLIDING else None))
+
+    def kernel_choice(self) -> str:
+        """Which kernels run the forward (timings measured with one choice do not hold for another)."""
+        first = self.layers[0]
+        matrices = (self.head, *first.matrices())
+        streamed = "streamed products, " if self.head.stream_op is not None else ""
+        coded = [lin.encoded.bits for lin in matrices if lin.encoded is not None]
+        return f"gemma3 torch layers, {streamed}" + (f"block-coded weights {coded}, " if coded else "") + repr(
+            [sorted(lin.plain_rows) for lin in matrices])
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache,
+                attention_mask: torch.Tensor | None = None, aux_layers: Sequence[int] = ()) -> torch.Tensor:
+        """``input_ids``/``position_ids`` [B, q]; ``attention_mask`` additive [1 or B, 1, q, past + q]
+        or None (causal), for the full-attention layers (sliding-window layers add their window:
+        ``sliding_bias``). Returns the final-norm hidden states [B, q, H], followed along the last
+        dim by the outputs of layers ``aux_layers`` ([B, q, (1 + n) H]); ``cache`` is extended."""
+        b, q_len = input_ids.shape
+        past = cache.get_seq_length()
+        x = self.embed(input_ids)
+        rope = {t: tuple(c[:, None] for c in self.rotary(x, position_ids, t)) for t in self.layer_types}
+        if attention_mask is None and q_len > 1:
+            attention_mask = causal_bias(q_len, past, x.dtype, x.device)
+        masks: dict[int | None, tuple[torch.Tensor | None, int]] = {None: (attention_mask, 0)}
+        for layer in self.layers:
+            if layer.window not in masks:
+                masks[layer.window] = sliding_bias(attention_mask, position_ids, past, layer.window)
+        kept: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = self._layer(i, layer, x, *rope[layer.layer_type], cache, *masks[layer.window])
+            if i in aux_layers:
+                kept[i] = x
+        return torch.cat([gemma_norm(x, self.norm, self.eps)] + [kept[i] for i in aux_layers], dim=-1)
+
+    def _layer(self, i: int, layer: GemmaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               cache: StaticCache, mask: torch.Tensor | None, start: int) -> torch.Tensor:
+        """Decoder layer i: x [B, q, H] -> x after it. cos/sin [B, 1, q, d]; ``mask`` over the cache
+        slots from ``start`` on (what the layer's attention reads)."""
+        nh, nkv, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
+        b, q_len = x.shape[:2]
+        qkv = layer.qkv(gemma_norm(x, layer.input_norm, eps))
+        q, k, v = qkv.view(b, q_len, nh + 2 * nkv, d).transpose(1, 2).split([nh, nkv, nkv], dim=1)
+        q = rotate(gemma_norm(q, layer.q_norm, eps), cos, sin)
+        k = rotate(gemma_norm(k, layer.k_norm, eps), cos, sin)
+        keys, values = cache.update(i, k, v)
+        out = F.scaled_dot_product_attention(q, keys[..., start:, :], values[..., start:, :],
+                                             attn_mask=None if mask is None else mask.to(q.dtype),
+                                             enable_gqa=nkv != nh, scale=self.scale)
+        x = x + gemma_norm(layer.o(out.transpose(1, 2).reshape(b, q_len, nh * d)), layer.post_attention_norm, eps)
+        h = layer.down(gelu_mul(layer.gate_up(gemma_norm(x, layer.pre_feedforward_norm, eps))))
+        return x + gemma_norm(h, layer.post_feedforward_norm, eps)

@@ -1,0 +1,176 @@
+"""A GGUF file's metadata and tensor table, read without its tensors (about a second even with a
+262k-token vocabulary), what eagle runs of it, and how each tensor type is stored when loaded.
+
+``check_gguf`` refuses a file eagle cannot run before any tensor is converted, with one line naming
+what is missing: an architecture without a lean forward, a tensor type without a converter, a
+feature the forward lacks (logit soft-capping, mixture of experts, ...). ``tensor_storage`` is the one
+place that decides, per GGUF tensor type, whether a tensor is de-quantized to fp32 when loaded or
+kept as its raw GGUF blocks (for kernels that compute from them; none does yet, so every type
+accepted today is de-quantized)."""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import struct
+from pathlib import Path
+from typing import Any
+
+from eagle.errors import EagleError
+
+# GGUF ``general.architecture`` -> the transformers model type eagle's lean forward runs
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
+# GGUF tensor types the loader converts (gguf's de-quantizers; the names of ``gguf.GGMLQuantizationType``)
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+DEQUANTIZE, KEEP_BLOCKS = "dequantize", "keep-blocks"
+
+_MAGIC = b"GGUF"
+# value type -> struct format of the fixed-size GGUF value types
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_KEPT_ARRAY = 64  # arrays longer than this are skipped (the vocabulary, merges, scores): their length is kept
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A long metadata array that was not read: its element count."""
+
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the file: ``shape`` in GGUF order (fastest-varying dimension first), ``ggml_type``
+    its type's name ("Q4_K", "F32", ...), ``offset`` from the start of the tensor data."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: str
+    offset: int
+
+
+@dataclasses.dataclass
+class GGUFHeader:
+    """``metadata``: key -> value (long arrays as ``Skipped``); ``tensors``: the tensor table."""
+
+    version: int
+    metadata: dict[str, Any]
+    tensors: list[TensorInfo]
+
+    @property
+    def architecture(self) -> str | None:
+        return self.metadata.get("general.architecture")
+
+    def arch_value(self, key: str, default: Any = None) -> Any:
+        """``{architecture}.{key}`` from the metadata."""
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+
+class _Cursor:
+    def __init__(self, buf: Any) -> None:
+        self.buf, self.pos = buf, 0
+
+    def unpack(self, fmt: str) -> Any:
+        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        self.pos += n
+        return bytes(self.buf[self.pos - n:self.pos]).decode("utf-8", errors="replace")
+
+    def skip_strings(self, count: int) -> None:
+        for _ in range(count):
+            self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
+
+    def value(self, kind: int) -> Any:
+        if kind in _SCALARS:
+            return self.unpack(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            raise ValueError(f"unknown GGUF value type {kind}")
+        item, count = self.unpack("<I"), self.unpack("<Q")
+        if count <= _KEPT_ARRAY:
+            return [self.value(item) for _ in range(count)]
+        if item == _STRING:
+            self.skip_strings(count)
+        elif item in _SCALARS:
+            self.pos += count * struct.calcsize(_SCALARS[item])
+        else:
+            for _ in range(count):
+                self.value(item)
+        return Skipped(count)
+
+
+def read_header(path: str | Path) -> GGUFHeader:
+    """The metadata and tensor table of a GGUF file (versions 2 and 3), no tensor data read."""
+    from gguf import GGMLQuantizationType
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != _MAGIC:
+            raise ValueError("not a GGUF file (no GGUF magic number)")
+        cur = _Cursor(buf)
+        cur.pos = 4
+        version = cur.unpack("<I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (eagle reads versions 2 and 3)")
+        n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+        metadata = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            metadata[key] = cur.value(cur.unpack("<I"))
+        tensors = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            shape = tuple(cur.unpack("<Q") for _ in range(cur.unpack("<I")))
+            kind = cur.unpack("<I")
+            try:
+                type_name = GGMLQuantizationType(kind).name
+            except ValueError:
+                type_name = f"type {kind}"
+            tensors.append(TensorInfo(name, shape, type_name, cur.unpack("<Q")))
+    return GGUFHeader(version, metadata, tensors)
+
+
+def tensor_storage(ggml_type: str) -> str:
+    """How the loader stores a tensor of this GGUF type: ``DEQUANTIZE`` (fp32; today every type in
+    ``TENSOR_TYPES``) or ``KEEP_BLOCKS`` (its raw GGUF blocks, for a kernel that computes from them)."""
+    if ggml_type not in TENSOR_TYPES:
+        raise ValueError(f"GGUF tensor type {ggml_type} has no converter")
+    return DEQUANTIZE
+
+
+def unsupported_reason(header: GGUFHeader) -> str | None:
+    """What eagle lacks to run this file (one line), or None."""
+    arch = header.architecture
+    if arch not in ARCHITECTURES:
+        return (f"architecture {arch!r} is not supported (eagle runs {', '.join(sorted(ARCHITECTURES))})"
+                if arch else "no general.architecture in its metadata")
+    types = sorted({t.ggml_type for t in header.tensors} - set(TENSOR_TYPES))
+    if types:
+        examples = {t: next(i.name for i in header.tensors if i.ggml_type == t) for t in types}
+        return "tensor types without a converter: " + ", ".join(f"{t} ({examples[t]})" for t in types)
+    for key, feature in (("expert_count", "mixture of experts"), ("attn_logit_softcapping", "attention logit soft-capping"),
+                         ("final_logit_softcapping", "final logit soft-capping")):
+        if header.arch_value(key):
+            return f"{feature} ({arch}.{key} = {header.arch_value(key)})"
+    if arch != "gemma3" and header.arch_value("attention.sliding_window"):
+        return f"sliding-window attention in {arch} ({arch}.attention.sliding_window)"
+    rope = header.arch_value("rope.scaling.type")
+    if rope not in (None, "none", "linear"):
+        return f"rope scaling {rope!r} ({arch}.rope.scaling.type)"
+    return None
+
+
+def check_gguf(path: str | Path) -> GGUFHeader:
+    """The header of a GGUF file eagle can run; else an ``EagleError`` naming what is missing."""
+    try:
+        header = read_header(path)
+    except (OSError, ValueError, struct.error) as exc:
+        raise EagleError(f"cannot read GGUF file {path}: {exc}") from None
+    reason = unsupported_reason(header)
+    if reason is not None:
+        raise EagleError(f"cannot run GGUF file {Path(path).name}: {reason}")
+    return header

@@ -1,0 +1,92 @@
+"""GGUF headers read without tensors, and files eagle cannot run refused before any conversion."""
+
+import time
+
+import numpy as np
+import pytest
+
+from eagle import EagleError
+from eagle.cache_dir import cache_root
+from eagle.runtime.gguf_file import (DEQUANTIZE, TENSOR_TYPES, Skipped, check_gguf, read_header,
+                                     tensor_storage)
+from eagle.runtime.target import load_target
+
+
+def write_gguf(path, arch="llama", extra=None, tensors=None, vocab=300):
+    """A tiny GGUF file: an architecture, a few hyperparameters, a ``vocab``-token vocabulary (a long
+    array) and ``tensors`` {name: (array, raw GGML type or None)} (default: one F32 norm)."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_embedding_length(32)
+    writer.add_token_list([f"t{i}" for i in range(vocab)])
+    for key, value in (extra or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+    for name, (array, raw) in (tensors or {"output_norm.weight": (np.ones(32, np.float32), None)}).items():
+        writer.add_tensor(name, array, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_the_header_is_read_without_the_long_arrays(tmp_path):
+    from gguf import GGMLQuantizationType
+
+    q8 = np.zeros((4, 34), np.uint8)  # 4 rows of one Q8_0 block (32 weights in 34 bytes)
+    path = write_gguf(tmp_path / "m.gguf", tensors={"output_norm.weight": (np.ones(32, np.float32), None),
+                                                    "blk.0.attn_q.weight": (q8, GGMLQuantizationType.Q8_0)})
+    header = read_header(path)
+    assert header.architecture == "llama" and header.arch_value("block_count") == 1
+    assert header.metadata["tokenizer.ggml.tokens"] == Skipped(300)
+    assert [(t.name, t.shape, t.ggml_type) for t in header.tensors] == [
+        ("output_norm.weight", (32,), "F32"), ("blk.0.attn_q.weight", (32, 4), "Q8_0")]
+    assert check_gguf(path) is not None
+
+
+@pytest.mark.parametrize("arch, extra, raw, message", [
+    ("mamba", {}, None, "architecture 'mamba' is not supported"),
+    ("llama", {}, "IQ2_XXS", "tensor types without a converter: IQ2_XXS (blk.0.ffn_down.weight)"),
+    ("llama", {"llama.expert_count": 8}, None, "mixture of experts (llama.expert_count = 8)"),
+    ("gemma3", {"gemma3.final_logit_softcapping": 30.0}, None, "final logit soft-capping"),
+    ("qwen2", {"qwen2.attention.sliding_window": 4096}, None, "sliding-window attention in qwen2"),
+    ("llama", {"llama.rope.scaling.type": "yarn"}, None, "rope scaling 'yarn'"),
+])
+def test_what_cannot_run_is_refused_in_one_line_before_any_conversion(tmp_path, arch, extra, raw, message):
+    from gguf import GGMLQuantizationType
+
+    tensors = None
+    if raw is not None:  # one IQ2_XXS block of 256 weights is 66 bytes
+        tensors = {"output_norm.weight": (np.ones(32, np.float32), None),
+                   "blk.0.ffn_down.weight": (np.zeros((2, 66), np.uint8), GGMLQuantizationType[raw])}
+    path = write_gguf(tmp_path / "m.gguf", arch=arch, extra=extra, tensors=tensors)
+    start = time.perf_counter()
+    with pytest.raises(EagleError) as err:
+        check_gguf(path)
+    assert time.perf_counter() - start < 2
+    assert message in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(EagleError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_target(str(path))
+    assert not any((cache_root() / "targets").glob("m-*"))  # nothing was converted
+
+
+def test_damaged_files_are_clear_errors(tmp_path):
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 8)
+    with pytest.raises(EagleError, match="cannot read GGUF file"):
+        check_gguf(tmp_path / "bad.gguf")
+    (tmp_path / "text.gguf").write_text("hello")
+    with pytest.raises(EagleError, match="not a GGUF file"):
+        check_gguf(tmp_path / "text.gguf")
+
+
+def test_every_accepted_type_has_a_storage_decision():
+    assert {tensor_storage(t) for t in TENSOR_TYPES} == {DEQUANTIZE}
+    with pytest.raises(ValueError, match="IQ2_XXS"):
+        tensor_storage("IQ2_XXS")
