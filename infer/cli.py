@@ -98,12 +98,12 @@ DRAW_FLAGS = ("--draw-temperature-scale", "--draw-support")
 
 
 def note_ignored_flags(prog: str, parser: argparse.ArgumentParser, args: argparse.Namespace, methods: list[str],
-                       label: str, extra: Iterable[tuple] = ()) -> None:
+                       label: str, extra: Iterable[tuple] = ()) -> list[str]:
     """Name once on stderr the model and sampling flags given that no run of ``methods`` reads
-    (``ignored_flag_rules``), and what ``extra`` rules say of a command's own flags."""
+    (``ignored_flag_rules``), and what ``extra`` rules say of a command's own flags; returns the lines."""
     extra = list(extra)
     flags = {*FLAG_METHODS, *SAMPLING_ONLY, *(flag for rule in extra for flag in rule[0])}
-    note_ignored(prog, given_flags(parser, args, flags), ignored_flag_rules(args, methods, label) + extra)
+    return note_ignored(prog, given_flags(parser, args, flags), ignored_flag_rules(args, methods, label) + extra)
 
 
 def ignored_flag_rules(args: argparse.Namespace, methods: list[str], label: str) -> list[tuple]:

@@ -167,3 +167,37 @@ def test_card_keeps_every_repeated_file_flag_and_names_those_a_draft_lm_card_ign
     assert card.main(["--draft-lm", str(tmp_path), *records, "--fixed-tree-bench", "x"]) == 0
     assert one_line(capsys.readouterr().err, "eagle-card", "warning") == \
         "eagle-card: warning: --fixed-tree-bench is ignored with --draft-lm"
+
+
+def test_generate_and_bench_flag_rules_without_a_model(capsys):
+    from infer import bench, cli
+
+    def notes(module, methods: list[str], label: str, *argv: str) -> list[str]:
+        parser = module.build_parser()
+        args = parser.parse_args([*argv, "--prompts", "p.jsonl"] if module is bench else [*argv, "hi"])
+        return cli.note_ignored_flags(module.PROG, parser, args, methods, label)
+
+    assert notes(cli, ["sd"], "with method sd", "--total-tokens", "5", "--gamma", "3", "--drafter-dtype", "float32",
+                 "--temperature", "1", "--top-k", "4") == [
+        "eagle-generate: warning: --total-tokens is ignored with method sd"]
+    assert notes(cli, ["eagle-tree"], "with method eagle-tree", "--drafter-dtype", "bfloat16", "--drafter-quant",
+                 "q8_0", "--device-rounds", "--temperature", "0.5") == [
+        "eagle-generate: warning: --device-rounds is ignored when sampling with drawn tree children "
+        "(device rounds need --no-sampled-tree)",
+        "eagle-generate: warning: --drafter-dtype is ignored with --drafter-quant q8_0 (the quantized drafter "
+        "computes in float32)"]
+    assert notes(cli, ["eagle-tree"], "x", "--device-rounds", "--no-sampled-tree", "--temperature", "0.5") == []
+    assert notes(bench, ["hf", "llama.cpp-eagle3"], "with --methods hf,llama.cpp-eagle3", "--drafter", "d",
+                 "--cuda-graphs") == ["eagle-bench: warning: --cuda-graphs is ignored with --methods hf,llama.cpp-eagle3"]
+
+
+def test_the_shared_parser_refuses_a_flag_given_twice_with_different_values():
+    from eagle.errors import Parser
+
+    parser = Parser(prog="p")
+    parser.add_argument("--n", type=int)
+    parser.add_argument("--flag", action="store_true")
+    assert parser.parse_args(["--n", "3", "--n", "3", "--flag", "--flag"]).n == 3
+    with pytest.raises(EagleError, match="--n is given twice, with different values: 3 and 4"):
+        parser.parse_args(["--n", "3", "--n", "4"])
+    assert parser.parse_args(["--n", "4"]).n == 4  # a new parse starts afresh
