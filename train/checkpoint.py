@@ -222,7 +222,8 @@ def weights_digest(model: Any, samples: int = 256) -> str:
     digest = hashlib.sha256()
     for name, param in sorted(model.named_parameters()):
         flat = param.detach().flatten()
-        picks = torch.linspace(0, flat.numel() - 1, min(samples, flat.numel()), device=flat.device).long()
+        count = min(samples, flat.numel())
+        picks = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(1, count - 1)
         digest.update(f"{name}{list(param.shape)}".encode())
         digest.update(flat[picks].to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
