@@ -348,6 +348,9 @@ def test_run_identity_digests_tell_targets_and_data_apart():
     assert checkpoint.weights_digest(a.model) == checkpoint.weights_digest(tiny_target(seed=0, lean=False).model)
     assert checkpoint.weights_digest(a.model) != checkpoint.weights_digest(b.model)
     assert checkpoint.weights_digest(a.model) == checkpoint.weights_digest(a.model.to(torch.bfloat16))
+    embedding = torch.nn.Module()  # SmolLM2-135M's embedding: float positions would round past its end
+    embedding.weight = torch.nn.Parameter(torch.zeros(49152 * 576))
+    assert len(checkpoint.weights_digest(embedding)) == 16
     examples = [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}, {"input_ids": [4], "loss_mask": [1]}]
     as_tensors = [{k: torch.tensor(v) for k, v in ex.items()} for ex in examples]
     assert checkpoint.examples_digest(examples) == checkpoint.examples_digest(as_tensors)

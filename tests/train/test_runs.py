@@ -309,6 +309,6 @@ def test_a_run_into_the_folder_of_another_run_is_refused_in_one_line_until_start
     assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == before
     proc = run(other, "--start-over")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "resumed from" not in proc.stdout and logged_steps(proc.stdout.splitlines()) == [1, 2]
+    assert "resumed from" not in proc.stdout and logged_steps(proc.stdout.splitlines(keepends=True)) == [1, 2]
     assert json.loads((out / checkpoint.RUN).read_text())["architecture"]["num_layers"] == 2
     assert Drafter.from_pretrained(out / "drafter").config.num_layers == 2
