@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import numbers
 from pathlib import Path
-from typing import Any, Mapping, Optional, TypeVar, Union
+from typing import Any, Mapping, Optional, Sequence, TypeVar, Union
 
 from eagle.errors import EagleError
 
@@ -75,19 +76,50 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, where: str = "") -> 
         raise EagleError(f"bad config value{place}: {exc}") from None
 
 
-def load_config_file(cls: type[T], path: str | None, overrides: list[str] = (), where: str = "config") -> T:
-    """``cls`` from a YAML file (optional) with ``KEY=VALUE`` overrides (values parsed as YAML)."""
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    """``--set KEY=VALUE ...``: config keys overridden on the command line. The flag may be repeated
+    and take several pairs; every pair is kept, in order (``parse_overrides`` reads them)."""
+    parser.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="override config keys (values parsed as YAML); repeat it or give several pairs")
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``["KEY=VALUE", ...]`` -> {key: YAML-parsed value}. An item without ``=`` is an error; so is a
+    key given twice with different values (the error names both)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise EagleError(f"override {item!r} is not KEY=VALUE")
+        value = yaml.safe_load(text)
+        if key in out and out[key] != value:
+            raise EagleError(f"{key} is set twice, to different values: {given[key]!r} and {item!r}")
+        out[key], given[key] = value, item
+    return out
+
+
+def load_config_file(cls: type[T], path: str | None, overrides: Sequence[str] = (), where: str = "config") -> T:
+    """``cls`` from a YAML file (optional) with ``KEY=VALUE`` overrides (``parse_overrides``)."""
     import yaml
 
     if path and not Path(path).is_file():
         raise EagleError(f"config file not found: {path}")
     data = (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise EagleError(f"override {item!r} is not KEY=VALUE")
-        data[key] = yaml.safe_load(value)
+    data.update(parse_overrides(overrides))
     return from_dict(cls, data, where=path or where)
+
+
+def changed_keys(cfg: Any) -> set[str]:
+    """The fields of dataclass ``cfg`` whose value differs from the field's default."""
+    changed = set()
+    for f in dataclasses.fields(cfg):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if getattr(cfg, f.name) != default:
+            changed.add(f.name)
+    return changed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from eagle.decoding.loop import STEPS
-from eagle.errors import EagleError, check_writable, command
+from eagle.errors import EagleError, Parser, check_writable, command
 from eagle.inputs import METHODS, check_spec
 from eagle.prompts import NO_CATEGORY, read_prompts
 from infer import llama_cpp
-from infer.cli import (Parser, add_model_args, add_sampling_args, check_method, check_model_args, check_sampling,
-                       load_model)
+from infer.cli import (add_model_args, add_sampling_args, check_method, check_model_args, check_sampling, load_model,
+                       note_ignored_flags)
 
 PROG = "eagle-bench"
 BENCH_METHODS = ("hf",) + METHODS + llama_cpp.METHODS
@@ -474,6 +474,10 @@ def main(argv: list[str] | None = None) -> None:
             raise EagleError("--plot needs matplotlib: pip install 'eagle[bench]'") from None
     check_model_args(args)
     setup = check_llama_cpp(args, methods)
+    reading = [m for m in methods if not (m == "llama.cpp-eagle3" and args.llama_cpp_draft)]  # its own draft
+    note_ignored_flags(PROG, build_parser(), args, reading, f"with --methods {args.methods}", [
+        (("--llama-cpp",), setup is None, f"with --methods {args.methods}"),
+        (("--title",), not args.json, "without --json (it titles the JSON report)")])
     model = load_model(args)
     models = {m: with_drafter(model, split_method(m)[1]) if split_method(m)[1] else model for m in methods}
     for method in methods:

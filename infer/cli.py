@@ -9,21 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import Any, Iterable, TextIO
 
 from eagle.config import SamplingConfig, check_int, option_configs
-from eagle.errors import EagleError, command
+from eagle.errors import EagleError, Parser, command, given_flags, note_ignored
 from eagle.inputs import DEFAULT_TARGET, FORMATS, METHODS, check_prompt_text, check_spec, is_draft_lm
 from eagle.drafting.drafter_config import KINDS as DRAFTER_KINDS
 
 PROG = "eagle-generate"
-
-
-class Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are ``EagleError`` (one line, exit 2 in ``main``)."""
-
-    def error(self, message: str) -> NoReturn:
-        raise EagleError(message)
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -87,6 +80,49 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--gamma", type=int, help="draft tokens per step")
     s.add_argument("--lenience", type=float, help="< 1 accepts more drafts (lossy); 1 is exact")
     s.add_argument("--adaptive-gamma", action="store_true", default=None, help="adapt gamma to the acceptance rate")
+
+
+# the methods that read each model flag (eagle-bench's hf and llama.cpp methods read none of them)
+FLAG_METHODS = {
+    "--drafter": ("eagle-tree", "eagle-chain", "llama.cpp-eagle3"), "--draft-model": ("sd",), "--cuda-graphs": METHODS,
+    "--device-rounds": ("eagle-tree", "eagle-chain"), "--total-tokens": ("eagle-tree",),
+    "--depth": ("eagle-tree", "eagle-chain"), "--tree-top-k": ("eagle-tree",), "--lookup-tokens": ("eagle-tree",),
+    "--sampled-tree": ("eagle-tree", "eagle-chain"), "--draw-temperature-scale": ("eagle-tree", "eagle-chain"),
+    "--draw-support": ("eagle-tree", "eagle-chain"), "--drafter-dtype": ("eagle-tree", "eagle-chain", "sd"),
+    "--drafter-quant": ("eagle-tree", "eagle-chain"), "--gamma": ("sd",), "--lenience": ("sd",),
+    "--adaptive-gamma": ("sd",),
+}
+SAMPLING_ONLY = ("--top-p", "--top-k", "--seed", "--lenience", "--sampled-tree", "--draw-temperature-scale",
+                 "--draw-support")
+DRAW_FLAGS = ("--draw-temperature-scale", "--draw-support")
+
+
+def note_ignored_flags(prog: str, parser: argparse.ArgumentParser, args: argparse.Namespace, methods: list[str],
+                       label: str, extra: Iterable[tuple] = ()) -> list[str]:
+    """Name once on stderr the model and sampling flags given that no run of ``methods`` reads
+    (``ignored_flag_rules``), and what ``extra`` rules say of a command's own flags; returns the lines."""
+    extra = list(extra)
+    flags = {*FLAG_METHODS, *SAMPLING_ONLY, *(flag for rule in extra for flag in rule[0])}
+    return note_ignored(prog, given_flags(parser, args, flags), ignored_flag_rules(args, methods, label) + extra)
+
+
+def ignored_flag_rules(args: argparse.Namespace, methods: list[str], label: str) -> list[tuple]:
+    """The rules of ``eagle.errors.note_ignored`` for the model and sampling flags when ``methods`` run
+    (``label``: how the command line chose them, e.g. "with method ar"; ``llama.cpp-eagle3`` reads
+    ``--drafter`` when it is given no draft of its own)."""
+    ran = {m.partition("@")[0] for m in methods}  # eagle-tree@DIR reads what eagle-tree reads, but not --drafter
+    greedy = args.temperature == 0
+    drawn = not greedy and args.sampled_tree is not False
+    return [
+        *(((flag,), not (set(methods) if flag == "--drafter" else ran) & set(users), label)
+          for flag, users in FLAG_METHODS.items()),
+        (SAMPLING_ONLY, greedy, "at temperature 0 (greedy decoding)"),
+        (DRAW_FLAGS, args.sampled_tree is False, "with --no-sampled-tree"),
+        (("--device-rounds",), bool(args.device_rounds) and drawn,
+         "when sampling with drawn tree children (device rounds need --no-sampled-tree)"),
+        (("--drafter-dtype",), args.drafter_quant in FORMATS and "sd" not in ran,
+         f"with --drafter-quant {args.drafter_quant} (the quantized drafter computes in float32)"),
+    ]
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, temperature: float) -> None:
@@ -240,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.method is None:
         args.method = "eagle-tree" if model.drafter is not None else "ar"
     check_method(model, args.method)
+    note_ignored_flags(PROG, build_parser(), args, [args.method], f"with method {args.method}")
     if args.interactive:
         chat(model, args, sys.stdin, sys.stdout, sys.stderr)
     else:

@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 from eagle.drafting.drafter import Drafter
-from eagle.errors import EagleError, command
+from eagle.errors import EagleError, Parser, command
 from eagle.drafting.checkpoint_formats import EXPORT_FORMATS, export_drafter
-from infer.cli import Parser
 
 PROG = "eagle-export"
 

@@ -11,9 +11,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from eagle.errors import EagleError, command
+from eagle.errors import EagleError, Parser, command, read_text
 from infer.bench import markdown
-from infer.cli import Parser
 
 PROG = "eagle-results"
 
@@ -59,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--header", help="a Markdown file put first (the page's title and introduction)")
     parser.add_argument("--out", help="write here instead of stdout")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    header = Path(args.header).read_text() if args.header else ""
+    header = read_text(args.header) if args.header else ""
     page = render(args.reports, header)
     if args.out:
         Path(args.out).write_text(page)
@@ -68,4 +67,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

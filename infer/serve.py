@@ -658,7 +658,8 @@ def warm_up(model: Any, method: str) -> None:
 
 
 def build_parser() -> Any:
-    from infer.cli import Parser, add_model_args
+    from eagle.errors import Parser
+    from infer.cli import add_model_args
 
     parser = Parser(prog=PROG, description="Serve an OpenAI-compatible API (and a chat page at /) with "
                                            "EAGLE-style speculative decoding.")

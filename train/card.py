@@ -4,12 +4,13 @@ JSON measured on the project's dev prompt set."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Sequence
 
-from eagle.errors import EagleError, command
+from eagle.errors import EagleError, Parser, command, given_flags, note_ignored
+
+PROG = "eagle-card"
 
 
 def _load(path: str) -> dict:
@@ -217,9 +218,9 @@ Mean accepted length of `sd`: **{sd.get('mean_accept_length', 0):.2f}** tokens p
 """
 
 
-@command("eagle-card")
+@command(PROG)
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(prog=PROG, description=__doc__.splitlines()[0])
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--drafter", help="a drafter folder")
     which.add_argument("--draft-lm", help="a draft LM folder (eagle.drafting.draft_lm)")
@@ -228,13 +229,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--summary", required=True, help="summary.json of the training run")
     parser.add_argument("--bench", required=True, help="eagle-bench --json output on the dev prompt set")
     parser.add_argument("--train-config", required=True)
-    parser.add_argument("--fixed-tree-bench", nargs="*", default=[],
+    parser.add_argument("--fixed-tree-bench", action="extend", nargs="+", default=[], metavar="JSON",
                         help="eagle-bench --json outputs of eagle-tree with fixed tree flags (e.g. with and without "
                              "--lookup-tokens 0)")
-    parser.add_argument("--init-summary", nargs="*", default=[],
+    parser.add_argument("--init-summary", action="extend", nargs="+", default=[], metavar="JSON",
                         help="summary.json of the runs a warm-started run began from, oldest first")
     parser.add_argument("--note", help="a paragraph appended under 'Notes' (what the records cannot say)")
     args = parser.parse_args(argv)
+    note_ignored(PROG, given_flags(parser, args, ("--fixed-tree-bench", "--init-summary")),
+                 [(("--fixed-tree-bench", "--init-summary"), bool(args.draft_lm), "with --draft-lm")])
     records = (_load(args.selfdistill), _load(args.features), _load(args.summary), _load(args.bench))
     if args.draft_lm:
         folder = Path(args.draft_lm)

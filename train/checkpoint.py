@@ -9,7 +9,11 @@ instant leaves every published checkpoint whole and ``latest`` naming one of the
 On resume the checkpoint ``latest`` names is verified against its manifest; if it (or ``latest``)
 is missing, empty, garbled or corrupt, the newest intact checkpoint is used instead and one line
 says what was skipped and why. A checkpoint without a manifest (written before checksums) is used,
-unverified, only when no verified one exists."""
+unverified, only when no verified one exists.
+
+A run folder records what its checkpoints belong to in ``run.json`` (``run_identity``: the
+student's architecture, the target, the training data); a run into a folder whose checkpoints
+belong to another is refused (``claim``) rather than resumed from or pruning them."""
 
 from __future__ import annotations
 
@@ -17,11 +21,14 @@ import hashlib
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
+from typing import Any, Iterable
 
 from eagle.atomic import fsync_path, fsync_tree, write_file
 
 MANIFEST = "manifest.json"
+RUN = "run.json"
 LATEST = "latest"
 PARTIAL = ".partial"
 STEP = re.compile(r"step(\d+)")
@@ -193,3 +200,91 @@ def resume_message(ckpt_dir: str | Path, tag: str | None, verified: bool, skippe
         head = f"resuming from {Path(ckpt_dir) / tag}" + ("" if verified else
                                                            f" unverified (it has no {MANIFEST}: written before checksums)")
     return f"eagle-train: {head}" + (f"; skipped: {'; '.join(skipped)}" if skipped else "")
+
+
+def examples_digest(examples: Iterable[dict]) -> str:
+    """sha256 over the token ids and loss masks of tokenized ``examples`` (lists or tensors), in order."""
+    import torch
+
+    digest = hashlib.sha256()
+    for ex in examples:
+        ids = torch.as_tensor(ex["input_ids"], dtype=torch.int64)
+        digest.update(len(ids).to_bytes(8, "little") + ids.numpy().tobytes())
+        digest.update(torch.as_tensor(ex["loss_mask"], dtype=torch.bool).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def weights_digest(model: Any, samples: int = 256) -> str:
+    """A short hash of a model's weights: per parameter (by name) its shape and up to ``samples``
+    evenly spaced values rounded to bfloat16 (a float32 and a bfloat16 load of the same weights agree)."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters()):
+        flat = param.detach().flatten()
+        count = min(samples, flat.numel())
+        picks = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(1, count - 1)
+        digest.update(f"{name}{list(param.shape)}".encode())
+        digest.update(flat[picks].to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def run_identity(student: str, architecture: dict, target: dict, data: dict) -> dict:
+    """What a run folder's checkpoints belong to: the student (``drafter`` or ``draft_lm``) and its
+    architecture, the target (its name and what tells it apart: tokenizer, sizes, ``weights_digest``)
+    and the training data (``source``, ``examples``, ``sha256``: ``examples_digest``)."""
+    return {"student": student, "architecture": architecture, "target": target, "data": data}
+
+
+def differences(old: dict, new: dict) -> list[str]:
+    """What differs between two ``run_identity`` records, in words (empty: the same run). Names and
+    paths alone do not count: a target or data moved elsewhere is the same."""
+    out = []
+    if old.get("student") != new["student"]:
+        out.append(f"student {old.get('student')} vs {new['student']}")
+    else:
+        arch = [f"{k} {old['architecture'].get(k)!r} vs {new['architecture'].get(k)!r}"
+                for k in sorted(set(old.get("architecture", {})) | set(new["architecture"]))
+                if old["architecture"].get(k) != new["architecture"].get(k)]
+        if arch:
+            out.append(f"architecture: {', '.join(arch)}")
+    before, after = old.get("target", {}), new["target"]
+    if any(before.get(k) != v for k, v in after.items() if k != "name"):
+        out.append(f"target: {before.get('name')!r} vs {after['name']!r}" +
+                   (" (other weights or tokenizer)" if before.get("name") == after["name"] else ""))
+    before, after = old.get("data", {}), new["data"]
+    if before.get("sha256") != after["sha256"]:
+        out.append(f"data: {before.get('source')} ({before.get('examples')} examples) vs {after['source']} "
+                   f"({after['examples']} examples)" + (", other content" if before.get("examples") == after["examples"]
+                                                          else ""))
+    return out
+
+
+def claim(out_dir: str | Path, identity: dict, start_over: bool = False) -> str | None:
+    """Make ``out_dir`` the folder of the run ``identity`` describes (its ``run.json``). When it holds
+    checkpoints of another run: the one-line refusal saying what differs (nothing is written), or
+    with ``start_over`` those checkpoints (and the other run's ``run.json`` and ``summary.json``) are
+    deleted first. Checkpoints with no ``run.json`` (written before runs were recorded) are taken as
+    this run's, with one line saying so."""
+    out_dir = Path(out_dir)
+    ckpt_dir, record = out_dir / "checkpoints", out_dir / RUN
+    if start_over:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        for name in (RUN, "summary.json"):
+            (out_dir / name).unlink(missing_ok=True)
+    elif checkpoints(ckpt_dir):
+        try:
+            old = json.loads(record.read_text())
+        except FileNotFoundError:
+            old = None
+            print(f"eagle-train: {ckpt_dir} has no {RUN} beside it (written before runs were recorded): "
+                  f"its checkpoints are taken as this run's", file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            return f"{record} is unreadable: pass --start-over to delete the checkpoints in {ckpt_dir}"
+        differ = differences(old, identity) if old is not None else []
+        if differ:
+            return (f"{out_dir} holds checkpoints of another run ({'; '.join(differ)}): choose another out_dir, "
+                    f"or pass --start-over to delete them and start from step 0 there")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_file(record, json.dumps(identity, indent=1))
+    return None

@@ -6,7 +6,6 @@ its checksum and regenerated. Shards made by another target are refused."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -19,8 +18,8 @@ from typing import Iterator, Sequence
 import torch
 from tqdm import tqdm
 
-from eagle.config import check_bool, check_int, load_config_file
-from eagle.errors import EagleError, command
+from eagle.config import add_set_argument, changed_keys, check_bool, check_int, load_config_file
+from eagle.errors import EagleError, Parser, command, note_ignored
 from eagle.runtime.target import DEFAULT_TARGET, Target, load_target, model_features
 from train.data import load_all, load_chats, tokenize_all
 
@@ -292,11 +291,13 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 @command("eagle-features")
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Compute target features for drafter training")
+    parser = Parser(prog="eagle-features", description="Compute target features for drafter training")
     parser.add_argument("--config", help="YAML with FeaturesConfig keys")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config keys")
+    add_set_argument(parser)
     args = parser.parse_args(argv)
-    build(load_config_file(FeaturesConfig, args.config, args.set, "features config"))
+    cfg = load_config_file(FeaturesConfig, args.config, args.set, "features config")
+    note_ignored("eagle-features", changed_keys(cfg), [(("replay_seed",), not cfg.replay, "without replay")])
+    build(cfg)
 
 if __name__ == "__main__":
     sys.exit(main())

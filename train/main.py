@@ -9,7 +9,9 @@ tokens. Checkpoints every ``save_every`` optimizer steps, crash-safe and checksu
 ``keep_last`` kept (``train.checkpoint``); a rerun resumes from the one ``latest`` names, or
 else the newest intact one. Held-out
 evaluation reports top-1 accuracy and the expected accepted length of a depth-5 chain (also on
-``dev_data``, when set). wandb logging (offline by default; ``--report-to none`` turns it off)."""
+``dev_data``, when set). wandb logging (offline by default; ``--report-to none`` turns it off).
+A run folder records what its checkpoints belong to (``train.checkpoint.claim``): a run of another
+architecture, target or data into it is refused in one line (``--start-over`` deletes them)."""
 
 from __future__ import annotations
 
@@ -28,17 +30,22 @@ import torch
 
 from eagle.atomic import atomic_directory, write_file
 from eagle.drafting import draft_lm
-from eagle.config import from_dict, load_config_file
+from eagle.config import add_set_argument, changed_keys, from_dict, load_config_file
 from eagle.drafting.drafter import Drafter, most_frequent
-from eagle.errors import EagleError, command
+from eagle.errors import EagleError, Parser, command, note_ignored
 from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
 from train import checkpoint
-from train.features import FeatureShards, OnlineFeatures, iter_batches
+from train.features import FeatureShards, OnlineFeatures, iter_batches, target_identity
 from train.packing import collate_packed, pack_rows, packed_features
 from train.loss import LossOutput, eagle_loss, soft_cross_entropy, unroll, uniform_noise
 
 
+PROG = "eagle-train"
 AUTOCAST = ("none", "bf16")
+REPORT_TO = ("wandb", "none")
+# the draft LM's config keys a run folder records as its architecture
+DRAFT_LM_SHAPE = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                  "num_key_value_heads", "vocab_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +99,8 @@ class TrainConfig:
     report_to: str = "wandb"       # wandb | none
     wandb_project: str = "eagle"
 
-    max_wall_s: float = 0.0        # stop (checkpoint and save) after this many seconds of training (0 = no limit)
+    max_wall_s: float = 0.0        # stop (checkpoint and save, no held-out evaluation: it can outlast the limit) after
+                                   # this many seconds of training (0 = no limit)
     pack_tokens: int = 0           # drafter: pack whole conversations into rows of at most this many tokens (a
                                    # micro-batch is then train_micro_batch_size_per_gpu such rows; attention blocked
                                    # between conversations: train.packing); 0 = one conversation per row, padded.
@@ -108,6 +116,8 @@ class TrainConfig:
             raise EagleError("replay_fraction replays examples before examples_from: set examples_from too")
         if self.unroll_steps < 1:
             raise EagleError(f"unroll_steps must be >= 1, got {self.unroll_steps}")
+        if self.report_to not in REPORT_TO:
+            raise EagleError(f"report_to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}")
         if self.autocast not in AUTOCAST:
             raise EagleError(f"autocast must be one of {', '.join(AUTOCAST)}, got {self.autocast!r}")
         if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 0:
@@ -307,14 +317,18 @@ class Student:
     """What a run trains: ``module`` (given to DeepSpeed; ``forward`` as the loss expects),
     ``parameters`` (the trainable ones), ``name`` (its output folder), ``save`` (to a folder, which
     it replaces in one step) and ``loss`` (engine, micro-batch, noise generator) -> LossOutput;
-    ``aux_layers``: the target layers whose outputs it reads besides the feature."""
+    ``aux_layers``: the target layers whose outputs it reads besides the feature; ``architecture``:
+    its shape as a run folder records it (``train.checkpoint.run_identity``); ``kind``: "eagle" or
+    "eagle3" for a drafter, "" for a draft LM."""
 
     module: torch.nn.Module
     parameters: list[torch.nn.Parameter]
     name: str
     save: Callable[[Path], None]
     loss: Callable[[torch.nn.Module, dict, torch.Generator | None], LossOutput]
+    architecture: dict
     aux_layers: list[int] = dataclasses.field(default_factory=list)
+    kind: str = ""
 
 
 def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
@@ -349,9 +363,10 @@ def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
                       if overrides.get("draft_vocab_size") and (cfg.draft_vocab_data or not cfg.online) else None)
             drafter = Drafter.from_target(target, token_counts=counts, **overrides).float()
         drafter.check_target(target)
+        architecture = {k: v for k, v in dataclasses.asdict(drafter.config).items() if k != "target"}
         return Student(drafter, list(drafter.parameters()), "drafter", drafter.save_pretrained,
                        lambda engine, batch, gen: step_loss(engine, drafter, target, batch, cfg, gen),
-                       aux_layers=drafter.config.aux_layers)
+                       architecture, aux_layers=drafter.config.aux_layers, kind=drafter.config.kind)
     if cfg.student == "draft-lm":
         if cfg.init_from:  # float32 layers; the shared embedding stays the target's (frozen) tensor
             lm = draft_lm.load(cfg.init_from, target, dtype=torch.float32)
@@ -362,10 +377,32 @@ def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
         params = draft_lm.trainable_parameters(lm)
         for p in params:
             p.requires_grad_(True)
+        config = lm.config.to_dict()
+        architecture = {k: config.get(k) for k in DRAFT_LM_SHAPE}
         return Student(HiddenStates(lm).train(), params, "draft_lm",
                        lambda path: save_atomically(lambda tmp: draft_lm.save(lm, tmp, target), path),
-                       lambda engine, batch, gen: draft_lm_loss(engine, target, batch, cfg, gen))
+                       lambda engine, batch, gen: draft_lm_loss(engine, target, batch, cfg, gen), architecture)
     raise EagleError(f"unknown student {cfg.student!r}: choose drafter or draft-lm")
+
+
+def ignored_rules(cfg: TrainConfig, kind: str) -> list[tuple[tuple[str, ...], bool, str]]:
+    """Which keys a run of ``cfg`` does not read, and when (rules of ``eagle.errors.note_ignored``);
+    ``kind``: the drafter's kind ("" for a draft LM)."""
+    draft_lm_mode = cfg.student == "draft-lm"
+    return [
+        (("features",), cfg.online, "with online: true (features are computed during training)"),
+        (("data",), not cfg.online, "without online: true (the stored features are read)"),
+        (("drafter_config", "draft_vocab_size", "draft_vocab_data", "aux_layers", "num_layers", "unroll_steps",
+          "unroll_decay"), draft_lm_mode, "with student: draft-lm"),
+        (("noise",), draft_lm_mode and cfg.noise != 0, "with student: draft-lm"),
+        (("draft_lm_config", "lm_ce_positions"), not draft_lm_mode, "with student: drafter"),
+        (("drafter_config", "draft_lm_config"), bool(cfg.init_from),
+         "with init_from (the warm start's architecture is kept)"),
+        (("unroll_decay",), cfg.unroll_steps == 1, "with unroll_steps: 1"),
+        (("feature_weight",), kind == "eagle3" and cfg.feature_weight != 0,
+         "for an eagle3 drafter (trained on the cross-entropy alone)"),
+        (("wandb_project",), cfg.report_to == "none", "with report_to: none"),
+    ]
 
 
 def save_atomically(save: Callable[[Path], None], directory: Path) -> None:
@@ -454,11 +491,13 @@ def epoch_units(train_idx: list[int], epoch: int, cfg: TrainConfig, lengths: lis
     return pack_rows(lengths, perm, cfg.pack_tokens) if cfg.pack_tokens else perm
 
 
-def train(cfg: TrainConfig, report_to: str) -> dict:
+def train(cfg: TrainConfig, start_over: bool = False) -> dict:
+    """Run ``cfg`` (``start_over``: delete another run's checkpoints in ``out_dir`` first, see
+    ``train.checkpoint.claim``); rank 0 returns the summary written to ``out_dir/summary.json``."""
     import deepspeed
 
     deepspeed.init_distributed()
-    rank = int(os.environ.get("RANK", "0"))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device(deepspeed.get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", "0"))) \
         if torch.cuda.is_available() else torch.device("cpu")
     target = load_target(cfg.target, device=device, lean=False)
@@ -473,12 +512,25 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
         raise EagleError(f"the drafter fuses target layers {student.aux_layers}, but the features in {cfg.features} "
                          f"hold {dataset.aux_layers or 'none'}: rerun eagle-features with aux_layers "
                          f"{student.aux_layers}")
+    out = Path(cfg.out_dir)
+    refusal = [None]
+    if rank == 0:  # one rank decides; every rank stops on a refusal
+        note_ignored(PROG, changed_keys(cfg), ignored_rules(cfg, student.kind))
+        data = {"source": cfg.data if cfg.online else cfg.features, "examples": len(dataset.examples),
+                "sha256": checkpoint.examples_digest(dataset.examples)}
+        identity = checkpoint.run_identity(student.name, student.architecture,
+                                           {**target_identity(target), "weights": checkpoint.weights_digest(target.model)},
+                                           data)
+        refusal = [checkpoint.claim(out, identity, start_over)]
+    if world > 1:
+        torch.distributed.broadcast_object_list(refusal, src=0)
+    if refusal[0]:
+        raise EagleError(refusal[0])
     order = list(range(len(dataset)))
     random.Random(cfg.seed).shuffle(order)
     n_eval = max(1, int(len(order) * cfg.eval_fraction)) if len(order) > 1 else 0
     eval_idx, train_idx = order[:n_eval], training_examples(order[n_eval:], cfg)
     ds_probe = json.loads(Path(cfg.deepspeed_config).read_text())
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     micro, accum = ds_probe.get("train_micro_batch_size_per_gpu", 1), ds_probe.get("gradient_accumulation_steps", 1)
     lengths = example_lengths(dataset) if cfg.pack_tokens else None
     units_per_epoch = len(epoch_units(train_idx, 0, cfg, lengths))  # rows when packed (about the same each epoch)
@@ -500,7 +552,6 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
 
     engine, _, _, _ = deepspeed.initialize(model=student.module, model_parameters=student.parameters,
                                            config=deepspeed_dict(cfg, device, total_steps))
-    out = Path(cfg.out_dir)
     ckpt_dir = out / "checkpoints"
     state = {"step": 0, "epoch": 0, "micro_in_epoch": 0, "wall_s": 0.0, "tokens": 0}
     resume = [None]
@@ -519,7 +570,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
         if rank == 0:
             print(f"resumed from step {state['step']} (epoch {state['epoch']})", flush=True)
     run = None
-    if rank == 0 and report_to == "wandb":
+    if rank == 0 and cfg.report_to == "wandb":
         import wandb
         run = wandb.init(project=cfg.wandb_project, dir=str(out), mode=os.environ.get("WANDB_MODE", "offline"),
                          config=dataclasses.asdict(cfg), resume="allow", id=f"eagle-{out.name}")
@@ -532,6 +583,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
         return bool(late.item())
 
     metrics: dict = {}
+    late = False  # stopped by max_wall_s: checkpointed at once, not evaluated (that can outlast the limit)
     start, losses, curve = time.time(), [], []
     wall_before, tokens_before = state["wall_s"], state["tokens"]  # training time and tokens of earlier runs
     paused = 0.0  # seconds of this run spent evaluating and saving (not training)
@@ -575,7 +627,7 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
                     run.log(line, step=step)
             late = out_of_time()
             pause_from = time.time()
-            if evaluates and (step % cfg.eval_every == 0 or step == total_steps or late):
+            if evaluates and not late and (step % cfg.eval_every == 0 or step == total_steps):
                 metrics = evaluate_all()
                 print(json.dumps({"step": step, "eval": metrics}), flush=True)
                 curve.append({"step": step, "eval": metrics, "elapsed_s": time.time() - start})
@@ -600,11 +652,11 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
             continue
         break
     if rank == 0:
-        if evaluates and not metrics:
+        if evaluates and not metrics and not late:
             metrics = evaluate_all()
         student.save(out / student.name)
         epochs = state["epoch"] + state["micro_in_epoch"] / micro_per_epoch
-        summary = {"steps": state["step"], "epochs": round(epochs, 2), "eval": metrics,
+        summary = {"steps": state["step"], "epochs": round(epochs, 2), "eval": metrics, "stopped_by_max_wall_s": late,
                    "wall_s": wall_before + time.time() - start, "train_tokens": state["tokens"],
                    "tokens_per_s": tokens_per_s(), "run_wall_s": time.time() - start, "curve": curve,
                    "train_examples": len(train_idx), "eval_examples": len(eval_idx), "init_from": cfg.init_from,
@@ -616,16 +668,19 @@ def train(cfg: TrainConfig, report_to: str) -> dict:
     return {}
 
 
-@command("eagle-train")
+@command(PROG)
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Train an EAGLE drafter (run through the deepspeed launcher)")
+    parser = Parser(prog=PROG, description="Train an EAGLE drafter (run through the deepspeed launcher)")
     parser.add_argument("--config", help="run YAML (TrainConfig keys)")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config keys")
-    parser.add_argument("--report-to", choices=["wandb", "none"], default=None)
+    add_set_argument(parser)
+    parser.add_argument("--report-to", choices=REPORT_TO, help="the same as --set report_to=...")
+    parser.add_argument("--start-over", action="store_true",
+                        help="out_dir holds checkpoints of another run: delete them and start from step 0")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    cfg = load_config_file(TrainConfig, args.config, args.set, "train config")
-    train(cfg, args.report_to or cfg.report_to)
+    overrides = args.set + ([f"report_to={args.report_to}"] if args.report_to else [])
+    train(load_config_file(TrainConfig, args.config, overrides, "train config"), start_over=args.start_over)
+
 
 if __name__ == "__main__":
     sys.exit(main())

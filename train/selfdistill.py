@@ -27,7 +27,6 @@ With a lean target forward, generation is batched by ``eagle.decoding.batch`` (f
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import random
@@ -43,12 +42,16 @@ import yaml
 from tqdm import tqdm
 
 from eagle.decoding.batch import generate_batch
-from eagle.config import SamplingConfig, load_config_file
-from eagle.errors import EagleError, command
+from eagle.config import SamplingConfig, add_set_argument, changed_keys, load_config_file
+from eagle.errors import EagleError, Parser, command, given_flags, note_ignored
 from eagle.runtime.decoder import packed_copy
 from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
 
 
+PROG = "eagle-selfdistill"
+# the keys only the self-distillation run reads (--answer reads target, batch_size, answer_*, seed, threads)
+RUN_ONLY = ("out_dir", "seeds_file", "num_conversations", "question_max_tokens", "question_temperature",
+            "question_top_p", "passage_fraction", "constraint_fraction")
 MAX_IDLE_BATCHES = 10  # batches in a row without a kept conversation before giving up
 
 
@@ -353,29 +356,40 @@ def known_prompts(paths: list[str]) -> frozenset[str]:
     return frozenset(known)
 
 
-@command("eagle-selfdistill")
+@command(PROG)
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML file with SelfDistillConfig keys")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config keys")
+    add_set_argument(parser)
     parser.add_argument("--answer", metavar="PROMPTS",
                         help="instead: answer this prompt file (JSONL) at the config's answer_temperature")
     parser.add_argument("--compose", type=int, metavar="N",
                         help="instead: write N prompts composed from --templates to --out (a prompt file for --answer)")
     parser.add_argument("--templates", default="configs/selfdistill/people.yaml", help="with --compose: templates file")
-    parser.add_argument("--exclude", nargs="+", default=[], metavar="FILE",
+    parser.add_argument("--exclude", action="extend", nargs="+", default=[], metavar="FILE",
                         help="with --compose: never compose a prompt of these prompt or chat files (earlier stages' "
                              "prompts or data): N new ones are drawn")
     parser.add_argument("--out", help="with --answer: the ShareGPT JSONL to write (resumed if it exists); "
                                       "with --compose: the prompt JSONL")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="with --answer: answer length")
+    parser.add_argument("--max-new-tokens", type=int, metavar="N", help="the same as --set answer_max_tokens=N")
     args = parser.parse_args(argv)
-    cfg = load_config_file(SelfDistillConfig, args.config, args.set, "self-distillation config")
-    if not args.answer and args.compose is None:
+    overrides = args.set + ([f"answer_max_tokens={args.max_new_tokens}"] if args.max_new_tokens is not None else [])
+    cfg = load_config_file(SelfDistillConfig, args.config, overrides, "self-distillation config")
+    mode = "--answer" if args.answer else "--compose" if args.compose is not None else None
+    if args.answer and args.compose is not None:
+        raise EagleError("--answer and --compose are two different jobs: give one of them")
+    if mode is None and args.out:
+        raise EagleError(f"--out is for --answer and --compose; the self-distillation run writes to out_dir "
+                         f"({cfg.out_dir}; --set out_dir=DIR)")
+    if mode and not args.out:
+        raise EagleError("--answer and --compose need --out (the JSONL to write)")
+    note_ignored(PROG, given_flags(parser, args, ("--templates", "--exclude")) | changed_keys(cfg), [
+        (("--templates", "--exclude"), args.compose is None, "without --compose"),
+        (RUN_ONLY, mode == "--answer", "with --answer (keys of the self-distillation run)"),
+        ([f.name for f in dataclasses.fields(cfg) if f.name != "seed"], mode == "--compose", "with --compose")])
+    if mode is None:
         run(cfg)
         return
-    if not args.out:
-        raise EagleError("--answer and --compose need --out (the JSONL to write)")
     if args.compose is not None:
         prompts = compose_prompts(yaml.safe_load(Path(args.templates).read_text()), args.compose, cfg.seed,
                                   known_prompts(args.exclude))
@@ -383,7 +397,9 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts))
         return
     from eagle.prompts import read_prompts
-    answer_prompts(load_target(cfg.target), read_prompts(args.answer), args.max_new_tokens, cfg.batch_size,
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    answer_prompts(load_target(cfg.target), read_prompts(args.answer), cfg.answer_max_tokens, cfg.batch_size,
                    Path(args.out), cfg.answer_temperature, cfg.seed)
 
 

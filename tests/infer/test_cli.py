@@ -256,3 +256,50 @@ def test_bench_compares_drafters_in_one_process(saved, tmp_path, capsys):
     assert data[f"eagle-tree@{other}"]["identical_to_ar"] is True and data["eagle-tree"]["identical_to_ar"] is True
     assert report["config"]["drafters"] == {"eagle-tree": f"eagle {drafter_dir}", f"eagle-tree@{other}": f"eagle {other}"}
     assert data[f"eagle-tree@{other}"]["step_fractions"]["draft"] > 0  # it drafted
+
+
+# ---- options a mode does not read ----------------------------------------------------------
+def warnings(err: str, prog: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith(f"{prog}: warning: ")]
+
+
+def test_generate_names_each_option_its_method_or_greedy_decoding_ignores_once(saved, capsys):
+    target, drafter = saved
+    assert cli.main(["--target", target, "--drafter", drafter, "--method", "ar", "--depth", "2", "--gamma", "3",
+                     "--top-p", "0.9", "--seed", "1", "--max-new-tokens", "3", "t3 t4"]) == 0
+    assert warnings(capsys.readouterr().err, "eagle-generate") == [
+        "eagle-generate: warning: --drafter, --depth, --gamma are ignored with method ar",
+        "eagle-generate: warning: --top-p, --seed are ignored at temperature 0 (greedy decoding)"]
+    # the same flags where they are read: no word
+    assert cli.main(["--target", target, "--drafter", drafter, "--method", "eagle-tree", "--depth", "2",
+                     "--temperature", "1", "--top-p", "0.9", "--seed", "1", "--max-new-tokens", "3", "t3 t4"]) == 0
+    assert warnings(capsys.readouterr().err, "eagle-generate") == []
+    assert cli.main(["--target", target, "--drafter", drafter, "--method", "eagle-chain", "--tree-top-k", "2",
+                     "--temperature", "1", "--no-sampled-tree", "--draw-support", "8", "--max-new-tokens", "3",
+                     "t3"]) == 0
+    assert warnings(capsys.readouterr().err, "eagle-generate") == [
+        "eagle-generate: warning: --tree-top-k is ignored with method eagle-chain",
+        "eagle-generate: warning: --draw-support is ignored with --no-sampled-tree"]
+
+
+def test_a_flag_given_twice_with_different_values_is_an_error_naming_both(saved, capsys):
+    assert cli.main(["--target", saved[0], "--max-new-tokens", "3", "--max-new-tokens", "5", "t3"]) == 2
+    out, err = capsys.readouterr()
+    assert one_error_line(err, "eagle-generate") == \
+        "eagle-generate: error: --max-new-tokens is given twice, with different values: 3 and 5"
+    assert cli.main(["--target", saved[0], "--max-new-tokens", "3", "--max-new-tokens", "3", "t3"]) == 0
+
+
+def test_bench_names_the_options_none_of_its_methods_reads(saved, tmp_path, capsys):
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt": "t3 t4"}])
+    assert bench.main(["--target", saved[0], "--drafter", saved[1], "--prompts", prompts, "--methods", "hf,ar",
+                       "--max-new-tokens", "2", "--lookup-tokens", "0", "--llama-cpp", str(tmp_path),
+                       "--title", "t", "--temperature", "1", "--lenience", "0.5"]) == 0
+    assert warnings(capsys.readouterr().err, "eagle-bench") == [
+        "eagle-bench: warning: --drafter, --lookup-tokens, --lenience, --llama-cpp are ignored with --methods hf,ar",
+        "eagle-bench: warning: --title is ignored without --json (it titles the JSON report)"]
+    methods = f"ar,eagle-tree@{saved[1]}"  # a drafter folder of its own: --drafter is read by no method
+    assert bench.main(["--target", saved[0], "--drafter", saved[1], "--prompts", prompts, "--methods", methods,
+                       "--max-new-tokens", "2", "--lookup-tokens", "0"]) == 0
+    assert warnings(capsys.readouterr().err, "eagle-bench") == [
+        f"eagle-bench: warning: --drafter is ignored with --methods {methods}"]

@@ -6,6 +6,7 @@ skipped with a message; old checkpoints are pruned."""
 from __future__ import annotations
 
 import builtins
+import json
 import io
 import os
 import shutil
@@ -310,3 +311,49 @@ def test_keep_last_is_a_typed_config_key(tmp_path):
     path.write_text("keep_last: many\n")
     with pytest.raises(EagleError, match="keep_last"):
         load_config_file(TrainConfig, str(path))
+
+
+def identity(num_layers: int = 1, target_name: str = "t", weights: str = "w0", data: str = "d0",
+             source: str = "f", examples: int = 10) -> dict:
+    return checkpoint.run_identity("drafter", {"kind": "eagle", "num_layers": num_layers},
+                                   {"name": target_name, "hidden_size": 32, "weights": weights},
+                                   {"source": source, "examples": examples, "sha256": data})
+
+
+def test_a_run_folder_refuses_a_run_of_another_architecture_target_or_data(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert checkpoint.claim(out, identity()) is None  # a new folder: recorded
+    ckpt = published(out, steps=(5, 10), keep_last=0)
+    before = sorted(p.name for p in ckpt.iterdir())
+    assert checkpoint.claim(out, identity(target_name="/elsewhere/t", source="g")) is None  # moved, not changed
+    assert checkpoint.claim(out, identity()) is None
+    for other, said in [(identity(num_layers=2), "architecture: num_layers 1 vs 2"),
+                        (identity(weights="w1"), "target: 't' vs 't' (other weights or tokenizer)"),
+                        (identity(data="d1", examples=12), "data: f (10 examples) vs f (12 examples)")]:
+        refusal = checkpoint.claim(out, other)
+        assert refusal == (f"{out} holds checkpoints of another run ({said}): choose another out_dir, or pass "
+                           f"--start-over to delete them and start from step 0 there")
+    assert sorted(p.name for p in ckpt.iterdir()) == before  # nothing resumed, pruned or rewritten
+    assert json.loads((out / checkpoint.RUN).read_text()) == identity()
+    assert checkpoint.claim(out, identity(num_layers=2), start_over=True) is None
+    assert not ckpt.exists() and json.loads((out / checkpoint.RUN).read_text()) == identity(num_layers=2)
+    capsys.readouterr()
+    legacy = published(tmp_path / "legacy", steps=(5,))  # checkpoints from before runs were recorded
+    assert checkpoint.claim(tmp_path / "legacy", identity()) is None
+    assert "its checkpoints are taken as this run's" in capsys.readouterr().err
+
+
+def test_run_identity_digests_tell_targets_and_data_apart():
+    a, b = tiny_target(seed=0, lean=False), tiny_target(seed=1, lean=False)
+    assert checkpoint.weights_digest(a.model) == checkpoint.weights_digest(tiny_target(seed=0, lean=False).model)
+    assert checkpoint.weights_digest(a.model) != checkpoint.weights_digest(b.model)
+    assert checkpoint.weights_digest(a.model) == checkpoint.weights_digest(a.model.to(torch.bfloat16))
+    embedding = torch.nn.Module()  # SmolLM2-135M's embedding: float positions would round past its end
+    embedding.weight = torch.nn.Parameter(torch.zeros(49152 * 576))
+    assert len(checkpoint.weights_digest(embedding)) == 16
+    examples = [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}, {"input_ids": [4], "loss_mask": [1]}]
+    as_tensors = [{k: torch.tensor(v) for k, v in ex.items()} for ex in examples]
+    assert checkpoint.examples_digest(examples) == checkpoint.examples_digest(as_tensors)
+    for changed in ([{**examples[0], "loss_mask": [1, 1, 1]}, examples[1]], examples[:1],
+                    [{"input_ids": [1, 2], "loss_mask": [0, 1]}, {"input_ids": [3, 4], "loss_mask": [1, 1]}]):
+        assert checkpoint.examples_digest(changed) != checkpoint.examples_digest(examples)

@@ -283,3 +283,32 @@ def test_a_run_killed_at_a_random_step_and_while_checkpointing_resumes_to_the_sa
     optim = torch.load(ckpt / f"step{total}" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
     adam_steps = {int(s["step"]) for s in optim["optimizer_state_dict"]["base_optimizer_state"]["state"].values()}
     assert adam_steps == {total}  # the optimizer state went on from the checkpoint, not from scratch
+
+
+@pytest.mark.slow
+def test_a_run_into_the_folder_of_another_run_is_refused_in_one_line_until_started_over(space):
+    """A run folder knows what its checkpoints belong to: a run of another architecture into it is
+    refused before it resumes from or prunes them; ``--start-over`` deletes them and starts at step 0."""
+    cfg, out = run_files(space, "owned", max_steps=2, save_every=1, keep_last=1)
+
+    def run(config: Path, *flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, train.main.__file__, "--config", str(config), *flags],
+                              capture_output=True, text=True, env=single_rank(space), timeout=300, cwd=ROOT)
+
+    proc = run(cfg)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ckpt = out / "checkpoints"
+    before = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
+    assert checkpoint.checkpoints(ckpt) == ["step2"]
+    other, _ = run_files(space, "owned-deeper", out_dir=str(out), max_steps=2, save_every=1, keep_last=1, num_layers=2)
+    proc = run(other)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("eagle-train:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert said == [f"eagle-train: error: {out} holds checkpoints of another run (architecture: num_layers 1 vs 2): "
+                    f"choose another out_dir, or pass --start-over to delete them and start from step 0 there"]
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == before
+    proc = run(other, "--start-over")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed from" not in proc.stdout and logged_steps(proc.stdout.splitlines(keepends=True)) == [1, 2]
+    assert json.loads((out / checkpoint.RUN).read_text())["architecture"]["num_layers"] == 2
+    assert Drafter.from_pretrained(out / "drafter").config.num_layers == 2

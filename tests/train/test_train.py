@@ -705,6 +705,7 @@ def test_max_wall_s_stops_with_a_checkpoint_and_the_drafter(workspace):
     deepspeed_run(workspace, out, max_steps=50, max_wall_s=0.001)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 1 and (out / "checkpoints" / "latest").read_text().strip() == "step1"
+    assert summary["stopped_by_max_wall_s"] and summary["eval"] == {}  # no evaluation past the limit
     assert (out / "drafter" / "model.safetensors").is_file()
     more = deepspeed_run(workspace, out, max_steps=3)
     assert [row["step"] for row in more if "loss" in row][0] > 1
