@@ -6,6 +6,10 @@
 #       ar,eagle-tree bf16 greedy (share of prompts identical to bf16 ar); ar,eagle-tree with host rounds
 #       (--no-device-rounds, 5 prompts: what device rounds gain);
 #   (c) the training smoke run (scripts/train_smoke.py: DeepSpeed ZeRO-2 in bf16, resume, CPU load).
+# It fails (exit 1) when a test fails, a part fails or runs out of time, or any CUDA graph capture fell back to
+# eager running (the bench JSONs' machine.graph_fallbacks; the tests fail on their own fallbacks).
+# The bench JSONs are eagle-bench reports with titles: copied into docs/results/ they replace the GPU sections
+# of the results page (make results).
 # $OUT (default ./gpu-out) gets at most 8 files: gpu-check.json (the summary), gpu-check.log (progress with
 # timestamps and the end of each part's output), pytest.xml, the four bench-*.json and train-smoke.json; each
 # part's whole output stays in $EAGLE_GPU_CHECK_WORK (default /tmp/gpu-check-work).
@@ -117,13 +121,15 @@ part tests $TEST_LIMIT env EAGLE_TEST_DEVICE=$TESTDEV $PY -m pytest -q -m "not s
 
 # (b) the benchmark: the first load converts the .gguf once into $EAGLE_CACHE
 part bench-fp32-greedy $BENCH_LIMIT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods hf,ar,eagle-tree --dtype float32 \
-  --json "$OUT/bench-fp32-greedy.json"
+  --title "One GPU, fp32, greedy (CUDA graphs, device rounds)" --json "$OUT/bench-fp32-greedy.json"
 part bench-fp32-t1 $SHORT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype float32 \
-  --temperature 1 --seed 0 --no-sampled-tree --json "$OUT/bench-fp32-t1.json"
+  --temperature 1 --seed 0 --no-sampled-tree --title "One GPU, fp32, temperature 1, top-k children (CUDA graphs, device rounds)" \
+  --json "$OUT/bench-fp32-t1.json"
 part bench-bf16-greedy $SHORT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype bfloat16 \
-  --json "$OUT/bench-bf16-greedy.json"
+  --title "One GPU, bf16, greedy (CUDA graphs, device rounds)" --json "$OUT/bench-bf16-greedy.json"
 part bench-fp32-host-rounds $SHORT "${BENCH[@]}" "${FEW[@]}" --methods ar,eagle-tree --dtype float32 --cuda-graphs \
-  --no-device-rounds --json "$OUT/bench-fp32-host-rounds.json"
+  --no-device-rounds --title "One GPU, fp32, greedy, host rounds (CUDA graphs, 5 prompts)" \
+  --json "$OUT/bench-fp32-host-rounds.json"
 
 # (c) training: DeepSpeed ZeRO-2 (bf16 on CUDA), checkpoint, resume, the drafter loaded on the CPU
 if $PY -c "import deepspeed" > /dev/null 2>&1; then
@@ -153,8 +159,9 @@ if xml.is_file():
     summary["tests"]["failed"] = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
                                   if c.find("failure") is not None or c.find("error") is not None]
 keys = ("tokens_per_second", "mean_accept_length", "speedup_vs_ar", "speedup_vs_hf", "identical_to_ar",
-        "identical_share", "step_fractions")
-for name in ("bench-fp32-greedy", "bench-fp32-t1", "bench-bf16-greedy", "bench-fp32-host-rounds"):
+        "identical_share", "step_fractions", "graph_captures", "graph_fallbacks")
+benches = ("bench-fp32-greedy", "bench-fp32-t1", "bench-bf16-greedy", "bench-fp32-host-rounds")
+for name in benches:
     path = out / f"{name}.json"
     if path.is_file():
         data = json.loads(path.read_text())
@@ -174,10 +181,26 @@ summary["headline"] = {
     "tree_vs_ar_bf16_greedy": b16.get("eagle-tree", {}).get("speedup_vs_ar"),
     "tree_identical_share_bf16": b16.get("eagle-tree", {}).get("identical_share"),
     "train_smoke_ok": summary.get("train-smoke", {}).get("ok"),
+    "graph_captures": sum(summary[n]["machine"].get("graph_captures", 0) for n in benches if n in summary),
+    "graph_fallbacks": sum(summary[n]["machine"].get("graph_fallbacks", 0) for n in benches if n in summary),
     "tests_passed": (summary.get("tests", {}).get("tests", 0) - summary.get("tests", {}).get("failures", 0)
                      - summary.get("tests", {}).get("errors", 0) - summary.get("tests", {}).get("skipped", 0)),
 }
+failed = [f"part {name} rc={row['rc']}" for name, row in summary["parts"].items()
+          if not row.get("skipped") and row.get("rc") != 0]
+failed += [f"test {t}" for t in summary.get("tests", {}).get("failed", [])]
+if summary["headline"]["graph_fallbacks"]:
+    failed.append(f"{summary['headline']['graph_fallbacks']} CUDA graph capture(s) fell back to eager running")
+if "tests" not in summary:
+    failed.append("no test report")
+summary["failed"] = failed
+summary["headline"]["ok"] = not failed
 (out / "gpu-check.json").write_text(json.dumps(summary, indent=2) + "\n")
 print(json.dumps(summary["headline"], indent=2))
+for line in failed:
+    print("FAILED:", line)
+sys.exit(1 if failed else 0)
 EOF
-say "gpu-check done: $OUT/gpu-check.json"
+rc=${PIPESTATUS[0]}
+say "gpu-check done (rc=$rc): $OUT/gpu-check.json"
+exit $rc

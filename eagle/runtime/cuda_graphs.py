@@ -15,6 +15,12 @@ in a ``torch.cuda.CUDAGraph`` and replayed with one launch:
   and which a later call overwrites; each padded row attends causally, so every value stays finite;
 - each (bucket, Lk, ...) shape is captured on first use, after warm-up runs on a side stream.
 
+A shape whose capture fails runs eagerly from then on (one warning per distinct error) and is
+counted: ``capture_stats`` says how many shapes were captured and how many fell back, process-wide;
+the tests, ``eagle-bench`` and ``scripts/gpu_check.sh`` treat a fallback as a failure. The capture
+itself is ``cuda_capture``; ``capture_with`` installs another (``eagle.runtime.fake_capture``: a CPU
+stand-in that refuses what CUDA capture refuses).
+
 With ``capture=False`` (and always on a CPU) the same buffers and the same function run eagerly,
 without graphs: the graph-free path the tests compare with the plain forward. Calls of more than
 ``BUCKETS[-1]`` tokens (a prefill) run eagerly at their own size. One runner owns one cache:
@@ -22,9 +28,10 @@ without graphs: the graph-free path the tests compare with the plain forward. Ca
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +43,58 @@ from eagle.runtime.decoder import LayerWeights, rms_norm, rotate, silu_mul
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_KEYS = 256  # the shortest attended cache length; longer ones double up to the capacity
 WARMUP_RUNS = 3
+
+
+_STATS = {"captured": 0, "fallbacks": 0}
+_ERRORS: list[str] = []  # each fallback's error, in order
+_WARNED: set[str] = set()
+_CAPTURE: list[Callable] = []  # a capture installed by ``capture_with`` (the last one wins)
+
+
+def capture_stats() -> dict:
+    """Process-wide counts since import: ``captured`` (static functions captured as graphs),
+    ``fallbacks`` (captures that failed: those shapes run eagerly), ``errors`` (each fallback's
+    error text)."""
+    return dict(_STATS, errors=list(_ERRORS))
+
+
+@contextlib.contextmanager
+def capture_with(capture: Callable) -> Iterator[None]:
+    """Runners made inside capture with ``capture(run, device, pool) -> (graph, output)`` (a graph
+    has ``replay()``) instead of ``cuda_capture``, on any device."""
+    _CAPTURE.append(capture)
+    try:
+        yield
+    finally:
+        _CAPTURE.remove(capture)
+
+
+def cuda_capture(run: Callable[[], Any], device: torch.device, pool: Any) -> tuple[Any, Any]:
+    """Warm ``run`` up on a side stream, then capture it (as PyTorch documents) and replay it once
+    (the capture itself computes nothing) -> (graph, its output in the graph's memory). Raises
+    what the capture raises."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(WARMUP_RUNS):
+            run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    graph.replay()
+    return graph, output
+
+
+def _fell_back(key: Any, exc: BaseException) -> None:
+    """Count a failed capture; warn once per distinct error."""
+    text = f"{type(exc).__name__}: {exc}"
+    _STATS["fallbacks"] += 1
+    _ERRORS.append(f"{key}: {text}")
+    if text not in _WARNED:
+        _WARNED.add(text)
+        warnings.warn(f"CUDA graph capture failed, running this shape eagerly (slow; see "
+                      f"eagle.runtime.cuda_graphs.capture_stats): {text}", stacklevel=4)
 
 
 def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int | None:
@@ -134,16 +193,18 @@ class _Runner:
     def __init__(self, cache: GraphCache, dtype: torch.dtype, device: torch.device, capture: bool,
                  buckets: Sequence[int]) -> None:
         self.cache, self.dtype, self.device = cache, dtype, device
-        self.capture = capture and device.type == "cuda"
+        self.capturer = _CAPTURE[-1] if _CAPTURE else cuda_capture if device.type == "cuda" else None
+        self.capture = capture and self.capturer is not None
         self.buckets = tuple(buckets)
         self.entries: dict[tuple, _Entry] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.pool = torch.cuda.graph_pool_handle() if self.capture and device.type == "cuda" else None
         self.min_value = torch.finfo(dtype).min
         top = self.buckets[-1]
         # [top, top] additive causal triangle; the cache positions as a device vector
         self.triangle = torch.full((top, top), self.min_value, dtype=dtype, device=device).triu(1)
         self.positions = torch.arange(cache.capacity + top, device=device)
         self.captured = 0
+        self.fallbacks = 0
 
     def new_cache(self) -> GraphCache:
         self.cache.set_length(0)
@@ -184,32 +245,25 @@ class _Runner:
         if entry.graph is not None:
             entry.graph.replay()
         elif self.capture and not entry.eager:
-            entry.output = self._capture(entry)
+            entry.output = self._capture(key, entry)
         else:
             entry.output = entry.run()
         return entry.output
 
-    def _capture(self, entry: _Entry) -> torch.Tensor:
-        """Warm up on a side stream, then capture (as PyTorch documents); the warm-up runs already
-        wrote this call's keys and values, so the caller gets their result without a replay."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_RUNS):
-                entry.run()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
+    def _capture(self, key: Any, entry: _Entry) -> Any:
+        """Capture ``entry`` (its run's result for this call); on failure count it, warn once and
+        run it eagerly from then on."""
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                output = entry.run()
+            entry.graph, output = self.capturer(entry.run, self.device, self.pool)
         except Exception as exc:  # noqa: BLE001 - an operation that cannot be captured: run this shape eagerly
-            warnings.warn(f"CUDA graph capture failed, running this shape eagerly: {type(exc).__name__}: {exc}")
-            torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.fallbacks += 1
+            _fell_back(key, exc)
             entry.eager = True
             return entry.run()
-        entry.graph = graph
         self.captured += 1
-        graph.replay()
+        _STATS["captured"] += 1
         return output
 
     def _shape(self, n: int) -> tuple[int, int, int]:
