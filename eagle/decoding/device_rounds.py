@@ -302,8 +302,9 @@ class DeviceTreeDrafter:
                 rows = torch.div(best, k, rounding_mode="floor")
                 frontier, frontier_scores, frontier_tokens = size + best, flat_scores[best], flat_tokens[best]
                 inputs = out[rows]
-                earlier = earlier[rows]
-                earlier[torch.arange(k, device=dev), (d - 1) * k + rows] = True
+                # each new frontier node's parent (row ``rows`` of this call) joins its ancestors; a scatter
+                # of a constant, not ``x[i] = True`` (whose host scalar a CUDA capture cannot copy)
+                earlier = earlier[rows].scatter(1, ((d - 1) * k + rows)[:, None], True)
             size += k * k
         return select_tree(torch.cat(tokens).long(), torch.cat(parents), torch.cat(pool_scores), pool_depths,
                            min(self.total, size), calls + 1)

@@ -290,3 +290,22 @@ def test_sampled_accept_follows_the_recursive_rule_in_distribution():
     expected = [want[key] * n for key in big] + ([sum(want[key] * n for key in small)] if small else [])
     expected = [e * n / sum(expected) for e in expected]
     assert chisquare(observed, expected).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("method", ["eagle-tree", "eagle-chain"])
+@pytest.mark.parametrize("kind", ["eagle", pytest.param("eagle3", marks=pytest.mark.slow)])
+def test_device_rounds_capture(request, fake_capture, kind, method):
+    """Every static function of a device round (the draft phase, the drafter's and the target's
+    forwards) is captured (by the CPU stand-in for CUDA capture where there is no GPU: a host
+    tensor, a host read or a data-dependent shape inside fails the test), and the replayed graphs
+    give ``ar``'s tokens."""
+    names = ("target", "drafter") if kind == "eagle" else ("eagle3_target", "eagle3_drafter")
+    target, drafter = (request.getfixturevalue(name) for name in names)
+    model = EagleModel.from_pretrained(target, drafter=drafter, cuda_graphs=True, device_rounds=True, total_tokens=12,
+                                       depth=4, top_k=3)
+    for ids in prompts(3, seed=4)[1:]:
+        got = model.generate(ids, method=method, max_new_tokens=16)
+        assert got.token_ids == model.generate(ids, method="ar", max_new_tokens=16).token_ids
+    runner = model._device_drafter(method, SamplingConfig()).drafter.runner
+    assert any(key[0] == "draft phase" and entry.graph is not None for key, entry in runner.entries.items())
+    assert runner.fallbacks == 0 and model.target.graphs.fallbacks == 0
