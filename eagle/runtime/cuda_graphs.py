@@ -297,6 +297,7 @@ class TargetGraphs(_Runner):
         with torch.inference_mode():
             cos, sin = lean.rotary(torch.zeros(1, dtype=dtype, device=device), self.positions[None, :capacity])
         self.cos, self.sin = cos[0], sin[0]  # [capacity, d]
+        self._step_inputs: dict[str, torch.Tensor] | None = None  # ``greedy_step``'s, shared by its shapes
 
     def curve_sizes(self) -> tuple[int, ...]:
         """Tree sizes for a cost curve (``eagle.decoding.tree_sizing``): each bucket and the size just past it."""
@@ -341,6 +342,44 @@ class TargetGraphs(_Runner):
                          lambda s, k: self._make(s, k, aux), fill)
         cache.set_length(past + n)
         return out[:, :n].clone()
+
+
+    def greedy_step(self, token: torch.Tensor, past: int) -> torch.Tensor:
+        """One greedy decoding step as one static function (one graph on CUDA, one per attended
+        length): ``token`` [1] (on the device) at position ``past`` (the cache's length) -> its keys
+        and values written there and the target's greedy next token [1] (static memory, overwritten
+        by the next step of the same attended length); the cache grows by one. The host writes two
+        scalars and replays; the mask, positions and write index are computed on the device."""
+        if past + 1 > self.cache.capacity:
+            raise EagleError(f"the static KV cache holds {self.cache.capacity} positions; {past + 1} needed")
+        keys_len = keys_for(past + 1, self.cache.capacity)
+        if self._step_inputs is None:
+            self._step_inputs = dict(token=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                                     past=torch.zeros((), dtype=torch.long, device=self.device))
+        inputs, lean = self._step_inputs, self.lean
+
+        def make() -> _Entry:
+            columns = self.positions[:keys_len]
+
+            def run() -> torch.Tensor:
+                past_ = inputs["past"]
+                pos = past_[None]  # [1]
+                mask = torch.zeros(keys_len, dtype=self.dtype, device=self.device).masked_fill(columns > past_,
+                                                                                           self.min_value)
+                x, _ = layer_stack(lean.layers, lean.embed(inputs["token"]), self.cos[pos][None, None],
+                                   self.sin[pos][None, None], self.cache.kv, pos, mask[None, None, None],
+                                   lean.num_heads, lean.num_kv_heads, lean.head_dim)
+                return lean.argmax(rms_norm(x, lean.norm, lean.norm_eps)[0])
+
+            return _Entry(inputs, run)
+
+        def fill(entry: _Entry) -> None:
+            inputs["token"].copy_(token.reshape(1, 1))
+            inputs["past"].fill_(past)
+
+        out = self.run_static(("greedy step", keys_len), make, fill)
+        self.cache.set_length(past + 1)
+        return out
 
 
 class GraphedDrafter:
