@@ -18,6 +18,7 @@ from eagle.decoding.device_rounds import (DeviceTree, ancestor_matrix, device_ro
 from eagle.decoding.tree import kept_nodes, subtree
 from eagle.decoding.tree_mask import tree_attention
 from eagle.errors import EagleError
+from eagle.runtime.fake_capture import syncs
 
 from tests.conftest import prompts, tiny_drafter, tiny_target
 from tests.decoding.test_proposers import brute_force_eagle2, flat_pair, target_prefill
@@ -175,22 +176,16 @@ def test_generation_stops_at_eos_and_at_the_context_end():
 
 
 class SyncCounter(TorchDispatchMode):
-    """Counts the operations that make a CUDA host wait for the device: reading a value
-    (``.item()``, ``int()``, ``bool()``), and the ops whose output size depends on the data."""
-
-    SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default",
-               "aten.masked_select.default", "aten.unique_consecutive.default", "aten._unique2.default"}
+    """Counts the operations that make a CUDA host wait for the device (``fake_capture.syncs``: a
+    value read, or an output size that depends on the data)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func) in self.SYNCING:
+        if syncs(func, args, kwargs or {}):
             self.counts[str(func)] += 1
-        if str(func).startswith("aten.index") and len(args) > 1 and isinstance(args[1], (list, tuple)) and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
-            self.counts["boolean index"] += 1
         return func(*args, **(kwargs or {}))
 
 
