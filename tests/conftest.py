@@ -90,6 +90,35 @@ def tiny_drafter(target: Target, seed: int = 1, **overrides) -> Drafter:
     return drafter
 
 
+@pytest.fixture(autouse=True)
+def no_graph_fallbacks(request):
+    """A test during which a graph capture fell back to eager running fails (the eager fallback is
+    for users; a shape that cannot be captured is a defect), unless marked ``graph_fallback``."""
+    from eagle.runtime.cuda_graphs import capture_stats
+
+    before = capture_stats()
+    yield
+    after = capture_stats()
+    if after["fallbacks"] > before["fallbacks"] and request.node.get_closest_marker("graph_fallback") is None:
+        pytest.fail(f"{after['fallbacks'] - before['fallbacks']} graph capture(s) fell back to eager running: "
+                    + "; ".join(after["errors"][len(before["errors"]):]), pytrace=False)
+
+
+@pytest.fixture
+def fake_capture():
+    """Static functions made during the test are captured by ``eagle.runtime.fake_capture`` (on
+    CPU): what a CUDA capture would refuse raises, and the fallback fails the test. On CUDA the real
+    capture runs."""
+    from eagle.runtime import cuda_graphs
+    from eagle.runtime.fake_capture import fake_capture as capture
+
+    if test_device().type == "cuda":  # the real capture is the check
+        yield None
+        return
+    with cuda_graphs.capture_with(capture):
+        yield capture
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_cost_curves(tmp_path_factory):
     """Cost curves measured in tests (tiny targets, a machine busy with tests) go to a temporary

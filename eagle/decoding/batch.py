@@ -307,7 +307,7 @@ class BatchDecoder:
         if entry is None:
             from eagle.runtime.cuda_graphs import capture_graph
 
-            graph, output = capture_graph(run, self.kv.device, self.pool)
+            graph, output = capture_graph(run, self.kv.device, self.pool, key=("batch", size, keys_len))
             self.graphs[(size, keys_len)] = (graph, output) if graph is not None else (None, None)
             return output
         graph, output = entry

@@ -102,6 +102,12 @@ class DeviceAcceptance:
     next_token: torch.Tensor
 
 
+def row(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` for a 0-dim device ``index`` without reading it back: Python indexing by a 0-dim
+    tensor reads its value to the host (a synchronisation on a GPU)."""
+    return x.index_select(0, index.reshape(1))[0]
+
+
 def deepest_agreeing(tree: DeviceTree, agrees: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``agrees`` [T] bool (the root's entry ignored): whether the target took each node given its
     parent. -> (the deepest node all of whose non-root ancestors-or-self agree [] (the first on a tie),
@@ -111,9 +117,9 @@ def deepest_agreeing(tree: DeviceTree, agrees: torch.Tensor) -> tuple[torch.Tens
     reached = ~(tree.ancestors & ~agrees[None, :]).any(-1)  # [T]
     best = torch.where(reached, tree.depths, -1).argmax()
     slots = torch.full((tree.max_depth + 2,), 0, dtype=torch.long, device=agrees.device)
-    on_path = tree.ancestors[best]
+    on_path = row(tree.ancestors, best)
     slots.scatter_(0, torch.where(on_path, tree.depths, tree.max_depth + 1), index)  # off-path nodes: a spare slot
-    return best, slots[:tree.max_depth + 1], tree.depths[best] + 1
+    return best, slots[:tree.max_depth + 1], row(tree.depths, best) + 1
 
 
 def greedy_accept(tree: DeviceTree, argmax: torch.Tensor) -> DeviceAcceptance:
@@ -121,7 +127,7 @@ def greedy_accept(tree: DeviceTree, argmax: torch.Tensor) -> DeviceAcceptance:
     ``argmax`` [T]: the target's greedy token after each node."""
     agrees = tree.tokens == argmax[tree.parents.clamp(min=0)]
     best, path, count = deepest_agreeing(tree, agrees)
-    return DeviceAcceptance(path, count, argmax[best])
+    return DeviceAcceptance(path, count, row(argmax, best))
 
 
 def sampled_accept(tree: DeviceTree, probs: torch.Tensor, generator: torch.Generator) -> DeviceAcceptance:
@@ -147,7 +153,7 @@ def sampled_accept(tree: DeviceTree, probs: torch.Tensor, generator: torch.Gener
     best, path, count = deepest_agreeing(tree, first)
     children = torch.zeros(probs.shape[-1], dtype=probs.dtype, device=probs.device)
     children.index_add_(0, tree.tokens, (tree.parents == best).to(probs.dtype))
-    owed_probs = probs[best] * (children == 0)
+    owed_probs = row(probs, best) * (children == 0)
     return DeviceAcceptance(path, count, sample(owed_probs, generator))
 
 
@@ -302,8 +308,9 @@ class DeviceTreeDrafter:
                 rows = torch.div(best, k, rounding_mode="floor")
                 frontier, frontier_scores, frontier_tokens = size + best, flat_scores[best], flat_tokens[best]
                 inputs = out[rows]
-                earlier = earlier[rows]
-                earlier[torch.arange(k, device=dev), (d - 1) * k + rows] = True
+                # each new frontier node's parent (row ``rows`` of this call) joins its ancestors; a scatter
+                # of a constant, not ``x[i] = True`` (whose host scalar a CUDA capture cannot copy)
+                earlier = earlier[rows].scatter(1, ((d - 1) * k + rows)[:, None], True)
             size += k * k
         return select_tree(torch.cat(tokens).long(), torch.cat(parents), torch.cat(pool_scores), pool_depths,
                            min(self.total, size), calls + 1)

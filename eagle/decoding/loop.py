@@ -192,3 +192,32 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
         clock.lap("other")
     yield finish(target, clock, new, accept_lengths, forwards, start, len(prompt_ids), stop, prefill_s, method)
 
+
+@torch.inference_mode()
+def static_greedy_loop(target: Target, prompt_ids: list[int], max_new_tokens: int,
+                       method: str = "ar") -> Iterator[list[int] | GenerationResult]:
+    """Plain greedy decoding (``ar``) on the static path (``target.graphs``): each token one
+    static function (``TargetGraphs.greedy_step``, one CUDA graph replay) and one host read.
+    ``decode_loop``'s contract and tokens."""
+    check_request(target, prompt_ids, max_new_tokens)
+    device, start = target.device, time.perf_counter()
+    ids, new, stop = list(prompt_ids), [], ""
+    cache = target.new_cache()
+    prompt = torch.tensor(ids, device=device)
+    if len(ids) > 1:  # prefill all but the last token, the first step's input
+        target.forward(prompt[None, :-1], torch.arange(len(ids) - 1, device=device)[None], cache,
+                       logits_from=len(ids) - 1)
+    token = prompt[-1:]
+    clock = Clock(device, events=True)  # synchronizes CUDA once: the prefill's own time
+    prefill_s = time.perf_counter() - start
+    while not stop:
+        room = min(max_new_tokens - len(new), target.max_context - len(ids))
+        token = target.graphs.greedy_step(token, len(ids) - 1)
+        clock.lap("verify")
+        chunk, stop = chunk_and_stop([int(token)], target, room, len(new), max_new_tokens)
+        clock.lap("accept")
+        ids.extend(chunk)
+        new.extend(chunk)
+        yield chunk
+        clock.lap("other")
+    yield finish(target, clock, new, [1] * len(new), len(new), start, len(prompt_ids), stop, prefill_s, method)

@@ -15,6 +15,12 @@ in a ``torch.cuda.CUDAGraph`` and replayed with one launch:
   and which a later call overwrites; each padded row attends causally, so every value stays finite;
 - each (bucket, Lk, ...) shape is captured on first use, after warm-up runs on a side stream.
 
+A shape whose capture fails runs eagerly from then on (one warning per distinct error) and is
+counted: ``capture_stats`` says how many shapes were captured and how many fell back, process-wide;
+the tests, ``eagle-bench`` and ``scripts/gpu_check.sh`` treat a fallback as a failure. The capture
+itself is ``cuda_capture``; ``capture_with`` installs another (``eagle.runtime.fake_capture``: a CPU
+stand-in that refuses what CUDA capture refuses; ``EAGLE_FAKE_CAPTURE=1`` uses it on a CPU).
+
 With ``capture=False`` (and always on a CPU) the same buffers and the same function run eagerly,
 without graphs: the graph-free path the tests compare with the plain forward. Calls of more than
 ``BUCKETS[-1]`` tokens (a prefill) run eagerly at their own size. One runner owns one cache:
@@ -22,9 +28,11 @@ without graphs: the graph-free path the tests compare with the plain forward. Ca
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +44,68 @@ from eagle.runtime.decoder import LayerWeights, rms_norm, rotate, silu_mul
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_KEYS = 256  # the shortest attended cache length; longer ones double up to the capacity
 WARMUP_RUNS = 3
+
+
+_STATS = {"captured": 0, "fallbacks": 0}
+_ERRORS: list[str] = []  # each fallback's error, in order
+_WARNED: set[str] = set()
+_CAPTURE: list[Callable] = []  # a capture installed by ``capture_with`` (the last one wins)
+
+
+def capture_stats() -> dict:
+    """Process-wide counts since import: ``captured`` (static functions captured as graphs),
+    ``fallbacks`` (captures that failed: those shapes run eagerly), ``errors`` (each fallback's
+    error text)."""
+    return dict(_STATS, errors=list(_ERRORS))
+
+
+@contextlib.contextmanager
+def capture_with(capture: Callable) -> Iterator[None]:
+    """Runners made inside capture with ``capture(run, device, pool) -> (graph, output)`` (a graph
+    has ``replay()``) instead of ``cuda_capture``, on any device."""
+    _CAPTURE.append(capture)
+    try:
+        yield
+    finally:
+        _CAPTURE.remove(capture)
+
+
+def _cpu_capture() -> Callable | None:
+    """``$EAGLE_FAKE_CAPTURE=1``: a CPU runner captures with ``eagle.runtime.fake_capture`` (a rehearsal of
+    what a GPU captures); else none."""
+    if os.environ.get("EAGLE_FAKE_CAPTURE") != "1":
+        return None
+    from eagle.runtime.fake_capture import fake_capture
+
+    return fake_capture
+
+
+def cuda_capture(run: Callable[[], Any], device: torch.device, pool: Any) -> tuple[Any, Any]:
+    """Warm ``run`` up on a side stream, then capture it (as PyTorch documents) and replay it once
+    (the capture itself computes nothing) -> (graph, its output in the graph's memory). Raises
+    what the capture raises."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(WARMUP_RUNS):
+            run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    graph.replay()
+    return graph, output
+
+
+def _fell_back(key: Any, exc: BaseException) -> None:
+    """Count a failed capture; warn once per distinct error."""
+    text = f"{type(exc).__name__}: {exc}"
+    _STATS["fallbacks"] += 1
+    _ERRORS.append(f"{key}: {text}")
+    if text not in _WARNED:
+        _WARNED.add(text)
+        warnings.warn(f"CUDA graph capture failed, running this shape eagerly (slow; see "
+                      f"eagle.runtime.cuda_graphs.capture_stats): {text}", stacklevel=4)
 
 
 def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int | None:
@@ -116,26 +186,19 @@ def layer_stack(layers: Sequence[LayerWeights], x: torch.Tensor, cos: torch.Tens
     return x, kept
 
 
-def capture_graph(run: Callable[[], Any], device: torch.device, pool: Any) -> tuple[Any, Any]:
-    """Warm ``run`` up on a side stream, then capture it in a ``torch.cuda.CUDAGraph`` (as PyTorch
-    documents) and replay it once -> (graph, its output in static memory). ``run`` must give the same
-    result when run again on the same inputs (the warm-up runs already wrote what it writes). An
-    operation that cannot be captured: a warning, and (None, the output of an eager run)."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(WARMUP_RUNS):
-            run()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
+def capture_graph(run: Callable[[], Any], device: torch.device, pool: Any, key: Any = "") -> tuple[Any, Any]:
+    """Capture ``run`` as a runner does (the installed capture, else ``cuda_capture``) -> (graph, its
+    output); a capture that fails is counted and warned as a runner's (``capture_stats``) and gives
+    (None, the output of an eager run)."""
+    capturer = _CAPTURE[-1] if _CAPTURE else cuda_capture
     try:
-        with torch.cuda.graph(graph, pool=pool):
-            output = run()
+        graph, output = capturer(run, device, pool)
     except Exception as exc:  # noqa: BLE001 - an operation that cannot be captured: run this shape eagerly
-        warnings.warn(f"CUDA graph capture failed, running this shape eagerly: {type(exc).__name__}: {exc}")
-        torch.cuda.synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        _fell_back(key, exc)
         return None, run()
-    graph.replay()
+    _STATS["captured"] += 1
     return graph, output
 
 
@@ -157,16 +220,18 @@ class _Runner:
     def __init__(self, cache: GraphCache, dtype: torch.dtype, device: torch.device, capture: bool,
                  buckets: Sequence[int]) -> None:
         self.cache, self.dtype, self.device = cache, dtype, device
-        self.capture = capture and device.type == "cuda"
+        self.capturer = _CAPTURE[-1] if _CAPTURE else cuda_capture if device.type == "cuda" else _cpu_capture()
+        self.capture = capture and self.capturer is not None
         self.buckets = tuple(buckets)
         self.entries: dict[tuple, _Entry] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.pool = torch.cuda.graph_pool_handle() if self.capture and device.type == "cuda" else None
         self.min_value = torch.finfo(dtype).min
         top = self.buckets[-1]
         # [top, top] additive causal triangle; the cache positions as a device vector
         self.triangle = torch.full((top, top), self.min_value, dtype=dtype, device=device).triu(1)
         self.positions = torch.arange(cache.capacity + top, device=device)
         self.captured = 0
+        self.fallbacks = 0
 
     def new_cache(self) -> GraphCache:
         self.cache.set_length(0)
@@ -207,19 +272,25 @@ class _Runner:
         if entry.graph is not None:
             entry.graph.replay()
         elif self.capture and not entry.eager:
-            entry.output = self._capture(entry)
+            entry.output = self._capture(key, entry)
         else:
             entry.output = entry.run()
         return entry.output
 
-    def _capture(self, entry: _Entry) -> torch.Tensor:
-        """Capture ``entry`` (``capture_graph``); a shape that cannot be captured runs eagerly from then on."""
-        graph, output = capture_graph(entry.run, self.device, self.pool)
-        if graph is None:
+    def _capture(self, key: Any, entry: _Entry) -> Any:
+        """Capture ``entry`` (its run's result for this call); on failure count it, warn once and
+        run it eagerly from then on."""
+        try:
+            entry.graph, output = self.capturer(entry.run, self.device, self.pool)
+        except Exception as exc:  # noqa: BLE001 - an operation that cannot be captured: run this shape eagerly
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.fallbacks += 1
+            _fell_back(key, exc)
             entry.eager = True
-        else:
-            entry.graph = graph
-            self.captured += 1
+            return entry.run()
+        self.captured += 1
+        _STATS["captured"] += 1
         return output
 
     def _shape(self, n: int) -> tuple[int, int, int]:
@@ -253,6 +324,7 @@ class TargetGraphs(_Runner):
         with torch.inference_mode():
             cos, sin = lean.rotary(torch.zeros(1, dtype=dtype, device=device), self.positions[None, :capacity])
         self.cos, self.sin = cos[0], sin[0]  # [capacity, d]
+        self._step_inputs: dict[str, torch.Tensor] | None = None  # ``greedy_step``'s, shared by its shapes
 
     def curve_sizes(self) -> tuple[int, ...]:
         """Tree sizes for a cost curve (``eagle.decoding.tree_sizing``): each bucket and the size just past it."""
@@ -297,6 +369,44 @@ class TargetGraphs(_Runner):
                          lambda s, k: self._make(s, k, aux), fill)
         cache.set_length(past + n)
         return out[:, :n].clone()
+
+
+    def greedy_step(self, token: torch.Tensor, past: int) -> torch.Tensor:
+        """One greedy decoding step as one static function (one graph on CUDA, one per attended
+        length): ``token`` [1] (on the device) at position ``past`` (the cache's length) -> its keys
+        and values written there and the target's greedy next token [1] (static memory, overwritten
+        by the next step of the same attended length); the cache grows by one. The host writes two
+        scalars and replays; the mask, positions and write index are computed on the device."""
+        if past + 1 > self.cache.capacity:
+            raise EagleError(f"the static KV cache holds {self.cache.capacity} positions; {past + 1} needed")
+        keys_len = keys_for(past + 1, self.cache.capacity)
+        if self._step_inputs is None:
+            self._step_inputs = dict(token=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                                     past=torch.zeros((), dtype=torch.long, device=self.device))
+        inputs, lean = self._step_inputs, self.lean
+
+        def make() -> _Entry:
+            columns = self.positions[:keys_len]
+
+            def run() -> torch.Tensor:
+                past_ = inputs["past"]
+                pos = past_[None]  # [1]
+                mask = torch.zeros(keys_len, dtype=self.dtype, device=self.device).masked_fill(columns > past_,
+                                                                                           self.min_value)
+                x, _ = layer_stack(lean.layers, lean.embed(inputs["token"]), self.cos[pos][None, None],
+                                   self.sin[pos][None, None], self.cache.kv, pos, mask[None, None, None],
+                                   lean.num_heads, lean.num_kv_heads, lean.head_dim)
+                return lean.argmax(rms_norm(x, lean.norm, lean.norm_eps)[0])
+
+            return _Entry(inputs, run)
+
+        def fill(entry: _Entry) -> None:
+            inputs["token"].copy_(token.reshape(1, 1))
+            inputs["past"].fill_(past)
+
+        out = self.run_static(("greedy step", keys_len), make, fill)
+        self.cache.set_length(past + 1)
+        return out
 
 
 class GraphedDrafter:

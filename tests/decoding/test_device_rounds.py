@@ -18,6 +18,7 @@ from eagle.decoding.device_rounds import (DeviceTree, ancestor_matrix, device_ro
 from eagle.decoding.tree import kept_nodes, subtree
 from eagle.decoding.tree_mask import tree_attention
 from eagle.errors import EagleError
+from eagle.runtime.fake_capture import syncs
 
 from tests.conftest import prompts, tiny_drafter, tiny_target
 from tests.decoding.test_proposers import brute_force_eagle2, flat_pair, target_prefill
@@ -175,22 +176,16 @@ def test_generation_stops_at_eos_and_at_the_context_end():
 
 
 class SyncCounter(TorchDispatchMode):
-    """Counts the operations that make a CUDA host wait for the device: reading a value
-    (``.item()``, ``int()``, ``bool()``), and the ops whose output size depends on the data."""
-
-    SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default",
-               "aten.masked_select.default", "aten.unique_consecutive.default", "aten._unique2.default"}
+    """Counts the operations that make a CUDA host wait for the device (``fake_capture.syncs``: a
+    value read, or an output size that depends on the data)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func) in self.SYNCING:
+        if syncs(func, args, kwargs or {}):
             self.counts[str(func)] += 1
-        if str(func).startswith("aten.index") and len(args) > 1 and isinstance(args[1], (list, tuple)) and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
-            self.counts["boolean index"] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -290,3 +285,22 @@ def test_sampled_accept_follows_the_recursive_rule_in_distribution():
     expected = [want[key] * n for key in big] + ([sum(want[key] * n for key in small)] if small else [])
     expected = [e * n / sum(expected) for e in expected]
     assert chisquare(observed, expected).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("method", ["eagle-tree", "eagle-chain"])
+@pytest.mark.parametrize("kind", ["eagle", pytest.param("eagle3", marks=pytest.mark.slow)])
+def test_device_rounds_capture(request, fake_capture, kind, method):
+    """Every static function of a device round (the draft phase, the drafter's and the target's
+    forwards) is captured (by the CPU stand-in for CUDA capture where there is no GPU: a host
+    tensor, a host read or a data-dependent shape inside fails the test), and the replayed graphs
+    give ``ar``'s tokens."""
+    names = ("target", "drafter") if kind == "eagle" else ("eagle3_target", "eagle3_drafter")
+    target, drafter = (request.getfixturevalue(name) for name in names)
+    model = EagleModel.from_pretrained(target, drafter=drafter, cuda_graphs=True, device_rounds=True, total_tokens=12,
+                                       depth=4, top_k=3)
+    for ids in prompts(3, seed=4)[1:]:
+        got = model.generate(ids, method=method, max_new_tokens=16)
+        assert got.token_ids == model.generate(ids, method="ar", max_new_tokens=16).token_ids
+    runner = model._device_drafter(method, SamplingConfig()).drafter.runner
+    assert any(key[0] == "draft phase" and entry.graph is not None for key, entry in runner.entries.items())
+    assert runner.fallbacks == 0 and model.target.graphs.fallbacks == 0

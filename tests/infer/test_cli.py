@@ -154,6 +154,33 @@ def test_bench_writes_the_report(saved, tmp_path, capsys, monkeypatch):
     assert green[:, 660:].sum() > 2000
 
 
+@pytest.mark.graph_fallback
+@pytest.mark.parametrize("fails", [False, True])
+def test_bench_reports_graph_captures_and_fallbacks(saved, tmp_path, capsys, fails):
+    """The static path with a capture (the CPU stand-in for CUDA's; one that always fails as the
+    control): the report counts captures and fallbacks per method and in the machine info, and a
+    fallback is said loudly."""
+    from eagle.runtime import cuda_graphs
+    from eagle.runtime.fake_capture import fake_capture
+
+    def failing(run, device, pool):
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+
+    report, prompts = tmp_path / "b.json", write_prompts(tmp_path / "p.jsonl", [{"prompt": "t3 t4 t5"}])
+    with cuda_graphs.capture_with(failing if fails else fake_capture):
+        assert bench.main(["--target", saved[0], "--drafter", saved[1], "--prompts", prompts, "--methods",
+                           "ar,eagle-tree", "--max-new-tokens", "6", "--cuda-graphs", "--device-rounds",
+                           "--warmup", "0", "--total-tokens", "6", "--json", str(report)]) == 0
+    out, err = capsys.readouterr()
+    data = json.loads(report.read_text())
+    machine = data["machine"]
+    assert (machine["graph_fallbacks"] > 0) == fails and (machine["graph_captures"] > 0) != fails
+    for name in ("ar", "eagle-tree"):
+        assert (data["methods"][name]["graph_fallbacks"] > 0) == fails
+    assert ("FELL BACK" in out and "FELL BACK" in err) == fails
+    assert "| method | captured | fell back |" in out
+
+
 def test_bench_loads_the_target_in_the_dtype_asked_for(saved, tmp_path):
     report, prompts = tmp_path / "b.json", write_prompts(tmp_path / "p.jsonl", [{"prompt": "t3 t4"}])
     for dtype in ("bfloat16", "float32"):

@@ -48,3 +48,12 @@ def test_a_file_that_is_no_bench_report_is_one_clear_error(tmp_path):
     path.write_text("{")
     with pytest.raises(EagleError, match="cannot read"):
         results.render([str(path)])
+
+
+def test_a_gpu_section_says_its_graph_captures_and_fallbacks():
+    gpu = report()
+    gpu["machine"].update(device="cuda", gpu="Some GPU", graph_captures=12, graph_fallbacks=0)
+    assert "CUDA graphs: 12 captured, 0 fell back to eager running." in results.section(gpu, "gpu.json")
+    gpu["machine"]["graph_fallbacks"] = 3
+    assert "3 fell back to eager running (NOT the fast path)" in results.section(gpu, "gpu.json")
+    assert "CUDA graphs" not in results.section(report(), "cpu.json")

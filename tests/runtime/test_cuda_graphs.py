@@ -239,3 +239,27 @@ def test_graph_replay_of_a_tree_forward_equals_the_eager_one(pair):
 @cuda
 def test_cuda_targets_use_graphs_by_default(target):
     assert EagleModel.from_pretrained(target).target.graphs.capture
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_greedy_steps_as_one_graph_each_give_plain_decoding(request, capture):
+    """``ar`` on the static path: one static function a token (captured by the CPU stand-in for
+    CUDA capture, or eagerly), past the first attended length (256) into the next; the same
+    tokens and stop reasons as plain decoding, one graph per attended length (256, then the
+    capacity: 384)."""
+    if capture:
+        request.getfixturevalue("fake_capture")
+    target = tiny_target(seed=5, max_positions=320)
+    plain = EagleModel.from_pretrained(target, cuda_graphs=False)
+    static = EagleModel.from_pretrained(target, cuda_graphs=True)
+    gen = torch.Generator().manual_seed(3)
+    long = torch.randint(1, target.vocab_size, (250,), generator=gen).tolist()
+    for ids, budget in ((long, 80), ([5], 6)):  # the first runs into the context's end (320)
+        want = plain.generate(ids, method="ar", max_new_tokens=budget)
+        got = static.generate(ids, method="ar", max_new_tokens=budget)
+        assert got.token_ids == want.token_ids and got.stop_reason == want.stop_reason
+        assert got.accept_lengths == [1] * len(got.token_ids) == want.accept_lengths
+    steps = [key for key in static.target.graphs.entries if key[0] == "greedy step"]
+    assert sorted(key[1] for key in steps) == [256, static.target.graphs.cache.capacity]
+    if capture or device_under_test().type == "cuda":
+        assert all(static.target.graphs.entries[key].graph is not None for key in steps)
