@@ -64,8 +64,8 @@ def cpu_has_avx512f() -> bool:
 
 def server_binary(folder: Path, name: str = "llama-server") -> Path:
     """``name`` in the build folder: ``build/bin/`` (the AVX-512 build of ``scripts/llama_cpp.sh``) or
-    ``build-avx2/bin/``, whichever this CPU runs first, else ``bin/`` or the folder itself."""
-    builds = ("build/bin", "build-avx2/bin") if cpu_has_avx512f() else ("build-avx2/bin",)
+    ``build-avx2/bin/``, the one this CPU runs best first, else ``bin/`` or the folder itself."""
+    builds = ("build/bin", "build-avx2/bin") if cpu_has_avx512f() else ("build-avx2/bin", "build/bin")
     for sub in builds + ("bin", "."):
         path = folder / sub / name
         if path.is_file():

@@ -105,18 +105,24 @@ def no_graph_fallbacks(request):
 
 
 @pytest.fixture
-def fake_capture():
+def fake_capture(monkeypatch):
     """Static functions made during the test are captured by ``eagle.runtime.fake_capture`` (on
-    CPU): what a CUDA capture would refuse raises, and the fallback fails the test. On CUDA the real
-    capture runs."""
-    from eagle.runtime import cuda_graphs
+    CPU, with the compiled kernels off: a recording cannot replay them): what a CUDA capture would
+    refuse raises, and the fallback fails the test. On CUDA the real capture runs."""
+    from eagle.runtime import cuda_graphs, kernels
     from eagle.runtime.fake_capture import fake_capture as capture
 
     if test_device().type == "cuda":  # the real capture is the check
         yield None
         return
-    with cuda_graphs.capture_with(capture):
-        yield capture
+    monkeypatch.setenv("EAGLE_CPU_KERNELS", "0")
+    kernels.cpu_kernels.cache_clear()
+    try:
+        with cuda_graphs.capture_with(capture):
+            yield capture
+    finally:
+        monkeypatch.undo()
+        kernels.cpu_kernels.cache_clear()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -75,6 +75,10 @@ def _cpu_capture() -> Callable | None:
     what a GPU captures); else none."""
     if os.environ.get("EAGLE_FAKE_CAPTURE") != "1":
         return None
+    from eagle.runtime.kernels import cpu_kernels
+
+    if cpu_kernels() is not None:  # their calls bypass torch's dispatcher: a recording could not replay them
+        raise EagleError("EAGLE_FAKE_CAPTURE=1 records torch's operations only: set EAGLE_CPU_KERNELS=0 too")
     from eagle.runtime.fake_capture import fake_capture
 
     return fake_capture

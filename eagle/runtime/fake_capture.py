@@ -137,7 +137,9 @@ class FakeGraph:
 def fake_capture(run: Callable[[], Any], device: torch.device, pool: Any = None) -> tuple[FakeGraph, Any]:
     """``cuda_capture``'s contract on any device: warm up (run once), then run ``run`` under
     ``HostCheck`` (raising ``HostAccessError`` where a CUDA capture would fail) -> (the recorded
-    graph, the output of that run)."""
+    graph, the output of that run). Only torch's operations are recorded: the compiled CPU kernels
+    (``eagle.runtime.kernels``) bypass its dispatcher, so run what is captured without them
+    (``EAGLE_CPU_KERNELS=0``; a GPU's capture never meets them)."""
     run()
     check = HostCheck()
     saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
