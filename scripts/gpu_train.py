@@ -1,11 +1,13 @@
 """One GPU window that retrains the drafters: data, training of each drafter kind, accepted length.
 
-    python scripts/gpu_train.py --out DIR [--target SPEC] [--budget 630] [--sharegpt FILE] [--init-eagle3 DIR] ...
+    python scripts/gpu_train.py --out DIR [--target SPEC] [--budget 630] [--source FILE] [--init-eagle3 DIR] ...
 
-1. Data: with ``--sharegpt`` (a ShareGPT .json/.jsonl, a cut-off JSON array read element by element)
-   its first user turns (not a dev prompt, at most ``--prompts``) are answered by the target
-   (``eagle-selfdistill --answer``, batched) for at most ``--gen-s`` seconds; the answers complete by
-   then are used with the ``--data`` chat files (default: the tracked ``data/*/data.jsonl.gz``).
+1. Data: with ``--source`` (a ShareGPT/OpenAI .json/.jsonl(.gz), e.g. made by ``--prepare-sharegpt``)
+   every user turn of its conversations is answered by the target, each given the regenerated
+   conversation before it (``eagle-selfdistill`` with ``source``: ``train.regenerate``; keys from
+   ``--set-data``), for at most ``--gen-s`` seconds; the conversations complete by then are used
+   (``data.jsonl``; ``heldout.jsonl`` is left out of training) with the ``--data`` chat files
+   (default: the tracked ``data/*/data.jsonl.gz``).
 2. Training: each kind of ``--kinds`` (``eagle3``, ``eagle``) in turn, online features on packed rows
    (``pack_tokens``), bf16 on CUDA, until its share of the time left (``max_wall_s``), warm-started from
    ``--init-eagle3`` / ``--init-eagle`` when given.
@@ -13,10 +15,11 @@
    (total_tokens 60, depth 6, tree top-k 10, no lookup), each new drafter and (for the default target) the
    shipped one of its kind.
 4. ``--out`` gets at most 8 files of at most 15 MiB: ``window.json`` (the report), ``window.log``,
-   ``<kind>-drafter.tar`` per kind (config and 8-bit block-coded weights, as shipped) and the answers
-   made in step 1 (``data.jsonl.gz``, split into parts when larger).
+   ``<kind>-drafter.tar`` per kind (config and 8-bit block-coded weights, as shipped) and the
+   conversations made in step 1 (``heldout.jsonl.gz``, ``data.jsonl.gz``, split into parts when larger).
 
-Every step's whole output stays in ``--work``. Exit status 0 when every kind trained and was measured."""
+Every step's whole output stays in ``--work``. Exit status 0 when the data step ran (stopped at its time
+limit or not) and every kind trained and was measured."""
 
 from __future__ import annotations
 
@@ -34,7 +37,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from eagle.errors import read_text  # noqa: E402
 from train.launch import run_single  # noqa: E402
+from train.regenerate import benchmark_prompts, completed, read_elements, select_chats, sharegpt_path  # noqa: E402
 
 RECIPE = ROOT / "configs" / "recipes" / "smollm2-135m-instruct"
 TRACKED = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "data").glob("*/data.jsonl.gz"))
@@ -50,94 +55,55 @@ def log(message: str, path: Path) -> None:
         f.write(line + "\n")
 
 
-def sharegpt_records(path: Path):
-    """The records of a ShareGPT file: JSON lines, or a JSON array read element by element, so a
-    file cut off mid-array yields every complete record before the cut."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        text = f.read()
-    head = text.lstrip()
-    if not head.startswith("["):
-        for line in text.splitlines():
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except ValueError:
-                    continue
-        return
-    decoder, i = json.JSONDecoder(), text.index("[") + 1
-    while True:
-        while i < len(text) and text[i] in " \t\r\n,":
-            i += 1
-        if i >= len(text) or text[i] == "]":
-            return
-        try:
-            record, i = decoder.raw_decode(text, i)
-        except ValueError:
-            return  # the cut
-        yield record
-
-
-def sharegpt_prompts(path: Path, n: int, exclude: set[str], max_chars: int = 2000) -> list[dict]:
-    """At most ``n`` distinct first user turns of a ShareGPT file (``{prompt, category}``), in file
-    order, none in ``exclude`` and none longer than ``max_chars``."""
-    seen, prompts = set(exclude), []
-    for record in sharegpt_records(path):
-        turns = record.get("conversations") if isinstance(record, dict) else None
-        first = next((t.get("value") for t in turns or [] if isinstance(t, dict) and t.get("from") in ("human", "user")),
-                     None)
-        if not isinstance(first, str) or not first.strip() or len(first) > max_chars or first in seen:
-            continue
-        seen.add(first)
-        prompts.append({"prompt": first, "category": "sharegpt"})
-        if len(prompts) == n:
-            break
-    return prompts
-
-
-def prepare_sharegpt(source: Path, dest: Path) -> int:
-    """The first user turns of a ShareGPT file as a small ShareGPT .jsonl.gz (one human turn per record)
-    to carry instead of the whole file; -> records written."""
-    records = [{"conversations": [{"from": "human", "value": p["prompt"]}]}
-               for p in sharegpt_prompts(source, 10 ** 9, set())]
+def prepare_sharegpt(source: str, dest: Path, exclude_prompts: str = "benchmarks/prompts") -> dict:
+    """The conversations of a ShareGPT/OpenAI file (or ``sharegpt``: the PyPI package's) that the data step
+    would answer (deduplicated, none with a benchmark prompt of ``exclude_prompts``), system and user turns only,
+    as a ShareGPT .jsonl.gz small enough to carry (``source=`` reads it); -> counts."""
+    path = sharegpt_path() if source == "sharegpt" else Path(source)
+    records, _, _ = read_elements(read_text(path))
+    chats, stats = select_chats(records, benchmark_prompts(exclude_prompts), 0.0, 0)
+    lines = []
+    for chat in chats:
+        turns = [{"from": "system", "value": chat.system}] if chat.system else []
+        turns += [{"from": "human", "value": user} for user in chat.users]
+        lines.append(json.dumps({"conversations": turns}, ensure_ascii=False) + "\n")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_bytes(gzip.compress("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode(), 9))
-    return len(records)
+    dest.write_bytes(gzip.compress("".join(lines).encode(), 9))
+    return {"conversations": len(chats), "user_turns": sum(len(c.users) for c in chats), "bytes": dest.stat().st_size,
+            "records": stats["records"], "duplicates": stats["duplicates"],
+            "excluded_benchmark": stats["excluded_benchmark"]}
 
 
-def complete_lines(path: Path) -> int:
-    """Drop a half-written last line of a JSONL file (a generation stopped mid-write); -> lines kept."""
-    if not path.is_file():
-        return 0
-    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.endswith("}")]
-    path.write_text("".join(ln + "\n" for ln in lines), encoding="utf-8")
-    return len(lines)
+def data_keys(args, out_dir: Path) -> list[str]:
+    """The data step's ``eagle-selfdistill --set`` items: the window's, then ``--set-data`` (the last one wins)."""
+    return [f"source={args.source}", f"out_dir={out_dir}", f"target={args.target}", "num_conversations=30000",
+            "answer_max_tokens=256", *args.set_data]
 
 
 def make_data(args, work: Path, logf: Path, deadline: float) -> dict:
-    """Step 1: the target's answers to ShareGPT prompts, within ``--gen-s`` seconds."""
-    from eagle.prompts import read_prompts
-
-    exclude = {p["prompt"] for p in read_prompts(ROOT / "benchmarks" / "prompts" / "dev.jsonl")}
-    prompts = sharegpt_prompts(Path(args.sharegpt), args.prompts, exclude)
-    prompt_file, answers = work / "prompts.jsonl", work / "answers.jsonl"
-    prompt_file.write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts), encoding="utf-8")
+    """Step 1: ``--source``'s conversations, every user turn answered by the target (``eagle-selfdistill``
+    with ``source``: ``train.regenerate``), stopped after ``--gen-s`` seconds; the conversations complete
+    by then are kept (``data.jsonl``, ``heldout.jsonl`` in ``work/data``)."""
+    out_dir = work / "data"
     limit = max(1, min(args.gen_s, deadline - time.time()))
-    log(f"data: answering {len(prompts)} ShareGPT prompts for at most {limit:.0f}s", logf)
+    cmd = [sys.executable, "-m", "train.selfdistill", "--set", *data_keys(args, out_dir)]
+    log(f"data: answering {args.source} for at most {limit:.0f}s: {' '.join(cmd[2:])}", logf)
     t0 = time.time()
-    cmd = [sys.executable, "-m", "train.selfdistill", "--answer", str(prompt_file), "--out", str(answers),
-           "--max-new-tokens", str(args.answer_tokens), "--set", f"target={args.target}",
-           f"batch_size={args.gen_batch}"]
     with (work / "selfdistill.txt").open("w") as out:
         try:
             rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=limit).returncode
         except subprocess.TimeoutExpired:
-            rc = 124  # expected: the answers complete by then are kept
-    kept = complete_lines(answers)
+            rc = 124  # expected: the conversations complete by then are kept
     took = time.time() - t0
-    log(f"data: {kept} answers in {took:.0f}s (rc {rc})", logf)
-    return {"prompts": len(prompts), "answers": kept, "seconds": round(took, 1), "rc": rc,
-            "file": str(answers) if kept else None}
+    train, heldout = completed(out_dir / "data.jsonl"), completed(out_dir / "heldout.jsonl")
+    answers = sum(1 for r in train + heldout for t in r["conversations"] if t["from"] == "gpt")
+    stats_path = out_dir / "stats.json"
+    source = json.loads(stats_path.read_text()).get("source") if stats_path.is_file() else None
+    log(f"data: {len(train)} + {len(heldout)} held-out conversations, {answers} answers in {took:.0f}s (rc {rc})",
+        logf)
+    return {"conversations": len(train), "heldout": len(heldout), "answers": answers, "seconds": round(took, 1),
+            "rc": rc, "source": source, "file": str(out_dir / "data.jsonl") if train else None,
+            "heldout_file": str(out_dir / "heldout.jsonl") if heldout else None}
 
 
 def ds_config(args, work: Path, kind: str) -> Path:
@@ -201,20 +167,21 @@ def pack_drafter(folder: Path, tar_path: Path) -> int:
 
 
 def return_data(answers: Path, out: Path, max_parts: int) -> list[str]:
-    """The answers, gzipped, as ``data.jsonl.gz`` or (larger than one returned file) parts
-    ``data.jsonl.gz.00``, ``.01``, ... to concatenate; at most ``max_parts`` (lines past them dropped)."""
+    """A JSONL file of the data step, gzipped, as ``<name>.gz`` or (larger than one returned file) parts
+    ``<name>.gz.00``, ``.01``, ... to concatenate; at most ``max_parts`` (lines past them dropped)."""
     blob = gzip.compress(answers.read_bytes(), compresslevel=9)
     if len(blob) > PIECE * max_parts:  # keep the first lines that fit
         lines = answers.read_bytes().splitlines(keepends=True)
         while len(blob) > PIECE * max_parts and lines:
             lines = lines[: int(len(lines) * PIECE * max_parts / len(blob) * 0.97)]
             blob = gzip.compress(b"".join(lines), compresslevel=9)
+    name = answers.name + ".gz"
     if len(blob) <= PIECE:
-        (out / "data.jsonl.gz").write_bytes(blob)
-        return ["data.jsonl.gz"]
+        (out / name).write_bytes(blob)
+        return [name]
     names = []
     for i in range(0, len(blob), PIECE):
-        names.append(f"data.jsonl.gz.{i // PIECE:02d}")
+        names.append(f"{name}.{i // PIECE:02d}")
         (out / names[-1]).write_bytes(blob[i:i + PIECE])
     return names
 
@@ -260,13 +227,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=630, help="seconds for everything")
     parser.add_argument("--kinds", default="eagle3,eagle", help="drafter kinds to train, in this order")
     parser.add_argument("--eagle3-share", type=float, default=0.6, help="eagle3's share of the training time")
-    parser.add_argument("--sharegpt", help="ShareGPT file whose first user turns the target answers")
-    parser.add_argument("--prompts", type=int, default=30000, help="at most this many ShareGPT prompts")
+    parser.add_argument("--source", help="conversations whose user turns the target answers (eagle-selfdistill's "
+                                         "source: a ShareGPT/OpenAI .json/.jsonl(.gz), or sharegpt)")
+    parser.add_argument("--set-data", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="eagle-selfdistill keys of the data step (default num_conversations=30000 "
+                             "answer_max_tokens=256)")
     parser.add_argument("--gen-s", type=float, default=150, help="seconds of answering at most")
-    parser.add_argument("--gen-batch", type=int, default=256)
-    parser.add_argument("--answer-tokens", type=int, default=256)
-    parser.add_argument("--data", nargs="*", default=TRACKED, help="chat files trained on besides the answers")
-    parser.add_argument("--dev-data", default="data/dev-smollm2-greedy.jsonl", help="held-out chats ('' = none)")
+    parser.add_argument("--data", nargs="*", default=TRACKED, help="chat files trained on besides the data step's")
+    parser.add_argument("--dev-data", default="data/dev-smollm2-greedy.jsonl",
+                        help="chats the trainers evaluate on: a file, heldout (the data step's held-out "
+                             "conversations) or '' (none)")
     parser.add_argument("--init-eagle3", default="", help="warm start: an eagle3 drafter folder")
     parser.add_argument("--init-eagle", default="", help="warm start: an eagle drafter folder")
     parser.add_argument("--set-eagle3", nargs="*", default=[], metavar="KEY=VALUE", help="train config overrides")
@@ -285,12 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=None,
                         help="also measure the shipped drafters (default: for the default target)")
     parser.add_argument("--prepare-sharegpt", metavar="DEST",
-                        help="instead: write --sharegpt's first user turns to DEST (.jsonl.gz, small enough to carry)")
+                        help="instead: write --source's conversations, system and user turns, to DEST (.jsonl.gz, "
+                             "small enough to carry)")
     args = parser.parse_args(argv)
     if args.prepare_sharegpt:
-        if not args.sharegpt:
-            parser.error("--prepare-sharegpt needs --sharegpt")
-        print(f"{prepare_sharegpt(Path(args.sharegpt), Path(args.prepare_sharegpt))} prompts -> {args.prepare_sharegpt}")
+        if not args.source:
+            parser.error("--prepare-sharegpt needs --source")
+        print(json.dumps(prepare_sharegpt(args.source, Path(args.prepare_sharegpt))))
         return 0
     import torch
 
@@ -316,12 +287,15 @@ def main(argv: list[str] | None = None) -> int:
         report["gpu"] = torch.cuda.get_device_name(0)
     log(f"window: {args.device} {report.get('gpu', '')}, budget {args.budget:.0f}s, kinds {kinds}", logf)
     data = list(args.data)
-    if args.sharegpt:
+    if args.source:
         made = make_data(args, work, logf, deadline - args.bench_s - len(kinds) * args.startup_s - 30)
         report["data"] = made
         if made["file"]:
             data.append(made["file"])
-    report["data_files"] = data
+    if args.dev_data == "heldout":
+        args.dev_data = report.get("data", {}).get("heldout_file") or ""
+        log(f"dev data: {args.dev_data or 'none (no held-out conversations)'}", logf)
+    report["data_files"], report["dev_data"] = data, args.dev_data
     drafters: dict[str, Path] = {}
     for n, kind in enumerate(kinds):
         left = deadline - time.time() - args.bench_s - (len(kinds) - n) * args.startup_s
@@ -355,11 +329,16 @@ def main(argv: list[str] | None = None) -> int:
         size = pack_drafter(folder, out / f"{kind}-drafter.tar")
         report["kinds"][kind]["returned_bytes"] = size
         files.append(f"{kind}-drafter.tar")
-    if report.get("data", {}).get("file"):
-        report["data"]["returned"] = return_data(Path(report["data"]["file"]), out, 8 - len(files))
+    returned = []
+    for key in ("heldout_file", "file"):  # the small held-out file first: the training data may take parts
+        if report.get("data", {}).get(key):
+            returned += return_data(Path(report["data"][key]), out, 8 - len(files) - len(returned))
+    if returned:
+        report["data"]["returned"] = returned
     report["wall_s"] = round(time.time() - start, 1)
-    report["ok"] = bool(kinds) and all(report["kinds"].get(k, {}).get("rc") == 0 for k in kinds) and all(
-        report["kinds"][k].get("accept_length") for k in kinds)
+    report["ok"] = (report.get("data", {}).get("rc", 0) in (0, 124) and bool(kinds)
+                    and all(report["kinds"].get(k, {}).get("rc") == 0 for k in kinds)
+                    and all(report["kinds"][k].get("accept_length") for k in kinds))
     (out / "window.json").write_text(json.dumps(report, indent=2) + "\n")
     log(f"window done in {report['wall_s']:.0f}s, ok {report['ok']}: {out / 'window.json'}", logf)
     return 0 if report["ok"] else 1

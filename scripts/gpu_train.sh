@@ -83,7 +83,7 @@ init() {
   echo "$given"
 }
 args=(--out "$OUT" --work "$WORK" --target "$TARGET")
-[ -n "$SHAREGPT" ] && args+=(--sharegpt "$SHAREGPT")
+[ -n "$SHAREGPT" ] && args+=(--source "$SHAREGPT")
 [ -n "${EAGLE_GPU_DEVICE:-}" ] && args+=(--device "$EAGLE_GPU_DEVICE")
 I3=$(init eagle3 "${EAGLE_GPU_INIT_EAGLE3:-}"); [ -n "$I3" ] && args+=(--init-eagle3 "$I3")
 I1=$(init eagle "${EAGLE_GPU_INIT_EAGLE:-}"); [ -n "$I1" ] && args+=(--init-eagle "$I1")

@@ -62,7 +62,7 @@ def read_numbered(source: str) -> tuple[list[tuple[str, Any]], list[str]]:
                 raise EagleError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno})") from None
             return [(f"{path}[{i}]", r) for i, r in enumerate(records)], []
         records, bad = [], []
-        for n, line in enumerate(text.splitlines(), 1):
+        for n, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028, ... occur inside JSON strings
             if not line.strip():
                 continue
             try:

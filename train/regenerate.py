@@ -68,7 +68,7 @@ def read_elements(text: str) -> tuple[list[Any], int, bool]:
     body = text.lstrip()
     if not body.startswith("["):
         records, bad = [], 0
-        for line in text.splitlines():
+        for line in text.split("\n"):  # not splitlines(): U+2028, U+0085, ... occur inside JSON strings
             if line.strip():
                 try:
                     records.append(json.loads(line))
@@ -180,7 +180,7 @@ def completed(path: Path) -> list[dict]:
     killed run) is cut off the file."""
     if not path.exists():
         return []
-    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.endswith("}")]
+    lines = [ln for ln in path.read_text(encoding="utf-8").split("\n") if ln.endswith("}")]  # as read_elements
     path.write_text("".join(ln + "\n" for ln in lines), encoding="utf-8")
     return [json.loads(ln) for ln in lines]
 

@@ -1,6 +1,7 @@
 """The GPU window (scripts/gpu_train.sh -> scripts/gpu_train.py) rehearsed on the CPU with a tiny target and
-tiny budgets: ShareGPT prompts answered, both drafter kinds trained on packed rows (one warm-started from a
-returned .tar), accepted length measured, and at most 8 returned files of at most 16 MiB."""
+tiny budgets: every user turn of cut-off ShareGPT conversations answered (multi-turn), both drafter kinds trained
+on packed rows (one warm-started from a returned .tar), accepted length measured, and at most 8 returned files of
+at most 16 MiB; and the carried ShareGPT file that --prepare-sharegpt makes."""
 
 from __future__ import annotations
 
@@ -21,18 +22,28 @@ from tests.train.test_train import save_tiny_chat_target, synthetic_chats
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_train import sharegpt_prompts  # noqa: E402
+from gpu_train import prepare_sharegpt  # noqa: E402
+from train.regenerate import read_elements, user_turns  # noqa: E402
 
 
-def test_sharegpt_prompts_read_a_cut_off_array_and_skip_excluded(tmp_path):
-    records = [{"id": str(i), "conversations": [{"from": "human", "value": f"question {i % 5}"},
-                                                {"from": "gpt", "value": "answer"}]} for i in range(8)]
+def test_prepare_sharegpt_keeps_system_and_user_turns_of_complete_distinct_conversations(tmp_path):
+    records = [{"id": str(i), "conversations": [{"from": "system", "value": "be brief"}] * (i == 2) + [
+        {"from": "human", "value": f"question {i % 5}"}, {"from": "gpt", "value": "answer"},
+        {"from": "human", "value": f"more {i % 5}"}, {"from": "gpt", "value": "answer"}]} for i in range(8)]
     text = json.dumps(records)
     cut = tmp_path / "sharegpt.json"
     cut.write_text(text[: text.index('"id": "6"') + 3])  # cut inside the seventh record
-    prompts = sharegpt_prompts(cut, 10, exclude={"question 1"})
-    assert [p["prompt"] for p in prompts] == ["question 0", "question 2", "question 3", "question 4"]
-    assert len(sharegpt_prompts(cut, 2, exclude=set())) == 2
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps({"prompt": "more  1", "category": "x"}) + "\n")
+    dest = tmp_path / "carried" / "conversations.jsonl.gz"
+    counts = prepare_sharegpt(str(cut), dest, exclude_prompts=str(bench))
+    kept, bad, cut_short = read_elements(gzip.decompress(dest.read_bytes()).decode())
+    assert (bad, cut_short) == (0, False)
+    assert (counts["records"], counts["duplicates"], counts["excluded_benchmark"]) == (6, 1, 1)
+    assert counts["conversations"] == len(kept) == 4 and counts["user_turns"] == 8
+    assert [user_turns(r) for r in kept] == [(None, ["question 0", "more 0"]), ("be brief", ["question 2", "more 2"]),
+                                             (None, ["question 3", "more 3"]), (None, ["question 4", "more 4"])]
+    assert all(t["from"] != "gpt" for r in kept for t in r["conversations"])
 
 
 @pytest.mark.slow
@@ -40,10 +51,11 @@ def test_the_gpu_window_rehearsed_on_the_cpu(tmp_path):
     target_dir = save_tiny_chat_target(tmp_path / "target")
     chats = synthetic_chats(tmp_path / "chats.jsonl", n=40)
     questions = [{"conversations": [{"from": "human", "value": f"t{5 + i % 20} t{6 + i % 13} t9"},
+                                    {"from": "gpt", "value": "t4"}, {"from": "human", "value": f"t{7 + i} t8"},
                                     {"from": "gpt", "value": "t4"}]} for i in range(12)]
     sharegpt = tmp_path / "sharegpt.json"
     sharegpt.write_text(json.dumps(questions)[:-30])  # cut off, as the carried file is
-    (tmp_path / "bench.jsonl").write_text(json.dumps({"prompt": "t5 t6 t7", "category": "x"}) + "\n")
+    (tmp_path / "bench.jsonl").write_text(json.dumps({"prompt": "t7 t8", "category": "x"}) + "\n")  # conversation 0
     target = load_target(str(target_dir), lean=False)
     warm = tmp_path / "warm"
     Drafter.from_target(target, draft_vocab_size=16, token_counts=None).save_pretrained(warm / "eagle-drafter")
@@ -55,8 +67,10 @@ def test_the_gpu_window_rehearsed_on_the_cpu(tmp_path):
            "EAGLE_GPU_DEVICE": "cpu", "EAGLE_GPU_INIT_EAGLE": str(warm / "eagle-drafter.tar"),
            "EAGLE_GPU_TRAIN_WORK": str(tmp_path / "work"), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     # budgets far above what the work needs (a busy CPU is slow to start processes): steps bound the training
-    args = ["--budget", "400", "--gen-s", "120", "--prompts", "8", "--answer-tokens", "8", "--gen-batch", "4",
-            "--data", str(chats), "--dev-data", "", "--pack-tokens", "96", "--rows", "2", "--startup-s", "60",
+    args = ["--budget", "400", "--gen-s", "120", "--data", str(chats), "--dev-data", "heldout",
+            "--set-data", "num_conversations=8", "answer_max_tokens=8", "rows=4", "context_tokens=96",
+            "heldout_fraction=0.3", f"exclude_prompts={tmp_path / 'bench.jsonl'}", "--pack-tokens", "96",
+            "--rows", "2", "--startup-s", "60",
             "--bench-s", "120", "--bench-prompts", str(tmp_path / "bench.jsonl"), "--bench-limit", "1",
             "--bench-new-tokens", "8", "--log-every", "1", "--lr", "3e-3", "--warmup-steps", "1",
             "--set-eagle3", *small, "--set-eagle", *small[:2]]
@@ -66,10 +80,20 @@ def test_the_gpu_window_rehearsed_on_the_cpu(tmp_path):
     report = json.loads((out / "window.json").read_text())
     files = sorted(p.name for p in out.rglob("*") if p.is_file())
     assert len(files) <= 8 and all((out / f).stat().st_size <= 16 << 20 for f in files)
-    assert set(files) == {"window.json", "window.log", "eagle3-drafter.tar", "eagle-drafter.tar", "data.jsonl.gz"}
-    assert report["ok"] and 0 < report["data"]["answers"] <= 8
-    answers = gzip.decompress((out / "data.jsonl.gz").read_bytes()).decode().splitlines()
-    assert len(answers) == report["data"]["answers"] and json.loads(answers[0])["conversations"][0]["value"] == "t5 t6 t9"
+    assert set(files) == {"window.json", "window.log", "eagle3-drafter.tar", "eagle-drafter.tar", "data.jsonl.gz",
+                          "heldout.jsonl.gz"}
+    data = report["data"]
+    assert report["ok"] and data["rc"] == 0 and 0 < data["conversations"] and 0 < data["heldout"]
+    assert data["source"]["source_cut_short"] and data["source"]["excluded_benchmark"] == 1
+    back = {name: [json.loads(line) for line in gzip.decompress((out / f"{name}.jsonl.gz").read_bytes()).splitlines()]
+            for name in ("data", "heldout")}
+    assert (len(back["data"]), len(back["heldout"])) == (data["conversations"], data["heldout"])
+    turns = [[(t["from"], t["value"]) for t in r["conversations"]] for r in back["data"] + back["heldout"]]
+    assert sum(sum(who == "gpt" for who, _ in t) for t in turns) == data["answers"]
+    asked = {(q["conversations"][0]["value"], q["conversations"][2]["value"]) for q in questions}
+    assert all((t[0][1], t[2][1]) in asked for t in turns if len(t) == 4)  # the source's user turns, in order
+    assert any(len(t) == 4 and t[2][0] == "human" and t[1][0] == t[3][0] == "gpt" for t in turns)  # multi-turn
+    assert report["data_files"][-1].endswith("data.jsonl") and report["dev_data"].endswith("heldout.jsonl")
     assert report["kinds"]["eagle"]["curve"] and report["kinds"]["eagle3"]["curve"]
     for kind in ("eagle3", "eagle"):
         entry = report["kinds"][kind]

@@ -32,6 +32,17 @@ def test_read_elements_keeps_the_complete_elements_of_a_cut_array_and_counts_bad
     assert len(records) == 2 and bad == 1 and not cut
 
 
+def test_jsonl_lines_keep_the_line_separators_inside_their_strings(tmp_path):
+    """U+2028, U+0085 and U+001C end a line for str.splitlines but are plain characters in a JSON string,
+    written as they are by json.dumps(ensure_ascii=False) (ShareGPT has them)."""
+    records = [sharegpt([f"a{sep}b", "c"]) for sep in ("\u2028", "\x85", "\x1c")] + [sharegpt(["d"])]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    assert regenerate.read_elements(path.read_text(encoding="utf-8")) == (records, 0, False)
+    assert regenerate.completed(path) == records and regenerate.completed(path) == records  # the file is kept whole
+    assert [c[0]["content"] for c in load_chats(str(path)).conversations] == ["a\u2028b", "a\x85b", "a\x1cb", "d"]
+
+
 def test_select_chats_drops_malformed_benchmark_and_duplicate_conversations(tmp_path):
     (tmp_path / "mt.jsonl").write_text(json.dumps({"turns": ["t20 t21", "t22   t23"], "category": "c"}) + "\n")
     (tmp_path / "dev.jsonl").write_text(json.dumps({"prompt": "t30"}) + "\n")
