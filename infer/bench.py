@@ -19,6 +19,7 @@ import dataclasses
 import json
 import tempfile
 import platform
+import os
 import shlex
 import sys
 import time
@@ -35,6 +36,7 @@ from infer.cli import (add_model_args, add_sampling_args, check_method, check_mo
                        note_ignored_flags)
 
 PROG = "eagle-bench"
+RUN_ENV = ("EAGLE_CPU_ISA", "EAGLE_CPU_KERNELS", "EAGLE_FAKE_CAPTURE")  # recorded in the report's command
 BENCH_METHODS = ("hf",) + METHODS + llama_cpp.METHODS
 DEFAULT_METHODS = "hf,ar,pld,eagle-tree"
 PARTS = ("prefill",) + STEPS  # the time breakdown, as fractions of total time
@@ -513,7 +515,9 @@ def run_all(args: Any, argv: list[str], methods: list[str], prompts: list[dict],
     start = capture_stats()
     servers = start_servers(setup, args, model, stack, torch.get_num_threads()) if setup else {}
     ids = [model.target.encode_prompt(p["prompt"]) for p in prompts]
-    command = shlex.join([PROG] + argv)
+    # the environment variables that change what runs, as the command line a rerun needs
+    env = [f"{k}={os.environ[k]}" for k in RUN_ENV if os.environ.get(k)]
+    command = shlex.join(env + [PROG] + argv)
     info = machine(model)
     if setup:
         info["llama_cpp"] = llama_cpp.version(setup["folder"], setup["binary"]) or str(setup["binary"])
