@@ -75,9 +75,11 @@ def prepare_sharegpt(source: str, dest: Path, exclude_prompts: str = "benchmarks
 
 
 def data_keys(args, out_dir: Path) -> list[str]:
-    """The data step's ``eagle-selfdistill --set`` items: the window's, then ``--set-data`` (the last one wins)."""
-    return [f"source={args.source}", f"out_dir={out_dir}", f"target={args.target}", "num_conversations=30000",
-            "answer_max_tokens=256", *args.set_data]
+    """The data step's ``eagle-selfdistill --set`` items: the window's, replaced by ``--set-data``'s where it
+    names the same key (``--set`` refuses a key given twice with different values)."""
+    items = [f"source={args.source}", f"out_dir={out_dir}", f"target={args.target}", "num_conversations=30000",
+             "answer_max_tokens=256", *args.set_data]
+    return [f"{k}={v}" for k, v in dict(item.split("=", 1) for item in items).items()]
 
 
 def make_data(args, work: Path, logf: Path, deadline: float) -> dict:

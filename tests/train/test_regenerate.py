@@ -70,8 +70,10 @@ def test_heldout_split_is_fixed_by_the_conversation_not_its_place():
 
 
 def run_regenerate(tmp_path, target_dir, source, out, *settings):
-    selfdistill_main(["--set", f"target={target_dir}", f"source={source}", f"out_dir={out}", "answer_max_tokens=6",
-                      "context_tokens=40", "rows=2", f"exclude_prompts={tmp_path / 'bench.jsonl'}", *settings])
+    keys = dict(item.split("=", 1) for item in (f"target={target_dir}", f"source={source}", f"out_dir={out}",
+                                                  "answer_max_tokens=6", "context_tokens=40", "rows=2",
+                                                  f"exclude_prompts={tmp_path / 'bench.jsonl'}", *settings))
+    selfdistill_main(["--set", *(f"{k}={v}" for k, v in keys.items())])  # settings replace the defaults
     return {r["id"]: r for path in ("data.jsonl", "heldout.jsonl") if (out / path).exists()
             for r in map(json.loads, (out / path).read_text().splitlines())}
 
