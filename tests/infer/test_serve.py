@@ -464,7 +464,7 @@ def test_concurrent_requests_in_one_batch_are_correct_and_not_mixed(batched):
     refs = [model.generate(chat(p), method=m, max_new_tokens=n, temperature=t, seed=3 if t else None,
                            top_k=0).text for p, m, n, t in jobs]
     # the sampled eagle-tree request runs with SEEDED_TOTAL_TOKENS nodes only on "auto" trees; here 12
-    steps, rows = batched.metric("eagle_steps_total"), batched.metric("eagle_batch_size_mean")
+    assert batched.metric("eagle_steps_total") == 0  # a fresh server: the mean batch size is this test's
     results: dict[int, str] = {}
     batched.paced.delay = 0.01  # the requests overlap
 
@@ -488,9 +488,7 @@ def test_concurrent_requests_in_one_batch_are_correct_and_not_mixed(batched):
     finally:
         batched.paced.delay = 0.0
     assert [results.get(i) for i in range(len(jobs))] == refs
-    new_steps = batched.metric("eagle_steps_total") - steps
-    assert new_steps > 0
-    assert batched.metric("eagle_batch_size_mean") > rows or rows > 1  # steps held more than one sequence
+    assert batched.metric("eagle_batch_size_mean") > 1.2  # steps held several sequences
     assert batched.metric("eagle_batch_capacity") == 4
 
 
