@@ -131,33 +131,43 @@ class Stream:
 
     def rounds(self) -> Iterator[Round]:
         """One ``Round`` per target forward (its ``spans`` may be empty); sets ``result`` at the end."""
-        tokens: list[int] = []
-        shown = ""
+        text = RoundText(self.tokenizer)
         for event in self.events:
             if isinstance(event, GenerationResult):
                 self.result = event
                 _OPEN_STREAMS.discard(self)
                 break
-            drafted = len(event) - 1
-            before = shown
-            if drafted:  # the text up to the target's own token: where the drafted text ends
-                before = self.tokenizer.decode(tokens + event[:drafted], skip_special_tokens=True)
-            tokens.extend(event)
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
-                yield Round(list(event), drafted, [])
-                continue
-            if len(text) <= len(shown):
-                shown = text
-                yield Round(list(event), drafted, [])
-                continue
-            new = text[len(shown):]
-            cut = 0
-            if drafted and before.startswith(shown) and text.startswith(before):
-                cut = len(before) - len(shown)
-            spans = [(piece, flag) for piece, flag in ((new[:cut], True), (new[cut:], False)) if piece]
-            shown = text
-            yield Round(list(event), drafted, spans)
+            yield text.feed(event)
+
+
+class RoundText:
+    """Incremental detokenizing of one generation: ``feed(tokens)`` takes a round's accepted token
+    ids (drafts first, the target's own token last) and returns its ``Round``; ``tokens`` holds all
+    fed so far."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self.tokens, self.shown = tokenizer, [], ""
+
+    def feed(self, event: list[int]) -> Round:
+        tokens, shown = self.tokens, self.shown
+        drafted = len(event) - 1
+        before = shown
+        if drafted:  # the text up to the target's own token: where the drafted text ends
+            before = self.tokenizer.decode(tokens + event[:drafted], skip_special_tokens=True)
+        tokens.extend(event)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            return Round(list(event), drafted, [])
+        if len(text) <= len(shown):
+            self.shown = text
+            return Round(list(event), drafted, [])
+        new = text[len(shown):]
+        cut = 0
+        if drafted and before.startswith(shown) and text.startswith(before):
+            cut = len(before) - len(shown)
+        spans = [(piece, flag) for piece, flag in ((new[:cut], True), (new[cut:], False)) if piece]
+        self.shown = text
+        return Round(list(event), drafted, spans)
 
 
 _OPEN_STREAMS: "weakref.WeakSet[Stream]" = weakref.WeakSet()

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from eagle.decoding.loop import STEPS
-from eagle.errors import EagleError, Parser, check_writable, command
+from eagle.errors import EagleError, Parser, check_writable, command, given_flags, note_ignored
 from eagle.inputs import METHODS, check_spec
 from eagle.prompts import NO_CATEGORY, read_prompts
 from infer import llama_cpp
@@ -367,6 +367,15 @@ def build_parser() -> Parser:
     parser.add_argument("--json", help="write the results to this JSON file")
     parser.add_argument("--title", help="a title stored in the --json report (eagle-results uses it)")
     parser.add_argument("--plot", help="draw accepted lengths and speedups to this PNG file")
+    g = parser.add_argument_group("load test (eagle-serve with concurrent clients; docs/serving.md)")
+    g.add_argument("--concurrency", metavar="N[,N...]",
+                   help="run the load test instead: streamed chat requests over the prompts from N concurrent clients "
+                        "per level (e.g. 1,4,16), every answer checked against the request decoded alone (--methods "
+                        "default: ar,pld,eagle-tree)")
+    g.add_argument("--url", help="the eagle-serve to load (default: one started in this process with the model options)")
+    g.add_argument("--api-key", help="the Bearer token of the server at --url")
+    g.add_argument("--max-batch", type=int, default=1,
+                   help="the in-process server's --max-batch (default 1)")
     g = parser.add_argument_group("llama.cpp (methods llama.cpp, llama.cpp-eagle3, llama.cpp-ngram)")
     g.add_argument("--llama-cpp", metavar="DIR",
                    help=f"llama.cpp build folder (scripts/llama_cpp.sh build makes .llama.cpp; default "
@@ -482,6 +491,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.warmup < 0:
         raise EagleError(f"--warmup must be >= 0, got {args.warmup}")
     prompts = first_per_category(read_prompts(args.prompts), args.per_category)[: args.limit]
+    if args.concurrency is not None:
+        return load_test(args, argv, methods, prompts)
+    for flag in ("--url", "--api-key", "--max-batch"):
+        if flag in given_flags(build_parser(), args, [flag]):
+            raise EagleError(f"{flag} is an option of the load test: give --concurrency too")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             check_writable(path, flag)
@@ -503,6 +517,76 @@ def main(argv: list[str] | None = None) -> None:
             check_method(models[method], split_method(method)[0])
     with contextlib.ExitStack() as stack:
         run_all(args, argv, methods, prompts, model, models, setup, stack)
+
+
+def load_test(args: Any, argv: list[str], methods: list[str], prompts: list[dict]) -> None:
+    """``--concurrency``: drive eagle-serve (at ``--url``, or started here on the loaded model) with
+    concurrent clients (``infer.load_test``); print the table, write ``--json``."""
+    from infer import load_test as lt
+
+    levels = lt.parse_levels(args.concurrency)
+    if args.methods == DEFAULT_METHODS:  # not given: the default's methods that eagle-serve serves
+        methods = [m for m in methods if m != "hf"]
+    served = [m for m in methods if m not in ("hf",) + llama_cpp.METHODS and "@" not in m]
+    if served != methods:
+        raise EagleError(f"the load test runs methods eagle-serve serves ({', '.join(METHODS)}), not "
+                         f"{', '.join(m for m in methods if m not in served)}")
+    for flag in ("--llama-cpp", "--llama-cpp-draft"):
+        if flag in given_flags(build_parser(), args, [flag]):
+            raise EagleError(f"{flag} is for llama.cpp methods, which the load test does not run")
+    if args.max_batch < 1:
+        raise EagleError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.json:
+        check_writable(args.json, "--json")
+    parser = build_parser()
+    model_flags = [a.option_strings[0] for g in parser._action_groups if g.title == "model" for a in g._group_actions
+                   if getattr(args, a.dest) != parser.get_default(a.dest)]  # the model options given
+    note_ignored(PROG, given_flags(parser, args, ["--plot", "--max-batch", "--api-key", "--title"]) | set(model_flags), [
+        (("--plot",), True, "by the load test"),
+        (("--max-batch", *model_flags), args.url is not None, "with --url (the server there has its own)"),
+        (("--api-key",), args.url is None, "without --url (the in-process server has no key)"),
+        (("--title",), not args.json, "without --json (it titles the JSON report)")])
+    if args.url is None:
+        note_ignored_flags(PROG, parser, args, methods, f"with --methods {args.methods}")
+    env = [f"{k}={os.environ[k]}" for k in RUN_ENV if os.environ.get(k)]
+    command = shlex.join(env + [PROG] + argv)
+    print(f"$ {command}")
+    with contextlib.ExitStack() as stack:
+        if args.url is None:
+            check_model_args(args)
+            model = load_model(args)
+            for method in methods:
+                check_method(model, method)
+            from infer.serve import create_app
+
+            info = machine(model)
+            app = create_app(model, method=methods[0], max_queue=max(levels), max_batch=args.max_batch)
+            base = stack.enter_context(lt.LocalServer(app)).base
+            info["server"] = f"in-process, max_batch {args.max_batch}"
+        else:
+            base = args.url
+            info = dict(server=base, client_cpu=cpu_name(), platform=platform.platform(),
+                        date=time.strftime("%Y-%m-%d", time.gmtime()))
+        print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+        rows = lt.run_load(base, prompts, methods, levels, args.max_new_tokens, args.temperature, args.top_p,
+                           args.top_k, args.seed, warmup=min(args.warmup, len(prompts)),
+                           api_key=args.api_key if args.url else None, log=lambda line: print(line, flush=True))
+    print()
+    print(lt.markdown(rows), end="", flush=True)
+    bad = [r for r in rows if r["errors"] or r["mismatches"]]
+    for r in bad:
+        print(f"{r['method']} at {r['concurrency']} clients: {r['errors']} errors, {r['mismatches']} answers lost, "
+              f"cut or mixed: {r['mismatched'][:3]}", flush=True)
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k != "api_key"}
+        config.update(methods=methods, concurrency=levels, command=command)
+        report = dict(title=args.title, kind="load-test", config=config, machine=info, prompts=len(prompts),
+                      results=rows)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    if bad:
+        raise EagleError(f"{len(bad)} load-test level(s) had errors or answers that differ from the request alone")
 
 
 def run_all(args: Any, argv: list[str], methods: list[str], prompts: list[dict], model: Any,

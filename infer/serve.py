@@ -2,10 +2,12 @@
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as server-sent
 events or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text) and the
-chat page at ``/``. The engine decodes one request at a time (batch size 1) in a worker thread;
-requests wait in a bounded queue (``--max-queue``; a full queue answers 429). A client that goes
-away stops its generation at the next decoding round. Bad requests get 400 with an OpenAI-style
-error body ``{"error": {"message", "type", "param", "code"}}``.
+chat page at ``/``. Generation runs on the scheduler thread of ``infer.scheduler``: requests wait
+in a bounded queue (``--max-queue``; a full queue answers 429) and join the running batch
+(``--max-batch``) between decoding rounds; each round's new text streams to its client. A client
+that goes away leaves the batch at the next round. Bad requests get 400 with an OpenAI-style error
+body ``{"error": {"message", "type", "param", "code"}}``; ``--api-key``, ``--max-body-bytes`` and
+``--request-timeout-s`` add 401, 413 and the time limit.
 
 Besides OpenAI's fields a request may give ``method`` (one of ``eagle.engine.METHODS``) and
 ``top_k``; answers carry an ``eagle`` field with the decoding stats, and stream chunks carry the
@@ -16,19 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import hmac
 import json
 import math
 import sys
-import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from eagle.errors import EagleError, command
 from eagle.engine import METHODS
+from infer.scheduler import ApiError, Job, Metrics, Scheduler, SerialBackend
 
 PROG = "eagle-serve"
 PAGE = Path(__file__).parent / "static" / "chat.html"
@@ -37,38 +38,7 @@ ROLES = ("system", "developer", "user", "assistant")
 # sizing adapts to timings measured while decoding, and the draws depend on the tree, so such a
 # request would not repeat; a fixed size makes it repeat (as the library does with that size)
 SEEDED_TOTAL_TOKENS = 8
-VIEWS = 4  # models with another tree size kept at once
-
-
-class ApiError(Exception):
-    """An answer other than 200, as OpenAI shapes it."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-@dataclasses.dataclass
-class Job:
-    """One validated request. ``prompt``: chat messages (``chat``) or raw text or token ids."""
-
-    prompt: Any
-    chat: bool
-    method: str
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str]
-    stream: bool
-    total_tokens: int | str | None = None
-    include_usage: bool = False
-    cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
+MAX_BODY_BYTES = 1 << 20  # the default --max-body-bytes
 
 
 # ---------------------------------------------------------------- request validation
@@ -201,259 +171,60 @@ def parse_request(body: Any, chat: bool, model: Any, default_method: str, defaul
                include_usage=bool(options.get("include_usage")))
 
 
-# ---------------------------------------------------------------- metrics
+# ---------------------------------------------------------------- what a request decodes
 
-class Metrics:
-    """Counters and gauges for ``/metrics`` (updated from the event loop and the worker)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.requests: dict[int, int] = {}
-        self.tokens = 0
-        self.prompt_tokens = 0
-        self.rounds = 0
-        self.decode_seconds = 0.0
-        self.last_tokens_per_second = 0.0
-
-    def request(self, status: int) -> None:
-        with self.lock:
-            self.requests[status] = self.requests.get(status, 0) + 1
-
-    def generation(self, prompt_tokens: int, tokens: int, rounds: int, seconds: float) -> None:
-        with self.lock:
-            self.prompt_tokens += prompt_tokens
-            self.tokens += tokens
-            self.rounds += rounds
-            self.decode_seconds += seconds
-            self.last_tokens_per_second = tokens / seconds if seconds > 0 else 0.0
-
-    def text(self, waiting: int, running: int) -> str:
-        with self.lock:
-            lines = ["# HELP eagle_requests_total Requests answered, by HTTP status (499: the client went away).",
-                     "# TYPE eagle_requests_total counter"]
-            lines += [f'eagle_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
-            mean = self.tokens / self.rounds if self.rounds else 0.0
-            tps = self.tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
-            for name, kind, help_, value in [
-                ("eagle_prompt_tokens_total", "counter", "Prompt tokens of generations run.", self.prompt_tokens),
-                ("eagle_tokens_generated_total", "counter", "Tokens generated.", self.tokens),
-                ("eagle_target_forwards_total", "counter", "Decoding rounds (one target forward each).", self.rounds),
-                ("eagle_decode_seconds_total", "counter", "Seconds spent generating (prefill included).",
-                 round(self.decode_seconds, 6)),
-                ("eagle_mean_accepted_length", "gauge", "Tokens gained per target forward, over all generations.",
-                 round(mean, 4)),
-                ("eagle_tokens_per_second", "gauge", "Tokens generated per second of generating, over all.",
-                 round(tps, 3)),
-                ("eagle_last_tokens_per_second", "gauge", "Tokens per second of the last generation.",
-                 round(self.last_tokens_per_second, 3)),
-                ("eagle_queue_length", "gauge", "Requests waiting for the engine.", waiting),
-                ("eagle_requests_running", "gauge", "Requests being generated (0 or 1).", running)]:
-                lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
-        return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------- the engine
-
-def _find_stop(text: str, stops: list[str], start: int) -> int:
-    """The first index at or after ``start`` where a stop string begins, or -1."""
-    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(found) if found else -1
-
-
-def _spans(text: str, flags: list[bool], start: int, end: int) -> list[list[Any]]:
-    """``text[start:end]`` as [piece, drafted] runs of equal flags."""
-    out: list[list[Any]] = []
-    for i in range(start, end):
-        flag = flags[i] if i < len(flags) else False
-        if out and out[-1][1] == flag:
-            out[-1][0] += text[i]
+def encode(model: Any, job: Job) -> list[int]:
+    """The prompt's token ids; ``ApiError`` (400) when it is empty, outside the vocabulary, or leaves
+    no room in the context (the message gives both numbers)."""
+    target = model.target
+    param = "messages" if job.chat else "prompt"
+    try:
+        if job.chat:
+            ids = target.apply_chat_template(job.prompt)
+        elif isinstance(job.prompt, str):
+            ids = [int(t) for t in target.tokenizer(job.prompt)["input_ids"]]
         else:
-            out.append([text[i], flag])
-    return out
+            ids = job.prompt
+            bad = [t for t in ids if not 0 <= t < target.vocab_size]
+            if bad:
+                raise ApiError(f"token id {bad[0]} is outside the vocabulary (0..{target.vocab_size - 1})", param)
+    except EagleError as exc:
+        raise ApiError(str(exc), param) from None
+    if not ids:
+        raise ApiError("the prompt is empty once tokenized", param)
+    if len(ids) >= target.max_context:
+        raise ApiError(f"the prompt has {len(ids)} tokens; the model's context is {target.max_context} "
+                       f"(the prompt must leave room for at least one new token)", param,
+                       code="context_length_exceeded")
+    return ids
 
 
-class Engine:
-    """Runs ``Job``s one at a time on a worker thread; at most ``max_queue`` wait behind the running one.
-    A job reports through ``emit(kind, payload)``: "start" (prompt tokens), "delta" (spans, live
-    stats), then "end" (finish reason, usage, stats), "cancelled", or "error" (an ``ApiError``)."""
-
-    def __init__(self, model: Any, max_queue: int, metrics: Metrics) -> None:
-        self.model, self.max_queue, self.metrics = model, max_queue, metrics
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle-decode")
-        self.lock = threading.Lock()
-        self.admitted = 0  # waiting + running
-        self.running = 0
-        self.closed = threading.Event()  # set at shutdown: the running generation stops at its next round
-        self.views: dict[int | str, Any] = {}  # total_tokens -> the model with trees of that size
-
-    def close(self) -> None:
-        self.closed.set()
-        self.executor.shutdown(wait=False, cancel_futures=True)
-
-    @property
-    def waiting(self) -> int:
-        return self.admitted - self.running
-
-    def submit(self, job: Job, emit: Callable[[str, Any], None]) -> None:
-        with self.lock:
-            if self.admitted >= self.max_queue + 1:
-                raise ApiError(f"the server is busy: {self.waiting} requests are waiting (--max-queue "
-                               f"{self.max_queue}); retry later", status=429, type="rate_limit_error",
-                               code="queue_full")
-            self.admitted += 1
-        self.executor.submit(self._run, job, emit)
-
-    def _run(self, job: Job, emit: Callable[[str, Any], None]) -> None:
-        with self.lock:
-            self.running = 1
-        try:
-            if job.cancel.is_set():
-                self.metrics.request(499)
-                emit("cancelled", None)
-                return
-            self.generate(job, emit)
-        except ApiError as exc:
-            self.metrics.request(exc.status)
-            emit("error", exc)
-        except Exception as exc:  # a bug or a device failure: report it, keep serving
-            self.metrics.request(500)
-            emit("error", ApiError(f"generation failed: {type(exc).__name__}: {exc}", status=500, type="server_error"))
-        finally:
-            with self.lock:
-                self.running = 0
-                self.admitted -= 1
-
-    def encode(self, job: Job) -> list[int]:
-        target = self.model.target
-        param = "messages" if job.chat else "prompt"
-        try:
-            if job.chat:
-                ids = target.apply_chat_template(job.prompt)
-            elif isinstance(job.prompt, str):
-                ids = [int(t) for t in target.tokenizer(job.prompt)["input_ids"]]
-            else:
-                ids = job.prompt
-                bad = [t for t in ids if not 0 <= t < target.vocab_size]
-                if bad:
-                    raise ApiError(f"token id {bad[0]} is outside the vocabulary (0..{target.vocab_size - 1})", param)
-        except EagleError as exc:
-            raise ApiError(str(exc), param) from None
-        if not ids:
-            raise ApiError("the prompt is empty once tokenized", param)
-        if len(ids) >= target.max_context:
-            raise ApiError(f"the prompt has {len(ids)} tokens; the model's context is {target.max_context} "
-                           f"(the prompt must leave room for at least one new token)", param,
-                           code="context_length_exceeded")
-        return ids
-
-    def tree_size(self, job: Job) -> int | str | None:
-        """The tree size ``job`` decodes with (None: not a tree method or not a tree model)."""
-        tree = getattr(self.model, "tree", None)
-        if job.method != "eagle-tree" or tree is None or tree.choices is not None:
-            return None
-        if job.total_tokens is not None:
-            return job.total_tokens
-        if tree.total_tokens == "auto" and job.seed is not None and job.temperature > 0:
-            return SEEDED_TOTAL_TOKENS
-        return tree.total_tokens
-
-    def model_for(self, size: int | str | None) -> Any:
-        """The model, or one sharing its weights whose trees have ``size`` nodes."""
-        if size is None or size == self.model.tree.total_tokens:
-            return self.model
-        view = self.views.pop(size, None)
-        if view is None:
-            from eagle.engine import EagleModel
-
-            m = self.model
-            view = EagleModel(m.target, m.drafter, m.draft_model, dataclasses.replace(m.tree, total_tokens=size),
-                              m.speculative, m.prompt_lookup, m.drafter_dtype, m.drafter_quant or "none",
-                              m.device_rounds)
-        self.views[size] = view  # the most recently used last
-        while len(self.views) > VIEWS:
-            del self.views[next(iter(self.views))]
-        return view
-
-    def generate(self, job: Job, emit: Callable[[str, Any], None]) -> None:
-        ids = self.encode(job)
-        max_tokens = job.max_tokens or self.model.target.max_context - len(ids)
-        size = self.tree_size(job)
-        model = self.model_for(size)
-        start = time.perf_counter()
-        try:
-            stream = model.generate(ids, method=job.method, max_new_tokens=max_tokens,
-                                         temperature=job.temperature, top_p=job.top_p, top_k=job.top_k,
-                                         seed=job.seed, stream=True)
-        except EagleError as exc:
-            raise ApiError(str(exc)) from None
-        emit("start", len(ids))
-        job.total_tokens = size
-        hold = max((len(s) for s in job.stop), default=1) - 1  # text that may begin a stop string waits
-        text, flags, sent, finish, lengths = "", [], 0, None, []
-        rounds = stream.rounds()
-        try:
-            for round_ in rounds:
-                lengths.append(len(round_.tokens))
-                for piece, drafted in round_.spans:
-                    text += piece
-                    flags.extend([drafted] * len(piece))
-                if job.stop:
-                    cut = _find_stop(text, job.stop, max(0, sent - hold))
-                    if cut >= 0:
-                        text, finish = text[:cut], "stop"
-                end = len(text) if finish else max(sent, len(text) - hold)
-                if end > sent:
-                    emit("delta", (_spans(text, flags, sent, end), self._stats(job, lengths, start)))
-                    sent = end
-                if finish or job.cancel.is_set() or self.closed.is_set():
-                    break
-        finally:
-            rounds.close()
-            stream.events.close()  # frees the caches now
-        seconds = time.perf_counter() - start
-        tokens = sum(lengths)
-        self.metrics.generation(len(ids), tokens, len(lengths), seconds)
-        if finish is None and (job.cancel.is_set() or self.closed.is_set()):
-            self.metrics.request(499)
-            emit("cancelled", None)
-            return
-        if finish is None:
-            result = stream.result
-            final = result.text  # the library's text: equal to text, plus any withheld partial character
-            cut = _find_stop(final, job.stop, max(0, sent - hold)) if job.stop else -1
-            finish = "stop" if cut >= 0 or result.stop_reason == "eos" else "length"
-            if cut >= 0:
-                final = final[:cut]
-            text = final
-            if len(text) > sent:
-                emit("delta", (_spans(text, flags, sent, len(text)), self._stats(job, lengths, start)))
-        usage = {"prompt_tokens": len(ids), "completion_tokens": tokens, "total_tokens": len(ids) + tokens}
-        self.metrics.request(200)
-        emit("end", (finish, text, usage, self._stats(job, lengths, start, done=True)))
-
-    def _stats(self, job: Job, lengths: list[int], start: float, done: bool = False) -> dict:
-        seconds = time.perf_counter() - start
-        tokens = sum(lengths)
-        stats = {"method": job.method, "tokens": tokens, "target_forwards": len(lengths),
-                 "mean_accepted_length": round(tokens / len(lengths), 4) if lengths else 0.0,
-                 "tokens_per_second": round(tokens / seconds, 3) if seconds > 0 else 0.0,
-                 "elapsed_s": round(seconds, 4)}
-        if job.total_tokens is not None:
-            stats["total_tokens"] = job.total_tokens
-        if done:
-            stats["accept_lengths"] = list(lengths)
-        return stats
+def tree_size(model: Any, job: Job) -> int | str | None:
+    """The tree size ``job`` decodes with (None: not a tree method or not a tree model)."""
+    tree = getattr(model, "tree", None)
+    if job.method != "eagle-tree" or tree is None or tree.choices is not None:
+        return None
+    if job.total_tokens is not None:
+        return job.total_tokens
+    if tree.total_tokens == "auto" and job.seed is not None and job.temperature > 0:
+        return SEEDED_TOTAL_TOKENS
+    return tree.total_tokens
 
 
 # ---------------------------------------------------------------- the app
 
 def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_tokens: int | None = None,
-               model_name: str | None = None) -> Any:
+               model_name: str | None = None, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               request_timeout_s: float | None = None, max_batch: int = 1, backend: Any = None) -> Any:
     """The ASGI app serving an already-built ``EagleModel`` (or anything with its ``generate``,
     ``target``, ``drafter`` and ``draft_model``). ``method``: the default decoding method
-    (eagle-tree when the model has a drafter, else ar); ``max_queue``: requests that may wait behind
-    the running one; ``max_tokens``: the default for requests that give none (None: up to the
-    context); ``model_name``: the id ``/v1/models`` lists (default the target's name)."""
+    (eagle-tree when the model has a drafter, else ar); ``max_queue``: requests that may wait for a
+    place in the running batch; ``max_tokens``: the default for requests that give none (None: up to
+    the context); ``model_name``: the id ``/v1/models`` lists (default the target's name);
+    ``api_key``: the Bearer token ``/v1`` requires (None: none); ``max_body_bytes``: larger request
+    bodies get 413; ``request_timeout_s``: a request's time limit from its arrival (None: none);
+    ``backend``: the ``infer.scheduler.Backend`` that decodes (default ``SerialBackend(model,
+    max_batch)``)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import Request
@@ -462,36 +233,73 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
 
     if method is None:
         method = "eagle-tree" if model.drafter is not None else "ar"
-    if max_queue < 0:
-        raise EagleError(f"max_queue must be >= 0, got {max_queue}")
+    check_serving(max_queue=max_queue, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout_s,
+                  max_batch=max_batch, api_key=api_key)
     name = model_name or model.target.name
     metrics = Metrics()
-    engine = Engine(model, max_queue, metrics)
+    if backend is None:
+        backend = SerialBackend(model, max_batch)
+    engine = Scheduler(backend, model.target.tokenizer, model.target.max_context, max_queue, metrics)
     created = int(time.time())
+    key = api_key.encode() if api_key is not None else None
 
-    def error(exc: ApiError) -> Response:
+    def error(exc: ApiError, headers: dict | None = None) -> Response:
         metrics.request(exc.status)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    def authorized(request: Request) -> bool:
+        """Without --api-key every request; with it, those that bear it (compared in constant time)."""
+        if key is None:
+            return True
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)
+
+    def unauthorized() -> Response:
+        return error(ApiError("a valid API key is required: send the header 'Authorization: Bearer <key>' with "
+                              "the key given to eagle-serve --api-key", status=401, code="invalid_api_key"),
+                     headers={"WWW-Authenticate": "Bearer"})
+
+    async def read_body(request: Request) -> bytes:
+        """The request body, or ``ApiError`` 413 as soon as it is known to pass ``max_body_bytes``."""
+        too_large = ApiError(f"the request body is larger than {max_body_bytes} bytes (eagle-serve "
+                             f"--max-body-bytes)", status=413, code="request_too_large")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def watch_disconnect(request: Request, job: Job) -> None:
-        """Sets ``job.cancel`` when the client goes away (Starlette has read the body already)."""
+        """Sets ``job.cancel`` when the client goes away (the body has been read already)."""
         try:
             while True:
                 message = await request.receive()
                 if message["type"] == "http.disconnect":
                     job.cancel.set()
+                    engine.notify()
                     return
         except Exception:
             return
 
     async def completions(request: Request, chat: bool) -> Response:
+        if not authorized(request):
+            return unauthorized()
         try:
-            raw = await request.body()
+            raw = await read_body(request)
             try:
                 body = json.loads(raw)
             except (ValueError, UnicodeDecodeError) as exc:
                 raise ApiError(f"the request body is not valid JSON: {exc}") from None
             job = parse_request(body, chat, model, method, max_tokens)
+            if request_timeout_s is not None:
+                job.deadline = job.arrived + request_timeout_s
+            ids = await asyncio.get_running_loop().run_in_executor(None, encode, model, job)
+            job.total_tokens = tree_size(model, job)
         except ApiError as exc:
             return error(exc)
         loop = asyncio.get_running_loop()
@@ -501,7 +309,7 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
             loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
 
         try:
-            engine.submit(job, emit)
+            engine.submit(job, ids, emit)
         except ApiError as exc:
             return error(exc)
         watcher = asyncio.ensure_future(watch_disconnect(request, job))
@@ -511,6 +319,7 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
             kind, payload = await events.get()
         except BaseException:
             job.cancel.set()
+            engine.notify()
             watcher.cancel()
             raise
         if kind != "start":
@@ -564,6 +373,7 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
                             return
                 finally:
                     job.cancel.set()  # a no-op once generation ended; else the client went away
+                    engine.notify()
                     watcher.cancel()
 
             return StreamingResponse(sse(), media_type="text/event-stream",
@@ -576,6 +386,7 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
                     break
         finally:
             job.cancel.set()
+            engine.notify()
             watcher.cancel()
         if kind == "error":
             return JSONResponse(payload.body(), status_code=payload.status)
@@ -597,15 +408,17 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
         return await completions(request, chat=False)
 
     async def models(request: Request) -> Response:
+        if not authorized(request):
+            return unauthorized()
         return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": created,
                                                          "owned_by": "eagle"}]})
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": name, "method": method, "queue_length": engine.waiting,
-                             "running": engine.running})
+                             "running": engine.running, "max_batch": backend.capacity})
 
     async def metrics_page(request: Request) -> Response:
-        return PlainTextResponse(metrics.text(engine.waiting, engine.running),
+        return PlainTextResponse(metrics.text(engine.waiting, engine.running, backend.capacity),
                                  media_type="text/plain; version=0.0.4")
 
     async def page(request: Request) -> Response:
@@ -657,6 +470,21 @@ def warm_up(model: Any, method: str) -> None:
     print(f"{PROG}: warmed up in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
+def check_serving(max_queue: int, max_body_bytes: int, request_timeout_s: float | None, max_batch: int,
+                  api_key: str | None) -> None:
+    """Refuse serving options out of range (``EagleError`` naming the option)."""
+    if max_queue < 0:
+        raise EagleError(f"--max-queue must be >= 0, got {max_queue}")
+    if max_body_bytes < 1:
+        raise EagleError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
+    if request_timeout_s is not None and not (math.isfinite(request_timeout_s) and request_timeout_s > 0):
+        raise EagleError(f"--request-timeout-s must be > 0, got {request_timeout_s}")
+    if max_batch < 1:
+        raise EagleError(f"--max-batch must be >= 1, got {max_batch}")
+    if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
+        raise EagleError("--api-key must be a non-empty token without surrounding spaces")
+
+
 def build_parser() -> Any:
     from eagle.errors import Parser
     from infer.cli import add_model_args
@@ -669,7 +497,17 @@ def build_parser() -> Any:
                         help="default decoding method; a request may pick another with its 'method' field "
                              "(default: eagle-tree when a drafter is available, else ar)")
     parser.add_argument("--max-queue", type=int, default=16,
-                        help="requests that may wait behind the running one; more get 429 (default 16)")
+                        help="requests that may wait for a place in the running batch; more get 429 (default 16)")
+    parser.add_argument("--max-batch", type=int, default=1,
+                        help="requests decoded together in the running batch; others wait in the queue (default 1; "
+                             "more interleave their rounds, one target forward each)")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (401 otherwise; default: none)")
+    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                        help=f"larger request bodies get 413 (default {MAX_BODY_BYTES})")
+    parser.add_argument("--request-timeout-s", type=float,
+                        help="a request's time limit in seconds from its arrival: then it ends with the text so far "
+                             "(finish_reason \"length\", eagle.timed_out true), or gets 504 if it had not started "
+                             "(default: none)")
     parser.add_argument("--max-tokens", type=int,
                         help="max_tokens of a request that gives none (default: up to the context)")
     parser.add_argument("--no-warmup", action="store_true",
@@ -685,8 +523,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if not 0 <= args.port <= 65535:
         raise EagleError(f"--port must be in 0..65535, got {args.port}")
-    if args.max_queue < 0:
-        raise EagleError(f"--max-queue must be >= 0, got {args.max_queue}")
+    check_serving(max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                  request_timeout_s=args.request_timeout_s, max_batch=args.max_batch, api_key=args.api_key)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise EagleError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     try:
@@ -702,7 +540,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_warmup:
         warm_up(model, method)
     app = create_app(model, method=method, max_queue=args.max_queue, max_tokens=args.max_tokens,
-                     model_name=args.served_model_name)
+                     model_name=args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                     request_timeout_s=args.request_timeout_s, max_batch=args.max_batch)
     print(f"{PROG}: {model.target.name}, method {method}, on http://{args.host}:{args.port}/ "
           f"(chat page at /, API at /v1)", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

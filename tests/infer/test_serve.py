@@ -44,15 +44,15 @@ class Paced:
         if self.fail:
             raise RuntimeError("the device fell over")
         stream = self.model.generate(*args, **kwargs)
-        delay, rounds = self.delay, stream.rounds
+        delay, events = self.delay, stream.events
 
-        def paced_rounds():
-            for round_ in rounds():
+        def paced_events():
+            for event in events:
                 time.sleep(delay)
-                yield round_
+                yield event
 
         if delay:
-            stream.rounds = paced_rounds
+            stream.events = paced_events()
         return stream
 
 
@@ -368,7 +368,8 @@ def test_a_dropped_stream_stops_its_generation(server):
         server.paced.delay = 0.0
     assert server.metric("eagle_tokens_generated_total") - tokens < 50
     assert server.http.get("/health").json() == {"status": "ok", "model": server.model.target.name,
-                                                  "method": "eagle-tree", "queue_length": 0, "running": 0}
+                                                  "method": "eagle-tree", "queue_length": 0, "running": 0,
+                                                  "max_batch": 1}
     ref = server.model.generate(chat("t9 t2"), method="eagle-tree", max_new_tokens=10).text
     out = server.client.chat.completions.create(model="any", messages=chat("t9 t2"), max_tokens=10, temperature=0)
     assert out.choices[0].message.content == ref
@@ -422,6 +423,210 @@ def test_command_line_errors_exit_2(capsys):
     assert main(["--max-queue", "-1"]) == 2
     assert "eagle-serve: error: --max-queue must be >= 0" in capsys.readouterr().err
     assert main(["--method", "beam"]) == 2
+    for argv, message in [(["--max-batch", "0"], "--max-batch must be >= 1"),
+                          (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1"),
+                          (["--request-timeout-s", "0"], "--request-timeout-s must be > 0"),
+                          (["--request-timeout-s", "nan"], "--request-timeout-s must be > 0"),
+                          (["--api-key", ""], "--api-key must be a non-empty token"),
+                          (["--api-key", "a", "--api-key", "b"], "--api-key is given twice")]:
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the running batch, limits, auth
+
+def another_server(server, **options):
+    """One more server on the same model, with ``options`` of ``create_app``."""
+    paced = Paced(server.model)
+    srv = Server(create_app(paced, max_queue=8, **options), paced)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def batched(server):
+    """Four requests decoded together."""
+    yield from another_server(server, max_batch=4)
+
+
+@pytest.fixture(scope="module")
+def limited(server):
+    """A 1.5 s time limit per request."""
+    yield from another_server(server, request_timeout_s=1.5)
+
+
+def test_concurrent_requests_in_one_batch_are_correct_and_not_mixed(batched):
+    """Eight requests (greedy and seeded sampled, three methods, streamed or not) on a batch of four:
+    each answer equals the request decoded alone, and the batch really held several at once."""
+    model = batched.model
+    jobs = [(PROMPTS[i % len(PROMPTS)], ("eagle-tree", "ar", "pld")[i % 3], 10 + i, 0.0 if i % 4 else 1.0)
+            for i in range(8)]
+    refs = [model.generate(chat(p), method=m, max_new_tokens=n, temperature=t, seed=3 if t else None,
+                           top_k=0).text for p, m, n, t in jobs]
+    # the sampled eagle-tree request runs with SEEDED_TOTAL_TOKENS nodes only on "auto" trees; here 12
+    assert batched.metric("eagle_steps_total") == 0  # a fresh server: the mean batch size is this test's
+    results: dict[int, str] = {}
+    batched.paced.delay = 0.01  # the requests overlap
+
+    def ask(i):
+        p, m, n, t = jobs[i]
+        extra = {"method": m, "seed": 3} if t else {"method": m}
+        if i % 2:
+            chunks = batched.client.chat.completions.create(model="any", messages=chat(p), max_tokens=n,
+                                                            temperature=t, stream=True, extra_body=extra)
+            results[i] = "".join(c.choices[0].delta.content or "" for c in chunks)
+        else:
+            results[i] = batched.client.chat.completions.create(
+                model="any", messages=chat(p), max_tokens=n, temperature=t, extra_body=extra).choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(jobs))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        batched.paced.delay = 0.0
+    assert [results.get(i) for i in range(len(jobs))] == refs
+    assert batched.metric("eagle_batch_size_mean") > 1.2  # steps held several sequences
+    assert batched.metric("eagle_batch_capacity") == 4
+
+
+def test_api_key_is_required_on_v1_only(server):
+    from starlette.testclient import TestClient
+
+    body = {"messages": chat("t3 t4"), "max_tokens": 3, "temperature": 0}
+    with TestClient(create_app(server.model, api_key="s3cret")) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Basic s3cret"}, {"Authorization": "Bearer s3cret-and-more"}):
+            response = client.post("/v1/chat/completions", json=body, headers=headers)
+            assert response.status_code == 401, headers
+            assert response.json()["error"]["code"] == "invalid_api_key"
+            assert response.headers["www-authenticate"] == "Bearer"
+        assert client.get("/v1/models").status_code == 401
+        auth = {"Authorization": "Bearer s3cret"}
+        assert client.post("/v1/chat/completions", json=body, headers=auth).status_code == 200
+        assert client.post("/v1/completions", json={"prompt": "t3", "max_tokens": 2}, headers=auth).status_code == 200
+        assert client.get("/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200
+        assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+        assert 'eagle_requests_total{status="401"} 6' in client.get("/metrics").text
+
+
+def test_a_body_over_the_limit_gets_413(server):
+    from starlette.testclient import TestClient
+
+    body = json.dumps({"messages": chat("t3 " * 100), "max_tokens": 2, "temperature": 0}).encode()
+    with TestClient(create_app(server.model, max_body_bytes=len(body) - 1)) as client:
+        response = client.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+        assert response.status_code == 413
+        assert response.json()["error"]["code"] == "request_too_large"
+        assert str(len(body) - 1) in response.json()["error"]["message"]
+        # without a Content-Length (chunked): refused while reading
+        response = client.post("/v1/chat/completions", content=iter([body[:100], body[100:]]),
+                               headers={"Content-Type": "application/json"})
+        assert response.status_code == 413
+    with TestClient(create_app(server.model, max_body_bytes=len(body))) as client:
+        assert client.post("/v1/chat/completions", content=body).status_code == 200
+
+
+def test_a_prompt_longer_than_the_context_is_refused_with_the_numbers(server):
+    import re
+
+    for path, body in (("/v1/chat/completions", {"messages": chat(LONG)}), ("/v1/completions", {"prompt": LONG})):
+        response = server.http.post(path, json={**body, "max_tokens": 4})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["code"] == "context_length_exceeded"
+        found = re.search(r"the prompt has (\d+) tokens; the model's context is (\d+)", error["message"])
+        assert found and int(found[1]) >= MAX_POSITIONS and int(found[2]) == MAX_POSITIONS
+
+
+def test_the_time_limit_ends_a_request_with_the_text_so_far(limited):
+    """A request past ``--request-timeout-s`` ends with what it generated (finish_reason "length",
+    ``eagle.timed_out``), streamed or not; one that never started gets 504."""
+    model, paced = limited.model, limited.paced
+    ref = model.generate(chat("t3 t4"), method="ar", max_new_tokens=200).text
+    body = {"messages": chat("t3 t4"), "max_tokens": 200, "temperature": 0, "method": "ar"}
+    paced.delay = 0.05  # 200 rounds would take 10 s
+    try:
+        start = time.monotonic()
+        out = limited.http.post("/v1/chat/completions", json=body).json()
+        assert time.monotonic() - start < 5
+        text = out["choices"][0]["message"]["content"]
+        assert out["choices"][0]["finish_reason"] == "length" and out["eagle"]["timed_out"] is True
+        assert 0 < out["usage"]["completion_tokens"] < 200 and text and ref.startswith(text) and text != ref
+        chunks = list(limited.client.chat.completions.create(model="any", stream=True, **{
+            k: v for k, v in body.items() if k != "method"}, extra_body={"method": "ar"}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].model_extra["eagle"]["timed_out"]
+        assert text and ref.startswith(text) and text != ref
+        paced.gate.clear()  # the next generations wait at the gate, holding the batch
+        codes: list[int] = []
+        threads = [threading.Thread(target=lambda: codes.append(
+            limited.http.post("/v1/chat/completions", json={**body, "max_tokens": 2}).status_code))
+                   for _ in range(5)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: limited.http.get("/health").json()["queue_length"] == 4)
+        time.sleep(1.6)
+    finally:
+        paced.gate.set()
+        paced.delay = 0.0
+    for t in threads:
+        t.join(30)
+    assert sorted(codes) == [200] + [504] * 4  # the one held at the gate, then four that timed out waiting
+    assert limited.metric('eagle_requests_total{status="504"}') == 4
+
+
+def test_cancelling_frees_the_place_in_the_batch(server):
+    """With a batch of one, a queued request starts as soon as the running one's client goes away."""
+    server.paced.delay = 0.05
+    cancelled = server.metric('eagle_requests_total{status="499"}')
+    body = {"messages": chat("t3 t4"), "max_tokens": 200, "temperature": 0, "stream": True, "method": "ar"}
+    ref = server.model.generate(chat("t9 t2"), method="ar", max_new_tokens=6).text
+    second: dict = {}
+
+    def ask():
+        second["out"] = server.client.chat.completions.create(model="any", messages=chat("t9 t2"), max_tokens=6,
+                                                              temperature=0, extra_body={"method": "ar"})
+        second["at"] = time.monotonic()
+
+    try:
+        with httpx.Client(base_url=server.base, timeout=30) as http:
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                lines = response.iter_lines()  # kept: a dropped iterator closes the connection
+                next(lines)
+                thread = threading.Thread(target=ask)
+                thread.start()
+                wait_for(lambda: server.http.get("/health").json()["queue_length"] == 1)
+                time.sleep(0.3)
+                assert server.http.get("/health").json()["queue_length"] == 1  # it waits while the first runs
+                dropped = time.monotonic()
+        thread.join(30)
+    finally:
+        server.paced.delay = 0.0
+    assert second["out"].choices[0].message.content == ref
+    assert second["at"] - dropped < 3  # 200 tokens would have taken 10 s
+    assert server.metric('eagle_requests_total{status="499"}') == cancelled + 1
+    assert server.http.get("/health").json()["running"] == 0
+
+
+def test_metrics_report_the_batch_and_the_first_token(server):
+    ttft = server.metric("eagle_time_to_first_token_seconds_count")
+    for method in ("eagle-tree", "ar"):
+        server.client.chat.completions.create(model="any", messages=chat("t5 t6"), max_tokens=7, temperature=0,
+                                              extra_body={"method": method})
+    text = server.http.get("/metrics").text
+    assert "# TYPE eagle_time_to_first_token_seconds histogram" in text
+    assert server.metric("eagle_time_to_first_token_seconds_count") == ttft + 2
+    assert server.metric('eagle_time_to_first_token_seconds_bucket{le="+Inf"}') == ttft + 2
+    assert server.metric("eagle_time_to_first_token_seconds_sum") > 0
+    assert server.metric('eagle_accepted_length{method="eagle-tree"}') > 1.0  # drafts were accepted
+    assert server.metric('eagle_accepted_length{method="ar"}') == 1.0
+    assert server.metric('eagle_method_tokens_total{method="ar"}') >= 7
+    for name, value in (("eagle_batch_size", 0), ("eagle_batch_capacity", 1), ("eagle_queue_length", 0)):
+        assert server.metric(name) == value
+    assert server.metric("eagle_batch_size_mean") == 1.0 and server.metric("eagle_steps_total") > 0
 
 
 class Chromium:
