@@ -4,6 +4,7 @@ force, greedy output identical to ``ar``, and one host read per round."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import random
 
 import pytest
@@ -13,9 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from eagle import EagleModel
 from eagle.config import SamplingConfig, TreeConfig
 from eagle.decoding import acceptance
-from eagle.decoding.device_rounds import (DeviceTree, ancestor_matrix, device_rounds_apply, greedy_accept,
-                                          sampled_accept, select_tree)
-from eagle.decoding.tree import kept_nodes, subtree
+from eagle.decoding.device_rounds import (DeviceDraws, DeviceTree, ancestor_matrix, device_rounds_apply, drawn_accept,
+                                          drawn_children, greedy_accept, sampled_accept, select_tree)
+from eagle.decoding.tree import kept_nodes, sampled_children, subtree
 from eagle.decoding.tree_mask import tree_attention
 from eagle.errors import EagleError
 from eagle.runtime.fake_capture import syncs
@@ -109,7 +110,8 @@ def test_device_draft_is_brute_force_eagle2(request, kind, total, graphs):
     drafter.start()
     drafter.extend(prefill.features[0], torch.tensor(ids[1:], device=target.device))
     for _ in range(2):
-        tree = drafter.draft(torch.tensor([ids[-1]], device=target.device), depth + 1)
+        tree, draws = drafter.draft(torch.tensor([ids[-1]], device=target.device), depth + 1)
+    assert draws is None  # greedy: the top-k children
     assert drafter.cache.get_seq_length() == len(ids) - 1  # the round's nodes are gone from the drafter's cache
     runner = getattr(drafter.drafter, "runner", None)
     assert (runner is not None) == graphs
@@ -201,13 +203,14 @@ def host_reads(model: EagleModel, monkeypatch, **generate) -> tuple[collections.
     return counts, len(result.accept_lengths)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_round_reads_the_device_once(target, drafter, monkeypatch, temperature):
+@pytest.mark.parametrize("temperature, sampled_tree", [(0.0, False), (1.0, False), (1.0, True)])
+def test_a_round_reads_the_device_once(target, drafter, monkeypatch, temperature, sampled_tree):
     """On the static path (what a GPU runs), with the greedy head that reads candidates on a CPU
-    switched off (a GPU has none): one ``.tolist()`` a round and nothing else that waits. The host
-    path, the control, reads many times a round."""
+    switched off (a GPU has none): one ``.tolist()`` a round and nothing else that waits, children
+    drawn or not. The host path, the control, reads many times a round."""
     monkeypatch.setattr(target.lean, "greedy_head", None)
-    options = dict(drafter=drafter, total_tokens=12, depth=4, top_k=3, cuda_graphs=True, sampled_tree=False)
+    options = dict(drafter=drafter, total_tokens=12, depth=4, top_k=3, cuda_graphs=True, sampled_tree=sampled_tree,
+                   draw_support=8)
     device = EagleModel.from_pretrained(target, device_rounds=True, **options)
     host = EagleModel.from_pretrained(target, device_rounds=False, **options)
     generate = dict(prompt=[3, 4, 5, 6, 7, 3, 4], method="eagle-tree", max_new_tokens=20, temperature=temperature,
@@ -220,6 +223,7 @@ def test_a_round_reads_the_device_once(target, drafter, monkeypatch, temperature
 
 
 def test_device_rounds_default_on_cuda_only_and_fall_back_where_the_tree_needs_the_host(target, drafter):
+    """Drawn children (the default when sampling) run in device rounds too; static trees do not."""
     model = EagleModel.from_pretrained(target, drafter=drafter)
     assert model.device_rounds == (target.device.type == "cuda")
     with pytest.raises(EagleError, match="device_rounds"):
@@ -227,8 +231,9 @@ def test_device_rounds_default_on_cuda_only_and_fall_back_where_the_tree_needs_t
     on = EagleModel.from_pretrained(target, drafter=drafter, device_rounds=True)
     greedy, sampled = SamplingConfig(), SamplingConfig(temperature=1.0)
     assert on._device_drafter("eagle-tree", greedy) is not None
-    assert on._device_drafter("eagle-tree", sampled) is None  # drawn children: the host path
-    assert on._device_drafter("eagle-chain", sampled) is None
+    assert on._device_drafter("eagle-tree", sampled).draw_temperature == pytest.approx(0.85)  # drawn children
+    assert on._device_drafter("eagle-chain", sampled).draw_temperature == pytest.approx(0.85)
+    assert on._device_drafter("eagle-tree", greedy).draw_temperature == 0
     assert on._device_drafter("ar", greedy) is None
     assert not device_rounds_apply(TreeConfig(choices=((0,), (1,))), greedy)
     assert device_rounds_apply(TreeConfig(sampled_tree=False), sampled)
@@ -285,6 +290,95 @@ def test_sampled_accept_follows_the_recursive_rule_in_distribution():
     expected = [want[key] * n for key in big] + ([sum(want[key] * n for key in small)] if small else [])
     expected = [e * n / sum(expected) for e in expected]
     assert chisquare(observed, expected).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("support", [0, 3])
+def test_drawn_children_are_the_host_draws(support):
+    """Given the same uniforms, the device's draws are ``EagleDrafter``'s: Gumbel-top-k among the
+    ``support`` most likely of 7 draft tokens (0: all), scored by the k largest log-probabilities."""
+    gen = torch.Generator().manual_seed(0)
+    logprobs = torch.log_softmax(2 * torch.randn(4, 7, generator=gen), -1)
+    parent_scores, k, temperature = torch.randn(4, generator=gen), 2, 0.85
+    width = support or 7
+    among_lp, among = torch.topk(logprobs, width, -1) if support else (logprobs, torch.arange(7).expand(4, -1))
+    host, host_scores = sampled_children(parent_scores, among_lp, k, temperature, torch.Generator().manual_seed(5))
+    uniform = torch.rand(among_lp.shape, generator=torch.Generator().manual_seed(5))
+    tokens, scores, got_among, got_lp = drawn_children(parent_scores, logprobs, k, torch.tensor(temperature), width,
+                                                       uniform)
+    assert torch.equal(tokens, among.gather(1, host)) and torch.equal(scores, host_scores)
+    assert torch.equal(got_among, among) and torch.equal(got_lp, among_lp)
+
+
+def exact_drawn_rule(tokens: list[int], parents: list[int], probs: torch.Tensor, draws: DeviceDraws) -> dict:
+    """The recursive rule's (accepted path, next token) probabilities for a tree of drawn children
+    (``acceptance.recursive_rejection_tree`` with each child's chance instead of a draw)."""
+    out: dict[tuple, float] = collections.defaultdict(float)
+
+    def walk(node, path, chance):
+        r = probs[node].double().clone()
+        mass = float(r.sum())
+        kids = [c for c in range(len(parents)) if parents[c] == node]
+        if kids:
+            ids, q = draws.ids[draws.rows[node]], torch.softmax(draws.logprobs[draws.rows[node]].double()
+                                                                / draws.temperature.double(), -1)
+        for c in kids:
+            hit = ids == tokens[c]
+            qx = float(q[hit].sum())
+            if qx <= 0:
+                continue
+            accept = min(1.0, float(r[tokens[c]]) / (qx * mass))
+            walk(c, path + (c,), chance * accept)
+            chance *= 1 - accept
+            residual = r.clone()
+            residual[ids] = (r[ids] - q * mass).clamp(min=0)
+            if residual.sum() > 0:
+                r, mass = residual, float(residual.sum())
+            q = q.masked_fill(hit, 0.0)
+            q = q / q.sum() if q.sum() > 0 else q
+        for y in range(r.shape[0]):
+            out[(path, y)] += chance * float(r[y] / r.sum())
+
+    walk(0, (0,), 1.0)
+    return out
+
+
+def outcome_p(tree: DeviceTree, probs: torch.Tensor, draws: DeviceDraws, want: dict, n: int) -> float:
+    """Chi-square p of ``drawn_accept``'s outcomes over n uniform draws (vectorized with vmap) against ``want``."""
+    from scipy.stats import chisquare
+
+    uniform = torch.rand(n, tree.size + 1, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    path, count, next_token = torch.func.vmap(lambda u: tuple(vars(drawn_accept(tree, probs, draws, u)).values()))(
+        uniform)
+    counts = collections.Counter((tuple(p[:c]), y) for p, c, y in zip(path.tolist(), count.tolist(),
+                                                                        next_token.tolist()))
+    if not set(counts) <= {key for key, p in want.items() if p > 0}:
+        return 0.0
+    big = [key for key, p in want.items() if p * n >= 5]
+    small = [key for key, p in want.items() if 0 < p * n < 5]  # pooled into one cell
+    observed = [counts[key] for key in big] + ([sum(counts[key] for key in small)] if small else [])
+    expected = [want[key] * n for key in big] + ([sum(want[key] * n for key in small)] if small else [])
+    return float(chisquare(observed, [e * n / sum(expected) for e in expected]).pvalue)
+
+
+def test_drawn_accept_follows_the_recursive_rule_in_distribution():
+    """A tree of drawn children (the root's 3 draws among 4 of 6 tokens, below them 2 and 1): how
+    often each (accepted path, next token) comes out of ``drawn_accept`` matches the host rule's
+    exact probabilities (``recursive_rejection_tree``, itself checked against the target in
+    test_losslessness.py). The control tells the rule the draws came at twice the temperature."""
+    parents = [-1, 0, 0, 0, 1, 1, 2]
+    tokens = [0, 2, 5, 1, 1, 3, 0]
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.softmax(1.5 * torch.randn(len(parents), 6, generator=gen), -1)
+    draws = DeviceDraws(rows=torch.tensor([0, 1, 2, -1, -1, -1, -1]),
+                        ids=torch.tensor([[2, 5, 1, 4], [1, 3, 0, 2], [0, 4, 3, 5]]),
+                        logprobs=torch.log_softmax(torch.randn(3, 4, generator=gen), -1),
+                        temperature=torch.tensor(0.85), width=3)
+    tree = device_tree(tokens, parents)
+    want = exact_drawn_rule(tokens, parents, probs, draws)
+    assert sum(want.values()) == pytest.approx(1.0)
+    assert outcome_p(tree, probs, draws, want, 40000) > 1e-3
+    told = dataclasses.replace(draws, temperature=2 * draws.temperature)
+    assert outcome_p(tree, probs, told, want, 40000) < 1e-3
 
 
 @pytest.mark.parametrize("method", ["eagle-tree", "eagle-chain"])
