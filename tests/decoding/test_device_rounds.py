@@ -384,8 +384,8 @@ def test_drawn_accept_follows_the_recursive_rule_in_distribution():
 @pytest.mark.parametrize("method", ["eagle-tree", "eagle-chain"])
 @pytest.mark.parametrize("kind", ["eagle", pytest.param("eagle3", marks=pytest.mark.slow)])
 def test_device_rounds_capture(fake_capture, kind, method):
-    """Every static function of a device round (the draft phase, the drafter's and the target's
-    forwards) is captured (by the CPU stand-in for CUDA capture where there is no GPU: a host
+    """Every static function of a device round (the draft phase, greedy and with drawn children,
+    the drafter's and the target's forwards) is captured (by the CPU stand-in for CUDA capture where there is no GPU: a host
     tensor, a host read or a data-dependent shape inside fails the test), and the replayed graphs
     give ``ar``'s tokens."""
     # built here, after fake_capture turned the compiled CPU kernels off (a recording cannot replay them)
@@ -399,3 +399,9 @@ def test_device_rounds_capture(fake_capture, kind, method):
     runner = model._device_drafter(method, SamplingConfig()).drafter.runner
     assert any(key[0] == "draft phase" and entry.graph is not None for key, entry in runner.entries.items())
     assert runner.fallbacks == 0 and model.target.graphs.fallbacks == 0
+    # drawn children: the phase with its noise buffer captured too; each replay draws anew, seeded
+    sampled = [model.generate(prompts(3, seed=4)[2], method=method, max_new_tokens=16, temperature=1.0, seed=seed)
+               for seed in (0, 1, 0)]
+    assert sampled[0].token_ids == sampled[2].token_ids != sampled[1].token_ids
+    drawn = [key for key, entry in runner.entries.items() if key[0] == "draft phase" and key[-1] and entry.graph]
+    assert drawn and runner.fallbacks == 0 and model.target.graphs.fallbacks == 0
