@@ -37,7 +37,7 @@ import torch
 
 from eagle.config import SamplingConfig, TreeConfig
 from eagle.decoding.loop import Clock, GenerationResult, check_request, chunk_and_stop, finish
-from eagle.decoding.sampling import invert_cdf, logits_to_probs, sample
+from eagle.decoding.sampling import invert_cdf, logits_to_probs
 from eagle.decoding.tree import topk_children
 from eagle.decoding.tree_mask import additive_bias
 from eagle.errors import EagleError
@@ -228,10 +228,11 @@ def greedy_accept(tree: DeviceTree, argmax: torch.Tensor) -> DeviceAcceptance:
     return DeviceAcceptance(path, count, row(argmax, best))
 
 
-def sampled_accept(tree: DeviceTree, probs: torch.Tensor, generator: torch.Generator) -> DeviceAcceptance:
+def sampled_accept(tree: DeviceTree, probs: torch.Tensor, uniform: torch.Tensor) -> DeviceAcceptance:
     """Recursive rejection sampling over a tree of deterministic drafts (SpecInfer; EAGLE-2's
     top-k children), exact for any ``probs`` [T, V] (the warped target distribution after each
-    node), given that no draft depends on the target's draws.
+    node), given that no draft depends on the target's draws. ``uniform`` [T + 1]: node i's draw,
+    then the next token's (``drawn_accept``'s arguments: no generator, no host tensor).
 
     At node v the children are tried in index order; after the earlier siblings x_1..x_{j-1} were
     rejected, what the target still owes is p_v without them, renormalized, so child j is accepted
@@ -245,14 +246,13 @@ def sampled_accept(tree: DeviceTree, probs: torch.Tensor, generator: torch.Gener
     siblings_before = (tree.parents[:, None] == tree.parents[None, :]) & (index[None, :] < index[:, None])
     owed = 1.0 - siblings_before.double() @ mass
     chance = torch.where(owed > 1e-12, mass / owed.clamp(min=1e-12), torch.ones_like(mass)).clamp(max=1.0)
-    uniform = torch.rand(t, generator=generator, dtype=torch.float64, device=generator.device).to(probs.device)
-    accepted = (uniform < chance) & (index > 0)
+    accepted = (uniform[:t] < chance) & (index > 0)
     first = accepted & ~((siblings_before.double() @ accepted.double()) > 0)  # tried in order: the first acceptance
     best, path, count = deepest_agreeing(tree, first)
-    children = torch.zeros(probs.shape[-1], dtype=probs.dtype, device=probs.device)
-    children.index_add_(0, tree.tokens, (tree.parents == best).to(probs.dtype))
+    children = torch.zeros(probs.shape[-1], dtype=probs.dtype, device=probs.device).index_add(
+        0, tree.tokens, (tree.parents == best).to(probs.dtype))
     owed_probs = row(probs, best) * (children == 0)
-    return DeviceAcceptance(path, count, sample(owed_probs, generator))
+    return DeviceAcceptance(path, count, invert_cdf(owed_probs, uniform[t]))
 
 
 class DeviceTreeDrafter:
@@ -274,7 +274,7 @@ class DeviceTreeDrafter:
         self.draw_temperature = draw_temperature
         support = max(top_k, draw_support)
         self.support = support if draw_support and support < vocab else vocab  # the S tokens children are drawn among
-        self.temperature = torch.tensor(draw_temperature, device=self.device)  # [] the draws' (made here, not in a capture)
+        self.temperature = torch.tensor(draw_temperature, device=self.device)  # [] made here, outside any capture
         self.cache = drafter.new_cache()
         self.last_hidden: torch.Tensor | None = None  # the drafter's prediction at the root [H]
         self._layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -420,7 +420,7 @@ class DeviceTreeDrafter:
         first_parents, pool_depths = self._layout(calls)
         expanded, supports, support_lps = [torch.zeros(1, dtype=torch.long, device=dev)], [], []
 
-        def children(parent_scores: torch.Tensor, logprobs: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def children(parent_scores: torch.Tensor, logprobs: torch.Tensor, row: int) -> tuple[torch.Tensor, ...]:
             if noise is None:
                 return topk_children(parent_scores, logprobs, k)
             uniform = noise[row:row + logprobs.shape[0]]
@@ -532,11 +532,10 @@ def device_decode_loop(target: Target, drafter: DeviceTreeDrafter, prompt_ids: l
         # 3. accept on the device; one read brings the count, the next token and the path's tokens
         if sampling.greedy:
             acc = greedy_accept(tree, target.greedy_tokens(out.hidden[0]))
-        elif draws is None:
-            acc = sampled_accept(tree, logits_to_probs(out.logits[0], sampling), generator)
-        else:
+        else:  # a uniform per node and one for the next token, from the device generator
             uniform = torch.rand(tree.size + 1, generator=generator, dtype=torch.float64, device=device)
-            acc = drawn_accept(tree, logits_to_probs(out.logits[0], sampling), draws, uniform)
+            probs = logits_to_probs(out.logits[0], sampling)
+            acc = sampled_accept(tree, probs, uniform) if draws is None else drawn_accept(tree, probs, draws, uniform)
         head = torch.stack([acc.count, acc.next_token])
         read = torch.cat([head, tree.tokens[acc.path]]).tolist()
         count, next_token, path_tokens = read[0], read[1], read[2:]

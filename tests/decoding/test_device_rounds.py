@@ -22,6 +22,7 @@ from eagle.errors import EagleError
 from eagle.runtime.fake_capture import syncs
 
 from tests.conftest import prompts, tiny_drafter, tiny_target
+from tests.conftest import test_device as device_under_test
 from tests.decoding.test_proposers import brute_force_eagle2, flat_pair, target_prefill
 
 
@@ -241,11 +242,31 @@ def test_device_rounds_default_on_cuda_only_and_fall_back_where_the_tree_needs_t
     assert big._device_drafter("eagle-tree", greedy).total == 64  # the largest static bucket
 
 
+def outcome_p(rule, size: int, want: dict, n: int) -> float:
+    """Chi-square p of the (accepted path, next token) outcomes of ``rule`` (uniforms [size + 1] -> a
+    ``DeviceAcceptance``) over n uniform draws, vectorized with vmap, against ``want``; cells
+    expected below 5 pooled; an outcome ``want`` rules out fails outright (p = 0)."""
+    from scipy.stats import chisquare
+
+    uniform = torch.rand(n, size + 1, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    path, count, next_token = torch.func.vmap(lambda u: tuple(vars(rule(u)).values()))(uniform)
+    counts = collections.Counter((tuple(p[:c]), y) for p, c, y in zip(path.tolist(), count.tolist(),
+                                                                        next_token.tolist()))
+    if not set(counts) <= {key for key, p in want.items() if p > 0}:
+        return 0.0
+    big = [key for key, p in want.items() if p * n >= 5]
+    small = [key for key, p in want.items() if 0 < p * n < 5]  # pooled into one cell
+    observed = [counts[key] for key in big] + ([sum(counts[key] for key in small)] if small else [])
+    expected = [want[key] * n for key in big] + ([sum(want[key] * n for key in small)] if small else [])
+    return float(chisquare(observed, [e * n / sum(expected) for e in expected]).pvalue)
+
+
 def test_sampled_accept_follows_the_recursive_rule_in_distribution():
     """One tree, one target distribution per node: how often each (accepted path, next token)
     outcome comes out of ``sampled_accept`` matches the host's ``recursive_rejection_tree``
     (itself checked against exact distributions in test_losslessness.py), and the host rule's
-    exact outcome probabilities computed by enumeration."""
+    exact outcome probabilities computed by enumeration (40k vectorized runs). The control tries
+    each child against the full p, whatever its earlier siblings took."""
     vocab = 5
     parents = [-1, 0, 0, 1, 1, 2]
     tokens = [0, 1, 3, 2, 4, 0]
@@ -275,21 +296,10 @@ def test_sampled_accept_follows_the_recursive_rule_in_distribution():
         return out
 
     want = exact()
-    n = 20000
-    counts: collections.Counter = collections.Counter()
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(n):
-        acc = sampled_accept(tree, probs, gen)
-        counts[(tuple(acc.path[:int(acc.count)].tolist()), int(acc.next_token))] += 1
-    assert set(counts) <= {key for key, p in want.items() if p > 0}
-    from scipy.stats import chisquare
+    assert outcome_p(lambda u: sampled_accept(tree, probs, u), tree.size, want, 40000) > 1e-3
+    from tests.decoding.test_losslessness import device_no_renormalization
 
-    big = [key for key, p in want.items() if p * n >= 5]
-    small = [key for key, p in want.items() if 0 < p * n < 5]  # pooled into one cell
-    observed = [counts[key] for key in big] + ([sum(counts[key] for key in small)] if small else [])
-    expected = [want[key] * n for key in big] + ([sum(want[key] * n for key in small)] if small else [])
-    expected = [e * n / sum(expected) for e in expected]
-    assert chisquare(observed, expected).pvalue > 1e-3
+    assert outcome_p(lambda u: device_no_renormalization(tree, probs, u), tree.size, want, 40000) < 1e-3
 
 
 @pytest.mark.parametrize("support", [0, 3])
@@ -342,24 +352,6 @@ def exact_drawn_rule(tokens: list[int], parents: list[int], probs: torch.Tensor,
     return out
 
 
-def outcome_p(tree: DeviceTree, probs: torch.Tensor, draws: DeviceDraws, want: dict, n: int) -> float:
-    """Chi-square p of ``drawn_accept``'s outcomes over n uniform draws (vectorized with vmap) against ``want``."""
-    from scipy.stats import chisquare
-
-    uniform = torch.rand(n, tree.size + 1, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    path, count, next_token = torch.func.vmap(lambda u: tuple(vars(drawn_accept(tree, probs, draws, u)).values()))(
-        uniform)
-    counts = collections.Counter((tuple(p[:c]), y) for p, c, y in zip(path.tolist(), count.tolist(),
-                                                                        next_token.tolist()))
-    if not set(counts) <= {key for key, p in want.items() if p > 0}:
-        return 0.0
-    big = [key for key, p in want.items() if p * n >= 5]
-    small = [key for key, p in want.items() if 0 < p * n < 5]  # pooled into one cell
-    observed = [counts[key] for key in big] + ([sum(counts[key] for key in small)] if small else [])
-    expected = [want[key] * n for key in big] + ([sum(want[key] * n for key in small)] if small else [])
-    return float(chisquare(observed, [e * n / sum(expected) for e in expected]).pvalue)
-
-
 def test_drawn_accept_follows_the_recursive_rule_in_distribution():
     """A tree of drawn children (the root's 3 draws among 4 of 6 tokens, below them 2 and 1): how
     often each (accepted path, next token) comes out of ``drawn_accept`` matches the host rule's
@@ -376,18 +368,46 @@ def test_drawn_accept_follows_the_recursive_rule_in_distribution():
     tree = device_tree(tokens, parents)
     want = exact_drawn_rule(tokens, parents, probs, draws)
     assert sum(want.values()) == pytest.approx(1.0)
-    assert outcome_p(tree, probs, draws, want, 40000) > 1e-3
+    assert outcome_p(lambda u: drawn_accept(tree, probs, draws, u), tree.size, want, 40000) > 1e-3
     told = dataclasses.replace(draws, temperature=2 * draws.temperature)
-    assert outcome_p(tree, probs, told, want, 40000) < 1e-3
+    assert outcome_p(lambda u: drawn_accept(tree, probs, told, u), tree.size, want, 40000) < 1e-3
+
+
+def test_sampled_acceptance_can_be_captured(fake_capture):
+    """``drawn_accept`` and ``sampled_accept`` make no host tensor and read nothing back (captured:
+    by the CPU stand-in for CUDA capture where there is no GPU), and a replay on new uniforms gives
+    the eager result."""
+    from eagle.runtime.cuda_graphs import capture_graph
+
+    dev = device_under_test()
+    parents, tokens = [-1, 0, 0, 0, 1, 1, 2], [0, 2, 5, 1, 1, 3, 0]
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.softmax(1.5 * torch.randn(len(parents), 6, generator=gen), -1).to(dev)
+    draws = DeviceDraws(rows=torch.tensor([0, 1, 2, -1, -1, -1, -1], device=dev),
+                        ids=torch.tensor([[2, 5, 1, 4], [1, 3, 0, 2], [0, 4, 3, 5]], device=dev),
+                        logprobs=torch.log_softmax(torch.randn(3, 4, generator=gen), -1).to(dev),
+                        temperature=torch.tensor(0.85, device=dev), width=3)
+    tree = DeviceTree(*(x.to(dev) if isinstance(x, torch.Tensor) else x
+                        for x in vars(device_tree(tokens, parents)).values()))
+    uniform = torch.zeros(len(parents) + 1, dtype=torch.float64, device=dev)
+    for rule in (lambda: drawn_accept(tree, probs, draws, uniform), lambda: sampled_accept(tree, probs, uniform)):
+        graph, out = capture_graph(lambda: tuple(vars(rule()).values()), probs.device,
+                                   torch.cuda.graph_pool_handle() if dev.type == "cuda" else None)
+        assert graph is not None
+        for _ in range(20):
+            uniform.copy_(torch.rand(uniform.shape, generator=gen, dtype=torch.float64))
+            want = [x.clone() for x in vars(rule()).values()]
+            graph.replay()
+            assert all(torch.equal(a, b) for a, b in zip(out, want))
 
 
 @pytest.mark.parametrize("method", ["eagle-tree", "eagle-chain"])
 @pytest.mark.parametrize("kind", ["eagle", pytest.param("eagle3", marks=pytest.mark.slow)])
 def test_device_rounds_capture(fake_capture, kind, method):
     """Every static function of a device round (the draft phase, greedy and with drawn children,
-    the drafter's and the target's forwards) is captured (by the CPU stand-in for CUDA capture where there is no GPU: a host
-    tensor, a host read or a data-dependent shape inside fails the test), and the replayed graphs
-    give ``ar``'s tokens."""
+    the drafter's and the target's forwards) is captured (by the CPU stand-in for CUDA capture
+    where there is no GPU: a host tensor, a host read or a data-dependent shape inside fails the
+    test), and the replayed graphs give ``ar``'s tokens."""
     # built here, after fake_capture turned the compiled CPU kernels off (a recording cannot replay them)
     target = tiny_target() if kind == "eagle" else tiny_target(layers=8)
     drafter = tiny_drafter(target) if kind == "eagle" else tiny_drafter(target, kind="eagle3", draft_vocab_size=20)

@@ -311,19 +311,19 @@ def test_eagle3_drafters_sampled_tree_is_lossless_and_the_check_has_teeth(monkey
     assert chi_square_p(sampled_triples(model, "eagle-tree", sampling, SAMPLES // 2), exact) < ALPHA
 
 
-def device_no_renormalization(tree, probs, generator):
+def device_no_renormalization(tree, probs, uniform):
     """Broken device rule: a child is accepted with probability p(x) whatever its earlier siblings
     took, and the next token comes from the full p."""
     from eagle.decoding.device_rounds import DeviceAcceptance, deepest_agreeing
+    from eagle.decoding.sampling import invert_cdf
 
     mass = probs[tree.parents.clamp(min=0), tree.tokens].double()
     index = torch.arange(tree.size)
-    uniform = torch.rand(tree.size, generator=generator, dtype=torch.float64)
-    accepted = (uniform < mass) & (index > 0)
+    accepted = (uniform[:tree.size] < mass) & (index > 0)
     earlier = (tree.parents[:, None] == tree.parents[None, :]) & (index[None, :] < index[:, None])
     first = accepted & ~((earlier.double() @ accepted.double()) > 0)
     best, path, count = deepest_agreeing(tree, first)
-    return DeviceAcceptance(path, count, sample(probs[best], generator))
+    return DeviceAcceptance(path, count, invert_cdf(probs[best], uniform[tree.size]))
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
