@@ -14,7 +14,7 @@ import torch
 from eagle.config import (PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig, check_bool, check_int,
                           option_configs)
 from eagle.decoding.device_rounds import (MAX_TREE, DeviceTreeDrafter, auto_total, device_decode_loop,
-                                          device_rounds_apply)
+                                          device_rounds_apply, draw_temperature)
 from eagle.decoding.loop import GenerationResult, decode_loop, static_greedy_loop
 from eagle.decoding.proposers import DraftModel, EagleDrafter, NoDraft, PromptLookup, Proposer
 from eagle.decoding.sampling import make_generator
@@ -318,7 +318,8 @@ class EagleModel:
         total = tree.total_tokens if isinstance(tree.total_tokens, int) else auto_total(self.target, pool,
                                                                                          sampling.greedy)
         return DeviceTreeDrafter(self._inference_copy(self.drafter, self.drafter_dtype, self.drafter_quant),
-                                 self.target, k, tree.depth, min(total, MAX_TREE))
+                                 self.target, k, tree.depth, min(total, MAX_TREE), draw_temperature(tree, sampling),
+                                 tree.draw_support)
 
     def _proposer(self, method: str, sampling: SamplingConfig, generator: torch.Generator) -> Proposer:
         device = self.target.device

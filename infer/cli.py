@@ -53,8 +53,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         "on a CPU the same static path runs without graphs)")
     g.add_argument("--device-rounds", action=argparse.BooleanOptionalAction, default=None,
                    help="eagle-tree/eagle-chain rounds drafted, verified and accepted on the device with one host read "
-                        "each: fixed-shape EAGLE-2 trees, no prompt-lookup grafts, top-k children when sampling "
-                        "(default: on CUDA, where the tree options allow it)")
+                        "each: fixed-shape EAGLE-2 trees, no prompt-lookup grafts, children drawn (or top-k) when "
+                        "sampling (default: on CUDA, where the tree options allow it)")
     t = parser.add_argument_group("draft tree (eagle-tree, eagle-chain)")
     t.add_argument("--total-tokens", type=total_tokens_arg, help="tree nodes verified per step (int or 'auto')")
     t.add_argument("--depth", type=int,
@@ -112,14 +112,11 @@ def ignored_flag_rules(args: argparse.Namespace, methods: list[str], label: str)
     ``--drafter`` when it is given no draft of its own)."""
     ran = {m.partition("@")[0] for m in methods}  # eagle-tree@DIR reads what eagle-tree reads, but not --drafter
     greedy = args.temperature == 0
-    drawn = not greedy and args.sampled_tree is not False
     return [
         *(((flag,), not (set(methods) if flag == "--drafter" else ran) & set(users), label)
           for flag, users in FLAG_METHODS.items()),
         (SAMPLING_ONLY, greedy, "at temperature 0 (greedy decoding)"),
         (DRAW_FLAGS, args.sampled_tree is False, "with --no-sampled-tree"),
-        (("--device-rounds",), bool(args.device_rounds) and drawn,
-         "when sampling with drawn tree children (device rounds need --no-sampled-tree)"),
         (("--drafter-dtype",), args.drafter_quant in FORMATS and "sd" not in ran,
          f"with --drafter-quant {args.drafter_quant} (the quantized drafter computes in float32)"),
     ]

@@ -2,7 +2,7 @@
 # The GPU check, in one run with nothing downloaded (about 6-8 minutes on one H100):
 #   (a) the test subset on CUDA (EAGLE_TEST_DEVICE=cuda);
 #   (b) eagle-bench on the default target, CUDA graphs and device rounds (eagle.decoding.device_rounds):
-#       hf,ar,eagle-tree fp32 greedy; ar,eagle-tree at temperature 1 (top-k children: --no-sampled-tree);
+#       hf,ar,eagle-tree fp32 greedy; ar,eagle-tree at temperature 1 (default options: drawn children);
 #       ar,eagle-tree bf16 greedy (share of prompts identical to bf16 ar); ar,eagle-tree with host rounds
 #       (--no-device-rounds, 5 prompts: what device rounds gain);
 #   (c) the training smoke run (scripts/train_smoke.py: DeepSpeed ZeRO-2 in bf16, resume, CPU load).
@@ -127,7 +127,7 @@ part tests $TEST_LIMIT env EAGLE_TEST_DEVICE=$TESTDEV $PY -m pytest -q -m "not s
 part bench-fp32-greedy $BENCH_LIMIT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods hf,ar,eagle-tree --dtype float32 \
   --title "One GPU, fp32, greedy (CUDA graphs, device rounds)" --json "$OUT/bench-fp32-greedy.json"
 part bench-fp32-t1 $SHORT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype float32 \
-  --temperature 1 --seed 0 --no-sampled-tree --title "One GPU, fp32, temperature 1, top-k children (CUDA graphs, device rounds)" \
+  --temperature 1 --seed 0 --title "One GPU, fp32, temperature 1, drawn children (CUDA graphs, device rounds)" \
   --json "$OUT/bench-fp32-t1.json"
 part bench-bf16-greedy $SHORT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype bfloat16 \
   --title "One GPU, bf16, greedy (CUDA graphs, device rounds)" --json "$OUT/bench-bf16-greedy.json"

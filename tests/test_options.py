@@ -182,11 +182,10 @@ def test_generate_and_bench_flag_rules_without_a_model(capsys):
         "eagle-generate: warning: --total-tokens is ignored with method sd"]
     assert notes(cli, ["eagle-tree"], "with method eagle-tree", "--drafter-dtype", "bfloat16", "--drafter-quant",
                  "q8_0", "--device-rounds", "--temperature", "0.5") == [
-        "eagle-generate: warning: --device-rounds is ignored when sampling with drawn tree children "
-        "(device rounds need --no-sampled-tree)",
         "eagle-generate: warning: --drafter-dtype is ignored with --drafter-quant q8_0 (the quantized drafter "
         "computes in float32)"]
     assert notes(cli, ["eagle-tree"], "x", "--device-rounds", "--no-sampled-tree", "--temperature", "0.5") == []
+    assert notes(cli, ["eagle-tree"], "x", "--device-rounds", "--temperature", "0.5") == []  # drawn children too
     assert notes(bench, ["hf", "llama.cpp-eagle3"], "with --methods hf,llama.cpp-eagle3", "--drafter", "d",
                  "--cuda-graphs") == ["eagle-bench: warning: --cuda-graphs is ignored with --methods hf,llama.cpp-eagle3"]
 

@@ -12,14 +12,20 @@ implementation does:
    1 + k + depth k^2 nodes; the root and the best total_tokens - 1 are the tree (``select_tree``).
    With a ``GraphedDrafter`` the whole phase is one static function, replayed as one CUDA graph;
 2. verify: one target forward over the tree (the static path pads it to its bucket);
-3. accept on the device (``greedy_accept``; ``sampled_accept`` at temperature > 0, recursive
-   rejection over the top-k children), then one copy to the host: the number of accepted
-   nodes, the next token and the path's tokens;
+3. accept on the device (``greedy_accept``; at temperature > 0 ``drawn_accept`` for drawn
+   children, ``sampled_accept`` for the top-k children of ``sampled_tree=False``), then one copy
+   to the host: the number of accepted nodes, the next token and the path's tokens;
 4. compact the target's cache with one gather and feed the drafter the accepted path.
 
-Prompt-lookup grafts, drawn children (``TreeConfig.sampled_tree``) and static trees (``choices``)
-belong to the host path; ``total_tokens="auto"`` is one size for the whole generation, the largest
-whose verify costs at most ``AUTO_COST`` times a one-token forward on the target's cost curve."""
+Drawn children (``TreeConfig.sampled_tree``, the default when sampling) are the host path's:
+k draws without replacement (Gumbel-top-k) from the drafter at the temperature times
+``draw_temperature_scale``, among its ``draw_support`` most likely tokens, scored by the k
+largest log-probabilities (so no node's place depends on what was drawn); the round's Gumbel
+noise is drawn from the device generator into a static buffer before the draft phase runs (a
+graph replays with new noise), and ``drawn_accept`` is ``recursive_rejection_tree``'s rule on fixed
+shapes. Prompt-lookup grafts and static trees (``choices``) belong to the host path;
+``total_tokens="auto"`` is one size for the whole generation, the largest whose verify costs at
+most ``AUTO_COST`` times a one-token forward on the target's cost curve."""
 
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ import torch
 
 from eagle.config import SamplingConfig, TreeConfig
 from eagle.decoding.loop import Clock, GenerationResult, check_request, chunk_and_stop, finish
-from eagle.decoding.sampling import logits_to_probs, sample
+from eagle.decoding.sampling import invert_cdf, logits_to_probs
 from eagle.decoding.tree import topk_children
 from eagle.decoding.tree_mask import additive_bias
 from eagle.errors import EagleError
@@ -80,9 +86,20 @@ def select_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tenso
     Pool: ``tokens``/``parents``/``scores``/``depths`` [M], index 0 the root, parents[i] < i, no
     child scoring above its parent. Ties go to the lower index (a stable sort), so a kept node's
     parent, which scores at least as high and comes first, is kept too: the result is a tree."""
-    m = tokens.shape[0]
+    return kept_tree(tokens, parents, scores, depths, kept_pool(scores, total), max_depth)
+
+
+def kept_pool(scores: torch.Tensor, total: int) -> torch.Tensor:
+    """``select_tree``'s choice: the pool indices [total] of the root and the ``total - 1`` best
+    nodes of ``scores`` [M], increasing."""
     best = torch.sort(scores[1:], descending=True, stable=True).indices[:total - 1] + 1
-    kept = torch.cat([torch.zeros(1, dtype=torch.long, device=tokens.device), torch.sort(best).values])
+    return torch.cat([torch.zeros(1, dtype=torch.long, device=scores.device), torch.sort(best).values])
+
+
+def kept_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, depths: torch.Tensor,
+              kept: torch.Tensor, max_depth: int) -> DeviceTree:
+    """The pool nodes ``kept`` [n] (``kept_pool``: increasing, root first, closed under parents), re-indexed."""
+    m = tokens.shape[0]
     new_index = torch.full((m,), -1, dtype=torch.long, device=tokens.device)
     new_index[kept] = torch.arange(kept.shape[0], device=tokens.device)
     pool_parents = parents[kept]
@@ -118,8 +135,89 @@ def deepest_agreeing(tree: DeviceTree, agrees: torch.Tensor) -> tuple[torch.Tens
     best = torch.where(reached, tree.depths, -1).argmax()
     slots = torch.full((tree.max_depth + 2,), 0, dtype=torch.long, device=agrees.device)
     on_path = row(tree.ancestors, best)
-    slots.scatter_(0, torch.where(on_path, tree.depths, tree.max_depth + 1), index)  # off-path nodes: a spare slot
+    slots = slots.scatter(0, torch.where(on_path, tree.depths, tree.max_depth + 1), index)  # off-path: a spare slot
     return best, slots[:tree.max_depth + 1], row(tree.depths, best) + 1
+
+
+@dataclasses.dataclass
+class DeviceDraws:
+    """What a tree's drawn children were drawn from, on the device: ``rows`` [T] long, the draw row of
+    each tree node's children (-1: none drawn below it); ``ids`` [R, S] the target ids each row's
+    children were drawn among; ``logprobs`` [R, S] the drafter's log-probabilities there;
+    ``temperature`` [] the draw temperature (drawn from softmax(logprobs / temperature)); ``width``:
+    the most children a node has (top_k)."""
+
+    rows: torch.Tensor
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    temperature: torch.Tensor
+    width: int
+
+
+def drawn_children(parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int, temperature: torch.Tensor,
+                   support: int, uniform: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``EagleDrafter._children`` when drawing, on fixed shapes with its uniforms given: each of F
+    parents gets k children drawn without replacement (Gumbel-top-k, as ``tree.sampled_children``)
+    from softmax(logprobs / temperature) among its ``support`` most likely draft indices (all V when
+    ``support`` is V), scored by the parent's plus the k largest log-probabilities.
+    ``parent_scores`` [F], ``logprobs`` [F, V], ``temperature`` [], ``uniform`` [F, S] ->
+    (draft indices [F, k] in draw order, scores [F, k], the support [F, S], its log-probs [F, S])."""
+    if support < logprobs.shape[-1]:
+        among_lp, among = torch.topk(logprobs, support, dim=-1)
+    else:
+        among_lp, among = logprobs, torch.arange(logprobs.shape[-1], device=logprobs.device).expand_as(logprobs)
+    gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20)))
+    drawn = torch.topk(among_lp / temperature + gumbel, k, dim=-1).indices
+    return among.gather(1, drawn), parent_scores[:, None] + torch.topk(among_lp, k, dim=-1).values, among, among_lp
+
+
+def drawn_accept(tree: DeviceTree, probs: torch.Tensor, draws: DeviceDraws, uniform: torch.Tensor) -> DeviceAcceptance:
+    """``acceptance.recursive_rejection_tree`` for a tree of drawn children (each node's children
+    are its parent's draws without replacement, in draw order) on fixed shapes: ``probs`` [T, V]
+    the warped target distribution after each node, ``uniform`` [T + 1] (node i's try, then the
+    next token's draw).
+
+    At node v the children are tried in order against r, what the target still owes (p_v at first,
+    kept unnormalized with its mass), each with q_j, v's draw distribution without the earlier
+    draws: child x is accepted when u q_j(x) mass < r(x); on rejection r <- max(0, r - mass q_j)
+    (r itself where that leaves nothing) and x leaves q. A rejected child changes r only on the
+    draw support, so every node's state is [T, S]: all nodes run their j-th try at once, ``width``
+    tries in all, each assuming the tries before it were rejected (the only way it is reached).
+    The walk follows the first accepted child; the next token comes from the last node's r."""
+    t, k = tree.size, draws.width
+    index = torch.arange(t, device=probs.device)
+    rows = draws.rows.clamp(min=0)
+    ids = draws.ids[rows]  # [T, S]
+    q = torch.softmax(draws.logprobs[rows].double() / draws.temperature.double(), dim=-1)
+    full = probs.double()
+    mass = full.sum(-1)  # [T]
+    r = full.gather(1, ids)
+    outside = mass - r.sum(-1)  # what r holds off the support: no rejection changes it
+    siblings_before = (tree.parents[:, None] == tree.parents[None, :]) & (index[None, :] < index[:, None])
+    place = torch.where(index > 0, tree.parents.clamp(min=0) * k + siblings_before.sum(-1), t * k)
+    child_at = torch.full((t * k + 1,), -1, dtype=torch.long, device=probs.device).scatter(0, place, index)
+    child_at = child_at[:t * k].reshape(t, k)  # [T, k]: node v's j-th child, -1 past the last
+    first = torch.zeros(t, dtype=torch.bool, device=probs.device)
+    done = torch.zeros(t, dtype=torch.bool, device=probs.device)
+    for j in range(k):
+        child = child_at[:, j].clamp(min=0)
+        hit = ids == tree.tokens[child][:, None]  # [T, S]
+        qx, rx = (q * hit).sum(-1), (r * hit).sum(-1)
+        tried = (child_at[:, j] >= 0) & (qx > 0) & ~done  # an underflowed draw is skipped, as if never drawn
+        accepted = tried & (uniform[child] * qx * mass < rx)
+        first = first | torch.zeros_like(first).scatter(0, child, accepted)
+        done = done | accepted
+        rejected = (tried & ~accepted)[:, None]
+        residual = (r - q * mass[:, None]).clamp(min=0)
+        left = outside + residual.sum(-1)
+        shrink = rejected[:, 0] & (left > 0)
+        r, mass = torch.where(shrink[:, None], residual, r), torch.where(shrink, left, mass)
+        q = q.masked_fill(rejected & hit, 0.0)
+        q_left = q.sum(-1, keepdim=True)
+        q = torch.where(rejected & (q_left > 0), q / q_left.clamp(min=1e-300), q)
+    best, path, count = deepest_agreeing(tree, first)
+    owed = row(full, best).scatter(0, row(ids, best), row(r, best))
+    return DeviceAcceptance(path, count, invert_cdf(owed, uniform[t]))
 
 
 def greedy_accept(tree: DeviceTree, argmax: torch.Tensor) -> DeviceAcceptance:
@@ -130,10 +228,11 @@ def greedy_accept(tree: DeviceTree, argmax: torch.Tensor) -> DeviceAcceptance:
     return DeviceAcceptance(path, count, row(argmax, best))
 
 
-def sampled_accept(tree: DeviceTree, probs: torch.Tensor, generator: torch.Generator) -> DeviceAcceptance:
+def sampled_accept(tree: DeviceTree, probs: torch.Tensor, uniform: torch.Tensor) -> DeviceAcceptance:
     """Recursive rejection sampling over a tree of deterministic drafts (SpecInfer; EAGLE-2's
     top-k children), exact for any ``probs`` [T, V] (the warped target distribution after each
-    node), given that no draft depends on the target's draws.
+    node), given that no draft depends on the target's draws. ``uniform`` [T + 1]: node i's draw,
+    then the next token's (``drawn_accept``'s arguments: no generator, no host tensor).
 
     At node v the children are tried in index order; after the earlier siblings x_1..x_{j-1} were
     rejected, what the target still owes is p_v without them, renormalized, so child j is accepted
@@ -147,29 +246,35 @@ def sampled_accept(tree: DeviceTree, probs: torch.Tensor, generator: torch.Gener
     siblings_before = (tree.parents[:, None] == tree.parents[None, :]) & (index[None, :] < index[:, None])
     owed = 1.0 - siblings_before.double() @ mass
     chance = torch.where(owed > 1e-12, mass / owed.clamp(min=1e-12), torch.ones_like(mass)).clamp(max=1.0)
-    uniform = torch.rand(t, generator=generator, dtype=torch.float64, device=generator.device).to(probs.device)
-    accepted = (uniform < chance) & (index > 0)
+    accepted = (uniform[:t] < chance) & (index > 0)
     first = accepted & ~((siblings_before.double() @ accepted.double()) > 0)  # tried in order: the first acceptance
     best, path, count = deepest_agreeing(tree, first)
-    children = torch.zeros(probs.shape[-1], dtype=probs.dtype, device=probs.device)
-    children.index_add_(0, tree.tokens, (tree.parents == best).to(probs.dtype))
+    children = torch.zeros(probs.shape[-1], dtype=probs.dtype, device=probs.device).index_add(
+        0, tree.tokens, (tree.parents == best).to(probs.dtype))
     owed_probs = row(probs, best) * (children == 0)
-    return DeviceAcceptance(path, count, sample(owed_probs, generator))
+    return DeviceAcceptance(path, count, invert_cdf(owed_probs, uniform[t]))
 
 
 class DeviceTreeDrafter:
     """The feature-level drafter growing EAGLE-2 trees of fixed shape on the device (``draft``),
     fed what the target accepted (``extend``). ``drafter``: the inference copy (``LeanDrafter``,
     or a ``GraphedDrafter`` whose calls replay CUDA graphs); ``top_k``/``depth``/``total`` as in
-    ``TreeConfig`` (``total`` an int)."""
+    ``TreeConfig`` (``total`` an int). ``draw_temperature`` > 0: children drawn at it (the sampling
+    temperature times ``draw_temperature_scale``) among the ``draw_support`` most likely draft
+    tokens (0: all), as ``EagleDrafter`` draws them; 0: the drafter's top_k."""
 
-    def __init__(self, drafter, target: Target, top_k: int, depth: int, total: int) -> None:
+    def __init__(self, drafter, target: Target, top_k: int, depth: int, total: int, draw_temperature: float = 0.0,
+                 draw_support: int = 0) -> None:
         vocab = drafter.config.draft_vocab_size or drafter.config.vocab_size
         if top_k > vocab:
             raise EagleError(f"tree top_k {top_k} exceeds the drafter's vocabulary ({vocab})")
         self.drafter, self.target, self.top_k, self.depth, self.total = drafter, target, top_k, depth, total
         self.dtype, self.device = drafter.dtype, target.device
         self.draft_ids = drafter.to_target_ids(torch.arange(vocab, device=self.device))  # draft index -> target id
+        self.draw_temperature = draw_temperature
+        support = max(top_k, draw_support)
+        self.support = support if draw_support and support < vocab else vocab  # the S tokens children are drawn among
+        self.temperature = torch.tensor(draw_temperature, device=self.device)  # [] made here, outside any capture
         self.cache = drafter.new_cache()
         self.last_hidden: torch.Tensor | None = None  # the drafter's prediction at the root [H]
         self._layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -215,36 +320,55 @@ class DeviceTreeDrafter:
         return layout
 
     @torch.inference_mode()
-    def draft(self, root: torch.Tensor, levels: int) -> DeviceTree:
+    def draft(self, root: torch.Tensor, levels: int,
+              generator: torch.Generator | None = None) -> tuple[DeviceTree, DeviceDraws | None]:
         """A tree below ``root`` [1] (target id) with paths of at most ``levels`` drafts (at most
-        ``depth`` + 1). Leaves the drafter's cache as it found it. With a ``GraphedDrafter`` the whole
-        phase (every drafter call, top-k and the selection) is one static function of the root, the
-        root's prediction and the committed length, replayed as one CUDA graph."""
+        ``depth`` + 1), and what its children were drawn from (None: top-k children); drawn children
+        take their noise from ``generator`` (on the device). Leaves the drafter's cache as it found
+        it. With a ``GraphedDrafter`` the whole phase (every drafter call, top-k or the draws, and the
+        selection) is one static function of the root, the root's prediction, the committed length,
+        the draw temperature and the round's uniforms, replayed as one CUDA graph."""
         committed = kv_cache.cache_length(self.cache)
         calls = self.expansions(levels, committed)
+        drawing = self.draw_temperature > 0
+        noise_shape = (1 + calls * self.top_k, self.support)  # a uniform per drawable token of each expanded node
         runner = getattr(self.drafter, "runner", None)
         if runner is None or self.cache is not runner.cache:
-            tree = self._grow(self.last_hidden, root, calls, self._cached_step(committed))
+            noise = torch.rand(noise_shape, generator=generator, device=self.device) if drawing else None
+            out = self._grow(self.last_hidden, root, calls, self._cached_step(committed), self.temperature, noise)
             kv_cache.roll_back(self.cache, committed)
-            return tree
+            return self._unpack(out, drawing)
         from eagle.runtime.cuda_graphs import _Entry, keys_for
 
         keys_len = keys_for(committed + calls * self.top_k, runner.cache.capacity)
 
         def make() -> _Entry:
             inputs = dict(hidden=torch.zeros_like(self.last_hidden), root=torch.zeros_like(root),
-                          committed=torch.zeros((), dtype=torch.long, device=self.device))
+                          committed=torch.zeros((), dtype=torch.long, device=self.device),
+                          temperature=torch.ones((), device=self.device))
+            if drawing:
+                inputs["noise"] = torch.zeros(noise_shape, device=self.device)
             step = self._static_step(inputs["committed"], calls, keys_len)
-            return _Entry(inputs, lambda: astuple(self._grow(inputs["hidden"], inputs["root"], calls, step)))
+            return _Entry(inputs, lambda: self._grow(inputs["hidden"], inputs["root"], calls, step,
+                                                     inputs["temperature"], inputs.get("noise")))
 
         def fill(entry: _Entry) -> None:
             entry.inputs["hidden"].copy_(self.last_hidden)
             entry.inputs["root"].copy_(root)
             entry.inputs["committed"].fill_(committed)
+            if drawing:  # this round's uniforms, drawn outside the graph into its static buffer
+                entry.inputs["temperature"].copy_(self.temperature)
+                entry.inputs["noise"].uniform_(generator=generator)
 
         # every shape the phase depends on: tree and chain (k, total) share one drafter and its runner
-        key = ("draft phase", self.top_k, self.total, calls, keys_len)
-        return DeviceTree(*runner.run_static(key, make, fill))
+        key = ("draft phase", self.top_k, self.total, calls, keys_len, self.support if drawing else 0)
+        return self._unpack(runner.run_static(key, make, fill), drawing)
+
+    def _unpack(self, out: tuple, drawing: bool) -> tuple[DeviceTree, DeviceDraws | None]:
+        """``_grow``'s output (a flat tuple of tensors) -> the tree and, when drawing, its draws."""
+        n = len(dataclasses.fields(DeviceTree))
+        tree = DeviceTree(*out[:n])
+        return tree, DeviceDraws(*out[n:], self.temperature, self.top_k) if drawing else None
 
     def _cached_step(self, committed: int):
         """A drafter call through the drafter's own forward and cache (grown on the host; ``draft``
@@ -282,14 +406,31 @@ class DeviceTreeDrafter:
 
         return step
 
-    def _grow(self, hidden: torch.Tensor, root: torch.Tensor, calls: int, step) -> DeviceTree:
+    def _grow(self, hidden: torch.Tensor, root: torch.Tensor, calls: int, step, temperature: torch.Tensor,
+              noise: torch.Tensor | None) -> tuple:
         """The draft phase: the root's top-k below ``root`` [1] from the root's prediction ``hidden``
         [H], then ``calls`` expansions, each ``step(d, inputs [k, H], tokens [k], earlier [k, calls k])``
         -> the frontier's predictions [k, H] (``earlier``: which rows of earlier calls are each
-        frontier node's ancestors); then the selection."""
+        frontier node's ancestors); then the selection. With ``noise`` [1 + calls k, S] (uniforms)
+        the children are drawn at ``temperature`` [] (``drawn_children``; row 0 the root's, row
+        1 + (d - 1) k + f the f-th frontier node's of call d). -> the tree's fields in order, the tensors
+        themselves (a static function's output stays in the graph's memory), then when drawing the
+        draws' rows [T], ids [R, S] and log-probs [R, S] (``DeviceDraws``)."""
         k, dev = self.top_k, self.device
         first_parents, pool_depths = self._layout(calls)
-        picks, scores = topk_children(torch.zeros(1, device=dev), self._logprobs(hidden[None]), k)
+        expanded, supports, support_lps = [torch.zeros(1, dtype=torch.long, device=dev)], [], []
+
+        def children(parent_scores: torch.Tensor, logprobs: torch.Tensor, row: int) -> tuple[torch.Tensor, ...]:
+            if noise is None:
+                return topk_children(parent_scores, logprobs, k)
+            uniform = noise[row:row + logprobs.shape[0]]
+            picks, child_scores, among, among_lp = drawn_children(parent_scores, logprobs, k, temperature,
+                                                                  self.support, uniform)
+            supports.append(among)
+            support_lps.append(among_lp)
+            return picks, child_scores
+
+        picks, scores = children(torch.zeros(1, device=dev), self._logprobs(hidden[None]), 0)
         frontier = torch.arange(1, k + 1, device=dev)  # pool indices of the nodes the next call runs
         frontier_scores, frontier_tokens = scores[0], self.draft_ids[picks[0]]
         inputs = hidden[None].expand(k, -1)
@@ -298,7 +439,8 @@ class DeviceTreeDrafter:
         size = 1 + k
         for d in range(1, calls + 1):
             out = step(d, inputs, frontier_tokens, earlier)
-            child_picks, child_scores = topk_children(frontier_scores, self._logprobs(out), k)  # [k, k]
+            expanded.append(frontier)
+            child_picks, child_scores = children(frontier_scores, self._logprobs(out), 1 + (d - 1) * k)  # [k, k]
             flat_scores, flat_tokens = child_scores.reshape(-1), self.draft_ids[child_picks.reshape(-1)]
             tokens.append(flat_tokens)
             parents.append(frontier.repeat_interleave(k))
@@ -312,14 +454,16 @@ class DeviceTreeDrafter:
                 # of a constant, not ``x[i] = True`` (whose host scalar a CUDA capture cannot copy)
                 earlier = earlier[rows].scatter(1, ((d - 1) * k + rows)[:, None], True)
             size += k * k
-        return select_tree(torch.cat(tokens).long(), torch.cat(parents), torch.cat(pool_scores), pool_depths,
-                           min(self.total, size), calls + 1)
-
-
-def astuple(tree: DeviceTree) -> tuple:
-    """A tree's fields in order, the tensors themselves (a static function's output, which must stay
-    in the graph's memory: ``dataclasses.astuple`` would deep-copy them)."""
-    return tuple(getattr(tree, f.name) for f in dataclasses.fields(tree))
+        pool_scores = torch.cat(pool_scores)
+        kept = kept_pool(pool_scores, min(self.total, size))
+        tree = kept_tree(torch.cat(tokens).long(), torch.cat(parents), pool_scores, pool_depths, kept, calls + 1)
+        fields = tuple(getattr(tree, f.name) for f in dataclasses.fields(tree))  # not astuple: it deep-copies
+        if noise is None:
+            return fields
+        expanded = torch.cat(expanded)  # the pool index of each draw row
+        row_of = torch.full((size,), -1, dtype=torch.long, device=dev).scatter(
+            0, expanded, torch.arange(expanded.shape[0], device=dev))
+        return fields + (row_of[kept], self.draft_ids[torch.cat(supports)], torch.cat(support_lps))
 
 
 def auto_total(target: Target, pool: int, greedy: bool) -> int:
@@ -334,8 +478,15 @@ def auto_total(target: Target, pool: int, greedy: bool) -> int:
 
 
 def device_rounds_apply(tree: TreeConfig, sampling: SamplingConfig) -> bool:
-    """Whether a tree of ``tree`` at ``sampling`` can run in device rounds (else the host path runs it)."""
-    return tree.choices is None and (sampling.greedy or not tree.sampled_tree)
+    """Whether a tree of ``tree`` at ``sampling`` can run in device rounds (else the host path runs
+    it): any dynamic tree, its children drawn or not."""
+    return tree.choices is None
+
+
+def draw_temperature(tree: TreeConfig, sampling: SamplingConfig) -> float:
+    """What a dynamic tree's children are drawn at: the sampling temperature times
+    ``draw_temperature_scale`` when sampling with ``sampled_tree``, else 0 (the drafter's top_k)."""
+    return 0.0 if sampling.greedy or not tree.sampled_tree else sampling.temperature * tree.draw_temperature_scale
 
 
 @torch.inference_mode()
@@ -366,10 +517,10 @@ def device_decode_loop(target: Target, drafter: DeviceTreeDrafter, prompt_ids: l
         room = min(max_new_tokens - len(new), target.max_context - len(ids))
         # 1. draft a tree of fixed shape below the root
         if drafter.last_hidden is None:  # a one-token prompt: nothing to draft from yet
-            tree = select_tree(root, torch.tensor([-1], device=device), torch.zeros(1, device=device),
-                               torch.zeros(1, dtype=torch.long, device=device), 1, 0)
+            tree, draws = select_tree(root, torch.tensor([-1], device=device), torch.zeros(1, device=device),
+                                      torch.zeros(1, dtype=torch.long, device=device), 1, 0), None
         else:
-            tree = drafter.draft(root, max(1, min(drafter.depth + 1, room - 1)))
+            tree, draws = drafter.draft(root, max(1, min(drafter.depth + 1, room - 1)), generator)
         clock.lap("draft")
         # 2. verify it in one target forward
         allowed = torch.cat([torch.ones(tree.size, past, dtype=torch.bool, device=device), tree.ancestors], 1)
@@ -381,8 +532,10 @@ def device_decode_loop(target: Target, drafter: DeviceTreeDrafter, prompt_ids: l
         # 3. accept on the device; one read brings the count, the next token and the path's tokens
         if sampling.greedy:
             acc = greedy_accept(tree, target.greedy_tokens(out.hidden[0]))
-        else:
-            acc = sampled_accept(tree, logits_to_probs(out.logits[0], sampling), generator)
+        else:  # a uniform per node and one for the next token, from the device generator
+            uniform = torch.rand(tree.size + 1, generator=generator, dtype=torch.float64, device=device)
+            probs = logits_to_probs(out.logits[0], sampling)
+            acc = sampled_accept(tree, probs, uniform) if draws is None else drawn_accept(tree, probs, draws, uniform)
         head = torch.stack([acc.count, acc.next_token])
         read = torch.cat([head, tree.tokens[acc.path]]).tolist()
         count, next_token, path_tokens = read[0], read[1], read[2:]

@@ -37,10 +37,17 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     flat = probs.reshape(-1, probs.shape[-1])
     if generator is not None and generator.device != flat.device:
         flat = flat.to(generator.device)
-    cdf = torch.cumsum(flat, dim=-1, dtype=torch.float64)
-    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device) * cdf[:, -1:]
-    drawn = torch.searchsorted(cdf, u, right=True).clamp(max=flat.shape[-1] - 1).reshape(probs.shape[:-1])
-    return drawn.to(probs.device)
+    u = torch.rand(flat.shape[0], generator=generator, dtype=torch.float64, device=flat.device)
+    return invert_cdf(flat, u).reshape(probs.shape[:-1]).to(probs.device)
+
+
+def invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """``sample`` with its uniform draws given: ``probs`` [..., V] (non-negative, not necessarily
+    normalized), ``uniform`` [...] in [0, 1) -> [...] long, token i where cdf[i - 1] <= u * total <
+    cdf[i] (fixed shapes, no host read: usable inside a captured function)."""
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    u = uniform.to(torch.float64)[..., None] * cdf[..., -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1)[..., 0]
 
 
 def make_generator(seed: int | None) -> torch.Generator:

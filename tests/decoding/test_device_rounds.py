@@ -4,6 +4,7 @@ force, greedy output identical to ``ar``, and one host read per round."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import random
 
 import pytest
@@ -13,14 +14,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from eagle import EagleModel
 from eagle.config import SamplingConfig, TreeConfig
 from eagle.decoding import acceptance
-from eagle.decoding.device_rounds import (DeviceTree, ancestor_matrix, device_rounds_apply, greedy_accept,
-                                          sampled_accept, select_tree)
-from eagle.decoding.tree import kept_nodes, subtree
+from eagle.decoding.device_rounds import (DeviceDraws, DeviceTree, ancestor_matrix, device_rounds_apply, drawn_accept,
+                                          drawn_children, greedy_accept, sampled_accept, select_tree)
+from eagle.decoding.tree import kept_nodes, sampled_children, subtree
 from eagle.decoding.tree_mask import tree_attention
 from eagle.errors import EagleError
 from eagle.runtime.fake_capture import syncs
 
 from tests.conftest import prompts, tiny_drafter, tiny_target
+from tests.conftest import test_device as device_under_test
 from tests.decoding.test_proposers import brute_force_eagle2, flat_pair, target_prefill
 
 
@@ -109,7 +111,8 @@ def test_device_draft_is_brute_force_eagle2(request, kind, total, graphs):
     drafter.start()
     drafter.extend(prefill.features[0], torch.tensor(ids[1:], device=target.device))
     for _ in range(2):
-        tree = drafter.draft(torch.tensor([ids[-1]], device=target.device), depth + 1)
+        tree, draws = drafter.draft(torch.tensor([ids[-1]], device=target.device), depth + 1)
+    assert draws is None  # greedy: the top-k children
     assert drafter.cache.get_seq_length() == len(ids) - 1  # the round's nodes are gone from the drafter's cache
     runner = getattr(drafter.drafter, "runner", None)
     assert (runner is not None) == graphs
@@ -201,13 +204,14 @@ def host_reads(model: EagleModel, monkeypatch, **generate) -> tuple[collections.
     return counts, len(result.accept_lengths)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_round_reads_the_device_once(target, drafter, monkeypatch, temperature):
+@pytest.mark.parametrize("temperature, sampled_tree", [(0.0, False), (1.0, False), (1.0, True)])
+def test_a_round_reads_the_device_once(target, drafter, monkeypatch, temperature, sampled_tree):
     """On the static path (what a GPU runs), with the greedy head that reads candidates on a CPU
-    switched off (a GPU has none): one ``.tolist()`` a round and nothing else that waits. The host
-    path, the control, reads many times a round."""
+    switched off (a GPU has none): one ``.tolist()`` a round and nothing else that waits, children
+    drawn or not. The host path, the control, reads many times a round."""
     monkeypatch.setattr(target.lean, "greedy_head", None)
-    options = dict(drafter=drafter, total_tokens=12, depth=4, top_k=3, cuda_graphs=True, sampled_tree=False)
+    options = dict(drafter=drafter, total_tokens=12, depth=4, top_k=3, cuda_graphs=True, sampled_tree=sampled_tree,
+                   draw_support=8)
     device = EagleModel.from_pretrained(target, device_rounds=True, **options)
     host = EagleModel.from_pretrained(target, device_rounds=False, **options)
     generate = dict(prompt=[3, 4, 5, 6, 7, 3, 4], method="eagle-tree", max_new_tokens=20, temperature=temperature,
@@ -220,6 +224,7 @@ def test_a_round_reads_the_device_once(target, drafter, monkeypatch, temperature
 
 
 def test_device_rounds_default_on_cuda_only_and_fall_back_where_the_tree_needs_the_host(target, drafter):
+    """Drawn children (the default when sampling) run in device rounds too; static trees do not."""
     model = EagleModel.from_pretrained(target, drafter=drafter)
     assert model.device_rounds == (target.device.type == "cuda")
     with pytest.raises(EagleError, match="device_rounds"):
@@ -227,8 +232,9 @@ def test_device_rounds_default_on_cuda_only_and_fall_back_where_the_tree_needs_t
     on = EagleModel.from_pretrained(target, drafter=drafter, device_rounds=True)
     greedy, sampled = SamplingConfig(), SamplingConfig(temperature=1.0)
     assert on._device_drafter("eagle-tree", greedy) is not None
-    assert on._device_drafter("eagle-tree", sampled) is None  # drawn children: the host path
-    assert on._device_drafter("eagle-chain", sampled) is None
+    assert on._device_drafter("eagle-tree", sampled).draw_temperature == pytest.approx(0.85)  # drawn children
+    assert on._device_drafter("eagle-chain", sampled).draw_temperature == pytest.approx(0.85)
+    assert on._device_drafter("eagle-tree", greedy).draw_temperature == 0
     assert on._device_drafter("ar", greedy) is None
     assert not device_rounds_apply(TreeConfig(choices=((0,), (1,))), greedy)
     assert device_rounds_apply(TreeConfig(sampled_tree=False), sampled)
@@ -236,11 +242,31 @@ def test_device_rounds_default_on_cuda_only_and_fall_back_where_the_tree_needs_t
     assert big._device_drafter("eagle-tree", greedy).total == 64  # the largest static bucket
 
 
+def outcome_p(rule, size: int, want: dict, n: int) -> float:
+    """Chi-square p of the (accepted path, next token) outcomes of ``rule`` (uniforms [size + 1] -> a
+    ``DeviceAcceptance``) over n uniform draws, vectorized with vmap, against ``want``; cells
+    expected below 5 pooled; an outcome ``want`` rules out fails outright (p = 0)."""
+    from scipy.stats import chisquare
+
+    uniform = torch.rand(n, size + 1, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    path, count, next_token = torch.func.vmap(lambda u: tuple(vars(rule(u)).values()))(uniform)
+    counts = collections.Counter((tuple(p[:c]), y) for p, c, y in zip(path.tolist(), count.tolist(),
+                                                                        next_token.tolist()))
+    if not set(counts) <= {key for key, p in want.items() if p > 0}:
+        return 0.0
+    big = [key for key, p in want.items() if p * n >= 5]
+    small = [key for key, p in want.items() if 0 < p * n < 5]  # pooled into one cell
+    observed = [counts[key] for key in big] + ([sum(counts[key] for key in small)] if small else [])
+    expected = [want[key] * n for key in big] + ([sum(want[key] * n for key in small)] if small else [])
+    return float(chisquare(observed, [e * n / sum(expected) for e in expected]).pvalue)
+
+
 def test_sampled_accept_follows_the_recursive_rule_in_distribution():
     """One tree, one target distribution per node: how often each (accepted path, next token)
     outcome comes out of ``sampled_accept`` matches the host's ``recursive_rejection_tree``
     (itself checked against exact distributions in test_losslessness.py), and the host rule's
-    exact outcome probabilities computed by enumeration."""
+    exact outcome probabilities computed by enumeration (40k vectorized runs). The control tries
+    each child against the full p, whatever its earlier siblings took."""
     vocab = 5
     parents = [-1, 0, 0, 1, 1, 2]
     tokens = [0, 1, 3, 2, 4, 0]
@@ -270,30 +296,118 @@ def test_sampled_accept_follows_the_recursive_rule_in_distribution():
         return out
 
     want = exact()
-    n = 20000
-    counts: collections.Counter = collections.Counter()
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(n):
-        acc = sampled_accept(tree, probs, gen)
-        counts[(tuple(acc.path[:int(acc.count)].tolist()), int(acc.next_token))] += 1
-    assert set(counts) <= {key for key, p in want.items() if p > 0}
-    from scipy.stats import chisquare
+    assert outcome_p(lambda u: sampled_accept(tree, probs, u), tree.size, want, 40000) > 1e-3
+    from tests.decoding.test_losslessness import device_no_renormalization
 
-    big = [key for key, p in want.items() if p * n >= 5]
-    small = [key for key, p in want.items() if 0 < p * n < 5]  # pooled into one cell
-    observed = [counts[key] for key in big] + ([sum(counts[key] for key in small)] if small else [])
-    expected = [want[key] * n for key in big] + ([sum(want[key] * n for key in small)] if small else [])
-    expected = [e * n / sum(expected) for e in expected]
-    assert chisquare(observed, expected).pvalue > 1e-3
+    assert outcome_p(lambda u: device_no_renormalization(tree, probs, u), tree.size, want, 40000) < 1e-3
+
+
+@pytest.mark.parametrize("support", [0, 3])
+def test_drawn_children_are_the_host_draws(support):
+    """Given the same uniforms, the device's draws are ``EagleDrafter``'s: Gumbel-top-k among the
+    ``support`` most likely of 7 draft tokens (0: all), scored by the k largest log-probabilities."""
+    gen = torch.Generator().manual_seed(0)
+    logprobs = torch.log_softmax(2 * torch.randn(4, 7, generator=gen), -1)
+    parent_scores, k, temperature = torch.randn(4, generator=gen), 2, 0.85
+    width = support or 7
+    among_lp, among = torch.topk(logprobs, width, -1) if support else (logprobs, torch.arange(7).expand(4, -1))
+    host, host_scores = sampled_children(parent_scores, among_lp, k, temperature, torch.Generator().manual_seed(5))
+    uniform = torch.rand(among_lp.shape, generator=torch.Generator().manual_seed(5))
+    tokens, scores, got_among, got_lp = drawn_children(parent_scores, logprobs, k, torch.tensor(temperature), width,
+                                                       uniform)
+    assert torch.equal(tokens, among.gather(1, host)) and torch.equal(scores, host_scores)
+    assert torch.equal(got_among, among) and torch.equal(got_lp, among_lp)
+
+
+def exact_drawn_rule(tokens: list[int], parents: list[int], probs: torch.Tensor, draws: DeviceDraws) -> dict:
+    """The recursive rule's (accepted path, next token) probabilities for a tree of drawn children
+    (``acceptance.recursive_rejection_tree`` with each child's chance instead of a draw)."""
+    out: dict[tuple, float] = collections.defaultdict(float)
+
+    def walk(node, path, chance):
+        r = probs[node].double().clone()
+        mass = float(r.sum())
+        kids = [c for c in range(len(parents)) if parents[c] == node]
+        if kids:
+            ids, q = draws.ids[draws.rows[node]], torch.softmax(draws.logprobs[draws.rows[node]].double()
+                                                                / draws.temperature.double(), -1)
+        for c in kids:
+            hit = ids == tokens[c]
+            qx = float(q[hit].sum())
+            if qx <= 0:
+                continue
+            accept = min(1.0, float(r[tokens[c]]) / (qx * mass))
+            walk(c, path + (c,), chance * accept)
+            chance *= 1 - accept
+            residual = r.clone()
+            residual[ids] = (r[ids] - q * mass).clamp(min=0)
+            if residual.sum() > 0:
+                r, mass = residual, float(residual.sum())
+            q = q.masked_fill(hit, 0.0)
+            q = q / q.sum() if q.sum() > 0 else q
+        for y in range(r.shape[0]):
+            out[(path, y)] += chance * float(r[y] / r.sum())
+
+    walk(0, (0,), 1.0)
+    return out
+
+
+def test_drawn_accept_follows_the_recursive_rule_in_distribution():
+    """A tree of drawn children (the root's 3 draws among 4 of 6 tokens, below them 2 and 1): how
+    often each (accepted path, next token) comes out of ``drawn_accept`` matches the host rule's
+    exact probabilities (``recursive_rejection_tree``, itself checked against the target in
+    test_losslessness.py). The control tells the rule the draws came at twice the temperature."""
+    parents = [-1, 0, 0, 0, 1, 1, 2]
+    tokens = [0, 2, 5, 1, 1, 3, 0]
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.softmax(1.5 * torch.randn(len(parents), 6, generator=gen), -1)
+    draws = DeviceDraws(rows=torch.tensor([0, 1, 2, -1, -1, -1, -1]),
+                        ids=torch.tensor([[2, 5, 1, 4], [1, 3, 0, 2], [0, 4, 3, 5]]),
+                        logprobs=torch.log_softmax(torch.randn(3, 4, generator=gen), -1),
+                        temperature=torch.tensor(0.85), width=3)
+    tree = device_tree(tokens, parents)
+    want = exact_drawn_rule(tokens, parents, probs, draws)
+    assert sum(want.values()) == pytest.approx(1.0)
+    assert outcome_p(lambda u: drawn_accept(tree, probs, draws, u), tree.size, want, 40000) > 1e-3
+    told = dataclasses.replace(draws, temperature=2 * draws.temperature)
+    assert outcome_p(lambda u: drawn_accept(tree, probs, told, u), tree.size, want, 40000) < 1e-3
+
+
+def test_sampled_acceptance_can_be_captured(fake_capture):
+    """``drawn_accept`` and ``sampled_accept`` make no host tensor and read nothing back (captured:
+    by the CPU stand-in for CUDA capture where there is no GPU), and a replay on new uniforms gives
+    the eager result."""
+    from eagle.runtime.cuda_graphs import capture_graph
+
+    dev = device_under_test()
+    parents, tokens = [-1, 0, 0, 0, 1, 1, 2], [0, 2, 5, 1, 1, 3, 0]
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.softmax(1.5 * torch.randn(len(parents), 6, generator=gen), -1).to(dev)
+    draws = DeviceDraws(rows=torch.tensor([0, 1, 2, -1, -1, -1, -1], device=dev),
+                        ids=torch.tensor([[2, 5, 1, 4], [1, 3, 0, 2], [0, 4, 3, 5]], device=dev),
+                        logprobs=torch.log_softmax(torch.randn(3, 4, generator=gen), -1).to(dev),
+                        temperature=torch.tensor(0.85, device=dev), width=3)
+    tree = DeviceTree(*(x.to(dev) if isinstance(x, torch.Tensor) else x
+                        for x in vars(device_tree(tokens, parents)).values()))
+    uniform = torch.zeros(len(parents) + 1, dtype=torch.float64, device=dev)
+    for rule in (lambda: drawn_accept(tree, probs, draws, uniform), lambda: sampled_accept(tree, probs, uniform)):
+        graph, out = capture_graph(lambda: tuple(vars(rule()).values()), probs.device,
+                                   torch.cuda.graph_pool_handle() if dev.type == "cuda" else None)
+        assert graph is not None
+        for _ in range(20):
+            uniform.copy_(torch.rand(uniform.shape, generator=gen, dtype=torch.float64))
+            want = [x.clone() for x in vars(rule()).values()]
+            graph.replay()
+            assert all(torch.equal(a, b) for a, b in zip(out, want))
 
 
 @pytest.mark.parametrize("method", ["eagle-tree", "eagle-chain"])
 @pytest.mark.parametrize("kind", ["eagle", pytest.param("eagle3", marks=pytest.mark.slow)])
 def test_device_rounds_capture(fake_capture, kind, method):
-    """Every static function of a device round (the draft phase, the drafter's and the target's
-    forwards) is captured (by the CPU stand-in for CUDA capture where there is no GPU: a host
-    tensor, a host read or a data-dependent shape inside fails the test), and the replayed graphs
-    give ``ar``'s tokens."""
+    """Every static function of a device round (the draft phase, greedy and with drawn children,
+    the drafter's and the target's forwards) is captured (by the CPU stand-in for CUDA capture
+    where there is no GPU: a host tensor, a host read or a data-dependent shape inside fails the
+    test), and the replayed graphs give ``ar``'s tokens."""
     # built here, after fake_capture turned the compiled CPU kernels off (a recording cannot replay them)
     target = tiny_target() if kind == "eagle" else tiny_target(layers=8)
     drafter = tiny_drafter(target) if kind == "eagle" else tiny_drafter(target, kind="eagle3", draft_vocab_size=20)
@@ -305,3 +419,9 @@ def test_device_rounds_capture(fake_capture, kind, method):
     runner = model._device_drafter(method, SamplingConfig()).drafter.runner
     assert any(key[0] == "draft phase" and entry.graph is not None for key, entry in runner.entries.items())
     assert runner.fallbacks == 0 and model.target.graphs.fallbacks == 0
+    # drawn children: the phase with its noise buffer captured too; each replay draws anew, seeded
+    sampled = [model.generate(prompts(3, seed=4)[2], method=method, max_new_tokens=16, temperature=1.0, seed=seed)
+               for seed in (0, 1, 0)]
+    assert sampled[0].token_ids == sampled[2].token_ids != sampled[1].token_ids
+    drawn = [key for key, entry in runner.entries.items() if key[0] == "draft phase" and key[-1] and entry.graph]
+    assert drawn and runner.fallbacks == 0 and model.target.graphs.fallbacks == 0

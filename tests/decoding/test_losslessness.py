@@ -1,8 +1,10 @@
 """Sampling is lossless: the first 3 generated tokens follow the target's exact distribution.
 
-The exact distribution is enumerated from the tiny target (vocabulary 6: 216 triples); 20k
+The exact distribution is enumerated from the tiny target (vocabulary 6: 216 triples); 2000
 seeded generations are compared with a chi-square test. Each check also runs a negative
-control (a deliberately broken acceptance rule) that the same test must reject."""
+control (a deliberately broken acceptance rule) that the same test must reject, on half or a
+quarter as many: every control fails with p below 1e-7 at that size (docs/device-sampling.md), so
+the 20k samples these checks once drew (a tenth of CI's slow tests' time) bought no power they need."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from eagle.decoding.sampling import logits_to_probs, sample
 
 from tests.conftest import tiny_drafter, tiny_target
 
-VOCAB, PROMPT, SAMPLES, ALPHA = 6, [1, 2, 3], 20000, 1e-3
+VOCAB, PROMPT, SAMPLES, ALPHA = 6, [1, 2, 3], 2000, 1e-3
+DEVICE_SAMPLES = 1000  # device rounds' checks (see their test)
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +86,9 @@ def chi_square_p(counts: torch.Tensor, exact: torch.Tensor) -> float:
         exp = torch.cat([exp, expected[~big].sum()[None]])
         obs = torch.cat([obs, observed[~big].sum()[None]])
     assert obs.sum() == n
-    return float(chisquare(obs.numpy(), exp.numpy() * (obs.sum() / exp.sum()).item()).pvalue)
+    p = float(chisquare(obs.numpy(), exp.numpy() * (obs.sum() / exp.sum()).item()).pvalue)
+    print(f"chi-square: n={int(n)} p={p:.3g}")  # shown when a check fails
+    return p
 
 
 def skip_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -306,19 +311,19 @@ def test_eagle3_drafters_sampled_tree_is_lossless_and_the_check_has_teeth(monkey
     assert chi_square_p(sampled_triples(model, "eagle-tree", sampling, SAMPLES // 2), exact) < ALPHA
 
 
-def device_no_renormalization(tree, probs, generator):
+def device_no_renormalization(tree, probs, uniform):
     """Broken device rule: a child is accepted with probability p(x) whatever its earlier siblings
     took, and the next token comes from the full p."""
     from eagle.decoding.device_rounds import DeviceAcceptance, deepest_agreeing
+    from eagle.decoding.sampling import invert_cdf
 
     mass = probs[tree.parents.clamp(min=0), tree.tokens].double()
     index = torch.arange(tree.size)
-    uniform = torch.rand(tree.size, generator=generator, dtype=torch.float64)
-    accepted = (uniform < mass) & (index > 0)
+    accepted = (uniform[:tree.size] < mass) & (index > 0)
     earlier = (tree.parents[:, None] == tree.parents[None, :]) & (index[None, :] < index[:, None])
     first = accepted & ~((earlier.double() @ accepted.double()) > 0)
     best, path, count = deepest_agreeing(tree, first)
-    return DeviceAcceptance(path, count, sample(probs[best], generator))
+    return DeviceAcceptance(path, count, invert_cdf(probs[best], uniform[tree.size]))
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
@@ -335,3 +340,45 @@ def test_device_rounds_sampling_is_lossless_and_the_check_has_teeth(model, sprea
     assert chi_square_p(sampled_triples(device, "eagle-tree", sampling, SAMPLES), exact) > ALPHA
     monkeypatch.setattr(device_rounds, "sampled_accept", device_no_renormalization)
     assert chi_square_p(sampled_triples(device, "eagle-tree", sampling, SAMPLES // 2), exact) < ALPHA
+
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_device_rounds_drawn_children_are_lossless_and_the_check_has_teeth(model, spread, capture, request,
+                                                                          monkeypatch):
+    """Device rounds with drawn children (the default when sampling; ``drawn_accept``), among the
+    ``spread`` drafter's 3 most likely tokens at 0.85 times the temperature: eagerly, and on the
+    static path captured (by the CPU stand-in for CUDA capture: each replay draws new noise).
+    Fewer samples than the host path's checks (a device round costs more on a CPU): the control,
+    a rule that draws the next token from the full p after its node's children were rejected,
+    fails at this size (``test_drawn_accept_follows_the_recursive_rule_in_distribution`` checks the
+    rule itself with 40k vectorized draws)."""
+    from eagle.decoding import device_rounds
+    from eagle.decoding.sampling import invert_cdf
+
+    sampling = SamplingConfig(temperature=1.0, top_p=0.8 if capture else 1.0)
+    exact = exact_triples(model, sampling)
+    tree = dataclasses.replace(model.tree, lookup_tokens=0, draw_support=3, draw_temperature_scale=0.85)
+    target = model.target
+    if capture:  # a target built after the fixture turned the compiled CPU kernels off
+        from eagle.runtime.cuda_graphs import with_graphs
+
+        request.getfixturevalue("fake_capture")
+        target = with_graphs(tiny_target(vocab_size=VOCAB, hidden=16, layers=1, init_std=0.5))
+    device = EagleModel(target, spread, tree=tree, device_rounds=True)
+    assert device._device_drafter("eagle-tree", sampling).draw_temperature == pytest.approx(0.85)
+    samples = DEVICE_SAMPLES // 2 if capture else DEVICE_SAMPLES
+    assert chi_square_p(sampled_triples(device, "eagle-tree", sampling, samples), exact) > ALPHA
+    if capture:
+        runner = device._device_drafter("eagle-tree", sampling).drafter.runner
+        assert any(key[0] == "draft phase" and entry.graph is not None for key, entry in runner.entries.items())
+        return
+    intact = device_rounds.drawn_accept
+
+    def residual_skipped(tree, probs, draws, uniform):
+        acc = intact(tree, probs, draws, uniform)
+        last = device_rounds.row(acc.path, acc.count - 1)
+        return dataclasses.replace(acc, next_token=invert_cdf(device_rounds.row(probs, last), uniform[-1]))
+
+    monkeypatch.setattr(device_rounds, "drawn_accept", residual_skipped)
+    assert chi_square_p(sampled_triples(device, "eagle-tree", sampling, DEVICE_SAMPLES // 2), exact) < ALPHA
