@@ -145,9 +145,12 @@ class BatchedSession:
     ``max_batch``: sequences decoded at once (the others wait in the queue, first come first
     served); ``load_sizing``: tree sizes from the load (``batch_tree_sizes``), else each method's
     configured tree; ``max_tree``: the most nodes (root included) one tree may have where the
-    model's ``total_tokens`` is "auto" (an int ``total_tokens`` is used as it is)."""
+    model's ``total_tokens`` is "auto" (an int ``total_tokens`` is used as it is); ``row_seconds``: a
+    target forward's seconds for 1 .. S rows, for ``load_sizing`` (default: ``cost_curve``, measured
+    once per machine and cached)."""
 
-    def __init__(self, model: Any, max_batch: int = 8, load_sizing: bool = True, max_tree: int = MAX_TREE) -> None:
+    def __init__(self, model: Any, max_batch: int = 8, load_sizing: bool = True, max_tree: int = MAX_TREE,
+                 row_seconds: Sequence[float] | None = None) -> None:
         check_int("max_batch", max_batch, 1)
         check_int("max_tree", max_tree, 1)
         self.model, self.target = model, model.target
@@ -156,7 +159,8 @@ class BatchedSession:
         self._active: OrderedDict[Hashable, _Sequence] = OrderedDict()
         self._rates: dict[str, RankRates] = defaultdict(RankRates)
         self._draft_seconds: dict[str, float] = {}
-        self._seconds: list[float] = []
+        self._seconds: list[float] = list(row_seconds or [])
+        self._fixed_seconds = row_seconds is not None
 
     @property
     def active(self) -> int:
@@ -232,7 +236,7 @@ class BatchedSession:
         most = tree.total_tokens if isinstance(tree.total_tokens, int) else self.max_tree
         gains = [self._rates[s.options.method].gains(most - 1) if s.options.method != "ar" else [] for s in live]
         rows = len(live) + sum(len(g) for g in gains)
-        if len(self._seconds) < rows:
+        if len(self._seconds) < rows and not self._fixed_seconds:
             curve = cost_curve(self.target, greedy=True)
             self._seconds = [curve.at(n) for n in range(1, max(rows, 2 * len(self._seconds)) + 1)]
         return batch_tree_sizes(self._seconds, gains, [self._draft_seconds.get(s.options.method, 0.0) for s in live])

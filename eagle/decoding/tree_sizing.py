@@ -307,6 +307,8 @@ def batch_tree_sizes(seconds: Sequence[float], gains: Sequence[Sequence[float]],
     The larger the batch, the dearer its rows (a forward stops being bound by reading the weights
     once it computes enough rows): trees shrink as it grows."""
     batch = len(gains)
+    if batch > len(seconds):
+        return [1] * batch
     order = sorted(((g, b) for b, row in enumerate(gains) for g in row), key=lambda gb: (-gb[0], gb[1]))
     sizes, best_sizes = [1] * batch, [1] * batch
     expected, drafting = float(batch), 0.0
