@@ -4,9 +4,11 @@ batch size, on one target.
     python scripts/batched_speed.py --methods ar,eagle-tree --batch 1,4,8 --prompts 8 --max-new-tokens 64
 
 Prompts: the chat-templated dev prompts, cycled; all are queued at once and decoded ``--batch`` at a
-time, greedy. An untimed warm-up first (the cost curve is measured there if it is not cached). With
-``--check`` each output is compared with the same prompt decoded alone (``ar``). Prints one JSON line
-per (method, batch): new tokens, seconds, tokens/s, mean accepted length and tree size, identical
+time, greedy. The process's CPU time is reported beside the wall time (on a machine shared with
+other work, wall time measures the others too; with OMP_NUM_THREADS=1 CPU time is the work done).
+An untimed warm-up first (the cost curve is measured there if it is not cached). With ``--check``
+each output is compared with the same prompt decoded alone (``ar``). Prints one JSON line per
+(method, batch): new tokens, seconds, tokens/s, mean accepted length and tree size, identical
 outputs."""
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ def run(model: EagleModel, prompts: list[list[int]], method: str, batch: int, ma
     for i, ids in enumerate(prompts):
         session.add(i, ids, RequestOptions(method=method, max_new_tokens=max_new_tokens))
     tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    accepted, trees, start = [], [], time.perf_counter()
+    accepted, trees, start, cpu = [], [], time.perf_counter(), time.process_time()
     while session.active or session.queued:
         for event in session.step():
             tokens[event.request_id].extend(event.new_token_ids)
             accepted.append(len(event.new_token_ids))
             trees.append(event.stats.tree_size)
-    return {"tokens": tokens, "seconds": time.perf_counter() - start, "accepted": accepted, "trees": trees}
+    return {"tokens": tokens, "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu,
+            "accepted": accepted, "trees": trees}
 
 
 def main() -> None:
@@ -62,6 +65,7 @@ def main() -> None:
             print(json.dumps({
                 "method": method, "batch": batch, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                 "new_tokens": new, "seconds": round(out["seconds"], 2), "tokens_per_s": round(new / out["seconds"], 1),
+                "cpu_seconds": round(out["cpu_seconds"], 2), "tokens_per_cpu_s": round(new / out["cpu_seconds"], 1),
                 "mean_accepted": round(sum(out["accepted"]) / len(out["accepted"]), 2),
                 "mean_tree": round(sum(out["trees"]) / len(out["trees"]), 2), "load_sizing": not args.fixed_trees,
                 "identical": None if alone is None else sum(out["tokens"][i] == a for i, a in enumerate(alone))}),

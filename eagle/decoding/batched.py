@@ -37,6 +37,9 @@ from eagle.runtime.kernels import STREAM_MAX_ROWS
 from eagle.runtime.segments import segment_forward
 
 MAX_TREE = 16  # the most tree nodes (root included) a sequence verifies when total_tokens is "auto"
+# a method's drafting time, as ``load_sizing`` believes it, shrinks by this factor for each sequence
+# that skips drafting, so one slow measurement (a first call, a busy machine) cannot stop drafting for good
+DRAFT_FADE = 0.98
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,14 +235,24 @@ class BatchedSession:
         as many as its method allows)."""
         if not self.load_sizing:
             return [self.target.max_context] * len(live)
-        tree = self.model.tree
-        most = tree.total_tokens if isinstance(tree.total_tokens, int) else self.max_tree
-        gains = [self._rates[s.options.method].gains(most - 1) if s.options.method != "ar" else [] for s in live]
+        gains = [self._rates[s.options.method].gains(self._most_nodes(s) - 1) for s in live]
         rows = len(live) + sum(len(g) for g in gains)
         if len(self._seconds) < rows and not self._fixed_seconds:
             curve = cost_curve(self.target, greedy=True)
             self._seconds = [curve.at(n) for n in range(1, max(rows, 2 * len(self._seconds)) + 1)]
         return batch_tree_sizes(self._seconds, gains, [self._draft_seconds.get(s.options.method, 0.0) for s in live])
+
+    def _most_nodes(self, seq: _Sequence) -> int:
+        """The largest tree (root included) the sequence's method proposes."""
+        method, model = seq.options.method, self.model
+        if method == "ar":
+            return 1
+        if method == "pld":
+            return model.prompt_lookup.num_draft_tokens + 1
+        if method == "sd":
+            return seq.proposer.gamma + 1
+        total = model._method_tree(method).total_tokens
+        return total if isinstance(total, int) else self.max_tree
 
     def _propose(self, live: list[_Sequence], sizes: list[int]) -> list[_Round]:
         """Each sequence's draft tree (at most ``sizes`` nodes, no deeper than its room)."""
@@ -249,18 +262,22 @@ class BatchedSession:
             began = time.perf_counter()
             proposal = seq.proposer.propose(seq.ids, max_depth=seq.room(self.target.max_context) - 1,
                                             max_nodes=min(size, self.target.max_context - past))
+            method = seq.options.method
             if proposal.tree.size > 1:  # what drafting costs this method, for sizing the next rounds
-                spent, method = time.perf_counter() - began, seq.options.method
+                spent = time.perf_counter() - began
                 before = self._draft_seconds.get(method)
                 self._draft_seconds[method] = spent if before is None else before + AVERAGING * (spent - before)
+            elif method in self._draft_seconds:  # not drafting: the estimate fades, so a slow spell is retried
+                self._draft_seconds[method] *= DRAFT_FADE
             rounds.append(_Round(seq, proposal, tree_attention(proposal.tree.parents), past, start))
             start += proposal.tree.size
         return rounds
 
     def _verify(self, rounds: list[_Round]) -> torch.Tensor:
         """ONE target forward over every tree -> the features at every node [R, (1 + n) H], the
-        trees one after another (``segment_forward``; a target without the Llama-family lean
-        forward runs one forward per sequence instead)."""
+        trees one after another (``segment_forward``). One sequence takes the target's own forward
+        (on a CPU one compiled call for the whole stack), as does each sequence of a target without
+        the Llama-family lean forward."""
         target = self.target
         aux = next((r.seq.proposer.aux_layers for r in rounds if r.seq.proposer.aux_layers), ())
         masks = [attention_bias(r.attn.mask, r.past, target.dtype) if r.proposal.tree.size > 1 else None
@@ -268,7 +285,8 @@ class BatchedSession:
         for r in rounds:
             r.seq.stats.tree_size = r.proposal.tree.size
             r.seq.stats.target_forwards += 1
-        if isinstance(target.lean, LeanDecoder) and all(isinstance(r.seq.cache, kv_cache.StaticCache) for r in rounds):
+        if len(rounds) > 1 and isinstance(target.lean, LeanDecoder) and all(
+                isinstance(r.seq.cache, kv_cache.StaticCache) for r in rounds):
             tokens = torch.cat([r.proposal.tree.tokens for r in rounds])
             positions = torch.cat([r.past + r.attn.depths for r in rounds])
             return segment_forward(target.lean, tokens, positions, [r.seq.cache for r in rounds],

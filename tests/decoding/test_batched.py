@@ -194,7 +194,7 @@ def test_load_sizing_gives_batched_ar_when_rows_are_dear(model):
 
 @pytest.mark.slow
 def test_batched_sampling_keeps_the_target_distribution_and_the_check_has_teeth(monkeypatch):
-    """First 3 tokens of 3000 sampled eagle-tree requests of one prompt, decoded 8 at a time beside
+    """First 3 tokens of 2000 sampled eagle-tree requests of one prompt, decoded 8 at a time beside
     requests of other prompts and methods, with trees sized from the load: a chi-square fit to
     the enumerated target distribution. The negative control (rejected siblings keep their mass)
     must fail the same check."""
@@ -221,9 +221,9 @@ def test_batched_sampling_keeps_the_target_distribution_and_the_check_has_teeth(
                         found[tuple(event.result.token_ids)] += 1
         return found, trees
 
-    found, trees = counts(model, 3000)
-    assert found.sum() == 3000 and trees > 1000
+    found, trees = counts(model, 2000)
+    assert found.sum() == 2000 and trees > 700
     assert chi_square_p(found, exact) > 1e-3
     monkeypatch.setattr(acceptance, "recursive_rejection_tree", no_renormalization)
     deterministic = EagleModel(model.target, model.drafter, tree=dataclasses.replace(model.tree, sampled_tree=False))
-    assert chi_square_p(counts(deterministic, 1500)[0], exact) < 1e-3
+    assert chi_square_p(counts(deterministic, 1000)[0], exact) < 1e-3
