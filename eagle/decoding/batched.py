@@ -235,7 +235,8 @@ class BatchedSession:
         as many as its method allows)."""
         if not self.load_sizing:
             return [self.target.max_context] * len(live)
-        gains = [self._rates[s.options.method].gains(self._most_nodes(s) - 1) for s in live]
+        gains = [self._rates[s.options.method].gains(self._most_nodes(s) - 1)
+                 if s.room(self.target.max_context) > 1 else [] for s in live]  # room for one token: no draft
         rows = len(live) + sum(len(g) for g in gains)
         if len(self._seconds) < rows and not self._fixed_seconds:
             curve = cost_curve(self.target, greedy=True)
