@@ -321,7 +321,10 @@ class EagleModel:
                                  self.target, k, tree.depth, min(total, MAX_TREE), draw_temperature(tree, sampling),
                                  tree.draw_support)
 
-    def _proposer(self, method: str, sampling: SamplingConfig, generator: torch.Generator) -> Proposer:
+    def _proposer(self, method: str, sampling: SamplingConfig, generator: torch.Generator,
+                  fixed_total: int | None = None) -> Proposer:
+        """The proposer of ``method``; ``fixed_total``: the most tree nodes where ``total_tokens`` is
+        "auto", sized by the caller instead (``eagle.decoding.batched``)."""
         device = self.target.device
         if method == "ar":
             return NoDraft(device)
@@ -336,6 +339,8 @@ class EagleModel:
             if self.drafter is None:
                 raise EagleError(f"method {method!r} needs a drafter: pass drafter=... (--drafter)")
             tree = self._method_tree(method)
+            if fixed_total is not None and tree.total_tokens == "auto":
+                tree = dataclasses.replace(tree, total_tokens=fixed_total)
             sizing = None
             if tree.total_tokens == "auto":
                 from eagle.decoding.tree_sizing import cost_curve

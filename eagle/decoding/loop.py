@@ -14,9 +14,10 @@ from eagle.decoding import acceptance
 from eagle.runtime import kv_cache
 from eagle.config import SamplingConfig, SpeculativeConfig
 from eagle.errors import EagleError
-from eagle.decoding.proposers import Proposer
+from eagle.decoding.proposers import Proposal, Proposer
 from eagle.decoding.sampling import logits_to_probs, sample
 from eagle.runtime.target import Target
+from eagle.decoding.tree import DraftTree
 from eagle.decoding.tree_mask import attention_bias, tree_attention
 
 STEPS = ("draft", "verify", "accept", "cache", "other")
@@ -127,6 +128,41 @@ def finish(target: Target, clock: Clock, new: list[int], accept_lengths: list[in
                             stop_reason=stop, prefill_s=prefill_s, step_seconds=clock.step_seconds())
 
 
+def accept_round(proposal: Proposal, paths: torch.Tensor, logits: torch.Tensor | None, choices: torch.Tensor | None,
+                 sampling: SamplingConfig, generator: torch.Generator,
+                 lenience: float = 1.0) -> acceptance.Acceptance:
+    """Step 3 of a round: which nodes of ``proposal.tree`` [N] the target keeps, and its next token.
+    ``paths`` [L, D + 1] (``tree_attention``); ``logits`` [N, V] the target's at each node (not read
+    when greedy); ``choices`` [N] the target's argmax at each node when greedy, else None."""
+    tree = proposal.tree
+    if choices is not None:
+        return acceptance.greedy_tree(tree.tokens, tree.parents, paths, choices)
+    if proposal.draft_probs is not None:
+        return acceptance.speculative_chain(tree.tokens[1:], proposal.draft_probs, logits_to_probs(logits, sampling),
+                                            generator, lenience=lenience)
+    if tree.size > 1:
+        return acceptance.recursive_rejection_tree(tree.tokens, tree.parents, logits_to_probs(logits, sampling),
+                                                   generator, proposal.child_probs, proposal.drawn)
+    return acceptance.Acceptance(nodes=torch.zeros(1, dtype=torch.long, device=tree.tokens.device),
+                                 next_token=int(sample(logits_to_probs(logits[0], sampling), generator)))
+
+
+def commit_round(target: Target, proposer: Proposer, cache: Any, past: int, tree: DraftTree,
+                 acc: acceptance.Acceptance, features: torch.Tensor | None, ids: list[int], room: int,
+                 produced: int, max_new_tokens: int) -> tuple[list[int], str]:
+    """Step 4 of a round: compact the sequence's cache (``past`` tokens before the tree) to the
+    accepted path, cut the new tokens at a stop (``chunk_and_stop``), extend ``ids`` in place and
+    tell the proposer what was kept. ``features`` [N, F]: the target's at each tree node (None
+    when the proposer needs none). Returns (the round's new tokens, stop reason or "")."""
+    kv_cache.compact(cache, past, past + acc.nodes)
+    chunk = tree.tokens[acc.nodes[1:]].tolist() + [acc.next_token]
+    chunk, stop = chunk_and_stop(chunk, target, room, produced, max_new_tokens)
+    ids.extend(chunk)
+    if not stop:
+        proposer.commit(ids, acc.nodes[1:].tolist(), features[acc.nodes] if features is not None else None)
+    return chunk, stop
+
+
 @torch.inference_mode()
 def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int,
                 sampling: SamplingConfig, generator: torch.Generator,
@@ -162,28 +198,13 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
         forwards += 1
         clock.lap("verify")
         # 3. accept: the longest agreeing path (greedy) or lossless rejection sampling
-        logits = out.logits[0]
-        if choices is not None:
-            acc = acceptance.greedy_tree(tree.tokens, tree.parents, attn.paths, choices)
-        elif proposal.draft_probs is not None:
-            acc = acceptance.speculative_chain(tree.tokens[1:], proposal.draft_probs,
-                                               logits_to_probs(logits, sampling), generator,
-                                               lenience=spec.lenience if spec else 1.0)
-        elif tree.size > 1:
-            acc = acceptance.recursive_rejection_tree(tree.tokens, tree.parents, logits_to_probs(logits, sampling),
-                                                      generator, proposal.child_probs, proposal.drawn)
-        else:
-            acc = acceptance.Acceptance(nodes=torch.zeros(1, dtype=torch.long, device=device),
-                                        next_token=int(sample(logits_to_probs(logits[0], sampling), generator)))
+        acc = accept_round(proposal, attn.paths, out.logits[0], choices, sampling, generator,
+                           spec.lenience if spec else 1.0)
         clock.lap("accept")
         # 4. compact the target's cache to the accepted path; tell the proposer what was kept
-        kv_cache.compact(cache, past, past + acc.nodes)
-        chunk = tree.tokens[acc.nodes[1:]].tolist() + [acc.next_token]
-        chunk, stop = chunk_and_stop(chunk, target, room, len(new), max_new_tokens)
-        ids.extend(chunk)
-        if not stop:
-            path = acc.nodes[1:].tolist()
-            proposer.commit(ids, path, out.features[0, acc.nodes] if proposer.needs_features else None)
+        chunk, stop = commit_round(target, proposer, cache, past, tree, acc,
+                                   out.features[0] if proposer.needs_features else None, ids, room, len(new),
+                                   max_new_tokens)
         clock.lap("cache")
         # 5. record stats and hand the chunk out
         new.extend(chunk)

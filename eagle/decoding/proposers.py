@@ -263,6 +263,8 @@ class EagleDrafter(Proposer):
         self.next_depth = cfg.levels  # a sampled tree's draft levels with "auto" (see ``_size_next_round``)
         self.sizing = sizing if sizing is not None or cost is None else Sizing(cost)  # None: a fixed total_tokens
         self.proposed: tuple[DraftTree, float] | None = None  # the last proposal's tree and when it was made
+        # (features, tokens) of rounds accepted since the drafter last ran (``_catch_up``)
+        self.pending: list[tuple[torch.Tensor, list[int]]] = []
         # a sampled tree's size with "auto", chosen before its draws (see ``propose``): at first the most
         # nodes that cost no more than one token to verify, then what the previous round's pool asked for
         costs = self.sizing.costs if self.sizing is not None else []
@@ -282,6 +284,7 @@ class EagleDrafter(Proposer):
     def start(self, ids: list[int], features: torch.Tensor | None) -> None:
         self.cache = self.drafter.new_cache()
         self.last_hidden = None
+        self.pending = []
         if features is not None and len(ids) > 1:
             self._extend(features, ids[1:])
 
@@ -297,7 +300,16 @@ class EagleDrafter(Proposer):
         for drafts, match in self.last_matches:  # judge each lookup whose node the target reached
             if produced[:len(drafts)] == drafts:
                 self.lookup_rates.update(match, produced[len(drafts):])
-        self._extend(features, produced)
+        self.pending.append((features, produced))  # fed to the drafter when it next drafts (``_catch_up``)
+
+    def _catch_up(self) -> None:
+        """Feed the drafter what was accepted since it last ran, in one call: ``commit`` defers it, so
+        rounds that draft nothing (a batch's root-only rounds) cost the drafter nothing."""
+        if self.pending:
+            features = torch.cat([f for f, _ in self.pending])
+            tokens = [t for _, produced in self.pending for t in produced]
+            self.pending = []
+            self._extend(features, tokens)
 
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Predicted features [F, H] -> draft log-probabilities [F, V_draft]."""
@@ -325,6 +337,8 @@ class EagleDrafter(Proposer):
         return self.drafter(inputs[None], embeds, pos, self.cache, bias)[0]
 
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
+        if max_depth >= 1 and max_nodes >= 2:  # a round that may draft
+            self._catch_up()
         proposal = self._propose(ids, max_depth, max_nodes)
         self.proposed = (proposal.tree, time.perf_counter())
         return proposal

@@ -291,3 +291,70 @@ def cost_curve(target: Target, greedy: bool = False) -> CostCurve:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(dataclasses.asdict(curve)))
     return curve
+
+
+def batch_tree_sizes(seconds: Sequence[float], gains: Sequence[Sequence[float]],
+                     draft_seconds: Sequence[float]) -> list[int]:
+    """Each sequence's tree size (root included) for one round of a batch verified in one target
+    forward: draft rows handed out best gain first across the batch, as many as give the most
+    expected tokens per second, (B + kept gains) / (drafting + seconds[B + kept rows - 1]).
+
+    ``seconds`` [S]: a target forward's cost for 1 .. S rows (``CostCurve.at``); ``gains[b]`` [M_b]:
+    the expected accepted tokens of sequence b's best, second best, ... draft (non-increasing;
+    empty: it cannot draft); ``draft_seconds`` [B]: what drafting costs sequence b, paid only
+    when its tree has a draft. Rows past S are never handed out. Returns [B] sizes >= 1; all ones
+    (batched ``ar``) when no draft pays for its rows, so the expected rate is never below it.
+    The larger the batch, the dearer its rows (a forward stops being bound by reading the weights
+    once it computes enough rows): trees shrink as it grows."""
+    batch = len(gains)
+    if batch > len(seconds):
+        return [1] * batch
+    order = sorted(((g, b) for b, row in enumerate(gains) for g in row), key=lambda gb: (-gb[0], gb[1]))
+    sizes, best_sizes = [1] * batch, [1] * batch
+    expected, drafting = float(batch), 0.0
+    best = expected / seconds[batch - 1]
+    for rows, (gain, b) in enumerate(order, start=batch + 1):
+        if rows > len(seconds):
+            break
+        if sizes[b] == 1:
+            drafting += draft_seconds[b]
+        sizes[b] += 1
+        expected += gain
+        rate = expected / (drafting + seconds[rows - 1])
+        if rate > best:
+            best, best_sizes = rate, list(sizes)
+    return best_sizes
+
+
+RANK_PRIOR = (0.6, 0.8, 2.0)  # a rank r never verified: accepted 0.6 * 0.8^r of the time, weighed as 2 trees
+
+
+class RankRates:
+    """How often the r-th best draft of a verified tree (by draft score) was accepted, per rank r,
+    for one decoding method; ``gains(n)`` -> the expected accepted tokens of the best n drafts of
+    the next tree [n], non-increasing. Ranks seldom verified (a batch's trees shrink) stay near
+    the prior ``RANK_PRIOR``, so a tree can grow back when the batch shrinks."""
+
+    def __init__(self) -> None:
+        self.hits: list[float] = []
+        self.tries: list[float] = []
+
+    def record(self, scores: Sequence[float], accepted: Sequence[bool]) -> None:
+        """A verified tree's drafts: their scores [M] and whether each was accepted [M]."""
+        ranked = sorted(range(len(scores)), key=lambda i: -scores[i])
+        for rank, i in enumerate(ranked):
+            if rank == len(self.tries):
+                self.hits.append(0.0)
+                self.tries.append(0.0)
+            self.hits[rank] += accepted[i]
+            self.tries[rank] += 1
+
+    def gains(self, n: int) -> list[float]:
+        first, ratio, weight = RANK_PRIOR
+        out, low = [], 1.0
+        for rank in range(n):
+            prior = first * ratio ** rank
+            hits, tries = (self.hits[rank], self.tries[rank]) if rank < len(self.tries) else (0.0, 0.0)
+            low = min(low, (hits + weight * prior) / (tries + weight))
+            out.append(low)
+        return out

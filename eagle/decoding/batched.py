@@ -1,0 +1,369 @@
+"""Continuous batching with draft trees: ``BatchedSession``.
+
+Requests join (``add``) and leave (finished or ``cancel``) between rounds. Each ``step`` is one
+round for every running sequence: each proposes its own draft tree (``ar``: the root alone),
+ONE target forward verifies all trees (``eagle.runtime.segments.segment_forward``: each
+sequence's rows attend to its own cache and its own tree's ancestors), then acceptance, cache
+compaction and the proposer's update run per sequence, exactly as ``decode_loop`` does for one
+(``accept_round``, ``commit_round``). So greedy output is the request's own greedy decoding and
+sampled output keeps the target's distribution, whatever else is in the batch.
+
+Tree sizes come from the load (``load_sizing``): rows are handed out across the batch by
+``batch_tree_sizes`` from the measured cost of a target forward at the batch's row count
+(``cost_curve``) and each method's acceptance per draft rank (``RankRates``).
+
+Not thread-safe: call ``add``, ``cancel`` and ``step`` from one thread (or under one lock)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import OrderedDict, defaultdict
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from eagle.config import SamplingConfig, check_int
+from eagle.decoding.loop import GenerationResult, accept_round, check_request, commit_round
+from eagle.decoding.proposers import Proposal, Proposer
+from eagle.decoding.sampling import make_generator
+from eagle.decoding.tree_mask import TreeAttention, attention_bias, tree_attention
+from eagle.decoding.tree_sizing import AVERAGING, RankRates, batch_tree_sizes, cost_curve
+from eagle.errors import EagleError
+from eagle.inputs import METHODS
+from eagle.runtime import kv_cache
+from eagle.runtime.decoder import LeanDecoder
+from eagle.runtime.kernels import STREAM_MAX_ROWS
+from eagle.runtime.segments import segment_forward
+
+MAX_TREE = 16  # the most tree nodes (root included) a sequence verifies when total_tokens is "auto"
+# a method's drafting time, as ``load_sizing`` believes it, shrinks by this factor for each sequence
+# that skips drafting, so one slow measurement (a first call, a busy machine) cannot stop drafting for good
+DRAFT_FADE = 0.98
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOptions:
+    """How one request is decoded: ``method`` (one of ``eagle.inputs.METHODS``), ``max_new_tokens``,
+    ``temperature`` (0: greedy), ``top_p``, ``top_k``, ``seed`` (None: a random one), ``stop``
+    (strings that end the generation once the decoded text contains one)."""
+
+    method: str = "ar"
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, str) or self.method not in METHODS:
+            raise EagleError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+        check_int("max_new_tokens", self.max_new_tokens, 1)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise EagleError(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+        self.sampling  # checks temperature, top_p, top_k, seed
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+
+
+@dataclasses.dataclass
+class RequestStats:
+    """A request's counters so far: ``accept_lengths`` (tokens per round, bonus included),
+    ``tree_size`` (nodes its last round verified, root included), ``first_token_s`` (seconds from
+    ``add`` to its first token; None before), ``elapsed_s`` (from ``add``)."""
+
+    method: str
+    prompt_tokens: int
+    generated: int = 0
+    target_forwards: int = 0
+    accept_lengths: list[int] = dataclasses.field(default_factory=list)
+    tree_size: int = 0
+    first_token_s: float | None = None
+    elapsed_s: float = 0.0
+
+    @property
+    def mean_accept_length(self) -> float:
+        return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
+
+
+@dataclasses.dataclass
+class StepEvent:
+    """What one ``step`` did for one request: ``new_token_ids`` (this round's accepted tokens, in
+    order); ``finished`` with ``stop_reason`` ("eos", "length", "context" or "stop"; "" while it
+    runs); ``result`` once finished: the whole ``GenerationResult`` (its ``text`` cut before a stop
+    string)."""
+
+    request_id: Hashable
+    new_token_ids: list[int]
+    finished: bool
+    stats: RequestStats
+    stop_reason: str = ""
+    result: GenerationResult | None = None
+
+
+@dataclasses.dataclass
+class _Sequence:
+    """A request's decoding state: ``ids`` prompt + new tokens (the last one is the next tree's
+    root, not yet in ``cache``)."""
+
+    request_id: Hashable
+    options: RequestOptions
+    sampling: SamplingConfig
+    generator: torch.Generator
+    proposer: Proposer
+    ids: list[int]
+    stats: RequestStats
+    added: float
+    cache: Any = None
+    new: list[int] = dataclasses.field(default_factory=list)
+    text_checked: int = 0  # decoded characters already searched for stop strings
+    text_cut: int = -1  # where a stop string begins in the decoded text
+
+    def room(self, max_context: int) -> int:
+        """Tokens still allowed, by ``max_new_tokens`` and by the context."""
+        return min(self.options.max_new_tokens - len(self.new), max_context - len(self.ids))
+
+
+@dataclasses.dataclass
+class _Round:
+    """One sequence's part of a round: its proposal and tree attention, where its rows sit in the
+    batched forward (``start``, ``proposal.tree.size`` rows) and how many tokens its cache held."""
+
+    seq: _Sequence
+    proposal: Proposal
+    attn: TreeAttention
+    past: int
+    start: int
+
+
+class BatchedSession:
+    """Decode many requests together, one round per ``step``, with the methods of ``model``
+    (an ``eagle.engine.EagleModel``).
+
+    ``max_batch``: sequences decoded at once (the others wait in the queue, first come first
+    served); ``load_sizing``: tree sizes from the load (``batch_tree_sizes``), else each method's
+    configured tree; ``max_tree``: the most nodes (root included) one tree may have where the
+    model's ``total_tokens`` is "auto" (an int ``total_tokens`` is used as it is); ``row_seconds``: a
+    target forward's seconds for 1 .. S rows, for ``load_sizing`` (default: ``cost_curve``, measured
+    once per machine and cached)."""
+
+    def __init__(self, model: Any, max_batch: int = 8, load_sizing: bool = True, max_tree: int = MAX_TREE,
+                 row_seconds: Sequence[float] | None = None) -> None:
+        check_int("max_batch", max_batch, 1)
+        check_int("max_tree", max_tree, 1)
+        self.model, self.target = model, model.target
+        self.max_batch, self.load_sizing, self.max_tree = max_batch, load_sizing, max_tree
+        self._queue: OrderedDict[Hashable, _Sequence] = OrderedDict()
+        self._active: OrderedDict[Hashable, _Sequence] = OrderedDict()
+        self._rates: dict[str, RankRates] = defaultdict(RankRates)
+        self._draft_seconds: dict[str, float] = {}
+        self._seconds: list[float] = list(row_seconds or [])
+        self._fixed_seconds = row_seconds is not None
+
+    @property
+    def active(self) -> int:
+        """Sequences decoding now."""
+        return len(self._active)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a place in the batch."""
+        return len(self._queue)
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        return request_id in self._active or request_id in self._queue
+
+    def add(self, request_id: Hashable, prompt: Any, options: RequestOptions | None = None) -> None:
+        """Queue a request; it joins the batch at a coming ``step``. ``prompt``: token ids (or a
+        string / chat messages, as ``EagleModel.generate`` takes them). Refuses with an
+        ``EagleError`` at once what cannot run: a request id in use, a bad option, a prompt that
+        fills the context, a method the model lacks (``sd`` without a draft model, ...)."""
+        options = options or RequestOptions()
+        if request_id in self:
+            raise EagleError(f"request id {request_id!r} is already in use")
+        ids = self.target.encode_prompt(prompt)
+        check_request(self.target, ids, options.max_new_tokens)
+        sampling = options.sampling
+        generator = make_generator(options.seed)
+        proposer = self.model._proposer(options.method, sampling, generator, fixed_total=self.max_tree)
+        seq = _Sequence(request_id, options, sampling, generator, proposer, list(ids),
+                        RequestStats(options.method, len(ids)), time.perf_counter())
+        self._queue[request_id] = seq
+
+    def cancel(self, request_id: Hashable) -> bool:
+        """Drop a queued or running request (its cache is freed; no more events come for it).
+        Returns whether it was there."""
+        return self._queue.pop(request_id, None) is not None or self._active.pop(request_id, None) is not None
+
+    @torch.inference_mode()
+    def step(self) -> list[StepEvent]:
+        """Admit queued requests into free places (prefilling them), then run one round for every
+        running sequence. Returns one event per running sequence (none when nothing runs)."""
+        while self._queue and len(self._active) < self.max_batch:
+            _, seq = self._queue.popitem(last=False)
+            self._prefill(seq)
+            self._active[seq.request_id] = seq
+        if not self._active:
+            return []
+        live = list(self._active.values())
+        rounds = self._propose(live, self._tree_sizes(live))
+        features = self._verify(rounds)
+        return [self._finish_round(r, features[r.start:r.start + r.proposal.tree.size], choices)
+                for r, choices in zip(rounds, self._greedy_choices(rounds, features))]
+
+    # -- one round, in order ---------------------------------------------------------------------------
+
+    def _prefill(self, seq: _Sequence) -> None:
+        """The sequence's cache filled with its prompt but the last token (the first tree's root)."""
+        target, proposer, ids = self.target, seq.proposer, seq.ids
+        seq.cache = target.lean.new_cache() if target.lean is not None else kv_cache.new_cache(target.model)
+        features = None
+        if len(ids) > 1:
+            out = target.forward(torch.tensor([ids[:-1]], device=target.device),
+                                 torch.arange(len(ids) - 1, device=target.device)[None], seq.cache,
+                                 logits_from=len(ids) - 1, aux_layers=proposer.aux_layers)
+            features = out.features[0]
+        proposer.start(ids, features if proposer.needs_features else None)
+
+    def _tree_sizes(self, live: list[_Sequence]) -> list[int]:
+        """Each sequence's most tree nodes this round (``batch_tree_sizes``; without ``load_sizing``
+        as many as its method allows)."""
+        if not self.load_sizing:
+            return [self.target.max_context] * len(live)
+        gains = [self._rates[s.options.method].gains(self._most_nodes(s) - 1)
+                 if s.room(self.target.max_context) > 1 else [] for s in live]  # room for one token: no draft
+        rows = len(live) + sum(len(g) for g in gains)
+        if len(self._seconds) < rows and not self._fixed_seconds:
+            curve = cost_curve(self.target, greedy=True)
+            self._seconds = [curve.at(n) for n in range(1, max(rows, 2 * len(self._seconds)) + 1)]
+        return batch_tree_sizes(self._seconds, gains, [self._draft_seconds.get(s.options.method, 0.0) for s in live])
+
+    def _most_nodes(self, seq: _Sequence) -> int:
+        """The largest tree (root included) the sequence's method proposes."""
+        method, model = seq.options.method, self.model
+        if method == "ar":
+            return 1
+        if method == "pld":
+            return model.prompt_lookup.num_draft_tokens + 1
+        if method == "sd":
+            return seq.proposer.gamma + 1
+        total = model._method_tree(method).total_tokens
+        return total if isinstance(total, int) else self.max_tree
+
+    def _propose(self, live: list[_Sequence], sizes: list[int]) -> list[_Round]:
+        """Each sequence's draft tree (at most ``sizes`` nodes, no deeper than its room)."""
+        rounds, start = [], 0
+        for seq, size in zip(live, sizes):
+            past = len(seq.ids) - 1
+            began = time.perf_counter()
+            proposal = seq.proposer.propose(seq.ids, max_depth=seq.room(self.target.max_context) - 1,
+                                            max_nodes=min(size, self.target.max_context - past))
+            method = seq.options.method
+            if proposal.tree.size > 1:  # what drafting costs this method, for sizing the next rounds
+                spent = time.perf_counter() - began
+                before = self._draft_seconds.get(method)
+                self._draft_seconds[method] = spent if before is None else before + AVERAGING * (spent - before)
+            elif method in self._draft_seconds:  # not drafting: the estimate fades, so a slow spell is retried
+                self._draft_seconds[method] *= DRAFT_FADE
+            rounds.append(_Round(seq, proposal, tree_attention(proposal.tree.parents), past, start))
+            start += proposal.tree.size
+        return rounds
+
+    def _verify(self, rounds: list[_Round]) -> torch.Tensor:
+        """ONE target forward over every tree -> the features at every node [R, (1 + n) H], the
+        trees one after another (``segment_forward``). One sequence takes the target's own forward
+        (on a CPU one compiled call for the whole stack), as does each sequence of a target without
+        the Llama-family lean forward."""
+        target = self.target
+        aux = next((r.seq.proposer.aux_layers for r in rounds if r.seq.proposer.aux_layers), ())
+        masks = [attention_bias(r.attn.mask, r.past, target.dtype) if r.proposal.tree.size > 1 else None
+                 for r in rounds]
+        for r in rounds:
+            r.seq.stats.tree_size = r.proposal.tree.size
+            r.seq.stats.target_forwards += 1
+        if len(rounds) > 1 and isinstance(target.lean, LeanDecoder) and all(
+                isinstance(r.seq.cache, kv_cache.StaticCache) for r in rounds):
+            tokens = torch.cat([r.proposal.tree.tokens for r in rounds])
+            positions = torch.cat([r.past + r.attn.depths for r in rounds])
+            return segment_forward(target.lean, tokens, positions, [r.seq.cache for r in rounds],
+                                   [r.proposal.tree.size for r in rounds], masks, aux)
+        outs = [target.forward(r.proposal.tree.tokens[None], (r.past + r.attn.depths)[None], r.seq.cache, mask,
+                               logits_from=r.proposal.tree.size, aux_layers=aux).features[0]
+                for r, mask in zip(rounds, masks)]
+        return torch.cat(outs)
+
+    def _greedy_choices(self, rounds: list[_Round], features: torch.Tensor) -> list[torch.Tensor | None]:
+        """The target's argmax at every node of each greedy sequence's tree (None for sampled ones),
+        the head run over their rows together, at most ``STREAM_MAX_ROWS`` at a time (rows the
+        streamed kernel computes get the bits one sequence decoded alone gets)."""
+        greedy = [r for r in rounds if r.seq.sampling.greedy]
+        if not greedy:
+            return [None] * len(rounds)
+        hidden = features[:, :self.target.hidden_size]
+        rows = torch.cat([hidden[r.start:r.start + r.proposal.tree.size] for r in greedy])
+        argmax = torch.cat([self.target.greedy_tokens(part) for part in rows.split(STREAM_MAX_ROWS)])
+        parts = iter(argmax.split([r.proposal.tree.size for r in greedy]))
+        return [next(parts) if r.seq.sampling.greedy else None for r in rounds]
+
+    def _finish_round(self, r: _Round, features: torch.Tensor, choices: torch.Tensor | None) -> StepEvent:
+        """Acceptance, cache compaction and the proposer's update for one sequence -> its event."""
+        seq, tree, target = r.seq, r.proposal.tree, self.target
+        logits = target.lm_head(features[:, :target.hidden_size]).float() if choices is None else None
+        acc = accept_round(r.proposal, r.attn.paths, logits, choices, seq.sampling, seq.generator,
+                           self.model.speculative.lenience)
+        if tree.size > 1:
+            drafts = set(acc.nodes[1:].tolist())
+            self._rates[seq.options.method].record(tree.scores[1:].tolist(),
+                                                   [i in drafts for i in range(1, tree.size)])
+        chunk, stop = commit_round(target, seq.proposer, seq.cache, r.past, tree, acc,
+                                   features if seq.proposer.needs_features else None, seq.ids,
+                                   seq.room(target.max_context),
+                                   len(seq.new), seq.options.max_new_tokens)
+        seq.new.extend(chunk)
+        if not stop and seq.options.stop and self._stopped(seq):
+            stop = "stop"
+        stats, now = seq.stats, time.perf_counter()
+        stats.generated, stats.elapsed_s = len(seq.new), now - seq.added
+        stats.accept_lengths.append(len(chunk))
+        if stats.first_token_s is None:
+            stats.first_token_s = now - seq.added
+        event = StepEvent(seq.request_id, chunk, bool(stop), stats, stop)
+        if stop:
+            del self._active[seq.request_id]
+            text = target.tokenizer.decode(seq.new, skip_special_tokens=True)
+            event.result = GenerationResult(
+                text=text[:seq.text_cut] if seq.text_cut >= 0 else text, token_ids=list(seq.new),
+                accept_lengths=list(stats.accept_lengths), target_forwards=stats.target_forwards,
+                elapsed_s=stats.elapsed_s, method=seq.options.method, prompt_tokens=stats.prompt_tokens,
+                stop_reason=stop)
+        return event
+
+    def _stopped(self, seq: _Sequence) -> bool:
+        """Whether the decoded text now holds one of the request's stop strings (``text_cut``: where)."""
+        text = self.target.tokenizer.decode(seq.new, skip_special_tokens=True)
+        start = max(0, seq.text_checked - max(len(s) for s in seq.options.stop) + 1)
+        found = [i for i in (text.find(s, start) for s in seq.options.stop) if i >= 0]
+        seq.text_checked = len(text)
+        if found:
+            seq.text_cut = min(found)
+        return bool(found)
+
+
+def generate_together(session: BatchedSession, prompts: Sequence[Any],
+                      options: RequestOptions | Sequence[RequestOptions] | None = None) -> list[GenerationResult]:
+    """Decode ``prompts`` through ``session`` until all are done -> their results, in order
+    (``options``: one for all or one per prompt)."""
+    each = list(options) if isinstance(options, Sequence) else [options] * len(prompts)
+    for i, (prompt, opts) in enumerate(zip(prompts, each)):
+        session.add(("generate_together", i), prompt, opts)
+    results: dict[Hashable, GenerationResult] = {}
+    while session.active or session.queued:
+        for event in session.step():
+            if event.finished:
+                results[event.request_id] = event.result
+    return [results[("generate_together", i)] for i in range(len(prompts))]

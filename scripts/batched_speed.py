@@ -1,0 +1,76 @@
+"""Aggregate new tokens/s of ``BatchedSession`` (continuous batching with draft trees) per method and
+batch size, on one target.
+
+    python scripts/batched_speed.py --methods ar,eagle-tree --batch 1,4,8 --prompts 8 --max-new-tokens 64
+
+Prompts: the chat-templated dev prompts, cycled; all are queued at once and decoded ``--batch`` at a
+time, greedy. The process's CPU time is reported beside the wall time (on a machine shared with
+other work, wall time measures the others too; with OMP_NUM_THREADS=1 CPU time is the work done).
+An untimed warm-up first (the cost curve is measured there if it is not cached). With ``--check``
+each output is compared with the same prompt decoded alone (``ar``). Prints one JSON line per
+(method, batch): new tokens, seconds, tokens/s, mean accepted length and tree size, identical
+outputs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from eagle import EagleModel
+from eagle.decoding.batched import BatchedSession, RequestOptions
+from eagle.prompts import read_prompts
+from eagle.runtime.target import DEFAULT_TARGET
+
+
+def run(model: EagleModel, prompts: list[list[int]], method: str, batch: int, max_new_tokens: int,
+        load_sizing: bool) -> dict:
+    """Decode ``prompts`` ``batch`` at a time -> tokens per prompt, seconds, rounds' accepted lengths and tree sizes."""
+    session = BatchedSession(model, max_batch=batch, load_sizing=load_sizing)
+    for i, ids in enumerate(prompts):
+        session.add(i, ids, RequestOptions(method=method, max_new_tokens=max_new_tokens))
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    accepted, trees, start, cpu = [], [], time.perf_counter(), time.process_time()
+    while session.active or session.queued:
+        for event in session.step():
+            tokens[event.request_id].extend(event.new_token_ids)
+            accepted.append(len(event.new_token_ids))
+            trees.append(event.stats.tree_size)
+    return {"tokens": tokens, "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu,
+            "accepted": accepted, "trees": trees}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--methods", default="ar,eagle-tree")
+    parser.add_argument("--batch", default="1,4,8")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-file", default="benchmarks/prompts/dev.jsonl")
+    parser.add_argument("--fixed-trees", action="store_true", help="the configured trees, not sized from the load")
+    parser.add_argument("--check", action="store_true", help="compare each output with the prompt decoded alone")
+    args = parser.parse_args()
+    model = EagleModel.from_pretrained(args.target)
+    texts = [p["prompt"] for p in read_prompts(args.prompt_file)]
+    prompts = [model.target.encode_prompt(texts[i % len(texts)]) for i in range(args.prompts)]
+    alone = [model.generate(p, max_new_tokens=args.max_new_tokens).token_ids for p in prompts] if args.check else None
+    methods, batches = args.methods.split(","), [int(b) for b in args.batch.split(",")]
+    for method in methods:  # warm-up: kernels, the cost curve, each method's first rounds
+        run(model, prompts[:2], method, 2, 8, not args.fixed_trees)
+    for batch in batches:
+        for method in methods:
+            out = run(model, prompts, method, batch, args.max_new_tokens, not args.fixed_trees)
+            new = sum(len(t) for t in out["tokens"].values())
+            print(json.dumps({
+                "method": method, "batch": batch, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                "new_tokens": new, "seconds": round(out["seconds"], 2), "tokens_per_s": round(new / out["seconds"], 1),
+                "cpu_seconds": round(out["cpu_seconds"], 2), "tokens_per_cpu_s": round(new / out["cpu_seconds"], 1),
+                "mean_accepted": round(sum(out["accepted"]) / len(out["accepted"]), 2),
+                "mean_tree": round(sum(out["trees"]) / len(out["trees"]), 2), "load_sizing": not args.fixed_trees,
+                "identical": None if alone is None else sum(out["tokens"][i] == a for i, a in enumerate(alone))}),
+                flush=True)
+
+
+if __name__ == "__main__":
+    main()

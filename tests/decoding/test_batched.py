@@ -1,0 +1,239 @@
+"""Batched decoding (``BatchedSession``) on tiny random models: each request's greedy output is its
+own decoding's, whatever joins and leaves the batch; sampled output keeps the target's
+distribution; tree sizes from the load (``batch_tree_sizes``) as a pure function."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from eagle import EagleError, EagleModel
+from eagle.decoding import acceptance
+from eagle.decoding.batched import BatchedSession, RequestOptions, generate_together
+from eagle.decoding.tree_mask import attention_bias, tree_attention
+from eagle.decoding.tree_sizing import RankRates, batch_tree_sizes
+from eagle.runtime.segments import segment_forward
+
+from tests.conftest import prompts, tiny_drafter, tiny_target
+
+METHODS = ("ar", "pld", "sd", "eagle-chain", "eagle-tree")
+CHEAP = [1.0] * 64  # a forward costs the same for 1-64 rows: every draft pays
+STEP = [1.0] * 8 + [4.0] * 56  # 8 rows for the price of one, then dear: a full batch drafts a little
+
+
+@pytest.fixture(scope="module")
+def model():
+    target = tiny_target(eos=True, seed=10)
+    draft = tiny_target(eos=True, seed=5, hidden=16, layers=1)
+    return EagleModel.from_pretrained(target, drafter=tiny_drafter(target), draft_model=draft.model,
+                                      total_tokens=8, depth=3, top_k=3, gamma=3)
+
+
+def run(session: BatchedSession, joins: dict[int, list[tuple]], trees: list | None = None) -> tuple[dict, dict]:
+    """Step ``session``, adding ``joins[step]`` = [(request id, prompt, options)] before that step,
+    until nothing runs -> ({request id: all tokens}, {request id: final event}); ``trees`` gets
+    (method, tree size) of every round."""
+    tokens, final, step = {}, {}, 0
+    while step <= max(joins) or session.active or session.queued:
+        for request_id, prompt, options in joins.get(step, []):
+            session.add(request_id, prompt, options)
+            tokens[request_id] = []
+        for event in session.step():
+            tokens[event.request_id].extend(event.new_token_ids)
+            if trees is not None:
+                trees.append((event.stats.method, event.stats.tree_size))
+            assert not event.finished or event.result.token_ids == tokens[event.request_id]
+            if event.finished:
+                final[event.request_id] = event
+        step += 1
+    return tokens, final
+
+
+def test_greedy_requests_joining_at_different_rounds_equal_each_decoded_alone(model):
+    """Every method in one batch of at most 4 (the rest queued), prompts of 1-18 tokens joining at
+    rounds 0-9, some ending at EOS, trees sized from the load (a full batch drafts for some of its
+    sequences, so a drafter catches up after root-only rounds): each request's tokens are its own
+    ``ar`` decoding's."""
+    batch = prompts(12, seed=2)
+    joins: dict[int, list[tuple]] = {}
+    for i, ids in enumerate(batch):
+        options = RequestOptions(method=METHODS[i % len(METHODS)], max_new_tokens=6 + 2 * (i % 7))
+        joins.setdefault((3 * i) % 10, []).append((i, ids, options))
+    session, trees = BatchedSession(model, max_batch=4, row_seconds=STEP), []
+    tokens, final = run(session, joins, trees)
+    eagle = {size > 1 for method, size in trees if method == "eagle-tree"}
+    assert eagle == {True, False}
+    assert len(final) == len(batch) and session.active == session.queued == 0
+    reasons = {e.stop_reason for e in final.values()}
+    assert reasons == {"eos", "length"}
+    drafted = 0
+    for i, ids in enumerate(batch):
+        alone = model.generate(ids, method="ar", max_new_tokens=6 + 2 * (i % 7))
+        assert tokens[i] == alone.token_ids, (i, final[i].stats.method)
+        drafted += sum(n - 1 for n in final[i].stats.accept_lengths)
+    assert drafted > 3  # drafts were really accepted, not only each round's own token
+
+
+def test_eagle_tree_batch_equals_single_stream_tree_decoding(model):
+    """Batched eagle-tree with the configured trees gives decode_loop's tokens and rounds."""
+    batch = prompts(4, seed=7)
+    session = BatchedSession(model, max_batch=4, load_sizing=False)
+    results = generate_together(session, batch, RequestOptions(method="eagle-tree", max_new_tokens=10))
+    for ids, result in zip(batch, results):
+        alone = model.generate(ids, method="eagle-tree", max_new_tokens=10)
+        assert result.token_ids == alone.token_ids
+        assert result.accept_lengths == alone.accept_lengths
+
+
+def test_seeded_sampled_requests_draw_what_they_draw_alone(model):
+    """A request's random generator drives its drafts and acceptance: with the configured trees a
+    seeded sampled request gives the same tokens in a batch as alone."""
+    batch = prompts(5, seed=8)
+    options = [RequestOptions(method=METHODS[i % 5], max_new_tokens=8, temperature=1.0, seed=i)
+               for i in range(len(batch))]
+    results = generate_together(BatchedSession(model, max_batch=3, load_sizing=False), batch, options)
+    for ids, opts, result in zip(batch, options, results):
+        alone = model.generate(ids, method=opts.method, max_new_tokens=8, temperature=1.0, seed=opts.seed)
+        assert result.token_ids == alone.token_ids, opts.method
+
+
+def test_segment_forward_equals_each_sequence_alone(model):
+    """Three sequences of different cache lengths, a tree, a chain and a single row in one forward:
+    each row's features equal its own sequence's forward, and the caches grow alike."""
+    target = model.target
+    lean = target.lean
+    contexts = [[3, 4, 5, 6, 7], [9], [2, 8, 8, 8, 1, 1, 4, 5, 6]]
+    parents = [torch.tensor([-1, 0, 0, 1, 1, 2]), torch.tensor([-1, 0, 1]), torch.tensor([-1])]
+    tokens = [torch.tensor([5, 6, 7, 8, 9, 10][:len(p)]) for p in parents]
+    caches, alone = [], []
+    for ctx, par, tok in zip(contexts, parents, tokens):
+        mine, ref = lean.new_cache(), lean.new_cache()
+        for cache in (mine, ref):
+            target.forward(torch.tensor([ctx]), torch.arange(len(ctx))[None], cache)
+        attn = tree_attention(par)
+        bias = attention_bias(attn.mask, len(ctx), target.dtype)
+        alone.append(target.forward(tok[None], (len(ctx) + attn.depths)[None], ref, bias, aux_layers=(0,)).features[0])
+        caches.append((mine, bias, len(ctx) + attn.depths))
+    out = segment_forward(lean, torch.cat(tokens), torch.cat([c[2] for c in caches]), [c[0] for c in caches],
+                          [len(p) for p in parents], [c[1] if len(p) > 1 else None for c, p in zip(caches, parents)],
+                          aux_layers=(0,))
+    torch.testing.assert_close(out, torch.cat(alone), rtol=1e-5, atol=1e-5)
+    assert [c[0].get_seq_length() for c in caches] == [len(c) + len(p) for c, p in zip(contexts, parents)]
+
+
+def test_cancel_queue_counts_and_refusals(model):
+    session = BatchedSession(model, max_batch=2, row_seconds=CHEAP)
+    for i in range(4):
+        session.add(i, [3, 4, 5 + i], RequestOptions(method="eagle-tree", max_new_tokens=30))
+    assert (session.active, session.queued) == (0, 4) and 3 in session
+    with pytest.raises(EagleError, match="in use"):
+        session.add(2, [1, 2])
+    assert session.cancel(3) and not session.cancel(3) and session.queued == 3
+    events = session.step()
+    assert [e.request_id for e in events] == [0, 1] and (session.active, session.queued) == (2, 1)
+    assert session.cancel(0) and session.active == 1
+    assert [e.request_id for e in session.step()] == [1, 2]
+    for bad in (dict(method="beam"), dict(max_new_tokens=0), dict(temperature=-1.0), dict(stop=("",))):
+        with pytest.raises(EagleError):
+            RequestOptions(**bad)
+    with pytest.raises(EagleError, match="context"):
+        session.add("long", list(range(1, 20)) * 20)
+    with pytest.raises(EagleError, match="draft model"):
+        BatchedSession(EagleModel(model.target)).add("sd", [1, 2], RequestOptions(method="sd"))
+
+
+def test_stop_strings_end_a_request_and_cut_its_text(model):
+    ids, alone = next((ids, alone) for ids in prompts(12, seed=1)
+                      if len((alone := model.generate(ids, method="ar", max_new_tokens=20)).token_ids) == 20)
+    words = alone.text.split()
+    stop = " ".join(words[3:5])
+    [result] = generate_together(BatchedSession(model, row_seconds=CHEAP), [ids],
+                                 RequestOptions(method="eagle-tree", max_new_tokens=20, stop=stop))
+    assert result.stop_reason == "stop" and result.text == alone.text[:alone.text.find(stop)]
+    assert alone.token_ids[:len(result.token_ids)] == result.token_ids and len(result.token_ids) < 20
+
+
+def test_tree_sizes_shrink_as_the_batch_grows():
+    """Flat cost up to 16 rows (reading the weights), then rising: one sequence gets a big tree,
+    16 sequences get none (batched ar), in between they share the cheap rows."""
+    seconds = [1.0] * 16 + [1.0 + 0.25 * n for n in range(1, 113)]
+    gains = [0.8, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1]
+    sizes = {b: batch_tree_sizes(seconds, [gains] * b, [0.05] * b) for b in (1, 2, 4, 8, 16)}
+    assert sizes[1] == [10]
+    per_sequence = [max(s) for s in sizes.values()]
+    assert per_sequence == sorted(per_sequence, reverse=True) and per_sequence[0] > per_sequence[2]
+    assert sum(sizes[4]) <= 16 + 2 and sizes[16] == [1] * 16
+
+
+def test_tree_sizes_never_expect_less_than_batched_ar():
+    """Drafting too dear, or drafts never accepted: all ones. Rows go to the best gains across
+    sequences (a sequence that cannot draft gets none) and each sequence's drafts are a prefix."""
+    seconds = [1.0 + 0.05 * n for n in range(64)]
+    assert batch_tree_sizes(seconds, [[0.9, 0.5]] * 3, [5.0] * 3) == [1, 1, 1]
+    assert batch_tree_sizes(seconds, [[0.0, 0.0]] * 3, [0.0] * 3) == [1, 1, 1]
+    assert batch_tree_sizes(seconds, [[0.9, 0.8], [], [0.1]], [0.0] * 3) == [3, 1, 1]
+    assert batch_tree_sizes([1.0] * 5, [[0.9, 0.8, 0.7]] * 2, [0.0] * 2) == [3, 2]  # no rows past the curve
+    assert batch_tree_sizes(seconds[:2], [[0.9]] * 3, [0.0] * 3) == [1, 1, 1]
+    for b in range(1, 6):
+        gains = [[0.9 * 0.7 ** r for r in range(8)] for _ in range(b)]
+        sizes = batch_tree_sizes(seconds, gains, [0.02] * b)
+        kept = sum(sum(g[:n - 1]) for g, n in zip(gains, sizes))
+        drafting = 0.02 * sum(n > 1 for n in sizes)
+        assert (b + kept) / (drafting + seconds[sum(sizes) - 1]) >= b / seconds[b - 1]
+
+
+def test_rank_rates_learn_per_rank_and_stay_non_increasing():
+    rates = RankRates()
+    assert rates.gains(3) == pytest.approx([0.6, 0.48, 0.384])
+    for _ in range(50):
+        rates.record([-0.1, -0.5, -2.0], [True, False, True])  # the best and the third accepted
+    gains = rates.gains(4)
+    assert gains[0] > 0.9 and gains[1] < 0.1 and gains[2] <= gains[1] and gains == sorted(gains, reverse=True)
+
+
+def test_load_sizing_gives_batched_ar_when_rows_are_dear(model):
+    """Every extra row doubling a forward's cost: eagle-tree rounds verify the root alone."""
+    session = BatchedSession(model, max_batch=4, row_seconds=[float(2 ** n) for n in range(40)])
+    results = generate_together(session, prompts(4, seed=3), RequestOptions(method="eagle-tree", max_new_tokens=8))
+    assert all(set(r.accept_lengths) == {1} for r in results)
+
+
+@pytest.mark.slow
+def test_batched_sampling_keeps_the_target_distribution_and_the_check_has_teeth(monkeypatch):
+    """First 3 tokens of 2000 sampled eagle-tree requests of one prompt, decoded 8 at a time beside
+    requests of other prompts and methods, with trees sized from the load (a full batch has 4
+    cheap draft rows: some rounds draft, some verify the root alone and defer the drafter's
+    update): a chi-square fit to the enumerated target distribution. The negative control
+    (rejected siblings keep their mass) must fail the same check."""
+    from tests.decoding.test_losslessness import PROMPT, VOCAB, chi_square_p, exact_triples, no_renormalization
+
+    target = tiny_target(vocab_size=VOCAB, hidden=16, layers=1, init_std=0.5)
+    model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=6, depth=3, top_k=2)
+    sampling = RequestOptions(temperature=1.0).sampling
+    exact = exact_triples(model, sampling)
+
+    def counts(m: EagleModel, n: int) -> tuple[torch.Tensor, int]:
+        session = BatchedSession(m, max_batch=8, row_seconds=[1.0] * 12 + [4.0] * 52)
+        found, trees, roots = torch.zeros(VOCAB, VOCAB, VOCAB), 0, 0
+        for seed in range(n):
+            session.add(seed, PROMPT, RequestOptions(method="eagle-tree", max_new_tokens=3, temperature=1.0, seed=seed))
+            if seed % 4 == 0:
+                session.add(("other", seed), [4, 1, 5, 2, 3][: 1 + seed % 5],
+                            RequestOptions(method=("ar", "pld", "eagle-chain")[seed % 3], max_new_tokens=2 + seed % 4,
+                                           temperature=1.0))
+            while session.queued > 8 or seed == n - 1 and (session.active or session.queued):
+                for event in session.step():
+                    if not isinstance(event.request_id, tuple):
+                        trees, roots = trees + (event.stats.tree_size > 1), roots + (event.stats.tree_size == 1)
+                        if event.finished:
+                            found[tuple(event.result.token_ids)] += 1
+        return found, trees, roots
+
+    found, trees, roots = counts(model, 2000)
+    assert found.sum() == 2000 and trees > 300 and roots > 300
+    assert chi_square_p(found, exact) > 1e-3
+    monkeypatch.setattr(acceptance, "recursive_rejection_tree", no_renormalization)
+    deterministic = EagleModel(model.target, model.drafter, tree=dataclasses.replace(model.tree, sampled_tree=False))
+    assert chi_square_p(counts(deterministic, 1000)[0], exact) < 1e-3
