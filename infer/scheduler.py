@@ -174,6 +174,46 @@ class SerialBackend:
             self.cancel(key)
 
 
+class BatchedBackend:
+    """``eagle.decoding.batched.BatchedEngine`` behind ``Backend``: every sequence of the batch
+    drafts its own tree and ONE target forward verifies all of them each step; tree sizes come from
+    the measured cost of the batch's rows (``load_sizing``), so an admission's ``total_tokens`` is
+    not used. Stop strings stay the scheduler's."""
+
+    def __init__(self, model: Any, capacity: int) -> None:
+        from eagle.decoding.batched import BatchedEngine
+
+        if capacity < 1:
+            raise EagleError(f"max_batch must be >= 1, got {capacity}")
+        self.engine, self.capacity = BatchedEngine(model, max_batch=capacity), capacity
+        self.keys: set[int] = set()
+
+    def add(self, admission: Admission) -> None:
+        from eagle.decoding.batched import RequestOptions
+
+        a = admission
+        self.engine.add(a.key, list(a.ids), RequestOptions(
+            method=a.method, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+            top_k=a.top_k, seed=a.seed))
+        self.keys.add(a.key)
+
+    def step(self) -> list[Progress]:
+        out = []
+        for e in self.engine.step():
+            if e.finished:
+                self.keys.discard(e.request_id)
+            out.append(Progress(e.request_id, list(e.new_token_ids), (e.stop_reason or "eos") if e.finished else None))
+        return out
+
+    def cancel(self, key: int) -> None:
+        self.engine.cancel(key)
+        self.keys.discard(key)
+
+    def close(self) -> None:
+        for key in list(self.keys):
+            self.cancel(key)
+
+
 # ---------------------------------------------------------------- metrics
 
 class Metrics:

@@ -29,7 +29,7 @@ from typing import Any
 
 from eagle.errors import EagleError, command
 from eagle.engine import METHODS
-from infer.scheduler import ApiError, Job, Metrics, Scheduler, SerialBackend
+from infer.scheduler import ApiError, BatchedBackend, Job, Metrics, Scheduler, SerialBackend
 
 PROG = "eagle-serve"
 PAGE = Path(__file__).parent / "static" / "chat.html"
@@ -223,8 +223,8 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
     the context); ``model_name``: the id ``/v1/models`` lists (default the target's name);
     ``api_key``: the Bearer token ``/v1`` requires (None: none); ``max_body_bytes``: larger request
     bodies get 413; ``request_timeout_s``: a request's time limit from its arrival (None: none);
-    ``backend``: the ``infer.scheduler.Backend`` that decodes (default ``SerialBackend(model,
-    max_batch)``)."""
+    ``backend``: the ``infer.scheduler.Backend`` that decodes (default: ``SerialBackend(model)`` for
+    ``max_batch`` 1, else ``BatchedBackend(model, max_batch)``)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import Request
@@ -237,8 +237,8 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
                   max_batch=max_batch, api_key=api_key)
     name = model_name or model.target.name
     metrics = Metrics()
-    if backend is None:
-        backend = SerialBackend(model, max_batch)
+    if backend is None:  # one request at a time on the fast single-stream path, else one batch
+        backend = SerialBackend(model) if max_batch == 1 else BatchedBackend(model, max_batch)
     engine = Scheduler(backend, model.target.tokenizer, model.target.max_context, max_queue, metrics)
     created = int(time.time())
     key = api_key.encode() if api_key is not None else None

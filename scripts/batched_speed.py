@@ -1,4 +1,4 @@
-"""Aggregate new tokens/s of ``BatchedSession`` (continuous batching with draft trees) per method and
+"""Aggregate new tokens/s of ``BatchedEngine`` (continuous batching with draft trees) per method and
 batch size, on one target.
 
     python scripts/batched_speed.py --methods ar,eagle-tree --batch 1,4,8 --prompts 8 --max-new-tokens 64
@@ -18,7 +18,7 @@ import json
 import time
 
 from eagle import EagleModel
-from eagle.decoding.batched import BatchedSession, RequestOptions
+from eagle.decoding.batched import BatchedEngine, RequestOptions
 from eagle.prompts import read_prompts
 from eagle.runtime.target import DEFAULT_TARGET
 
@@ -26,13 +26,13 @@ from eagle.runtime.target import DEFAULT_TARGET
 def run(model: EagleModel, prompts: list[list[int]], method: str, batch: int, max_new_tokens: int,
         load_sizing: bool) -> dict:
     """Decode ``prompts`` ``batch`` at a time -> tokens per prompt, seconds, rounds' accepted lengths and tree sizes."""
-    session = BatchedSession(model, max_batch=batch, load_sizing=load_sizing)
+    engine = BatchedEngine(model, max_batch=batch, load_sizing=load_sizing)
     for i, ids in enumerate(prompts):
-        session.add(i, ids, RequestOptions(method=method, max_new_tokens=max_new_tokens))
+        engine.add(i, ids, RequestOptions(method=method, max_new_tokens=max_new_tokens))
     tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     accepted, trees, start, cpu = [], [], time.perf_counter(), time.process_time()
-    while session.active or session.queued:
-        for event in session.step():
+    while engine.active or engine.queued:
+        for event in engine.step():
             tokens[event.request_id].extend(event.new_token_ids)
             accepted.append(len(event.new_token_ids))
             trees.append(event.stats.tree_size)

@@ -1,4 +1,4 @@
-"""Continuous batching with draft trees: ``BatchedSession``.
+"""Continuous batching with draft trees: ``BatchedEngine``.
 
 Requests join (``add``) and leave (finished or ``cancel``) between rounds. Each ``step`` is one
 round for every running sequence: each proposes its own draft tree (``ar``: the root alone),
@@ -141,7 +141,7 @@ class _Round:
     start: int
 
 
-class BatchedSession:
+class BatchedEngine:
     """Decode many requests together, one round per ``step``, with the methods of ``model``
     (an ``eagle.engine.EagleModel``).
 
@@ -232,7 +232,8 @@ class BatchedSession:
 
     def _tree_sizes(self, live: list[_Sequence]) -> list[int]:
         """Each sequence's most tree nodes this round (``batch_tree_sizes``; without ``load_sizing``
-        as many as its method allows)."""
+        as many as its method allows). A seeded sampled sequence always gets its method's whole tree:
+        its draws then do not depend on the load, so it repeats what it gives alone."""
         if not self.load_sizing:
             return [self.target.max_context] * len(live)
         gains = [self._rates[s.options.method].gains(self._most_nodes(s) - 1)
@@ -241,7 +242,9 @@ class BatchedSession:
         if len(self._seconds) < rows and not self._fixed_seconds:
             curve = cost_curve(self.target, greedy=True)
             self._seconds = [curve.at(n) for n in range(1, max(rows, 2 * len(self._seconds)) + 1)]
-        return batch_tree_sizes(self._seconds, gains, [self._draft_seconds.get(s.options.method, 0.0) for s in live])
+        sizes = batch_tree_sizes(self._seconds, gains, [self._draft_seconds.get(s.options.method, 0.0) for s in live])
+        return [self._most_nodes(s) if s.options.seed is not None and s.options.temperature > 0 else n
+                for s, n in zip(live, sizes)]
 
     def _most_nodes(self, seq: _Sequence) -> int:
         """The largest tree (root included) the sequence's method proposes."""
@@ -354,16 +357,16 @@ class BatchedSession:
         return bool(found)
 
 
-def generate_together(session: BatchedSession, prompts: Sequence[Any],
+def generate_together(engine: BatchedEngine, prompts: Sequence[Any],
                       options: RequestOptions | Sequence[RequestOptions] | None = None) -> list[GenerationResult]:
-    """Decode ``prompts`` through ``session`` until all are done -> their results, in order
+    """Decode ``prompts`` through ``engine`` until all are done -> their results, in order
     (``options``: one for all or one per prompt)."""
     each = list(options) if isinstance(options, Sequence) else [options] * len(prompts)
     for i, (prompt, opts) in enumerate(zip(prompts, each)):
-        session.add(("generate_together", i), prompt, opts)
+        engine.add(("generate_together", i), prompt, opts)
     results: dict[Hashable, GenerationResult] = {}
-    while session.active or session.queued:
-        for event in session.step():
+    while engine.active or engine.queued:
+        for event in engine.step():
             if event.finished:
                 results[event.request_id] = event.result
     return [results[("generate_together", i)] for i in range(len(prompts))]

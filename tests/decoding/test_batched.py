@@ -1,4 +1,4 @@
-"""Batched decoding (``BatchedSession``) on tiny random models: each request's greedy output is its
+"""Batched decoding (``BatchedEngine``) on tiny random models: each request's greedy output is its
 own decoding's, whatever joins and leaves the batch; sampled output keeps the target's
 distribution; tree sizes from the load (``batch_tree_sizes``) as a pure function."""
 
@@ -11,7 +11,7 @@ import torch
 
 from eagle import EagleError, EagleModel
 from eagle.decoding import acceptance
-from eagle.decoding.batched import BatchedSession, RequestOptions, generate_together
+from eagle.decoding.batched import BatchedEngine, RequestOptions, generate_together
 from eagle.decoding.tree_mask import attention_bias, tree_attention
 from eagle.decoding.tree_sizing import RankRates, batch_tree_sizes
 from eagle.runtime.segments import segment_forward
@@ -31,16 +31,16 @@ def model():
                                       total_tokens=8, depth=3, top_k=3, gamma=3)
 
 
-def run(session: BatchedSession, joins: dict[int, list[tuple]], trees: list | None = None) -> tuple[dict, dict]:
-    """Step ``session``, adding ``joins[step]`` = [(request id, prompt, options)] before that step,
+def run(engine: BatchedEngine, joins: dict[int, list[tuple]], trees: list | None = None) -> tuple[dict, dict]:
+    """Step ``engine``, adding ``joins[step]`` = [(request id, prompt, options)] before that step,
     until nothing runs -> ({request id: all tokens}, {request id: final event}); ``trees`` gets
     (method, tree size) of every round."""
     tokens, final, step = {}, {}, 0
-    while step <= max(joins) or session.active or session.queued:
+    while step <= max(joins) or engine.active or engine.queued:
         for request_id, prompt, options in joins.get(step, []):
-            session.add(request_id, prompt, options)
+            engine.add(request_id, prompt, options)
             tokens[request_id] = []
-        for event in session.step():
+        for event in engine.step():
             tokens[event.request_id].extend(event.new_token_ids)
             if trees is not None:
                 trees.append((event.stats.method, event.stats.tree_size))
@@ -61,11 +61,11 @@ def test_greedy_requests_joining_at_different_rounds_equal_each_decoded_alone(mo
     for i, ids in enumerate(batch):
         options = RequestOptions(method=METHODS[i % len(METHODS)], max_new_tokens=6 + 2 * (i % 7))
         joins.setdefault((3 * i) % 10, []).append((i, ids, options))
-    session, trees = BatchedSession(model, max_batch=4, row_seconds=STEP), []
-    tokens, final = run(session, joins, trees)
+    engine, trees = BatchedEngine(model, max_batch=4, row_seconds=STEP), []
+    tokens, final = run(engine, joins, trees)
     eagle = {size > 1 for method, size in trees if method == "eagle-tree"}
     assert eagle == {True, False}
-    assert len(final) == len(batch) and session.active == session.queued == 0
+    assert len(final) == len(batch) and engine.active == engine.queued == 0
     reasons = {e.stop_reason for e in final.values()}
     assert reasons == {"eos", "length"}
     drafted = 0
@@ -79,8 +79,8 @@ def test_greedy_requests_joining_at_different_rounds_equal_each_decoded_alone(mo
 def test_eagle_tree_batch_equals_single_stream_tree_decoding(model):
     """Batched eagle-tree with the configured trees gives decode_loop's tokens and rounds."""
     batch = prompts(4, seed=7)
-    session = BatchedSession(model, max_batch=4, load_sizing=False)
-    results = generate_together(session, batch, RequestOptions(method="eagle-tree", max_new_tokens=10))
+    engine = BatchedEngine(model, max_batch=4, load_sizing=False)
+    results = generate_together(engine, batch, RequestOptions(method="eagle-tree", max_new_tokens=10))
     for ids, result in zip(batch, results):
         alone = model.generate(ids, method="eagle-tree", max_new_tokens=10)
         assert result.token_ids == alone.token_ids
@@ -93,7 +93,7 @@ def test_seeded_sampled_requests_draw_what_they_draw_alone(model):
     batch = prompts(5, seed=8)
     options = [RequestOptions(method=METHODS[i % 5], max_new_tokens=8, temperature=1.0, seed=i)
                for i in range(len(batch))]
-    results = generate_together(BatchedSession(model, max_batch=3, load_sizing=False), batch, options)
+    results = generate_together(BatchedEngine(model, max_batch=3, load_sizing=False), batch, options)
     for ids, opts, result in zip(batch, options, results):
         alone = model.generate(ids, method=opts.method, max_new_tokens=8, temperature=1.0, seed=opts.seed)
         assert result.token_ids == alone.token_ids, opts.method
@@ -124,24 +124,24 @@ def test_segment_forward_equals_each_sequence_alone(model):
 
 
 def test_cancel_queue_counts_and_refusals(model):
-    session = BatchedSession(model, max_batch=2, row_seconds=CHEAP)
+    engine = BatchedEngine(model, max_batch=2, row_seconds=CHEAP)
     for i in range(4):
-        session.add(i, [3, 4, 5 + i], RequestOptions(method="eagle-tree", max_new_tokens=30))
-    assert (session.active, session.queued) == (0, 4) and 3 in session
+        engine.add(i, [3, 4, 5 + i], RequestOptions(method="eagle-tree", max_new_tokens=30))
+    assert (engine.active, engine.queued) == (0, 4) and 3 in engine
     with pytest.raises(EagleError, match="in use"):
-        session.add(2, [1, 2])
-    assert session.cancel(3) and not session.cancel(3) and session.queued == 3
-    events = session.step()
-    assert [e.request_id for e in events] == [0, 1] and (session.active, session.queued) == (2, 1)
-    assert session.cancel(0) and session.active == 1
-    assert [e.request_id for e in session.step()] == [1, 2]
+        engine.add(2, [1, 2])
+    assert engine.cancel(3) and not engine.cancel(3) and engine.queued == 3
+    events = engine.step()
+    assert [e.request_id for e in events] == [0, 1] and (engine.active, engine.queued) == (2, 1)
+    assert engine.cancel(0) and engine.active == 1
+    assert [e.request_id for e in engine.step()] == [1, 2]
     for bad in (dict(method="beam"), dict(max_new_tokens=0), dict(temperature=-1.0), dict(stop=("",))):
         with pytest.raises(EagleError):
             RequestOptions(**bad)
     with pytest.raises(EagleError, match="context"):
-        session.add("long", list(range(1, 20)) * 20)
+        engine.add("long", list(range(1, 20)) * 20)
     with pytest.raises(EagleError, match="draft model"):
-        BatchedSession(EagleModel(model.target)).add("sd", [1, 2], RequestOptions(method="sd"))
+        BatchedEngine(EagleModel(model.target)).add("sd", [1, 2], RequestOptions(method="sd"))
 
 
 def test_stop_strings_end_a_request_and_cut_its_text(model):
@@ -149,7 +149,7 @@ def test_stop_strings_end_a_request_and_cut_its_text(model):
                       if len((alone := model.generate(ids, method="ar", max_new_tokens=20)).token_ids) == 20)
     words = alone.text.split()
     stop = " ".join(words[3:5])
-    [result] = generate_together(BatchedSession(model, row_seconds=CHEAP), [ids],
+    [result] = generate_together(BatchedEngine(model, row_seconds=CHEAP), [ids],
                                  RequestOptions(method="eagle-tree", max_new_tokens=20, stop=stop))
     assert result.stop_reason == "stop" and result.text == alone.text[:alone.text.find(stop)]
     assert alone.token_ids[:len(result.token_ids)] == result.token_ids and len(result.token_ids) < 20
@@ -195,8 +195,8 @@ def test_rank_rates_learn_per_rank_and_stay_non_increasing():
 
 def test_load_sizing_gives_batched_ar_when_rows_are_dear(model):
     """Every extra row doubling a forward's cost: eagle-tree rounds verify the root alone."""
-    session = BatchedSession(model, max_batch=4, row_seconds=[float(2 ** n) for n in range(40)])
-    results = generate_together(session, prompts(4, seed=3), RequestOptions(method="eagle-tree", max_new_tokens=8))
+    engine = BatchedEngine(model, max_batch=4, row_seconds=[float(2 ** n) for n in range(40)])
+    results = generate_together(engine, prompts(4, seed=3), RequestOptions(method="eagle-tree", max_new_tokens=8))
     assert all(set(r.accept_lengths) == {1} for r in results)
 
 
@@ -215,16 +215,16 @@ def test_batched_sampling_keeps_the_target_distribution_and_the_check_has_teeth(
     exact = exact_triples(model, sampling)
 
     def counts(m: EagleModel, n: int) -> tuple[torch.Tensor, int]:
-        session = BatchedSession(m, max_batch=8, row_seconds=[1.0] * 12 + [4.0] * 52)
+        engine = BatchedEngine(m, max_batch=8, row_seconds=[1.0] * 12 + [4.0] * 52)
         found, trees, roots = torch.zeros(VOCAB, VOCAB, VOCAB), 0, 0
         for seed in range(n):
-            session.add(seed, PROMPT, RequestOptions(method="eagle-tree", max_new_tokens=3, temperature=1.0, seed=seed))
+            engine.add(seed, PROMPT, RequestOptions(method="eagle-tree", max_new_tokens=3, temperature=1.0, seed=seed))
             if seed % 4 == 0:
-                session.add(("other", seed), [4, 1, 5, 2, 3][: 1 + seed % 5],
+                engine.add(("other", seed), [4, 1, 5, 2, 3][: 1 + seed % 5],
                             RequestOptions(method=("ar", "pld", "eagle-chain")[seed % 3], max_new_tokens=2 + seed % 4,
                                            temperature=1.0))
-            while session.queued > 8 or seed == n - 1 and (session.active or session.queued):
-                for event in session.step():
+            while engine.queued > 8 or seed == n - 1 and (engine.active or engine.queued):
+                for event in engine.step():
                     if not isinstance(event.request_id, tuple):
                         trees, roots = trees + (event.stats.tree_size > 1), roots + (event.stats.tree_size == 1)
                         if event.finished:
