@@ -7,7 +7,7 @@ import pytest
 
 from eagle import EagleError
 from eagle.cache_dir import cache_root
-from eagle.runtime.gguf_file import (DEQUANTIZE, TENSOR_TYPES, Skipped, check_gguf, read_header,
+from eagle.runtime.gguf_file import (DEQUANTIZE, KEEP_BLOCKS, TENSOR_TYPES, Skipped, check_gguf, read_header,
                                      tensor_storage)
 from eagle.runtime.target import load_target
 
@@ -87,6 +87,8 @@ def test_damaged_files_are_clear_errors(tmp_path):
 
 
 def test_every_accepted_type_has_a_storage_decision():
-    assert {tensor_storage(t) for t in TENSOR_TYPES} == {DEQUANTIZE}
+    kept = {t for t in TENSOR_TYPES if tensor_storage(t) == KEEP_BLOCKS}
+    assert kept == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+    assert all(tensor_storage(t) == DEQUANTIZE for t in set(TENSOR_TYPES) - kept)
     with pytest.raises(ValueError, match="IQ2_XXS"):
         tensor_storage("IQ2_XXS")
