@@ -336,6 +336,11 @@ class GGUFModel:
         self.storage = storage  # GGML type -> how its tensors are held (``gguf_file.tensor_storage``)
         self.huge_pages = huge_pages  # the streamed codes were read into huge pages (no copy to make there)
 
+    @property
+    def tied_embeddings(self) -> bool:
+        """Whether the LM head multiplies the embedding's own codes."""
+        return self.head.matrix is self.model.embed_tokens.matrix
+
     def get_input_embeddings(self) -> GGUFEmbedding:
         return self.model.embed_tokens
 

@@ -109,6 +109,10 @@ inline void decode8(const uint8_t* codes, float d, V& lo, V& hi) {
 inline void half16(const uint16_t* src, float* dst) {
   _mm512_storeu_ps(dst, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))));
 }
+// lane i: value where bit i of bits is set, else 0
+inline V vbitmask(uint32_t bits, float value) {
+  return {_mm512_maskz_mov_ps(static_cast<__mmask16>(bits & 0xFFFF), _mm512_set1_ps(value))};
+}
 constexpr const char* kIsa = "avx512";
 
 #elif defined(EAGLE_ISA_AVX2)
@@ -193,6 +197,16 @@ inline void half16(const uint16_t* src, float* dst) {
   _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
   _mm256_storeu_ps(dst + 8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8))));
 }
+// lane i: value where bit i of bits is set, else 0
+inline V vbitmask(uint32_t bits, float value) {
+  const __m256i b = _mm256_set1_epi32(static_cast<int>(bits));
+  const __m256 v = _mm256_set1_ps(value);
+  auto half = [&](__m256i sel) {
+    return _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(b, sel), sel)), v);
+  };
+  return {half(_mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128)),
+          half(_mm256_setr_epi32(256, 512, 1024, 2048, 4096, 8192, 16384, 32768))};
+}
 constexpr const char* kIsa = "avx2";
 
 #else
@@ -263,6 +277,8 @@ inline void decode8(const uint8_t* codes, float d, V& lo, V& hi) {
 inline void half16(const uint16_t* src, float* dst) {
   for (int i = 0; i < 16; ++i) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
 }
+// lane i: value where bit i of bits is set, else 0
+inline V vbitmask(uint32_t bits, float value) { EAGLE_LANES((bits >> i) & 1 ? value : 0.0f) }
 constexpr const char* kIsa = "portable";
 #endif
 
@@ -582,41 +598,28 @@ void decode_row(const uint8_t* __restrict p, int64_t K, float* __restrict out) {
       for (int l = 0; l < 32; ++l) out[l] = static_cast<float>(q[l]) * d;
     }
   } else if constexpr (Type == kQ4_0 || Type == kQ4_1) {
+    // d (c - 8) = fma(d, c, -8 d) and d c + m = fma(d, c, m): d c is exact (d a float16 value, c < 16)
     constexpr int64_t size = Type == kQ4_0 ? 18 : 20;
     for (int64_t b = 0; b < K / 32; ++b, p += size, out += 32) {
-      const float d = half_at(p);
-      const uint8_t* q = p + (Type == kQ4_0 ? 2 : 4);
-      if constexpr (Type == kQ4_0) {
-        for (int l = 0; l < 16; ++l) {
-          out[l] = d * static_cast<float>((q[l] & 15) - 8);
-          out[l + 16] = d * static_cast<float>((q[l] >> 4) - 8);
-        }
-      } else {
-        const float m = half_at(p + 2);
-        for (int l = 0; l < 16; ++l) {
-          out[l] = d * static_cast<float>(q[l] & 15) + m;
-          out[l + 16] = d * static_cast<float>(q[l] >> 4) + m;
-        }
-      }
+      const float d = half_at(p), m = Type == kQ4_0 ? -8.0f * d : half_at(p + 2);
+      V lo, hi;
+      decode4(p + (Type == kQ4_0 ? 2 : 4), d, m, lo, hi);
+      vstore(out, lo);
+      vstore(out + 16, hi);
     }
   } else if constexpr (Type == kQ5_0 || Type == kQ5_1) {
+    // d c5 (c5 = c4 + 16 h) summed exactly as d c4 + 16 d h, then + m (Q5_1) or - 16 d (Q5_0): one rounding at
+    // most, as gguf-py's d c5 + m and d (c5 - 16)
     constexpr int64_t size = Type == kQ5_0 ? 22 : 24, head = Type == kQ5_0 ? 2 : 4;
     for (int64_t b = 0; b < K / 32; ++b, p += size, out += 32) {
-      const float d = half_at(p);
+      const float d = half_at(p), m = Type == kQ5_0 ? -16.0f * d : half_at(p + 2);
       uint32_t qh;
       std::memcpy(&qh, p + head, sizeof qh);
-      const uint8_t* q = p + head + 4;
-      int32_t c[32];
-      for (int l = 0; l < 16; ++l) {
-        c[l] = (q[l] & 15) | (((qh >> l) & 1) << 4);
-        c[l + 16] = (q[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
-      }
-      if constexpr (Type == kQ5_0) {
-        for (int l = 0; l < 32; ++l) out[l] = d * static_cast<float>(c[l] - 16);
-      } else {
-        const float m = half_at(p + 2);
-        for (int l = 0; l < 32; ++l) out[l] = d * static_cast<float>(c[l]) + m;
-      }
+      V lo, hi;
+      decode4(p + head + 4, d, 0.0f, lo, hi);
+      const V mv = vset1(m);
+      vstore(out, vadd(vadd(lo, vbitmask(qh, 16.0f * d)), mv));
+      vstore(out + 16, vadd(vadd(hi, vbitmask(qh >> 16, 16.0f * d)), mv));
     }
   } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
     constexpr int64_t size = Type == kQ4_K ? 144 : 176;
@@ -632,8 +635,12 @@ void decode_row(const uint8_t* __restrict p, int64_t K, float* __restrict out) {
         const uint8_t* q = qs + 32 * (j / 2);
         const int shift = 4 * (j % 2);
         float* o = out + 32 * j;
-        if constexpr (Type == kQ4_K) {
-          for (int l = 0; l < 32; ++l) o[l] = dj * static_cast<float>((q[l] >> shift) & 15) - mj;
+        if constexpr (Type == kQ4_K) {  // fma(dj, c, -mj): dj c is exact, one rounding as dj c - mj
+          V a0, a1, b0, b1;
+          decode4(q, dj, -mj, a0, a1);
+          decode4(q + 16, dj, -mj, b0, b1);
+          vstore(o, shift ? a1 : a0);
+          vstore(o + 16, shift ? b1 : b0);
         } else {
           for (int l = 0; l < 32; ++l)
             o[l] = dj * static_cast<float>(((q[l] >> shift) & 15) | (((qh[l] >> j) & 1) << 4)) - mj;
