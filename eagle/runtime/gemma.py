@@ -168,7 +168,8 @@ class GemmaDecoder(HeadAndCache):
         first = self.layers[0]
         matrices = (self.head, *first.matrices())
         streamed = "streamed products, " if self.head.stream_op is not None or isinstance(self.head, GGUFLinear) else ""
-        return f"gemma3 torch layers, {streamed}" + coded_weights(matrices) + repr(
+        layers = "gemma3 compiled norms and attention" if self.compiled is not None else "gemma3 torch layers"
+        return f"{layers}, {streamed}" + coded_weights(matrices) + repr(
             [sorted(lin.plain_rows) for lin in matrices])
 
     @torch.inference_mode()

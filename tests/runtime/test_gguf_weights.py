@@ -123,7 +123,9 @@ def write_model_gguf(path, model, types: dict[str, str], seed: int = 0):
         raw = random_codes(ggml_type, param.shape[0], param.shape[1], rng)  # rows in transformers' order
         param.copy_(dequantized(raw, ggml_type))
         if heads is not None:  # the file holds llama.cpp's order: file row order[r] is transformers' row r
-            order = llama_row_order(raw.shape[0], heads).numpy()
+            from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+            order = LlamaTensorProcessor()._reverse_permute_weights(np.arange(raw.shape[0]), heads, heads)
             stored = np.empty_like(raw)
             stored[order] = raw
             raw = stored
