@@ -248,12 +248,14 @@ def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None) -> Targe
     header = check_gguf(gguf_path)
     meta = gguf_metadata_dir(gguf_path)
     config = AutoConfig.from_pretrained(meta)
+    # the tokenizer first: building a large one takes a transient few hundred MB, better spent before the weights
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(meta)
     model = load_gguf_model(gguf_path, config, GenerationConfig.from_pretrained(meta), header)
     lean = lean_decoder(model)
     if lean is None:
         raise EagleError(f"cannot run GGUF file {gguf_path.name}: its architecture has no lean forward here")
-    return Target(model=model, tokenizer=tokenizer or AutoTokenizer.from_pretrained(meta), name=name,
-                  device=torch.device("cpu"), dtype=torch.float32, lean=lean)
+    return Target(model=model, tokenizer=tokenizer, name=name, device=torch.device("cpu"), dtype=torch.float32,
+                  lean=lean)
 
 
 def converted_gguf_dir(gguf_path: Path) -> Path:
