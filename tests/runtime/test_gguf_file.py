@@ -28,13 +28,18 @@ def write_gguf(path, arch="llama", extra=None, tensors=None, vocab=300):
             writer.add_float32(key, value)
         else:
             writer.add_uint32(key, value)
-    for name, (array, raw) in (tensors or {"output_norm.weight": (np.ones(32, np.float32), None)}).items():
+    write_tensors(writer, tensors or {"output_norm.weight": (np.ones(32, np.float32), None)})
+    return path
+
+
+def write_tensors(writer, tensors) -> None:
+    """Add ``tensors`` {name: (array, raw GGML type or None)} to a ``GGUFWriter`` and write its file."""
+    for name, (array, raw) in tensors.items():
         writer.add_tensor(name, array, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def test_the_header_is_read_without_the_long_arrays(tmp_path):

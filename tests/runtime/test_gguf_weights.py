@@ -14,6 +14,7 @@ from eagle.runtime.gguf_weights import GGUFLinear, GGUFMatrix, llama_row_order, 
 from eagle.runtime.target import Target
 
 from tests.conftest import prompts, tiny_drafter, word_tokenizer
+from tests.runtime.test_gguf_file import write_tensors
 
 STREAMED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # bytes of a block, weights of a block, offsets of the float16 scales, and a typical |code x sub-scale| (so that
@@ -153,12 +154,7 @@ def write_model_gguf(path, model, types: dict[str, str], seed: int = 0):
                          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
             for name, hf in norms.items():
                 norm(f"blk.{i}.{name}.weight", layer.get_submodule(hf).weight)
-    for name, (array, raw_type) in tensors.items():
-        writer.add_tensor(name, array, raw_dtype=raw_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tensors(writer, tensors)
     return path
 
 
