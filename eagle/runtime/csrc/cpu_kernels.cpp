@@ -278,7 +278,11 @@ inline void half16(const uint16_t* src, float* dst) {
   for (int i = 0; i < 16; ++i) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
 }
 // lane i: value where bit i of bits is set, else 0
-inline V vbitmask(uint32_t bits, float value) { EAGLE_LANES((bits >> i) & 1 ? value : 0.0f) }
+inline V vbitmask(uint32_t bits, float value) {
+  V out;
+  for (int i = 0; i < 16; ++i) out.l[i] = (bits >> i) & 1 ? value : 0.0f;
+  return out;
+}
 constexpr const char* kIsa = "portable";
 #endif
 
