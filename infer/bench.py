@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import tempfile
 import platform
@@ -93,6 +94,22 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize()
 
 
+def transformers_model(target: Any) -> Any:
+    """The target's transformers model, for ``hf``: its own, or for a GGUF target held as codes (which has no
+    transformers forward: ``eagle.runtime.gguf_weights.GGUFModel``) the file converted once to fp32
+    (``load_target(..., lean=False)``), loaded on first use."""
+    if hasattr(target.model, "generate"):
+        return target.model
+    return _converted(target.name)
+
+
+@functools.cache
+def _converted(spec: str) -> Any:
+    from eagle.runtime.target import load_target
+
+    return load_target(spec, lean=False).model
+
+
 def run_hf(model: Any, ids: list[int], max_new_tokens: int, temperature: float, top_p: float, top_k: int,
            seed: int | None) -> dict:
     """Hugging Face ``generate()`` on the target: one target forward per new token."""
@@ -115,7 +132,7 @@ def run_hf(model: Any, ids: list[int], max_new_tokens: int, temperature: float, 
     _sync(target.device)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = target.model.generate(input_ids, **kwargs)
+        out = transformers_model(target).generate(input_ids, **kwargs)
     _sync(target.device)
     seconds = time.perf_counter() - start
     new = [int(t) for t in out[0, len(ids):].tolist()]

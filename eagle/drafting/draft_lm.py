@@ -45,6 +45,9 @@ def is_draft_lm(path: str | Path) -> bool:
 
 
 def _shares_embedding(model: Any) -> bool:
+    tied = getattr(model, "tied_embeddings", None)  # a GGUF target held as codes says so itself
+    if tied is not None:
+        return bool(tied)
     return model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
@@ -71,7 +74,9 @@ def from_target(target: Any, cfg: DraftLMConfig) -> Any:
 def _attach_embedding(draft: Any, target: Any) -> None:
     if not _shares_embedding(target.model):
         raise EagleError(f"{target.name} has an LM head separate from its embedding; draft LMs need a tied one")
-    weight = target.model.get_input_embeddings().weight
+    weight = target.model.get_input_embeddings().weight  # a GGUF target's: de-quantized (fp32) for the draft LM
+    if not isinstance(weight, torch.nn.Parameter):
+        weight = torch.nn.Parameter(weight, requires_grad=False)
     draft.get_input_embeddings().weight = weight
     draft.get_output_embeddings().weight = weight
     draft.get_input_embeddings().requires_grad_(False)

@@ -31,6 +31,7 @@ from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels, 
 from eagle.runtime.kv_cache import StaticCache
 from eagle.runtime.huge_pages import huge_page_copies
 from eagle.runtime.block_codes import BlockCodes, block_encode, block_quantize, decode
+from eagle.runtime.gguf_weights import GGUFLinear, GGUFMatrix, GGUFModel, GGUFProjection, joined_rows
 from eagle.decoding.tree_mask import causal_bias
 
 LEAN_MODEL_TYPES = ("llama", "qwen2")
@@ -115,10 +116,30 @@ class PackedLinear(nn.Module):
             linear.encoded, linear.plain_weight = codes, None
         return linear
 
+    @classmethod
+    def from_codes(cls, codes: BlockCodes, bias: torch.Tensor | None = None) -> "PackedLinear":
+        """The product of a weight given only by its block codes (a GGUF target's Q4_0, Q4_1, Q8_0 matrices,
+        ``eagle.runtime.gguf_weights``), streamed from them for any number of rows (16 a call), no fp32
+        copy made; where the compiled kernels do not run, ``F.linear`` on the decoded weight."""
+        linear = cls.__new__(cls)
+        nn.Module.__init__(linear)
+        linear.once, linear.packed, linear.pad_rows, linear.plain_rows = True, False, (), frozenset()
+        linear.in_features = codes.codes.shape[1] * (2 if codes.bits == 4 else 1)
+        linear.bias = None if bias is None else bias.detach().float().contiguous()
+        linear.stream_op, linear.plain_weight = stream_linear_op(), None
+        linear.encoded = codes if linear.stream_op is not None else None
+        linear.weight = None if linear.stream_op is not None else decode(codes)
+        return linear
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if self.stream_op is not None and 0 < rows <= STREAM_MAX_ROWS:
             return self.stream(x.reshape(rows, self.in_features).contiguous()).view(*x.shape[:-1], -1)
+        if self.weight is None:  # codes only (``from_codes``): 16 rows a call
+            flat = x.reshape(rows, self.in_features).contiguous()
+            if rows == 0:
+                return flat.new_empty(*x.shape[:-1], self.encoded.codes.shape[0])
+            return torch.cat([self.stream(chunk) for chunk in flat.split(STREAM_MAX_ROWS)]).view(*x.shape[:-1], -1)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         if rows in self.plain_rows:
@@ -140,6 +161,11 @@ class PackedLinear(nn.Module):
         if self.encoded is not None:
             return self.encoded.codes, self.encoded.scales
         return self.plain_weight, None
+
+    def kernel_product(self) -> tuple:
+        """This product as the compiled ``DecoderStack`` takes it: (weight or codes, scales or None, no GGUF
+        parts, no types, bias)."""
+        return (*self.kernel_weight(), [], [], self.bias)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -355,9 +381,8 @@ def decoder_stack(compiled: Any, num_heads: int, scale: float, layers: Sequence[
     forward then runs all of them in one call). ``scale``: the attention's score scale."""
     stack = compiled.DecoderStack(num_heads, scale)
     for layer in layers:
-        stack.add(layer.input_norm, layer.input_eps, *layer.qkv.kernel_weight(), layer.qkv.bias,
-                  *layer.o.kernel_weight(), layer.o.bias, layer.post_norm, layer.post_eps,
-                  *layer.gate_up.kernel_weight(), layer.gate_up.bias, *layer.down.kernel_weight(), layer.down.bias)
+        stack.add(layer.input_norm, layer.input_eps, layer.post_norm, layer.post_eps,
+                  [lin.kernel_product() for lin in layer.matrices()])
     return stack
 
 
@@ -386,14 +411,61 @@ def lean_decoder(model: Any) -> Any:
     return LeanDecoder(model) if unsupported_reason(model) is None else None
 
 
-def lm_head(weight: torch.Tensor, stream: bool, encode: bool) -> tuple[PackedLinear, "GreedyHead | None"]:
+def product(linears: Sequence[Any], stream: bool, encode: bool) -> "PackedLinear | GGUFLinear":
+    """One product for a lean forward's layer from a model's linears reading the same input (outputs
+    side by side): ``nn.Linear`` modules -> a ``PackedLinear``; a GGUF target's projections
+    (``eagle.runtime.gguf_weights``) -> a ``GGUFLinear`` multiplying their codes, or, where one of them
+    is not kept as codes (or the compiled kernels cannot run), a ``PackedLinear`` of their fp32 weights."""
+    if not isinstance(linears[0], GGUFProjection):
+        return PackedLinear.fused(list(linears), stream, encode, once=True) if len(linears) > 1 else PackedLinear(
+            linears[0].weight, linears[0].bias, stream, encode, once=True)
+    bias = None
+    if any(lin.bias is not None for lin in linears):
+        bias = torch.cat([lin.bias if lin.bias is not None else torch.zeros(lin.out_features) for lin in linears])
+    if stream and all(isinstance(lin.matrix, GGUFMatrix) for lin in linears):
+        return GGUFLinear.fused(linears)
+    if all(isinstance(lin.matrix, BlockCodes) for lin in linears):  # fused when loaded: one view, no copy
+        return PackedLinear.from_codes(BlockCodes(joined_rows([lin.matrix.codes for lin in linears]),
+                                                  joined_rows([lin.matrix.scales for lin in linears])), bias)
+    return PackedLinear(torch.cat([lin.weight for lin in linears]), bias, stream, encode, once=True)
+
+
+def head_weight(model: Any) -> Any:
+    """What ``lm_head`` takes of a model: its head's weight, or a GGUF target's head itself."""
+    head = model.get_output_embeddings()
+    return head if isinstance(head, GGUFProjection) else head.weight
+
+
+def head_is_fp32_cpu(model: Any) -> bool:
+    """Whether a model's LM head is an fp32 CPU matrix (a GGUF target's always is)."""
+    head = model.get_output_embeddings()
+    if isinstance(head, GGUFProjection):
+        return True
+    return head.weight.dtype == torch.float32 and head.weight.device.type == "cpu"
+
+
+def lm_head(weight: Any, stream: bool, encode: bool) -> tuple["PackedLinear | GGUFLinear", "GreedyHead | None"]:
     """A target's LM head [V, H] as a lean forward computes it: the product (row padding tuned) and,
     where bf16 products are native and the streamed kernel runs, the ``GreedyHead`` for greedy
-    argmaxes (an encoded head streams fewer bytes than a bf16 copy: its exact logits are cheaper)."""
+    argmaxes (an encoded head streams fewer bytes than a bf16 copy: its exact logits are cheaper).
+    ``weight``: fp32 [V, H], or a GGUF target's head (``GGUFProjection``: streamed from its codes)."""
+    if isinstance(weight, GGUFProjection):
+        if stream and isinstance(weight.matrix, GGUFMatrix):
+            return GGUFLinear([weight.matrix], weight.bias), None
+        if isinstance(weight.matrix, BlockCodes):
+            return PackedLinear.from_codes(weight.matrix, weight.bias), None
+        weight = weight.weight
     head = PackedLinear(weight, stream=stream, encode=encode, once=True)
     head.tune_padding()
     bf16_screen = stream and head.encoded is None and cpu_has_fast_bf16()
     return head, GreedyHead(head) if bf16_screen else None
+
+
+def coded_weights(matrices: Sequence[Any]) -> str:
+    """What ``kernel_choice`` says of products read from codes: block codes' bits, GGUF types."""
+    coded = [lin.encoded.bits for lin in matrices if lin.encoded is not None]
+    gguf = [lin.describe() for lin in matrices if isinstance(lin, GGUFLinear)]
+    return (f"block-coded weights {coded}, " if coded else "") + (f"GGUF codes {gguf}, " if gguf else "")
 
 
 class HeadAndCache:
@@ -427,8 +499,7 @@ class LeanDecoder(HeadAndCache):
         if reason is not None:
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")
         cfg, inner = model.config, model.model
-        weight = model.get_output_embeddings().weight
-        compiled = cpu_kernels() if kernels and weight.dtype == torch.float32 and weight.device.type == "cpu" else None
+        compiled = cpu_kernels() if kernels and head_is_fp32_cpu(model) else None
         self.rms_norm = rms_norm if compiled is None else (lambda x, w, eps: compiled.rms_norm(x.contiguous(), w, eps))
         self.silu_mul = silu_mul if compiled is None or cfg.intermediate_size % 16 else (
             lambda gate_up: compiled.silu_mul(gate_up.reshape(-1, gate_up.shape[-1]).contiguous()).view(
@@ -441,21 +512,22 @@ class LeanDecoder(HeadAndCache):
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm, self.norm_eps = inner.norm.weight.detach(), inner.norm.variance_epsilon
-        self.head, self.greedy_head = lm_head(weight, stream, encode)
+        self.head, self.greedy_head = lm_head(head_weight(model), stream, encode)
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(LayerWeights(
                 input_norm=layer.input_layernorm.weight.detach(), input_eps=layer.input_layernorm.variance_epsilon,
-                qkv=PackedLinear.fused([attn.q_proj, attn.k_proj, attn.v_proj], stream, encode, once=True),
-                o=PackedLinear(attn.o_proj.weight, attn.o_proj.bias, stream, encode, once=True),
+                qkv=product([attn.q_proj, attn.k_proj, attn.v_proj], stream, encode),
+                o=product([attn.o_proj], stream, encode),
                 post_norm=layer.post_attention_layernorm.weight.detach(),
                 post_eps=layer.post_attention_layernorm.variance_epsilon,
-                gate_up=PackedLinear.fused([mlp.gate_proj, mlp.up_proj], stream, encode, once=True),
-                down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, stream, encode, once=True)))
+                gate_up=product([mlp.gate_proj, mlp.up_proj], stream, encode),
+                down=product([mlp.down_proj], stream, encode)))
         linears = [lin for layer in self.layers for lin in layer.matrices()] + [self.head]
         tune_kernels(linears)
-        self.huge_pages = to_huge_pages(linears)
+        # a GGUF target's codes were read into huge pages (``eagle.runtime.gguf_weights``): no copies made here
+        self.huge_pages = model.huge_pages if isinstance(model, GGUFModel) else to_huge_pages(linears)
         self.stack = None if self.compiled is None else decoder_stack(self.compiled, self.num_heads,
                                                                       self.head_dim ** -0.5, self.layers)
 
@@ -469,9 +541,7 @@ class LeanDecoder(HeadAndCache):
         compiled = (f"compiled {isa} kernels {source_digest()} and attention, " if self.compiled is not None else
                     f"compiled {isa} kernels {source_digest()}, " if self.head.stream_op is not None else "")
         matrices = (self.head, *first.matrices())
-        coded = [lin.encoded.bits for lin in matrices if lin.encoded is not None]
-        if coded:
-            compiled += f"block-coded weights {coded}, "
+        compiled += coded_weights(matrices)
         if self.huge_pages:
             compiled += "in huge pages, "
         return compiled + repr([sorted(lin.plain_rows) for lin in matrices])

@@ -10,8 +10,11 @@ module per layer type (local and global theta, rope scaling as configured), scor
 Sliding-window layers keep every key in the ``StaticCache`` (so a rejected tree branch rolls back
 as in any layer) and mask what lies outside the window instead: a query at position p sees keys at
 positions p - window + 1 .. p, and in tree verification only those of them the tree mask allows
-(the prefix and its ancestors). Full-attention layers take the mask as given. Pure torch (the
-products through ``PackedLinear``)."""
+(the prefix and its ancestors). Full-attention layers take the mask as given. The products go through
+``PackedLinear`` or, for a GGUF target, ``GGUFLinear`` (its codes); in fp32 on a CPU, one sequence of 1-16
+rows (decoding, tree verification) runs its RMSNorms and attention by the compiled kernels, whose rows do
+not depend on each other (``eagle.runtime.kernels``), so a tree node gets the bits of the plain step; the
+rest (longer prefills) by torch's operations."""
 
 from __future__ import annotations
 
@@ -23,8 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from eagle.decoding.tree_mask import causal_bias
-from eagle.runtime.decoder import HeadAndCache, PackedLinear, lm_head, rotate
-from eagle.runtime.kernels import cpu_kernels
+from eagle.runtime.decoder import (HeadAndCache, PackedLinear, coded_weights, head_is_fp32_cpu, head_weight, lm_head,
+                                   product, rotate)
+from eagle.runtime.gguf_weights import GGUFLinear
+from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_takes, cpu_kernels
 from eagle.runtime.kv_cache import StaticCache
 
 GEMMA_MODEL_TYPES = ("gemma3_text",)
@@ -61,13 +66,21 @@ def sliding_bias(bias: torch.Tensor | None, position_ids: torch.Tensor, past: in
     start = max(0, past - window + 1)
     if bias is None and q_len == 1:
         return None, start
+    return window_bias(bias, position_ids, past, window, start), start
+
+
+def window_bias(bias: torch.Tensor | None, position_ids: torch.Tensor, past: int, window: int,
+                start: int = 0) -> torch.Tensor:
+    """``bias`` (None: causal) [1 or B, 1, q, past + q] with the keys out of each query's window masked,
+    over cache slots ``start``.. (``sliding_bias``): [1 or B, 1, q, past + q - start]."""
+    q_len = position_ids.shape[1]
     if bias is None:
         bias = causal_bias(q_len, past, torch.float32, position_ids.device)
     offset = position_ids[:, :1] - past  # [B, 1]
     key_positions = torch.cat([torch.arange(start, past, device=position_ids.device)[None] + offset,
                                position_ids], dim=1)  # [B, past + q - start]
     far = position_ids[:, :, None] - key_positions[:, None, :] >= window  # [B, q, K]
-    return bias[..., start:].masked_fill(far[:, None], torch.finfo(bias.dtype).min), start
+    return bias[..., start:].masked_fill(far[:, None], torch.finfo(bias.dtype).min)
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -122,19 +135,20 @@ class GemmaDecoder(HeadAndCache):
         if reason is not None:
             raise ValueError(f"GemmaDecoder cannot run this model: {reason}")
         cfg, inner = model.config, model.model
-        weight = model.get_output_embeddings().weight
-        stream = kernels and weight.dtype == torch.float32 and weight.device.type == "cpu" and cpu_kernels() is not None
-        self.compiled = None  # no compiled decoder layer for this architecture
+        stream = kernels and head_is_fp32_cpu(model) and cpu_kernels() is not None
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # the compiled kernels' RMSNorm and attention (row-independent: a tree node gets a plain step's bits)
+        # for one sequence of 1-16 rows, where they run (``eagle.runtime.kernels``)
+        self.compiled = cpu_kernels() if stream and attention_takes(self.head_dim) else None
         self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
         self.eps = cfg.rms_norm_eps
         self.embed = inner.embed_tokens  # scales by sqrt(hidden) in the embedding's dtype
         self.rotary = inner.rotary_emb
         self.layer_types = tuple(sorted(set(cfg.layer_types)))
         self.norm = norm_scale(inner.norm)
-        self.head, self.greedy_head = lm_head(weight, stream, encode)
+        self.head, self.greedy_head = lm_head(head_weight(model), stream, encode)
         self.layers = []
         for layer, layer_type in zip(inner.layers, cfg.layer_types):
             attn, mlp = layer.self_attn, layer.mlp
@@ -143,19 +157,19 @@ class GemmaDecoder(HeadAndCache):
                 k_norm=norm_scale(attn.k_norm), post_attention_norm=norm_scale(layer.post_attention_layernorm),
                 pre_feedforward_norm=norm_scale(layer.pre_feedforward_layernorm),
                 post_feedforward_norm=norm_scale(layer.post_feedforward_layernorm),
-                qkv=PackedLinear.fused([attn.q_proj, attn.k_proj, attn.v_proj], stream, encode, once=True),
-                o=PackedLinear(attn.o_proj.weight, attn.o_proj.bias, stream, encode, once=True),
-                gate_up=PackedLinear.fused([mlp.gate_proj, mlp.up_proj], stream, encode, once=True),
-                down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, stream, encode, once=True),
+                qkv=product([attn.q_proj, attn.k_proj, attn.v_proj], stream, encode),
+                o=product([attn.o_proj], stream, encode),
+                gate_up=product([mlp.gate_proj, mlp.up_proj], stream, encode),
+                down=product([mlp.down_proj], stream, encode),
                 layer_type=layer_type, window=cfg.sliding_window if layer_type == SLIDING else None))
 
     def kernel_choice(self) -> str:
         """Which kernels run the forward (timings measured with one choice do not hold for another)."""
         first = self.layers[0]
         matrices = (self.head, *first.matrices())
-        streamed = "streamed products, " if self.head.stream_op is not None else ""
-        coded = [lin.encoded.bits for lin in matrices if lin.encoded is not None]
-        return f"gemma3 torch layers, {streamed}" + (f"block-coded weights {coded}, " if coded else "") + repr(
+        streamed = "streamed products, " if self.head.stream_op is not None or isinstance(self.head, GGUFLinear) else ""
+        layers = "gemma3 compiled norms and attention" if self.compiled is not None else "gemma3 torch layers"
+        return f"{layers}, {streamed}" + coded_weights(matrices) + repr(
             [sorted(lin.plain_rows) for lin in matrices])
 
     @torch.inference_mode()
@@ -168,6 +182,8 @@ class GemmaDecoder(HeadAndCache):
         b, q_len = input_ids.shape
         past = cache.get_seq_length()
         x = self.embed(input_ids)
+        if self.compiled is not None and b == 1 and q_len <= STREAM_MAX_ROWS:
+            return self._compiled_forward(x[0], position_ids, cache, attention_mask, past, aux_layers)[None]
         rope = {t: tuple(c[:, None] for c in self.rotary(x, position_ids, t)) for t in self.layer_types}
         if attention_mask is None and q_len > 1:
             attention_mask = causal_bias(q_len, past, x.dtype, x.device)
@@ -181,6 +197,37 @@ class GemmaDecoder(HeadAndCache):
             if i in aux_layers:
                 kept[i] = x
         return torch.cat([gemma_norm(x, self.norm, self.eps)] + [kept[i] for i in aux_layers], dim=-1)
+
+    def _compiled_forward(self, x: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache,
+                          attention_mask: torch.Tensor | None, past: int, aux_layers: Sequence[int]) -> torch.Tensor:
+        """``forward`` for one sequence of 1-16 rows by the compiled RMSNorm and attention: x [q, H] ->
+        [q, (1 + n) H]. Each row's result depends only on its own keys (the attention lists them, masked
+        ones left out), so a tree node gets the bits of the plain step."""
+        q_len = x.shape[0]
+        rope = {t: tuple(c[0] for c in self.rotary(x[None], position_ids, t)) for t in self.layer_types}  # [q, d]
+        full = None if attention_mask is None else attention_mask[0, 0].contiguous()
+        masks: dict[int | None, torch.Tensor | None] = {None: full}
+        for layer in self.layers:
+            if layer.window not in masks:  # None: causal over keys all within the window
+                masks[layer.window] = None if attention_mask is None and past + q_len <= layer.window else (
+                    window_bias(attention_mask, position_ids, past, layer.window)[0, 0].contiguous())
+        norm = lambda t, scale: self.compiled.rms_norm(t.contiguous(), scale, self.eps)  # noqa: E731
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        kept: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            cos, sin = rope[layer.layer_type]
+            heads = layer.qkv(norm(x, layer.input_norm)).view(q_len, nh + 2 * nkv, d)
+            q = rotate(norm(heads[:, :nh], layer.q_norm).transpose(0, 1), cos, sin)  # [nh, q, d]
+            k = rotate(norm(heads[:, nh:nh + nkv], layer.k_norm).transpose(0, 1), cos, sin)
+            cache.update(i, k[None], heads[:, nh + nkv:].transpose(0, 1)[None])
+            out = self.compiled.attention(q.contiguous(), cache.keys[i][0], cache.values[i][0], past + q_len,
+                                          masks[layer.window], self.scale)  # [q, nh d]
+            x = x + norm(layer.o(out), layer.post_attention_norm)
+            h = layer.down(gelu_mul(layer.gate_up(norm(x, layer.pre_feedforward_norm))))
+            x = x + norm(h, layer.post_feedforward_norm)
+            if i in aux_layers:
+                kept[i] = x
+        return torch.cat([norm(x, self.norm)] + [kept[i] for i in aux_layers], dim=-1)
 
     def _layer(self, i: int, layer: GemmaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                cache: StaticCache, mask: torch.Tensor | None, start: int) -> torch.Tensor:

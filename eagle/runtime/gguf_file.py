@@ -5,8 +5,8 @@
 what is missing: an architecture without a lean forward, a tensor type without a converter, a
 feature the forward lacks (logit soft-capping, mixture of experts, ...). ``tensor_storage`` is the one
 place that decides, per GGUF tensor type, whether a tensor is de-quantized to fp32 when loaded or
-kept as its raw GGUF blocks (for kernels that compute from them; none does yet, so every type
-accepted today is de-quantized)."""
+kept as its raw GGUF blocks, which the compiled kernels multiply from (``STREAMED``:
+``eagle.runtime.gguf_weights``)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
 # GGUF tensor types the loader converts (gguf's de-quantizers; the names of ``gguf.GGMLQuantizationType``)
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 DEQUANTIZE, KEEP_BLOCKS = "dequantize", "keep-blocks"
+# the types kept as their raw blocks (``stream_linear_gguf`` computes from them); the others are de-quantized
+STREAMED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 _MAGIC = b"GGUF"
 # value type -> struct format of the fixed-size GGUF value types
@@ -51,11 +53,13 @@ class TensorInfo:
 
 @dataclasses.dataclass
 class GGUFHeader:
-    """``metadata``: key -> value (long arrays as ``Skipped``); ``tensors``: the tensor table."""
+    """``metadata``: key -> value (long arrays as ``Skipped``); ``tensors``: the tensor table;
+    ``data_offset``: where the tensor data starts in the file (tensor offsets count from there)."""
 
     version: int
     metadata: dict[str, Any]
     tensors: list[TensorInfo]
+    data_offset: int = 0
 
     @property
     def architecture(self) -> str | None:
@@ -131,15 +135,17 @@ def read_header(path: str | Path) -> GGUFHeader:
             except ValueError:
                 type_name = f"type {kind}"
             tensors.append(TensorInfo(name, shape, type_name, cur.unpack("<Q")))
-    return GGUFHeader(version, metadata, tensors)
+        alignment = int(metadata.get("general.alignment", 32))
+        data_offset = (cur.pos + alignment - 1) // alignment * alignment
+    return GGUFHeader(version, metadata, tensors, data_offset)
 
 
 def tensor_storage(ggml_type: str) -> str:
-    """How the loader stores a tensor of this GGUF type: ``DEQUANTIZE`` (fp32; today every type in
-    ``TENSOR_TYPES``) or ``KEEP_BLOCKS`` (its raw GGUF blocks, for a kernel that computes from them)."""
+    """How the loader stores a tensor of this GGUF type: ``KEEP_BLOCKS`` (its raw GGUF blocks, which the
+    compiled kernels multiply from: ``STREAMED``) or ``DEQUANTIZE`` (fp32: the other types of ``TENSOR_TYPES``)."""
     if ggml_type not in TENSOR_TYPES:
         raise ValueError(f"GGUF tensor type {ggml_type} has no converter")
-    return DEQUANTIZE
+    return KEEP_BLOCKS if ggml_type in STREAMED else DEQUANTIZE
 
 
 def unsupported_reason(header: GGUFHeader) -> str | None:

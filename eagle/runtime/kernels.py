@@ -162,6 +162,12 @@ def attention_fits(head_dim: int) -> bool:
     return head_dim % 32 == 0 and head_dim <= 128
 
 
+def attention_takes(head_dim: int) -> bool:
+    """Whether the compiled ``attention`` alone takes this head dim: up to 256, a multiple of 16 (of them,
+    1-8, 12 and 16 vectors of 16)."""
+    return head_dim % 16 == 0 and 0 < head_dim // 16 <= 8 or head_dim in (192, 256)
+
+
 def stream_linear_op() -> StreamOp | None:
     """``op(x [M, K], w [N, K], bias [N] | None, once=False) -> [M, N]`` for contiguous fp32 CPU
     tensors and 1 <= M <= 16 (``cpu_kernels().stream_linear``; ``once``: a weight read once per

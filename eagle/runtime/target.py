@@ -54,7 +54,8 @@ class Target:
 
     @property
     def vocab_size(self) -> int:
-        return self.model.get_output_embeddings().weight.shape[0]
+        head = self.model.get_output_embeddings()
+        return int(head.out_features) if hasattr(head, "out_features") else head.weight.shape[0]
 
     @property
     def max_context(self) -> int:
@@ -204,12 +205,63 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+def _gguf_cache_dir(gguf_path: Path) -> Path:
+    """Where the cache keeps what is derived from a GGUF file (keyed by its path, size and time)."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_root() / "targets" / f"{gguf_path.stem}-{key}"
+
+
+def gguf_metadata_dir(gguf_path: Path) -> Path:
+    """A folder with the config, generation config and tokenizer transformers derives from a GGUF file's
+    metadata (its reader takes about a minute for a 262k-token vocabulary), written once to the cache;
+    no tensor is read. A folder converted by ``converted_gguf_dir`` serves as well."""
+    converted = _gguf_cache_dir(gguf_path)
+    if (converted / "config.json").is_file() and (converted / "tokenizer_config.json").is_file():
+        return converted
+    out = converted.with_name(converted.name + ".meta")
+    if (out / "tokenizer_config.json").is_file():
+        return out
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(tmp)
+    GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None) -> Target:
+    """A GGUF target on the CPU in fp32 whose quantized matrices stay as their GGUF codes, multiplied by the
+    compiled kernels (``eagle.runtime.gguf_weights``): memory about the file's size. Refused first when
+    eagle cannot run the file (``check_gguf``). ``tokenizer``: instead of the file's own."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from eagle.runtime.gguf_weights import load_gguf_model
+
+    header = check_gguf(gguf_path)
+    meta = gguf_metadata_dir(gguf_path)
+    config = AutoConfig.from_pretrained(meta)
+    # the tokenizer first: building a large one takes a transient few hundred MB, better spent before the weights
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(meta)
+    model = load_gguf_model(gguf_path, config, GenerationConfig.from_pretrained(meta), header)
+    lean = lean_decoder(model)
+    if lean is None:
+        raise EagleError(f"cannot run GGUF file {gguf_path.name}: its architecture has no lean forward here")
+    return Target(model=model, tokenizer=tokenizer, name=name, device=torch.device("cpu"), dtype=torch.float32,
+                  lean=lean)
+
+
 def converted_gguf_dir(gguf_path: Path) -> Path:
     """Convert a GGUF file once to a safetensors model folder in the cache; return that folder. A file
     eagle cannot run is refused first (``eagle.runtime.gguf_file.check_gguf``)."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_root() / "targets" / f"{gguf_path.stem}-{key}"
+    out = _gguf_cache_dir(gguf_path)
     if (out / "model.safetensors").is_file():
         return out
     check_gguf(gguf_path)  # refuses in about a second what cannot run, before any tensor is converted
@@ -247,18 +299,37 @@ def _resolve(spec: str) -> tuple[str, dict]:
     return spec, {"local_files_only": True}
 
 
+def _gguf_file(spec: str) -> Path | None:
+    """The GGUF file a target spec names (the default target's included), or None."""
+    kind = check_spec(spec)
+    if kind == "default":
+        return smollm2_gguf_path()
+    return Path(spec).expanduser() if kind == "gguf" else None
+
+
 def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device | None = None,
                 dtype: torch.dtype | None = None, lean: bool = True, cuda_graphs: bool | None = None) -> Target:
     """Load a target from a local folder, a cached hub id (never the network), a ``.gguf`` file,
     or the name ``smollm2-135m-instruct``. ``lean``: decode with ``eagle.runtime.decoder.LeanDecoder`` (Llama,
     Qwen2) or ``eagle.runtime.gemma.GemmaDecoder`` (Gemma-3) when the architecture is supported, else
-    with the model's own forward.
+    with the model's own forward. A GGUF file with the lean forward on the CPU in fp32 keeps its quantized
+    matrices as their codes (``load_gguf_target``: ``Target.model`` is then a ``GGUFModel``, without a
+    transformers forward); otherwise it is converted once to an fp32 transformers model (``lean=False``
+    for what needs one: training, feature capture).
     ``cuda_graphs``: see ``use_cuda_graphs`` (a given ``Target`` gets them too)."""
     if isinstance(spec, Target):
         return use_cuda_graphs(spec, cuda_graphs)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev, dt = default_device_dtype(device, dtype)
+    gguf_path = _gguf_file(str(spec))
+    if gguf_path is not None and lean and not cuda_graphs and dev.type == "cpu" and dt == torch.float32:
+        try:
+            return load_gguf_target(gguf_path, str(spec))
+        except EagleError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the GGUF reader raises ValueError, KeyError, struct.error, ...
+            raise EagleError(f"cannot read GGUF file {spec}: {type(exc).__name__}: {exc}") from None
     location, kwargs = _resolve(str(spec))
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)

@@ -7,7 +7,7 @@ import pytest
 
 from eagle import EagleError
 from eagle.cache_dir import cache_root
-from eagle.runtime.gguf_file import (DEQUANTIZE, TENSOR_TYPES, Skipped, check_gguf, read_header,
+from eagle.runtime.gguf_file import (DEQUANTIZE, KEEP_BLOCKS, TENSOR_TYPES, Skipped, check_gguf, read_header,
                                      tensor_storage)
 from eagle.runtime.target import load_target
 
@@ -28,13 +28,18 @@ def write_gguf(path, arch="llama", extra=None, tensors=None, vocab=300):
             writer.add_float32(key, value)
         else:
             writer.add_uint32(key, value)
-    for name, (array, raw) in (tensors or {"output_norm.weight": (np.ones(32, np.float32), None)}).items():
+    write_tensors(writer, tensors or {"output_norm.weight": (np.ones(32, np.float32), None)})
+    return path
+
+
+def write_tensors(writer, tensors) -> None:
+    """Add ``tensors`` {name: (array, raw GGML type or None)} to a ``GGUFWriter`` and write its file."""
+    for name, (array, raw) in tensors.items():
         writer.add_tensor(name, array, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def test_the_header_is_read_without_the_long_arrays(tmp_path):
@@ -87,6 +92,8 @@ def test_damaged_files_are_clear_errors(tmp_path):
 
 
 def test_every_accepted_type_has_a_storage_decision():
-    assert {tensor_storage(t) for t in TENSOR_TYPES} == {DEQUANTIZE}
+    kept = {t for t in TENSOR_TYPES if tensor_storage(t) == KEEP_BLOCKS}
+    assert kept == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+    assert all(tensor_storage(t) == DEQUANTIZE for t in set(TENSOR_TYPES) - kept)
     with pytest.raises(ValueError, match="IQ2_XXS"):
         tensor_storage("IQ2_XXS")

@@ -60,15 +60,20 @@ def test_real_target_pld_equals_ar(smollm):
 
 @pytest.mark.integration
 def test_real_target_ar_equals_transformers_generate(smollm):
-    """An independent reference for greedy decoding: our `ar` (the lean forward, the compiled layer
-    and greedy head where they run) gives the tokens of transformers' own `generate()`."""
+    """An independent reference for greedy decoding: our `ar` (the lean forward from the GGUF codes, the
+    compiled layer and greedy head where they run) gives the tokens of transformers' own `generate()` on
+    the file converted to fp32."""
     import torch
 
+    from eagle.runtime.gguf_weights import GGUFModel
+
+    assert isinstance(smollm.target.model, GGUFModel)  # streamed from its codes
+    reference = load_target(DEFAULT_TARGET, lean=False).model
     for prompt in ["Explain why the sky is blue in two sentences.", "Write a haiku about autumn leaves."]:
         ids = smollm.target.encode_prompt(prompt)
         ar = smollm.generate(prompt, method="ar", max_new_tokens=40).token_ids
         with torch.inference_mode():
-            hf = smollm.target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            hf = reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                               max_new_tokens=40, do_sample=False)[0, len(ids):].tolist()
         assert ar == hf[:len(ar)] and len(ar) > 10
 

@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -107,6 +108,10 @@ inline void decode8(const uint8_t* codes, float d, V& lo, V& hi) {
 }
 inline void half16(const uint16_t* src, float* dst) {
   _mm512_storeu_ps(dst, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))));
+}
+// lane i: value where bit i of bits is set, else 0
+inline V vbitmask(uint32_t bits, float value) {
+  return {_mm512_maskz_mov_ps(static_cast<__mmask16>(bits & 0xFFFF), _mm512_set1_ps(value))};
 }
 constexpr const char* kIsa = "avx512";
 
@@ -192,6 +197,16 @@ inline void half16(const uint16_t* src, float* dst) {
   _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
   _mm256_storeu_ps(dst + 8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8))));
 }
+// lane i: value where bit i of bits is set, else 0
+inline V vbitmask(uint32_t bits, float value) {
+  const __m256i b = _mm256_set1_epi32(static_cast<int>(bits));
+  const __m256 v = _mm256_set1_ps(value);
+  auto half = [&](__m256i sel) {
+    return _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(b, sel), sel)), v);
+  };
+  return {half(_mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128)),
+          half(_mm256_setr_epi32(256, 512, 1024, 2048, 4096, 8192, 16384, 32768))};
+}
 constexpr const char* kIsa = "avx2";
 
 #else
@@ -261,6 +276,12 @@ inline void decode8(const uint8_t* codes, float d, V& lo, V& hi) {
 }
 inline void half16(const uint16_t* src, float* dst) {
   for (int i = 0; i < 16; ++i) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
+}
+// lane i: value where bit i of bits is set, else 0
+inline V vbitmask(uint32_t bits, float value) {
+  V out;
+  for (int i = 0; i < 16; ++i) out.l[i] = (bits >> i) & 1 ? value : 0.0f;
+  return out;
 }
 constexpr const char* kIsa = "portable";
 #endif
@@ -571,8 +592,9 @@ inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
 }
 
 // One row of K weights from its GGUF bytes into out (fp32), as gguf-py's dequantize computes them.
+// (restrict: the stores to out cannot change the codes, so the loops vectorize; uint8_t may alias anything)
 template <int64_t Type>
-void decode_row(const uint8_t* p, int64_t K, float* out) {
+void decode_row(const uint8_t* __restrict p, int64_t K, float* __restrict out) {
   if constexpr (Type == kQ8_0) {
     for (int64_t b = 0; b < K / 32; ++b, p += 34, out += 32) {
       const float d = half_at(p);
@@ -580,41 +602,28 @@ void decode_row(const uint8_t* p, int64_t K, float* out) {
       for (int l = 0; l < 32; ++l) out[l] = static_cast<float>(q[l]) * d;
     }
   } else if constexpr (Type == kQ4_0 || Type == kQ4_1) {
+    // d (c - 8) = fma(d, c, -8 d) and d c + m = fma(d, c, m): d c is exact (d a float16 value, c < 16)
     constexpr int64_t size = Type == kQ4_0 ? 18 : 20;
     for (int64_t b = 0; b < K / 32; ++b, p += size, out += 32) {
-      const float d = half_at(p);
-      const uint8_t* q = p + (Type == kQ4_0 ? 2 : 4);
-      if constexpr (Type == kQ4_0) {
-        for (int l = 0; l < 16; ++l) {
-          out[l] = d * static_cast<float>((q[l] & 15) - 8);
-          out[l + 16] = d * static_cast<float>((q[l] >> 4) - 8);
-        }
-      } else {
-        const float m = half_at(p + 2);
-        for (int l = 0; l < 16; ++l) {
-          out[l] = d * static_cast<float>(q[l] & 15) + m;
-          out[l + 16] = d * static_cast<float>(q[l] >> 4) + m;
-        }
-      }
+      const float d = half_at(p), m = Type == kQ4_0 ? -8.0f * d : half_at(p + 2);
+      V lo, hi;
+      decode4(p + (Type == kQ4_0 ? 2 : 4), d, m, lo, hi);
+      vstore(out, lo);
+      vstore(out + 16, hi);
     }
   } else if constexpr (Type == kQ5_0 || Type == kQ5_1) {
+    // d c5 (c5 = c4 + 16 h) summed exactly as d c4 + 16 d h, then + m (Q5_1) or - 16 d (Q5_0): one rounding at
+    // most, as gguf-py's d c5 + m and d (c5 - 16)
     constexpr int64_t size = Type == kQ5_0 ? 22 : 24, head = Type == kQ5_0 ? 2 : 4;
     for (int64_t b = 0; b < K / 32; ++b, p += size, out += 32) {
-      const float d = half_at(p);
+      const float d = half_at(p), m = Type == kQ5_0 ? -16.0f * d : half_at(p + 2);
       uint32_t qh;
       std::memcpy(&qh, p + head, sizeof qh);
-      const uint8_t* q = p + head + 4;
-      int32_t c[32];
-      for (int l = 0; l < 16; ++l) {
-        c[l] = (q[l] & 15) | (((qh >> l) & 1) << 4);
-        c[l + 16] = (q[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
-      }
-      if constexpr (Type == kQ5_0) {
-        for (int l = 0; l < 32; ++l) out[l] = d * static_cast<float>(c[l] - 16);
-      } else {
-        const float m = half_at(p + 2);
-        for (int l = 0; l < 32; ++l) out[l] = d * static_cast<float>(c[l]) + m;
-      }
+      V lo, hi;
+      decode4(p + head + 4, d, 0.0f, lo, hi);
+      const V mv = vset1(m);
+      vstore(out, vadd(vadd(lo, vbitmask(qh, 16.0f * d)), mv));
+      vstore(out + 16, vadd(vadd(hi, vbitmask(qh >> 16, 16.0f * d)), mv));
     }
   } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
     constexpr int64_t size = Type == kQ4_K ? 144 : 176;
@@ -630,8 +639,12 @@ void decode_row(const uint8_t* p, int64_t K, float* out) {
         const uint8_t* q = qs + 32 * (j / 2);
         const int shift = 4 * (j % 2);
         float* o = out + 32 * j;
-        if constexpr (Type == kQ4_K) {
-          for (int l = 0; l < 32; ++l) o[l] = dj * static_cast<float>((q[l] >> shift) & 15) - mj;
+        if constexpr (Type == kQ4_K) {  // fma(dj, c, -mj): dj c is exact, one rounding as dj c - mj
+          V a0, a1, b0, b1;
+          decode4(q, dj, -mj, a0, a1);
+          decode4(q + 16, dj, -mj, b0, b1);
+          vstore(o, shift ? a1 : a0);
+          vstore(o + 16, shift ? b1 : b0);
         } else {
           for (int l = 0; l < 32; ++l)
             o[l] = dj * static_cast<float>(((q[l] >> shift) & 15) | (((qh[l] >> j) & 1) << 4)) - mj;
@@ -661,77 +674,138 @@ void decode_row(const uint8_t* p, int64_t K, float* out) {
 
 constexpr int64_t kDecodedRows = 12;  // W rows decoded at a time: a multiple of every J
 
-// Outputs j0..j1 of the M rows of x (M <= kPassRows), W's rows decoded kDecodedRows at a time.
-template <int64_t Type, int M>
-void gguf_pass(const float* x, int64_t K, const uint8_t* raw, int64_t row_bytes, int64_t N, const float* bias,
-               float* out, int64_t j0, int64_t j1, float* buf) {
+// Outputs j..j+n of the M rows of x (M <= kPassRows) from W's decoded rows j..j+n (w: row j + b at w + (j + b) K);
+// out's rows are ldo apart.
+template <int M>
+void decoded_pass(const float* x, int64_t K, const float* w, int64_t ldo, const float* bias, float* out, int64_t j,
+                  int64_t n) {
   constexpr int J = kJ<M>;
-  for (int64_t j = j0; j < j1; j += kDecodedRows) {
-    const int64_t n = std::min(kDecodedRows, j1 - j);
-    for (int64_t r = 0; r < n; ++r) {
-      for (int64_t b = 0; b < row_bytes; b += 64) prefetch(raw + (j + r + kDecodedRows) * row_bytes + b, true);
-      decode_row<Type>(raw + (j + r) * row_bytes, K, buf + r * K);
-    }
-    const float* w = buf - j * K;  // block() reads row j + b at w + (j + b) * K
-    const int64_t whole = n / J * J;
-    if (whole) block<M, J>(x, K, w, N, bias, out, j, j + whole, false);
-    if (whole < n) block<M, 1>(x, K, w, N, bias, out, j + whole, j + n, false);
-  }
+  const int64_t whole = n / J * J;
+  if (whole) block<M, J>(x, K, w, ldo, bias, out, j, j + whole, false);
+  if (whole < n) block<M, 1>(x, K, w, ldo, bias, out, j + whole, j + n, false);
 }
 
+// out [M, N] (rows ldo apart: a part of a wider output) = x [M, K] W^T (+ bias), any M >= 1: each group of
+// kDecodedRows rows of W is decoded once into a buffer the caches hold, then met by every row of x, kPassRows at
+// a time (each output summed as block() sums it, whatever M: a row's bits do not depend on the others).
 template <int64_t Type>
 void gguf_rows(const float* x, int64_t M, int64_t K, const uint8_t* raw, int64_t row_bytes, int64_t N,
-               const float* bias, float* out) {
+               const float* bias, float* out, int64_t ldo) {
   at::parallel_for(0, (N + kDecodedRows - 1) / kDecodedRows, 1, [&](int64_t g0, int64_t g1) {
     std::vector<float> buf(kDecodedRows * K);
-    const int64_t j0 = g0 * kDecodedRows, j1 = std::min(N, g1 * kDecodedRows);
-    for (int64_t p0 = 0; p0 < M; p0 += kPassRows) {
-      const int64_t rows_here = std::min<int64_t>(kPassRows, M - p0);
-      for_rows(rows_here, "stream_linear_gguf", [&](auto m) {
-        if constexpr (decltype(m)::value <= kPassRows)
-          gguf_pass<Type, decltype(m)::value>(x + p0 * K, K, raw, row_bytes, N, bias, out + p0 * N, j0, j1, buf.data());
-      });
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t j = g * kDecodedRows, n = std::min(kDecodedRows, N - j);
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t b = 0; b < row_bytes; b += 64) prefetch(raw + (j + r + kDecodedRows) * row_bytes + b, true);
+        decode_row<Type>(raw + (j + r) * row_bytes, K, buf.data() + r * K);
+      }
+      const float* w = buf.data() - j * K;
+      for (int64_t p0 = 0; p0 < M; p0 += kPassRows) {
+        for_rows(std::min<int64_t>(kPassRows, M - p0), "stream_linear_gguf", [&](auto m) {
+          if constexpr (decltype(m)::value <= kPassRows)
+            decoded_pass<decltype(m)::value>(x + p0 * K, K, w, ldo, bias, out + p0 * ldo, j, n);
+        });
+      }
     }
   });
 }
 
 }  // namespace
 
-// stream_linear_gguf: y = x W^T (+ b) for 1-16 rows of x [M, K] with W given as its GGUF rows raw uint8 [N, row
-// bytes] of GGML type `type`: the bits of stream_linear on W de-quantized as gguf-py does.
-torch::Tensor stream_linear_gguf(const torch::Tensor& x, const torch::Tensor& raw, int64_t type,
-                                 const c10::optional<torch::Tensor>& bias) {
+// stream_linear_gguf: y = x W^T (+ b) for the rows of x [M, K] with W given as GGUF rows of one or more parts
+// (raws[i] uint8 [N_i, row bytes] of GGML type types[i]), their outputs side by side [M, sum N_i] (a fused q/k/v or
+// gate/up whose parts have different types): the bits of stream_linear on the parts de-quantized as gguf-py does
+// and concatenated. bias: [sum N_i] or none.
+torch::Tensor stream_linear_gguf_parts(const torch::Tensor& x, const std::vector<torch::Tensor>& raws,
+                                       const std::vector<int64_t>& types, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.device().is_cpu(),
               "stream_linear_gguf: contiguous fp32 CPU x [M, K]");
-  TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.is_contiguous() && raw.dim() == 2 && raw.device().is_cpu(),
-              "stream_linear_gguf: contiguous uint8 CPU rows [N, row bytes]");
-  const GgmlLayout layout = ggml_layout(type);
-  const int64_t M = x.size(0), K = x.size(1), N = raw.size(0);
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, "stream_linear_gguf: 1 to 16 rows, got ", M);
-  TORCH_CHECK(K % layout.weights == 0 && raw.size(1) == K / layout.weights * layout.bytes,
-              "stream_linear_gguf: shapes do not match x [M, K] (K a multiple of ", layout.weights, ")");
-  const float* b = bias_data(bias, N, "stream_linear_gguf");
-  auto out = torch::empty({M, N}, x.options());
+  TORCH_CHECK(!raws.empty() && raws.size() == types.size(), "stream_linear_gguf: a GGML type per part");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M >= 1, "stream_linear_gguf: at least one row");
+  int64_t total = 0;
+  for (size_t i = 0; i < raws.size(); ++i) {
+    const torch::Tensor& raw = raws[i];
+    TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.is_contiguous() && raw.dim() == 2 && raw.device().is_cpu(),
+                "stream_linear_gguf: contiguous uint8 CPU rows [N, row bytes]");
+    const GgmlLayout layout = ggml_layout(types[i]);
+    TORCH_CHECK(K % layout.weights == 0 && raw.size(1) == K / layout.weights * layout.bytes,
+                "stream_linear_gguf: shapes do not match x [M, K] (K a multiple of ", layout.weights, ")");
+    total += raw.size(0);
+  }
+  const float* b = bias_data(bias, total, "stream_linear_gguf");
+  auto out = torch::empty({M, total}, x.options());
   const float* xp = x.data_ptr<float>();
-  const uint8_t* rp = raw.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const int64_t rb = raw.size(1);
-  switch (type) {
+  int64_t col = 0;
+  for (size_t i = 0; i < raws.size(); ++i) {
+    const uint8_t* rp = raws[i].data_ptr<uint8_t>();
+    const int64_t N = raws[i].size(0), rb = raws[i].size(1);
+    const float* bp = b ? b + col : nullptr;
+    switch (types[i]) {
 #define EAGLE_GGML(t) \
   case t:             \
-    gguf_rows<t>(xp, M, K, rp, rb, N, b, op); \
+    gguf_rows<t>(xp, M, K, rp, rb, N, bp, op + col, total); \
     break;
-    EAGLE_GGML(kQ4_0) EAGLE_GGML(kQ4_1) EAGLE_GGML(kQ5_0) EAGLE_GGML(kQ5_1) EAGLE_GGML(kQ8_0) EAGLE_GGML(kQ4_K)
-    EAGLE_GGML(kQ5_K) EAGLE_GGML(kQ6_K)
+      EAGLE_GGML(kQ4_0) EAGLE_GGML(kQ4_1) EAGLE_GGML(kQ5_0) EAGLE_GGML(kQ5_1) EAGLE_GGML(kQ8_0) EAGLE_GGML(kQ4_K)
+      EAGLE_GGML(kQ5_K) EAGLE_GGML(kQ6_K)
 #undef EAGLE_GGML
+    }
+    col += N;
   }
   return out;
 }
 
-// A weight for decoder_layer: fp32 [N, K], or codes with their scales (stream_linear_q).
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scales,
-                     const c10::optional<torch::Tensor>& bias, bool once) {
-  return scales.has_value() ? stream_linear_q(x, w, *scales, bias, once) : stream_linear(x, w, bias, once);
+// stream_linear_gguf: one part (W as its GGUF rows raw uint8 [N, row bytes] of GGML type `type`).
+torch::Tensor stream_linear_gguf(const torch::Tensor& x, const torch::Tensor& raw, int64_t type,
+                                 const c10::optional<torch::Tensor>& bias) {
+  return stream_linear_gguf_parts(x, {raw}, {type}, bias);
+}
+
+// gguf_dequantize_rows: rows `index` (int64 [n]) of W given as its GGUF rows raw uint8 [N, row bytes] of GGML type
+// `type`, de-quantized to fp32 [n, K] as gguf-py does (an embedding lookup from the codes).
+torch::Tensor gguf_dequantize_rows(const torch::Tensor& raw, int64_t type, const torch::Tensor& index) {
+  TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.is_contiguous() && raw.dim() == 2 && raw.device().is_cpu(),
+              "gguf_dequantize_rows: contiguous uint8 CPU rows [N, row bytes]");
+  TORCH_CHECK(index.dtype() == torch::kInt64 && index.dim() == 1 && index.device().is_cpu(),
+              "gguf_dequantize_rows: int64 CPU index [n]");
+  const GgmlLayout layout = ggml_layout(type);
+  const int64_t rb = raw.size(1), N = raw.size(0), K = rb / layout.bytes * layout.weights, n = index.size(0);
+  TORCH_CHECK(rb % layout.bytes == 0, "gguf_dequantize_rows: row bytes not a whole number of blocks");
+  auto out = torch::empty({n, K}, torch::kFloat32);
+  const torch::Tensor idx = index.contiguous();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < N, "gguf_dequantize_rows: index out of range");
+  const uint8_t* rp = raw.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    switch (type) {
+#define EAGLE_GGML(t) \
+  case t:             \
+    decode_row<t>(rp + ip[r] * rb, K, op + r * K); \
+    break;
+      EAGLE_GGML(kQ4_0) EAGLE_GGML(kQ4_1) EAGLE_GGML(kQ5_0) EAGLE_GGML(kQ5_1) EAGLE_GGML(kQ8_0) EAGLE_GGML(kQ4_K)
+      EAGLE_GGML(kQ5_K) EAGLE_GGML(kQ6_K)
+#undef EAGLE_GGML
+    }
+  }
+  return out;
+}
+
+// A product for decoder_layer: W fp32 [N, K], or codes with their scales (stream_linear_q), or GGUF rows of one or
+// more parts (raws and their GGML types, stream_linear_gguf_parts: w unused); and its bias.
+struct Product {
+  c10::optional<torch::Tensor> w, s;
+  std::vector<torch::Tensor> raws;
+  std::vector<int64_t> types;
+  c10::optional<torch::Tensor> b;
+};
+using ProductArgs = std::tuple<c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, std::vector<torch::Tensor>,
+                               std::vector<int64_t>, c10::optional<torch::Tensor>>;
+
+torch::Tensor linear(const torch::Tensor& x, const Product& p, bool once) {
+  if (!p.raws.empty()) return stream_linear_gguf_parts(x, p.raws, p.types, p.b);
+  return p.s.has_value() ? stream_linear_q(x, *p.w, *p.s, p.b, once) : stream_linear(x, *p.w, p.b, once);
 }
 
 // rms_norm: Llama's RMSNorm in fp32, w * (x * 1 / sqrt(mean(x^2) + eps)) per row of x [..., H], in one
@@ -917,8 +991,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& key_buf, co
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "attention: q fp32 [nh, q, d]");
   TORCH_CHECK(key_buf.is_contiguous() && value_buf.is_contiguous() && key_buf.dim() == 3, "attention: buffers [kv, cap, d]");
   const int64_t nh = q.size(0), rows = q.size(1), d = q.size(2), nkv = key_buf.size(0), cap = key_buf.size(1);
-  TORCH_CHECK(d % 16 == 0 && d <= 128 && key_buf.size(2) == d && nh % nkv == 0,
-              "attention: head_dim a multiple of 16 up to 128, heads");
+  TORCH_CHECK(d % 16 == 0 && d <= 256 && key_buf.size(2) == d && nh % nkv == 0,
+              "attention: head_dim a multiple of 16 up to 256, heads");
   TORCH_CHECK(length >= rows && length <= cap, "attention: length");
   const float* bp = nullptr;
   if (bias.has_value()) {
@@ -966,6 +1040,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& key_buf, co
     attend_row<v>(qv, kh, vh, idx, add, n, sc, score.data(), dst); \
     break;
         EAGLE_VECS(1) EAGLE_VECS(2) EAGLE_VECS(3) EAGLE_VECS(4) EAGLE_VECS(5) EAGLE_VECS(6) EAGLE_VECS(7) EAGLE_VECS(8)
+        EAGLE_VECS(12) EAGLE_VECS(16)  // head dims 192 and 256 (Gemma-3)
 #undef EAGLE_VECS
       }
     }
@@ -992,21 +1067,15 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
-// A decoder layer's weights: each product fp32, or codes with their scales (*_s given: stream_linear_q).
-// Without input_norm, qkv reads x itself (an EAGLE drafter's first layer: its input is fc's output).
+// A decoder layer's weights (each product a Product). Without input_norm, qkv reads x itself (an EAGLE drafter's
+// first layer: its input is fc's output).
 struct LayerWeights {
   c10::optional<torch::Tensor> input_norm;
   double input_eps;
-  torch::Tensor qkv_w;
-  c10::optional<torch::Tensor> qkv_s, qkv_b;
-  torch::Tensor o_w;
-  c10::optional<torch::Tensor> o_s, o_b;
+  Product qkv, o;
   torch::Tensor post_norm;
   double post_eps;
-  torch::Tensor gate_up_w;
-  c10::optional<torch::Tensor> gate_up_s, gate_up_b;
-  torch::Tensor down_w;
-  c10::optional<torch::Tensor> down_s, down_b;
+  Product gate_up, down;
 };
 
 // decoder_layer: one Llama decoder layer for one sequence of 1-16 rows, in place on x [q, H]:
@@ -1019,11 +1088,10 @@ void decoder_layer(torch::Tensor x, const LayerWeights& l, const torch::Tensor& 
                    const c10::optional<torch::Tensor>& bias, double scale, bool once) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "decoder_layer: x fp32 [q, H]");
   const torch::Tensor h = l.input_norm.has_value() ? rms_norm(x, *l.input_norm, l.input_eps) : x;
-  const torch::Tensor qkv = linear(h, l.qkv_w, l.qkv_s, l.qkv_b, once);
+  const torch::Tensor qkv = linear(h, l.qkv, once);
   const torch::Tensor q = rope_cache(qkv, cos, sin, key_buf, value_buf, nh, start);
-  x.add_(linear(attention(q, key_buf, value_buf, start + x.size(0), bias, scale), l.o_w, l.o_s, l.o_b, once));
-  x.add_(linear(silu_mul(linear(rms_norm(x, l.post_norm, l.post_eps), l.gate_up_w, l.gate_up_s, l.gate_up_b, once)),
-                l.down_w, l.down_s, l.down_b, once));
+  x.add_(linear(attention(q, key_buf, value_buf, start + x.size(0), bias, scale), l.o, once));
+  x.add_(linear(silu_mul(linear(rms_norm(x, l.post_norm, l.post_eps), l.gate_up, once)), l.down, once));
 }
 
 // DecoderStack: decoder layers whose weights are handed over once (add), run by one call a forward
@@ -1032,16 +1100,19 @@ class DecoderStack {
  public:
   DecoderStack(int64_t nh, double scale) : nh_(nh), scale_(scale) {}
 
-  // One more layer: its weights, in LayerWeights' order.
-  void add(const c10::optional<torch::Tensor>& input_norm, double input_eps, const torch::Tensor& qkv_w,
-           const c10::optional<torch::Tensor>& qkv_s, const c10::optional<torch::Tensor>& qkv_b,
-           const torch::Tensor& o_w, const c10::optional<torch::Tensor>& o_s, const c10::optional<torch::Tensor>& o_b,
-           const torch::Tensor& post_norm, double post_eps, const torch::Tensor& gate_up_w,
-           const c10::optional<torch::Tensor>& gate_up_s, const c10::optional<torch::Tensor>& gate_up_b,
-           const torch::Tensor& down_w, const c10::optional<torch::Tensor>& down_s,
-           const c10::optional<torch::Tensor>& down_b) {
-    layers_.push_back({input_norm, input_eps, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, post_norm, post_eps, gate_up_w,
-                       gate_up_s, gate_up_b, down_w, down_s, down_b});
+  // One more layer: its norms and its products qkv, o, gate_up, down, each (w, scales, GGUF raws, GGML types,
+  // bias) as Product holds them.
+  void add(const c10::optional<torch::Tensor>& input_norm, double input_eps, const torch::Tensor& post_norm,
+           double post_eps, const std::vector<ProductArgs>& products) {
+    TORCH_CHECK(products.size() == 4, "DecoderStack.add: four products (qkv, o, gate_up, down)");
+    Product p[4];
+    for (int i = 0; i < 4; ++i) {
+      const auto& [w, s, raws, types, b] = products[i];
+      TORCH_CHECK(raws.size() == types.size() && (w.has_value() != !raws.empty()),
+                  "DecoderStack.add: a product is a weight or GGUF parts with their types");
+      p[i] = {w, s, raws, types, b};
+    }
+    layers_.push_back({input_norm, input_eps, p[0], p[1], post_norm, post_eps, p[2], p[3]});
   }
 
   // Every layer in order on x [q, H], in place; layer i's keys and values go to rows start..start+q-1 of
@@ -1101,6 +1172,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("bias"), py::arg("once") = false);
   m.def("stream_linear_gguf", &stream_linear_gguf, "stream_linear with W as its GGUF rows (GGML type): the bits of "
         "the de-quantized W", py::arg("x"), py::arg("raw"), py::arg("type"), py::arg("bias"));
+  m.def("stream_linear_gguf_parts", &stream_linear_gguf_parts, "stream_linear_gguf of several GGUF parts, their "
+        "outputs side by side", py::arg("x"), py::arg("raws"), py::arg("types"), py::arg("bias"));
+  m.def("gguf_dequantize_rows", &gguf_dequantize_rows, "rows of a GGUF matrix de-quantized to fp32 (as gguf-py)",
+        py::arg("raw"), py::arg("type"), py::arg("index"));
   m.def("rms_norm", &rms_norm, "Llama's RMSNorm, fp32, one pass per row");
   m.def("rope_cache", &rope_cache, "rotary queries and keys, keys and values into the cache buffers, fp32");
   m.def("attention", &attention, "grouped-query attention of a few rows over the cache, fp32, row-independent");
@@ -1108,7 +1183,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compact_rows", &compact_rows, "copy rows keep[j] of each cache buffer to start + j, for all layers at once");
   py::class_<DecoderStack>(m, "DecoderStack", py::module_local(), "decoder layers run by one call a forward (decoder_layer each)")
       .def(py::init<int64_t, double>(), py::arg("nh"), py::arg("scale"))
-      .def("add", &DecoderStack::add, "append a layer: decoder_layer's weight arguments")
+      .def("add", &DecoderStack::add, "append a layer: its norms and four products (w, scales, raws, types, bias)",
+           py::arg("input_norm"), py::arg("input_eps"), py::arg("post_norm"), py::arg("post_eps"), py::arg("products"))
       .def("forward", &DecoderStack::forward, "every layer in place on x [q, H]; copies of x after the aux layers",
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("start"),
            py::arg("bias"), py::arg("once"), py::arg("aux"));

@@ -1,0 +1,289 @@
+"""GGUF targets streamed from their codes: each code type's products, the loaded model against a transformers
+model holding the de-quantized weights, tree rows against single rows, greedy decoding against ``ar``."""
+
+import numpy as np
+import pytest
+import torch
+
+from eagle import EagleModel
+from eagle.decoding.tree_mask import attention_bias, tree_attention
+from eagle.runtime import kernels
+from eagle.runtime.decoder import LeanDecoder, lean_decoder
+from eagle.runtime.gemma import GemmaDecoder
+from eagle.runtime.gguf_weights import GGUFLinear, GGUFMatrix, llama_row_order, load_gguf_model
+from eagle.runtime.target import Target
+
+from tests.conftest import prompts, tiny_drafter, word_tokenizer
+from tests.runtime.test_gguf_file import write_tensors
+
+STREAMED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# bytes of a block, weights of a block, offsets of the float16 scales, and a typical |code x sub-scale| (so that
+# random codes give weights of about the size asked for)
+LAYOUT = {"Q4_0": (18, 32, [0], 8), "Q4_1": (20, 32, [0, 2], 8), "Q5_0": (22, 32, [0], 16),
+          "Q5_1": (24, 32, [0, 2], 16), "Q8_0": (34, 32, [0], 64), "Q4_K": (144, 256, [0, 2], 250),
+          "Q5_K": (176, 256, [0, 2], 500), "Q6_K": (210, 256, [208], 2000)}
+
+
+def kernels_or_skip():
+    module = kernels.cpu_kernels()
+    if module is None:
+        pytest.skip("the compiled CPU kernels do not build here")
+    return module
+
+
+def random_codes(ggml_type: str, rows: int, in_features: int, rng: np.random.Generator,
+                 size: float = 0.05) -> np.ndarray:
+    """GGUF rows uint8 [rows, row bytes] of random codes whose weights are about ``size``."""
+    block, weights, halves, typical = LAYOUT[ggml_type]
+    raw = rng.integers(0, 256, (rows * in_features // weights, block), dtype=np.uint8)
+    for offset in halves:
+        scale = (rng.uniform(0.5, 1.5, len(raw)) * size / typical * rng.choice([-1, 1], len(raw))).astype(np.float16)
+        raw[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+def dequantized(raw: np.ndarray, ggml_type: str) -> torch.Tensor:
+    from gguf import GGMLQuantizationType, quants
+
+    return torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[ggml_type]).astype(np.float32))
+
+
+@pytest.mark.parametrize("ggml_type", STREAMED)
+def test_a_loaded_product_has_the_bits_of_the_fp32_kernel_on_the_dequantized_weight(ggml_type):
+    """``GGUFLinear`` of one type, 40 rows in one call, with a bias: the outputs of ``stream_linear``
+    (16 rows a call) on the weight gguf-py de-quantizes, bit for bit, so a row's result is the same
+    whatever rows come with it."""
+    module = kernels_or_skip()
+    rng = np.random.default_rng(len(ggml_type))
+    raw = random_codes(ggml_type, 24, 512, rng)
+    weight, bias = dequantized(raw, ggml_type), torch.randn(24)
+    linear = GGUFLinear([GGUFMatrix(torch.from_numpy(raw), ggml_type)], bias)
+    x = torch.randn(40, 512)
+    got = linear(x)
+    for start in range(0, 40, 16):
+        assert torch.equal(got[start:start + 16], module.stream_linear(x[start:start + 16], weight, bias)), ggml_type
+    assert torch.equal(linear(x[7:8]), got[7:8])  # one row alone: the bits it gets among 40
+    assert torch.allclose(got.double(), x.double() @ weight.double().T + bias.double(), atol=1e-4)
+
+
+def test_a_fused_product_of_parts_of_different_types_is_their_products_side_by_side():
+    module = kernels_or_skip()
+    rng = np.random.default_rng(0)
+    types, sizes = ["Q4_K", "Q5_0", "Q8_0"], [16, 8, 12]
+    raws = [random_codes(t, n, 256, rng) for t, n in zip(types, sizes)]
+    bias = torch.randn(sum(sizes))
+    linear = GGUFLinear([GGUFMatrix(torch.from_numpy(r), t) for r, t in zip(raws, types)], bias)
+    x = torch.randn(5, 256)
+    weight = torch.cat([dequantized(r, t) for r, t in zip(raws, types)])
+    assert torch.equal(linear(x), module.stream_linear(x, weight, bias))
+    assert linear.describe() == "Q4_K+Q5_0+Q8_0"
+
+
+def test_embedding_rows_are_gguf_pys_values():
+    module = kernels_or_skip()
+    rng = np.random.default_rng(1)
+    for ggml_type in STREAMED:
+        raw = random_codes(ggml_type, 10, 256, rng)
+        index = torch.tensor([3, 0, 9, 3])
+        got = module.gguf_dequantize_rows(torch.from_numpy(raw), GGUFMatrix(torch.empty(0), ggml_type).type_id, index)
+        assert torch.equal(got, dequantized(raw, ggml_type)[index]), ggml_type
+
+
+def test_llama_row_order_is_transformers_reverse_permutation():
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    processor = LlamaTensorProcessor()
+    for rows, heads, kv_heads in ((256, 4, 4), (128, 4, 2)):
+        want = processor._reverse_permute_weights(np.arange(rows), heads, kv_heads)
+        assert torch.equal(llama_row_order(rows, kv_heads), torch.from_numpy(want))
+
+
+# ---- a tiny model written as a GGUF file --------------------------------------------------------------------
+LLAMA_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q6_K", "ffn_gate": "Q5_K",
+               "ffn_up": "Q4_1", "ffn_down": "Q4_0", "token_embd": "Q5_1", "output": "Q6_K"}
+HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj"}
+
+
+def write_model_gguf(path, model, types: dict[str, str], seed: int = 0):
+    """Write ``model`` (a transformers Llama or Gemma-3) as a GGUF file whose matrices are random codes of
+    ``types`` (per GGUF tensor name) and its norms the model's; the model's weights are set to what the codes
+    de-quantize to (in transformers' row order), so it is the reference for the streamed target."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    cfg = model.config
+    gemma = cfg.model_type == "gemma3_text"
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(path), "gemma3" if gemma else "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    tensors = {}
+
+    def matrix(name: str, param: torch.Tensor, heads: int | None = None) -> None:
+        ggml_type = types[name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]]
+        raw = random_codes(ggml_type, param.shape[0], param.shape[1], rng)  # rows in transformers' order
+        param.copy_(dequantized(raw, ggml_type))
+        if heads is not None:  # the file holds llama.cpp's order: file row order[r] is transformers' row r
+            from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+            order = LlamaTensorProcessor()._reverse_permute_weights(np.arange(raw.shape[0]), heads, heads)
+            stored = np.empty_like(raw)
+            stored[order] = raw
+            raw = stored
+        tensors[name] = (raw, GGMLQuantizationType[ggml_type])
+
+    def norm(name: str, param: torch.Tensor) -> None:
+        tensors[name] = ((param.float() + 1 if gemma else param.float()).numpy().copy(), None)
+
+    with torch.no_grad():
+        inner = model.model
+        matrix("token_embd.weight", inner.embed_tokens.weight)
+        if not cfg.tie_word_embeddings:
+            matrix("output.weight", model.lm_head.weight)
+        norm("output_norm.weight", inner.norm.weight)
+        for i, layer in enumerate(inner.layers):
+            for name, hf in HF_NAMES.items():
+                heads = None
+                if not gemma and name in ("attn_q", "attn_k"):
+                    heads = cfg.num_attention_heads if name == "attn_q" else cfg.num_key_value_heads
+                matrix(f"blk.{i}.{name}.weight", layer.get_submodule(hf).weight, heads)
+            norms = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+            if gemma:
+                norms = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                         "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+                         "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+            for name, hf in norms.items():
+                norm(f"blk.{i}.{name}.weight", layer.get_submodule(hf).weight)
+    write_tensors(writer, tensors)
+    return path
+
+
+def streamed_and_reference(tmp_path, model, types, name):
+    """(the target loaded from the GGUF file, streamed; the transformers model with the same weights, lean)."""
+    path = write_model_gguf(tmp_path / f"{name}.gguf", model, types)
+    tokenizer = word_tokenizer(model.config.vocab_size)
+    streamed = load_gguf_model(path, model.config, model.generation_config)
+    make = lambda m: Target(model=m, tokenizer=tokenizer, name=name, device=torch.device("cpu"),
+                            dtype=torch.float32, lean=lean_decoder(m))
+    return make(streamed), make(model)
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kernels_or_skip()
+    cfg = LlamaConfig(vocab_size=48, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    model.generation_config.eos_token_id = None
+    return streamed_and_reference(tmp_path_factory.mktemp("gguf"), model, LLAMA_TYPES, "tiny-llama-gguf")
+
+
+def test_the_loaded_llama_keeps_codes_and_decodes_with_the_references_bits(llama_pair):
+    """Every matrix stays as its codes (the memory of the codes, no fp32 copy), the compiled decoder stack
+    runs, and decoding steps give the logits of the transformers model holding the de-quantized weights
+    (q and k rows put back in transformers' order) bit for bit; a 20-token prefill (beyond the streamed
+    16 rows) closely."""
+    streamed, reference = llama_pair
+    lean = streamed.lean
+    assert isinstance(lean, LeanDecoder) and lean.stack is not None
+    for layer in lean.layers:  # Q4_0 read into block codes, the other types streamed from their GGUF rows
+        assert all(isinstance(lin, GGUFLinear) for lin in (layer.qkv, layer.o, layer.gate_up))
+        assert layer.down.encoded is not None and layer.down.weight is None and layer.down.plain_weight is None
+    assert isinstance(lean.head, GGUFLinear) and "GGUF codes" in lean.kernel_choice()
+    assert streamed.model.nbytes() < 0.4 * sum(p.numel() * 4 for p in reference.model.parameters())
+    ids = prompts(1, vocab_size=48, seed=2)[0][:6] + [5, 17, 40, 2, 9, 33, 21, 8, 1, 44, 12, 30, 3, 6]
+    caches = streamed.new_cache(), reference.new_cache()
+    outs = [t.forward(torch.tensor([ids[:4]]), torch.arange(4)[None], c).logits for t, c in zip(llama_pair, caches)]
+    assert torch.equal(*outs)
+    for pos in range(4, 12):
+        outs = [t.forward(torch.tensor([[ids[pos]]]), torch.tensor([[pos]]), c).logits
+                for t, c in zip(llama_pair, caches)]
+        assert torch.equal(*outs), pos
+    with torch.no_grad():
+        hf = reference.model(torch.tensor([ids])).logits[0]
+    prefill = streamed.forward(torch.tensor([ids]), torch.arange(len(ids))[None], streamed.new_cache()).logits[0]
+    assert torch.allclose(prefill, hf, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pair", ["llama_pair", "gemma_pair"])
+def test_a_tree_row_has_the_bits_of_its_own_sequence(request, pair):
+    """Each node of a tree verified in one forward gets the logits of its own root-to-node sequence, bit for
+    bit (Gemma: a prefix longer than the window of 8, so sliding layers mask part of it)."""
+    streamed = request.getfixturevalue(pair)[0]
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 6])
+    attn = tree_attention(parents)
+    prefix, tokens = [3, 14, 15, 9, 2, 6, 21, 5, 8, 33, 2], [7, 11, 30, 4, 25, 1, 13, 38]
+    cache = streamed.new_cache()
+    streamed.forward(torch.tensor([prefix]), torch.arange(len(prefix))[None], cache)
+    tree = streamed.forward(torch.tensor([tokens]), (len(prefix) + attn.depths)[None], cache,
+                            attention_bias(attn.mask, len(prefix), torch.float32)).logits[0]
+    for node in range(len(tokens)):
+        chain = [tokens[j] for j in attn.mask[node].nonzero()[:, 0].tolist()]
+        cache = streamed.new_cache()
+        streamed.forward(torch.tensor([prefix]), torch.arange(len(prefix))[None], cache)
+        alone = streamed.forward(torch.tensor([chain]), torch.arange(len(prefix), len(prefix) + len(chain))[None],
+                                 cache).logits[0, -1]
+        assert torch.equal(tree[node], alone), node
+
+
+@pytest.mark.slow
+def test_greedy_decoding_is_ar_and_ar_is_the_references(llama_pair):
+    streamed, reference = llama_pair
+    model = EagleModel.from_pretrained(streamed, drafter=tiny_drafter(streamed), total_tokens=12, depth=4, top_k=3)
+    ref = EagleModel.from_pretrained(reference, drafter=tiny_drafter(reference), total_tokens=12, depth=4, top_k=3)
+    for ids in prompts(2, vocab_size=48, seed=4):
+        ar = model.generate(ids, method="ar", max_new_tokens=16).token_ids
+        assert ar == ref.generate(ids, method="ar", max_new_tokens=16).token_ids
+        assert model.generate(ids, method="eagle-tree", max_new_tokens=16).token_ids == ar
+        assert model.generate(ids, method="pld", max_new_tokens=16).token_ids == ar
+
+
+GEMMA_TYPES = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_K", "ffn_gate": "Q5_0",
+               "ffn_up": "Q5_0", "ffn_down": "Q6_K", "token_embd": "Q8_0"}
+
+
+@pytest.fixture(scope="module")
+def gemma_pair(tmp_path_factory):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    kernels_or_skip()
+    cfg = Gemma3TextConfig(
+        vocab_size=40, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=48, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], max_position_embeddings=256,
+        tie_word_embeddings=True, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(cfg).eval().requires_grad_(False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.5)
+    model.generation_config.eos_token_id = None
+    return streamed_and_reference(tmp_path_factory.mktemp("gguf"), model, GEMMA_TYPES, "tiny-gemma-gguf")
+
+
+def test_the_loaded_gemma_matches_transformers_past_the_window(gemma_pair):
+    streamed, reference = gemma_pair
+    assert isinstance(streamed.lean, GemmaDecoder) and streamed.lean.compiled is not None
+    assert all(isinstance(lin, GGUFLinear) for layer in streamed.lean.layers for lin in layer.matrices())
+    ids = [(7 * i + 3) % 39 + 1 for i in range(24)]
+    cache = streamed.new_cache()
+    ours = [streamed.forward(torch.tensor([ids[:5]]), torch.arange(5)[None], cache).logits[0]]
+    ours += [streamed.forward(torch.tensor([[ids[t]]]), torch.tensor([[t]]), cache).logits[0] for t in range(5, 24)]
+    with torch.no_grad():
+        theirs = reference.model(torch.tensor([ids])).logits[0]
+    assert torch.allclose(torch.cat(ours), theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_gemma_greedy_decoding_is_ar_past_the_window(gemma_pair):
+    streamed = gemma_pair[0]
+    model = EagleModel.from_pretrained(streamed, drafter=tiny_drafter(streamed), total_tokens=12, depth=4, top_k=3)
+    for ids in prompts(2, vocab_size=40, seed=6):
+        ar = model.generate(ids, method="ar", max_new_tokens=20).token_ids
+        assert model.generate(ids, method="eagle-tree", max_new_tokens=20).token_ids == ar
+        assert model.generate(ids, method="pld", max_new_tokens=20).token_ids == ar
