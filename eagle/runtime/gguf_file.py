@@ -88,6 +88,23 @@ class _Cursor:
         for _ in range(count):
             self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
 
+    def array(self) -> Any:
+        """An array value read in full: a list of strings, or a numpy array of a fixed-size type."""
+        import numpy as np
+
+        item, count = self.unpack("<I"), self.unpack("<Q")
+        if item == _STRING:
+            out = []
+            for _ in range(count):
+                out.append(self.string())
+            return out
+        if item not in _SCALARS:
+            return [self.value(item) for _ in range(count)]
+        size = struct.calcsize(_SCALARS[item])
+        values = np.frombuffer(self.buf, np.dtype(_SCALARS[item]), count, self.pos).copy()
+        self.pos += count * size
+        return values
+
     def value(self, kind: int) -> Any:
         if kind in _SCALARS:
             return self.unpack(_SCALARS[kind])
@@ -108,8 +125,10 @@ class _Cursor:
         return Skipped(count)
 
 
-def read_header(path: str | Path) -> GGUFHeader:
-    """The metadata and tensor table of a GGUF file (versions 2 and 3), no tensor data read."""
+def read_header(path: str | Path, arrays: tuple[str, ...] = ()) -> GGUFHeader:
+    """The metadata and tensor table of a GGUF file (versions 2 and 3), no tensor data read. The long
+    arrays named in ``arrays`` (e.g. ``tokenizer.ggml.tokens``) are read in full: a list of strings, or a
+    numpy array of their fixed-size type; the others are ``Skipped``."""
     from gguf import GGMLQuantizationType
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -124,7 +143,8 @@ def read_header(path: str | Path) -> GGUFHeader:
         metadata = {}
         for _ in range(n_kv):
             key = cur.string()
-            metadata[key] = cur.value(cur.unpack("<I"))
+            kind = cur.unpack("<I")
+            metadata[key] = cur.array() if kind == _ARRAY and key in arrays else cur.value(kind)
         tensors = []
         for _ in range(n_tensors):
             name = cur.string()

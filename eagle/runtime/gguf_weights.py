@@ -422,6 +422,58 @@ _GEMMA_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "pos
 _GEMMA_HEAD_NORMS = {"q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
 
 
+class Rotary:
+    """RoPE's cos and sin as transformers' rotary embedding of a Llama, Qwen2 or Gemma-3 config computes them
+    (for the rope types whose inverse frequencies do not change with the length), without importing its
+    modeling module (about 130 MB of imports): ``rotary(x, position_ids[, layer_type])`` -> cos, sin
+    [..., head_dim] in ``x``'s dtype. ``layer_type``: Gemma-3's "sliding_attention" or "full_attention"."""
+
+    STATIC = ("default", "linear", "llama3", "yarn")
+
+    def __init__(self, config: Any) -> None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        types = sorted(set(config.layer_types)) if config.model_type == "gemma3_text" else [None]
+        self.tables = {}
+        for layer_type in types:
+            params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
+            if params["rope_type"] == "default":
+                dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+                inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+                self.tables[layer_type] = inv_freq, 1.0
+            elif layer_type is None:
+                self.tables[layer_type] = ROPE_INIT_FUNCTIONS[params["rope_type"]](config)
+            else:
+                self.tables[layer_type] = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, layer_type=layer_type)
+
+    @classmethod
+    def serves(cls, config: Any) -> bool:
+        params = config.rope_parameters
+        if config.model_type == "gemma3_text":
+            return all(params.get(t) is not None and params[t]["rope_type"] in cls.STATIC for t in set(config.layer_types))
+        return config.model_type in ("llama", "qwen2") and params["rope_type"] in cls.STATIC
+
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor,
+                 layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq, scaling = self.tables[layer_type]
+        freqs = position_ids[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * scaling).to(dtype=x.dtype), (emb.sin() * scaling).to(dtype=x.dtype)
+
+
+def rotary_and_scale(config: Any) -> tuple[Any, float | None]:
+    """The rotary embedding of ``config``'s model and the scale of its token embedding (Gemma's
+    sqrt(hidden), else None): ``Rotary`` where it serves, else transformers' own module classes."""
+    if Rotary.serves(config):
+        return Rotary(config), (config.hidden_size ** 0.5 if config.model_type == "gemma3_text" else None)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # the module classes, for the rotary embedding and the embedding's scale
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return type(skeleton.model.rotary_emb)(config=config), getattr(skeleton.model.embed_tokens,
+                                                                    "scalar_embed_scale", None)
+
+
 def load_gguf_model(path: str | Path, config: Any, generation_config: Any,
                     header: GGUFHeader | None = None) -> GGUFModel:
     """The weights of GGUF file ``path`` (architectures of ``gguf_file.ARCHITECTURES``) for ``config``
@@ -475,12 +527,7 @@ def _load(reader: _Reader, path: str | Path, config: Any, generation_config: Any
             setattr(layer, group, SimpleNamespace(**projections))
         layers.append(layer)
 
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):  # the module classes, for the rotary embedding and the embedding's scale
-        skeleton = AutoModelForCausalLM.from_config(config)
-    rotary = type(skeleton.model.rotary_emb)(config=config)
-    scale = getattr(skeleton.model.embed_tokens, "scalar_embed_scale", None)
+    rotary, scale = rotary_and_scale(config)
     embedding = _fuse([take("token_embd.weight")], reader)[0]
     output = take("output.weight", required=False)
     output = None if output is None else _fuse([output], reader)[0]

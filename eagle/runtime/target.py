@@ -212,27 +212,32 @@ def _gguf_cache_dir(gguf_path: Path) -> Path:
     return cache_root() / "targets" / f"{gguf_path.stem}-{key}"
 
 
-def gguf_metadata_dir(gguf_path: Path) -> Path:
-    """A folder with the config, generation config and tokenizer transformers derives from a GGUF file's
-    metadata (its reader takes about a minute for a 262k-token vocabulary), written once to the cache;
-    no tensor is read. A folder converted by ``converted_gguf_dir`` serves as well."""
+def gguf_metadata_dir(gguf_path: Path, tokenizer: bool = True) -> Path:
+    """A folder with the config, generation config and (with ``tokenizer``) the tokenizer transformers
+    derives from a GGUF file's metadata (its reader takes about a minute for a 262k-token vocabulary),
+    written once to the cache; no tensor is read. A folder converted by ``converted_gguf_dir`` serves as
+    well; without ``tokenizer``, one with the configs alone (``NAME-KEY.config``)."""
     converted = _gguf_cache_dir(gguf_path)
     if (converted / "config.json").is_file() and (converted / "tokenizer_config.json").is_file():
         return converted
     out = converted.with_name(converted.name + ".meta")
     if (out / "tokenizer_config.json").is_file():
         return out
+    configs = converted.with_name(converted.name + ".config")
+    if not tokenizer and (configs / "generation_config.json").is_file():
+        return configs
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    out = out if tokenizer else configs
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.save_pretrained(tmp)
     GenerationConfig.from_model_config(config).save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    if tokenizer:
+        AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
     tmp.rename(out)
     return out
 
@@ -240,16 +245,23 @@ def gguf_metadata_dir(gguf_path: Path) -> Path:
 def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None) -> Target:
     """A GGUF target on the CPU in fp32 whose quantized matrices stay as their GGUF codes, multiplied by the
     compiled kernels (``eagle.runtime.gguf_weights``): memory about the file's size. Refused first when
-    eagle cannot run the file (``check_gguf``). ``tokenizer``: instead of the file's own."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    eagle cannot run the file (``check_gguf``). ``tokenizer``: instead of the file's own, which is
+    ``eagle.runtime.gguf_tokenizer.SentencePieceBPE`` where that serves the file (a Gemma vocabulary
+    without a chat template: a tenth of the memory of transformers' tokenizer), else transformers'."""
+    from transformers import AutoConfig, GenerationConfig
 
+    from eagle.runtime.gguf_tokenizer import gguf_tokenizer
     from eagle.runtime.gguf_weights import load_gguf_model
 
     header = check_gguf(gguf_path)
-    meta = gguf_metadata_dir(gguf_path)
-    config = AutoConfig.from_pretrained(meta)
     # the tokenizer first: building a large one takes a transient few hundred MB, better spent before the weights
-    tokenizer = tokenizer or AutoTokenizer.from_pretrained(meta)
+    tokenizer = tokenizer if tokenizer is not None else gguf_tokenizer(gguf_path)
+    meta = gguf_metadata_dir(gguf_path, tokenizer=tokenizer is None)
+    config = AutoConfig.from_pretrained(meta)
+    if tokenizer is None:
+        from transformers import AutoTokenizer  # its import alone: the tokenizers library, jinja2
+
+        tokenizer = AutoTokenizer.from_pretrained(meta)
     model = load_gguf_model(gguf_path, config, GenerationConfig.from_pretrained(meta), header)
     lean = lean_decoder(model)
     if lean is None:
@@ -319,8 +331,6 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
     ``cuda_graphs``: see ``use_cuda_graphs`` (a given ``Target`` gets them too)."""
     if isinstance(spec, Target):
         return use_cuda_graphs(spec, cuda_graphs)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     dev, dt = default_device_dtype(device, dtype)
     gguf_path = _gguf_file(str(spec))
     if gguf_path is not None and lean and not cuda_graphs and dev.type == "cpu" and dt == torch.float32:
@@ -330,6 +340,8 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
             raise
         except Exception as exc:  # noqa: BLE001 - the GGUF reader raises ValueError, KeyError, struct.error, ...
             raise EagleError(f"cannot read GGUF file {spec}: {type(exc).__name__}: {exc}") from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     location, kwargs = _resolve(str(spec))
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
