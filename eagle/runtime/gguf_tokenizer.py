@@ -61,6 +61,25 @@ class SentencePieceBPE:
         self.all_special_ids = [i for i in (bos_token_id, eos_token_id, unk_token_id, pad_token_id, mask)
                                 if i is not None]
 
+    def _token(self, i: int | None) -> str | None:
+        return None if i is None else self.tokens[i]
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._token(self.eos_token_id)
+
+    @property
+    def pad_token(self) -> str | None:
+        return self._token(self.pad_token_id)
+
+    @property
+    def unk_token(self) -> str | None:
+        return self._token(self.unk_token_id)
+
     def __len__(self) -> int:
         return len(self.tokens)
 

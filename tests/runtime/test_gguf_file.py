@@ -97,3 +97,18 @@ def test_every_accepted_type_has_a_storage_decision():
     assert all(tensor_storage(t) == DEQUANTIZE for t in set(TENSOR_TYPES) - kept)
     with pytest.raises(ValueError, match="IQ2_XXS"):
         tensor_storage("IQ2_XXS")
+
+
+def test_named_long_arrays_are_read_in_full(tmp_path):
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(tmp_path / "v.gguf"), "gemma3")
+    tokens = [f"t{i}" for i in range(100)] + ["▁é", "😀", ""]
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 100 + [4, 3, 6])
+    writer.add_token_scores([float(i) for i in range(103)])
+    write_tensors(writer, {"output_norm.weight": (np.ones(32, np.float32), None)})
+    meta = read_header(tmp_path / "v.gguf", ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type")).metadata
+    assert meta["tokenizer.ggml.tokens"] == tokens
+    assert meta["tokenizer.ggml.token_type"].tolist() == [1] * 100 + [4, 3, 6]
+    assert meta["tokenizer.ggml.scores"] == Skipped(103)

@@ -287,3 +287,28 @@ def test_gemma_greedy_decoding_is_ar_past_the_window(gemma_pair):
         ar = model.generate(ids, method="ar", max_new_tokens=20).token_ids
         assert model.generate(ids, method="eagle-tree", max_new_tokens=20).token_ids == ar
         assert model.generate(ids, method="pld", max_new_tokens=20).token_ids == ar
+
+
+@pytest.mark.parametrize("family, rope", [("llama", None), ("llama", {"rope_type": "linear", "factor": 2.0}),
+                                          ("qwen2", None), ("gemma3_text", None)])
+def test_the_rotary_tables_are_the_bits_of_transformers(family, rope):
+    """``Rotary`` (which spares the loader transformers' modeling imports) gives the cos and sin of the
+    model's own rotary module bit for bit, per Gemma layer type, and Gemma's embedding scale."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eagle.runtime.gguf_weights import Rotary, rotary_and_scale
+
+    extra = {"rope_scaling": rope} if rope else {}
+    if family == "gemma3_text":
+        extra = {"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"]}
+    cfg = AutoConfig.for_model(family, vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, **extra)
+    model = AutoModelForCausalLM.from_config(cfg)
+    rotary, scale = rotary_and_scale(cfg)
+    assert isinstance(rotary, Rotary)
+    assert scale == getattr(model.model.embed_tokens, "scalar_embed_scale", None)
+    positions, x = torch.arange(5000)[None], torch.zeros(1)
+    for layer_type in sorted(set(cfg.layer_types)) if family == "gemma3_text" else [None]:
+        ours = rotary(x, positions, layer_type)
+        theirs = model.model.rotary_emb(x, positions, *([layer_type] if layer_type else []))
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
