@@ -7,7 +7,7 @@ the longer left part; spaces become "▁" (no prefix space); tokens of spaces on
 control tokens (type 3) and user-defined tokens (type 4) are matched whole in the text first. For the
 262,144-token Gemma-3 vocabulary that object holds about 320 MB (514,906 merges). ``SentencePieceBPE``
 tokenizes and detokenizes identically with the vocabulary alone (a merge's rank is computed from the two
-tokens when it is needed), in about 40 MB. ``gguf_tokenizer`` gives it for a file it serves, else None.
+tokens when it is needed), in about 50 MB. ``gguf_tokenizer`` gives it for a file it serves, else None.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ class SentencePieceBPE:
         self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
         self.unk_token_id, self.pad_token_id = unk_token_id, pad_token_id
         self.add_bos, self.add_eos = add_bos, add_eos
+        self.bos_token, self.eos_token, self.unk_token, self.pad_token = (
+            None if i is None else self.tokens[i] for i in (bos_token_id, eos_token_id, unk_token_id, pad_token_id))
         types = [int(t) for t in token_types]
         added = {t: self.vocab[t] for t, kind in zip(tokens, types) if kind == CONTROL and t in self.vocab}
         self.special = frozenset(added)  # skipped by ``decode(skip_special_tokens=True)``
@@ -60,25 +62,6 @@ class SentencePieceBPE:
         mask = self.vocab.get("<mask>")
         self.all_special_ids = [i for i in (bos_token_id, eos_token_id, unk_token_id, pad_token_id, mask)
                                 if i is not None]
-
-    def _token(self, i: int | None) -> str | None:
-        return None if i is None else self.tokens[i]
-
-    @property
-    def bos_token(self) -> str | None:
-        return self._token(self.bos_token_id)
-
-    @property
-    def eos_token(self) -> str | None:
-        return self._token(self.eos_token_id)
-
-    @property
-    def pad_token(self) -> str | None:
-        return self._token(self.pad_token_id)
-
-    @property
-    def unk_token(self) -> str | None:
-        return self._token(self.unk_token_id)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -210,15 +193,22 @@ def _bytes_text(data: bytearray) -> str:
         return "\ufffd" * len(data)
 
 
-def gguf_tokenizer(path: str | Path) -> SentencePieceBPE | None:
-    """The lean tokenizer of GGUF file ``path`` when it has a Gemma SentencePiece vocabulary and no chat
-    template (the template's rendering stays transformers'), else None."""
+def serves(meta: dict) -> bool:
+    """Whether ``SentencePieceBPE`` serves a GGUF file of this metadata: a Gemma SentencePiece vocabulary
+    without a chat template (whose rendering stays transformers')."""
+    return (meta.get("general.architecture") in GEMMA_ARCHITECTURES and meta.get("tokenizer.ggml.model") == "llama"
+            and "tokenizer.chat_template" not in meta and all(key in meta for key in _ARRAYS))
+
+
+def gguf_tokenizer(path: str | Path, header: Any = None) -> SentencePieceBPE | None:
+    """The lean tokenizer of GGUF file ``path`` where it serves the file (``serves``), else None;
+    ``header``: the file's ``GGUFHeader`` when read already (a file not served is then not read again)."""
     from eagle.runtime.gguf_file import read_header
 
+    if header is not None and not serves(header.metadata):
+        return None
     meta = read_header(path, _ARRAYS).metadata
-    if (meta.get("general.architecture") not in GEMMA_ARCHITECTURES or meta.get("tokenizer.ggml.model") != "llama"
-            or "tokenizer.chat_template" in meta or not isinstance(meta.get("tokenizer.ggml.tokens"), list)
-            or "tokenizer.ggml.token_type" not in meta):
+    if not serves(meta) or not isinstance(meta["tokenizer.ggml.tokens"], list):
         return None
     tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
     if len(types) != len(tokens):

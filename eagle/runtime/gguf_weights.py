@@ -450,7 +450,8 @@ class Rotary:
     def serves(cls, config: Any) -> bool:
         params = config.rope_parameters
         if config.model_type == "gemma3_text":
-            return all(params.get(t) is not None and params[t]["rope_type"] in cls.STATIC for t in set(config.layer_types))
+            return all(params.get(t) is not None and params[t]["rope_type"] in cls.STATIC
+                       for t in set(config.layer_types))
         return config.model_type in ("llama", "qwen2") and params["rope_type"] in cls.STATIC
 
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor,

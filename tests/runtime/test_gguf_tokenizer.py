@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from eagle.engine import RoundText
+from eagle.runtime.gguf_file import read_header
 from eagle.runtime.gguf_tokenizer import SentencePieceBPE, gguf_tokenizer
 
 GEMMA_GGUF = Path(os.environ.get("EAGLE_GEMMA_GGUF", "/tmp/gemma/gemma-3-270m-q4_k_m.gguf"))
@@ -129,8 +130,8 @@ def test_files_it_does_not_serve_get_transformers_tokenizer(tmp_path):
     tokens, types = tiny_vocabulary()
     assert gguf_tokenizer(write_tokenizer_gguf(tmp_path / "g.gguf", tokens, types)) is not None
     assert gguf_tokenizer(write_tokenizer_gguf(tmp_path / "l.gguf", tokens, types, arch="llama")) is None
-    assert gguf_tokenizer(write_tokenizer_gguf(tmp_path / "c.gguf", tokens, types,
-                                               chat_template="{{ messages[0]['content'] }}")) is None
+    templated = write_tokenizer_gguf(tmp_path / "c.gguf", tokens, types, chat_template="{{ messages[0]['content'] }}")
+    assert gguf_tokenizer(templated) is None and gguf_tokenizer(templated, read_header(templated)) is None
 
 
 def varied_texts(seed: int = 0, n: int = 300) -> list[str]:
@@ -145,7 +146,8 @@ def varied_texts(seed: int = 0, n: int = 300) -> list[str]:
              "\U0001d518\U0001d51e\U00010348 \ue000\uf8ff \U000e0001", "\x00\x01\x7f\x1b[31m", "a\u200bb\u200dc\ufeff",
              "<start_of_turn>user\nHello<end_of_turn>\n<start_of_turn>model\n", "<bos><eos><pad><mask><unk>",
              "<unused0><unused99>[multimodal]", "<start_of_image>", "▁already▁spelled▁", " \n \n\n  \n",
-             "     five", "x" * 200, "ab" * 50, "\u2581 \u2581  ", "https://example.com/a?b=c&d=e#f", "\"quoted\" 'single'"]
+             "     five", "x" * 200, "ab" * 50, "\u2581 \u2581  ", "https://example.com/a?b=c&d=e#f",
+             "\"quoted\" 'single'"]
     rng = random.Random(seed)
     parts = [t for t in fixed if t] + ["word", " ", "  ", "\n", "\n\n", ".", ",", "😀", "é", "中", "\t", "0", "42"]
     texts = list(fixed)
