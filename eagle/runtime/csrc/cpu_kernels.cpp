@@ -560,7 +560,11 @@ constexpr bool kPanels = true;
 template <int Bits>
 void panels_q(const float*, int64_t, int64_t, const uint8_t*, const void*, bool, int64_t, const float*, float*, bool) {}
 constexpr bool kPanels = false;
+constexpr int kPanel = 3;
+template <int NR>
+void panel_rows(const float*, int64_t, int64_t, const float*, const float*, float*, int64_t) {}
 #endif
+static_assert(kPanel == 3, "panel_rows callers dispatch 1-3 rows of W");
 
 }  // namespace
 
@@ -772,7 +776,7 @@ void decode_row(const uint8_t* __restrict p, int64_t K, float* __restrict out) {
   }
 }
 
-constexpr int64_t kDecodedRows = 12;  // W rows decoded at a time: a multiple of every J
+constexpr int64_t kDecodedRows = 12;  // W rows decoded at a time: a multiple of every J and of kPanel
 
 // Outputs j..j+n of the M rows of x (M <= kPassRows) from W's decoded rows j..j+n (w: row j + b at w + (j + b) K);
 // out's rows are ldo apart.
@@ -798,6 +802,18 @@ void gguf_rows(const float* x, int64_t M, int64_t K, const uint8_t* raw, int64_t
       for (int64_t r = 0; r < n; ++r) {
         for (int64_t b = 0; b < row_bytes; b += 64) prefetch(raw + (j + r + kDecodedRows) * row_bytes + b, true);
         decode_row<Type>(raw + (j + r) * row_bytes, K, buf.data() + r * K);
+      }
+      if (kPanels && M > kPassRows) {  // AVX2: every row of x in one sweep over the buffer (panels_q)
+        for (int64_t r = 0; r < n; r += kPanel) {
+          const float* bp = bias ? bias + j + r : nullptr;
+          const float* w = buf.data() + r * K;
+          switch (std::min<int64_t>(kPanel, n - r)) {
+            case 3: panel_rows<3>(x, M, K, w, bp, out + j + r, ldo); break;
+            case 2: panel_rows<2>(x, M, K, w, bp, out + j + r, ldo); break;
+            default: panel_rows<1>(x, M, K, w, bp, out + j + r, ldo); break;
+          }
+        }
+        continue;
       }
       const float* w = buf.data() - j * K;
       for (int64_t p0 = 0; p0 < M; p0 += kPassRows) {
