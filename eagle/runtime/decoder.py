@@ -119,7 +119,7 @@ class PackedLinear(nn.Module):
     @classmethod
     def from_codes(cls, codes: BlockCodes, bias: torch.Tensor | None = None) -> "PackedLinear":
         """The product of a weight given only by its block codes (a GGUF target's Q4_0, Q4_1, Q8_0 matrices,
-        ``eagle.runtime.gguf_weights``), streamed from them for any number of rows (16 a call), no fp32
+        ``eagle.runtime.gguf_weights``), streamed from them for any number of rows, no fp32
         copy made; where the compiled kernels do not run, ``F.linear`` on the decoded weight."""
         linear = cls.__new__(cls)
         nn.Module.__init__(linear)
@@ -135,11 +135,12 @@ class PackedLinear(nn.Module):
         rows = x.numel() // self.in_features
         if self.stream_op is not None and 0 < rows <= STREAM_MAX_ROWS:
             return self.stream(x.reshape(rows, self.in_features).contiguous()).view(*x.shape[:-1], -1)
-        if self.weight is None:  # codes only (``from_codes``): 16 rows a call
+        if self.weight is None:  # codes only (``from_codes``): as many rows a call as the kernel takes
             flat = x.reshape(rows, self.in_features).contiguous()
             if rows == 0:
                 return flat.new_empty(*x.shape[:-1], self.encoded.codes.shape[0])
-            return torch.cat([self.stream(chunk) for chunk in flat.split(STREAM_MAX_ROWS)]).view(*x.shape[:-1], -1)
+            chunk = cpu_kernels().stream_rows_q if self.encoded is not None else STREAM_MAX_ROWS
+            return torch.cat([self.stream(part) for part in flat.split(chunk)]).view(*x.shape[:-1], -1)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         if rows in self.plain_rows:

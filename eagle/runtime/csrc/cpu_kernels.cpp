@@ -9,7 +9,8 @@
 // and tree verification multiply 1-16 rows by each weight matrix: the time is the weight's trip
 // from memory, and a kernel that reads each 16-float vector of W once and uses it for every row
 // costs about as much for 8 rows as for 1 (in fp32; from 4-bit codes, decoded in the kernel, the
-// multiply-adds bound it past 2 rows, and 9-16 rows take two passes: rows_q). Rows of W are read in
+// multiply-adds bound it past 2 rows, and 9-16 rows take two passes: rows_q; on AVX2, whose registers hold the
+// sums of 4 rows only, 5 or more rows take one pass of panels_q, any number of them). Rows of W are read in
 // order, a few rows are prefetched ahead, and the output range is split among torch's intra-op threads.
 // Every output is summed in one order (16 lanes along k, then the lanes), whatever the number of
 // rows, so a row's result is bit-identical whichever rows are computed with it.
@@ -467,6 +468,104 @@ void rows_q(const float* x, int64_t K, const uint8_t* codes, const void* scales,
   }
 }
 
+#if defined(EAGLE_ISA_AVX2)
+// AVX2: products of more rows than one pass of rows_q serves, in one pass over W. A V is two registers here, so a
+// pass of block_q holds the sums of 4 rows only, and 16 rows took 4 passes, each decoding W again. Instead kPanel
+// rows of W are decoded once into a buffer the first-level cache holds, then met by every row of x, kTile rows at
+// a time. The two halves of a V (lanes 0-7 and 8-15 of every 16 weights) never meet until vsum, so they are summed
+// in two sweeps along k with one register per output each, and twice as many outputs fit the registers. Every lane
+// meets the same products in the same order as in block_q, and vsum adds the halves as there: the same bits.
+constexpr int kPanel = 3, kTile = 4;  // the fastest timed of 2x4, 2x6, 3x4 (docs/performance.md)
+
+// out[i * ldo + b] for the m <= kTile rows of x (K apart) and the n <= kPanel decoded rows of w (K apart).
+template <int MR, int NR>
+void panel_tile(const float* x, int64_t K, const float* w, const float* bias, float* out, int64_t ldo) {
+  __m256 sums[2][MR][NR];
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int b = 0; b < NR; ++b) acc[i][b] = _mm256_setzero_ps();
+    for (int64_t k = 8 * h; k < K; k += 16) {
+      __m256 wv[NR];
+      for (int b = 0; b < NR; ++b) wv[b] = _mm256_loadu_ps(w + b * K + k);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xv = _mm256_loadu_ps(x + i * K + k);
+        for (int b = 0; b < NR; ++b) acc[i][b] = _mm256_fmadd_ps(xv, wv[b], acc[i][b]);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int b = 0; b < NR; ++b) sums[h][i][b] = acc[i][b];
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int b = 0; b < NR; ++b) out[i * ldo + b] = vsum(V{sums[0][i][b], sums[1][i][b]}) + (bias ? bias[b] : 0.0f);
+}
+
+template <int NR>
+void panel_rows(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* out, int64_t ldo) {
+  int64_t i = 0;
+  for (; i + kTile <= M; i += kTile) panel_tile<kTile, NR>(x + i * K, K, w, bias, out + i * ldo, ldo);
+  switch (M - i) {
+    case 0: break;
+    case 1: panel_tile<1, NR>(x + i * K, K, w, bias, out + i * ldo, ldo); break;
+    case 2: panel_tile<2, NR>(x + i * K, K, w, bias, out + i * ldo, ldo); break;
+    case 3: panel_tile<3, NR>(x + i * K, K, w, bias, out + i * ldo, ldo); break;
+    case 4: panel_tile<4, NR>(x + i * K, K, w, bias, out + i * ldo, ldo); break;
+    default: panel_tile<5, NR>(x + i * K, K, w, bias, out + i * ldo, ldo); break;
+  }
+}
+
+constexpr int64_t kRowBlock = 64;
+
+// out [M, N] = x [M, K] W^T (+ bias) for any M, W as in rows_q (codes [N, K * Bits / 8], scales fp32 or fp16).
+template <int Bits>
+void panels_q(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* scales, bool half, int64_t N,
+              const float* bias, float* out, bool once) {
+  constexpr int64_t kBlockBytes = 32 * Bits / 8;
+  const int64_t row_bytes = K * Bits / 8, blocks = K / 32, row_scales = blocks * kScales<Bits>;
+  if (M > kRowBlock) {  // x's rows in blocks the second-level cache holds, each with its own pass over W
+    for (int64_t i = 0; i < M; i += kRowBlock)
+      panels_q<Bits>(x + i * K, std::min(kRowBlock, M - i), K, codes, scales, half, N, bias, out + i * N, once);
+    return;
+  }
+  at::parallel_for(0, (N + kPanel - 1) / kPanel, 8, [&](int64_t p0, int64_t p1) {
+    std::vector<float> buf(kPanel * K), converted(half ? kPanel * row_scales : 0);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t j = p * kPanel, n = std::min<int64_t>(kPanel, N - j);
+      const float* sp = static_cast<const float*>(scales) + j * row_scales;
+      if (half) {
+        half_to_float(static_cast<const uint16_t*>(scales) + j * row_scales, n * row_scales, converted.data());
+        sp = converted.data();
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        const uint8_t* cp = codes + (j + r) * row_bytes;
+        const uint8_t* ahead = cp + kPanel * kPrefetchRows * row_bytes;
+        float* o = buf.data() + r * K;
+        for (int64_t kb = 0; kb < blocks; ++kb, cp += kBlockBytes, o += 32) {
+          if (kb * kBlockBytes % 64 == 0 && j + r + kPanel * kPrefetchRows < N) prefetch(ahead + kb * kBlockBytes, once);
+          V lo, hi;
+          decode<Bits>(cp, sp + (r * blocks + kb) * kScales<Bits>, lo, hi);
+          vstore(o, lo);
+          vstore(o + 16, hi);
+        }
+      }
+      const float* bp = bias ? bias + j : nullptr;
+      if (n == kPanel) panel_rows<kPanel>(x, M, K, buf.data(), bp, out + j, N);
+      else if (n == 2) panel_rows<2>(x, M, K, buf.data(), bp, out + j, N);
+      else panel_rows<1>(x, M, K, buf.data(), bp, out + j, N);
+    }
+  });
+}
+constexpr bool kPanels = true;
+#else
+template <int Bits>
+void panels_q(const float*, int64_t, int64_t, const uint8_t*, const void*, bool, int64_t, const float*, float*, bool) {}
+constexpr bool kPanels = false;
+constexpr int kPanel = 3;
+template <int NR>
+void panel_rows(const float*, int64_t, int64_t, const float*, const float*, float*, int64_t) {}
+#endif
+static_assert(kPanel == 3, "panel_rows callers dispatch 1-3 rows of W");
+
 }  // namespace
 
 constexpr int64_t kMaxRows = 16;  // eagle.kernels.STREAM_MAX_ROWS
@@ -537,6 +636,11 @@ torch::Tensor stream_linear_q(const torch::Tensor& x, const torch::Tensor& codes
   const void* sp = scales.data_ptr();
   const bool half = scales.dtype() == torch::kHalf;
   float* op = out.data_ptr<float>();
+  if (kPanels && M > kPassRowsQ) {
+    if (bits == 4) panels_q<4>(xp, M, K, cp, sp, half, N, b, op, once);
+    else panels_q<8>(xp, M, K, cp, sp, half, N, b, op, once);
+    return out;
+  }
   for_rows(M, "stream_linear_q", [&](auto m) {
     if (bits == 4) rows_q<4, decltype(m)::value>(xp, K, cp, sp, half, N, b, op, once);
     else rows_q<8, decltype(m)::value>(xp, K, cp, sp, half, N, b, op, once);
@@ -672,7 +776,7 @@ void decode_row(const uint8_t* __restrict p, int64_t K, float* __restrict out) {
   }
 }
 
-constexpr int64_t kDecodedRows = 12;  // W rows decoded at a time: a multiple of every J
+constexpr int64_t kDecodedRows = 12;  // W rows decoded at a time: a multiple of every J and of kPanel
 
 // Outputs j..j+n of the M rows of x (M <= kPassRows) from W's decoded rows j..j+n (w: row j + b at w + (j + b) K);
 // out's rows are ldo apart.
@@ -698,6 +802,18 @@ void gguf_rows(const float* x, int64_t M, int64_t K, const uint8_t* raw, int64_t
       for (int64_t r = 0; r < n; ++r) {
         for (int64_t b = 0; b < row_bytes; b += 64) prefetch(raw + (j + r + kDecodedRows) * row_bytes + b, true);
         decode_row<Type>(raw + (j + r) * row_bytes, K, buf.data() + r * K);
+      }
+      if (kPanels && M > kPassRows) {  // AVX2: every row of x in one sweep over the buffer (panels_q)
+        for (int64_t r = 0; r < n; r += kPanel) {
+          const float* bp = bias ? bias + j + r : nullptr;
+          const float* w = buf.data() + r * K;
+          switch (std::min<int64_t>(kPanel, n - r)) {
+            case 3: panel_rows<3>(x, M, K, w, bp, out + j + r, ldo); break;
+            case 2: panel_rows<2>(x, M, K, w, bp, out + j + r, ldo); break;
+            default: panel_rows<1>(x, M, K, w, bp, out + j + r, ldo); break;
+          }
+        }
+        continue;
       }
       const float* w = buf.data() - j * K;
       for (int64_t p0 = 0; p0 < M; p0 += kPassRows) {
@@ -1168,6 +1284,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = kIsa;
   m.def("stream_linear", &stream_linear, "y = x W^T (+ b), fp32, 1-16 rows, W streamed once", py::arg("x"),
         py::arg("w"), py::arg("bias"), py::arg("once") = false);
+  m.attr("stream_rows_q") = kPanels ? int64_t(1) << 40 : kMaxRows;
   m.def("stream_linear_q", &stream_linear_q, "stream_linear with W as exact block codes and scales: the same bits",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("bias"), py::arg("once") = false);
   m.def("stream_linear_gguf", &stream_linear_gguf, "stream_linear with W as its GGUF rows (GGML type): the bits of "
