@@ -114,9 +114,12 @@ def run_level(base: str, bodies: list[dict], concurrency: int, api_key: str | No
 
 def check(records: list[dict], references: list[dict]) -> list[dict]:
     """Answers that differ from the same request decoded alone: ``kind`` "lost" (an error or no text
-    where the reference has some), "cut" (a strict prefix of it), or "mixed" (anything else)."""
+    where the reference has some), "cut" (a strict prefix of it), or "mixed" (anything else).
+    Request i's reference is ``references[i % len(references)]`` (a level may send the prompts more
+    than once, ``level_bodies``)."""
     bad = []
-    for i, (r, ref) in enumerate(zip(records, references)):
+    for i, r in enumerate(records):
+        ref = references[i % len(references)]
         if r["error"] is None and r["text"] == ref["text"] and r["finish"] == ref["finish"]:
             continue
         if r["error"] is not None or (not r["text"] and ref["text"]):
@@ -183,16 +186,30 @@ def bodies_for(prompts: list[dict], method: str, max_tokens: int, temperature: f
     return out
 
 
+def level_bodies(bodies: list[dict], concurrency: int, per_client: int | None) -> list[dict]:
+    """What a level of ``concurrency`` clients sends: every body once (``per_client`` None), or
+    ``concurrency * per_client`` requests taking the bodies in turn, from the first again when
+    they run out (so each client is busy however few the prompts)."""
+    if per_client is None:
+        return list(bodies)
+    return [bodies[i % len(bodies)] for i in range(concurrency * per_client)]
+
+
 def run_load(base: str, prompts: list[dict], methods: list[str], levels: list[int], max_tokens: int,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-             warmup: int = 0, api_key: str | None = None, log: Any = print) -> list[dict]:
+             warmup: int = 0, api_key: str | None = None, log: Any = print,
+             per_client: int | None = None) -> list[dict]:
     """Per method: ``warmup`` requests (not counted), the requests alone (one client: the reference),
-    then each level of ``levels`` above 1. Greedy answers are checked against the reference (a
-    seeded sampled one too: it repeats); returns the report's rows."""
+    then each level of ``levels`` above 1, sending ``level_bodies(..., per_client)``. The reference
+    sends each distinct prompt the levels use once (all of them with ``per_client`` None, else the
+    first ``max(levels) * per_client``); it is the one-client row. Greedy answers are checked against
+    it (a seeded sampled one too: it repeats); returns the report's rows."""
     rows = []
     checked = temperature == 0 or seed is not None
     for method in methods:
         bodies = bodies_for(prompts, method, max_tokens, temperature, top_p, top_k, seed)
+        if per_client is not None:
+            bodies = bodies[:max(levels) * per_client]
         if warmup:
             run_level(base, bodies[:warmup], 1, api_key)
         references, wall = run_level(base, bodies, 1, api_key)
@@ -204,7 +221,7 @@ def run_load(base: str, prompts: list[dict], methods: list[str], levels: list[in
         for level in levels:
             if level == 1:
                 continue
-            records, wall = run_level(base, bodies, level, api_key)
+            records, wall = run_level(base, level_bodies(bodies, level, per_client), level, api_key)
             rows.append(summarize_level(method, level, records, wall, check(records, references) if checked else None))
             log(markdown(rows[-1:]).splitlines()[-1])
     return rows
