@@ -72,6 +72,7 @@ def test_a_run_against_the_server_finds_every_answer_intact(model):
     for r in rows:
         assert (r["requests"], r["errors"], r["mismatches"], r["tokens"]) == (5, 0, 0, 60)
         assert r["tokens_per_second"] > 0 and r["ttft_s"]["p50"] > 0 and r["tpot_s"]["p99"] > 0
+        assert r["load_average"] is None or r["load_average"] >= 0
     # the batched engine sizes trees from the load: on this random drafter it may draft nothing
     assert rows[0]["mean_accepted_length"] >= 1.0 and rows[2]["mean_accepted_length"] == 1.0
 
