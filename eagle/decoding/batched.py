@@ -37,8 +37,10 @@ from eagle.runtime.kernels import STREAM_MAX_ROWS
 from eagle.runtime.segments import segment_forward
 
 MAX_TREE = 16  # the most tree nodes (root included) a sequence verifies when total_tokens is "auto"
-# a method's drafting time, as ``load_sizing`` believes it, shrinks by this factor for each sequence
-# that skips drafting, so one slow measurement (a first call, a busy machine) cannot stop drafting for good
+# a method's drafting time, as ``load_sizing`` believes it, shrinks by this factor for each round in which
+# its sequences draft nothing, so one slow measurement (a first call, a busy machine) cannot stop drafting
+# for good. Per round, not per sequence: faded per sequence, a batch of 64 lost three quarters of the
+# estimate each round and went back to drafting every few rounds, for rows that did not pay
 DRAFT_FADE = 0.98
 
 
@@ -275,8 +277,10 @@ class BatchedEngine:
         return total if isinstance(total, int) else self.max_tree
 
     def _propose(self, live: list[_Sequence], sizes: list[int]) -> list[_Round]:
-        """Each sequence's draft tree (at most ``sizes`` nodes, no deeper than its room)."""
-        rounds, start = [], 0
+        """Each sequence's draft tree (at most ``sizes`` nodes, no deeper than its room); each method's
+        drafting time is updated from its sequences that drafted, or fades once (``DRAFT_FADE``)
+        when none did."""
+        rounds, start, drafted = [], 0, set()
         for seq, size in zip(live, sizes):
             past = len(seq.ids) - 1
             began = time.perf_counter()
@@ -287,10 +291,12 @@ class BatchedEngine:
                 spent = time.perf_counter() - began
                 before = self._draft_seconds.get(method)
                 self._draft_seconds[method] = spent if before is None else before + AVERAGING * (spent - before)
-            elif method in self._draft_seconds:  # not drafting: the estimate fades, so a slow spell is retried
-                self._draft_seconds[method] *= DRAFT_FADE
+                drafted.add(method)
             rounds.append(_Round(seq, proposal, tree_attention(proposal.tree.parents), past, start))
             start += proposal.tree.size
+        for method in {seq.options.method for seq in live} - drafted:  # the estimate fades: a slow spell is retried
+            if method in self._draft_seconds:
+                self._draft_seconds[method] *= DRAFT_FADE
         return rounds
 
     def _verify(self, rounds: list[_Round]) -> torch.Tensor:

@@ -288,6 +288,21 @@ def test_load_sizing_gives_batched_ar_when_rows_are_dear(model):
     assert all(set(r.accept_lengths) == {1} for r in results)
 
 
+def test_drafting_time_fades_once_per_round_whatever_the_batch(model):
+    """Rows too dear to draft: each round without a draft fades a method's drafting time once
+    (``DRAFT_FADE``), for 1 sequence or 6, so a large batch does not go back to drafting sooner."""
+    from eagle.decoding.batched import DRAFT_FADE
+
+    for batch in (1, 6):
+        engine = BatchedEngine(model, max_batch=batch, row_seconds=[float(2 ** n) for n in range(40)])
+        for i, ids in enumerate(prompts(batch, seed=5)):
+            engine.add(i, ids, RequestOptions(method="eagle-tree", max_new_tokens=20))
+        engine._draft_seconds["eagle-tree"] = 1.0
+        for rounds in range(1, 4):
+            assert all(e.stats.tree_size == 1 for e in engine.step())
+            assert engine._draft_seconds["eagle-tree"] == pytest.approx(DRAFT_FADE ** rounds), batch
+
+
 @pytest.mark.slow
 def test_batched_sampling_keeps_the_target_distribution_and_the_check_has_teeth(monkeypatch):
     """First 3 tokens of 2000 sampled eagle-tree requests of one prompt, decoded 8 at a time beside
