@@ -389,6 +389,10 @@ def build_parser() -> Parser:
                    help="run the load test instead: streamed chat requests over the prompts from N concurrent clients "
                         "per level (e.g. 1,4,16), every answer checked against the request decoded alone (--methods "
                         "default: ar,pld,eagle-tree)")
+    g.add_argument("--requests-per-client", type=int, metavar="K",
+                   help="each level of N clients sends N * K requests, taking the prompts in turn (again from the "
+                        "first when they run out); the one-client reference sends each prompt used once (default: "
+                        "every level sends every prompt once)")
     g.add_argument("--url", help="the eagle-serve to load (default: one started in this process with the model options)")
     g.add_argument("--api-key", help="the Bearer token of the server at --url")
     g.add_argument("--max-batch", type=int, default=1,
@@ -510,7 +514,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = first_per_category(read_prompts(args.prompts), args.per_category)[: args.limit]
     if args.concurrency is not None:
         return load_test(args, argv, methods, prompts)
-    for flag in ("--url", "--api-key", "--max-batch"):
+    for flag in ("--url", "--api-key", "--max-batch", "--requests-per-client"):
         if flag in given_flags(build_parser(), args, [flag]):
             raise EagleError(f"{flag} is an option of the load test: give --concurrency too")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
@@ -553,6 +557,8 @@ def load_test(args: Any, argv: list[str], methods: list[str], prompts: list[dict
             raise EagleError(f"{flag} is for llama.cpp methods, which the load test does not run")
     if args.max_batch < 1:
         raise EagleError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.requests_per_client is not None and args.requests_per_client < 1:
+        raise EagleError(f"--requests-per-client must be >= 1, got {args.requests_per_client}")
     if args.json:
         check_writable(args.json, "--json")
     parser = build_parser()
@@ -587,7 +593,8 @@ def load_test(args: Any, argv: list[str], methods: list[str], prompts: list[dict
         print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
         rows = lt.run_load(base, prompts, methods, levels, args.max_new_tokens, args.temperature, args.top_p,
                            args.top_k, args.seed, warmup=min(args.warmup, len(prompts)),
-                           api_key=args.api_key if args.url else None, log=lambda line: print(line, flush=True))
+                           api_key=args.api_key if args.url else None, log=lambda line: print(line, flush=True),
+                           per_client=args.requests_per_client)
     print()
     print(lt.markdown(rows), end="", flush=True)
     bad = [r for r in rows if r["errors"] or r["mismatches"]]

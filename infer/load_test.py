@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import os
 import threading
 import time
 import urllib.parse
@@ -114,9 +115,12 @@ def run_level(base: str, bodies: list[dict], concurrency: int, api_key: str | No
 
 def check(records: list[dict], references: list[dict]) -> list[dict]:
     """Answers that differ from the same request decoded alone: ``kind`` "lost" (an error or no text
-    where the reference has some), "cut" (a strict prefix of it), or "mixed" (anything else)."""
+    where the reference has some), "cut" (a strict prefix of it), or "mixed" (anything else).
+    Request i's reference is ``references[i % len(references)]`` (a level may send the prompts more
+    than once, ``level_bodies``)."""
     bad = []
-    for i, (r, ref) in enumerate(zip(records, references)):
+    for i, r in enumerate(records):
+        ref = references[i % len(references)]
         if r["error"] is None and r["text"] == ref["text"] and r["finish"] == ref["finish"]:
             continue
         if r["error"] is not None or (not r["text"] and ref["text"]):
@@ -183,31 +187,53 @@ def bodies_for(prompts: list[dict], method: str, max_tokens: int, temperature: f
     return out
 
 
+def level_bodies(bodies: list[dict], concurrency: int, per_client: int | None) -> list[dict]:
+    """What a level of ``concurrency`` clients sends: every body once (``per_client`` None), or
+    ``concurrency * per_client`` requests taking the bodies in turn, from the first again when
+    they run out (so each client is busy however few the prompts)."""
+    if per_client is None:
+        return list(bodies)
+    return [bodies[i % len(bodies)] for i in range(concurrency * per_client)]
+
+
 def run_load(base: str, prompts: list[dict], methods: list[str], levels: list[int], max_tokens: int,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-             warmup: int = 0, api_key: str | None = None, log: Any = print) -> list[dict]:
-    """Per method: ``warmup`` requests (not counted), the requests alone (one client: the reference),
-    then each level of ``levels`` above 1. Greedy answers are checked against the reference (a
-    seeded sampled one too: it repeats); returns the report's rows."""
-    rows = []
+             warmup: int = 0, api_key: str | None = None, log: Any = print,
+             per_client: int | None = None) -> list[dict]:
+    """Per method: ``warmup`` requests (not counted) and the requests alone (one client: the
+    reference); then per level of ``levels`` above 1, each method in turn (so the methods of a
+    level run close together in time, on a machine whose load changes), sending
+    ``level_bodies(..., per_client)``. The reference sends each distinct prompt the levels use once
+    (all of them with ``per_client`` None, else the first ``max(levels) * per_client``); it is the
+    one-client row. Greedy answers are checked against it (a seeded sampled one too: it repeats).
+    Returns the report's rows, by method then level; each has ``load_average``, the machine's
+    1-minute load average when its level ended (``os.getloadavg``; None where there is none)."""
+    rows: dict[tuple[str, int], dict] = {}
     checked = temperature == 0 or seed is not None
+    bodies, references = {}, {}
+
+    def add(method: str, level: int, records: list[dict], wall: float, bad: list[dict]) -> None:
+        row = summarize_level(method, level, records, wall, bad if checked else None)
+        row["load_average"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+        rows[method, level] = row
+        log(markdown([row]).splitlines()[-1])
+
     for method in methods:
-        bodies = bodies_for(prompts, method, max_tokens, temperature, top_p, top_k, seed)
+        bodies[method] = bodies_for(prompts, method, max_tokens, temperature, top_p, top_k, seed)
+        if per_client is not None:
+            bodies[method] = bodies[method][:max(levels) * per_client]
         if warmup:
-            run_level(base, bodies[:warmup], 1, api_key)
-        references, wall = run_level(base, bodies, 1, api_key)
+            run_level(base, bodies[method][:warmup], 1, api_key)
+        references[method], wall = run_level(base, bodies[method], 1, api_key)
         if 1 in levels:
-            ref_bad = [{"request": i, "kind": "lost", "error": r["error"], "got": "", "expected": ""}
-                       for i, r in enumerate(references) if r["error"] is not None]
-            rows.append(summarize_level(method, 1, references, wall, ref_bad if checked else None))
-            log(markdown(rows[-1:]).splitlines()[-1])
-        for level in levels:
-            if level == 1:
-                continue
-            records, wall = run_level(base, bodies, level, api_key)
-            rows.append(summarize_level(method, level, records, wall, check(records, references) if checked else None))
-            log(markdown(rows[-1:]).splitlines()[-1])
-    return rows
+            add(method, 1, references[method], wall,
+                [{"request": i, "kind": "lost", "error": r["error"], "got": "", "expected": ""}
+                 for i, r in enumerate(references[method]) if r["error"] is not None])
+    for level in levels:
+        for method in methods if level > 1 else ():
+            records, wall = run_level(base, level_bodies(bodies[method], level, per_client), level, api_key)
+            add(method, level, records, wall, check(records, references[method]))
+    return [rows[m, level] for m in methods for level in levels]
 
 
 class LocalServer:

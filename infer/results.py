@@ -1,7 +1,8 @@
 """``eagle-results``: the results page (Markdown) from ``eagle-bench --json`` reports.
 
 Each report becomes one section: its title (from a ``title`` key beside the JSON's ``config``, else
-the file name), the exact command, the machine and date, and ``eagle-bench``'s own tables. The page
+the file name), the exact command, the machine and date, and ``eagle-bench``'s own tables (a load
+test's, ``eagle-bench --concurrency``, for a report of ``kind`` "load-test"). The page
 is regenerated whole from the JSON files, never edited by hand: ``make results``."""
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ PROG = "eagle-results"
 
 def section(report: dict, source: str) -> str:
     """One bench report -> a Markdown section."""
+    load = isinstance(report, dict) and report.get("kind") == "load-test"  # eagle-bench --concurrency
     try:
-        cfg, mach, summary = report["config"], report["machine"], report["methods"]
+        cfg, mach, summary = report["config"], report["machine"], report["results" if load else "methods"]
     except (KeyError, TypeError):
         raise EagleError(f"{source}: not an eagle-bench --json report (needs config, machine, methods)") from None
     title = report.get("title") or Path(source).stem
@@ -38,8 +40,14 @@ def section(report: dict, source: str) -> str:
              f"Machine: {machine}. Date: {mach.get('date', 'not recorded')}. {report.get('prompts')} prompts, "
              f"{cfg.get('max_new_tokens')} new tokens, " + ("greedy" if not temp else f"temperature {temp:g}")
              + f". Data: `{source}`.", ""]
+    if load:
+        lines[-2] += f" Load test of eagle-serve ({mach.get('server', 'at --url')})."
     if report.get("note"):
         lines += [report["note"], ""]
+    if load:
+        from infer.load_test import markdown as load_markdown
+
+        return "\n".join(lines) + "\n" + load_markdown(summary)
     return "\n".join(lines) + "\n" + markdown(summary)
 
 

@@ -186,7 +186,6 @@ class BatchedBackend:
         if capacity < 1:
             raise EagleError(f"max_batch must be >= 1, got {capacity}")
         self.engine, self.capacity = BatchedEngine(model, max_batch=capacity), capacity
-        self.keys: set[int] = set()
 
     def add(self, admission: Admission) -> None:
         from eagle.decoding.batched import RequestOptions
@@ -195,23 +194,16 @@ class BatchedBackend:
         self.engine.add(a.key, list(a.ids), RequestOptions(
             method=a.method, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
             top_k=a.top_k, seed=a.seed))
-        self.keys.add(a.key)
 
     def step(self) -> list[Progress]:
-        out = []
-        for e in self.engine.step():
-            if e.finished:
-                self.keys.discard(e.request_id)
-            out.append(Progress(e.request_id, list(e.new_token_ids), (e.stop_reason or "eos") if e.finished else None))
-        return out
+        return [Progress(e.request_id, list(e.new_token_ids), (e.stop_reason or "eos") if e.finished else None)
+                for e in self.engine.step()]
 
     def cancel(self, key: int) -> None:
         self.engine.cancel(key)
-        self.keys.discard(key)
 
     def close(self) -> None:
-        for key in list(self.keys):
-            self.cancel(key)
+        self.engine.close()
 
 
 # ---------------------------------------------------------------- metrics

@@ -12,7 +12,7 @@ Tree sizes come from the load (``load_sizing``): rows are handed out across the 
 ``batch_tree_sizes`` from the measured cost of a target forward at the batch's row count
 (``cost_curve``) and each method's acceptance per draft rank (``RankRates``).
 
-Not thread-safe: call ``add``, ``cancel`` and ``step`` from one thread (or under one lock)."""
+Not thread-safe: call ``add``, ``cancel``, ``close`` and ``step`` from one thread (or under one lock)."""
 
 from __future__ import annotations
 
@@ -37,8 +37,10 @@ from eagle.runtime.kernels import STREAM_MAX_ROWS
 from eagle.runtime.segments import segment_forward
 
 MAX_TREE = 16  # the most tree nodes (root included) a sequence verifies when total_tokens is "auto"
-# a method's drafting time, as ``load_sizing`` believes it, shrinks by this factor for each sequence
-# that skips drafting, so one slow measurement (a first call, a busy machine) cannot stop drafting for good
+# a method's drafting time, as ``load_sizing`` believes it, shrinks by this factor for each round in which
+# its sequences draft nothing, so one slow measurement (a first call, a busy machine) cannot stop drafting
+# for good. Per round, not per sequence: faded per sequence, a batch of 64 lost three quarters of the
+# estimate each round and went back to drafting every few rounds, for rows that did not pay
 DRAFT_FADE = 0.98
 
 
@@ -175,6 +177,12 @@ class BatchedEngine:
         """Requests waiting for a place in the batch."""
         return len(self._queue)
 
+    @property
+    def request_ids(self) -> list[Hashable]:
+        """The requests in the engine: the running ones (in the order they joined the batch), then
+        the queued ones (in the order they will join)."""
+        return [*self._active, *self._queue]
+
     def __contains__(self, request_id: Hashable) -> bool:
         return request_id in self._active or request_id in self._queue
 
@@ -199,6 +207,13 @@ class BatchedEngine:
         """Drop a queued or running request (its cache is freed; no more events come for it).
         Returns whether it was there."""
         return self._queue.pop(request_id, None) is not None or self._active.pop(request_id, None) is not None
+
+    def close(self) -> None:
+        """Drop every request, queued or running, as ``cancel`` does each (no more events come for
+        them). What the engine learned (acceptance per rank, drafting times, the cost curve) stays:
+        it can take new requests afterwards."""
+        self._queue.clear()
+        self._active.clear()
 
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
@@ -232,19 +247,22 @@ class BatchedEngine:
 
     def _tree_sizes(self, live: list[_Sequence]) -> list[int]:
         """Each sequence's most tree nodes this round (``batch_tree_sizes``; without ``load_sizing``
-        as many as its method allows). A seeded sampled sequence always gets its method's whole tree:
-        its draws then do not depend on the load, so it repeats what it gives alone."""
+        as many as its method allows). A seeded sampled sequence always gets its method's whole tree
+        (``fixed`` for ``batch_tree_sizes``, so the others' rows are sized around it): its draws
+        then do not depend on the load, so it repeats what it gives alone."""
         if not self.load_sizing:
             return [self.target.max_context] * len(live)
+        max_context = self.target.max_context
         gains = [self._rates[s.options.method].gains(self._most_nodes(s) - 1)
-                 if s.room(self.target.max_context) > 1 else [] for s in live]  # room for one token: no draft
+                 if s.room(max_context) > 1 else [] for s in live]  # room for one token: no draft
+        fixed = [(self._most_nodes(s) if s.room(max_context) > 1 else 1)
+                 if s.options.seed is not None and s.options.temperature > 0 else None for s in live]
         rows = len(live) + sum(len(g) for g in gains)
         if len(self._seconds) < rows and not self._fixed_seconds:
             curve = cost_curve(self.target, greedy=True)
             self._seconds = [curve.at(n) for n in range(1, max(rows, 2 * len(self._seconds)) + 1)]
-        sizes = batch_tree_sizes(self._seconds, gains, [self._draft_seconds.get(s.options.method, 0.0) for s in live])
-        return [self._most_nodes(s) if s.options.seed is not None and s.options.temperature > 0 else n
-                for s, n in zip(live, sizes)]
+        return batch_tree_sizes(self._seconds, gains,
+                                [self._draft_seconds.get(s.options.method, 0.0) for s in live], fixed)
 
     def _most_nodes(self, seq: _Sequence) -> int:
         """The largest tree (root included) the sequence's method proposes."""
@@ -259,8 +277,10 @@ class BatchedEngine:
         return total if isinstance(total, int) else self.max_tree
 
     def _propose(self, live: list[_Sequence], sizes: list[int]) -> list[_Round]:
-        """Each sequence's draft tree (at most ``sizes`` nodes, no deeper than its room)."""
-        rounds, start = [], 0
+        """Each sequence's draft tree (at most ``sizes`` nodes, no deeper than its room); each method's
+        drafting time is updated from its sequences that drafted, or fades once (``DRAFT_FADE``)
+        when none did."""
+        rounds, start, drafted = [], 0, set()
         for seq, size in zip(live, sizes):
             past = len(seq.ids) - 1
             began = time.perf_counter()
@@ -271,10 +291,12 @@ class BatchedEngine:
                 spent = time.perf_counter() - began
                 before = self._draft_seconds.get(method)
                 self._draft_seconds[method] = spent if before is None else before + AVERAGING * (spent - before)
-            elif method in self._draft_seconds:  # not drafting: the estimate fades, so a slow spell is retried
-                self._draft_seconds[method] *= DRAFT_FADE
+                drafted.add(method)
             rounds.append(_Round(seq, proposal, tree_attention(proposal.tree.parents), past, start))
             start += proposal.tree.size
+        for method in {seq.options.method for seq in live} - drafted:  # the estimate fades: a slow spell is retried
+            if method in self._draft_seconds:
+                self._draft_seconds[method] *= DRAFT_FADE
         return rounds
 
     def _verify(self, rounds: list[_Round]) -> torch.Tensor:

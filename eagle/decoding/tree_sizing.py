@@ -294,7 +294,7 @@ def cost_curve(target: Target, greedy: bool = False) -> CostCurve:
 
 
 def batch_tree_sizes(seconds: Sequence[float], gains: Sequence[Sequence[float]],
-                     draft_seconds: Sequence[float]) -> list[int]:
+                     draft_seconds: Sequence[float], fixed: Sequence[int | None] | None = None) -> list[int]:
     """Each sequence's tree size (root included) for one round of a batch verified in one target
     forward: draft rows handed out best gain first across the batch, as many as give the most
     expected tokens per second, (B + kept gains) / (drafting + seconds[B + kept rows - 1]).
@@ -302,18 +302,29 @@ def batch_tree_sizes(seconds: Sequence[float], gains: Sequence[Sequence[float]],
     ``seconds`` [S]: a target forward's cost for 1 .. S rows (``CostCurve.at``); ``gains[b]`` [M_b]:
     the expected accepted tokens of sequence b's best, second best, ... draft (non-increasing;
     empty: it cannot draft); ``draft_seconds`` [B]: what drafting costs sequence b, paid only
-    when its tree has a draft. Rows past S are never handed out. Returns [B] sizes >= 1; all ones
-    (batched ``ar``) when no draft pays for its rows, so the expected rate is never below it.
-    The larger the batch, the dearer its rows (a forward stops being bound by reading the weights
-    once it computes enough rows): trees shrink as it grows."""
+    when its tree has a draft; ``fixed`` [B] (None: none): a size sequence b must have (a seeded
+    sampled request, whose draws must not depend on the load), or None to size it here. A fixed
+    tree's rows, drafting and gains (its first ``fixed[b] - 1``) are the round's from the start, so
+    the other sequences get rows only where they pay on top of it. Rows past S are never handed
+    out. Returns [B] sizes >= 1; the sized ones all ones (batched ``ar`` beside the fixed trees)
+    when no draft pays for its rows, so the expected rate is never below that. The larger the
+    batch, the dearer its rows (a forward stops being bound by reading the weights once it
+    computes enough rows): trees shrink as it grows."""
     batch = len(gains)
-    if batch > len(seconds):
-        return [1] * batch
-    order = sorted(((g, b) for b, row in enumerate(gains) for g in row), key=lambda gb: (-gb[0], gb[1]))
-    sizes, best_sizes = [1] * batch, [1] * batch
-    expected, drafting = float(batch), 0.0
-    best = expected / seconds[batch - 1]
-    for rows, (gain, b) in enumerate(order, start=batch + 1):
+    fixed = list(fixed) if fixed is not None else [None] * batch
+    if len(fixed) != batch or len(draft_seconds) != batch:
+        raise ValueError(f"gains, draft_seconds and fixed must have one entry per sequence, got "
+                         f"{batch}, {len(draft_seconds)}, {len(fixed)}")
+    sizes = [1 if n is None else max(1, n) for n in fixed]
+    base = sum(sizes)
+    if base > len(seconds):
+        return sizes
+    expected = batch + sum(sum(gains[b][:n - 1]) for b, n in enumerate(sizes))
+    drafting = sum(draft_seconds[b] for b, n in enumerate(sizes) if n > 1)
+    order = sorted(((g, b) for b, row in enumerate(gains) if fixed[b] is None for g in row),
+                   key=lambda gb: (-gb[0], gb[1]))
+    best_sizes, best = list(sizes), expected / (drafting + seconds[base - 1])
+    for rows, (gain, b) in enumerate(order, start=base + 1):
         if rows > len(seconds):
             break
         if sizes[b] == 1:

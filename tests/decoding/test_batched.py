@@ -21,6 +21,7 @@ from tests.conftest import prompts, tiny_drafter, tiny_target
 METHODS = ("ar", "pld", "sd", "eagle-chain", "eagle-tree")
 CHEAP = [1.0] * 64  # a forward costs the same for 1-64 rows: every draft pays
 STEP = [1.0] * 8 + [4.0] * 56  # 8 rows for the price of one, then dear: a full batch drafts a little
+RISING = [1.0] * 8 + [4.0 + n for n in range(1, 57)]  # 8 rows for the price of one, then each row dear
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +185,93 @@ def test_tree_sizes_never_expect_less_than_batched_ar():
         assert (b + kept) / (drafting + seconds[sum(sizes) - 1]) >= b / seconds[b - 1]
 
 
+def best_rate_by_brute_force(seconds: list[float], gains: list[list[float]], fixed: list) -> float:
+    """The highest (B + kept gains) / seconds[rows - 1] over every choice of draft prefixes for the
+    sequences not fixed (no drafting cost), the fixed ones at their sizes."""
+    import itertools
+
+    choices = [range(len(g) + 1) if f is None else [f - 1] for g, f in zip(gains, fixed)]
+    best = 0.0
+    for drafts in itertools.product(*choices):
+        rows = len(gains) + sum(drafts)
+        if rows <= len(seconds):
+            best = max(best, (len(gains) + sum(sum(g[:d]) for g, d in zip(gains, drafts))) / seconds[rows - 1])
+    return best
+
+
+def test_fixed_tree_sizes_are_kept_and_the_others_sized_around_them():
+    """A fixed sequence (a seeded sampled one) keeps its size and its rows count: with 8 cheap rows
+    and four sequences, one pinned at 6 nodes leaves no cheap row for the others (all ones), where
+    unpinned they share the rows; rows too dear or past the curve never shrink a pinned tree. Every
+    result is the best rate a brute-force search over the other sequences' sizes finds."""
+    seconds = RISING[:24]
+    gains = [[0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]] * 4
+    assert sum(batch_tree_sizes(seconds, gains, [0.0] * 4)) == 8
+    assert batch_tree_sizes(seconds, gains, [0.0] * 4, [6, None, None, None]) == [6, 1, 1, 1]
+    assert batch_tree_sizes(seconds, gains, [0.0] * 4, [3, None, 2, None]) == [3, 2, 2, 1]
+    assert batch_tree_sizes(seconds, gains, [9.0] * 4, [3, None, None, None]) == [3, 1, 1, 1]
+    assert batch_tree_sizes(seconds[:4], gains, [0.0] * 4, [8, None, None, None]) == [8, 1, 1, 1]
+    assert batch_tree_sizes(seconds, [[], [0.9]], [0.0] * 2, [1, None]) == [1, 2]
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        batch_tree_sizes(seconds, gains, [0.0] * 4, [None])
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        b = int(torch.randint(1, 5, (1,), generator=generator))
+        gains = [sorted(torch.rand(int(torch.randint(0, 4, (1,), generator=generator)), generator=generator).tolist(),
+                        reverse=True) for _ in range(b)]
+        fixed = [len(g) + 1 if torch.rand(1, generator=generator) < 0.4 else None for g in gains]
+        cost = torch.cumsum(torch.rand(14, generator=generator) * 0.4, 0) + 1
+        seconds = cost.tolist()
+        sizes = batch_tree_sizes(seconds, gains, [0.0] * b, fixed)
+        assert all(f is None or n == f for n, f in zip(sizes, fixed))
+        rate = (b + sum(sum(g[:n - 1]) for g, n in zip(gains, sizes))) / seconds[sum(sizes) - 1]
+        assert rate == pytest.approx(best_rate_by_brute_force(seconds, gains, fixed))
+
+
+def test_a_seeded_sampled_tree_takes_its_rows_from_the_batchs_budget(model):
+    """8 cheap rows (``RISING``): a seeded sampled eagle-tree request keeps its 8-node tree, which
+    spends them all, so the greedy eagle-tree requests beside it verify their roots alone until it
+    ends; every request still gives what it gives alone."""
+    batch = prompts(3, seed=4)
+    options = [RequestOptions(method="eagle-tree", max_new_tokens=6, temperature=1.0, seed=3)] + [
+        RequestOptions(method="eagle-tree", max_new_tokens=12)] * 2
+    engine = BatchedEngine(model, max_batch=3, row_seconds=RISING)
+    beside, trees = [], {}
+    for i, (ids, opts) in enumerate(zip(batch, options)):
+        engine.add(i, ids, opts)
+    while engine.active or engine.queued:
+        events = engine.step()
+        sizes = {e.request_id: e.stats.tree_size for e in events}
+        if 0 in sizes and not any(e.finished and e.request_id == 0 for e in events):
+            beside += [sizes[i] for i in sizes if i != 0]
+        for e in events:
+            trees.setdefault(e.request_id, []).extend(e.new_token_ids)
+    assert beside and set(beside) == {1}
+    sampled = model.generate(batch[0], method="eagle-tree", max_new_tokens=6, temperature=1.0, seed=3)
+    assert trees[0] == sampled.token_ids
+    for i in (1, 2):
+        assert trees[i] == model.generate(batch[i], method="ar", max_new_tokens=12).token_ids
+
+
+def test_request_ids_and_close(model):
+    """``request_ids`` lists the running requests, then the queued ones; ``close`` drops them all
+    and the engine then serves new requests as before."""
+    engine = BatchedEngine(model, max_batch=2, row_seconds=CHEAP)
+    assert engine.request_ids == []
+    for i in range(4):
+        engine.add(f"r{i}", [3, 4, 5 + i], RequestOptions(method="eagle-tree", max_new_tokens=30))
+    assert engine.request_ids == ["r0", "r1", "r2", "r3"]
+    engine.step()
+    engine.cancel("r0")
+    engine.step()
+    assert engine.request_ids == ["r1", "r2", "r3"] and (engine.active, engine.queued) == (2, 1)
+    engine.close()
+    assert engine.request_ids == [] and (engine.active, engine.queued) == (0, 0) and engine.step() == []
+    assert "r1" not in engine and not engine.cancel("r1")
+    [result] = generate_together(engine, [[3, 4, 6]], RequestOptions(method="eagle-tree", max_new_tokens=8))
+    assert result.token_ids == model.generate([3, 4, 6], method="ar", max_new_tokens=8).token_ids
+
+
 def test_rank_rates_learn_per_rank_and_stay_non_increasing():
     rates = RankRates()
     assert rates.gains(3) == pytest.approx([0.6, 0.48, 0.384])
@@ -198,6 +286,21 @@ def test_load_sizing_gives_batched_ar_when_rows_are_dear(model):
     engine = BatchedEngine(model, max_batch=4, row_seconds=[float(2 ** n) for n in range(40)])
     results = generate_together(engine, prompts(4, seed=3), RequestOptions(method="eagle-tree", max_new_tokens=8))
     assert all(set(r.accept_lengths) == {1} for r in results)
+
+
+def test_drafting_time_fades_once_per_round_whatever_the_batch(model):
+    """Rows too dear to draft: each round without a draft fades a method's drafting time once
+    (``DRAFT_FADE``), for 1 sequence or 6, so a large batch does not go back to drafting sooner."""
+    from eagle.decoding.batched import DRAFT_FADE
+
+    for batch in (1, 6):
+        engine = BatchedEngine(model, max_batch=batch, row_seconds=[float(2 ** n) for n in range(40)])
+        for i, ids in enumerate(prompts(batch, seed=5)):
+            engine.add(i, ids, RequestOptions(method="eagle-tree", max_new_tokens=20))
+        engine._draft_seconds["eagle-tree"] = 1.0
+        for rounds in range(1, 4):
+            assert all(e.stats.tree_size == 1 for e in engine.step())
+            assert engine._draft_seconds["eagle-tree"] == pytest.approx(DRAFT_FADE ** rounds), batch
 
 
 @pytest.mark.slow

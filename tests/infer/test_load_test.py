@@ -42,6 +42,8 @@ def test_check_names_lost_cut_and_mixed_answers():
     bad = lt.check(got, refs)
     assert [(b["request"], b["kind"]) for b in bad] == [(1, "lost"), (2, "cut"), (3, "mixed"), (4, "cut")]
     assert lt.check(refs, refs) == []
+    # a level sending the prompts twice: request i is checked against reference i mod 5
+    assert [b["request"] for b in lt.check(refs + got, refs)] == [6, 7, 8, 9]
 
 
 def test_summary_counts_tokens_errors_and_latencies():
@@ -70,8 +72,20 @@ def test_a_run_against_the_server_finds_every_answer_intact(model):
     for r in rows:
         assert (r["requests"], r["errors"], r["mismatches"], r["tokens"]) == (5, 0, 0, 60)
         assert r["tokens_per_second"] > 0 and r["ttft_s"]["p50"] > 0 and r["tpot_s"]["p99"] > 0
+        assert r["load_average"] is None or r["load_average"] >= 0
     # the batched engine sizes trees from the load: on this random drafter it may draft nothing
     assert rows[0]["mean_accepted_length"] >= 1.0 and rows[2]["mean_accepted_length"] == 1.0
+
+
+def test_levels_send_k_requests_per_client_taking_the_prompts_in_turn(model):
+    """``per_client``: a level of N clients sends N * K requests over the prompts again and again;
+    the reference sends each prompt used once, and every answer is checked against its own."""
+    assert lt.level_bodies(["a", "b", "c"], 4, 2) == ["a", "b", "c", "a", "b", "c", "a", "b"]
+    assert lt.level_bodies(["a", "b", "c"], 4, None) == ["a", "b", "c"]
+    with lt.LocalServer(create_app(model, max_batch=4)) as server:
+        rows = lt.run_load(server.base, PROMPTS, ["ar"], [1, 2, 4], max_tokens=8, per_client=2, log=lambda _: None)
+    assert [(r["concurrency"], r["requests"], r["errors"], r["mismatches"], r["tokens"]) for r in rows] == [
+        (1, 5, 0, 0, 40), (2, 4, 0, 0, 32), (4, 8, 0, 0, 64)]
 
 
 class Swapping(SerialBackend):
@@ -113,7 +127,9 @@ def test_bench_load_test_command_line(tmp_path, capsys):
             (["--concurrency", "two"], "--concurrency must be a comma list"),
             (["--concurrency", "1", "--methods", "hf,ar"], "the load test runs methods eagle-serve serves"),
             (["--concurrency", "1", "--methods", "eagle-tree@eagle3"], "not eagle-tree@eagle3"),
-            (["--concurrency", "1", "--max-batch", "0"], "--max-batch must be >= 1")]:
+            (["--concurrency", "1", "--max-batch", "0"], "--max-batch must be >= 1"),
+            (["--requests-per-client", "2"], "--requests-per-client is an option of the load test"),
+            (["--concurrency", "1", "--requests-per-client", "0"], "--requests-per-client must be >= 1")]:
         assert bench_main(base + argv) == 2, argv
         assert message in capsys.readouterr().err
 

@@ -57,3 +57,20 @@ def test_a_gpu_section_says_its_graph_captures_and_fallbacks():
     gpu["machine"]["graph_fallbacks"] = 3
     assert "3 fell back to eager running (NOT the fast path)" in results.section(gpu, "gpu.json")
     assert "CUDA graphs" not in results.section(report(), "cpu.json")
+
+
+def test_a_load_test_report_renders_its_own_table():
+    """``eagle-bench --concurrency --json`` reports (kind "load-test") sit in docs/results/ too."""
+    row = {"method": "ar", "concurrency": 4, "requests": 8, "errors": 0, "tokens": 512, "wall_s": 10.0,
+           "tokens_per_second": 51.2, "mean_accepted_length": 1.0, "ttft_s": {"p50": 0.5, "p90": 0.9, "p99": 1.0},
+           "tpot_s": {"p50": 0.05, "p90": 0.06, "p99": 0.07}, "latency_s": {"p50": 7, "p90": 8, "p99": 9},
+           "checked": True, "mismatches": 0, "mismatched": []}
+    load = dict(report(kind="load-test", results=[row]))
+    del load["methods"]
+    load["machine"]["server"] = "in-process, max_batch 16"
+    page = results.section(load, "cpu-serving-load.json")
+    assert "Load test of eagle-serve (in-process, max_batch 16)." in page
+    assert "| ar | 4 | 8 | 51.2 | - | 500 / 900 / 1000 | 50 / 60 / 70 | 1.00 | 0 | 0 |" in page
+    del load["results"]
+    with pytest.raises(EagleError, match="not an eagle-bench --json report"):
+        results.section(load, "x.json")
