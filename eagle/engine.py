@@ -198,6 +198,21 @@ def default_drafter_quant(target: Target) -> str | None:
     return None
 
 
+@dataclasses.dataclass
+class DeferredDraftLM:
+    """The draft LM shipped for a target, read on first use: only ``sd`` needs it, and loading it with
+    every model doubled the default target's memory (``EagleModel.draft_model`` may hold one)."""
+
+    path: Path
+    target: Target
+    model: Any = None
+
+    def load(self) -> Any:
+        if self.model is None:
+            self.model = draft_lm.load(self.path, self.target)
+        return self.model
+
+
 class EagleModel:
     """A target with optional drafter (EAGLE methods) and draft model (``sd``)."""
 
@@ -262,7 +277,7 @@ class EagleModel:
         """``drafter``: a drafter folder or ``Drafter`` (default: the one shipped for the target,
         if any; "eagle3": the EAGLE-3 drafter shipped for it). ``draft_model``: a model spec (as for targets), a draft LM folder
         (``eagle.drafting.draft_lm``) or a loaded model for ``sd`` (default: the draft LM shipped for the
-        target, if any).
+        target, if any, read when ``sd`` first runs: ``DeferredDraftLM``).
         Tree options: ``total_tokens`` (int or "auto"), ``depth``, ``top_k``, ``choices`` (an
         EAGLE-1 static tree instead of the dynamic one), ``lookup_tokens`` (prompt-lookup drafts
         grafted onto the tree; 0 turns it off), ``sampled_tree`` (when sampling, draw the children
@@ -288,8 +303,9 @@ class EagleModel:
             drafter.check_target(tgt)
             drafter = drafter.to(device=tgt.device, dtype=tgt.dtype).eval()
         if draft_model is None and isinstance(target, str):
-            draft_model = shipped_draft_lm(target)
-        if draft_model is not None and not isinstance(draft_model, torch.nn.Module):
+            shipped = shipped_draft_lm(target)
+            draft_model = None if shipped is None else DeferredDraftLM(shipped, tgt)
+        if draft_model is not None and not isinstance(draft_model, (torch.nn.Module, DeferredDraftLM)):
             if draft_lm.is_draft_lm(draft_model):
                 draft_model = draft_lm.load(draft_model, tgt)
             else:
@@ -333,7 +349,8 @@ class EagleModel:
         if method == "sd":
             if self.draft_model is None:
                 raise EagleError("method 'sd' needs a draft model: pass draft_model=... (--draft-model)")
-            return DraftModel(self._inference_copy(self.draft_model, self.drafter_dtype), self.speculative, sampling,
+            draft = self.draft_model.load() if isinstance(self.draft_model, DeferredDraftLM) else self.draft_model
+            return DraftModel(self._inference_copy(draft, self.drafter_dtype), self.speculative, sampling,
                               generator)
         if method in ("eagle-tree", "eagle-chain"):
             if self.drafter is None:

@@ -3,7 +3,7 @@
 import pytest
 
 from eagle import EagleModel
-from eagle.engine import shipped_drafter
+from eagle.engine import DeferredDraftLM, shipped_drafter
 from eagle.runtime.target import DEFAULT_TARGET
 
 pytestmark = pytest.mark.integration
@@ -45,6 +45,15 @@ def test_shipped_eagle3_drafter_greedy_tree_equals_ar(model):
     eagle3 = EagleModel.from_pretrained(DEFAULT_TARGET, drafter="eagle3", total_tokens=24, depth=5, top_k=6)
     assert eagle3.drafter.config.kind == "eagle3" and model.drafter.config.kind == "eagle"
     check_drafts_exactly(eagle3, model)
+
+
+def test_the_shipped_draft_lm_is_read_only_when_sd_first_runs():
+    model = EagleModel.from_pretrained(DEFAULT_TARGET)
+    assert isinstance(model.draft_model, DeferredDraftLM) and model.draft_model.model is None
+    model.generate(PROMPTS[0], method="eagle-tree", max_new_tokens=4)
+    assert model.draft_model.model is None
+    model.generate(PROMPTS[0], method="sd", max_new_tokens=4)
+    assert model.draft_model.model is not None
 
 
 def test_shipped_draft_lm_greedy_sd_equals_ar(model):
