@@ -139,8 +139,8 @@ class PackedLinear(nn.Module):
             flat = x.reshape(rows, self.in_features).contiguous()
             if rows == 0:
                 return flat.new_empty(*x.shape[:-1], self.encoded.codes.shape[0])
-            chunk = cpu_kernels().stream_rows_q if self.encoded is not None else STREAM_MAX_ROWS
-            return torch.cat([self.stream(part) for part in flat.split(chunk)]).view(*x.shape[:-1], -1)
+            parts = flat.split(cpu_kernels().stream_rows_q)  # the weight is None only where codes are streamed
+            return torch.cat([self.stream(part) for part in parts]).view(*x.shape[:-1], -1)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         if rows in self.plain_rows:

@@ -516,6 +516,14 @@ void panel_rows(const float* x, int64_t M, int64_t K, const float* w, const floa
 
 constexpr int64_t kRowBlock = 64;
 
+// panel_rows for a panel of n = 1..kPanel decoded rows of W (the last panel of a matrix may be narrower).
+inline void panel(int64_t n, const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* out,
+                  int64_t ldo) {
+  if (n >= 3) panel_rows<3>(x, M, K, w, bias, out, ldo);
+  else if (n == 2) panel_rows<2>(x, M, K, w, bias, out, ldo);
+  else panel_rows<1>(x, M, K, w, bias, out, ldo);
+}
+
 // out [M, N] = x [M, K] W^T (+ bias) for any M, W as in rows_q (codes [N, K * Bits / 8], scales fp32 or fp16).
 template <int Bits>
 void panels_q(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* scales, bool half, int64_t N,
@@ -549,9 +557,7 @@ void panels_q(const float* x, int64_t M, int64_t K, const uint8_t* codes, const 
         }
       }
       const float* bp = bias ? bias + j : nullptr;
-      if (n == kPanel) panel_rows<kPanel>(x, M, K, buf.data(), bp, out + j, N);
-      else if (n == 2) panel_rows<2>(x, M, K, buf.data(), bp, out + j, N);
-      else panel_rows<1>(x, M, K, buf.data(), bp, out + j, N);
+      panel(n, x, M, K, buf.data(), bp, out + j, N);
     }
   });
 }
@@ -561,10 +567,9 @@ template <int Bits>
 void panels_q(const float*, int64_t, int64_t, const uint8_t*, const void*, bool, int64_t, const float*, float*, bool) {}
 constexpr bool kPanels = false;
 constexpr int kPanel = 3;
-template <int NR>
-void panel_rows(const float*, int64_t, int64_t, const float*, const float*, float*, int64_t) {}
+inline void panel(int64_t, const float*, int64_t, int64_t, const float*, const float*, float*, int64_t) {}
 #endif
-static_assert(kPanel == 3, "panel_rows callers dispatch 1-3 rows of W");
+static_assert(kPanel == 3, "panel() dispatches 1-3 rows of W");
 
 }  // namespace
 
@@ -805,13 +810,8 @@ void gguf_rows(const float* x, int64_t M, int64_t K, const uint8_t* raw, int64_t
       }
       if (kPanels && M > kPassRows) {  // AVX2: every row of x in one sweep over the buffer (panels_q)
         for (int64_t r = 0; r < n; r += kPanel) {
-          const float* bp = bias ? bias + j + r : nullptr;
-          const float* w = buf.data() + r * K;
-          switch (std::min<int64_t>(kPanel, n - r)) {
-            case 3: panel_rows<3>(x, M, K, w, bp, out + j + r, ldo); break;
-            case 2: panel_rows<2>(x, M, K, w, bp, out + j + r, ldo); break;
-            default: panel_rows<1>(x, M, K, w, bp, out + j + r, ldo); break;
-          }
+          panel(std::min<int64_t>(kPanel, n - r), x, M, K, buf.data() + r * K, bias ? bias + j + r : nullptr,
+                out + j + r, ldo);
         }
         continue;
       }
