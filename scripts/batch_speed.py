@@ -2,6 +2,11 @@
 
     python scripts/batch_speed.py --rows 256 --prompts 1024 --max-new-tokens 256   # a GPU
     python scripts/batch_speed.py --rows 8 --prompts 8 --max-new-tokens 64          # a CPU
+    python scripts/batch_speed.py --random-weights --prompt-lengths 64:1536 --rows 256 --prompts 512
+
+``--random-weights``: no target file, random weights in SmolLM2-135M's architecture and prompts of
+random ids (lengths drawn from ``--prompt-lengths``): speed only (rows rarely end early), e.g. to
+compare ``--attention sdpa`` and ``varlen`` where the target cannot travel.
 
 Prompts: the chat-templated dev prompts, cycled. An untimed warm-up on the first 2 x rows prompts (CUDA
 graphs are captured there; a shape it did not meet is captured in the timed run), then the timed run:
@@ -11,15 +16,23 @@ prints one JSON line (rows, prompts, new tokens, seconds, tokens/s, device, dtyp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
+import types
 
 import torch
 
 from eagle.config import SamplingConfig
-from eagle.decoding.batch import BatchDecoder, Request, request_seed
+from eagle.decoding.batch import ATTENTION, BatchDecoder, BatchStats, Request, request_seed
 from eagle.prompts import read_prompts
-from eagle.runtime.target import DEFAULT_TARGET, load_target
+from eagle.runtime.decoder import lean_decoder
+from eagle.runtime.target import DEFAULT_TARGET, Target, default_device_dtype, load_target
+
+SMOLLM2 = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+           "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
+           "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "bos_token_id": 1,
+           "eos_token_id": 2}
 
 
 def timed_run(target, decoder: BatchDecoder, requests: list[Request]) -> tuple[int, float]:
@@ -42,20 +55,48 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompt-file", default="benchmarks/prompts/dev.jsonl")
+    parser.add_argument("--attention", default="auto", choices=ATTENTION)
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16 (default: the device's)")
+    parser.add_argument("--random-weights", action="store_true", help="SmolLM2-135M's architecture, random weights")
+    parser.add_argument("--prompt-lengths", default="64:1536", help="LO:HI prompt tokens with --random-weights")
     args = parser.parse_args()
-    target = load_target(args.target)
-    texts = [p["prompt"] for p in read_prompts(args.prompt_file)]
-    ids = [target.encode_prompt(texts[i % len(texts)]) for i in range(args.prompts)]
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    if args.random_weights:
+        target = random_target(dtype)
+        lo, hi = map(int, args.prompt_lengths.split(":"))
+        gen = torch.Generator().manual_seed(0)
+        lengths = torch.randint(lo, hi + 1, (args.prompts,), generator=gen).tolist()
+        ids = [torch.randint(3, target.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    else:
+        target = load_target(args.target, dtype=dtype)
+        texts = [p["prompt"] for p in read_prompts(args.prompt_file)]
+        ids = [target.encode_prompt(texts[i % len(texts)]) for i in range(args.prompts)]
     requests = [Request(p, args.max_new_tokens, request_seed(0, i)) for i, p in enumerate(ids)]
     sampling = SamplingConfig(temperature=args.temperature, top_p=0.95 if args.temperature > 0 else 1.0)
     capacity = max(len(p) for p in ids) + args.max_new_tokens
-    decoder = BatchDecoder(target, args.rows, capacity, sampling)
+    decoder = BatchDecoder(target, args.rows, capacity, sampling, attention=args.attention)
     timed_run(target, decoder, requests[:2 * args.rows])  # warm-up: captures the graphs of the shapes it meets
+    decoder.stats = BatchStats(attention=decoder.stats.attention)
     tokens, seconds = timed_run(target, decoder, requests)
     print(json.dumps({"rows": args.rows, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
                       "new_tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-                      "device": str(target.device), "dtype": str(target.dtype),
-                      "temperature": args.temperature}))
+                      "device": str(target.device), "dtype": str(target.dtype), "random_weights": args.random_weights,
+                      "temperature": args.temperature, **dataclasses.asdict(decoder.stats)}))
+
+
+def random_target(dtype: torch.dtype | None) -> Target:
+    """Random weights in SmolLM2-135M-Instruct's architecture, with the lean forward, on the default
+    device (CUDA when present)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device, dtype = default_device_dtype(None, dtype)
+    cfg = AutoConfig.for_model("llama", **SMOLLM2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval().to(device=device, dtype=dtype)
+    model.requires_grad_(False)
+    return Target(model=model, tokenizer=types.SimpleNamespace(eos_token_id=SMOLLM2["eos_token_id"]),
+                  name="random-smollm2-135m", device=device, dtype=dtype,
+                  lean=lean_decoder(model))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from train.regenerate import benchmark_prompts, completed, read_elements, select
 RECIPE = ROOT / "configs" / "recipes" / "smollm2-135m-instruct"
 TRACKED = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "data").glob("*/data.jsonl.gz"))
 KINDS = ("eagle3", "eagle")
+STOP_S = 10  # seconds the data step keeps for its rows under way to finish their turn and for writing
 PIECE = 15 << 20  # bytes per returned file (the limit is 16 MiB)
 SHIPPED = {"eagle3": "eagle3", "eagle": ""}  # eagle-bench's name of the shipped drafter of each kind
 
@@ -82,29 +83,56 @@ def data_keys(args, out_dir: Path) -> list[str]:
     return [f"{k}={v}" for k, v in dict(item.split("=", 1) for item in items).items()]
 
 
+def resume_data(folder: Path, out_dir: Path, target: str) -> int:
+    """An earlier window's returned conversations (``data.jsonl.gz`` or its parts ``.00``, ``.01``, ...,
+    ``heldout.jsonl.gz``) into the data step's ``out_dir``, which then skips them and adds to them; ->
+    conversations found."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    found = 0
+    for name in ("data.jsonl", "heldout.jsonl"):
+        parts = sorted(folder.glob(f"{name}.gz.[0-9][0-9]")) or sorted(folder.glob(f"{name}.gz"))
+        if parts:
+            text = gzip.decompress(b"".join(p.read_bytes() for p in parts))
+            (out_dir / name).write_bytes(text)
+            found += len(completed(out_dir / name))
+    stats = out_dir / "stats.json"
+    if not stats.exists():
+        stats.write_text(json.dumps({"target": target}))
+    return found
+
+
 def make_data(args, work: Path, logf: Path, deadline: float) -> dict:
     """Step 1: ``--source``'s conversations, every user turn answered by the target (``eagle-selfdistill``
     with ``source``: ``train.regenerate``), stopped after ``--gen-s`` seconds; the conversations complete
     by then are kept (``data.jsonl``, ``heldout.jsonl`` in ``work/data``)."""
     out_dir = work / "data"
+    if args.resume_data:
+        log(f"data: continuing {resume_data(Path(args.resume_data), out_dir, args.target)} conversations "
+            f"of {args.resume_data}", logf)
     limit = max(1, min(args.gen_s, deadline - time.time()))
-    cmd = [sys.executable, "-m", "train.selfdistill", "--set", *data_keys(args, out_dir)]
+    # the step stops itself (conversations under way keep the turns answered by then); the kill is a backstop
+    keys = data_keys(args, out_dir) + ([] if any(k.startswith("max_wall_s=") for k in args.set_data) else
+                                       [f"max_wall_s={max(1.0, limit - STOP_S):.0f}"])
+    cmd = [sys.executable, "-m", "train.selfdistill", "--set", *keys]
     log(f"data: answering {args.source} for at most {limit:.0f}s: {' '.join(cmd[2:])}", logf)
     t0 = time.time()
     with (work / "selfdistill.txt").open("w") as out:
         try:
-            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=limit).returncode
+            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=limit + 60).returncode
         except subprocess.TimeoutExpired:
             rc = 124  # expected: the conversations complete by then are kept
     took = time.time() - t0
     train, heldout = completed(out_dir / "data.jsonl"), completed(out_dir / "heldout.jsonl")
     answers = sum(1 for r in train + heldout for t in r["conversations"] if t["from"] == "gpt")
     stats_path = out_dir / "stats.json"
-    source = json.loads(stats_path.read_text()).get("source") if stats_path.is_file() else None
-    log(f"data: {len(train)} + {len(heldout)} held-out conversations, {answers} answers in {took:.0f}s (rc {rc})",
-        logf)
+    stats = json.loads(stats_path.read_text()) if stats_path.is_file() else {}
+    decoding = stats.get("this_run", {})
+    log(f"data: {len(train)} + {len(heldout)} held-out conversations, {answers} answers in {took:.0f}s (rc {rc}); "
+        f"this run {decoding.get('answer_tokens')} answer tokens, {decoding.get('tokens_per_s')} tokens/s "
+        f"({decoding.get('tokens_per_step_s')} over decode steps, attention {decoding.get('attention')})", logf)
     return {"conversations": len(train), "heldout": len(heldout), "answers": answers, "seconds": round(took, 1),
-            "rc": rc, "source": source, "file": str(out_dir / "data.jsonl") if train else None,
+            "rc": rc, "source": stats.get("source"), "generation": stats.get("generation"), "decoding": decoding,
+            "file": str(out_dir / "data.jsonl") if train else None,
             "heldout_file": str(out_dir / "heldout.jsonl") if heldout else None}
 
 
@@ -235,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="eagle-selfdistill keys of the data step (default num_conversations=30000 "
                              "answer_max_tokens=256)")
     parser.add_argument("--gen-s", type=float, default=120, help="seconds of answering at most")
+    parser.add_argument("--resume-data", default="",
+                        help="a folder with an earlier window's returned data.jsonl.gz (or parts) and heldout.jsonl.gz: "
+                             "the data step continues them (their conversations skipped, their records kept)")
     parser.add_argument("--data", nargs="*", default=TRACKED, help="chat files trained on besides the data step's")
     parser.add_argument("--dev-data", default="data/dev-smollm2-greedy.jsonl",
                         help="chats the trainers evaluate on: a file, heldout (the data step's held-out "

@@ -13,6 +13,8 @@
 #   EAGLE_GPU_INIT_EAGLE3, EAGLE_GPU_INIT_EAGLE
 #                            warm starts: drafter folders or the .tar files an earlier window returned (default:
 #                            .gpu/init/eagle3-drafter.tar and .gpu/init/eagle-drafter.tar when carried)
+#   EAGLE_GPU_RESUME_DATA    a folder with an earlier window's returned data.jsonl.gz (or its parts) and
+#                            heldout.jsonl.gz, continued by the data step (default: .gpu/data when it holds them)
 #   EAGLE_GPU_DEVICE         cuda (default when present) or cpu (a rehearsal)
 #   PYTHON                   the interpreter (default python3)
 # Wheels the machine lacks are installed into /tmp/site from .gpu/whl (gguf) and .gpu/whl-train (deepspeed and
@@ -86,7 +88,10 @@ init() {
 args=(--out "$OUT" --work "$WORK" --target "$TARGET")
 [ -n "$SHAREGPT" ] && args+=(--source "$SHAREGPT")
 [ -n "${EAGLE_GPU_DEVICE:-}" ] && args+=(--device "$EAGLE_GPU_DEVICE")
+RESUME=${EAGLE_GPU_RESUME_DATA:-}
+[ -z "$RESUME" ] && ls .gpu/data/data.jsonl.gz* > /dev/null 2>&1 && RESUME=.gpu/data
+[ -n "$RESUME" ] && [ -n "$SHAREGPT" ] && args+=(--resume-data "$RESUME")
 I3=$(init eagle3 "${EAGLE_GPU_INIT_EAGLE3:-}"); [ -n "$I3" ] && args+=(--init-eagle3 "$I3")
 I1=$(init eagle "${EAGLE_GPU_INIT_EAGLE:-}"); [ -n "$I1" ] && args+=(--init-eagle "$I1")
-say "target $TARGET, sharegpt ${SHAREGPT:-none}, warm starts ${I3:-none} ${I1:-none}"
+say "target $TARGET, sharegpt ${SHAREGPT:-none}, continued data ${RESUME:-none}, warm starts ${I3:-none} ${I1:-none}"
 $PY scripts/gpu_train.py "${args[@]}" "$@"

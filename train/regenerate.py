@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import hashlib
 import importlib.resources
+import itertools
 import json
 import sys
 import time
@@ -209,9 +210,9 @@ class Conversations:
     first turns of new ones. ``take`` is ``BatchDecoder.stream``'s queue; ``finish`` takes a result."""
 
     def __init__(self, target: Target, chats: Iterator[Chat], answer_tokens: int, context_tokens: int,
-                 seed: int, gen: dict[str, Any]) -> None:
+                 seed: int, gen: dict[str, Any], deadline: float = float("inf")) -> None:
         self.target, self.chats, self.answer_tokens, self.context_tokens = target, chats, answer_tokens, context_tokens
-        self.seed, self.gen = seed, gen
+        self.seed, self.gen, self.deadline = seed, gen, deadline
         self.follow_ups: collections.deque[Request] = collections.deque()
         self.done: list[tuple[Chat, list[str]]] = []  # finished conversations, for the caller to write
 
@@ -227,6 +228,8 @@ class Conversations:
                        (chat, answers))
 
     def take(self) -> Request | None:
+        if time.time() >= self.deadline:  # past it: nothing new starts; rows under way finish their turn
+            return None
         if self.follow_ups:
             return self.follow_ups.popleft()
         for chat in self.chats:
@@ -252,6 +255,13 @@ class Conversations:
         else:
             self.done.append((chat, answers))
 
+    def cut(self) -> None:
+        """Hand the conversations still waiting for a turn to ``done`` with the turns answered so far."""
+        while self.follow_ups:
+            chat, answers = self.follow_ups.popleft().key
+            self.gen["conversations_cut_by_time"] += 1
+            self.done.append((chat, answers))
+
 
 def run(cfg: Any) -> Path:
     """Answer ``cfg.source``'s user turns with ``cfg.target`` into ``cfg.out_dir`` (``data.jsonl``,
@@ -275,30 +285,45 @@ def run(cfg: Any) -> Path:
     written = {"train": len(kept[False]), "heldout": len(kept[True])}
     gen = collections.Counter(old.get("generation", {}))
     for key in ("turns_answered", "answers_ended_eos", "answers_cut_at_max", "answer_tokens", "prompt_tokens",
-                "empty_answers", "turns_cut_by_context", "first_turn_too_long", "no_answer", "wall_s"):
+                "empty_answers", "turns_cut_by_context", "first_turn_too_long", "no_answer",
+                "conversations_cut_by_time", "wall_s"):
         gen.setdefault(key, 0)
     todo = [c for c in chats[:cfg.num_conversations] if f"sg-{c.id}" not in done]
+    began = time.time()
     target = load_target(cfg.target)
+    load_s = time.time() - began
     if cfg.context_tokens > target.max_context:
         raise EagleError(f"context_tokens {cfg.context_tokens} exceeds the target's context ({target.max_context})")
     sampling = SamplingConfig(temperature=cfg.answer_temperature,
                               top_p=ANSWER_TOP_P if cfg.answer_temperature > 0 else 1.0)
-    decoder = BatchDecoder(target, cfg.rows or default_rows(target.device), cfg.context_tokens, sampling)
-    work = Conversations(target, iter(todo), cfg.answer_max_tokens, cfg.context_tokens, cfg.seed, gen)
+    decoder = BatchDecoder(target, cfg.rows or default_rows(target.device), cfg.context_tokens, sampling,
+                           attention=cfg.attention)
+    deadline = began + cfg.max_wall_s if cfg.max_wall_s else float("inf")
+    work = Conversations(target, iter(todo), cfg.answer_max_tokens, cfg.context_tokens, cfg.seed, gen, deadline)
     start, run_tokens = time.time(), gen["answer_tokens"]
 
     def save() -> None:
+        new = gen["answer_tokens"] - run_tokens
+        decoding = {**dataclasses.asdict(decoder.stats), "load_s": round(load_s, 1), "answer_tokens": new,
+                    "wall_s": round(time.time() - start, 1), "device": str(target.device), "dtype": str(target.dtype),
+                    "rows": decoder.rows,
+                    "tokens_per_s": round(new / max(time.time() - start, 1e-9), 1),
+                    "tokens_per_step_s": round(new / max(decoder.stats.step_s, 1e-9), 1)}
         body = {"target": cfg.target, "config": dataclasses.asdict(cfg), "source": stats, "written": written,
-                "generation": {**gen, "wall_s": round(gen["wall_s"] + time.time() - start, 1)}}
+                "generation": {**gen, "wall_s": round(gen["wall_s"] + time.time() - start, 1)},
+                "this_run": decoding}
         tmp = stats_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(body, indent=2))
         tmp.replace(stats_path)
 
     bar = tqdm(total=len(todo), desc="answer", unit="conv")
-    for result in decoder.stream(work.take):
-        chat, answers = result.key
-        gen["turns_answered"] += 1
-        work.finish(chat, answers, result.token_ids, result.ended)
+    for result in itertools.chain(decoder.stream(work.take), [None]):
+        if result is None:  # every row is done: what waits for a turn was cut by the deadline
+            work.cut()
+        else:
+            chat, answers = result.key
+            gen["turns_answered"] += 1
+            work.finish(chat, answers, result.token_ids, result.ended)
         for chat, answers in work.done:
             bar.update(1)
             if not answers:

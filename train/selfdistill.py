@@ -79,6 +79,10 @@ class SelfDistillConfig:
     context_tokens: int = 2048  # a turn is answered only if its prompt plus answer_max_tokens fit
     heldout_fraction: float = 0.02  # share of conversations (by a hash of each) written to heldout.jsonl
     exclude_prompts: str = "benchmarks/prompts"  # prompt files (a folder or comma-separated files) never used
+    attention: str = "auto"  # batched answering's attention (eagle.decoding.batch): auto, sdpa or varlen
+    # with source: stop after this many seconds (0 = never); conversations under way are written with the turns
+    # answered by then
+    max_wall_s: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("passage_fraction", "constraint_fraction", "heldout_fraction"):
@@ -88,6 +92,8 @@ class SelfDistillConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise EagleError(f"{key} must be a whole number >= 0, got {value!r}")
+        if self.max_wall_s < 0:
+            raise EagleError(f"max_wall_s must be >= 0, got {self.max_wall_s}")
         if self.answer_max_tokens < 1 or self.context_tokens <= self.answer_max_tokens:
             raise EagleError(f"need 1 <= answer_max_tokens < context_tokens, got {self.answer_max_tokens} and "
                              f"{self.context_tokens}")

@@ -9,6 +9,10 @@ token cap) is refilled from the queue of pending requests (continuous refill): f
 together once ``refill_at`` of them are free. On CUDA each step (the forward and the draw) is replayed
 as a CUDA graph, one per row bucket and attended length; on a CPU the same functions run eagerly.
 When the queue runs dry, the running rows move to the front and the step runs on a smaller bucket.
+Attention: ``sdpa`` attends every row over the longest row's length (a power of two); ``varlen``
+(flash attention with per-row used lengths, CUDA in bf16/fp16) reads each row's own keys only, so
+one long conversation no longer makes every row read the whole cache. ``stats`` says where the
+time went (prefill, steps, captures).
 
 Sampled tokens come from counter-based noise per request (``request_noise``): what a request draws
 depends on its seed and prompt only, not on its row or its neighbours, so a run is reproducible (and
@@ -19,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -34,6 +39,7 @@ MASK31 = (1 << 31) - 1
 MIN_KEYS = 64  # the shortest attended cache length; longer ones double up to the capacity
 CUDA_ROWS, CPU_ROWS = 256, 8  # default rows per device kind
 PREFILL_TOKENS = 8192  # padded prompt tokens per prefill call (bounds its memory)
+ATTENTION = ("auto", "sdpa", "varlen")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +70,27 @@ class BatchOutput:
 
     token_ids: list[list[int]]
     ended: list[bool]
+
+
+@dataclasses.dataclass
+class BatchStats:
+    """Where a decoder's wall-clock time went (host clock; each phase ends with a host read of its
+    tokens, so the device work is inside): ``prefill_s`` over ``prefills`` calls of
+    ``prefill_tokens`` prompt tokens (``padded_tokens`` with padding), ``step_s`` over ``steps`` decode
+    steps that ran ``row_steps`` rows of which ``live_row_steps`` held a request, ``captures`` graphs
+    taken in ``capture_s`` (inside the phases' times), and the ``attention`` used."""
+
+    attention: str = "sdpa"
+    prefill_s: float = 0.0
+    prefills: int = 0
+    prefill_tokens: int = 0
+    padded_tokens: int = 0
+    step_s: float = 0.0
+    steps: int = 0
+    row_steps: int = 0
+    live_row_steps: int = 0
+    captures: int = 0
+    capture_s: float = 0.0
 
 
 def default_rows(device: torch.device) -> int:
@@ -125,37 +152,89 @@ def prefill_groups(lengths: Sequence[int], budget: int) -> list[list[int]]:
 
 
 def decode_rows(lean: Any, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ids: torch.Tensor,
-                positions: torch.Tensor, keys_len: int) -> torch.Tensor:
+                positions: torch.Tensor, keys_len: int, varlen: bool = False) -> torch.Tensor:
     """One decode step of R rows, every shape fixed and every index on the device (capturable):
-    ``kv`` [2, layers, R, kv_heads, C, d] (row r's keys at its positions), ``cos``/``sin`` [C, d]
+    ``kv`` [2, layers, R, C, kv_heads, d] (row r's keys at its positions), ``cos``/``sin`` [C, d]
     rotary tables, ``ids``/``positions`` [R] each row's token and where it goes. Row r attends to
-    its positions 0 .. positions[r] among the first ``keys_len``. -> final-norm features [R, H]."""
+    its positions 0 .. positions[r]: among the first ``keys_len`` (``sdpa``), or exactly those
+    (``varlen``: ``varlen_attention``). -> final-norm features [R, H]."""
     r = ids.shape[0]
     nh, nkv, d = lean.num_heads, lean.num_kv_heads, lean.head_dim
     x = lean.embed(ids)[:, None]  # [R, 1, H]
     c, s = cos[positions][:, None, None], sin[positions][:, None, None]  # [R, 1, 1, d]
-    allowed = torch.arange(keys_len, device=ids.device)[None] <= positions[:, None]  # [R, Lk]
-    mask = torch.zeros(r, 1, 1, keys_len, dtype=x.dtype, device=x.device).masked_fill(
-        ~allowed[:, None, None], torch.finfo(x.dtype).min)
-    write = positions[:, None, None, None].expand(r, nkv, 1, d)
+    if varlen:
+        used = (positions + 1).to(torch.int32)
+    else:
+        allowed = torch.arange(keys_len, device=ids.device)[None] <= positions[:, None]  # [R, Lk]
+        mask = torch.zeros(r, 1, 1, keys_len, dtype=x.dtype, device=x.device).masked_fill(
+            ~allowed[:, None, None], torch.finfo(x.dtype).min)
+    write = positions[:, None, None, None].expand(r, 1, nkv, d)
     for i, layer in enumerate(lean.layers):
         h = layer.attention_input(x, None)
         qk, v = layer.qkv(h).view(r, 1, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
         q, k = rotate(qk, c, s).split([nh, nkv], dim=1)  # [R, heads, 1, d]
-        keys, values = kv[0, i], kv[1, i]  # [R, kv_heads, C, d]
-        keys.scatter_(2, write, k)
-        values.scatter_(2, write, v)
-        # the query heads sharing a key head as rows of one head (grouped-query attention)
-        out = F.scaled_dot_product_attention(q.reshape(r, nkv, nh // nkv, d), keys[:, :, :keys_len],
-                                             values[:, :, :keys_len], attn_mask=mask, scale=d ** -0.5)
+        keys, values = kv[0, i], kv[1, i]  # [R, C, kv_heads, d]
+        keys.scatter_(1, write, k.transpose(1, 2))
+        values.scatter_(1, write, v.transpose(1, 2))
+        if varlen:
+            out = varlen_attention(q[:, :, 0].contiguous(), keys, values, used, d ** -0.5)  # [R, heads, d]
+        else:
+            # the query heads sharing a key head as rows of one head (grouped-query attention)
+            out = F.scaled_dot_product_attention(q.reshape(r, nkv, nh // nkv, d),
+                                                 keys[:, :keys_len].transpose(1, 2),
+                                                 values[:, :keys_len].transpose(1, 2), attn_mask=mask,
+                                                 scale=d ** -0.5)
         x = x + layer.o(out.reshape(r, 1, nh * d))
         x = x + layer.down(silu_mul(layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps))))
     return rms_norm(x, lean.norm, lean.norm_eps)[:, 0]
 
 
+def varlen_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, used: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One query per row over that row's first ``used`` [R] (int32) cache positions: ``q`` [R, heads,
+    d], ``keys``/``values`` [R, C, kv_heads, d] (contiguous rows) -> [R, heads, d]. Flash attention's
+    variable-length form (row r's keys start at r * C, ``seqused_k`` of them count): nothing past a
+    row's length is read. Capturable; CUDA, bf16/fp16 only."""
+    r, c, nkv, d = keys.shape
+    starts = torch.arange(r + 1, dtype=torch.int32, device=q.device)
+    return flash_varlen(q, keys.reshape(r * c, nkv, d), values.reshape(r * c, nkv, d), starts, starts * c, 1, c,
+                        0.0, False, False, scale=scale, seqused_k=used)[0]
+
+
+def flash_varlen(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+    """torch's flash attention over packed variable-length rows (``aten._flash_attention_forward``)."""
+    return torch.ops.aten._flash_attention_forward(*args, **kwargs)
+
+
+def varlen_works(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when ``varlen_attention`` runs here and matches plain attention on random rows of
+    several lengths, else why not (a CPU, fp32, an old torch, a wrong result)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return f"varlen attention needs CUDA in bf16/fp16, not {device.type} {dtype}"
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        r, c, nh, nkv, d = 5, 96, 6, 2, 64
+        q = torch.randn(r, nh, d, device=device, dtype=dtype, generator=gen)
+        keys, values = (torch.randn(r, c, nkv, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
+        used = torch.tensor([1, 7, 64, 90, 96], dtype=torch.int32, device=device)
+        out = varlen_attention(q, keys, values, used, d ** -0.5).float()
+        for row in range(r):
+            n = int(used[row])
+            k = keys[row, :n].float().repeat_interleave(nh // nkv, dim=1)  # [n, nh, d]
+            v = values[row, :n].float().repeat_interleave(nh // nkv, dim=1)
+            weights = torch.softmax(torch.einsum("hd,nhd->hn", q[row].float(), k) * d ** -0.5, -1)
+            want = torch.einsum("hn,nhd->hd", weights, v)
+            if not torch.allclose(out[row], want, atol=2e-2, rtol=2e-2):
+                return f"varlen attention differs from plain attention (row {row}, {n} keys)"
+    except Exception as exc:  # noqa: BLE001 - any failure means: use sdpa
+        return f"varlen attention failed: {type(exc).__name__}: {exc}"
+    return None
+
+
 def prefill_rows(lean: Any, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """Prompts ``ids`` [n, P] (right-padded) into cache rows ``slots`` [n] at positions 0 .. P-1
+    """Prompts ``ids`` [n, P] (right-padded) into cache rows ``slots`` [n] of ``kv`` [2, layers, R, C,
+    kv_heads, d] at positions 0 .. P-1
     (a padded position's keys are overwritten before any step attends to them); -> final-norm
     features of each row's token ``last`` [n] (its last real one) [n, H]."""
     n, p = ids.shape
@@ -166,8 +245,8 @@ def prefill_rows(lean: Any, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         qk, v = layer.qkv(layer.attention_input(x, None)).view(n, p, nh + 2 * nkv, d).transpose(1, 2).split(
             [nh + nkv, nkv], dim=1)
         q, k = rotate(qk, c, s).split([nh, nkv], dim=1)
-        kv[0, i, slots, :, :p] = k
-        kv[1, i, slots, :, :p] = v
+        kv[0, i, slots, :p] = k.transpose(1, 2)
+        kv[1, i, slots, :p] = v.transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh, scale=d ** -0.5)
         x = x + layer.o(out.transpose(1, 2).reshape(n, p, nh * d))
         x = x + layer.down(silu_mul(layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps))))
@@ -185,22 +264,31 @@ class BatchDecoder:
     """``rows`` sequences of at most ``capacity`` tokens each (prompt and new tokens) decoded
     together, greedy or sampled as ``sampling`` says. ``capture`` (default: on CUDA): replay each
     step as a CUDA graph. ``refill_at`` (default: an eighth of the rows, at least 1): free rows
-    wait until that many are free, so one prefill serves many. ``stream`` runs requests."""
+    wait until that many are free, so one prefill serves many. ``attention``: ``sdpa``, ``varlen``
+    (an error where ``varlen_works`` says no) or ``auto`` (``varlen`` where it works). ``stream``
+    runs requests; ``stats`` accumulates over them."""
 
     def __init__(self, target: Target, rows: int, capacity: int, sampling: SamplingConfig,
                  capture: bool | None = None, refill_at: int | None = None,
-                 prefill_tokens: int = PREFILL_TOKENS) -> None:
+                 prefill_tokens: int = PREFILL_TOKENS, attention: str = "auto") -> None:
         if target.lean is None:
             raise EagleError(f"{target.name} has no lean forward; batched decoding needs one")
         if rows < 1 or capacity < 2:
             raise EagleError(f"a batch decoder needs rows >= 1 and capacity >= 2, got {rows} and {capacity}")
+        if attention not in ATTENTION:
+            raise EagleError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
         lean, device, dtype = target.lean, target.device, target.dtype
+        why_not = varlen_works(device, dtype) if attention != "sdpa" else None
+        if attention == "varlen" and why_not:
+            raise EagleError(why_not)
+        self.varlen = attention != "sdpa" and why_not is None
+        self.stats = BatchStats(attention="varlen" if self.varlen else "sdpa")
         self.target, self.lean, self.sampling, self.rows = target, lean, sampling, rows
         self.capacity = -(-capacity // MIN_KEYS) * MIN_KEYS  # attended lengths stay multiples of 64
         self.refill_at = refill_at or max(1, rows // 8)
         self.prefill_tokens = prefill_tokens
         self.eos = frozenset(target.eos_token_ids)
-        self.kv = torch.zeros(2, len(lean.layers), rows, lean.num_kv_heads, self.capacity, lean.head_dim,
+        self.kv = torch.zeros(2, len(lean.layers), rows, self.capacity, lean.num_kv_heads, lean.head_dim,
                               dtype=dtype, device=device)
         with torch.inference_mode():
             cos, sin = lean.rotary(torch.zeros(1, dtype=dtype, device=device),
@@ -256,6 +344,7 @@ class BatchDecoder:
         each one's first token."""
         device = self.kv.device
         for group in prefill_groups([len(r.prompt) for r in batch], self.prefill_tokens):
+            start = time.perf_counter()
             rows = [free.pop(0) for _ in group]
             requests = [batch[i] for i in group]
             width = max(len(r.prompt) for r in requests)
@@ -267,7 +356,12 @@ class BatchDecoder:
             tokens = draw_tokens(self.lean.head(hidden).float(), self.sampling, keys, torch.zeros_like(keys))
             self.ids[where], self.positions[where], self.keys[where] = tokens, lengths, keys
             self.steps[where] = 1
-            for s, request, token in zip(rows, requests, tokens.tolist()):
+            host = tokens.tolist()
+            self.stats.prefill_s += time.perf_counter() - start
+            self.stats.prefills += 1
+            self.stats.prefill_tokens += int(sum(len(r.prompt) for r in requests))
+            self.stats.padded_tokens += width * len(requests)
+            for s, request, token in zip(rows, requests, host):
                 slots[s] = _Row(request, [], len(request.prompt))
                 yield from self._accept(s, token, slots)
 
@@ -275,7 +369,7 @@ class BatchDecoder:
         """Move the running rows ``live`` (increasing) to rows 0 .. len(live)-1."""
         src = torch.tensor(live, device=self.kv.device)
         n, used = len(live), keys_for(max(slots[s].position for s in live) + 1, self.capacity)
-        self.kv[:, :, :n, :, :used] = self.kv[:, :, src, :, :used]
+        self.kv[:, :, :n, :used] = self.kv[:, :, src, :used]
         for buf in (self.ids, self.positions, self.keys, self.steps):
             buf[:n] = buf[src]
         moved = [slots[s] for s in live]
@@ -283,9 +377,15 @@ class BatchDecoder:
 
     def _step(self, size: int, slots: list[_Row | None]) -> Iterator[Result]:
         """One decode step of rows 0 .. size-1 (free ones compute and are ignored)."""
-        keys_len = keys_for(max(row.position for row in slots[:size] if row is not None) + 1, self.capacity)
+        start = time.perf_counter()
+        keys_len = (self.capacity if self.varlen else  # varlen reads each row's own keys: one graph per bucket
+                    keys_for(max(row.position for row in slots[:size] if row is not None) + 1, self.capacity))
         tokens = self._run(size, keys_len)
         host = tokens.tolist()
+        self.stats.step_s += time.perf_counter() - start
+        self.stats.steps += 1
+        self.stats.row_steps += size
+        self.stats.live_row_steps += sum(row is not None for row in slots[:size])
         self.ids[:size].copy_(tokens)
         self.positions[:size].add_(1).clamp_(max=self.capacity - 1)  # free rows keep writing in range
         self.steps[:size].add_(1)
@@ -298,7 +398,7 @@ class BatchDecoder:
         """The step's tokens [size] (a graph's static output on CUDA, replayed; else computed)."""
         def run() -> torch.Tensor:
             hidden = decode_rows(self.lean, self.kv[:, :, :size], self.cos, self.sin, self.ids[:size],
-                                 self.positions[:size], keys_len)
+                                 self.positions[:size], keys_len, self.varlen)
             return draw_tokens(self.lean.head(hidden).float(), self.sampling, self.keys[:size], self.steps[:size])
 
         if not self.capture:
@@ -307,8 +407,11 @@ class BatchDecoder:
         if entry is None:
             from eagle.runtime.cuda_graphs import capture_graph
 
+            start = time.perf_counter()
             graph, output = capture_graph(run, self.kv.device, self.pool, key=("batch", size, keys_len))
             self.graphs[(size, keys_len)] = (graph, output) if graph is not None else (None, None)
+            self.stats.captures += graph is not None
+            self.stats.capture_s += time.perf_counter() - start
             return output
         graph, output = entry
         if graph is None:  # could not be captured: eager

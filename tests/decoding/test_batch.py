@@ -108,3 +108,60 @@ def test_batch_needs_the_lean_forward_and_prompts():
     decoder = BatchDecoder(tiny_target(), rows=2, capacity=64, sampling=SamplingConfig())
     with pytest.raises(EagleError, match="capacity"):
         list(decoder.stream(lambda: Request([1] * 60, 10)))
+
+
+def flash_reference(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, scale=None, seqused_k=None):
+    """Flash attention's variable-length contract, brute force: batch b's queries are rows cu_q[b] ..
+    cu_q[b+1] of ``q`` [Tq, heads, d]; its keys start at row cu_k[b] of ``k``/``v`` [Tk, kv_heads, d],
+    ``seqused_k[b]`` of them (else up to cu_k[b+1]); query heads share key heads in groups."""
+    assert dropout == 0.0 and not causal and cu_q.dtype == cu_k.dtype == seqused_k.dtype == torch.int32
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for b in range(len(cu_q) - 1):
+        start = int(cu_k[b])
+        keys = k[start:start + int(seqused_k[b])].repeat_interleave(group, dim=1)
+        values = v[start:start + int(seqused_k[b])].repeat_interleave(group, dim=1)
+        for t in range(int(cu_q[b]), int(cu_q[b + 1])):
+            weights = torch.softmax(torch.einsum("hd,nhd->hn", q[t], keys) * scale, -1)
+            out[t] = torch.einsum("hn,nhd->hd", weights, values)
+    return out, None, None, None, None
+
+
+def test_varlen_rows_attend_to_their_own_keys_only(monkeypatch):
+    """``attention="varlen"`` (flash attention over each row's used keys; CUDA only, here its contract
+    done by brute force): each row's greedy tokens are still decoding it alone, and it is one graph
+    shape per bucket (the attended length no longer varies)."""
+    from eagle.decoding import batch as batch_module
+
+    target = tiny_target(eos=True, seed=10)
+    monkeypatch.setattr(batch_module, "flash_varlen", flash_reference)
+    monkeypatch.setattr(batch_module, "varlen_works", lambda device, dtype: None)
+    prompts_ = prompts(9, seed=4)
+    decoder = BatchDecoder(target, rows=4, capacity=120, sampling=SamplingConfig(), attention="varlen")
+    assert decoder.varlen and decoder.stats.attention == "varlen"
+    pending = collections.deque(Request(p, 20, key=i) for i, p in enumerate(prompts_))
+    out = {r.key: r.token_ids + ([0] if r.ended else []) for r in decoder.stream(
+        lambda: pending.popleft() if pending else None)}
+    model = EagleModel(target)
+    for i, ids in enumerate(prompts_):
+        assert out[i] == model.generate(ids, method="ar", max_new_tokens=20).token_ids[:len(out[i])], ids
+    stats = decoder.stats
+    assert stats.steps > 0 and stats.prefills > 0 and stats.live_row_steps <= stats.row_steps
+    assert stats.prefill_tokens == sum(map(len, prompts_)) <= stats.padded_tokens
+
+
+def test_varlen_is_refused_where_flash_attention_is_missing():
+    target = tiny_target()
+    if target.device.type != "cuda":
+        with pytest.raises(EagleError, match="CUDA"):
+            BatchDecoder(target, rows=2, capacity=64, sampling=SamplingConfig(), attention="varlen")
+        assert BatchDecoder(target, rows=2, capacity=64, sampling=SamplingConfig()).stats.attention == "sdpa"
+    with pytest.raises(EagleError, match="attention must be"):
+        BatchDecoder(target, rows=2, capacity=64, sampling=SamplingConfig(), attention="flash")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention runs on CUDA only")
+def test_varlen_attention_matches_plain_attention_on_cuda():
+    from eagle.decoding.batch import varlen_works
+
+    assert varlen_works(torch.device("cuda"), torch.bfloat16) is None

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from gpu_train import prepare_sharegpt  # noqa: E402
-from train.regenerate import read_elements, user_turns  # noqa: E402
+from train.regenerate import chat_id, read_elements, user_turns  # noqa: E402
 
 
 def test_prepare_sharegpt_keeps_system_and_user_turns_of_complete_distinct_conversations(tmp_path):
@@ -61,11 +61,18 @@ def test_the_gpu_window_rehearsed_on_the_cpu(tmp_path):
     Drafter.from_target(target, draft_vocab_size=16, token_counts=None).save_pretrained(warm / "eagle-drafter")
     with tarfile.open(warm / "eagle-drafter.tar", "w") as tar:
         tar.add(warm / "eagle-drafter", arcname="eagle-drafter")
+    users = [questions[1]["conversations"][0]["value"], questions[1]["conversations"][2]["value"]]
+    earlier = {"id": f"sg-{chat_id(None, users)}", "source": "earlier", "conversations": [
+        {"from": "human", "value": users[0]}, {"from": "gpt", "value": "t4 t5"},
+        {"from": "human", "value": users[1]}, {"from": "gpt", "value": "t6"}]}
+    (tmp_path / "resume").mkdir()  # an earlier window's returned data: continued, not answered again
+    (tmp_path / "resume" / "data.jsonl.gz").write_bytes(gzip.compress((json.dumps(earlier) + "\n").encode()))
     out = tmp_path / "out"
     small = ["max_steps=6", "max_length=48", "draft_vocab_size=16"]
     env = {**os.environ, "OUT": str(out), "EAGLE_GPU_TARGET": str(target_dir), "EAGLE_GPU_SHAREGPT": str(sharegpt),
            "EAGLE_GPU_DEVICE": "cpu", "EAGLE_GPU_INIT_EAGLE": str(warm / "eagle-drafter.tar"),
-           "EAGLE_GPU_TRAIN_WORK": str(tmp_path / "work"), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+           "EAGLE_GPU_TRAIN_WORK": str(tmp_path / "work"), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+           "EAGLE_GPU_RESUME_DATA": str(tmp_path / "resume")}
     # budgets far above what the work needs (a busy CPU is slow to start processes): steps bound the training
     args = ["--budget", "400", "--gen-s", "120", "--data", str(chats), "--dev-data", "heldout",
             "--set-data", "num_conversations=8", "answer_max_tokens=8", "rows=4", "context_tokens=96",
@@ -88,6 +95,10 @@ def test_the_gpu_window_rehearsed_on_the_cpu(tmp_path):
     back = {name: [json.loads(line) for line in gzip.decompress((out / f"{name}.jsonl.gz").read_bytes()).splitlines()]
             for name in ("data", "heldout")}
     assert (len(back["data"]), len(back["heldout"])) == (data["conversations"], data["heldout"])
+    assert earlier in back["data"] and sum(r["id"] == earlier["id"] for r in back["data"] + back["heldout"]) == 1
+    decoding = data["decoding"]
+    assert decoding["attention"] == "sdpa" and decoding["steps"] > 0 and decoding["prefills"] > 0
+    assert decoding["answer_tokens"] == data["generation"]["answer_tokens"] > 0
     turns = [[(t["from"], t["value"]) for t in r["conversations"]] for r in back["data"] + back["heldout"]]
     assert sum(sum(who == "gpt" for who, _ in t) for t in turns) == data["answers"]
     asked = {(q["conversations"][0]["value"], q["conversations"][2]["value"]) for q in questions}

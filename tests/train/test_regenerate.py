@@ -132,3 +132,28 @@ def test_the_sharegpt_recipe_parses_and_bad_settings_are_refused():
     for bad in ({"rows": -1}, {"max_turns": True}, {"answer_max_tokens": 4096}, {"heldout_fraction": 1.5}):
         with pytest.raises(EagleError):
             SelfDistillConfig(**bad)
+
+
+def test_past_the_deadline_nothing_starts_and_conversations_under_way_keep_their_answered_turns(monkeypatch):
+    """``max_wall_s``: once the deadline passes ``take`` gives nothing (no new conversation, no next
+    turn); a turn running then still finishes, and ``cut`` hands every conversation waiting for its
+    next turn to ``done`` with the turns answered so far."""
+    import collections
+    import types
+
+    monkeypatch.setattr(regenerate, "prompt_ids", lambda target, chat, answers: [1] * (3 + 2 * len(answers)))
+    target = types.SimpleNamespace(tokenizer=types.SimpleNamespace(
+        decode=lambda ids, skip_special_tokens: " ".join(map(str, ids))))
+    chats = [regenerate.Chat(name, None, users, False) for name, users in
+             (("a", ["u1", "u2", "u3"]), ("b", ["v1", "v2"]), ("c", ["w1"]))]
+    gen = collections.Counter()
+    work = regenerate.Conversations(target, iter(chats), 4, 100, 0, gen)
+    first, second = work.take(), work.take()
+    assert [r.key[0].id for r in (first, second)] == ["a", "b"]
+    work.finish(*first.key, [5], True)  # a's first turn: its second waits in the queue
+    work.deadline = 0.0
+    assert work.take() is None and work.follow_ups
+    work.finish(*second.key, [6, 7], True)  # b's first turn was running: it finishes
+    work.cut()
+    assert [(chat.id, answers) for chat, answers in work.done] == [("a", ["5"]), ("b", ["6 7"])]
+    assert gen["conversations_cut_by_time"] == 2 and not work.follow_ups
