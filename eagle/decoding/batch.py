@@ -11,8 +11,10 @@ as a CUDA graph, one per row bucket and attended length; on a CPU the same funct
 When the queue runs dry, the running rows move to the front and the step runs on a smaller bucket.
 Attention: ``sdpa`` attends every row over the longest row's length (a power of two); ``varlen``
 (flash attention with per-row used lengths, CUDA in bf16/fp16) reads each row's own keys only, so
-one long conversation no longer makes every row read the whole cache. ``stats`` says where the
-time went (prefill, steps, captures).
+one long conversation no longer makes every row read the whole cache. A free row keeps what its
+cache holds: a request whose prompt starts with it (a conversation's next turn: the earlier turns,
+the answer and the new user turn) is put in that row and only the tail past the common prefix is
+prefilled (``extend_rows``). ``stats`` says where the time went (prefill, steps, captures).
 
 Sampled tokens come from counter-based noise per request (``request_noise``): what a request draws
 depends on its seed and prompt only, not on its row or its neighbours, so a run is reproducible (and
@@ -23,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import os
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -40,6 +43,8 @@ MIN_KEYS = 64  # the shortest attended cache length; longer ones double up to th
 CUDA_ROWS, CPU_ROWS = 256, 8  # default rows per device kind
 PREFILL_TOKENS = 8192  # padded prompt tokens per prefill call (bounds its memory)
 ATTENTION = ("auto", "sdpa", "varlen")
+HELD_KEY = 16  # leading tokens that index a free row's cached tokens (prompts at most this long are not matched)
+MIN_REUSE = 32  # cached tokens worth a row's reuse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +81,8 @@ class BatchOutput:
 class BatchStats:
     """Where a decoder's wall-clock time went (host clock; each phase ends with a host read of its
     tokens, so the device work is inside): ``prefill_s`` over ``prefills`` calls of
-    ``prefill_tokens`` prompt tokens (``padded_tokens`` with padding), ``step_s`` over ``steps`` decode
+    ``prefill_tokens`` prompt tokens (``padded_tokens`` with padding; ``reused_tokens`` more were already
+    in a reused row's cache, over ``reused_rows`` rows), ``step_s`` over ``steps`` decode
     steps that ran ``row_steps`` rows of which ``live_row_steps`` held a request, ``captures`` graphs
     taken in ``capture_s`` (inside the phases' times), and the ``attention`` used."""
 
@@ -85,6 +91,8 @@ class BatchStats:
     prefills: int = 0
     prefill_tokens: int = 0
     padded_tokens: int = 0
+    reused_tokens: int = 0
+    reused_rows: int = 0
     step_s: float = 0.0
     steps: int = 0
     row_steps: int = 0
@@ -253,6 +261,36 @@ def prefill_rows(lean: Any, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return rms_norm(x[torch.arange(n, device=ids.device), last], lean.norm, lean.norm_eps)
 
 
+def extend_rows(lean: Any, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                ids: torch.Tensor, starts: torch.Tensor, last: torch.Tensor, keys_len: int) -> torch.Tensor:
+    """Prompt tails ``ids`` [n, M] (right-padded) into cache rows ``slots`` [n] of ``kv`` [2, layers, R,
+    C, kv_heads, d] at positions starts[i] .. starts[i] + M - 1, the row's positions below starts[i]
+    already holding the prompt's head: each tail token attends to its row's cache up to itself
+    (``keys_len`` >= max(starts) + M, at most C, positions past C - 1 are written there: padding only).
+    -> final-norm features of each row's tail token ``last`` [n] (its prompt's last) [n, H]."""
+    n, m = ids.shape
+    nh, nkv, d = lean.num_heads, lean.num_kv_heads, lean.head_dim
+    pos = (starts[:, None] + torch.arange(m, device=ids.device)[None]).clamp(max=kv.shape[3] - 1)  # [n, M]
+    x = lean.embed(ids)
+    c, s = cos[pos][:, None], sin[pos][:, None]  # [n, 1, M, d]
+    allowed = torch.arange(keys_len, device=ids.device)[None, None] <= pos[:, :, None]  # [n, M, Lk]
+    mask = torch.zeros(n, 1, m, keys_len, dtype=x.dtype, device=x.device).masked_fill(
+        ~allowed[:, None], torch.finfo(x.dtype).min)
+    rows = slots[:, None]
+    for i, layer in enumerate(lean.layers):
+        qk, v = layer.qkv(layer.attention_input(x, None)).view(n, m, nh + 2 * nkv, d).transpose(1, 2).split(
+            [nh + nkv, nkv], dim=1)
+        q, k = rotate(qk, c, s).split([nh, nkv], dim=1)  # [n, heads, M, d]
+        kv[0, i][rows, pos] = k.transpose(1, 2)
+        kv[1, i][rows, pos] = v.transpose(1, 2)
+        keys, values = (kv[j, i][slots, :keys_len].transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
+                        for j in (0, 1))  # [n, heads, Lk, d]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=d ** -0.5)
+        x = x + layer.o(out.transpose(1, 2).reshape(n, m, nh * d))
+        x = x + layer.down(silu_mul(layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps))))
+    return rms_norm(x[torch.arange(n, device=ids.device), last], lean.norm, lean.norm_eps)
+
+
 @dataclasses.dataclass
 class _Row:
     request: Request
@@ -265,12 +303,14 @@ class BatchDecoder:
     together, greedy or sampled as ``sampling`` says. ``capture`` (default: on CUDA): replay each
     step as a CUDA graph. ``refill_at`` (default: an eighth of the rows, at least 1): free rows
     wait until that many are free, so one prefill serves many. ``attention``: ``sdpa``, ``varlen``
-    (an error where ``varlen_works`` says no) or ``auto`` (``varlen`` where it works). ``stream``
-    runs requests; ``stats`` accumulates over them."""
+    (an error where ``varlen_works`` says no) or ``auto`` (``varlen`` where it works).
+    ``reuse``: put a request whose prompt starts with what a free row's cache holds (at least
+    ``MIN_REUSE`` tokens) in that row and prefill only the rest. ``stream`` runs requests; ``stats``
+    accumulates over them."""
 
     def __init__(self, target: Target, rows: int, capacity: int, sampling: SamplingConfig,
                  capture: bool | None = None, refill_at: int | None = None,
-                 prefill_tokens: int = PREFILL_TOKENS, attention: str = "auto") -> None:
+                 prefill_tokens: int = PREFILL_TOKENS, attention: str = "auto", reuse: bool = True) -> None:
         if target.lean is None:
             raise EagleError(f"{target.name} has no lean forward; batched decoding needs one")
         if rows < 1 or capacity < 2:
@@ -301,6 +341,9 @@ class BatchDecoder:
         self.capture = (device.type == "cuda") if capture is None else capture and device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self.reuse = reuse
+        self.held: dict[int, list[int]] = {}  # free row -> the tokens its cache holds at positions 0, 1, ...
+        self.held_by_key: dict[tuple[int, ...], set[int]] = collections.defaultdict(set)  # first HELD_KEY -> rows
 
     def check(self, request: Request) -> None:
         n = len(request.prompt)
@@ -340,30 +383,80 @@ class BatchDecoder:
             yield from self._step(size, slots)
 
     def _admit(self, batch: list[Request], free: list[int], slots: list[_Row | None]) -> Iterator[Result]:
-        """Prefill ``batch`` into the first free rows (in groups, shortest prompts first) and take
-        each one's first token."""
-        device = self.kv.device
-        for group in prefill_groups([len(r.prompt) for r in batch], self.prefill_tokens):
-            start = time.perf_counter()
-            rows = [free.pop(0) for _ in group]
-            requests = [batch[i] for i in group]
-            width = max(len(r.prompt) for r in requests)
-            ids = torch.tensor([list(r.prompt) + [0] * (width - len(r.prompt)) for r in requests], device=device)
-            lengths = torch.tensor([len(r.prompt) for r in requests], device=device)
-            where = torch.tensor(rows, device=device)
+        """Put ``batch`` in free rows and take each one's first token: a request whose prompt starts
+        with a free row's cached tokens goes to that row and prefills its tail; the others prefill
+        whole in the first free rows (in groups, shortest prompts first)."""
+        fresh, tails = [], []
+        for request in batch:
+            row, start = self._held_row(request.prompt, free) if self.reuse else (None, 0)
+            if row is None:
+                fresh.append(request)
+            else:
+                free.remove(row)
+                tails.append((request, row, start))
+        free.sort(key=lambda row: row in self.held)  # rows holding nothing first: the others may serve a next turn
+        placed = [(request, free.pop(0), 0) for request in fresh]
+        for _, row, _ in placed + tails:
+            self._forget(row)
+        for part in (placed, tails):
+            for group in prefill_groups([len(r.prompt) - start for r, _, start in part], self.prefill_tokens):
+                yield from self._prefill([part[i] for i in group], slots)
+
+    def _prefill(self, group: list[tuple[Request, int, int]], slots: list[_Row | None]) -> Iterator[Result]:
+        """Prefill each (request, row, start) of ``group`` (all starts 0, or all reused rows) from its
+        start and take its first token."""
+        begin, device = time.perf_counter(), self.kv.device
+        requests = [request for request, _, _ in group]
+        heads = [start for _, _, start in group]
+        width = max(len(r.prompt) - start for r, start in zip(requests, heads))
+        ids = torch.tensor([list(r.prompt[start:]) + [0] * (width - len(r.prompt) + start)
+                            for r, start in zip(requests, heads)], device=device)
+        lengths = torch.tensor([len(r.prompt) for r in requests], device=device)
+        starts = torch.tensor(heads, device=device)
+        where = torch.tensor([row for _, row, _ in group], device=device)
+        if max(heads):
+            keys_len = min(self.capacity, max(heads) + width)
+            hidden = extend_rows(self.lean, self.kv, self.cos, self.sin, where, ids, starts, lengths - starts - 1,
+                                 keys_len)
+        else:
             hidden = prefill_rows(self.lean, self.kv, self.cos, self.sin, where, ids, lengths - 1)
-            keys = torch.tensor([r.seed for r in requests], device=device)
-            tokens = draw_tokens(self.lean.head(hidden).float(), self.sampling, keys, torch.zeros_like(keys))
-            self.ids[where], self.positions[where], self.keys[where] = tokens, lengths, keys
-            self.steps[where] = 1
-            host = tokens.tolist()
-            self.stats.prefill_s += time.perf_counter() - start
-            self.stats.prefills += 1
-            self.stats.prefill_tokens += int(sum(len(r.prompt) for r in requests))
-            self.stats.padded_tokens += width * len(requests)
-            for s, request, token in zip(rows, requests, host):
-                slots[s] = _Row(request, [], len(request.prompt))
-                yield from self._accept(s, token, slots)
+        keys = torch.tensor([r.seed for r in requests], device=device)
+        tokens = draw_tokens(self.lean.head(hidden).float(), self.sampling, keys, torch.zeros_like(keys))
+        self.ids[where], self.positions[where], self.keys[where] = tokens, lengths, keys
+        self.steps[where] = 1
+        host = tokens.tolist()
+        self.stats.prefill_s += time.perf_counter() - begin
+        self.stats.prefills += 1
+        self.stats.prefill_tokens += sum(len(r.prompt) for r in requests) - sum(heads)
+        self.stats.padded_tokens += width * len(requests)
+        self.stats.reused_tokens += sum(heads)
+        self.stats.reused_rows += sum(1 for start in heads if start)
+        for (request, s, _), token in zip(group, host):
+            slots[s] = _Row(request, [], len(request.prompt))
+            yield from self._accept(s, token, slots)
+
+    def _held_row(self, prompt: Sequence[int], free: list[int]) -> tuple[int | None, int]:
+        """The free row whose cached tokens share the longest head with ``prompt`` and how many of
+        its tokens to keep (at most len(prompt) - 1: the last one is run for its logits), or (None,
+        0) when no row shares ``MIN_REUSE`` tokens."""
+        best, keep = None, 0
+        if len(prompt) > HELD_KEY:
+            for row in self.held_by_key.get(tuple(prompt[:HELD_KEY]), ()):
+                same = min(len(os.path.commonprefix([self.held[row], list(prompt)])), len(prompt) - 1)
+                if same > keep and row in free:
+                    best, keep = row, same
+        return (best, keep) if keep >= MIN_REUSE else (None, 0)
+
+    def _hold(self, row: int, tokens: list[int]) -> None:
+        """Free row ``row``'s cache holds ``tokens`` at positions 0, 1, ...: keep them for reuse."""
+        if self.reuse and len(tokens) > HELD_KEY:
+            self.held[row] = tokens
+            self.held_by_key[tuple(tokens[:HELD_KEY])].add(row)
+
+    def _forget(self, row: int) -> None:
+        tokens = self.held.pop(row, None)
+        if tokens is not None:
+            self.held_by_key[tuple(tokens[:HELD_KEY])].discard(row)
 
     def _compact(self, live: list[int], slots: list[_Row | None]) -> None:
         """Move the running rows ``live`` (increasing) to rows 0 .. len(live)-1."""
@@ -374,6 +467,8 @@ class BatchDecoder:
             buf[:n] = buf[src]
         moved = [slots[s] for s in live]
         slots[:] = moved + [None] * (self.rows - n)
+        self.held.clear()  # free rows were overwritten
+        self.held_by_key.clear()
 
     def _step(self, size: int, slots: list[_Row | None]) -> Iterator[Result]:
         """One decode step of rows 0 .. size-1 (free ones compute and are ignored)."""
@@ -427,6 +522,8 @@ class BatchDecoder:
             row.tokens.append(token)
         if ended or len(row.tokens) >= row.request.max_new_tokens:
             slots[s] = None
+            # the cache holds the prompt and every token fed back: all drawn but the last
+            self._hold(s, (list(row.request.prompt) + row.tokens)[:row.position])
             yield Result(row.request.key, row.tokens, ended)
 
 

@@ -137,7 +137,8 @@ def test_varlen_rows_attend_to_their_own_keys_only(monkeypatch):
     monkeypatch.setattr(batch_module, "flash_varlen", flash_reference)
     monkeypatch.setattr(batch_module, "varlen_works", lambda device, dtype: None)
     prompts_ = prompts(9, seed=4)
-    decoder = BatchDecoder(target, rows=4, capacity=120, sampling=SamplingConfig(), attention="varlen")
+    decoder = BatchDecoder(target, rows=4, capacity=120, sampling=SamplingConfig(), attention="varlen",
+                           capture=False)  # the reference reads lengths on the host: no graph
     assert decoder.varlen and decoder.stats.attention == "varlen"
     pending = collections.deque(Request(p, 20, key=i) for i, p in enumerate(prompts_))
     out = {r.key: r.token_ids + ([0] if r.ended else []) for r in decoder.stream(
@@ -165,3 +166,62 @@ def test_varlen_attention_matches_plain_attention_on_cuda():
     from eagle.decoding.batch import varlen_works
 
     assert varlen_works(torch.device("cuda"), torch.bfloat16) is None
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
+def test_a_next_turn_reuses_the_rows_cache_and_decodes_as_alone(monkeypatch, attention):
+    """A follow-up whose prompt starts with what a finished row's cache holds (the prompt, the
+    answer fed back, then new tokens; or only part of the answer, or the prompt alone) goes to that
+    row and prefills only its tail: every result is still what the request gives alone, and a
+    prompt too short to share ``MIN_REUSE`` tokens is prefilled whole."""
+    from eagle.decoding import batch as batch_module
+
+    if attention == "varlen":
+        monkeypatch.setattr(batch_module, "flash_varlen", flash_reference)
+        monkeypatch.setattr(batch_module, "varlen_works", lambda device, dtype: None)
+    target = tiny_target(eos=True, seed=3, max_positions=256)
+    gen = torch.Generator().manual_seed(1)
+    firsts = [torch.randint(1, 32, (40 + 3 * i,), generator=gen).tolist() for i in range(6)] + [[5, 6, 7]]
+    decoder = BatchDecoder(target, rows=3, capacity=200, sampling=SamplingConfig(), refill_at=1,
+                           attention=attention, capture=False)
+    pending = collections.deque(Request(p, 8, key=("first", i, tuple(p))) for i, p in enumerate(firsts))
+    seen = {}
+    for result in decoder.stream(lambda: pending.popleft() if pending else None):
+        seen[result.key] = result.token_ids
+        if result.key[0] == "first":
+            i, ids, tokens = result.key[1], list(result.key[2]), result.token_ids
+            follow = [ids + tokens + [7, 8], ids + tokens[:2] + [9, 5, 6], ids][i % 3]
+            pending.appendleft(Request(follow, 8, key=("next", i, tuple(follow))))  # next turns first
+    assert len(seen) == 2 * len(firsts)
+    for key, tokens in seen.items():
+        assert generate_batch(target, [list(key[2])], 8, SamplingConfig(), rows=1).token_ids[0] == tokens, key
+    stats = decoder.stats
+    assert stats.reused_rows >= 4 and stats.reused_tokens >= 4 * 40
+    assert stats.prefill_tokens + stats.reused_tokens == sum(len(k[2]) for k in seen)
+
+
+def test_a_prompt_tail_extended_onto_its_cached_head_is_the_whole_prompt_prefilled():
+    """``extend_rows`` after ``prefill_rows`` of the heads gives the features and the cache rows that
+    ``prefill_rows`` of the whole prompts gives (fp32), with tails of different lengths padded."""
+    from eagle.decoding.batch import extend_rows, prefill_rows
+
+    target = tiny_target(seed=4)
+    lean = target.lean
+    gen = torch.Generator().manual_seed(0)
+    whole = [torch.randint(1, 32, (n,), generator=gen).tolist() for n in (30, 41)]
+    heads = [17, 33]
+    kv = torch.zeros(2, len(lean.layers), 4, 64, lean.num_kv_heads, lean.head_dim)
+    cos, sin = (t[0] for t in lean.rotary(torch.zeros(1), torch.arange(64)[None]))
+    with torch.inference_mode():
+        width = max(map(len, whole))
+        padded = torch.tensor([p + [0] * (width - len(p)) for p in whole])
+        want = prefill_rows(lean, kv, cos, sin, torch.tensor([0, 1]), padded, torch.tensor([29, 40]))
+        head = torch.tensor([p[:h] + [0] * (max(heads) - h) for p, h in zip(whole, heads)])
+        prefill_rows(lean, kv, cos, sin, torch.tensor([2, 3]), head, torch.tensor(heads) - 1)
+        tails = [p[h:] for p, h in zip(whole, heads)]
+        tail = torch.tensor([t + [0] * (max(map(len, tails)) - len(t)) for t in tails])
+        got = extend_rows(lean, kv, cos, sin, torch.tensor([2, 3]), tail, torch.tensor(heads),
+                          torch.tensor([len(t) - 1 for t in tails]), keys_len=64)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b, n in ((0, 2, 30), (1, 3, 41)):
+        torch.testing.assert_close(kv[:, :, b, :n], kv[:, :, a, :n], atol=1e-5, rtol=1e-5)

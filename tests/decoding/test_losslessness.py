@@ -51,9 +51,9 @@ def spread(model):
 def exact_triples(model: EagleModel, sampling: SamplingConfig, prompt: list[int] = PROMPT) -> torch.Tensor:
     """P(x1, x2, x3 | prompt) [V, V, V] by enumerating every 2-token continuation."""
     pairs = torch.tensor(list(itertools.product(range(VOCAB), repeat=2)))
-    ids = torch.cat([torch.tensor(prompt).expand(len(pairs), -1), pairs], dim=1)
+    ids = torch.cat([torch.tensor(prompt).expand(len(pairs), -1), pairs], dim=1).to(model.target.device)
     with torch.no_grad():
-        logits = model.target.model(ids).logits[:, len(prompt) - 1:]
+        logits = model.target.model(ids).logits[:, len(prompt) - 1:].cpu()
     probs = logits_to_probs(logits, sampling)  # [V*V, 3, V]
     p1 = probs[0, 0]
     p2 = probs[:, 1].reshape(VOCAB, VOCAB, VOCAB)[:, 0]  # [x1, x2]
