@@ -5,7 +5,8 @@
 1. Data: with ``--source`` (a ShareGPT/OpenAI .json/.jsonl(.gz), e.g. made by ``--prepare-sharegpt``)
    every user turn of its conversations is answered by the target, each given the regenerated
    conversation before it (``eagle-selfdistill`` with ``source``: ``train.regenerate``; keys from
-   ``--set-data``), for at most ``--gen-s`` seconds; the conversations complete by then are used
+   ``--set-data``), for at most ``--gen-s`` seconds (it stops itself: conversations under way keep the
+   turns answered by then), continuing ``--resume-data``'s conversations; they are used
    (``data.jsonl``; ``heldout.jsonl`` is left out of training) with the ``--data`` chat files
    (default: the tracked ``data/*/data.jsonl.gz``).
 2. Training: each kind of ``--kinds`` (``eagle3``, ``eagle``) in turn, online features on packed rows
@@ -79,7 +80,7 @@ def data_keys(args, out_dir: Path) -> list[str]:
     """The data step's ``eagle-selfdistill --set`` items: the window's, replaced by ``--set-data``'s where it
     names the same key (``--set`` refuses a key given twice with different values)."""
     items = [f"source={args.source}", f"out_dir={out_dir}", f"target={args.target}", "num_conversations=30000",
-             "answer_max_tokens=256", *args.set_data]
+             "answer_max_tokens=256", "rows=512", *args.set_data]
     return [f"{k}={v}" for k, v in dict(item.split("=", 1) for item in items).items()]
 
 
@@ -120,7 +121,7 @@ def make_data(args, work: Path, logf: Path, deadline: float) -> dict:
         try:
             rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=limit + 60).returncode
         except subprocess.TimeoutExpired:
-            rc = 124  # expected: the conversations complete by then are kept
+            rc = 124  # the step did not stop itself: the conversations written by then are kept
     took = time.time() - t0
     train, heldout = completed(out_dir / "data.jsonl"), completed(out_dir / "heldout.jsonl")
     answers = sum(1 for r in train + heldout for t in r["conversations"] if t["from"] == "gpt")
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "source: a ShareGPT/OpenAI .json/.jsonl(.gz), or sharegpt)")
     parser.add_argument("--set-data", nargs="*", default=[], metavar="KEY=VALUE",
                         help="eagle-selfdistill keys of the data step (default num_conversations=30000 "
-                             "answer_max_tokens=256)")
+                             "answer_max_tokens=256 rows=512)")
     parser.add_argument("--gen-s", type=float, default=120, help="seconds of answering at most")
     parser.add_argument("--resume-data", default="",
                         help="a folder with an earlier window's returned data.jsonl.gz (or parts) and heldout.jsonl.gz: "
