@@ -186,16 +186,43 @@ def completed(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in lines]
 
 
-def prompt_ids(target: Target, chat: Chat, answers: list[str]) -> list[int]:
-    """Token ids of the chat-templated conversation up to user turn ``len(answers)``, ending where
-    the assistant's answer starts."""
+def prompt_text(target: Target, chat: Chat, answers: list[str]) -> str:
+    """The chat-templated conversation up to user turn ``len(answers)``, ending where the assistant's
+    answer starts."""
     messages = [{"role": "system", "content": chat.system}] if chat.system else []
     for user, answer in zip(chat.users, answers + [None]):
         messages.append({"role": "user", "content": user})
         if answer is not None:
             messages.append({"role": "assistant", "content": answer})
-    text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(target.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def extend_ids(tokenizer: Any, text: str, previous: tuple[str, list[int]] | None) -> list[int]:
+    """Token ids of ``text``, reusing ``previous`` = (an earlier text, its ids) when that text is a
+    prefix of it: its ids up to its last added token (``<|im_end|>`` say; one that strips no
+    whitespace) and the rest tokenized alone. That is what tokenizing the whole gives, since added
+    tokens split the text before anything else; a conversation's next prompt then costs its new
+    turns only. Else the whole text tokenized."""
+    if previous is not None and text.startswith(previous[0]):
+        old_text, old_ids = previous
+        cuts = _cut_tokens(tokenizer)
+        for j in range(len(old_ids) - 1, -1, -1):
+            token = cuts.get(old_ids[j])
+            if token is not None:
+                end = old_text.rfind(token)
+                if end >= 0:
+                    rest = text[end + len(token):]
+                    return old_ids[:j + 1] + (list(tokenizer(rest, add_special_tokens=False)["input_ids"])
+                                              if rest else [])
+                break
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _cut_tokens(tokenizer: Any) -> dict[int, str]:
+    """Added tokens (id -> text) after which tokenization starts afresh: those that strip nothing."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return {i: t.content for i, t in decoder.items()
+            if not getattr(t, "lstrip", False) and not getattr(t, "rstrip", False) and t.content}
 
 
 def record_of(chat: Chat, answers: list[str], source: str) -> dict:
@@ -214,12 +241,15 @@ class Conversations:
         self.target, self.chats, self.answer_tokens, self.context_tokens = target, chats, answer_tokens, context_tokens
         self.seed, self.gen, self.deadline = seed, gen, deadline
         self.follow_ups: collections.deque[Request] = collections.deque()
+        self.prompts: dict[str, tuple[str, list[int]]] = {}  # chat id -> its last prompt (text, ids)
         self.done: list[tuple[Chat, list[str]]] = []  # finished conversations, for the caller to write
 
     def request(self, chat: Chat, answers: list[str]) -> Request | None:
         """The request for the next user turn, or None when its prompt leaves no room for an answer
         within ``context_tokens`` (the conversation ends before it)."""
-        ids = prompt_ids(self.target, chat, answers)
+        text = prompt_text(self.target, chat, answers)
+        ids = extend_ids(self.target.tokenizer, text, self.prompts.get(chat.id))
+        self.prompts[chat.id] = (text, ids)
         if len(ids) + self.answer_tokens > self.context_tokens:
             self.gen["turns_cut_by_context"] += len(chat.users) - len(answers)
             return None
@@ -253,12 +283,14 @@ class Conversations:
         if follow is not None:
             self.follow_ups.append(follow)
         else:
+            self.prompts.pop(chat.id, None)
             self.done.append((chat, answers))
 
     def cut(self) -> None:
         """Hand the conversations still waiting for a turn to ``done`` with the turns answered so far."""
         while self.follow_ups:
             chat, answers = self.follow_ups.popleft().key
+            self.prompts.pop(chat.id, None)
             self.gen["conversations_cut_by_time"] += 1
             self.done.append((chat, answers))
 

@@ -141,7 +141,8 @@ def test_past_the_deadline_nothing_starts_and_conversations_under_way_keep_their
     import collections
     import types
 
-    monkeypatch.setattr(regenerate, "prompt_ids", lambda target, chat, answers: [1] * (3 + 2 * len(answers)))
+    monkeypatch.setattr(regenerate, "prompt_text", lambda target, chat, answers: "x" * (3 + 2 * len(answers)))
+    monkeypatch.setattr(regenerate, "extend_ids", lambda tokenizer, text, previous: [1] * len(text))
     target = types.SimpleNamespace(tokenizer=types.SimpleNamespace(
         decode=lambda ids, skip_special_tokens: " ".join(map(str, ids))))
     chats = [regenerate.Chat(name, None, users, False) for name, users in
@@ -157,3 +158,42 @@ def test_past_the_deadline_nothing_starts_and_conversations_under_way_keep_their
     work.cut()
     assert [(chat.id, answers) for chat, answers in work.done] == [("a", ["5"]), ("b", ["6 7"])]
     assert gen["conversations_cut_by_time"] == 2 and not work.follow_ups
+
+
+def check_extended_prompts(target, conversations: list[list[str]], system: str | None = None) -> int:
+    """Each next prompt of each conversation (users and answers alternating) tokenized by
+    ``extend_ids`` from the one before equals the whole prompt tokenized; -> prompts checked."""
+    checked = 0
+    for turns in conversations:
+        chat = regenerate.Chat("c", system, turns[::2], False)
+        previous = None
+        for t in range(len(chat.users)):
+            text = regenerate.prompt_text(target, chat, turns[1::2][:t])
+            ids = regenerate.extend_ids(target.tokenizer, text, previous)
+            assert ids == target.tokenizer(text, add_special_tokens=False)["input_ids"], (turns, t)
+            previous, checked = (text, ids), checked + 1
+    return checked
+
+
+def test_a_next_prompt_tokenized_from_the_one_before_is_the_whole_prompt_tokenized(tmp_path):
+    target = load_target(str(save_tiny_chat_target(tmp_path / "target", vocab_size=64)))
+    rng = random.Random(0)
+    conversations = [[" ".join(f"t{rng.randint(4, 63)}" for _ in range(rng.randint(1, 6)))
+                      for _ in range(2 * rng.randint(1, 4))] for _ in range(20)]
+    assert check_extended_prompts(target, conversations) > 40
+    cuts = regenerate._cut_tokens(target.tokenizer)
+    assert cuts and all(target.tokenizer.convert_ids_to_tokens(i) == t for i, t in cuts.items())
+
+
+@pytest.mark.integration
+def test_next_prompts_of_real_chats_tokenize_as_whole_prompts_with_the_default_target():
+    """SmolLM2's chat template and tokenizer, the tracked chats' turns (code, lists, other
+    languages, leading and trailing spaces) as users and answers."""
+    target = load_target("smollm2-135m-instruct")
+    chats = load_chats("data/people-smollm2/data.jsonl.gz").conversations[:40]
+    conversations = []
+    for i, chat in enumerate(chats):
+        texts = [m["content"] for m in chat if m["role"] in ("user", "assistant")]
+        conversations.append([t + (" " if i % 3 == 0 else "") for t in texts * 2])  # 2+ turns each
+    assert check_extended_prompts(target, conversations, system=None) >= 80
+    assert check_extended_prompts(target, conversations[:5], system="Be brief.\n") >= 10
