@@ -6,7 +6,8 @@
 
 ``--random-weights``: no target file, random weights in SmolLM2-135M's architecture and prompts of
 random ids (lengths drawn from ``--prompt-lengths``): speed only (rows rarely end early), e.g. to
-compare ``--attention sdpa`` and ``varlen`` where the target cannot travel.
+compare ``--attention sdpa`` and ``varlen`` where the target cannot travel. ``--profile TOP`` then
+prints torch.profiler's TOP operations of one prefill of the rows and 8 decode steps.
 
 Prompts: the chat-templated dev prompts, cycled. An untimed warm-up on the first 2 x rows prompts (CUDA
 graphs are captured there; a shape it did not meet is captured in the timed run), then the timed run:
@@ -59,6 +60,8 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 (default: the device's)")
     parser.add_argument("--random-weights", action="store_true", help="SmolLM2-135M's architecture, random weights")
     parser.add_argument("--prompt-lengths", default="64:1536", help="LO:HI prompt tokens with --random-weights")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="then profile one prefill of the rows and 8 steps, printing the TOP operations")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype) if args.dtype else None
     if args.random_weights:
@@ -82,6 +85,24 @@ def main() -> None:
                       "new_tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
                       "device": str(target.device), "dtype": str(target.dtype), "random_weights": args.random_weights,
                       "temperature": args.temperature, **dataclasses.asdict(decoder.stats)}))
+    if args.profile:
+        profile(target, decoder, requests[:args.rows], args.profile)
+
+
+def profile(target: Target, decoder: BatchDecoder, requests: list[Request], top: int) -> None:
+    """torch.profiler over the first rows' prefill and 8 decode steps: the ``top`` operations by
+    device time (CPU time on a CPU), printed after the JSON line."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if target.device.type == "cuda" else [])
+    pending = list(reversed([dataclasses.replace(r, max_new_tokens=8) for r in requests]))
+    with torch_profile(activities=activities) as prof:
+        for _ in decoder.stream(lambda: pending.pop() if pending else None):
+            pass
+        if target.device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if target.device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=top))
 
 
 def random_target(dtype: torch.dtype | None) -> Target:
