@@ -540,3 +540,50 @@ def _load(reader: _Reader, path: str | Path, config: Any, generation_config: Any
         raise ValueError(f"GGUF file {Path(path).name}: tensors eagle does not read: {', '.join(left[:5])}")
     storage = {info.ggml_type: tensor_storage(info.ggml_type) for info in header.tensors}
     return GGUFModel(config, generation_config, inner, head, storage, huge_pages=arena.region is not None)
+
+
+DENSE_ARCHITECTURES = ("llama", "qwen2")  # what ``hf_state_dict`` converts
+
+
+def hf_state_dict(path: str | Path, header: GGUFHeader, config: Any) -> dict[str, torch.Tensor]:
+    """The fp32 weights of a GGUF file of ``DENSE_ARCHITECTURES`` by transformers' names, as its own
+    GGUF reader gives them (gguf-py's de-quantization; a llama file's q and k rows in transformers'
+    order) without that reader's parse of the whole metadata (half a minute for a 49k vocabulary).
+    No ``lm_head.weight`` where the file ties the head to the embedding. A tensor it does not know
+    is a ``ValueError``."""
+    if header.architecture not in DENSE_ARCHITECTURES:
+        raise ValueError(f"hf_state_dict converts {', '.join(DENSE_ARCHITECTURES)} files, not {header.architecture}")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    names: dict[str, tuple[str, int | None]] = {"token_embd.weight": ("model.embed_tokens.weight", None),
+                                                "output_norm.weight": ("model.norm.weight", None),
+                                                "output.weight": ("lm_head.weight", None)}
+    for i in range(config.num_hidden_layers):
+        for attr, name in _LLAMA_NORMS.items():
+            names[f"blk.{i}.{name}.weight"] = (f"model.layers.{i}.{attr}.weight", None)
+        for group, projections in _LLAMA_LAYER.items():
+            for attr, name in projections.items():
+                permute = {"attn_q": heads, "attn_k": kv_heads}.get(name) if header.architecture == "llama" else None
+                for part in ("weight", "bias"):
+                    names[f"blk.{i}.{name}.{part}"] = (f"model.layers.{i}.{group}.{attr}.{part}", permute)
+    state = {}
+    with open(path, "rb") as f:
+        reader = _Reader(f, header, Arena(0))
+        for info in header.tensors:
+            if info.name.startswith("rope_"):
+                continue
+            if info.name not in names:
+                raise ValueError(f"GGUF file {Path(path).name}: tensor {info.name} has no transformers name here")
+            raw = reader.raw_rows(info, 0, tensor_bytes(info)[0])
+            if info.ggml_type == "F32":
+                values = raw.view(torch.float32)
+            elif info.ggml_type in ("F16", "BF16"):
+                values = raw.view(torch.float16 if info.ggml_type == "F16" else torch.bfloat16).float()
+            else:
+                values = torch.from_numpy(dequantize_numpy(raw.numpy(), info.ggml_type))
+            values = values.reshape(tuple(reversed(info.shape)))
+            name, permute = names[info.name]
+            if permute is not None:
+                values = values[llama_row_order(values.shape[0], permute)]
+            state[name] = values.contiguous()
+    return state

@@ -8,6 +8,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -276,10 +277,23 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     out = _gguf_cache_dir(gguf_path)
     if (out / "model.safetensors").is_file():
         return out
-    check_gguf(gguf_path)  # refuses in about a second what cannot run, before any tensor is converted
+    header = check_gguf(gguf_path)  # refuses in about a second what cannot run, before any tensor is converted
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from eagle.runtime.gguf_weights import DENSE_ARCHITECTURES, hf_state_dict
+
+    if header.architecture in DENSE_ARCHITECTURES:  # the weights read here, the rest from transformers' reader
+        from safetensors.torch import save_file
+        from transformers import AutoConfig
+
+        meta = gguf_metadata_dir(gguf_path)
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        shutil.copytree(meta, tmp, dirs_exist_ok=True)
+        state = hf_state_dict(gguf_path, header, AutoConfig.from_pretrained(meta))
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tmp.rename(out)
+        return out
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")

@@ -312,3 +312,45 @@ def test_the_rotary_tables_are_the_bits_of_transformers(family, rope):
         ours = rotary(x, positions, layer_type)
         theirs = model.model.rotary_emb(x, positions, *([layer_type] if layer_type else []))
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_dense_conversion_gives_the_models_weights_by_transformers_names(tmp_path, tied):
+    """``hf_state_dict`` of a llama GGUF file (every streamed type; q and k rows in llama.cpp's order)
+    is the state dict of the model it was written from, whose weights are what the codes de-quantize
+    to: names, row order and values exact; a tied file has no ``lm_head.weight``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagle.runtime.gguf_file import read_header
+    from eagle.runtime.gguf_weights import hf_state_dict
+
+    cfg = LlamaConfig(vocab_size=48, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    types = {k: v for k, v in LLAMA_TYPES.items() if not (tied and k == "output")}
+    path = write_model_gguf(tmp_path / "tiny.gguf", model, types)
+    state = hf_state_dict(path, read_header(path), cfg)
+    want = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    assert sorted(state) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(state[name], tensor), name
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_the_default_targets_conversion_is_transformers_own(tmp_path, monkeypatch):
+    """The default target's GGUF converted by ``converted_gguf_dir`` (weights read here, the configs and
+    the tokenizer by transformers) loads as the model transformers' own GGUF reader gives."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle.runtime.target import converted_gguf_dir, smollm2_gguf_path
+
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
+    path = smollm2_gguf_path()
+    ours = AutoModelForCausalLM.from_pretrained(converted_gguf_dir(path), dtype=torch.float32).state_dict()
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).state_dict()
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
