@@ -32,6 +32,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -57,13 +58,21 @@ def log(message: str, path: Path) -> None:
         f.write(line + "\n")
 
 
-def prepare_sharegpt(source: str, dest: Path, exclude_prompts: str = "benchmarks/prompts") -> dict:
+def prepare_sharegpt(source: str, dest: Path, exclude_prompts: str = "benchmarks/prompts",
+                     answered: Path | None = None, limit: int = 0) -> dict:
     """The conversations of a ShareGPT/OpenAI file (or ``sharegpt``: the PyPI package's) that the data step
-    would answer (deduplicated, none with a benchmark prompt of ``exclude_prompts``), system and user turns only,
-    as a ShareGPT .jsonl.gz small enough to carry (``source=`` reads it); -> counts."""
+    would answer (deduplicated, none with a benchmark prompt of ``exclude_prompts``, none of the conversations
+    in ``answered``: a folder of returned data, as ``--resume-data`` takes; the first ``limit``, 0 = all), system
+    and user turns only, as a ShareGPT .jsonl.gz small enough to carry (``source=`` reads it); -> counts."""
     path = sharegpt_path() if source == "sharegpt" else Path(source)
     records, _, _ = read_elements(read_text(path))
     chats, stats = select_chats(records, benchmark_prompts(exclude_prompts), 0.0, 0)
+    done = set()
+    if answered is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            resume_data(answered, Path(tmp), "")
+            done = {r["id"] for name in ("data.jsonl", "heldout.jsonl") for r in completed(Path(tmp) / name)}
+    chats = [chat for chat in chats if f"sg-{chat.id}" not in done][:limit or None]
     lines = []
     for chat in chats:
         turns = [{"from": "system", "value": chat.system}] if chat.system else []
@@ -71,7 +80,8 @@ def prepare_sharegpt(source: str, dest: Path, exclude_prompts: str = "benchmarks
         lines.append(json.dumps({"conversations": turns}, ensure_ascii=False) + "\n")
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_bytes(gzip.compress("".join(lines).encode(), 9))
-    return {"conversations": len(chats), "user_turns": sum(len(c.users) for c in chats), "bytes": dest.stat().st_size,
+    return {"conversations": len(chats), "answered_before": len(done), "user_turns": sum(len(c.users) for c in chats),
+            "bytes": dest.stat().st_size,
             "records": stats["records"], "duplicates": stats["duplicates"],
             "excluded_benchmark": stats["excluded_benchmark"]}
 
@@ -291,11 +301,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prepare-sharegpt", metavar="DEST",
                         help="instead: write --source's conversations, system and user turns, to DEST (.jsonl.gz, "
                              "small enough to carry)")
+    parser.add_argument("--prepare-limit", type=int, default=0,
+                        help="with --prepare-sharegpt: the first N conversations not in --resume-data (0 = all)")
     args = parser.parse_args(argv)
     if args.prepare_sharegpt:
         if not args.source:
             parser.error("--prepare-sharegpt needs --source")
-        print(json.dumps(prepare_sharegpt(args.source, Path(args.prepare_sharegpt))))
+        print(json.dumps(prepare_sharegpt(args.source, Path(args.prepare_sharegpt),
+                                          answered=Path(args.resume_data) if args.resume_data else None,
+                                          limit=args.prepare_limit)))
         return 0
     import torch
 

@@ -44,6 +44,18 @@ def test_prepare_sharegpt_keeps_system_and_user_turns_of_complete_distinct_conve
     assert [user_turns(r) for r in kept] == [(None, ["question 0", "more 0"]), ("be brief", ["question 2", "more 2"]),
                                              (None, ["question 3", "more 3"]), (None, ["question 4", "more 4"])]
     assert all(t["from"] != "gpt" for r in kept for t in r["conversations"])
+    # what an earlier window answered is left out, then the first ``limit`` of the rest are kept
+    answered = tmp_path / "answered"
+    answered.mkdir()
+    done = {"id": f"sg-{chat_id(None, ['question 3', 'more 3'])}", "conversations": []}
+    (answered / "data.jsonl.gz").write_bytes(gzip.compress((json.dumps(done) + "\n").encode()))
+    counts = prepare_sharegpt(str(cut), dest, exclude_prompts=str(bench), answered=answered, limit=2)
+    kept = read_elements(gzip.decompress(dest.read_bytes()).decode())[0]
+    assert counts["answered_before"] == 1 and counts["conversations"] == 2
+    assert [user_turns(r)[1][0] for r in kept] == ["question 0", "question 2"]
+    prepare_sharegpt(str(cut), dest, exclude_prompts=str(bench), answered=answered)
+    assert [user_turns(r)[1][0] for r in read_elements(gzip.decompress(dest.read_bytes()).decode())[0]] == [
+        "question 0", "question 2", "question 4"]
 
 
 @pytest.mark.slow
