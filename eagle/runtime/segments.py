@@ -3,7 +3,10 @@
 The rows of all sequences go through every matrix product together (the weights are read once
 for the whole batch); attention runs per sequence, each segment of rows against its own
 ``StaticCache`` (of its own length) with its own additive mask (a draft tree's ancestors).
-The arithmetic is ``LeanDecoder``'s (``eagle.runtime.decoder``), on its weights."""
+The arithmetic is ``LeanDecoder``'s (``eagle.runtime.decoder``), on its weights: where one
+sequence alone takes the compiled decoder stack (the compiled kernels run, at most
+``STREAM_MAX_ROWS`` rows), its segment takes the same compiled rotary, cache write and attention
+(``rope_cache``, ``attention``), so each of its rows gets the bits it gets alone; else torch's."""
 
 from __future__ import annotations
 
@@ -14,7 +17,14 @@ import torch.nn.functional as F
 
 from eagle.decoding.tree_mask import causal_bias
 from eagle.runtime.decoder import LeanDecoder, rotate
+from eagle.runtime.kernels import STREAM_MAX_ROWS
 from eagle.runtime.kv_cache import StaticCache
+
+
+def compiled_segments(lean: LeanDecoder, sizes: Sequence[int]) -> list[bool]:
+    """Which segments of ``sizes`` rows take the compiled attention: those one sequence alone
+    would run through the compiled decoder stack (``LeanDecoder.forward``)."""
+    return [lean.stack is not None and 0 < n <= STREAM_MAX_ROWS for n in sizes]
 
 
 @torch.inference_mode()
@@ -26,26 +36,39 @@ def segment_forward(lean: LeanDecoder, input_ids: torch.Tensor, position_ids: to
     ``masks[s]`` (additive [1, 1, n_s, past_s + n_s], or None: causal). Returns the final-norm
     hidden states [R, H] followed by the outputs of layers ``aux_layers`` ([R, (1 + n) H])."""
     nh, nkv, d = lean.num_heads, lean.num_kv_heads, lean.head_dim
-    rows = input_ids.shape[0]
-    x = lean.embed(input_ids[None])  # [1, R, H]
-    cos, sin = lean.rotary(x, position_ids[None])
-    cos, sin = cos[:, None], sin[:, None]  # [1, 1, R, d]
+    x = lean.embed(input_ids)  # [R, H]
+    cos, sin = lean.rotary(x[None], position_ids[None])
+    cos, sin = cos[0], sin[0]  # [R, d]
     starts = [sum(sizes[:s]) for s in range(len(sizes))]
-    masks = [m if m is not None or n == 1 else causal_bias(n, c.get_seq_length(), x.dtype, x.device)
-             for m, n, c in zip(masks, sizes, caches)]
+    fast = compiled_segments(lean, sizes)
+    segments = []  # per sequence: (start, rows, cache, past, mask, compiled)
+    for cache, start, n, mask, compiled in zip(caches, starts, sizes, masks, fast):
+        if compiled:  # the kernels write every layer's keys: reserve their rows once
+            past = cache.reserve_layers(cos.new_empty(1, nkv, n, d))
+            mask = None if mask is None else mask[0, 0].contiguous()  # None: causal
+        else:
+            past = cache.get_seq_length()
+            mask = mask if mask is not None or n == 1 else causal_bias(n, past, x.dtype, x.device)
+        segments.append((start, n, cache, past, mask, compiled))
     kept: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(lean.layers):
-        qkv = layer.qkv(lean.rms_norm(x, layer.input_norm, layer.input_eps))
-        qk, v = qkv.view(1, rows, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
-        q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)  # [1, heads, R, d]
+        qkv = layer.qkv(lean.rms_norm(x, layer.input_norm, layer.input_eps))  # [R, (nh + 2 nkv) d]
         outs = []
-        for cache, start, n, mask in zip(caches, starts, sizes, masks):
-            keys, values = cache.update(i, k[:, :, start:start + n], v[:, :, start:start + n])
-            outs.append(F.scaled_dot_product_attention(q[:, :, start:start + n], keys, values, attn_mask=mask,
-                                                       enable_gqa=nkv != nh, scale=d ** -0.5))
-        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
-        x = x + layer.o(out.transpose(1, 2).reshape(1, rows, nh * d))
+        for start, n, cache, past, mask, compiled in segments:
+            rows = qkv[start:start + n]
+            if compiled:
+                keys, values = cache.keys[i][0], cache.values[i][0]  # [kv, capacity, d]
+                q = lean.compiled.rope_cache(rows, cos[start:start + n], sin[start:start + n], keys, values, nh, past)
+                outs.append(lean.compiled.attention(q, keys, values, past + n, mask, d ** -0.5))  # [n, nh d]
+                continue
+            qk, v = rows.view(1, n, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
+            q, k = rotate(qk, cos[None, None, start:start + n], sin[None, None, start:start + n]).split([nh, nkv], dim=1)
+            keys, values = cache.update(i, k, v)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nkv != nh,
+                                                 scale=d ** -0.5)  # [1, nh, n, d]
+            outs.append(out[0].transpose(0, 1).reshape(n, nh * d))
+        x = x + layer.o(torch.cat(outs) if len(outs) > 1 else outs[0])
         x = x + layer.down(lean.silu_mul(layer.gate_up(lean.rms_norm(x, layer.post_norm, layer.post_eps))))
         if i in aux_layers:
             kept[i] = x
-    return torch.cat([lean.rms_norm(x, lean.norm, lean.norm_eps)] + [kept[i] for i in aux_layers], dim=-1)[0]
+    return torch.cat([lean.rms_norm(x, lean.norm, lean.norm_eps)] + [kept[i] for i in aux_layers], dim=-1)
