@@ -39,33 +39,37 @@ def segment_forward(lean: LeanDecoder, input_ids: torch.Tensor, position_ids: to
     x = lean.embed(input_ids)  # [R, H]
     cos, sin = lean.rotary(x[None], position_ids[None])
     cos, sin = cos[0], sin[0]  # [R, d]
-    starts = [sum(sizes[:s]) for s in range(len(sizes))]
-    fast = compiled_segments(lean, sizes)
-    segments = []  # per sequence: (start, rows, cache, past, mask, compiled)
-    for cache, start, n, mask, compiled in zip(caches, starts, sizes, masks, fast):
-        if compiled:  # the kernels write every layer's keys: reserve their rows once
+    compiled, scale = lean.compiled, d ** -0.5
+    segments = []  # per sequence: (compiled, rows, its keys and values per layer or its cache, past, mask, cos, sin)
+    start = 0
+    for cache, n, mask, fast in zip(caches, sizes, masks, compiled_segments(lean, sizes)):
+        rows = slice(start, start + n)
+        start += n
+        if fast:  # the kernels write every layer's keys: their rows are reserved once
             past = cache.reserve_layers(cos.new_empty(1, nkv, n, d))
-            mask = None if mask is None else mask[0, 0].contiguous()  # None: causal
+            buffers = [(k[0], v[0]) for k, v in zip(cache.keys, cache.values)]  # [kv, capacity, d] each
+            segments.append((True, rows, buffers, past, None if mask is None else mask[0, 0].contiguous(),
+                             cos[rows], sin[rows]))  # mask None: causal
         else:
             past = cache.get_seq_length()
             mask = mask if mask is not None or n == 1 else causal_bias(n, past, x.dtype, x.device)
-        segments.append((start, n, cache, past, mask, compiled))
+            segments.append((False, rows, cache, past, mask, cos[None, None, rows], sin[None, None, rows]))
     kept: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(lean.layers):
         qkv = layer.qkv(lean.rms_norm(x, layer.input_norm, layer.input_eps))  # [R, (nh + 2 nkv) d]
         outs = []
-        for start, n, cache, past, mask, compiled in segments:
-            rows = qkv[start:start + n]
-            if compiled:
-                keys, values = cache.keys[i][0], cache.values[i][0]  # [kv, capacity, d]
-                q = lean.compiled.rope_cache(rows, cos[start:start + n], sin[start:start + n], keys, values, nh, past)
-                outs.append(lean.compiled.attention(q, keys, values, past + n, mask, d ** -0.5))  # [n, nh d]
+        for fast, rows, held, past, mask, c, s in segments:
+            if fast:
+                keys, values = held[i]
+                q = compiled.rope_cache(qkv[rows], c, s, keys, values, nh, past)
+                outs.append(compiled.attention(q, keys, values, past + c.shape[0], mask, scale))  # [n, nh d]
                 continue
-            qk, v = rows.view(1, n, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
-            q, k = rotate(qk, cos[None, None, start:start + n], sin[None, None, start:start + n]).split([nh, nkv], dim=1)
-            keys, values = cache.update(i, k, v)
+            n = c.shape[2]
+            qk, v = qkv[rows].view(1, n, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
+            q, k = rotate(qk, c, s).split([nh, nkv], dim=1)
+            keys, values = held.update(i, k, v)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nkv != nh,
-                                                 scale=d ** -0.5)  # [1, nh, n, d]
+                                                 scale=scale)  # [1, nh, n, d]
             outs.append(out[0].transpose(0, 1).reshape(n, nh * d))
         x = x + layer.o(torch.cat(outs) if len(outs) > 1 else outs[0])
         x = x + layer.down(lean.silu_mul(layer.gate_up(lean.rms_norm(x, layer.post_norm, layer.post_eps))))
