@@ -41,7 +41,10 @@ from eagle.runtime.decoder import LeanDecoder
 from eagle.runtime.kernels import STREAM_MAX_ROWS
 from eagle.runtime.segments import segment_forward
 
-PREFILL_ROWS = 2048  # the most prompt tokens prefilled by one forward at admission
+# the most prompt tokens one step prefills (a longer prompt goes alone): the requests it admits are
+# prefilled by one forward; the running sequences get a round between such steps, and the first
+# of many requests arriving together start while the others wait (on a CPU about 2 s a step here)
+PREFILL_ROWS = 512
 MAX_TREE = 16  # the most tree nodes (root included) a sequence verifies when total_tokens is "auto"
 # a method's drafting time, as ``load_sizing`` believes it, shrinks by this factor for each round in which
 # its sequences draft nothing, so one slow measurement (a first call, a busy machine) cannot stop drafting
@@ -223,11 +226,16 @@ class BatchedEngine:
 
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
-        """Admit queued requests into free places (their prompts prefilled together, ``_prefill``),
-        then run one round for every running sequence. Returns one event per running sequence (none
+        """Admit queued requests into free places, in order, as long as their prompts hold at most
+        ``PREFILL_ROWS`` tokens in all (one at least), prefilled together (``_prefill``), then run
+        one round for every running sequence. Returns one event per running sequence (none
         when nothing runs)."""
-        admitted = []
+        admitted, rows = [], 0
         while self._queue and len(self._active) + len(admitted) < self.max_batch:
+            seq = next(iter(self._queue.values()))
+            rows += len(seq.ids) - 1
+            if admitted and rows > PREFILL_ROWS:
+                break
             admitted.append(self._queue.popitem(last=False)[1])
         if admitted:
             self._prefill(admitted)
@@ -244,9 +252,9 @@ class BatchedEngine:
 
     def _prefill(self, seqs: list[_Sequence]) -> None:
         """Each sequence's cache filled with its prompt but the last token (the first tree's root). The
-        prompts go through the target together, packed into forwards of at most ``PREFILL_ROWS``
-        rows (``segment_forward``: each prompt attends to itself only), where the lean forward runs;
-        else one forward each. A drafter only keeps the prompt's features (``Proposer.start``): it is
+        prompts go through the target together, packed into one forward (``segment_forward``: each
+        prompt at positions from 0, attending to itself only), where the lean forward runs; else
+        one forward each. A drafter only keeps the prompt's features (``Proposer.start``): it is
         prefilled when its sequence first drafts."""
         target = self.target
         for seq in seqs:
@@ -255,14 +263,12 @@ class BatchedEngine:
         todo = [i for i, seq in enumerate(seqs) if len(seq.ids) > 1]
         if len(todo) > 1 and isinstance(target.lean, LeanDecoder):
             aux = next((seqs[i].proposer.aux_layers for i in todo if seqs[i].proposer.aux_layers), ())
-            for group in packs([len(seqs[i].ids) - 1 for i in todo], PREFILL_ROWS):
-                group = [todo[j] for j in group]
-                sizes = [len(seqs[i].ids) - 1 for i in group]
-                tokens = torch.tensor([t for i in group for t in seqs[i].ids[:-1]], device=target.device)
-                positions = torch.cat([torch.arange(n, device=target.device) for n in sizes])
-                out = segment_forward(target.lean, tokens, positions, [seqs[i].cache for i in group], sizes,
-                                      [None] * len(group), aux)
-                features.update(zip(group, out.split(sizes)))
+            sizes = [len(seqs[i].ids) - 1 for i in todo]
+            tokens = torch.tensor([t for i in todo for t in seqs[i].ids[:-1]], device=target.device)
+            positions = torch.cat([torch.arange(n, device=target.device) for n in sizes])
+            out = segment_forward(target.lean, tokens, positions, [seqs[i].cache for i in todo], sizes,
+                                  [None] * len(todo), aux)
+            features.update(zip(todo, out.split(sizes)))
         else:
             for i in todo:
                 ids = seqs[i].ids
@@ -407,19 +413,6 @@ class BatchedEngine:
         if found:
             seq.text_cut = min(found)
         return bool(found)
-
-
-def packs(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Indices of ``lengths``, in order, cut into runs of at most ``budget`` in all (a longer one alone)."""
-    groups: list[list[int]] = []
-    total = budget
-    for i, n in enumerate(lengths):
-        if total + n > budget:
-            groups.append([])
-            total = 0
-        groups[-1].append(i)
-        total += n
-    return groups
 
 
 def generate_together(engine: BatchedEngine, prompts: Sequence[Any],

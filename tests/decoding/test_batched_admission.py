@@ -9,7 +9,7 @@ import torch
 from eagle import EagleModel
 from eagle.config import SamplingConfig
 from eagle.decoding import batched
-from eagle.decoding.batched import BatchedEngine, RequestOptions, packs
+from eagle.decoding.batched import BatchedEngine, RequestOptions
 from eagle.decoding.proposers import EagleDrafter
 
 from tests.conftest import prompts, tiny_drafter, tiny_target
@@ -32,17 +32,12 @@ def decode(engine: BatchedEngine) -> dict:
     return final
 
 
-def test_packs_cut_lengths_into_runs_within_the_budget():
-    assert packs([3, 4, 2, 9, 1], 8) == [[0, 1], [2], [3], [4]]  # 9 is over the budget: alone
-    assert packs([4, 4, 4], 8) == [[0, 1], [2]] and packs([], 8) == []
-
-
 def test_prompts_admitted_together_are_prefilled_by_one_forward(model, monkeypatch):
     """Six prompts of 1-19 tokens (one of a single token, one longer than the compiled stack takes)
     join in one step: one ``segment_forward`` prefills all those of more than one token, each
     from position 0; every request's greedy output equals its own decoding, ar and eagle-tree.
-    With a budget of 19 rows the prompts are cut into several forwards, none above it but a
-    prompt longer than it alone."""
+    With a budget of 19 rows a step admits the prompts in order while they fit (one at least):
+    four steps admit them, the two that fit together by one forward."""
     calls = []
 
     def spy(lean, ids, positions, caches, sizes, masks, aux_layers=()):
@@ -55,16 +50,20 @@ def test_prompts_admitted_together_are_prefilled_by_one_forward(model, monkeypat
     batch = [torch.randint(1, 32, (n,), generator=gen).tolist() for n in (5, 1, 19, 8, 3, 12)]
     methods = ["eagle-tree", "ar"] * 3
     alone = [model.generate(ids, method="ar", max_new_tokens=8).token_ids for ids in batch]
-    for budget, forwards in ((batched.PREFILL_ROWS, [[4, 18, 7, 2, 11]]), (19, [[4], [18], [7, 2], [11]])):
+    for budget, forwards, joined in ((batched.PREFILL_ROWS, [[4, 18, 7, 2, 11]], [6]),
+                                     (19, [[7, 2]], [2, 3, 5, 6])):  # one prompt alone: its own forward
         monkeypatch.setattr(batched, "PREFILL_ROWS", budget)
         calls.clear()
         engine = BatchedEngine(model, max_batch=8, row_seconds=CHEAP)
         for i, (ids, method) in enumerate(zip(batch, methods)):
             engine.add(i, ids, RequestOptions(method=method, max_new_tokens=8))
-        final = decode(engine)
+        final, running = {}, []
+        while engine.active or engine.queued:
+            final.update((e.request_id, e) for e in engine.step() if e.finished)
+            running.append(engine.active + len(final))
         prefills = [(sizes, positions) for sizes, positions, masks in calls if all(m is None for m in masks)
                     and any(n > 1 for n in sizes)]
-        assert [sizes for sizes, _ in prefills] == forwards
+        assert [sizes for sizes, _ in prefills] == forwards and running[:len(joined)] == joined
         for sizes, positions in prefills:
             assert positions == [p for n in sizes for p in range(n)]
         assert [final[i].result.token_ids for i in range(len(batch))] == alone
