@@ -8,6 +8,11 @@ compaction and the proposer's update run per sequence, exactly as ``decode_loop`
 (``accept_round``, ``commit_round``). So greedy output is the request's own greedy decoding and
 sampled output keeps the target's distribution, whatever else is in the batch.
 
+The prompts admitted in one step are prefilled by one target forward (packed, each attending to
+itself only); a drafter is prefilled only when its sequence first drafts, and what root-only
+rounds accepted is fed to it then (``EagleDrafter`` defers both), so a sequence the load keeps at
+the root costs what a batched ``ar`` sequence costs.
+
 Tree sizes come from the load (``load_sizing``): rows are handed out across the batch by
 ``batch_tree_sizes`` from the measured cost of a target forward at the batch's row count
 (``cost_curve``) and each method's acceptance per draft rank (``RankRates``).
@@ -36,6 +41,10 @@ from eagle.runtime.decoder import LeanDecoder
 from eagle.runtime.kernels import STREAM_MAX_ROWS
 from eagle.runtime.segments import segment_forward
 
+# the most prompt tokens one step prefills (a longer prompt goes alone): the requests it admits are
+# prefilled by one forward; the running sequences get a round between such steps, and the first
+# of many requests arriving together start while the others wait (on a CPU about 2 s a step here)
+PREFILL_ROWS = 512
 MAX_TREE = 16  # the most tree nodes (root included) a sequence verifies when total_tokens is "auto"
 # a method's drafting time, as ``load_sizing`` believes it, shrinks by this factor for each round in which
 # its sequences draft nothing, so one slow measurement (a first call, a busy machine) cannot stop drafting
@@ -217,12 +226,20 @@ class BatchedEngine:
 
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
-        """Admit queued requests into free places (prefilling them), then run one round for every
-        running sequence. Returns one event per running sequence (none when nothing runs)."""
-        while self._queue and len(self._active) < self.max_batch:
-            _, seq = self._queue.popitem(last=False)
-            self._prefill(seq)
-            self._active[seq.request_id] = seq
+        """Admit queued requests into free places, in order, as long as their prompts hold at most
+        ``PREFILL_ROWS`` tokens in all (one at least), prefilled together (``_prefill``), then run
+        one round for every running sequence. Returns one event per running sequence (none
+        when nothing runs)."""
+        admitted, rows = [], 0
+        while self._queue and len(self._active) + len(admitted) < self.max_batch:
+            seq = next(iter(self._queue.values()))
+            rows += len(seq.ids) - 1
+            if admitted and rows > PREFILL_ROWS:
+                break
+            admitted.append(self._queue.popitem(last=False)[1])
+        if admitted:
+            self._prefill(admitted)
+            self._active.update((seq.request_id, seq) for seq in admitted)
         if not self._active:
             return []
         live = list(self._active.values())
@@ -233,17 +250,34 @@ class BatchedEngine:
 
     # -- one round, in order ---------------------------------------------------------------------------
 
-    def _prefill(self, seq: _Sequence) -> None:
-        """The sequence's cache filled with its prompt but the last token (the first tree's root)."""
-        target, proposer, ids = self.target, seq.proposer, seq.ids
-        seq.cache = target.lean.new_cache() if target.lean is not None else kv_cache.new_cache(target.model)
-        features = None
-        if len(ids) > 1:
-            out = target.forward(torch.tensor([ids[:-1]], device=target.device),
-                                 torch.arange(len(ids) - 1, device=target.device)[None], seq.cache,
-                                 logits_from=len(ids) - 1, aux_layers=proposer.aux_layers)
-            features = out.features[0]
-        proposer.start(ids, features if proposer.needs_features else None)
+    def _prefill(self, seqs: list[_Sequence]) -> None:
+        """Each sequence's cache filled with its prompt but the last token (the first tree's root). The
+        prompts go through the target together, packed into one forward (``segment_forward``: each
+        prompt at positions from 0, attending to itself only), where the lean forward runs; else
+        one forward each. A drafter only keeps the prompt's features (``Proposer.start``): it is
+        prefilled when its sequence first drafts."""
+        target = self.target
+        for seq in seqs:
+            seq.cache = target.lean.new_cache() if target.lean is not None else kv_cache.new_cache(target.model)
+        features: dict[int, torch.Tensor] = {}
+        todo = [i for i, seq in enumerate(seqs) if len(seq.ids) > 1]
+        if len(todo) > 1 and isinstance(target.lean, LeanDecoder):
+            aux = next((seqs[i].proposer.aux_layers for i in todo if seqs[i].proposer.aux_layers), ())
+            sizes = [len(seqs[i].ids) - 1 for i in todo]
+            tokens = torch.tensor([t for i in todo for t in seqs[i].ids[:-1]], device=target.device)
+            positions = torch.cat([torch.arange(n, device=target.device) for n in sizes])
+            out = segment_forward(target.lean, tokens, positions, [seqs[i].cache for i in todo], sizes,
+                                  [None] * len(todo), aux)
+            features.update(zip(todo, out.split(sizes)))
+        else:
+            for i in todo:
+                ids = seqs[i].ids
+                features[i] = target.forward(torch.tensor([ids[:-1]], device=target.device),
+                                             torch.arange(len(ids) - 1, device=target.device)[None], seqs[i].cache,
+                                             logits_from=len(ids) - 1,
+                                             aux_layers=seqs[i].proposer.aux_layers).features[0]
+        for i, seq in enumerate(seqs):
+            seq.proposer.start(seq.ids, features.get(i) if seq.proposer.needs_features else None)
 
     def _tree_sizes(self, live: list[_Sequence]) -> list[int]:
         """Each sequence's most tree nodes this round (``batch_tree_sizes``; without ``load_sizing``
@@ -283,6 +317,8 @@ class BatchedEngine:
         rounds, start, drafted = [], 0, set()
         for seq, size in zip(live, sizes):
             past = len(seq.ids) - 1
+            if size > 1 and seq.room(self.target.max_context) > 1:
+                seq.proposer.prepare()  # once per sequence (a drafter's prefill): not a round's drafting time
             began = time.perf_counter()
             proposal = seq.proposer.propose(seq.ids, max_depth=seq.room(self.target.max_context) - 1,
                                             max_nodes=min(size, self.target.max_context - past))

@@ -85,6 +85,10 @@ class Proposer:
     def start(self, ids: list[int], features: torch.Tensor | None) -> None:
         """Called once the target has prefilled ``ids[:-1]``."""
 
+    def prepare(self) -> None:
+        """Do now the one-time work ``start`` deferred (a drafter's prefill of the prompt), so that the
+        next ``propose`` takes only what that round costs. Optional: ``propose`` does it when needed."""
+
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         raise NotImplementedError
 
@@ -263,8 +267,10 @@ class EagleDrafter(Proposer):
         self.next_depth = cfg.levels  # a sampled tree's draft levels with "auto" (see ``_size_next_round``)
         self.sizing = sizing if sizing is not None or cost is None else Sizing(cost)  # None: a fixed total_tokens
         self.proposed: tuple[DraftTree, float] | None = None  # the last proposal's tree and when it was made
-        # (features, tokens) of rounds accepted since the drafter last ran (``_catch_up``)
+        # (features, tokens) of rounds accepted since the drafter last ran (``_catch_up``), and of the
+        # prompt until the drafter first runs (``start``)
         self.pending: list[tuple[torch.Tensor, list[int]]] = []
+        self.prompt: tuple[torch.Tensor, list[int]] | None = None
         # a sampled tree's size with "auto", chosen before its draws (see ``propose``): at first the most
         # nodes that cost no more than one token to verify, then what the previous round's pool asked for
         costs = self.sizing.costs if self.sizing is not None else []
@@ -282,11 +288,17 @@ class EagleDrafter(Proposer):
         self.last_hidden = out[0, -1]
 
     def start(self, ids: list[int], features: torch.Tensor | None) -> None:
+        """Keeps the prompt's features: the drafter is prefilled when it first drafts (``prepare`` or
+        ``propose``), so a sequence that never drafts (a batch's root-only rounds) costs it nothing."""
         self.cache = self.drafter.new_cache()
         self.last_hidden = None
         self.pending = []
-        if features is not None and len(ids) > 1:
-            self._extend(features, ids[1:])
+        self.prompt = (features, ids[1:]) if features is not None and len(ids) > 1 else None
+
+    def prepare(self) -> None:
+        if self.prompt is not None:
+            (features, tokens), self.prompt = self.prompt, None
+            self._extend(features, tokens)
 
     def commit(self, ids: list[int], path: list[int], features: torch.Tensor | None) -> None:
         # features: target features of the root and the accepted drafts; tokens that follow them.
@@ -303,12 +315,14 @@ class EagleDrafter(Proposer):
         self.pending.append((features, produced))  # fed to the drafter when it next drafts (``_catch_up``)
 
     def _catch_up(self) -> None:
-        """Feed the drafter what was accepted since it last ran, in one call: ``commit`` defers it, so
-        rounds that draft nothing (a batch's root-only rounds) cost the drafter nothing."""
-        if self.pending:
-            features = torch.cat([f for f, _ in self.pending])
-            tokens = [t for _, produced in self.pending for t in produced]
-            self.pending = []
+        """Feed the drafter the prompt (if ``start`` kept it) and what was accepted since it last ran,
+        in one call: ``commit`` defers it, so rounds that draft nothing (a batch's root-only rounds)
+        cost the drafter nothing."""
+        pending = ([self.prompt] if self.prompt is not None else []) + self.pending
+        if pending:
+            features = torch.cat([f for f, _ in pending])
+            tokens = [t for _, produced in pending for t in produced]
+            self.prompt, self.pending = None, []
             self._extend(features, tokens)
 
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:

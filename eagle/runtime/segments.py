@@ -3,7 +3,10 @@
 The rows of all sequences go through every matrix product together (the weights are read once
 for the whole batch); attention runs per sequence, each segment of rows against its own
 ``StaticCache`` (of its own length) with its own additive mask (a draft tree's ancestors).
-The arithmetic is ``LeanDecoder``'s (``eagle.runtime.decoder``), on its weights."""
+The arithmetic is ``LeanDecoder``'s (``eagle.runtime.decoder``), on its weights: where one
+sequence alone takes the compiled decoder stack (the compiled kernels run, at most
+``STREAM_MAX_ROWS`` rows), its segment takes the same compiled rotary, cache write and attention
+(``rope_cache``, ``attention``), so each of its rows gets the bits it gets alone; else torch's."""
 
 from __future__ import annotations
 
@@ -14,7 +17,14 @@ import torch.nn.functional as F
 
 from eagle.decoding.tree_mask import causal_bias
 from eagle.runtime.decoder import LeanDecoder, rotate
+from eagle.runtime.kernels import STREAM_MAX_ROWS
 from eagle.runtime.kv_cache import StaticCache
+
+
+def compiled_segments(lean: LeanDecoder, sizes: Sequence[int]) -> list[bool]:
+    """Which segments of ``sizes`` rows take the compiled attention: those one sequence alone
+    would run through the compiled decoder stack (``LeanDecoder.forward``)."""
+    return [lean.stack is not None and 0 < n <= STREAM_MAX_ROWS for n in sizes]
 
 
 @torch.inference_mode()
@@ -26,26 +36,43 @@ def segment_forward(lean: LeanDecoder, input_ids: torch.Tensor, position_ids: to
     ``masks[s]`` (additive [1, 1, n_s, past_s + n_s], or None: causal). Returns the final-norm
     hidden states [R, H] followed by the outputs of layers ``aux_layers`` ([R, (1 + n) H])."""
     nh, nkv, d = lean.num_heads, lean.num_kv_heads, lean.head_dim
-    rows = input_ids.shape[0]
-    x = lean.embed(input_ids[None])  # [1, R, H]
-    cos, sin = lean.rotary(x, position_ids[None])
-    cos, sin = cos[:, None], sin[:, None]  # [1, 1, R, d]
-    starts = [sum(sizes[:s]) for s in range(len(sizes))]
-    masks = [m if m is not None or n == 1 else causal_bias(n, c.get_seq_length(), x.dtype, x.device)
-             for m, n, c in zip(masks, sizes, caches)]
+    x = lean.embed(input_ids)  # [R, H]
+    cos, sin = lean.rotary(x[None], position_ids[None])
+    cos, sin = cos[0], sin[0]  # [R, d]
+    compiled, scale = lean.compiled, d ** -0.5
+    segments = []  # per sequence: (compiled, rows, its keys and values per layer or its cache, past, mask, cos, sin)
+    start = 0
+    for cache, n, mask, fast in zip(caches, sizes, masks, compiled_segments(lean, sizes)):
+        rows = slice(start, start + n)
+        start += n
+        if fast:  # the kernels write every layer's keys: their rows are reserved once
+            past = cache.reserve_layers(cos.new_empty(1, nkv, n, d))
+            buffers = [(k[0], v[0]) for k, v in zip(cache.keys, cache.values)]  # [kv, capacity, d] each
+            segments.append((True, rows, buffers, past, None if mask is None else mask[0, 0].contiguous(),
+                             cos[rows], sin[rows]))  # mask None: causal
+        else:
+            past = cache.get_seq_length()
+            mask = mask if mask is not None or n == 1 else causal_bias(n, past, x.dtype, x.device)
+            segments.append((False, rows, cache, past, mask, cos[None, None, rows], sin[None, None, rows]))
     kept: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(lean.layers):
-        qkv = layer.qkv(lean.rms_norm(x, layer.input_norm, layer.input_eps))
-        qk, v = qkv.view(1, rows, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
-        q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)  # [1, heads, R, d]
+        qkv = layer.qkv(lean.rms_norm(x, layer.input_norm, layer.input_eps))  # [R, (nh + 2 nkv) d]
         outs = []
-        for cache, start, n, mask in zip(caches, starts, sizes, masks):
-            keys, values = cache.update(i, k[:, :, start:start + n], v[:, :, start:start + n])
-            outs.append(F.scaled_dot_product_attention(q[:, :, start:start + n], keys, values, attn_mask=mask,
-                                                       enable_gqa=nkv != nh, scale=d ** -0.5))
-        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
-        x = x + layer.o(out.transpose(1, 2).reshape(1, rows, nh * d))
+        for fast, rows, held, past, mask, c, s in segments:
+            if fast:
+                keys, values = held[i]
+                q = compiled.rope_cache(qkv[rows], c, s, keys, values, nh, past)
+                outs.append(compiled.attention(q, keys, values, past + c.shape[0], mask, scale))  # [n, nh d]
+                continue
+            n = c.shape[2]
+            qk, v = qkv[rows].view(1, n, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
+            q, k = rotate(qk, c, s).split([nh, nkv], dim=1)
+            keys, values = held.update(i, k, v)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nkv != nh,
+                                                 scale=scale)  # [1, nh, n, d]
+            outs.append(out[0].transpose(0, 1).reshape(n, nh * d))
+        x = x + layer.o(torch.cat(outs) if len(outs) > 1 else outs[0])
         x = x + layer.down(lean.silu_mul(layer.gate_up(lean.rms_norm(x, layer.post_norm, layer.post_eps))))
         if i in aux_layers:
             kept[i] = x
-    return torch.cat([lean.rms_norm(x, lean.norm, lean.norm_eps)] + [kept[i] for i in aux_layers], dim=-1)[0]
+    return torch.cat([lean.rms_norm(x, lean.norm, lean.norm_eps)] + [kept[i] for i in aux_layers], dim=-1)

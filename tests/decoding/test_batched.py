@@ -124,6 +124,52 @@ def test_segment_forward_equals_each_sequence_alone(model):
     assert [c[0].get_seq_length() for c in caches] == [len(c) + len(p) for c, p in zip(contexts, parents)]
 
 
+def segments_and_alone(target, contexts: list[list[int]], parents: list[torch.Tensor]) -> tuple[list, list]:
+    """``segment_forward`` of one tree per context (token ids 5, 6, ... on ``parents``) and each
+    tree's own forward -> ([the segments' rows, each sequence's own], [(its cache, its own cache)])."""
+    lean = target.lean
+    tokens = [torch.arange(5, 5 + len(p)) % 32 for p in parents]
+    caches, alone, inputs = [], [], []
+    for ctx, par, tok in zip(contexts, parents, tokens):
+        mine, ref = lean.new_cache(), lean.new_cache()
+        for cache in (mine, ref):
+            target.forward(torch.tensor([ctx]), torch.arange(len(ctx))[None], cache)
+        attn = tree_attention(par)
+        bias = attention_bias(attn.mask, len(ctx), target.dtype) if len(par) > 1 else None
+        alone.append(target.forward(tok[None], (len(ctx) + attn.depths)[None], ref, bias, aux_layers=(0,)).features[0])
+        caches.append((mine, ref))
+        inputs.append((bias, len(ctx) + attn.depths))
+    sizes = [len(p) for p in parents]
+    out = segment_forward(lean, torch.cat(tokens), torch.cat([i[1] for i in inputs]), [c[0] for c in caches],
+                          sizes, [i[0] for i in inputs], aux_layers=(0,))
+    return list(zip(out.split(sizes), alone)), caches
+
+
+def test_segment_forward_with_compiled_attention_gives_each_row_its_bits_alone():
+    """Head dim 32 (the compiled attention runs): a tree, a single row and a chain, 16 rows in all,
+    in one forward: every row is bit-identical to its sequence's own forward (the compiled stack),
+    and every cache holds what its own forward wrote. A chain longer than the stack takes runs
+    torch's attention (as alone) beside a compiled row and agrees with its own forward."""
+    from tests.runtime.test_kernels import module_or_skip
+
+    module_or_skip()
+    target = tiny_target(seed=6, hidden=128)
+    assert target.lean.stack is not None
+    contexts = [[3, 4, 5, 6, 7], [9, 2, 2], [2, 8, 8, 8, 1, 1, 4, 5, 6]]
+    rows, caches = segments_and_alone(target, contexts, [torch.tensor([-1, 0, 0, 1, 1, 2]), torch.tensor([-1]),
+                                                         torch.arange(-1, 8)])
+    assert all(torch.equal(mine, alone) for mine, alone in rows)
+    for mine, ref in caches:
+        assert mine.lengths == ref.lengths
+        n = ref.lengths[0]
+        assert all(torch.equal(a[..., :n, :], b[..., :n, :]) for a, b in zip(mine.keys + mine.values,
+                                                                             ref.keys + ref.values))
+    rows, caches = segments_and_alone(target, contexts[:2], [torch.arange(-1, 17), torch.tensor([-1])])
+    for mine, alone in rows:
+        torch.testing.assert_close(mine, alone, rtol=1e-5, atol=1e-4)
+    assert [c.lengths for c, _ in caches] == [[5 + 18] * 2, [3 + 1] * 2]
+
+
 def test_cancel_queue_counts_and_refusals(model):
     engine = BatchedEngine(model, max_batch=2, row_seconds=CHEAP)
     for i in range(4):
