@@ -159,6 +159,22 @@ def prefill_groups(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return groups
 
 
+def run_layers(lean: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The decoder layers over ``x`` [n, m, H] with rotary tables ``cos``/``sin`` (broadcasting to [n, 1,
+    m, d]); ``attend(i, q, k, v)`` (q [n, heads, m, d], k and v [n, kv_heads, m, d], rotated) stores layer
+    i's keys and values and returns its attention output [n, m, heads d]. -> [n, m, H], before the final norm."""
+    n, m = x.shape[:2]
+    nh, nkv, d = lean.num_heads, lean.num_kv_heads, lean.head_dim
+    for i, layer in enumerate(lean.layers):
+        qk, v = layer.qkv(layer.attention_input(x, None)).view(n, m, nh + 2 * nkv, d).transpose(1, 2).split(
+            [nh + nkv, nkv], dim=1)
+        q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)
+        x = x + layer.o(attend(i, q, k, v))
+        x = x + layer.down(silu_mul(layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps))))
+    return x
+
+
 def decode_rows(lean: Any, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ids: torch.Tensor,
                 positions: torch.Tensor, keys_len: int, varlen: bool = False) -> torch.Tensor:
     """One decode step of R rows, every shape fixed and every index on the device (capturable):
@@ -177,10 +193,8 @@ def decode_rows(lean: Any, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         mask = torch.zeros(r, 1, 1, keys_len, dtype=x.dtype, device=x.device).masked_fill(
             ~allowed[:, None, None], torch.finfo(x.dtype).min)
     write = positions[:, None, None, None].expand(r, 1, nkv, d)
-    for i, layer in enumerate(lean.layers):
-        h = layer.attention_input(x, None)
-        qk, v = layer.qkv(h).view(r, 1, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
-        q, k = rotate(qk, c, s).split([nh, nkv], dim=1)  # [R, heads, 1, d]
+
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # q [R, heads, 1, d]
         keys, values = kv[0, i], kv[1, i]  # [R, C, kv_heads, d]
         keys.scatter_(1, write, k.transpose(1, 2))
         values.scatter_(1, write, v.transpose(1, 2))
@@ -192,9 +206,9 @@ def decode_rows(lean: Any, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
                                                  keys[:, :keys_len].transpose(1, 2),
                                                  values[:, :keys_len].transpose(1, 2), attn_mask=mask,
                                                  scale=d ** -0.5)
-        x = x + layer.o(out.reshape(r, 1, nh * d))
-        x = x + layer.down(silu_mul(layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps))))
-    return rms_norm(x, lean.norm, lean.norm_eps)[:, 0]
+        return out.reshape(r, 1, nh * d)
+
+    return rms_norm(run_layers(lean, x, c, s, attend), lean.norm, lean.norm_eps)[:, 0]
 
 
 def varlen_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, used: torch.Tensor,
@@ -247,17 +261,14 @@ def prefill_rows(lean: Any, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     features of each row's token ``last`` [n] (its last real one) [n, H]."""
     n, p = ids.shape
     nh, nkv, d = lean.num_heads, lean.num_kv_heads, lean.head_dim
-    x = lean.embed(ids)
-    c, s = cos[:p][None, None], sin[:p][None, None]
-    for i, layer in enumerate(lean.layers):
-        qk, v = layer.qkv(layer.attention_input(x, None)).view(n, p, nh + 2 * nkv, d).transpose(1, 2).split(
-            [nh + nkv, nkv], dim=1)
-        q, k = rotate(qk, c, s).split([nh, nkv], dim=1)
+
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv[0, i, slots, :p] = k.transpose(1, 2)
         kv[1, i, slots, :p] = v.transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh, scale=d ** -0.5)
-        x = x + layer.o(out.transpose(1, 2).reshape(n, p, nh * d))
-        x = x + layer.down(silu_mul(layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps))))
+        return out.transpose(1, 2).reshape(n, p, nh * d)
+
+    x = run_layers(lean, lean.embed(ids), cos[:p][None, None], sin[:p][None, None], attend)
     return rms_norm(x[torch.arange(n, device=ids.device), last], lean.norm, lean.norm_eps)
 
 
@@ -277,17 +288,16 @@ def extend_rows(lean: Any, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     mask = torch.zeros(n, 1, m, keys_len, dtype=x.dtype, device=x.device).masked_fill(
         ~allowed[:, None], torch.finfo(x.dtype).min)
     rows = slots[:, None]
-    for i, layer in enumerate(lean.layers):
-        qk, v = layer.qkv(layer.attention_input(x, None)).view(n, m, nh + 2 * nkv, d).transpose(1, 2).split(
-            [nh + nkv, nkv], dim=1)
-        q, k = rotate(qk, c, s).split([nh, nkv], dim=1)  # [n, heads, M, d]
+
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # q [n, heads, M, d]
         kv[0, i][rows, pos] = k.transpose(1, 2)
         kv[1, i][rows, pos] = v.transpose(1, 2)
         keys, values = (kv[j, i][slots, :keys_len].transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
                         for j in (0, 1))  # [n, heads, Lk, d]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=d ** -0.5)
-        x = x + layer.o(out.transpose(1, 2).reshape(n, m, nh * d))
-        x = x + layer.down(silu_mul(layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps))))
+        return out.transpose(1, 2).reshape(n, m, nh * d)
+
+    x = run_layers(lean, x, c, s, attend)
     return rms_norm(x[torch.arange(n, device=ids.device), last], lean.norm, lean.norm_eps)
 
 
@@ -480,12 +490,12 @@ class BatchDecoder:
         self.stats.step_s += time.perf_counter() - start
         self.stats.steps += 1
         self.stats.row_steps += size
-        self.stats.live_row_steps += sum(row is not None for row in slots[:size])
         self.ids[:size].copy_(tokens)
         self.positions[:size].add_(1).clamp_(max=self.capacity - 1)  # free rows keep writing in range
         self.steps[:size].add_(1)
         for s in range(size):
             if slots[s] is not None:
+                self.stats.live_row_steps += 1
                 slots[s].position += 1
                 yield from self._accept(s, host[s], slots)
 
