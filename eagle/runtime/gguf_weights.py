@@ -389,6 +389,12 @@ def read_tensor(reader: _Reader, info: TensorInfo) -> GGUFMatrix | Pending | tor
         return Pending(info)
     if tensor_storage(info.ggml_type) == KEEP_BLOCKS:
         return reader.matrix(Pending(info))
+    return dense_tensor(reader, info)
+
+
+def dense_tensor(reader: _Reader, info: TensorInfo) -> torch.Tensor:
+    """One tensor of the file in fp32, in transformers' shape (GGUF's shape reversed), de-quantized by
+    gguf-py (F32 as stored)."""
     raw = reader.raw_rows(info, 0, tensor_bytes(info)[0])
     if info.ggml_type == "F32":
         values = raw.view(torch.float32)
@@ -574,14 +580,7 @@ def hf_state_dict(path: str | Path, header: GGUFHeader, config: Any) -> dict[str
                 continue
             if info.name not in names:
                 raise ValueError(f"GGUF file {Path(path).name}: tensor {info.name} has no transformers name here")
-            raw = reader.raw_rows(info, 0, tensor_bytes(info)[0])
-            if info.ggml_type == "F32":
-                values = raw.view(torch.float32)
-            elif info.ggml_type in ("F16", "BF16"):
-                values = raw.view(torch.float16 if info.ggml_type == "F16" else torch.bfloat16).float()
-            else:
-                values = torch.from_numpy(dequantize_numpy(raw.numpy(), info.ggml_type))
-            values = values.reshape(tuple(reversed(info.shape)))
+            values = dense_tensor(reader, info)
             name, permute = names[info.name]
             if permute is not None:
                 values = values[llama_row_order(values.shape[0], permute)]
