@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import importlib.resources
 import itertools
@@ -218,6 +219,7 @@ def extend_ids(tokenizer: Any, text: str, previous: tuple[str, list[int]] | None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+@functools.lru_cache(maxsize=4)
 def _cut_tokens(tokenizer: Any) -> dict[int, str]:
     """Added tokens (id -> text) after which tokenization starts afresh: those that strip nothing."""
     decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
