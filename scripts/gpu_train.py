@@ -32,7 +32,6 @@ import os
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from pathlib import Path
 
@@ -68,10 +67,9 @@ def prepare_sharegpt(source: str, dest: Path, exclude_prompts: str = "benchmarks
     records, _, _ = read_elements(read_text(path))
     chats, stats = select_chats(records, benchmark_prompts(exclude_prompts), 0.0, 0)
     done = set()
-    if answered is not None:
-        with tempfile.TemporaryDirectory() as tmp:
-            resume_data(answered, Path(tmp), "")
-            done = {r["id"] for name in ("data.jsonl", "heldout.jsonl") for r in completed(Path(tmp) / name)}
+    if answered is not None:  # complete lines only, as the data step keeps them
+        done = {json.loads(line)["id"] for text in returned(answered).values()
+                for line in text.decode().split("\n") if line.endswith("}")}
     chats = [chat for chat in chats if f"sg-{chat.id}" not in done][:limit or None]
     lines = []
     for chat in chats:
@@ -94,18 +92,26 @@ def data_keys(args, out_dir: Path) -> list[str]:
     return [f"{k}={v}" for k, v in dict(item.split("=", 1) for item in items).items()]
 
 
-def resume_data(folder: Path, out_dir: Path, target: str) -> int:
-    """An earlier window's returned conversations (``data.jsonl.gz`` or its parts ``.00``, ``.01``, ...,
-    ``heldout.jsonl.gz``) into the data step's ``out_dir``, which then skips them and adds to them; ->
-    conversations found."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    found = 0
+def returned(folder: Path) -> dict[str, bytes]:
+    """An earlier window's returned conversations: ``data.jsonl`` (``data.jsonl.gz`` or its parts ``.00``,
+    ``.01``, ...) and ``heldout.jsonl`` (``heldout.jsonl.gz``) -> their JSONL bytes, by name, for those
+    present."""
+    texts = {}
     for name in ("data.jsonl", "heldout.jsonl"):
         parts = sorted(folder.glob(f"{name}.gz.[0-9][0-9]")) or sorted(folder.glob(f"{name}.gz"))
         if parts:
-            text = gzip.decompress(b"".join(p.read_bytes() for p in parts))
-            (out_dir / name).write_bytes(text)
-            found += len(completed(out_dir / name))
+            texts[name] = gzip.decompress(b"".join(p.read_bytes() for p in parts))
+    return texts
+
+
+def resume_data(folder: Path, out_dir: Path, target: str) -> int:
+    """An earlier window's returned conversations (``returned``) into the data step's ``out_dir``,
+    which then skips them and adds to them; -> conversations found."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    found = 0
+    for name, text in returned(folder).items():
+        (out_dir / name).write_bytes(text)
+        found += len(completed(out_dir / name))
     stats = out_dir / "stats.json"
     if not stats.exists():
         stats.write_text(json.dumps({"target": target}))
