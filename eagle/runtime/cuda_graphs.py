@@ -400,7 +400,8 @@ class TargetGraphs(_Runner):
                 x, _ = layer_stack(lean.layers, lean.embed(inputs["token"]), self.cos[pos][None, None],
                                    self.sin[pos][None, None], self.cache.kv, pos, mask[None, None, None],
                                    lean.num_heads, lean.num_kv_heads, lean.head_dim)
-                return lean.argmax(rms_norm(x, lean.norm, lean.norm_eps)[0])
+                # torch's argmax (a capture records torch's operations; a GPU's head has no greedy screen)
+                return lean.head(rms_norm(x, lean.norm, lean.norm_eps)[0]).argmax(-1)
 
             return _Entry(inputs, run)
 

@@ -476,6 +476,7 @@ class HeadAndCache:
     head: PackedLinear
     greedy_head: GreedyHead | None
     layers: list
+    argmax_op: Callable[[torch.Tensor], torch.Tensor] | None = None  # the compiled argmax, with the compiled kernels
 
     def new_cache(self) -> StaticCache:
         return StaticCache(len(self.layers))
@@ -485,7 +486,15 @@ class HeadAndCache:
         ``head(hidden).argmax(-1)`` gives (``GreedyHead`` where it runs)."""
         if self.greedy_head is not None:
             return self.greedy_head(hidden)
-        return self.head(hidden).argmax(-1)
+        return argmax(self.head(hidden), self.argmax_op)
+
+
+def argmax(logits: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    """``logits.argmax(-1)``: by ``op`` (the compiled ``argmax_rows``, where the forward uses the compiled kernels;
+    torch's walks a 262k-token row in 0.3-0.7 ms) for fp32 CPU logits, else torch's."""
+    if op is None or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.numel() == 0:
+        return logits.argmax(-1)
+    return op(logits.reshape(-1, logits.shape[-1]).contiguous()).view(logits.shape[:-1])
 
 
 class LeanDecoder(HeadAndCache):
@@ -501,6 +510,7 @@ class LeanDecoder(HeadAndCache):
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")
         cfg, inner = model.config, model.model
         compiled = cpu_kernels() if kernels and head_is_fp32_cpu(model) else None
+        self.argmax_op = None if compiled is None else compiled.argmax_rows
         self.rms_norm = rms_norm if compiled is None else (lambda x, w, eps: compiled.rms_norm(x.contiguous(), w, eps))
         self.silu_mul = silu_mul if compiled is None or cfg.intermediate_size % 16 else (
             lambda gate_up: compiled.silu_mul(gate_up.reshape(-1, gate_up.shape[-1]).contiguous()).view(

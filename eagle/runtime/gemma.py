@@ -12,7 +12,7 @@ as in any layer) and mask what lies outside the window instead: a query at posit
 positions p - window + 1 .. p, and in tree verification only those of them the tree mask allows
 (the prefix and its ancestors). Full-attention layers take the mask as given. The products go through
 ``PackedLinear`` or, for a GGUF target, ``GGUFLinear`` (its codes); in fp32 on a CPU, one sequence of 1-16
-rows (decoding, tree verification) runs its RMSNorms and attention by the compiled kernels, whose rows do
+rows (decoding, tree verification) runs every layer in one call of the compiled ``GemmaStack``, whose rows do
 not depend on each other (``eagle.runtime.kernels``), so a tree node gets the bits of the plain step; the
 rest (longer prefills) by torch's operations."""
 
@@ -124,6 +124,19 @@ class GemmaLayer:
         return self.qkv, self.o, self.gate_up, self.down
 
 
+def gemma_stack(compiled: Any, num_heads: int, scale: float, eps: float, layers: Sequence[GemmaLayer],
+                layer_types: Sequence[str]) -> Any:
+    """The compiled kernels' ``GemmaStack`` of ``layers`` (their weights handed over once; each forward then
+    runs all of them in one call); a layer's kind is its type's index in ``layer_types``."""
+    stack = compiled.GemmaStack(num_heads, scale, eps)
+    for layer in layers:
+        norms = [layer.input_norm, layer.q_norm, layer.k_norm, layer.post_attention_norm,
+                 layer.pre_feedforward_norm, layer.post_feedforward_norm]
+        stack.add([n.contiguous() for n in norms], [lin.kernel_product() for lin in layer.matrices()],
+                  layer_types.index(layer.layer_type))
+    return stack
+
+
 class GemmaDecoder(HeadAndCache):
     """Gemma-3's decoder stack + tied LM head (the interface of ``LeanDecoder``). Rows of a batch
     share the cache length."""
@@ -136,6 +149,7 @@ class GemmaDecoder(HeadAndCache):
             raise ValueError(f"GemmaDecoder cannot run this model: {reason}")
         cfg, inner = model.config, model.model
         stream = kernels and head_is_fp32_cpu(model) and cpu_kernels() is not None
+        self.argmax_op = cpu_kernels().argmax_rows if stream else None
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -147,6 +161,7 @@ class GemmaDecoder(HeadAndCache):
         self.embed = inner.embed_tokens  # scales by sqrt(hidden) in the embedding's dtype
         self.rotary = inner.rotary_emb
         self.layer_types = tuple(sorted(set(cfg.layer_types)))
+        self.window = cfg.sliding_window
         self.norm = norm_scale(inner.norm)
         self.head, self.greedy_head = lm_head(head_weight(model), stream, encode)
         self.layers = []
@@ -162,13 +177,15 @@ class GemmaDecoder(HeadAndCache):
                 gate_up=product([mlp.gate_proj, mlp.up_proj], stream, encode),
                 down=product([mlp.down_proj], stream, encode),
                 layer_type=layer_type, window=cfg.sliding_window if layer_type == SLIDING else None))
+        self.stack = None if self.compiled is None else gemma_stack(self.compiled, self.num_heads, self.scale,
+                                                                    self.eps, self.layers, self.layer_types)
 
     def kernel_choice(self) -> str:
         """Which kernels run the forward (timings measured with one choice do not hold for another)."""
         first = self.layers[0]
         matrices = (self.head, *first.matrices())
         streamed = "streamed products, " if self.head.stream_op is not None or isinstance(self.head, GGUFLinear) else ""
-        layers = "gemma3 compiled norms and attention" if self.compiled is not None else "gemma3 torch layers"
+        layers = "gemma3 compiled layer stack" if self.compiled is not None else "gemma3 torch layers"
         return f"{layers}, {streamed}" + coded_weights(matrices) + repr(
             [sorted(lin.plain_rows) for lin in matrices])
 
@@ -200,34 +217,25 @@ class GemmaDecoder(HeadAndCache):
 
     def _compiled_forward(self, x: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache,
                           attention_mask: torch.Tensor | None, past: int, aux_layers: Sequence[int]) -> torch.Tensor:
-        """``forward`` for one sequence of 1-16 rows by the compiled RMSNorm and attention: x [q, H] ->
-        [q, (1 + n) H]. Each row's result depends only on its own keys (the attention lists them, masked
-        ones left out), so a tree node gets the bits of the plain step."""
+        """``forward`` for one sequence of 1-16 rows, every layer in one call of the compiled ``GemmaStack``:
+        x [q, H] -> [q, (1 + n) H]. Each row's result depends only on its own keys (the attention lists
+        them, masked ones left out), so a tree node gets the bits of the plain step."""
         q_len = x.shape[0]
-        rope = {t: tuple(c[0] for c in self.rotary(x[None], position_ids, t)) for t in self.layer_types}  # [q, d]
+        cos, sin, biases = [], [], []
         full = None if attention_mask is None else attention_mask[0, 0].contiguous()
-        masks: dict[int | None, torch.Tensor | None] = {None: full}
-        for layer in self.layers:
-            if layer.window not in masks:  # None: causal over keys all within the window
-                masks[layer.window] = None if attention_mask is None and past + q_len <= layer.window else (
-                    window_bias(attention_mask, position_ids, past, layer.window)[0, 0].contiguous())
-        norm = lambda t, scale: self.compiled.rms_norm(t.contiguous(), scale, self.eps)  # noqa: E731
-        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        kept: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            cos, sin = rope[layer.layer_type]
-            heads = layer.qkv(norm(x, layer.input_norm)).view(q_len, nh + 2 * nkv, d)
-            q = rotate(norm(heads[:, :nh], layer.q_norm).transpose(0, 1), cos, sin)  # [nh, q, d]
-            k = rotate(norm(heads[:, nh:nh + nkv], layer.k_norm).transpose(0, 1), cos, sin)
-            cache.update(i, k[None], heads[:, nh + nkv:].transpose(0, 1)[None])
-            out = self.compiled.attention(q.contiguous(), cache.keys[i][0], cache.values[i][0], past + q_len,
-                                          masks[layer.window], self.scale)  # [q, nh d]
-            x = x + norm(layer.o(out), layer.post_attention_norm)
-            h = layer.down(gelu_mul(layer.gate_up(norm(x, layer.pre_feedforward_norm))))
-            x = x + norm(h, layer.post_feedforward_norm)
-            if i in aux_layers:
-                kept[i] = x
-        return torch.cat([norm(x, self.norm)] + [kept[i] for i in aux_layers], dim=-1)
+        for layer_type in self.layer_types:
+            c, s = self.rotary(x[None], position_ids, layer_type)  # [1, q, d]
+            cos.append(c[0].contiguous())
+            sin.append(s[0].contiguous())
+            window = self.window if layer_type == SLIDING else None
+            # None: causal over keys all within the window
+            biases.append(full if window is None else None if attention_mask is None and past + q_len <= window else
+                          window_bias(attention_mask, position_ids, past, window)[0, 0].contiguous())
+        like = x.new_empty(1, self.num_kv_heads, q_len, self.head_dim)  # a layer's new keys, for the cache
+        x = x.contiguous()
+        aux = self.stack.forward(x, cos, sin, cache.keys, cache.values, cache.reserve_layers(like), biases,
+                                 list(aux_layers))
+        return torch.cat([self.compiled.rms_norm(x, self.norm, self.eps)] + aux, dim=-1)
 
     def _layer(self, i: int, layer: GemmaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                cache: StaticCache, mask: torch.Tensor | None, start: int) -> torch.Tensor:

@@ -5,9 +5,10 @@ products (``stream_linear``; ``stream_linear_q`` reads a weight from its exact b
 keys, keys and values written into the cache buffers; ``attention``: grouped-query, masked or
 causal, each row summed over its own keys in order so its result does not depend on the other rows
 or on masked keys between its own), the KV cache's compaction to a verified tree's accepted path
-in every layer at once (``compact_rows``, used by ``eagle.runtime.kv_cache.StaticCache``), and a model's
-decoder layers run by one call a forward (``DecoderStack``: their weights handed over once, not
-converted again at every call).
+in every layer at once (``compact_rows``, used by ``eagle.runtime.kv_cache.StaticCache``), torch's argmax of
+each row of logits, vectorized (``argmax_rows``), and a model's decoder layers run by one call a forward
+(``DecoderStack``; ``GemmaStack`` for Gemma-3: their weights handed over once, not converted again at every
+call).
 
 ``cpu_kernels()`` builds them on first use with torch's C++ extension tools (a compiler and
 ninja; once per machine, torch version and instruction set, cached under ``$EAGLE_CACHE/extensions``)

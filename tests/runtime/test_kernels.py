@@ -185,12 +185,14 @@ def attention_reference(q, keys, values, bias):
     return (scores.softmax(-1) @ v).transpose(0, 1).reshape(rows, nh * d)
 
 
-def test_rope_cache_rotates_as_torch_and_writes_the_cache_rows():
+@pytest.mark.parametrize("d", [64, 48, 16])
+def test_rope_cache_rotates_as_torch_and_writes_the_cache_rows(d):
+    """Head dims that are multiples of 32 and odd multiples of 16 (a half vector at the end of each half)."""
     from eagle.runtime.decoder import rotate
 
     module = module_or_skip()
     gen = torch.Generator().manual_seed(1)
-    nh, nkv, d, rows, cap, start = 6, 2, 64, 5, 32, 9
+    nh, nkv, rows, cap, start = 6, 2, 5, 32, 9
     qkv = torch.randn(rows, (nh + 2 * nkv) * d, generator=gen)
     angles = torch.rand(rows, d // 2, generator=gen) * 50
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
@@ -249,6 +251,36 @@ def test_an_attention_row_does_not_depend_on_other_rows_or_masked_keys():
         k, v = keys[:, own].contiguous(), values[:, own].contiguous()
         alone = module.attention(q[:, row:row + 1].contiguous(), k, v, len(own), None, d ** -0.5)
         assert torch.equal(alone[0], together[row]), row
+
+
+def first_largest(row: list[float]) -> int:
+    """Brute force: the index of the first NaN, else of the first largest value (torch's argmax)."""
+    for k, v in enumerate(row):
+        if v != v:
+            return k
+    return max(range(len(row)), key=lambda k: (row[k], -k))
+
+
+def test_argmax_rows_gives_the_first_largest_index_as_torch():
+    """Random rows, ties (the first wins), a vocabulary not a multiple of 16, infinities and NaNs."""
+    module = module_or_skip()
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(12, 1000 + 7, generator=gen)
+    x[1, 3] = x[1, 900] = x[1].max() + 1  # a tie: the first
+    x[2, 1005] = 50.0  # in the tail past the last whole vector
+    x[3, 40] = float("inf")
+    x[4, :] = float("-inf")
+    x[5, 600] = float("nan")
+    x[6, 10], x[6, 20] = float("nan"), 1e9  # a NaN before the largest
+    x[7, 30], x[7, 500] = 1e9, float("nan")  # a NaN after it
+    x[8, :] = x[8, 0]  # all equal
+    x[9, 2], x[9, 700] = -0.0, 0.0
+    x[9, :] = torch.where(x[9] > 0, -x[9], x[9])  # everything else negative: the zeros tie
+    got = module.argmax_rows(x)
+    assert got.tolist() == [first_largest(row) for row in x.tolist()] == x.argmax(-1).tolist()
+    assert module.argmax_rows(x[:, :5].contiguous()).tolist() == x[:, :5].argmax(-1).tolist()
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        module.argmax_rows(x.double())
 
 
 def test_silu_mul_matches_a_float64_reference():

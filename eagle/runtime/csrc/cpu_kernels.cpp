@@ -20,7 +20,13 @@
 // their arithmetic. attention sums each row
 // over its own keys in order, so a tree node's row equals the plain decoding step's, bit for bit.
 //
+// stream_linear_gguf: the same products with W in its GGUF block layouts; 1-4 rows decode each block of codes in
+// registers (the fused path), more rows decode a few rows of W at a time into a buffer that every row meets.
+//
+// DecoderStack, GemmaStack: a Llama/Qwen2 or a Gemma-3 target's decoder layers run by one call a forward.
+//
 // compact_rows: the accepted path's keys and values moved into place in every layer's cache at once.
+// argmax_rows: torch's argmax of each row of logits, vectorized.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)
@@ -781,6 +787,157 @@ void decode_row(const uint8_t* __restrict p, int64_t K, float* __restrict out) {
   }
 }
 
+// ---- The fused path: a few rows of x meet W's codes decoded in registers -------------------------------------
+// For 1-kFusedRows rows of x (decoding a token, drafting) the product is bound by decoding the codes, not by the
+// memory: writing decoded rows to a buffer and reading them back doubled the instructions per weight. Here each
+// 32 weights of a row are built as 32 bytes of integer codes with byte-wide vector operations (one instruction
+// per 32 codes where the buffer path spent one per 8), converted to fp32 and scaled in registers, then met by
+// every row of x. Each weight is the value decode_row gives it (d c is exact for every type; where a minimum is
+// added, one fused multiply-add rounds the exact d c + m once, as decode_row's sum does), and each output is summed
+// in block()'s order: the bits of the buffer path and of stream_linear on the de-quantized W.
+#if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)
+constexpr bool kFusedGguf = true;
+constexpr int kFusedRows = 4;  // more rows: the buffer path, whose decoding serves them all, was as fast at 8
+
+// 32 signed bytes -> lo (bytes 0-15) and hi (bytes 16-31) as fp32
+#if defined(EAGLE_ISA_AVX512)
+inline void bytes_to_floats(__m256i b, V& lo, V& hi) {
+  lo = {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)))};
+  hi = {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)))};
+}
+#else
+inline void bytes_to_floats(__m256i b, V& lo, V& hi) {
+  const __m128i b0 = _mm256_castsi256_si128(b), b1 = _mm256_extracti128_si256(b, 1);
+  auto f = [](__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); };
+  lo = {f(b0), f(_mm_srli_si128(b0, 8))};
+  hi = {f(b1), f(_mm_srli_si128(b1, 8))};
+}
+#endif
+
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// 16 bytes of two 4-bit codes each (byte i: code i low, code i + 16 high) -> codes 0-31 as bytes
+inline __m256i nibbles16(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), low = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+}
+// byte i: 0xFF where bit i of the 32 bits at p is set, else 0
+inline __m256i bits32(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                             _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                               0x0101010101010101, 0x0000000000000000));
+  const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);  // every bit but bit i % 8 of byte i
+  return _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
+}
+inline V scaled(float d, V c) { return vmul(vset1(d), c); }
+inline V scaled(float d, V c, float m) { return vfma(vset1(d), c, vset1(m)); }
+
+// The 32 weights of W's block s (0-based, 32 weights each) of the unit at p (a block of 32 weights, or a
+// super-block of 256 for the K-quants) as lo (weights 0-15) and hi (16-31).
+template <int64_t Type>
+inline void fused_weights(const uint8_t* p, int s, V& lo, V& hi) {
+  if constexpr (Type == kQ8_0) {
+    bytes_to_floats(load32(p + 2), lo, hi);
+    const float d = half_at(p);
+    lo = scaled(d, lo);
+    hi = scaled(d, hi);
+  } else if constexpr (Type == kQ4_0 || Type == kQ4_1) {
+    const float d = half_at(p), m = Type == kQ4_0 ? -8.0f * d : half_at(p + 2);
+    bytes_to_floats(nibbles16(p + (Type == kQ4_0 ? 2 : 4)), lo, hi);
+    lo = scaled(d, lo, m);
+    hi = scaled(d, hi, m);
+  } else if constexpr (Type == kQ5_0) {  // d (c5 - 16): exact, the value decode_row's sums reach
+    const __m256i high = _mm256_andnot_si256(bits32(p + 2), _mm256_set1_epi8(static_cast<char>(0xF0)));
+    bytes_to_floats(_mm256_or_si256(nibbles16(p + 6), high), lo, hi);  // c5 - 16 as a signed byte
+    const float d = half_at(p);
+    lo = scaled(d, lo);
+    hi = scaled(d, hi);
+  } else if constexpr (Type == kQ5_1) {  // d c5 + m, one rounding
+    const __m256i high = _mm256_and_si256(bits32(p + 4), _mm256_set1_epi8(16));
+    bytes_to_floats(_mm256_or_si256(nibbles16(p + 8), high), lo, hi);
+    const float d = half_at(p), m = half_at(p + 2);
+    lo = scaled(d, lo, m);
+    hi = scaled(d, hi, m);
+  } else if constexpr (Type == kQ4_K || Type == kQ5_K) {  // dj c - mj, one rounding
+    int sc, mn;
+    scale_min_k4(s, p + 4, sc, mn);
+    const float dj = half_at(p) * static_cast<float>(sc), mj = half_at(p + 2) * static_cast<float>(mn);
+    const __m256i q = load32(p + (Type == kQ4_K ? 16 : 48) + 32 * (s / 2));
+    __m256i c = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(15));
+    if constexpr (Type == kQ5_K) {  // bit s of byte l of qh: the fifth bit of weight l
+      const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << s));
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(load32(p + 16), bit), bit);
+      c = _mm256_or_si256(c, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
+    bytes_to_floats(c, lo, hi);
+    lo = scaled(dj, lo, -mj);
+    hi = scaled(dj, hi, -mj);
+  } else {  // Q6_K: block s = 4 n + r of the super-block
+    const int n = s / 4, r = s % 4;
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(load32(p + 64 * n + 32 * (r % 2)), 4 * (r / 2)),
+                                         _mm256_set1_epi8(15));
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(load32(p + 128 + 32 * n), 2 * r), _mm256_set1_epi8(3));
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+    bytes_to_floats(q, lo, hi);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+    const float d = half_at(p + 208);
+    lo = scaled(d * static_cast<float>(sc[8 * n + 2 * r]), lo);
+    hi = scaled(d * static_cast<float>(sc[8 * n + 2 * r + 1]), hi);
+  }
+}
+
+// Outputs j0..j1 (a multiple of J apart) of the M rows of x [M, K] (rows K apart; out's ldo apart), W's rows
+// raw + j row_bytes in GGUF type Type: J rows of W at a time, each block of 32 weights decoded once for the M rows.
+template <int64_t Type, int M, int J>
+void fused_block(const float* x, int64_t K, const uint8_t* raw, int64_t row_bytes, const float* bias, float* out,
+                 int64_t ldo, int64_t j0, int64_t j1) {
+  const GgmlLayout layout = ggml_layout(Type);
+  const int64_t units = K / layout.weights;
+  constexpr int kSub = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K ? 8 : 1;
+  for (int64_t j = j0; j < j1; j += J) {
+    V acc[M][J];
+    for (int i = 0; i < M; ++i)
+      for (int b = 0; b < J; ++b) acc[i][b] = vzero();
+    const uint8_t* rp = raw + j * row_bytes;
+    for (int64_t u = 0; u < units; ++u, rp += layout.bytes) {
+      for (int b = 0; b < J; ++b) prefetch(rp + (b + kPrefetchRows) * row_bytes, true);
+      for (int s = 0; s < kSub; ++s) {
+        V lo[J], hi[J];
+        for (int b = 0; b < J; ++b) fused_weights<Type>(rp + b * row_bytes, s, lo[b], hi[b]);
+        const float* xp = x + u * layout.weights + 32 * s;
+        for (int i = 0; i < M; ++i) {
+          const V xv = in_register<J>(vload(xp + i * K));
+          for (int b = 0; b < J; ++b) acc[i][b] = vfma(xv, lo[b], acc[i][b]);
+        }
+        for (int i = 0; i < M; ++i) {
+          const V xv = in_register<J>(vload(xp + i * K + 16));
+          for (int b = 0; b < J; ++b) acc[i][b] = vfma(xv, hi[b], acc[i][b]);
+        }
+      }
+    }
+    for (int i = 0; i < M; ++i)
+      for (int b = 0; b < J; ++b) out[i * ldo + j + b] = vsum(acc[i][b]) + (bias ? bias[j + b] : 0.0f);
+  }
+}
+
+template <int64_t Type, int M>
+void fused_rows(const float* x, int64_t K, const uint8_t* raw, int64_t row_bytes, int64_t N, const float* bias,
+                float* out, int64_t ldo) {
+  constexpr int J = M <= 1 ? 2 : 1;  // the fastest timed of 1, 2 and 4 for one row
+  const int64_t groups = N / J;
+  at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
+    fused_block<Type, M, J>(x, K, raw, row_bytes, bias, out, ldo, g0 * J, g1 * J);
+  });
+  if (groups * J < N) fused_block<Type, M, 1>(x, K, raw, row_bytes, bias, out, ldo, groups * J, N);
+}
+#else
+constexpr bool kFusedGguf = false;
+constexpr int kFusedRows = 0;
+template <int64_t Type, int M>
+void fused_rows(const float*, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*, int64_t) {}
+#endif
+
 constexpr int64_t kDecodedRows = 12;  // W rows decoded at a time: a multiple of every J and of kPanel
 
 // Outputs j..j+n of the M rows of x (M <= kPassRows) from W's decoded rows j..j+n (w: row j + b at w + (j + b) K);
@@ -800,6 +957,13 @@ void decoded_pass(const float* x, int64_t K, const float* w, int64_t ldo, const 
 template <int64_t Type>
 void gguf_rows(const float* x, int64_t M, int64_t K, const uint8_t* raw, int64_t row_bytes, int64_t N,
                const float* bias, float* out, int64_t ldo) {
+  if (kFusedGguf && M <= kFusedRows) {
+    for_rows(M, "stream_linear_gguf", [&](auto m) {
+      if constexpr (decltype(m)::value <= kFusedRows)
+        fused_rows<Type, decltype(m)::value>(x, K, raw, row_bytes, N, bias, out, ldo);
+    });
+    return;
+  }
   at::parallel_for(0, (N + kDecodedRows - 1) / kDecodedRows, 1, [&](int64_t g0, int64_t g1) {
     std::vector<float> buf(kDecodedRows * K);
     for (int64_t g = g0; g < g1; ++g) {
@@ -926,31 +1090,36 @@ torch::Tensor linear(const torch::Tensor& x, const Product& p, bool once) {
 
 // rms_norm: Llama's RMSNorm in fp32, w * (x * 1 / sqrt(mean(x^2) + eps)) per row of x [..., H], in one
 // pass over each row (torch's CPU rms_norm runs five operations).
+namespace {
+// One row of H values: w * (x * 1 / sqrt(mean(x^2) + eps)) into out (which may be x itself).
+void rms_row(const float* xp, const float* wp, int64_t H, float eps, float* op) {
+  const int64_t whole = H / 16 * 16, tail = H - whole;
+  V acc = vzero();
+  for (int64_t k = 0; k < whole; k += 16) {
+    const V v = vload(xp + k);
+    acc = vfma(v, v, acc);
+  }
+  if (tail) {
+    const V v = vloadn(xp + whole, tail);
+    acc = vfma(v, v, acc);
+  }
+  const float mean = vsum(acc) / static_cast<float>(H);
+  const V scale = vset1(1.0f / std::sqrt(mean + eps));
+  for (int64_t k = 0; k < whole; k += 16) vstore(op + k, vmul(vload(wp + k), vmul(vload(xp + k), scale)));
+  if (tail) vstoren(op + whole, vmul(vloadn(wp + whole, tail), vmul(vloadn(xp + whole, tail), scale)), tail);
+}
+}  // namespace
+
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "rms_norm: fp32 only");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "rms_norm: CPU tensors only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.dim() == 1 && x.size(-1) == w.size(0),
               "rms_norm: contiguous x [..., H] and w [H]");
-  const int64_t H = w.size(0), rows = x.numel() / H, whole = H / 16 * 16, tail = H - whole;
+  const int64_t H = w.size(0), rows = x.numel() / H;
   auto out = torch::empty_like(x);
   const float* wp = w.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xp = x.data_ptr<float>() + r * H;
-    float* op = out.data_ptr<float>() + r * H;
-    V acc = vzero();
-    for (int64_t k = 0; k < whole; k += 16) {
-      const V v = vload(xp + k);
-      acc = vfma(v, v, acc);
-    }
-    if (tail) {
-      const V v = vloadn(xp + whole, tail);
-      acc = vfma(v, v, acc);
-    }
-    const float mean = vsum(acc) / static_cast<float>(H);
-    const V scale = vset1(1.0f / std::sqrt(mean + static_cast<float>(eps)));
-    for (int64_t k = 0; k < whole; k += 16) vstore(op + k, vmul(vload(wp + k), vmul(vload(xp + k), scale)));
-    if (tail) vstoren(op + whole, vmul(vloadn(wp + whole, tail), vmul(vloadn(xp + whole, tail), scale)), tail);
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    rms_row(x.data_ptr<float>() + r * H, wp, H, static_cast<float>(eps), out.data_ptr<float>() + r * H);
   return out;
 }
 
@@ -1017,7 +1186,7 @@ torch::Tensor rope_cache(const torch::Tensor& qkv, const torch::Tensor& cos, con
   TORCH_CHECK(qkv.dtype() == torch::kFloat32 && qkv.is_contiguous() && qkv.dim() == 2, "rope_cache: qkv fp32 [q, F]");
   TORCH_CHECK(key_buf.is_contiguous() && value_buf.is_contiguous() && key_buf.dim() == 3, "rope_cache: buffers [kv, cap, d]");
   const int64_t q = qkv.size(0), nkv = key_buf.size(0), cap = key_buf.size(1), d = key_buf.size(2), half = d / 2;
-  TORCH_CHECK(d % 32 == 0 && qkv.size(1) == (nh + 2 * nkv) * d, "rope_cache: head_dim a multiple of 32, qkv width");
+  TORCH_CHECK(d % 16 == 0 && qkv.size(1) == (nh + 2 * nkv) * d, "rope_cache: head_dim a multiple of 16, qkv width");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == q && cos.size(1) == d, "rope_cache: cos/sin [q, d]");
   TORCH_CHECK(start >= 0 && start + q <= cap, "rope_cache: rows past the buffer");
   auto out = torch::empty({nh, q, d}, qkv.options());
@@ -1035,10 +1204,15 @@ torch::Tensor rope_cache(const torch::Tensor& qkv, const torch::Tensor& cos, con
     for (int64_t h = 0; h < nh + nkv; ++h) {
       const float* x = row + h * d;
       float* dst = h < nh ? op + (h * q + i) * d : kp + ((h - nh) * cap + start + i) * d;
-      for (int64_t t = 0; t < half; t += 16) {
+      for (int64_t t = 0; t + 16 <= half; t += 16) {
         const V x1 = vload(x + t), x2 = vload(x + half + t);
         vstore(dst + t, vsub(vmul(x1, vload(c + t)), vmul(x2, vload(s + t))));
         vstore(dst + half + t, vadd(vmul(x2, vload(c + half + t)), vmul(x1, vload(s + half + t))));
+      }
+      if (const int64_t t = half / 16 * 16, n = half - t; n) {  // head dims that are odd multiples of 16
+        const V x1 = vloadn(x + t, n), x2 = vloadn(x + half + t, n);
+        vstoren(dst + t, vsub(vmul(x1, vloadn(c + t, n)), vmul(x2, vloadn(s + t, n))), n);
+        vstoren(dst + half + t, vadd(vmul(x2, vloadn(c + half + t, n)), vmul(x1, vloadn(s + half + t, n))), n);
       }
     }
     for (int64_t h = 0; h < nkv; ++h)
@@ -1254,6 +1428,128 @@ class DecoderStack {
   std::vector<LayerWeights> layers_;
 };
 
+// argmax_rows: the index of each row's largest value for x fp32 [N, V], the first of equal ones, a NaN counting
+// as the largest (torch's argmax): a vectorized maximum, then the first index holding it (torch's CPU argmax
+// walks the values one at a time, about 0.7 ms for a 262144-token vocabulary).
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.device().is_cpu() &&
+              x.size(1) > 0, "argmax_rows: contiguous fp32 CPU x [N, V], V > 0");
+  const int64_t N = x.size(0), W = x.size(1), whole = W / 16 * 16;
+  auto out = torch::empty({N}, torch::kInt64);
+  int64_t* op = out.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = xp + r * W;
+      V acc = vset1(-INFINITY), odd = vzero();  // odd: 0 while every value is finite
+      for (int64_t k = 0; k < whole; k += 16) {
+        const V v = vload(row + k);
+        acc = vmax(acc, v);
+        odd = vadd(odd, vmul(v, vzero()));
+      }
+      float best = vmaxall(acc);
+      bool finite = std::isfinite(vsum(odd));
+      for (int64_t k = whole; k < W; ++k) {
+        finite = finite && std::isfinite(row[k]);
+        best = row[k] > best ? row[k] : best;
+      }
+      int64_t found = -1;
+      if (finite) {
+        for (int64_t k = 0; k < W && found < 0; ++k)
+          if (row[k] == best) found = k;
+      } else {  // a NaN or an infinity: one value at a time, as torch does (the first NaN, else the first largest)
+        found = 0;
+        for (int64_t k = 1; k < W && !std::isnan(row[found]); ++k)
+          if (std::isnan(row[k]) || row[k] > row[found]) found = k;
+      }
+      op[r] = found;
+    }
+  });
+  return out;
+}
+
+// A Gemma-3 decoder layer's weights: the (1 + w) scales of its six RMSNorms, its four products, and its kind (which
+// of the forward's rotary tables and attention biases it reads: sliding-window and full-attention layers differ).
+struct GemmaLayerWeights {
+  torch::Tensor input_norm, q_norm, k_norm, post_attention_norm, pre_feedforward_norm, post_feedforward_norm;
+  Product qkv, o, gate_up, down;
+  int64_t kind;
+};
+
+// gemma_layer: one Gemma-3 decoder layer for one sequence of 1-16 rows, in place on x [q, H]:
+// qkv(rms(x)), RMSNorms on each query and key head, rotary, attention; x += rms(o(.)); then
+// x += rms(down(gelu_tanh(gate) * up)) with gate, up = gate_up(rms(x)). The kernels and sums of the separate
+// calls eagle.runtime.gemma makes (the activation is torch's), so the bits are theirs.
+void gemma_layer(torch::Tensor x, const GemmaLayerWeights& l, const torch::Tensor& cos, const torch::Tensor& sin,
+                 torch::Tensor key_buf, torch::Tensor value_buf, int64_t nh, int64_t start,
+                 const c10::optional<torch::Tensor>& bias, double scale, double eps) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "gemma_layer: x fp32 [q, H]");
+  const torch::Tensor qkv = linear(rms_norm(x, l.input_norm, eps), l.qkv, true);
+  const int64_t q = x.size(0), nkv = key_buf.size(0), d = key_buf.size(2), heads = qkv.size(1) / d;
+  TORCH_CHECK(heads == nh + 2 * nkv && l.q_norm.numel() == d && l.k_norm.numel() == d, "gemma_layer: head widths");
+  float* rows = qkv.data_ptr<float>();
+  for (int64_t i = 0; i < q; ++i)
+    for (int64_t h = 0; h < nh + nkv; ++h) {
+      float* head = rows + (i * heads + h) * d;
+      rms_row(head, (h < nh ? l.q_norm : l.k_norm).data_ptr<float>(), d, static_cast<float>(eps), head);
+    }
+  const torch::Tensor qr = rope_cache(qkv, cos, sin, key_buf, value_buf, nh, start);
+  x.add_(rms_norm(linear(attention(qr, key_buf, value_buf, start + q, bias, scale), l.o, true),
+                  l.post_attention_norm, eps));
+  const torch::Tensor gate_up = linear(rms_norm(x, l.pre_feedforward_norm, eps), l.gate_up, true);
+  const int64_t inter = gate_up.size(1) / 2;
+  const torch::Tensor act = (at::gelu(gate_up.narrow(1, 0, inter), "tanh") * gate_up.narrow(1, inter, inter)).contiguous();
+  x.add_(rms_norm(linear(act, l.down, true), l.post_feedforward_norm, eps));
+}
+
+// GemmaStack: a Gemma-3 target's decoder layers, handed over once (add) and run by one call a forward.
+class GemmaStack {
+ public:
+  GemmaStack(int64_t nh, double scale, double eps) : nh_(nh), scale_(scale), eps_(eps) {}
+
+  // One more layer: its six norm scales (input, q, k, post-attention, pre-feedforward, post-feedforward), its
+  // products qkv, o, gate_up, down (as Product holds them), and its kind.
+  void add(const std::vector<torch::Tensor>& norms, const std::vector<ProductArgs>& products, int64_t kind) {
+    TORCH_CHECK(norms.size() == 6 && products.size() == 4, "GemmaStack.add: six norms, four products");
+    for (const auto& n : norms)
+      TORCH_CHECK(n.dtype() == torch::kFloat32 && n.is_contiguous() && n.dim() == 1, "GemmaStack.add: fp32 norms");
+    Product p[4];
+    for (int i = 0; i < 4; ++i) {
+      const auto& [w, s, raws, types, b] = products[i];
+      TORCH_CHECK(raws.size() == types.size() && (w.has_value() != !raws.empty()),
+                  "GemmaStack.add: a product is a weight or GGUF parts with their types");
+      p[i] = {w, s, raws, types, b};
+    }
+    layers_.push_back({norms[0], norms[1], norms[2], norms[3], norms[4], norms[5], p[0], p[1], p[2], p[3], kind});
+  }
+
+  // Every layer in order on x [q, H], in place; a layer of kind t reads cos[t], sin[t] ([q, d]) and biases[t]
+  // (as for attention; none: causal) and writes its keys and values to rows start..start+q-1 of keys[i][0],
+  // values[i][0]. Returns copies of x after each layer listed in aux, in aux's order.
+  std::vector<torch::Tensor> forward(torch::Tensor x, const std::vector<torch::Tensor>& cos,
+                                     const std::vector<torch::Tensor>& sin, const std::vector<torch::Tensor>& keys,
+                                     const std::vector<torch::Tensor>& values, int64_t start,
+                                     const std::vector<c10::optional<torch::Tensor>>& biases,
+                                     const std::vector<int64_t>& aux) {
+    TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "GemmaStack: a buffer per layer");
+    std::vector<torch::Tensor> outputs(aux.size());
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const GemmaLayerWeights& l = layers_[i];
+      TORCH_CHECK(l.kind >= 0 && l.kind < static_cast<int64_t>(cos.size()) && cos.size() == sin.size() &&
+                  cos.size() == biases.size(), "GemmaStack: cos, sin and a bias per layer kind");
+      gemma_layer(x, l, cos[l.kind], sin[l.kind], keys[i][0], values[i][0], nh_, start, biases[l.kind], scale_, eps_);
+      for (size_t j = 0; j < aux.size(); ++j)
+        if (aux[j] == static_cast<int64_t>(i)) outputs[j] = x.clone();
+    }
+    return outputs;
+  }
+
+ private:
+  int64_t nh_;
+  double scale_, eps_;
+  std::vector<GemmaLayerWeights> layers_;
+};
+
 // compact_rows: in each buffer [B, h, capacity, d] (contiguous CPU, any dtype), row keep[j] of the capacity
 // axis is copied to row start + j (keep increasing, keep[j] >= start + j, so no source is overwritten before
 // it is read): a verified tree's accepted path made contiguous in the cache of every layer in one call,
@@ -1297,6 +1593,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_cache", &rope_cache, "rotary queries and keys, keys and values into the cache buffers, fp32");
   m.def("attention", &attention, "grouped-query attention of a few rows over the cache, fp32, row-independent");
   m.def("silu_mul", &silu_mul, "silu(gate) * up, fp32");
+  m.def("argmax_rows", &argmax_rows, "each row's first largest value's index (torch's argmax), fp32 [N, V]");
   m.def("compact_rows", &compact_rows, "copy rows keep[j] of each cache buffer to start + j, for all layers at once");
   py::class_<DecoderStack>(m, "DecoderStack", py::module_local(), "decoder layers run by one call a forward (decoder_layer each)")
       .def(py::init<int64_t, double>(), py::arg("nh"), py::arg("scale"))
@@ -1305,4 +1602,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecoderStack::forward, "every layer in place on x [q, H]; copies of x after the aux layers",
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("start"),
            py::arg("bias"), py::arg("once"), py::arg("aux"));
+  py::class_<GemmaStack>(m, "GemmaStack", py::module_local(), "a Gemma-3 target's decoder layers run by one call")
+      .def(py::init<int64_t, double, double>(), py::arg("nh"), py::arg("scale"), py::arg("eps"))
+      .def("add", &GemmaStack::add, "append a layer: six norm scales, four products, its kind",
+           py::arg("norms"), py::arg("products"), py::arg("kind"))
+      .def("forward", &GemmaStack::forward, "every layer in place on x [q, H]; copies of x after the aux layers",
+           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("start"),
+           py::arg("biases"), py::arg("aux"));
 }
