@@ -38,6 +38,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -1377,6 +1378,19 @@ void decoder_layer(torch::Tensor x, const LayerWeights& l, const torch::Tensor& 
   x.add_(linear(silu_mul(linear(rms_norm(x, l.post_norm, l.post_eps), l.gate_up, once)), l.down, once));
 }
 
+// A layer's four products (qkv, o, gate_up, down) from their Python tuples, checked.
+std::array<Product, 4> four_products(const std::vector<ProductArgs>& products, const char* who) {
+  TORCH_CHECK(products.size() == 4, who, ": four products (qkv, o, gate_up, down)");
+  std::array<Product, 4> p;
+  for (int i = 0; i < 4; ++i) {
+    const auto& [w, s, raws, types, b] = products[i];
+    TORCH_CHECK(raws.size() == types.size() && (w.has_value() != !raws.empty()),
+                who, ": a product is a weight or GGUF parts with their types");
+    p[i] = {w, s, raws, types, b};
+  }
+  return p;
+}
+
 // DecoderStack: decoder layers whose weights are handed over once (add), run by one call a forward
 // (forward), instead of a call per layer from Python that converts some 25 arguments each time.
 class DecoderStack {
@@ -1387,14 +1401,7 @@ class DecoderStack {
   // bias) as Product holds them.
   void add(const c10::optional<torch::Tensor>& input_norm, double input_eps, const torch::Tensor& post_norm,
            double post_eps, const std::vector<ProductArgs>& products) {
-    TORCH_CHECK(products.size() == 4, "DecoderStack.add: four products (qkv, o, gate_up, down)");
-    Product p[4];
-    for (int i = 0; i < 4; ++i) {
-      const auto& [w, s, raws, types, b] = products[i];
-      TORCH_CHECK(raws.size() == types.size() && (w.has_value() != !raws.empty()),
-                  "DecoderStack.add: a product is a weight or GGUF parts with their types");
-      p[i] = {w, s, raws, types, b};
-    }
+    const std::array<Product, 4> p = four_products(products, "DecoderStack.add");
     layers_.push_back({input_norm, input_eps, p[0], p[1], post_norm, post_eps, p[2], p[3]});
   }
 
@@ -1503,16 +1510,10 @@ class GemmaStack {
   // One more layer: its six norm scales (input, q, k, post-attention, pre-feedforward, post-feedforward), its
   // products qkv, o, gate_up, down (as Product holds them), and its kind.
   void add(const std::vector<torch::Tensor>& norms, const std::vector<ProductArgs>& products, int64_t kind) {
-    TORCH_CHECK(norms.size() == 6 && products.size() == 4, "GemmaStack.add: six norms, four products");
+    TORCH_CHECK(norms.size() == 6, "GemmaStack.add: six norms");
     for (const auto& n : norms)
       TORCH_CHECK(n.dtype() == torch::kFloat32 && n.is_contiguous() && n.dim() == 1, "GemmaStack.add: fp32 norms");
-    Product p[4];
-    for (int i = 0; i < 4; ++i) {
-      const auto& [w, s, raws, types, b] = products[i];
-      TORCH_CHECK(raws.size() == types.size() && (w.has_value() != !raws.empty()),
-                  "GemmaStack.add: a product is a weight or GGUF parts with their types");
-      p[i] = {w, s, raws, types, b};
-    }
+    const std::array<Product, 4> p = four_products(products, "GemmaStack.add");
     layers_.push_back({norms[0], norms[1], norms[2], norms[3], norms[4], norms[5], p[0], p[1], p[2], p[3], kind});
   }
 
