@@ -161,7 +161,8 @@ class GemmaDecoder(HeadAndCache):
         self.embed = inner.embed_tokens  # scales by sqrt(hidden) in the embedding's dtype
         self.rotary = inner.rotary_emb
         self.layer_types = tuple(sorted(set(cfg.layer_types)))
-        self.window = cfg.sliding_window
+        # each layer type's attention window (None: full attention)
+        self.windows = {t: cfg.sliding_window if t == SLIDING else None for t in self.layer_types}
         self.norm = norm_scale(inner.norm)
         self.head, self.greedy_head = lm_head(head_weight(model), stream, encode)
         self.layers = []
@@ -176,7 +177,7 @@ class GemmaDecoder(HeadAndCache):
                 o=product([attn.o_proj], stream, encode),
                 gate_up=product([mlp.gate_proj, mlp.up_proj], stream, encode),
                 down=product([mlp.down_proj], stream, encode),
-                layer_type=layer_type, window=cfg.sliding_window if layer_type == SLIDING else None))
+                layer_type=layer_type, window=self.windows[layer_type]))
         self.stack = None if self.compiled is None else gemma_stack(self.compiled, self.num_heads, self.scale,
                                                                     self.eps, self.layers, self.layer_types)
 
@@ -227,7 +228,7 @@ class GemmaDecoder(HeadAndCache):
             c, s = self.rotary(x[None], position_ids, layer_type)  # [1, q, d]
             cos.append(c[0].contiguous())
             sin.append(s[0].contiguous())
-            window = self.window if layer_type == SLIDING else None
+            window = self.windows[layer_type]
             # None: causal over keys all within the window
             biases.append(full if window is None else None if attention_mask is None and past + q_len <= window else
                           window_bias(attention_mask, position_ids, past, window)[0, 0].contiguous())

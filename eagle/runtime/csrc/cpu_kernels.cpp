@@ -321,7 +321,7 @@ constexpr int kJQ8One = kJQ<1>;
 constexpr int kPassRows = 4, kPassRowsQ = 4;
 template <int M> constexpr int kJ = M <= 1 ? 4 : (M <= 2 ? 2 : 1);
 template <int M> constexpr int kJQ = M <= 1 ? 2 : 1;
-constexpr int kJQ8One = 1;  // 8-bit codes, one row: 2 rows of W at a time were 20-25% slower (LM heads)
+constexpr int kJQ8One = 1;  // 8-bit codes, one row of x: faster than 2 rows of W at a time (docs/performance.md)
 #else
 constexpr int kPassRows = 4, kPassRowsQ = 4;
 template <int M> constexpr int kJ = M <= 1 ? 4 : (M <= 2 ? 2 : 1);
@@ -892,8 +892,8 @@ inline void fused_weights(const uint8_t* p, int s, V& lo, V& hi) {
 }
 
 // Outputs j0..j1 of the M rows of x [M, K] (rows K apart; out's ldo apart), W's rows raw + j row_bytes in GGUF
-// type Type, one row of W at a time (faster than 2 or 4 at a time here: one row, 2 threads, the Gemma-3 head
-// 16.5 -> 14.5 ms and its layers' products 11% less), each block of 32 weights decoded once for the M rows.
+// type Type, one row of W at a time (faster than 2 or 4 at a time on AVX2: docs/performance.md), each block of 32
+// weights decoded once for the M rows.
 template <int64_t Type, int M>
 void fused_block(const float* x, int64_t K, const uint8_t* raw, int64_t row_bytes, const float* bias, float* out,
                  int64_t ldo, int64_t j0, int64_t j1) {
@@ -1430,7 +1430,7 @@ class DecoderStack {
 
 // argmax_rows: the index of each row's largest value for x fp32 [N, V], the first of equal ones, a NaN counting
 // as the largest (torch's argmax): a vectorized maximum, then the first index holding it (torch's CPU argmax
-// walks the values one at a time, about 0.7 ms for a 262144-token vocabulary).
+// walks the values one at a time).
 torch::Tensor argmax_rows(const torch::Tensor& x) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.device().is_cpu() &&
               x.size(1) > 0, "argmax_rows: contiguous fp32 CPU x [N, V], V > 0");
