@@ -34,7 +34,7 @@ from eagle.config import SamplingConfig
 from eagle.decoding.batch import BatchDecoder, Request, default_rows, request_seed
 from eagle.errors import EagleError, read_text
 from eagle.runtime.target import Target, load_target
-from train.data import to_messages
+from train.data import plain_spans, to_messages
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 ANSWER_TOP_P = 0.95  # when sampling (as the self-written chats' answers)
@@ -187,14 +187,22 @@ def completed(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in lines]
 
 
+def is_base_model(target: Target) -> bool:
+    """A target whose tokenizer has no chat template: it continues plain text."""
+    return not getattr(target.tokenizer, "chat_template", None)
+
+
 def prompt_text(target: Target, chat: Chat, answers: list[str]) -> str:
-    """The chat-templated conversation up to user turn ``len(answers)``, ending where the assistant's
-    answer starts."""
+    """The conversation up to user turn ``len(answers)``, ending where the assistant's answer starts:
+    chat-templated, or for a base model its contents back to back (``train.data.plain_spans``, the
+    rendering the trainer reads, so a base model's answer continues exactly the text it is trained on)."""
     messages = [{"role": "system", "content": chat.system}] if chat.system else []
     for user, answer in zip(chat.users, answers + [None]):
         messages.append({"role": "user", "content": user})
         if answer is not None:
             messages.append({"role": "assistant", "content": answer})
+    if is_base_model(target):
+        return plain_spans(target.tokenizer, messages)[0]
     return target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -274,7 +282,9 @@ class Conversations:
     def finish(self, chat: Chat, answers: list[str], token_ids: list[int], ended: bool) -> None:
         """Turn ``len(answers)`` of ``chat`` answered with ``token_ids``: queue the next turn, or
         hand the conversation to ``done`` (an empty answer ends it there)."""
-        answer = self.target.tokenizer.decode(token_ids, skip_special_tokens=True).strip()
+        answer = self.target.tokenizer.decode(token_ids, skip_special_tokens=True)
+        # a base model's answer is kept as written (a leading space included): it is put back to back with the turns
+        answer = answer if is_base_model(self.target) and answer.strip() else answer.strip()
         self.gen["answer_tokens"] += len(token_ids)
         self.gen["answers_ended_eos" if ended else "answers_cut_at_max"] += 1
         if not answer:

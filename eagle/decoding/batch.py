@@ -1,4 +1,5 @@
-"""Batched plain decoding with the lean target forward: many requests on a fixed number of rows.
+"""Batched plain decoding with the lean target forward (Llama family and Gemma-3): many requests on a
+fixed number of rows.
 
 Not speculative: it is for throughput (making training data: ``train.selfdistill``), where batching
 does what drafting does for one stream. ``BatchDecoder`` keeps ``rows`` sequences in one preallocated
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import os
 import time
@@ -36,6 +38,7 @@ from eagle.config import SamplingConfig
 from eagle.decoding.sampling import logits_to_probs
 from eagle.errors import EagleError
 from eagle.runtime.decoder import rms_norm, rotate, silu_mul
+from eagle.runtime.gemma import GemmaDecoder, gemma_norm
 from eagle.runtime.target import Target
 
 MASK31 = (1 << 31) - 1
@@ -159,13 +162,70 @@ def prefill_groups(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return groups
 
 
-def run_layers(lean: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """What batched attention needs to know of a lean forward's layers: each layer's attention window
+    (None: full attention) and the attention scale (Llama family: head_dim^-0.5; Gemma-3: its own)."""
+
+    windows: tuple[int | None, ...]
+    scale: float
+
+    @staticmethod
+    def of(lean: Any) -> "LayerPlan":
+        if isinstance(lean, GemmaDecoder):
+            return LayerPlan(tuple(layer.window for layer in lean.layers), lean.scale)
+        return LayerPlan((None,) * len(lean.layers), lean.head_dim ** -0.5)
+
+
+Rope = dict  # a rotary table's key -> (cos, sin): [C, d] per position, or gathered for a call's positions
+
+
+def rotary_tables(lean: Any, capacity: int, device: torch.device, dtype: torch.dtype) -> Rope:
+    """cos/sin [C, d] for positions 0 .. C-1 of every rotary table the layers use (Gemma-3: one per
+    layer type, local and global)."""
+    x, positions = torch.zeros(1, dtype=dtype, device=device), torch.arange(capacity, device=device)[None]
+    if isinstance(lean, GemmaDecoder):
+        return {t: tuple(c[0] for c in lean.rotary(x, positions, t)) for t in lean.layer_types}
+    return {None: tuple(c[0] for c in lean.rotary(x, positions))}
+
+
+def gathered(rope: Rope, positions: torch.Tensor, shape: Sequence[int]) -> Rope:
+    """``rope``'s tables at ``positions`` (any shape), viewed as ``shape`` + [d] (broadcasting to [n,
+    1, m, d])."""
+    return {key: tuple(t[positions].reshape(*shape, t.shape[-1]) for t in tables) for key, tables in rope.items()}
+
+
+def allowed_keys(keys: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which cache positions ``keys`` a query at ``positions`` sees (itself and before, within
+    ``window`` of it when given): broadcasts keys against positions."""
+    allowed = keys <= positions
+    return allowed if window is None else allowed & (keys > positions - window)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed``, the dtype's minimum elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def masks_by_window(plan: LayerPlan, keys: torch.Tensor, positions: torch.Tensor,
+                    dtype: torch.dtype) -> dict[int | None, torch.Tensor]:
+    """The additive attention mask (``allowed_keys``) of each window the layers use."""
+    return {w: additive_mask(allowed_keys(keys, positions, w), dtype) for w in set(plan.windows)}
+
+
+def run_layers(lean: Any, x: torch.Tensor, rope: Rope,
                attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The decoder layers over ``x`` [n, m, H] with rotary tables ``cos``/``sin`` (broadcasting to [n, 1,
-    m, d]); ``attend(i, q, k, v)`` (q [n, heads, m, d], k and v [n, kv_heads, m, d], rotated) stores layer
-    i's keys and values and returns its attention output [n, m, heads d]. -> [n, m, H], before the final norm."""
+    """The decoder layers over ``x`` [n, m, H] with rotary tables ``rope`` (``gathered``: broadcasting
+    to [n, 1, m, d]); ``attend(i, q, k, v)`` (q [n, heads, m, d], k and v [n, kv_heads, m, d], rotated)
+    stores layer i's keys and values and returns its attention output [n, m, heads d]. -> [n, m, H],
+    before the final norm."""
+    if isinstance(lean, GemmaDecoder):
+        for i, layer in enumerate(lean.layers):
+            x = lean.layer_with(layer, x, *rope[layer.layer_type], functools.partial(attend, i))
+        return x
     n, m = x.shape[:2]
     nh, nkv, d = lean.num_heads, lean.num_kv_heads, lean.head_dim
+    cos, sin = rope[None]
     for i, layer in enumerate(lean.layers):
         qk, v = layer.qkv(layer.attention_input(x, None)).view(n, m, nh + 2 * nkv, d).transpose(1, 2).split(
             [nh + nkv, nkv], dim=1)
@@ -175,23 +235,30 @@ def run_layers(lean: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return x
 
 
-def decode_rows(lean: Any, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ids: torch.Tensor,
-                positions: torch.Tensor, keys_len: int, varlen: bool = False) -> torch.Tensor:
+def final_norm(lean: Any, x: torch.Tensor) -> torch.Tensor:
+    """The lean forward's final norm: the features its head reads."""
+    if isinstance(lean, GemmaDecoder):
+        return gemma_norm(x, lean.norm, lean.eps)
+    return rms_norm(x, lean.norm, lean.norm_eps)
+
+
+def decode_rows(lean: Any, kv: torch.Tensor, rope: Rope, ids: torch.Tensor, positions: torch.Tensor,
+                keys_len: int, varlen: bool = False) -> torch.Tensor:
     """One decode step of R rows, every shape fixed and every index on the device (capturable):
-    ``kv`` [2, layers, R, C, kv_heads, d] (row r's keys at its positions), ``cos``/``sin`` [C, d]
-    rotary tables, ``ids``/``positions`` [R] each row's token and where it goes. Row r attends to
-    its positions 0 .. positions[r]: among the first ``keys_len`` (``sdpa``), or exactly those
-    (``varlen``: ``varlen_attention``). -> final-norm features [R, H]."""
+    ``kv`` [2, layers, R, C, kv_heads, d] (row r's keys at its positions), ``rope`` the rotary
+    tables [C, d] (``rotary_tables``), ``ids``/``positions`` [R] each row's token and where it goes.
+    Row r attends to its positions 0 .. positions[r] (within a sliding layer's window): among the
+    first ``keys_len`` (``sdpa``), or exactly those (``varlen``: ``varlen_attention``; full attention
+    only). -> final-norm features [R, H]."""
     r = ids.shape[0]
     nh, nkv, d = lean.num_heads, lean.num_kv_heads, lean.head_dim
+    plan = LayerPlan.of(lean)
     x = lean.embed(ids)[:, None]  # [R, 1, H]
-    c, s = cos[positions][:, None, None], sin[positions][:, None, None]  # [R, 1, 1, d]
     if varlen:
         used = (positions + 1).to(torch.int32)
     else:
-        allowed = torch.arange(keys_len, device=ids.device)[None] <= positions[:, None]  # [R, Lk]
-        mask = torch.zeros(r, 1, 1, keys_len, dtype=x.dtype, device=x.device).masked_fill(
-            ~allowed[:, None, None], torch.finfo(x.dtype).min)
+        masks = masks_by_window(plan, torch.arange(keys_len, device=ids.device)[None, None, None],
+                                positions[:, None, None, None], x.dtype)  # [R, 1, 1, Lk] each
     write = positions[:, None, None, None].expand(r, 1, nkv, d)
 
     def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # q [R, heads, 1, d]
@@ -199,16 +266,16 @@ def decode_rows(lean: Any, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         keys.scatter_(1, write, k.transpose(1, 2))
         values.scatter_(1, write, v.transpose(1, 2))
         if varlen:
-            out = varlen_attention(q[:, :, 0].contiguous(), keys, values, used, d ** -0.5)  # [R, heads, d]
+            out = varlen_attention(q[:, :, 0].contiguous(), keys, values, used, plan.scale)  # [R, heads, d]
         else:
             # the query heads sharing a key head as rows of one head (grouped-query attention)
             out = F.scaled_dot_product_attention(q.reshape(r, nkv, nh // nkv, d),
                                                  keys[:, :keys_len].transpose(1, 2),
-                                                 values[:, :keys_len].transpose(1, 2), attn_mask=mask,
-                                                 scale=d ** -0.5)
+                                                 values[:, :keys_len].transpose(1, 2),
+                                                 attn_mask=masks[plan.windows[i]], scale=plan.scale)
         return out.reshape(r, 1, nh * d)
 
-    return rms_norm(run_layers(lean, x, c, s, attend), lean.norm, lean.norm_eps)[:, 0]
+    return final_norm(lean, run_layers(lean, x, gathered(rope, positions, (r, 1, 1)), attend))[:, 0]
 
 
 def varlen_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, used: torch.Tensor,
@@ -253,40 +320,47 @@ def varlen_works(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def prefill_rows(lean: Any, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                 ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+def prefill_rows(lean: Any, kv: torch.Tensor, rope: Rope, slots: torch.Tensor, ids: torch.Tensor,
+                 last: torch.Tensor) -> torch.Tensor:
     """Prompts ``ids`` [n, P] (right-padded) into cache rows ``slots`` [n] of ``kv`` [2, layers, R, C,
-    kv_heads, d] at positions 0 .. P-1
-    (a padded position's keys are overwritten before any step attends to them); -> final-norm
-    features of each row's token ``last`` [n] (its last real one) [n, H]."""
+    kv_heads, d] at positions 0 .. P-1 (a padded position's keys are overwritten before any step
+    attends to them); -> final-norm features of each row's token ``last`` [n] (its last real one) [n, H]."""
     n, p = ids.shape
     nh, nkv, d = lean.num_heads, lean.num_kv_heads, lean.head_dim
+    plan = LayerPlan.of(lean)
+    x = lean.embed(ids)
+    span = torch.arange(p, device=ids.device)
+    # causal attention within each layer's window: a mask only where a window is shorter than the prompt
+    masks = {w: None if w is None or w >= p else additive_mask(allowed_keys(span[None], span[:, None], w), x.dtype)
+             for w in set(plan.windows)}  # [P, P]
 
     def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv[0, i, slots, :p] = k.transpose(1, 2)
         kv[1, i, slots, :p] = v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh, scale=d ** -0.5)
+        mask = masks[plan.windows[i]]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=nkv != nh,
+                                             scale=plan.scale)
         return out.transpose(1, 2).reshape(n, p, nh * d)
 
-    x = run_layers(lean, lean.embed(ids), cos[:p][None, None], sin[:p][None, None], attend)
-    return rms_norm(x[torch.arange(n, device=ids.device), last], lean.norm, lean.norm_eps)
+    x = run_layers(lean, x, gathered(rope, span, (1, 1, p)), attend)
+    return final_norm(lean, x[torch.arange(n, device=ids.device), last])
 
 
-def extend_rows(lean: Any, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                ids: torch.Tensor, starts: torch.Tensor, last: torch.Tensor, keys_len: int) -> torch.Tensor:
+def extend_rows(lean: Any, kv: torch.Tensor, rope: Rope, slots: torch.Tensor, ids: torch.Tensor,
+                starts: torch.Tensor, last: torch.Tensor, keys_len: int) -> torch.Tensor:
     """Prompt tails ``ids`` [n, M] (right-padded) into cache rows ``slots`` [n] of ``kv`` [2, layers, R,
     C, kv_heads, d] at positions starts[i] .. starts[i] + M - 1, the row's positions below starts[i]
     already holding the prompt's head: each tail token attends to its row's cache up to itself
-    (``keys_len`` >= max(starts) + M, at most C, positions past C - 1 are written there: padding only).
-    -> final-norm features of each row's tail token ``last`` [n] (its prompt's last) [n, H]."""
+    (within a sliding layer's window; ``keys_len`` >= max(starts) + M, at most C, positions past C - 1
+    are written there: padding only). -> final-norm features of each row's tail token ``last`` [n]
+    (its prompt's last) [n, H]."""
     n, m = ids.shape
     nh, nkv, d = lean.num_heads, lean.num_kv_heads, lean.head_dim
+    plan = LayerPlan.of(lean)
     pos = (starts[:, None] + torch.arange(m, device=ids.device)[None]).clamp(max=kv.shape[3] - 1)  # [n, M]
     x = lean.embed(ids)
-    c, s = cos[pos][:, None], sin[pos][:, None]  # [n, 1, M, d]
-    allowed = torch.arange(keys_len, device=ids.device)[None, None] <= pos[:, :, None]  # [n, M, Lk]
-    mask = torch.zeros(n, 1, m, keys_len, dtype=x.dtype, device=x.device).masked_fill(
-        ~allowed[:, None], torch.finfo(x.dtype).min)
+    masks = masks_by_window(plan, torch.arange(keys_len, device=ids.device)[None, None, None],
+                            pos[:, None, :, None], x.dtype)  # [n, 1, M, Lk] each
     rows = slots[:, None]
 
     def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # q [n, heads, M, d]
@@ -294,11 +368,11 @@ def extend_rows(lean: Any, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         kv[1, i][rows, pos] = v.transpose(1, 2)
         keys, values = (kv[j, i][slots, :keys_len].transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
                         for j in (0, 1))  # [n, heads, Lk, d]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=d ** -0.5)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[plan.windows[i]], scale=plan.scale)
         return out.transpose(1, 2).reshape(n, m, nh * d)
 
-    x = run_layers(lean, x, c, s, attend)
-    return rms_norm(x[torch.arange(n, device=ids.device), last], lean.norm, lean.norm_eps)
+    x = run_layers(lean, x, gathered(rope, pos, (n, 1, m)), attend)
+    return final_norm(lean, x[torch.arange(n, device=ids.device), last])
 
 
 @dataclasses.dataclass
@@ -328,7 +402,9 @@ class BatchDecoder:
         if attention not in ATTENTION:
             raise EagleError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
         lean, device, dtype = target.lean, target.device, target.dtype
-        why_not = varlen_works(device, dtype) if attention != "sdpa" else None
+        why_not = None if attention == "sdpa" else (
+            "varlen attention does not take sliding windows" if any(LayerPlan.of(lean).windows) else
+            varlen_works(device, dtype))
         if attention == "varlen" and why_not:
             raise EagleError(why_not)
         self.varlen = attention != "sdpa" and why_not is None
@@ -341,9 +417,7 @@ class BatchDecoder:
         self.kv = torch.zeros(2, len(lean.layers), rows, self.capacity, lean.num_kv_heads, lean.head_dim,
                               dtype=dtype, device=device)
         with torch.inference_mode():
-            cos, sin = lean.rotary(torch.zeros(1, dtype=dtype, device=device),
-                                   torch.arange(self.capacity, device=device)[None])
-        self.cos, self.sin = cos[0], sin[0]  # [C, d]
+            self.rope = rotary_tables(lean, self.capacity, device, dtype)
         # per row: the pending token, where it goes, its request's noise key, how many tokens it drew
         self.ids, self.positions, self.keys, self.steps = (torch.zeros(rows, dtype=torch.long, device=device)
                                                            for _ in range(4))
@@ -426,10 +500,10 @@ class BatchDecoder:
         where = torch.tensor([row for _, row, _ in group], device=device)
         if max(heads):
             keys_len = min(self.capacity, max(heads) + width)
-            hidden = extend_rows(self.lean, self.kv, self.cos, self.sin, where, ids, starts, lengths - starts - 1,
+            hidden = extend_rows(self.lean, self.kv, self.rope, where, ids, starts, lengths - starts - 1,
                                  keys_len)
         else:
-            hidden = prefill_rows(self.lean, self.kv, self.cos, self.sin, where, ids, lengths - 1)
+            hidden = prefill_rows(self.lean, self.kv, self.rope, where, ids, lengths - 1)
         keys = torch.tensor([r.seed for r in requests], device=device)
         tokens = draw_tokens(self.lean.head(hidden).float(), self.sampling, keys, torch.zeros_like(keys))
         self.ids[where], self.positions[where], self.keys[where] = tokens, lengths, keys
@@ -502,7 +576,7 @@ class BatchDecoder:
     def _run(self, size: int, keys_len: int) -> torch.Tensor:
         """The step's tokens [size] (a graph's static output on CUDA, replayed; else computed)."""
         def run() -> torch.Tensor:
-            hidden = decode_rows(self.lean, self.kv[:, :, :size], self.cos, self.sin, self.ids[:size],
+            hidden = decode_rows(self.lean, self.kv[:, :, :size], self.rope, self.ids[:size],
                                  self.positions[:size], keys_len, self.varlen)
             return draw_tokens(self.lean.head(hidden).float(), self.sampling, self.keys[:size], self.steps[:size])
 

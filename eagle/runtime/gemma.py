@@ -18,7 +18,7 @@ rest (longer prefills) by torch's operations."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import dataclasses
 
@@ -211,7 +211,8 @@ class GemmaDecoder(HeadAndCache):
                 masks[layer.window] = sliding_bias(attention_mask, position_ids, past, layer.window)
         kept: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, *rope[layer.layer_type], cache, *masks[layer.window])
+            attend = self._cached_attention(i, cache, *masks[layer.window])
+            x = self.layer_with(layer, x, *rope[layer.layer_type], attend)
             if i in aux_layers:
                 kept[i] = x
         return torch.cat([gemma_norm(x, self.norm, self.eps)] + [kept[i] for i in aux_layers], dim=-1)
@@ -238,20 +239,31 @@ class GemmaDecoder(HeadAndCache):
                                  list(aux_layers))
         return torch.cat([self.compiled.rms_norm(x, self.norm, self.eps)] + aux, dim=-1)
 
-    def _layer(self, i: int, layer: GemmaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               cache: StaticCache, mask: torch.Tensor | None, start: int) -> torch.Tensor:
-        """Decoder layer i: x [B, q, H] -> x after it. cos/sin [B, 1, q, d]; ``mask`` over the cache
-        slots from ``start`` on (what the layer's attention reads)."""
+    def _cached_attention(self, i: int, cache: StaticCache, mask: torch.Tensor | None,
+                          start: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``layer_with``'s attention for layer i of a forward over ``cache``: the new keys and values
+        stored, then attention over the cache slots from ``start`` on with ``mask`` over them."""
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            b, _, q_len, _ = q.shape
+            keys, values = cache.update(i, k, v)
+            out = F.scaled_dot_product_attention(q, keys[..., start:, :], values[..., start:, :],
+                                                 attn_mask=None if mask is None else mask.to(q.dtype),
+                                                 enable_gqa=self.num_kv_heads != self.num_heads, scale=self.scale)
+            return out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim)
+        return attend
+
+    def layer_with(self, layer: GemmaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """A decoder layer over x [B, q, H] -> x after it, with rotary tables cos/sin (broadcasting to
+        [B, 1, q, d]); ``attend(q, k, v)`` (q [B, heads, q, d], k and v [B, kv_heads, q, d], normed and
+        rotated) stores the keys and values where its caller keeps them and returns the attention
+        output [B, q, heads d] (scaled by ``self.scale``, within the layer's window)."""
         nh, nkv, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
         b, q_len = x.shape[:2]
         qkv = layer.qkv(gemma_norm(x, layer.input_norm, eps))
         q, k, v = qkv.view(b, q_len, nh + 2 * nkv, d).transpose(1, 2).split([nh, nkv, nkv], dim=1)
         q = rotate(gemma_norm(q, layer.q_norm, eps), cos, sin)
         k = rotate(gemma_norm(k, layer.k_norm, eps), cos, sin)
-        keys, values = cache.update(i, k, v)
-        out = F.scaled_dot_product_attention(q, keys[..., start:, :], values[..., start:, :],
-                                             attn_mask=None if mask is None else mask.to(q.dtype),
-                                             enable_gqa=nkv != nh, scale=self.scale)
-        x = x + gemma_norm(layer.o(out.transpose(1, 2).reshape(b, q_len, nh * d)), layer.post_attention_norm, eps)
+        x = x + gemma_norm(layer.o(attend(q, k, v)), layer.post_attention_norm, eps)
         h = layer.down(gelu_mul(layer.gate_up(gemma_norm(x, layer.pre_feedforward_norm, eps))))
         return x + gemma_norm(h, layer.post_feedforward_norm, eps)

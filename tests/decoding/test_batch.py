@@ -8,7 +8,7 @@ from eagle.config import SamplingConfig
 from eagle.decoding.batch import (BatchDecoder, Request, bucket_for, generate_batch, keys_for, prefill_groups,
                                   request_noise, request_seed)
 
-from tests.conftest import prompts, tiny_target
+from tests.conftest import prompts, tiny_gemma, tiny_target
 
 
 def test_prefill_groups_keep_the_padded_size_within_the_budget():
@@ -38,6 +38,32 @@ def test_greedy_rows_equal_decoding_each_prompt_alone_with_refills():
     for ids, tokens, ended in zip(batch, out.token_ids, out.ended):
         alone = model.generate(ids, method="ar", max_new_tokens=20)
         assert tokens + ([0] if ended else []) == alone.token_ids, ids
+
+
+def test_gemma_rows_equal_decoding_each_prompt_alone_past_the_window():
+    """A Gemma-3 target (sliding-window layers of window 6 beside full-attention ones, local and global
+    RoPE): each row's greedy tokens, prompts and answers longer than the window, with refills and a
+    next turn prefilled onto its row's cache, are plain single-stream greedy decoding's (fp32)."""
+    target = tiny_gemma(seed=5, window=6)
+    model = EagleModel(target)
+    batch = prompts(9, seed=2)
+    out = generate_batch(target, batch, 16, SamplingConfig(), rows=3)
+    for ids, tokens in zip(batch, out.token_ids):
+        assert tokens == model.generate(ids, method="ar", max_new_tokens=16).token_ids, ids
+    decoder = BatchDecoder(target, rows=2, capacity=128, sampling=SamplingConfig(), refill_at=1)
+    first = torch.randint(1, 32, (30,), generator=torch.Generator().manual_seed(7)).tolist()
+    pending, seen = collections.deque([Request(first, 10, key="first")]), {}
+    for result in decoder.stream(lambda: pending.popleft() if pending else None):
+        seen[result.key] = result.token_ids
+        if result.key == "first":
+            follow = first + result.token_ids + [3, 4, 5, 6]
+            pending.append(Request(follow, 12, key=tuple(follow)))
+    assert decoder.stats.reused_rows == 1
+    for key, tokens in seen.items():
+        ids = first if key == "first" else list(key)
+        assert tokens == model.generate(ids, method="ar", max_new_tokens=len(tokens)).token_ids
+    with pytest.raises(EagleError, match="sliding windows"):
+        BatchDecoder(target, rows=2, capacity=64, sampling=SamplingConfig(), attention="varlen")
 
 
 def test_follow_up_requests_queued_while_streaming_are_decoded():
@@ -200,27 +226,29 @@ def test_a_next_turn_reuses_the_rows_cache_and_decodes_as_alone(monkeypatch, att
     assert stats.prefill_tokens + stats.reused_tokens == sum(len(k[2]) for k in seen)
 
 
-def test_a_prompt_tail_extended_onto_its_cached_head_is_the_whole_prompt_prefilled():
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_a_prompt_tail_extended_onto_its_cached_head_is_the_whole_prompt_prefilled(kind):
     """``extend_rows`` after ``prefill_rows`` of the heads gives the features and the cache rows that
-    ``prefill_rows`` of the whole prompts gives (fp32), with tails of different lengths padded."""
-    from eagle.decoding.batch import extend_rows, prefill_rows
+    ``prefill_rows`` of the whole prompts gives (fp32), with tails of different lengths padded (Gemma-3:
+    sliding-window layers with a window shorter than the heads)."""
+    from eagle.decoding.batch import extend_rows, prefill_rows, rotary_tables
 
-    target = tiny_target(seed=4)
+    target = tiny_target(seed=4) if kind == "llama" else tiny_gemma(seed=4, window=8)
     lean = target.lean
     gen = torch.Generator().manual_seed(0)
     whole = [torch.randint(1, 32, (n,), generator=gen).tolist() for n in (30, 41)]
     heads = [17, 33]
     kv = torch.zeros(2, len(lean.layers), 4, 64, lean.num_kv_heads, lean.head_dim)
-    cos, sin = (t[0] for t in lean.rotary(torch.zeros(1), torch.arange(64)[None]))
+    rope = rotary_tables(lean, 64, torch.device("cpu"), torch.float32)
     with torch.inference_mode():
         width = max(map(len, whole))
         padded = torch.tensor([p + [0] * (width - len(p)) for p in whole])
-        want = prefill_rows(lean, kv, cos, sin, torch.tensor([0, 1]), padded, torch.tensor([29, 40]))
+        want = prefill_rows(lean, kv, rope, torch.tensor([0, 1]), padded, torch.tensor([29, 40]))
         head = torch.tensor([p[:h] + [0] * (max(heads) - h) for p, h in zip(whole, heads)])
-        prefill_rows(lean, kv, cos, sin, torch.tensor([2, 3]), head, torch.tensor(heads) - 1)
+        prefill_rows(lean, kv, rope, torch.tensor([2, 3]), head, torch.tensor(heads) - 1)
         tails = [p[h:] for p, h in zip(whole, heads)]
         tail = torch.tensor([t + [0] * (max(map(len, tails)) - len(t)) for t in tails])
-        got = extend_rows(lean, kv, cos, sin, torch.tensor([2, 3]), tail, torch.tensor(heads),
+        got = extend_rows(lean, kv, rope, torch.tensor([2, 3]), tail, torch.tensor(heads),
                           torch.tensor([len(t) - 1 for t in tails]), keys_len=64)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for a, b, n in ((0, 2, 30), (1, 3, 41)):

@@ -1,3 +1,4 @@
+import collections
 import json
 import random
 from pathlib import Path
@@ -6,12 +7,13 @@ import pytest
 
 from eagle import EagleError
 from eagle.config import SamplingConfig, load_config_file
-from eagle.decoding.batch import generate_batch
+from eagle.decoding.batch import BatchDecoder, generate_batch
 from eagle.runtime.target import load_target
 from train import regenerate
 from train.data import load_chats
 from train.selfdistill import SelfDistillConfig, main as selfdistill_main
 
+from tests.conftest import tiny_gemma
 from tests.train.test_train import save_tiny_chat_target
 
 
@@ -127,8 +129,9 @@ def test_every_turn_is_the_targets_answer_given_the_regenerated_conversation(tmp
 
 def test_the_sharegpt_recipe_parses_and_bad_settings_are_refused():
     root = Path(__file__).resolve().parents[2]
-    cfg = load_config_file(SelfDistillConfig, str(root / "configs/recipes/smollm2-135m-instruct/sharegpt.yaml"))
-    assert cfg.source == "sharegpt" and cfg.answer_max_tokens < cfg.context_tokens
+    for target in ("smollm2-135m-instruct", "gemma-3-270m"):
+        cfg = load_config_file(SelfDistillConfig, str(root / f"configs/recipes/{target}/sharegpt.yaml"))
+        assert cfg.source == "sharegpt" and cfg.answer_max_tokens < cfg.context_tokens
     for bad in ({"rows": -1}, {"max_turns": True}, {"answer_max_tokens": 4096}, {"heldout_fraction": 1.5}):
         with pytest.raises(EagleError):
             SelfDistillConfig(**bad)
@@ -197,3 +200,26 @@ def test_next_prompts_of_real_chats_tokenize_as_whole_prompts_with_the_default_t
         conversations.append([t + (" " if i % 3 == 0 else "") for t in texts * 2])  # 2+ turns each
     assert check_extended_prompts(target, conversations, system=None) >= 80
     assert check_extended_prompts(target, conversations[:5], system="Be brief.\n") >= 10
+
+
+def test_a_base_model_answers_each_turn_continuing_the_plain_conversation():
+    """A base model (a Gemma-3 whose tokenizer has no chat template): each turn's prompt is the
+    conversation's contents back to back (``train.data.plain_spans``, what training reads), and each
+    answer, kept as written, is the target's greedy continuation of it; decoded batched."""
+    target = tiny_gemma(seed=3, window=6)
+    assert regenerate.is_base_model(target)
+    chats = [regenerate.Chat(id=f"c{i}", system=None, users=[f" t{4 + i} t{5 + i} ", f" t{9 + i} t{3 + i} t7 "],
+                             heldout=False) for i in range(5)]
+    work = regenerate.Conversations(target, iter(chats), 5, 64, 0, collections.Counter())
+    decoder = BatchDecoder(target, 2, 64, SamplingConfig(), refill_at=1)
+    for result in decoder.stream(work.take):
+        chat, answers = result.key
+        work.finish(chat, answers, result.token_ids, result.ended)
+    assert len(work.done) == 5
+    for chat, answers in work.done:
+        assert len(answers) == 2
+        for t, answer in enumerate(answers):
+            text = "".join(u + a for u, a in zip(chat.users[:t], answers)) + chat.users[t]
+            ids = target.tokenizer(text, add_special_tokens=False)["input_ids"]
+            alone = generate_batch(target, [ids], 5, SamplingConfig()).token_ids[0]
+            assert answer == target.tokenizer.decode(alone, skip_special_tokens=True)
