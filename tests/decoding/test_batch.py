@@ -234,22 +234,25 @@ def test_a_prompt_tail_extended_onto_its_cached_head_is_the_whole_prompt_prefill
     from eagle.decoding.batch import extend_rows, prefill_rows, rotary_tables
 
     target = tiny_target(seed=4) if kind == "llama" else tiny_gemma(seed=4, window=8)
-    lean = target.lean
+    lean, dev = target.lean, target.device
     gen = torch.Generator().manual_seed(0)
     whole = [torch.randint(1, 32, (n,), generator=gen).tolist() for n in (30, 41)]
     heads = [17, 33]
-    kv = torch.zeros(2, len(lean.layers), 4, 64, lean.num_kv_heads, lean.head_dim)
-    rope = rotary_tables(lean, 64, torch.device("cpu"), torch.float32)
+    kv = torch.zeros(2, len(lean.layers), 4, 64, lean.num_kv_heads, lean.head_dim, device=dev)
+    rope = rotary_tables(lean, 64, dev, torch.float32)
+    def ids(rows):  # [n] or [n, m] ids on the target's device
+        return torch.tensor(rows, device=dev)
+
     with torch.inference_mode():
         width = max(map(len, whole))
-        padded = torch.tensor([p + [0] * (width - len(p)) for p in whole])
-        want = prefill_rows(lean, kv, rope, torch.tensor([0, 1]), padded, torch.tensor([29, 40]))
-        head = torch.tensor([p[:h] + [0] * (max(heads) - h) for p, h in zip(whole, heads)])
-        prefill_rows(lean, kv, rope, torch.tensor([2, 3]), head, torch.tensor(heads) - 1)
+        padded = ids([p + [0] * (width - len(p)) for p in whole])
+        want = prefill_rows(lean, kv, rope, ids([0, 1]), padded, ids([29, 40]))
+        head = ids([p[:h] + [0] * (max(heads) - h) for p, h in zip(whole, heads)])
+        prefill_rows(lean, kv, rope, ids([2, 3]), head, ids(heads) - 1)
         tails = [p[h:] for p, h in zip(whole, heads)]
-        tail = torch.tensor([t + [0] * (max(map(len, tails)) - len(t)) for t in tails])
-        got = extend_rows(lean, kv, rope, torch.tensor([2, 3]), tail, torch.tensor(heads),
-                          torch.tensor([len(t) - 1 for t in tails]), keys_len=64)
+        tail = ids([t + [0] * (max(map(len, tails)) - len(t)) for t in tails])
+        got = extend_rows(lean, kv, rope, ids([2, 3]), tail, ids(heads), ids([len(t) - 1 for t in tails]),
+                          keys_len=64)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for a, b, n in ((0, 2, 30), (1, 3, 41)):
         torch.testing.assert_close(kv[:, :, b, :n], kv[:, :, a, :n], atol=1e-5, rtol=1e-5)
