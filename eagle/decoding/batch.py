@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from eagle.config import SamplingConfig
 from eagle.decoding.sampling import logits_to_probs
+from eagle.decoding.tree_mask import additive_bias
 from eagle.errors import EagleError
 from eagle.runtime.decoder import rms_norm, rotate, silu_mul
 from eagle.runtime.gemma import GemmaDecoder, gemma_norm
@@ -202,15 +203,10 @@ def allowed_keys(keys: torch.Tensor, positions: torch.Tensor, window: int | None
     return allowed if window is None else allowed & (keys > positions - window)
 
 
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where ``allowed``, the dtype's minimum elsewhere."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
 def masks_by_window(plan: LayerPlan, keys: torch.Tensor, positions: torch.Tensor,
                     dtype: torch.dtype) -> dict[int | None, torch.Tensor]:
-    """The additive attention mask (``allowed_keys``) of each window the layers use."""
-    return {w: additive_mask(allowed_keys(keys, positions, w), dtype) for w in set(plan.windows)}
+    """The additive attention mask (``allowed_keys``, ``additive_bias``) of each window the layers use."""
+    return {w: additive_bias(allowed_keys(keys, positions, w), dtype) for w in set(plan.windows)}
 
 
 def run_layers(lean: Any, x: torch.Tensor, rope: Rope,
@@ -331,8 +327,8 @@ def prefill_rows(lean: Any, kv: torch.Tensor, rope: Rope, slots: torch.Tensor, i
     x = lean.embed(ids)
     span = torch.arange(p, device=ids.device)
     # causal attention within each layer's window: a mask only where a window is shorter than the prompt
-    masks = {w: None if w is None or w >= p else additive_mask(allowed_keys(span[None], span[:, None], w), x.dtype)
-             for w in set(plan.windows)}  # [P, P]
+    masks = {w: None if w is None or w >= p else additive_bias(allowed_keys(span[None], span[:, None], w), x.dtype)
+             for w in set(plan.windows)}  # [1, 1, P, P]
 
     def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv[0, i, slots, :p] = k.transpose(1, 2)
