@@ -190,6 +190,87 @@ def unsupported_reason(header: GGUFHeader) -> str | None:
     return None
 
 
+ROPE_FREQS = "rope_freqs.weight"
+# the Llama-3 RoPE parameters of every released Llama 3.1-3.3 (transformers' names), tried before a fit
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def rope_frequency_factors(path: str | Path, header: GGUFHeader) -> Any:
+    """The file's per-pair RoPE frequency factors (``rope_freqs.weight``, float64 numpy [head_dim / 2];
+    llama.cpp turns pair i at base^(-2i/d) / factor_i), or None when the file has none. llama.cpp's
+    converter writes them for Llama-3 rope scaling instead of metadata; transformers' GGUF reader ignores
+    them."""
+    import numpy as np
+
+    info = next((t for t in header.tensors if t.name == ROPE_FREQS), None)
+    if info is None:
+        return None
+    if info.ggml_type != "F32" or len(info.shape) != 1:
+        raise ValueError(f"{ROPE_FREQS} is {info.ggml_type} {list(info.shape)}, not a vector of F32")
+    with open(path, "rb") as f:
+        f.seek(header.data_offset + info.offset)
+        return np.frombuffer(f.read(4 * info.shape[0]), dtype="<f4").astype(np.float64)
+
+
+def llama3_factors(theta: float, dim: int, factor: float, low_freq_factor: float, high_freq_factor: float,
+                   original_max_position_embeddings: float) -> Any:
+    """The frequency factors of transformers' "llama3" rope type: its inverse frequencies are
+    base^(-2i/d) / factor_i (numpy float64 [dim / 2])."""
+    import numpy as np
+
+    wavelen = 2 * np.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    context = original_max_position_embeddings
+    smooth = (context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    medium = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < context / high_freq_factor, 1.0, np.where(wavelen > context / low_freq_factor,
+                                                                         factor, medium))
+
+
+def llama3_rope_parameters(factors: Any, theta: float) -> dict | None:
+    """transformers' ``rope_parameters`` ("llama3") whose inverse frequencies are those of ``factors``
+    (``rope_frequency_factors``; relative error under 1e-5), or None when no Llama-3 scaling gives them.
+    Only the shape of the smooth ramp is determined by the factors, not the context it was written for:
+    the released models' values are tried first, else a ramp fitted at their context length."""
+    import numpy as np
+
+    dim, factor = 2 * len(factors), float(factors.max())
+    if factor <= 1 or not np.all(factors >= 1 - 1e-6):
+        return None
+    candidates = [dict(_LLAMA3_ROPE)]
+    # the ramp: 1 / f = (1 - s) / factor + s with s linear in the frequency, s = a * freq + b
+    ramp = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    if ramp.sum() >= 2:
+        freq = theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+        smooth = (1 / factors[ramp] - 1 / factor) / (1 - 1 / factor)
+        a, b = np.polyfit(freq[ramp], smooth, 1)
+        context = _LLAMA3_ROPE["original_max_position_embeddings"]
+        if a > 0 > b:  # s = (context * freq / 2 pi - low) / (high - low)
+            width = context / (2 * np.pi * a)
+            candidates.append({"low_freq_factor": -b * width, "high_freq_factor": (1 - b) * width,
+                               "original_max_position_embeddings": context})
+    for params in candidates:
+        if np.allclose(llama3_factors(theta, dim, factor, **params), factors, rtol=1e-5, atol=0):
+            return {"rope_type": "llama3", "rope_theta": float(theta), "factor": factor,
+                    "low_freq_factor": float(params["low_freq_factor"]),
+                    "high_freq_factor": float(params["high_freq_factor"]),
+                    "original_max_position_embeddings": int(params["original_max_position_embeddings"])}
+    return None
+
+
+def rope_parameters(path: str | Path, header: GGUFHeader) -> dict | None:
+    """The ``rope_parameters`` a transformers config of this file needs beyond what its reader derives
+    from the metadata (Llama-3 scaling from ``rope_freqs.weight``), or None. Raises ``ValueError`` for
+    frequency factors eagle cannot express."""
+    factors = rope_frequency_factors(path, header)
+    if factors is None:
+        return None
+    theta = float(header.arch_value("rope.freq_base", 10000.0))
+    params = llama3_rope_parameters(factors, theta)
+    if params is None:
+        raise ValueError(f"RoPE frequency factors ({ROPE_FREQS}) that are not Llama-3 rope scaling")
+    return params
+
+
 def check_gguf(path: str | Path) -> GGUFHeader:
     """The header of a GGUF file eagle can run; else an ``EagleError`` naming what is missing."""
     try:
@@ -197,6 +278,11 @@ def check_gguf(path: str | Path) -> GGUFHeader:
     except (OSError, ValueError, struct.error) as exc:
         raise EagleError(f"cannot read GGUF file {path}: {exc}") from None
     reason = unsupported_reason(header)
+    if reason is None:
+        try:
+            rope_parameters(path, header)
+        except (OSError, ValueError) as exc:
+            reason = str(exc)
     if reason is not None:
         raise EagleError(f"cannot run GGUF file {Path(path).name}: {reason}")
     return header

@@ -7,8 +7,8 @@ import pytest
 
 from eagle import EagleError
 from eagle.cache_dir import cache_root
-from eagle.runtime.gguf_file import (DEQUANTIZE, KEEP_BLOCKS, TENSOR_TYPES, Skipped, check_gguf, read_header,
-                                     tensor_storage)
+from eagle.runtime.gguf_file import (DEQUANTIZE, KEEP_BLOCKS, TENSOR_TYPES, Skipped, check_gguf, llama3_factors,
+                                     llama3_rope_parameters, read_header, tensor_storage)
 from eagle.runtime.target import load_target
 
 
@@ -80,6 +80,35 @@ def test_what_cannot_run_is_refused_in_one_line_before_any_conversion(tmp_path, 
     with pytest.raises(EagleError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_target(str(path))
     assert not any((cache_root() / "targets").glob("m-*"))  # nothing was converted
+
+
+@pytest.mark.parametrize("factors, message", [
+    (np.array([1, 3, 2, 5, 8, 8], np.float32), "RoPE frequency factors (rope_freqs.weight) that are not Llama-3"),
+    (np.ones(6, np.float16), "rope_freqs.weight is F16 [6], not a vector of F32"),
+])
+def test_rope_frequency_factors_that_are_not_llama3_scaling_are_refused(tmp_path, factors, message):
+    path = write_gguf(tmp_path / "m.gguf", extra={"llama.rope.freq_base": 10000.0},
+                      tensors={"output_norm.weight": (np.ones(32, np.float32), None),
+                               "rope_freqs.weight": (factors, None)})
+    with pytest.raises(EagleError) as err:
+        check_gguf(path)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("theta, dim, factor", [(500000.0, 64, 32.0), (500000.0, 128, 8.0), (10000.0, 128, 4.0)])
+def test_the_llama3_rope_parameters_are_found_from_the_factors(theta, dim, factor):
+    """The released Llama 3.1/3.2 scalings (and another ramp, fitted) come back from their factors."""
+    from tests.runtime.test_gguf_weights import llama3_rope_factors
+
+    found = llama3_rope_parameters(llama3_rope_factors(theta, dim, factor, 1.0, 4.0, 8192), theta)
+    assert found == {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    other = llama3_rope_factors(theta, dim, factor, 2.0, 6.0, 4096)
+    fitted = llama3_rope_parameters(other, theta)
+    assert fitted is not None and fitted["low_freq_factor"] != 1.0
+    assert np.allclose(llama3_factors(theta, dim, factor, **{k: fitted[k] for k in (
+        "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}), other, rtol=1e-5)
+    assert llama3_rope_parameters(np.ones(dim // 2), theta) is None
 
 
 def test_damaged_files_are_clear_errors(tmp_path):

@@ -106,10 +106,12 @@ HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v"
             "ffn_down": "mlp.down_proj"}
 
 
-def write_model_gguf(path, model, types: dict[str, str], seed: int = 0):
+def write_model_gguf(path, model, types: dict[str, str], seed: int = 0, extra_tensors: dict | None = None):
     """Write ``model`` (a transformers Llama or Gemma-3) as a GGUF file whose matrices are random codes of
     ``types`` (per GGUF tensor name) and its norms the model's; the model's weights are set to what the codes
-    de-quantize to (in transformers' row order), so it is the reference for the streamed target."""
+    de-quantize to (in transformers' row order), so it is the reference for the streamed target. A Llama's
+    hyperparameters go to the metadata as llama.cpp's converter writes them; ``extra_tensors``
+    {name: float32 array} are added as F32."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     cfg = model.config
@@ -117,7 +119,17 @@ def write_model_gguf(path, model, types: dict[str, str], seed: int = 0):
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), "gemma3" if gemma else "llama")
     writer.add_block_count(cfg.num_hidden_layers)
-    tensors = {}
+    if not gemma:
+        writer.add_context_length(cfg.max_position_embeddings)
+        writer.add_embedding_length(cfg.hidden_size)
+        writer.add_feed_forward_length(cfg.intermediate_size)
+        writer.add_head_count(cfg.num_attention_heads)
+        writer.add_head_count_kv(cfg.num_key_value_heads)
+        writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+        writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+        writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        writer.add_vocab_size(cfg.vocab_size)
+    tensors = {name: (array.astype(np.float32), None) for name, array in (extra_tensors or {}).items()}
 
     def matrix(name: str, param: torch.Tensor, heads: int | None = None) -> None:
         ggml_type = types[name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]]
@@ -312,6 +324,65 @@ def test_the_rotary_tables_are_the_bits_of_transformers(family, rope):
         ours = rotary(x, positions, layer_type)
         theirs = model.model.rotary_emb(x, positions, *([layer_type] if layer_type else []))
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def llama3_rope_factors(theta: float, dim: int, factor: float, low: float, high: float, context: int) -> np.ndarray:
+    """``rope_freqs.weight`` as llama.cpp's converter computes it for transformers' "llama3" rope scaling
+    (float32 frequencies, a factor per pair)."""
+    import math
+
+    factors = []
+    for freq in 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < context / high:
+            factors.append(1)
+        elif wavelen > context / low:
+            factors.append(factor)
+        else:
+            smooth = (context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
+@pytest.mark.parametrize("context", [8192, 64])
+def test_a_llama3_gguf_runs_with_its_rope_scaling(tmp_path, context, monkeypatch):
+    """A Llama-3 GGUF keeps its rope scaling as frequency factors (``rope_freqs.weight``), which
+    transformers' GGUF reader ignores: the loaded target's config has the "llama3" rope parameters that give
+    those factors (the released models' ramp, or one fitted to the factors), and its logits are those of a
+    transformers Llama with that rope scaling; the same file without the factors is not that model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagle.runtime.target import load_gguf_target
+
+    kernels_or_skip()
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "cache"))
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": context}
+    cfg = LlamaConfig(vocab_size=48, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+                      rope_parameters=rope)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    factors = llama3_rope_factors(10000.0, head_dim, 8.0, 1.0, 4.0, context)
+    if context == 64:  # the ramp lies inside this head's frequencies: the factors alone give it
+        assert 2 <= int(((factors > 1) & (factors < 8)).sum())
+    ids = [3, 14, 15, 9, 2, 6, 21, 5, 8, 33, 2, 7, 11, 30, 4, 25, 1, 13, 38, 40, 17, 12, 19, 44]
+    logits = {}
+    for name, extra in (("scaled", {"rope_freqs.weight": factors}), ("plain", {})):
+        path = write_model_gguf(tmp_path / f"{name}.gguf", model, LLAMA_TYPES, extra_tensors=extra)
+        target = load_gguf_target(path, name, tokenizer=word_tokenizer(cfg.vocab_size))
+        logits[name] = target.forward(torch.tensor([ids]), torch.arange(len(ids))[None], target.new_cache()).logits[0]
+        if name == "scaled":
+            params = target.model.config.rope_parameters
+            assert params["rope_type"] == "llama3" and params["factor"] == 8.0
+            if context == 8192:
+                assert (params["low_freq_factor"], params["high_freq_factor"]) == (1.0, 4.0)
+    with torch.no_grad():
+        reference = model(torch.tensor([ids])).logits[0]
+    assert torch.allclose(logits["scaled"], reference, atol=1e-4, rtol=1e-4)
+    assert (logits["plain"] - reference).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("tied", [False, True])
