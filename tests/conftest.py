@@ -40,13 +40,18 @@ def tiny_target(vocab_size: int = 32, seed: int = 0, family: str = "llama", eos:
     ``lean``: decode with ``eagle.runtime.decoder.LeanDecoder`` (as ``load_target`` does), else the model's forward."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    extra = {"head_dim": 16} if family == "qwen3" else {}  # Qwen3's heads are wider than hidden / heads
     cfg = AutoConfig.for_model(
         family, vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
         initializer_range=init_std, tie_word_embeddings=tied, eos_token_id=0 if eos else None,
-        bos_token_id=None, pad_token_id=None)
+        bos_token_id=None, pad_token_id=None, **extra)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).eval().to(test_device())
+    with torch.no_grad():  # Qwen3's per-head norms start at 1: random ones, so that a forward without them differs
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
     model.generation_config.eos_token_id = 0 if eos else None
     model.requires_grad_(False)
     return Target(model=model, tokenizer=word_tokenizer(vocab_size, eos), name=f"tiny-{family}-{seed}",

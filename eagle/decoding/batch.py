@@ -223,8 +223,8 @@ def run_layers(lean: Any, x: torch.Tensor, rope: Rope,
     nh, nkv, d = lean.num_heads, lean.num_kv_heads, lean.head_dim
     cos, sin = rope[None]
     for i, layer in enumerate(lean.layers):
-        qk, v = layer.qkv(layer.attention_input(x, None)).view(n, m, nh + 2 * nkv, d).transpose(1, 2).split(
-            [nh + nkv, nkv], dim=1)
+        qkv = layer.normed_heads(layer.qkv(layer.attention_input(x, None)), nh, nkv)
+        qk, v = qkv.view(n, m, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
         q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)
         x = x + layer.o(attend(i, q, k, v))
         x = x + layer.down(silu_mul(layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps))))

@@ -176,7 +176,8 @@ def layer_stack(layers: Sequence[LayerWeights], x: torch.Tensor, cos: torch.Tens
     kept = []
     for i, layer in enumerate(layers):
         h = layer.attention_input(x, embeds)
-        qk, v = layer.qkv(h).view(b, q_len, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
+        qkv = layer.normed_heads(layer.qkv(h), nh, nkv)
+        qk, v = qkv.view(b, q_len, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
         q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)
         keys, values = kv[0, i], kv[1, i]
         keys.index_copy_(2, write, k)

@@ -1,7 +1,7 @@
 """A lean inference forward for Llama-family targets, and prepacked linear layers.
 
-``LeanDecoder`` does the arithmetic of transformers' Llama/Qwen2 decoder (RMSNorm, RoPE from the
-model's own rotary module, grouped-query SDPA, SiLU-gated MLP) with fewer, larger operations:
+``LeanDecoder`` does the arithmetic of transformers' Llama/Qwen2/Qwen3 decoder (RMSNorm, RoPE from the
+model's own rotary module, grouped-query SDPA, SiLU-gated MLP; Qwen3's RMSNorm on each query and key head) with fewer, larger operations:
 q/k/v and gate/up fused into one matrix each, keys and values written by position into a
 ``StaticCache``, masks passed in. It reads the weights of an unmodified transformers model, which
 stays usable (its own forward is the reference in the tests). In fp32 on AVX-512 CPUs one sequence
@@ -34,7 +34,7 @@ from eagle.runtime.block_codes import BlockCodes, block_encode, block_quantize, 
 from eagle.runtime.gguf_weights import GGUFLinear, GGUFMatrix, GGUFModel, GGUFProjection, joined_rows
 from eagle.decoding.tree_mask import causal_bias
 
-LEAN_MODEL_TYPES = ("llama", "qwen2")
+LEAN_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -364,6 +364,19 @@ class LayerWeights:
     gate_up: PackedLinear
     down: PackedLinear
     embed_norm: torch.Tensor | None = None  # EAGLE-3 drafter: attention reads cat(norm(embedding), norm(x))
+    q_norm: torch.Tensor | None = None  # Qwen3: an RMSNorm (eps: input_eps) on each query head and each key head
+    k_norm: torch.Tensor | None = None
+
+    def normed_heads(self, qkv: torch.Tensor, nh: int, nkv: int, norm: Callable = None) -> torch.Tensor:
+        """``qkv`` [..., (nh + 2 nkv) d] with each query head normed by ``q_norm`` and each key head by
+        ``k_norm`` over its d values (``norm``: ``rms_norm`` or the compiled one); ``qkv`` itself when the
+        layer has no head norms."""
+        if self.q_norm is None:
+            return qkv
+        norm = norm or rms_norm
+        q, k, v = qkv.unflatten(-1, (nh + 2 * nkv, self.q_norm.numel())).split([nh, nkv, nkv], dim=-2)
+        return torch.cat([norm(q.contiguous(), self.q_norm, self.input_eps),
+                          norm(k.contiguous(), self.k_norm, self.input_eps), v], dim=-2).flatten(-2)
 
     def attention_input(self, x: torch.Tensor, embeds: torch.Tensor | None) -> torch.Tensor:
         """What q/k/v read: x normed by ``input_norm`` (if any), after the normed token embeddings
@@ -377,13 +390,19 @@ class LayerWeights:
         return self.qkv, self.o, self.gate_up, self.down
 
 
+def head_norm(attention: Any, name: str) -> torch.Tensor | None:
+    """The weight of an attention module's per-head RMSNorm ``name`` (Qwen3's q_norm, k_norm), or None."""
+    module = getattr(attention, name, None)
+    return None if module is None else module.weight.detach()
+
+
 def decoder_stack(compiled: Any, num_heads: int, scale: float, layers: Sequence[LayerWeights]) -> Any:
     """The compiled kernels' ``DecoderStack`` of ``layers`` (their weights handed over once; each
     forward then runs all of them in one call). ``scale``: the attention's score scale."""
     stack = compiled.DecoderStack(num_heads, scale)
     for layer in layers:
         stack.add(layer.input_norm, layer.input_eps, layer.post_norm, layer.post_eps,
-                  [lin.kernel_product() for lin in layer.matrices()])
+                  [lin.kernel_product() for lin in layer.matrices()], layer.q_norm, layer.k_norm)
     return stack
 
 
@@ -534,7 +553,8 @@ class LeanDecoder(HeadAndCache):
                 post_norm=layer.post_attention_layernorm.weight.detach(),
                 post_eps=layer.post_attention_layernorm.variance_epsilon,
                 gate_up=product([mlp.gate_proj, mlp.up_proj], stream, encode),
-                down=product([mlp.down_proj], stream, encode)))
+                down=product([mlp.down_proj], stream, encode),
+                q_norm=head_norm(attn, "q_norm"), k_norm=head_norm(attn, "k_norm")))
         linears = [lin for layer in self.layers for lin in layer.matrices()] + [self.head]
         tune_kernels(linears)
         # a GGUF target's codes were read into huge pages (``eagle.runtime.gguf_weights``): no copies made here
@@ -596,7 +616,8 @@ class LeanDecoder(HeadAndCache):
 
         def step(i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
             b, q_len = x.shape[:2]
-            qkv = layer.qkv(self.rms_norm(x, layer.input_norm, layer.input_eps))
+            qkv = layer.normed_heads(layer.qkv(self.rms_norm(x, layer.input_norm, layer.input_eps)), nh, nkv,
+                                     self.rms_norm)
             qk, v = qkv.view(b, q_len, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
             q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)  # queries and keys rotated together
             keys, values = cache.update(i, k, v)

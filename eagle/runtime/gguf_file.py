@@ -19,7 +19,7 @@ from typing import Any
 from eagle.errors import EagleError
 
 # GGUF ``general.architecture`` -> the transformers model type eagle's lean forward runs
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 # GGUF tensor types the loader converts (gguf's de-quantizers; the names of ``gguf.GGMLQuantizationType``)
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 DEQUANTIZE, KEEP_BLOCKS = "dequantize", "keep-blocks"
@@ -187,6 +187,9 @@ def unsupported_reason(header: GGUFHeader) -> str | None:
     rope = header.arch_value("rope.scaling.type")
     if rope not in (None, "none", "linear"):
         return f"rope scaling {rope!r} ({arch}.rope.scaling.type)"
+    key, value = header.arch_value("attention.key_length"), header.arch_value("attention.value_length")
+    if key is not None and value is not None and key != value:
+        return f"keys of {key} and values of {value} dimensions a head ({arch}.attention.key_length, value_length)"
     return None
 
 
@@ -257,18 +260,21 @@ def llama3_rope_parameters(factors: Any, theta: float) -> dict | None:
     return None
 
 
-def rope_parameters(path: str | Path, header: GGUFHeader) -> dict | None:
-    """The ``rope_parameters`` a transformers config of this file needs beyond what its reader derives
-    from the metadata (Llama-3 scaling from ``rope_freqs.weight``), or None. Raises ``ValueError`` for
-    frequency factors eagle cannot express."""
+def config_overrides(path: str | Path, header: GGUFHeader) -> dict[str, Any]:
+    """What a transformers config of this file needs beyond what its GGUF reader derives from the
+    metadata: ``rope_parameters`` for Llama-3 scaling (from ``rope_freqs.weight``) and ``head_dim`` from
+    ``attention.key_length`` (the reader leaves Qwen3's at its config class's default). Raises
+    ``ValueError`` for frequency factors eagle cannot express."""
+    out: dict[str, Any] = {}
+    if header.arch_value("attention.key_length") is not None:
+        out["head_dim"] = int(header.arch_value("attention.key_length"))
     factors = rope_frequency_factors(path, header)
-    if factors is None:
-        return None
-    theta = float(header.arch_value("rope.freq_base", 10000.0))
-    params = llama3_rope_parameters(factors, theta)
-    if params is None:
-        raise ValueError(f"RoPE frequency factors ({ROPE_FREQS}) that are not Llama-3 rope scaling")
-    return params
+    if factors is not None:
+        theta = float(header.arch_value("rope.freq_base", 10000.0))
+        out["rope_parameters"] = llama3_rope_parameters(factors, theta)
+        if out["rope_parameters"] is None:
+            raise ValueError(f"RoPE frequency factors ({ROPE_FREQS}) that are not Llama-3 rope scaling")
+    return out
 
 
 def check_gguf(path: str | Path) -> GGUFHeader:
@@ -280,7 +286,7 @@ def check_gguf(path: str | Path) -> GGUFHeader:
     reason = unsupported_reason(header)
     if reason is None:
         try:
-            rope_parameters(path, header)
+            config_overrides(path, header)
         except (OSError, ValueError) as exc:
             reason = str(exc)
     if reason is not None:

@@ -425,11 +425,11 @@ _LLAMA_LAYER = {"self_attn": {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": 
 _LLAMA_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 _GEMMA_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
-_GEMMA_HEAD_NORMS = {"q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
+_HEAD_NORMS = {"q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}  # Gemma-3's and Qwen3's per-head RMSNorms
 
 
 class Rotary:
-    """RoPE's cos and sin as transformers' rotary embedding of a Llama, Qwen2 or Gemma-3 config computes them
+    """RoPE's cos and sin as transformers' rotary embedding of a Llama, Qwen2/3 or Gemma-3 config computes them
     (for the rope types whose inverse frequencies do not change with the length), without importing its
     modeling module (about 130 MB of imports): ``rotary(x, position_ids[, layer_type])`` -> cos, sin
     [..., head_dim] in ``x``'s dtype. ``layer_type``: Gemma-3's "sliding_attention" or "full_attention"."""
@@ -458,7 +458,7 @@ class Rotary:
         if config.model_type == "gemma3_text":
             return all(params.get(t) is not None and params[t]["rope_type"] in cls.STATIC
                        for t in set(config.layer_types))
-        return config.model_type in ("llama", "qwen2") and params["rope_type"] in cls.STATIC
+        return config.model_type in ("llama", "qwen2", "qwen3") and params["rope_type"] in cls.STATIC
 
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor,
                  layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -529,8 +529,8 @@ def _load(reader: _Reader, path: str | Path, config: Any, generation_config: Any
                 if attrs:
                     for attr, matrix in zip(attrs, _fuse([read[a][0] for a in attrs], reader)):
                         projections[attr] = GGUFProjection(matrix, read[attr][1])
-            if gemma and group == "self_attn":
-                projections.update({attr: norm(f"blk.{i}.{name}.weight") for attr, name in _GEMMA_HEAD_NORMS.items()})
+            if arch in ("gemma3", "qwen3") and group == "self_attn":
+                projections.update({attr: norm(f"blk.{i}.{name}.weight") for attr, name in _HEAD_NORMS.items()})
             setattr(layer, group, SimpleNamespace(**projections))
         layers.append(layer)
 
@@ -548,7 +548,7 @@ def _load(reader: _Reader, path: str | Path, config: Any, generation_config: Any
     return GGUFModel(config, generation_config, inner, head, storage, huge_pages=arena.region is not None)
 
 
-DENSE_ARCHITECTURES = ("llama", "qwen2")  # what ``hf_state_dict`` converts
+DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # what ``hf_state_dict`` converts
 
 
 def hf_state_dict(path: str | Path, header: GGUFHeader, config: Any) -> dict[str, torch.Tensor]:
@@ -567,6 +567,9 @@ def hf_state_dict(path: str | Path, header: GGUFHeader, config: Any) -> dict[str
     for i in range(config.num_hidden_layers):
         for attr, name in _LLAMA_NORMS.items():
             names[f"blk.{i}.{name}.weight"] = (f"model.layers.{i}.{attr}.weight", None)
+        if header.architecture == "qwen3":
+            for attr, name in _HEAD_NORMS.items():
+                names[f"blk.{i}.{name}.weight"] = (f"model.layers.{i}.self_attn.{attr}.weight", None)
         for group, projections in _LLAMA_LAYER.items():
             for attr, name in projections.items():
                 permute = {"attn_q": heads, "attn_k": kv_heads}.get(name) if header.architecture == "llama" else None

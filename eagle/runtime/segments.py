@@ -56,7 +56,8 @@ def segment_forward(lean: LeanDecoder, input_ids: torch.Tensor, position_ids: to
             segments.append((False, rows, cache, past, mask, cos[None, None, rows], sin[None, None, rows]))
     kept: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(lean.layers):
-        qkv = layer.qkv(lean.rms_norm(x, layer.input_norm, layer.input_eps))  # [R, (nh + 2 nkv) d]
+        qkv = layer.normed_heads(layer.qkv(lean.rms_norm(x, layer.input_norm, layer.input_eps)), nh, nkv,
+                                 lean.rms_norm)  # [R, (nh + 2 nkv) d]
         outs = []
         for fast, rows, held, past, mask, c, s in segments:
             if fast:

@@ -19,7 +19,7 @@ from eagle.cache_dir import cache_root
 from eagle.errors import EagleError
 from eagle.inputs import DEFAULT_TARGET, check_prompt_text, check_spec  # noqa: F401 (names of this module too)
 from eagle.runtime.decoder import LeanDecoder, lean_decoder
-from eagle.runtime.gguf_file import check_gguf, read_header, rope_parameters
+from eagle.runtime.gguf_file import check_gguf, config_overrides, read_header
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -206,7 +206,7 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-# what is derived from a GGUF file changed (2: Llama-3 rope scaling read from rope_freqs): older copies are not used
+# what is derived from a GGUF file changed (2: Llama-3 rope scaling, head_dim from key_length): older copies are not used
 _GGUF_DERIVED = 2
 
 
@@ -236,9 +236,8 @@ def gguf_metadata_dir(gguf_path: Path, tokenizer: bool = True) -> Path:
 
     out = out if tokenizer else configs
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    rope = rope_parameters(gguf_path, read_header(gguf_path))  # what transformers' reader leaves out
-    if rope is not None:
-        config.rope_parameters = rope
+    for key, value in config_overrides(gguf_path, read_header(gguf_path)).items():  # what its reader leaves out
+        setattr(config, key, value)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     if hasattr(config, "quantization_config"):

@@ -25,11 +25,12 @@ def test_keys_and_buckets():
     assert [bucket_for(n, (1, 2, 4, 6)) for n in (1, 3, 5, 6)] == [1, 4, 6, 6]
 
 
-def test_greedy_rows_equal_decoding_each_prompt_alone_with_refills():
+@pytest.mark.parametrize("family, seed", [("llama", 10), ("qwen3", 12)])
+def test_greedy_rows_equal_decoding_each_prompt_alone_with_refills(family, seed):
     """More prompts than rows (finished rows refilled from the queue, the tail run on smaller row
     buckets), prompt lengths 1-18, rows ending at EOS at different steps and rows running to the
-    limit: each row's tokens are plain single-stream greedy decoding's."""
-    target = tiny_target(eos=True, seed=10)
+    limit: each row's tokens are plain single-stream greedy decoding's (Qwen3: with per-head norms)."""
+    target = tiny_target(eos=True, seed=seed, family=family)
     model = EagleModel(target)
     batch = prompts(23, seed=4)
     out = generate_batch(target, batch, 20, SamplingConfig(), rows=4)

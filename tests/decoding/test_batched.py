@@ -100,10 +100,12 @@ def test_seeded_sampled_requests_draw_what_they_draw_alone(model):
         assert result.token_ids == alone.token_ids, opts.method
 
 
-def test_segment_forward_equals_each_sequence_alone(model):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_segment_forward_equals_each_sequence_alone(family):
     """Three sequences of different cache lengths, a tree, a chain and a single row in one forward:
-    each row's features equal its own sequence's forward, and the caches grow alike."""
-    target = model.target
+    each row's features equal its own sequence's forward, and the caches grow alike (Qwen3: with its
+    per-head norms)."""
+    target = tiny_target(eos=True, seed=10, family=family)
     lean = target.lean
     contexts = [[3, 4, 5, 6, 7], [9], [2, 8, 8, 8, 1, 1, 4, 5, 6]]
     parents = [torch.tensor([-1, 0, 0, 1, 1, 2]), torch.tensor([-1, 0, 1]), torch.tensor([-1])]

@@ -18,7 +18,7 @@ from tests.conftest import test_device as device_under_test
 cuda = pytest.mark.skipif(device_under_test().type != "cuda", reason="needs EAGLE_TEST_DEVICE=cuda")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def pair(request):
     target = tiny_target(family=request.param, seed=3)
     return target, tiny_drafter(target, seed=4)

@@ -63,6 +63,8 @@ def test_the_header_is_read_without_the_long_arrays(tmp_path):
     ("gemma3", {"gemma3.final_logit_softcapping": 30.0}, None, "final logit soft-capping"),
     ("qwen2", {"qwen2.attention.sliding_window": 4096}, None, "sliding-window attention in qwen2"),
     ("llama", {"llama.rope.scaling.type": "yarn"}, None, "rope scaling 'yarn'"),
+    ("qwen3", {"qwen3.attention.key_length": 128, "qwen3.attention.value_length": 64}, None,
+     "keys of 128 and values of 64 dimensions a head"),
 ])
 def test_what_cannot_run_is_refused_in_one_line_before_any_conversion(tmp_path, arch, extra, raw, message):
     from gguf import GGMLQuantizationType

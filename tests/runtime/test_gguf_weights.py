@@ -107,25 +107,28 @@ HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v"
 
 
 def write_model_gguf(path, model, types: dict[str, str], seed: int = 0, extra_tensors: dict | None = None):
-    """Write ``model`` (a transformers Llama or Gemma-3) as a GGUF file whose matrices are random codes of
+    """Write ``model`` (a transformers Llama, Qwen3 or Gemma-3) as a GGUF file whose matrices are random codes of
     ``types`` (per GGUF tensor name) and its norms the model's; the model's weights are set to what the codes
-    de-quantize to (in transformers' row order), so it is the reference for the streamed target. A Llama's
-    hyperparameters go to the metadata as llama.cpp's converter writes them; ``extra_tensors``
+    de-quantize to (in transformers' row order), so it is the reference for the streamed target. A Llama's or
+    Qwen3's hyperparameters go to the metadata as llama.cpp's converter writes them; ``extra_tensors``
     {name: float32 array} are added as F32."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     cfg = model.config
-    gemma = cfg.model_type == "gemma3_text"
+    gemma, qwen3 = cfg.model_type == "gemma3_text", cfg.model_type == "qwen3"
     rng = np.random.default_rng(seed)
-    writer = GGUFWriter(str(path), "gemma3" if gemma else "llama")
+    writer = GGUFWriter(str(path), "gemma3" if gemma else "qwen3" if qwen3 else "llama")
     writer.add_block_count(cfg.num_hidden_layers)
+    if qwen3:  # the head width is its own (transformers' reader leaves it at Qwen3Config's default)
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
     if not gemma:
         writer.add_context_length(cfg.max_position_embeddings)
         writer.add_embedding_length(cfg.hidden_size)
         writer.add_feed_forward_length(cfg.intermediate_size)
         writer.add_head_count(cfg.num_attention_heads)
         writer.add_head_count_kv(cfg.num_key_value_heads)
-        writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+        writer.add_rope_dimension_count(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
         writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         writer.add_vocab_size(cfg.vocab_size)
@@ -156,10 +159,12 @@ def write_model_gguf(path, model, types: dict[str, str], seed: int = 0, extra_te
         for i, layer in enumerate(inner.layers):
             for name, hf in HF_NAMES.items():
                 heads = None
-                if not gemma and name in ("attn_q", "attn_k"):
+                if not (gemma or qwen3) and name in ("attn_q", "attn_k"):  # llama.cpp permutes a llama's
                     heads = cfg.num_attention_heads if name == "attn_q" else cfg.num_key_value_heads
                 matrix(f"blk.{i}.{name}.weight", layer.get_submodule(hf).weight, heads)
             norms = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+            if qwen3:
+                norms.update({"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"})
             if gemma:
                 norms = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
                          "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
@@ -221,7 +226,7 @@ def test_the_loaded_llama_keeps_codes_and_decodes_with_the_references_bits(llama
     assert torch.allclose(prefill, hf, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("pair", ["llama_pair", "gemma_pair"])
+@pytest.mark.parametrize("pair", ["llama_pair", "gemma_pair", "qwen3_pair"])
 def test_a_tree_row_has_the_bits_of_its_own_sequence(request, pair):
     """Each node of a tree verified in one forward gets the logits of its own root-to-node sequence, bit for
     bit (Gemma: a prefix longer than the window of 8, so sliding layers mask part of it)."""
@@ -252,6 +257,76 @@ def test_greedy_decoding_is_ar_and_ar_is_the_references(llama_pair):
         assert ar == ref.generate(ids, method="ar", max_new_tokens=16).token_ids
         assert model.generate(ids, method="eagle-tree", max_new_tokens=16).token_ids == ar
         assert model.generate(ids, method="pld", max_new_tokens=16).token_ids == ar
+
+
+@pytest.fixture(scope="module")
+def qwen3_pair(tmp_path_factory):
+    """A Qwen3 (per-head q/k RMSNorms, heads wider than hidden / heads) streamed from GGUF codes, and its reference."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    kernels_or_skip()
+    cfg = Qwen3Config(vocab_size=48, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=96, max_position_embeddings=256,
+                      tie_word_embeddings=True, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg).eval().requires_grad_(False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    model.generation_config.eos_token_id = None
+    return streamed_and_reference(tmp_path_factory.mktemp("gguf"), model, QWEN3_TYPES, "tiny-qwen3-gguf")
+
+
+QWEN3_TYPES = {"attn_q": "Q4_K", "attn_k": "Q8_0", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q4_K",
+               "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q8_0"}
+
+
+def test_the_loaded_qwen3_runs_its_head_norms_in_the_compiled_stack(qwen3_pair):
+    """A Qwen3 GGUF target: the compiled decoder stack runs with the per-head norms (decoding steps), torch's
+    operations for a prefill past its 16 rows; both give the logits of transformers' Qwen3 closely."""
+    streamed, reference = qwen3_pair
+    lean = streamed.lean
+    assert isinstance(lean, LeanDecoder) and lean.stack is not None and lean.layers[0].q_norm is not None
+    ids = [3, 14, 15, 9, 2, 6, 21, 5, 8, 33, 2, 7, 11, 30, 4, 25, 1, 13, 38, 40]
+    with torch.no_grad():
+        hf = reference.model(torch.tensor([ids])).logits[0]
+    prefill = streamed.forward(torch.tensor([ids]), torch.arange(len(ids))[None], streamed.new_cache()).logits[0]
+    assert torch.allclose(prefill, hf, atol=1e-4, rtol=1e-4)
+    cache = streamed.new_cache()
+    streamed.forward(torch.tensor([ids[:8]]), torch.arange(8)[None], cache)
+    for pos in range(8, 12):
+        step = streamed.forward(torch.tensor([[ids[pos]]]), torch.tensor([[pos]]), cache).logits[0, -1]
+        assert torch.allclose(step, hf[pos], atol=1e-4, rtol=1e-4), pos
+
+
+def test_a_qwen3_gguf_loads_from_its_own_metadata(tmp_path, monkeypatch, qwen3_pair):
+    """``load_gguf_target`` on a Qwen3 file: the config from its metadata has the heads' width from
+    ``attention.key_length`` (transformers' reader leaves Qwen3Config's default, 128) and the target gives
+    transformers' logits."""
+    from eagle.runtime.target import load_gguf_target
+
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "cache"))
+    model = qwen3_pair[1].model
+    path = write_model_gguf(tmp_path / "qwen3.gguf", model, QWEN3_TYPES)  # the fixture's codes again (same seed)
+    target = load_gguf_target(path, "qwen3", tokenizer=word_tokenizer(model.config.vocab_size))
+    assert target.model.config.model_type == "qwen3" and target.model.config.head_dim == 96
+    ids = [3, 14, 15, 9, 2, 6, 21, 5, 8, 33]
+    with torch.no_grad():
+        hf = model(torch.tensor([ids])).logits[0]
+    out = target.forward(torch.tensor([ids]), torch.arange(len(ids))[None], target.new_cache()).logits[0]
+    assert torch.allclose(out, hf, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_qwen3_greedy_decoding_is_ar_and_ar_is_the_references(qwen3_pair):
+    streamed, reference = qwen3_pair
+    model = EagleModel.from_pretrained(streamed, drafter=tiny_drafter(streamed), total_tokens=12, depth=4, top_k=3)
+    ref = EagleModel.from_pretrained(reference, drafter=tiny_drafter(reference), total_tokens=12, depth=4, top_k=3)
+    for ids in prompts(2, vocab_size=48, seed=4):
+        ar = model.generate(ids, method="ar", max_new_tokens=16).token_ids
+        assert ar == ref.generate(ids, method="ar", max_new_tokens=16).token_ids
+        assert model.generate(ids, method="eagle-tree", max_new_tokens=16).token_ids == ar
 
 
 GEMMA_TYPES = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_K", "ffn_gate": "Q5_0",
@@ -405,6 +480,19 @@ def test_the_dense_conversion_gives_the_models_weights_by_transformers_names(tmp
     state = hf_state_dict(path, read_header(path), cfg)
     want = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     assert sorted(state) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(state[name], tensor), name
+
+
+def test_the_dense_conversion_of_a_qwen3_keeps_its_head_norms(tmp_path, qwen3_pair):
+    from eagle.runtime.gguf_file import read_header
+    from eagle.runtime.gguf_weights import hf_state_dict
+
+    model = qwen3_pair[1].model
+    path = write_model_gguf(tmp_path / "qwen3.gguf", model, QWEN3_TYPES)  # the fixture's codes again (same seed)
+    state = hf_state_dict(path, read_header(path), model.config)
+    want = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    assert sorted(state) == sorted(want) and "model.layers.1.self_attn.k_norm.weight" in state
     for name, tensor in want.items():
         assert torch.equal(state[name], tensor), name
 

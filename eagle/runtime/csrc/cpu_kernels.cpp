@@ -23,7 +23,7 @@
 // stream_linear_gguf: the same products with W in its GGUF block layouts; 1-4 rows decode each block of codes in
 // registers (the fused path), more rows decode a few rows of W at a time into a buffer that every row meets.
 //
-// DecoderStack, GemmaStack: a Llama/Qwen2 or a Gemma-3 target's decoder layers run by one call a forward.
+// DecoderStack, GemmaStack: a Llama/Qwen2/Qwen3 or a Gemma-3 target's decoder layers run by one call a forward.
 //
 // compact_rows: the accepted path's keys and values moved into place in every layer's cache at once.
 // argmax_rows: torch's argmax of each row of logits, vectorized.
@@ -1360,7 +1360,23 @@ struct LayerWeights {
   torch::Tensor post_norm;
   double post_eps;
   Product gate_up, down;
+  c10::optional<torch::Tensor> q_norm, k_norm;  // Qwen3: an RMSNorm on each query and key head (eps: input_eps)
 };
+
+// head_norms: each query head of qkv [q, (nh + 2 nkv) d] normed by q_norm [d] and each key head by k_norm [d],
+// in place (RMSNorm over the head's d values, rms_row's sums).
+void head_norms(torch::Tensor qkv, const torch::Tensor& q_norm, const torch::Tensor& k_norm, int64_t nh,
+                int64_t nkv, double eps) {
+  const int64_t d = q_norm.numel(), heads = qkv.size(1) / d;
+  TORCH_CHECK(qkv.is_contiguous() && heads == nh + 2 * nkv && k_norm.numel() == d && q_norm.is_contiguous() &&
+              k_norm.is_contiguous(), "head_norms: head widths");
+  float* rows = qkv.data_ptr<float>();
+  for (int64_t i = 0; i < qkv.size(0); ++i)
+    for (int64_t h = 0; h < nh + nkv; ++h) {
+      float* head = rows + (i * heads + h) * d;
+      rms_row(head, (h < nh ? q_norm : k_norm).data_ptr<float>(), d, static_cast<float>(eps), head);
+    }
+}
 
 // decoder_layer: one Llama decoder layer for one sequence of 1-16 rows, in place on x [q, H]:
 // x += o(attention(rope(qkv(rms(x))))), then x += down(silu_mul(gate_up(rms(x)))), the same kernels
@@ -1373,6 +1389,7 @@ void decoder_layer(torch::Tensor x, const LayerWeights& l, const torch::Tensor& 
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "decoder_layer: x fp32 [q, H]");
   const torch::Tensor h = l.input_norm.has_value() ? rms_norm(x, *l.input_norm, l.input_eps) : x;
   const torch::Tensor qkv = linear(h, l.qkv, once);
+  if (l.q_norm.has_value()) head_norms(qkv, *l.q_norm, *l.k_norm, nh, key_buf.size(0), l.input_eps);
   const torch::Tensor q = rope_cache(qkv, cos, sin, key_buf, value_buf, nh, start);
   x.add_(linear(attention(q, key_buf, value_buf, start + x.size(0), bias, scale), l.o, once));
   x.add_(linear(silu_mul(linear(rms_norm(x, l.post_norm, l.post_eps), l.gate_up, once)), l.down, once));
@@ -1400,9 +1417,14 @@ class DecoderStack {
   // One more layer: its norms and its products qkv, o, gate_up, down, each (w, scales, GGUF raws, GGML types,
   // bias) as Product holds them.
   void add(const c10::optional<torch::Tensor>& input_norm, double input_eps, const torch::Tensor& post_norm,
-           double post_eps, const std::vector<ProductArgs>& products) {
+           double post_eps, const std::vector<ProductArgs>& products, const c10::optional<torch::Tensor>& q_norm,
+           const c10::optional<torch::Tensor>& k_norm) {
     const std::array<Product, 4> p = four_products(products, "DecoderStack.add");
-    layers_.push_back({input_norm, input_eps, p[0], p[1], post_norm, post_eps, p[2], p[3]});
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecoderStack.add: q_norm and k_norm together");
+    for (const auto* n : {&q_norm, &k_norm})
+      TORCH_CHECK(!n->has_value() || ((*n)->dtype() == torch::kFloat32 && (*n)->is_contiguous() && (*n)->dim() == 1),
+                  "DecoderStack.add: fp32 head norms");
+    layers_.push_back({input_norm, input_eps, p[0], p[1], post_norm, post_eps, p[2], p[3], q_norm, k_norm});
   }
 
   // Every layer in order on x [q, H], in place; layer i's keys and values go to rows start..start+q-1 of
@@ -1487,12 +1509,7 @@ void gemma_layer(torch::Tensor x, const GemmaLayerWeights& l, const torch::Tenso
   const torch::Tensor qkv = linear(rms_norm(x, l.input_norm, eps), l.qkv, true);
   const int64_t q = x.size(0), nkv = key_buf.size(0), d = key_buf.size(2), heads = qkv.size(1) / d;
   TORCH_CHECK(heads == nh + 2 * nkv && l.q_norm.numel() == d && l.k_norm.numel() == d, "gemma_layer: head widths");
-  float* rows = qkv.data_ptr<float>();
-  for (int64_t i = 0; i < q; ++i)
-    for (int64_t h = 0; h < nh + nkv; ++h) {
-      float* head = rows + (i * heads + h) * d;
-      rms_row(head, (h < nh ? l.q_norm : l.k_norm).data_ptr<float>(), d, static_cast<float>(eps), head);
-    }
+  head_norms(qkv, l.q_norm, l.k_norm, nh, nkv, eps);
   const torch::Tensor qr = rope_cache(qkv, cos, sin, key_buf, value_buf, nh, start);
   x.add_(rms_norm(linear(attention(qr, key_buf, value_buf, start + q, bias, scale), l.o, true),
                   l.post_attention_norm, eps));
@@ -1592,7 +1609,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecoderStack>(m, "DecoderStack", py::module_local(), "decoder layers run by one call a forward (decoder_layer each)")
       .def(py::init<int64_t, double>(), py::arg("nh"), py::arg("scale"))
       .def("add", &DecoderStack::add, "append a layer: its norms and four products (w, scales, raws, types, bias)",
-           py::arg("input_norm"), py::arg("input_eps"), py::arg("post_norm"), py::arg("post_eps"), py::arg("products"))
+           py::arg("input_norm"), py::arg("input_eps"), py::arg("post_norm"), py::arg("post_eps"), py::arg("products"),
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none())
       .def("forward", &DecoderStack::forward, "every layer in place on x [q, H]; copies of x after the aux layers",
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("start"),
            py::arg("bias"), py::arg("once"), py::arg("aux"));
