@@ -4,11 +4,11 @@ GGUF blocks, never de-quantized as a whole.
 ``load_gguf_model`` reads the tensor data of a GGUF file (``eagle.runtime.gguf_file`` reads its header)
 into a ``GGUFModel``: the stand-in for a transformers model that the lean forwards
 (``eagle.runtime.decoder.LeanDecoder``, ``eagle.runtime.gemma.GemmaDecoder``) read, with the attribute
-names of transformers' Llama, Qwen2 and Gemma-3 models (``model.layers[i].self_attn.q_proj``, ...).
+names of transformers' Llama, Qwen2/3 and Gemma-3 models (``model.layers[i].self_attn.q_proj``, ...).
 Each matrix of a type in ``gguf_file.STREAMED`` is a ``GGUFMatrix``: its rows' GGUF bytes (uint8
 [N, row bytes], the file's own layout), multiplied by ``stream_linear_gguf_parts`` (``GGUFLinear``) with
-the bits of the compiled fp32 kernel on the weight gguf-py de-quantizes; other types (F16, BF16, Q2_K,
-Q3_K) are de-quantized to fp32 when read. The embedding (``GGUFEmbedding``) de-quantizes only the rows
+the bits of the compiled fp32 kernel on the weight gguf-py de-quantizes; other types (F16, BF16) are
+de-quantized to fp32 when read. The embedding (``GGUFEmbedding``) de-quantizes only the rows
 it looks up, and a tied LM head multiplies the same codes. So a loaded target holds about the GGUF's
 size: no full-precision copy of the model is made (``GGUFEmbedding.weight`` makes one on request, for
 what needs the whole matrix: building a drafter's head, training).

@@ -16,12 +16,13 @@ from eagle.runtime.target import Target
 from tests.conftest import prompts, tiny_drafter, word_tokenizer
 from tests.runtime.test_gguf_file import write_tensors
 
-STREAMED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+STREAMED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # bytes of a block, weights of a block, offsets of the float16 scales, and a typical |code x sub-scale| (so that
 # random codes give weights of about the size asked for)
 LAYOUT = {"Q4_0": (18, 32, [0], 8), "Q4_1": (20, 32, [0, 2], 8), "Q5_0": (22, 32, [0], 16),
           "Q5_1": (24, 32, [0, 2], 16), "Q8_0": (34, 32, [0], 64), "Q4_K": (144, 256, [0, 2], 250),
-          "Q5_K": (176, 256, [0, 2], 500), "Q6_K": (210, 256, [208], 2000)}
+          "Q5_K": (176, 256, [0, 2], 500), "Q6_K": (210, 256, [208], 2000), "Q2_K": (84, 256, [80, 82], 10),
+          "Q3_K": (110, 256, [108], 32)}
 
 
 def kernels_or_skip():
@@ -278,8 +279,8 @@ def qwen3_pair(tmp_path_factory):
     return streamed_and_reference(tmp_path_factory.mktemp("gguf"), model, QWEN3_TYPES, "tiny-qwen3-gguf")
 
 
-QWEN3_TYPES = {"attn_q": "Q4_K", "attn_k": "Q8_0", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q4_K",
-               "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q8_0"}
+QWEN3_TYPES = {"attn_q": "Q3_K", "attn_k": "Q8_0", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q4_K",
+               "ffn_up": "Q2_K", "ffn_down": "Q6_K", "token_embd": "Q8_0"}  # Q3_K_M / Q2_K files' low-bit types
 
 
 def test_the_loaded_qwen3_runs_its_head_norms_in_the_compiled_stack(qwen3_pair):
@@ -288,6 +289,9 @@ def test_the_loaded_qwen3_runs_its_head_norms_in_the_compiled_stack(qwen3_pair):
     streamed, reference = qwen3_pair
     lean = streamed.lean
     assert isinstance(lean, LeanDecoder) and lean.stack is not None and lean.layers[0].q_norm is not None
+    for layer in lean.layers:  # the Q3_K q and the Q2_K up projections stay as their codes too
+        assert isinstance(layer.qkv, GGUFLinear) and isinstance(layer.gate_up, GGUFLinear)
+        assert {part.ggml_type for part in layer.qkv.parts + layer.gate_up.parts} >= {"Q3_K", "Q2_K"}
     ids = [3, 14, 15, 9, 2, 6, 21, 5, 8, 33, 2, 7, 11, 30, 4, 25, 1, 13, 38, 40]
     with torch.no_grad():
         hf = reference.model(torch.tensor([ids])).logits[0]

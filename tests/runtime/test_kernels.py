@@ -494,7 +494,8 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
 # GGML types streamed by stream_linear_gguf: (type id, weights and bytes a block, offsets of float16 scales)
 GGML_BLOCKS = {"Q4_0": (2, 32, 18, [0]), "Q4_1": (3, 32, 20, [0, 2]), "Q5_0": (6, 32, 22, [0]),
                "Q5_1": (7, 32, 24, [0, 2]), "Q8_0": (8, 32, 34, [0]), "Q4_K": (12, 256, 144, [0, 2]),
-               "Q5_K": (13, 256, 176, [0, 2]), "Q6_K": (14, 256, 210, [208])}
+               "Q5_K": (13, 256, 176, [0, 2]), "Q6_K": (14, 256, 210, [208]), "Q2_K": (10, 256, 84, [80, 82]),
+               "Q3_K": (11, 256, 110, [108])}
 
 
 def random_gguf_rows(name: str, rows: int, in_features: int, seed: int):
@@ -533,4 +534,4 @@ def test_stream_linear_gguf_gives_the_bits_of_the_fp32_kernel_on_the_dequantized
     with pytest.raises(RuntimeError, match="shapes do not match"):
         module.stream_linear_gguf(torch.randn(1, in_features - 32), raw, type_id, None)
     with pytest.raises(RuntimeError, match="is not streamed"):
-        module.stream_linear_gguf(torch.randn(1, in_features), raw, 10, None)  # Q2_K
+        module.stream_linear_gguf(torch.randn(1, in_features), raw, 16, None)  # IQ2_XXS

@@ -665,13 +665,15 @@ torch::Tensor stream_linear_q(const torch::Tensor& x, const torch::Tensor& codes
 
 // ---- stream_linear_gguf: the product with W in GGUF's own block layouts --------------------------------------
 // Each row of W is its GGUF bytes (ggml's block layouts: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in blocks of 32 weights,
-// Q4_K, Q5_K, Q6_K in super-blocks of 256). A few rows at a time are decoded to fp32 into a buffer the caches
-// hold, by plain loops the compiler vectorizes, then multiplied by block(): every decoded weight is exact (d * c
-// is exact in fp32 for these codes and scales; a minimum is subtracted or added once, as ggml and gguf-py
-// decode), so the outputs have the bits of stream_linear on the de-quantized W, from 0.56-1.06 bytes a weight.
+// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K in super-blocks of 256). A few rows at a time are decoded to fp32 into a buffer the
+// caches hold, by plain loops the compiler vectorizes, then multiplied by block(): every decoded weight is exact
+// (d * c is exact in fp32 for these codes and scales; a minimum is subtracted or added once, as ggml and gguf-py
+// decode), so the outputs have the bits of stream_linear on the de-quantized W, from 0.33-1.06 bytes a weight.
 namespace {
 
-enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum GgmlType : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+};
 
 struct GgmlLayout {
   int64_t weights, bytes;  // per block
@@ -684,11 +686,13 @@ GgmlLayout ggml_layout(int64_t type) {
     case kQ5_0: return {32, 22};
     case kQ5_1: return {32, 24};
     case kQ8_0: return {32, 34};
+    case kQ2_K: return {256, 84};
+    case kQ3_K: return {256, 110};
     case kQ4_K: return {256, 144};
     case kQ5_K: return {256, 176};
     case kQ6_K: return {256, 210};
     default: TORCH_CHECK(false, "stream_linear_gguf: GGML type ", type, " is not streamed (Q4_0, Q4_1, Q5_0, Q5_1, ",
-                         "Q8_0, Q4_K, Q5_K, Q6_K are)");
+                         "Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K are)");
   }
   return {0, 0};
 }
@@ -708,6 +712,11 @@ inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
     sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
     mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
   }
+}
+
+// Q3_K: the scale of weights 16 k .. 16 k + 15 (k 0..15) from the super-block's 12 scale bytes: 6 bits, less 32.
+inline int scale_q3k(int k, const uint8_t* sc) {
+  return (((sc[k % 8] >> (4 * (k / 8))) & 15) | (((sc[8 + k % 4] >> (2 * (k / 4))) & 3) << 4)) - 32;
 }
 
 // One row of K weights from its GGUF bytes into out (fp32), as gguf-py's dequantize computes them.
@@ -768,6 +777,38 @@ void decode_row(const uint8_t* __restrict p, int64_t K, float* __restrict out) {
           for (int l = 0; l < 32; ++l)
             o[l] = dj * static_cast<float>(((q[l] >> shift) & 15) | (((qh[l] >> j) & 1) << 4)) - mj;
         }
+      }
+    }
+  } else if constexpr (Type == kQ2_K) {
+    // scales [16] (a 4-bit scale and a 4-bit minimum per 16 weights), qs [64] (2-bit codes: weight 128 h + 32 s + l
+    // is bits 2 s of byte 32 h + l), d, dmin: dl c - ml with dl c exact, one rounding as gguf-py's
+    for (int64_t b = 0; b < K / 256; ++b, p += 84, out += 256) {
+      const float d = half_at(p + 80), dmin = half_at(p + 82);
+      for (int h = 0; h < 2; ++h)
+        for (int sh = 0; sh < 4; ++sh)
+          for (int g = 0; g < 2; ++g) {  // 16 weights: scale index 8 h + 2 sh + g
+            const uint8_t sc = p[8 * h + 2 * sh + g];
+            const float dl = d * static_cast<float>(sc & 15), ml = dmin * static_cast<float>(sc >> 4);
+            const uint8_t* q = p + 16 + 32 * h + 16 * g;
+            float* o = out + 128 * h + 32 * sh + 16 * g;
+            for (int l = 0; l < 16; ++l) o[l] = dl * static_cast<float>((q[l] >> (2 * sh)) & 3) - ml;
+          }
+    }
+  } else if constexpr (Type == kQ3_K) {
+    // hmask [32] (bit j of byte l: weight 32 j + l's high bit, set meaning no offset), qs [64] (2-bit codes as Q2_K),
+    // scales [12] (sixteen 6-bit scales, offset by 32), d: d s (c - 4 (1 - h)), exact
+    for (int64_t b = 0; b < K / 256; ++b, p += 110, out += 256) {
+      const uint8_t* hmask = p;
+      const uint8_t* sc = p + 96;
+      const float d = half_at(p + 108);
+      for (int k = 0; k < 16; ++k) {  // weights 16 k .. 16 k + 15
+        const float dl = d * static_cast<float>(scale_q3k(k, sc));
+        const int h = k / 8, sh = (k % 8) / 2, j = k / 2;
+        const uint8_t* q = p + 32 + 32 * h + 16 * (k % 2);
+        const uint8_t* m = hmask + 16 * (k % 2);
+        float* o = out + 16 * k;
+        for (int l = 0; l < 16; ++l)
+          o[l] = dl * static_cast<float>(((q[l] >> (2 * sh)) & 3) - (((m[l] >> j) & 1) ? 0 : 4));
       }
     }
   } else {  // Q6_K: ql [128], qh [64], int8 scales [16] (one per 16 weights), d
@@ -877,6 +918,25 @@ inline void fused_weights(const uint8_t* p, int s, V& lo, V& hi) {
     bytes_to_floats(c, lo, hi);
     lo = scaled(dj, lo, -mj);
     hi = scaled(dj, hi, -mj);
+  } else if constexpr (Type == kQ2_K) {  // block s = 4 h + sh: bits 2 sh of bytes 32 h ..; dl c - ml, one rounding
+    const __m256i c = _mm256_and_si256(_mm256_srli_epi16(load32(p + 16 + 32 * (s / 4)), 2 * (s % 4)),
+                                       _mm256_set1_epi8(3));
+    bytes_to_floats(c, lo, hi);
+    const float d = half_at(p + 80), dmin = half_at(p + 82);
+    const uint8_t s0 = p[2 * s], s1 = p[2 * s + 1];
+    lo = scaled(d * static_cast<float>(s0 & 15), lo, -(dmin * static_cast<float>(s0 >> 4)));
+    hi = scaled(d * static_cast<float>(s1 & 15), hi, -(dmin * static_cast<float>(s1 >> 4)));
+  } else if constexpr (Type == kQ3_K) {  // block s: 2-bit codes as Q2_K, bit s of hmask byte l; d sc (c - 4 (1 - h))
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(load32(p + 32 + 32 * (s / 4)), 2 * (s % 4)),
+                                         _mm256_set1_epi8(3));
+    const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << s));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(load32(p), bit), bit);
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_and_si256(set, _mm256_set1_epi8(4))),
+                                      _mm256_set1_epi8(4));
+    bytes_to_floats(q, lo, hi);
+    const float d = half_at(p + 108);
+    lo = scaled(d * static_cast<float>(scale_q3k(2 * s, p + 96)), lo);
+    hi = scaled(d * static_cast<float>(scale_q3k(2 * s + 1, p + 96)), hi);
   } else {  // Q6_K: block s = 4 n + r of the super-block
     const int n = s / 4, r = s % 4;
     const __m256i low = _mm256_and_si256(_mm256_srli_epi16(load32(p + 64 * n + 32 * (r % 2)), 4 * (r / 2)),
@@ -899,7 +959,7 @@ void fused_block(const float* x, int64_t K, const uint8_t* raw, int64_t row_byte
                  int64_t ldo, int64_t j0, int64_t j1) {
   const GgmlLayout layout = ggml_layout(Type);
   const int64_t units = K / layout.weights;
-  constexpr int kSub = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K ? 8 : 1;
+  constexpr int kSub = Type == kQ2_K || Type == kQ3_K || Type == kQ4_K || Type == kQ5_K || Type == kQ6_K ? 8 : 1;
   for (int64_t j = j0; j < j1; ++j) {
     V acc[M];
     for (int i = 0; i < M; ++i) acc[i] = vzero();
@@ -930,9 +990,28 @@ constexpr bool kFusedGguf = false;
 constexpr int kFusedRows = 0;
 template <int64_t Type, int M>
 void fused_rows(const float*, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*, int64_t) {}
+template <int64_t Type>
+inline void fused_weights(const uint8_t*, int, V&, V&) {}
 #endif
 
 constexpr int64_t kDecodedRows = 12;  // W rows decoded at a time: a multiple of every J and of kPanel
+
+// decode_row for the buffer path: Q2_K and Q3_K by fused_weights' byte-wide decoding where it is compiled (their
+// scalar loops do not vectorize: 4x slower), the same values.
+template <int64_t Type>
+void decode_buffered(const uint8_t* p, int64_t K, float* out) {
+  if constexpr (kFusedGguf && (Type == kQ2_K || Type == kQ3_K)) {
+    for (int64_t u = 0; u < K / 256; ++u, p += ggml_layout(Type).bytes)
+      for (int s = 0; s < 8; ++s, out += 32) {
+        V lo, hi;
+        fused_weights<Type>(p, s, lo, hi);
+        vstore(out, lo);
+        vstore(out + 16, hi);
+      }
+  } else {
+    decode_row<Type>(p, K, out);
+  }
+}
 
 // Outputs j..j+n of the M rows of x (M <= kPassRows) from W's decoded rows j..j+n (w: row j + b at w + (j + b) K);
 // out's rows are ldo apart.
@@ -964,7 +1043,7 @@ void gguf_rows(const float* x, int64_t M, int64_t K, const uint8_t* raw, int64_t
       const int64_t j = g * kDecodedRows, n = std::min(kDecodedRows, N - j);
       for (int64_t r = 0; r < n; ++r) {
         for (int64_t b = 0; b < row_bytes; b += 64) prefetch(raw + (j + r + kDecodedRows) * row_bytes + b, true);
-        decode_row<Type>(raw + (j + r) * row_bytes, K, buf.data() + r * K);
+        decode_buffered<Type>(raw + (j + r) * row_bytes, K, buf.data() + r * K);
       }
       if (kPanels && M > kPassRows) {  // AVX2: every row of x in one sweep over the buffer (panels_q)
         for (int64_t r = 0; r < n; r += kPanel) {
@@ -1021,8 +1100,8 @@ torch::Tensor stream_linear_gguf_parts(const torch::Tensor& x, const std::vector
   case t:             \
     gguf_rows<t>(xp, M, K, rp, rb, N, bp, op + col, total); \
     break;
-      EAGLE_GGML(kQ4_0) EAGLE_GGML(kQ4_1) EAGLE_GGML(kQ5_0) EAGLE_GGML(kQ5_1) EAGLE_GGML(kQ8_0) EAGLE_GGML(kQ4_K)
-      EAGLE_GGML(kQ5_K) EAGLE_GGML(kQ6_K)
+      EAGLE_GGML(kQ4_0) EAGLE_GGML(kQ4_1) EAGLE_GGML(kQ5_0) EAGLE_GGML(kQ5_1) EAGLE_GGML(kQ8_0) EAGLE_GGML(kQ2_K)
+      EAGLE_GGML(kQ3_K) EAGLE_GGML(kQ4_K) EAGLE_GGML(kQ5_K) EAGLE_GGML(kQ6_K)
 #undef EAGLE_GGML
     }
     col += N;
@@ -1058,8 +1137,8 @@ torch::Tensor gguf_dequantize_rows(const torch::Tensor& raw, int64_t type, const
   case t:             \
     decode_row<t>(rp + ip[r] * rb, K, op + r * K); \
     break;
-      EAGLE_GGML(kQ4_0) EAGLE_GGML(kQ4_1) EAGLE_GGML(kQ5_0) EAGLE_GGML(kQ5_1) EAGLE_GGML(kQ8_0) EAGLE_GGML(kQ4_K)
-      EAGLE_GGML(kQ5_K) EAGLE_GGML(kQ6_K)
+      EAGLE_GGML(kQ4_0) EAGLE_GGML(kQ4_1) EAGLE_GGML(kQ5_0) EAGLE_GGML(kQ5_1) EAGLE_GGML(kQ8_0) EAGLE_GGML(kQ2_K)
+      EAGLE_GGML(kQ3_K) EAGLE_GGML(kQ4_K) EAGLE_GGML(kQ5_K) EAGLE_GGML(kQ6_K)
 #undef EAGLE_GGML
     }
   }
