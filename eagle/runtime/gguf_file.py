@@ -21,10 +21,11 @@ from eagle.errors import EagleError
 # GGUF ``general.architecture`` -> the transformers model type eagle's lean forward runs
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 # GGUF tensor types the loader converts (gguf's de-quantizers; the names of ``gguf.GGMLQuantizationType``)
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                "IQ4_NL", "IQ4_XS")
 DEQUANTIZE, KEEP_BLOCKS = "dequantize", "keep-blocks"
 # the types kept as their raw blocks (``stream_linear_gguf`` computes from them); the others are de-quantized
-STREAMED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+STREAMED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 _MAGIC = b"GGUF"
 # value type -> struct format of the fixed-size GGUF value types

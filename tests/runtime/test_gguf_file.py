@@ -124,7 +124,7 @@ def test_damaged_files_are_clear_errors(tmp_path):
 
 def test_every_accepted_type_has_a_storage_decision():
     kept = {t for t in TENSOR_TYPES if tensor_storage(t) == KEEP_BLOCKS}
-    assert kept == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+    assert kept == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
     assert all(tensor_storage(t) == DEQUANTIZE for t in set(TENSOR_TYPES) - kept)
     with pytest.raises(ValueError, match="IQ2_XXS"):
         tensor_storage("IQ2_XXS")

@@ -16,13 +16,13 @@ from eagle.runtime.target import Target
 from tests.conftest import prompts, tiny_drafter, word_tokenizer
 from tests.runtime.test_gguf_file import write_tensors
 
-STREAMED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+STREAMED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 # bytes of a block, weights of a block, offsets of the float16 scales, and a typical |code x sub-scale| (so that
 # random codes give weights of about the size asked for)
 LAYOUT = {"Q4_0": (18, 32, [0], 8), "Q4_1": (20, 32, [0, 2], 8), "Q5_0": (22, 32, [0], 16),
           "Q5_1": (24, 32, [0, 2], 16), "Q8_0": (34, 32, [0], 64), "Q4_K": (144, 256, [0, 2], 250),
           "Q5_K": (176, 256, [0, 2], 500), "Q6_K": (210, 256, [208], 2000), "Q2_K": (84, 256, [80, 82], 10),
-          "Q3_K": (110, 256, [108], 32)}
+          "Q3_K": (110, 256, [108], 32), "IQ4_NL": (18, 32, [0], 60), "IQ4_XS": (136, 256, [0], 1000)}
 
 
 def kernels_or_skip():

@@ -664,16 +664,20 @@ torch::Tensor stream_linear_q(const torch::Tensor& x, const torch::Tensor& codes
 }
 
 // ---- stream_linear_gguf: the product with W in GGUF's own block layouts --------------------------------------
-// Each row of W is its GGUF bytes (ggml's block layouts: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in blocks of 32 weights,
-// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K in super-blocks of 256). A few rows at a time are decoded to fp32 into a buffer the
+// Each row of W is its GGUF bytes (ggml's block layouts: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL in blocks of 32
+// weights, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS in super-blocks of 256). A few rows at a time are decoded to fp32 into a buffer the
 // caches hold, by plain loops the compiler vectorizes, then multiplied by block(): every decoded weight is exact
 // (d * c is exact in fp32 for these codes and scales; a minimum is subtracted or added once, as ggml and gguf-py
 // decode), so the outputs have the bits of stream_linear on the de-quantized W, from 0.33-1.06 bytes a weight.
 namespace {
 
 enum GgmlType : int64_t {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kIQ4_NL = 20, kIQ4_XS = 23
 };
+
+// IQ4_NL and IQ4_XS: a 4-bit code c stands for kIQ4Values[c] (times the block's scale)
+alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 struct GgmlLayout {
   int64_t weights, bytes;  // per block
@@ -691,10 +695,18 @@ GgmlLayout ggml_layout(int64_t type) {
     case kQ4_K: return {256, 144};
     case kQ5_K: return {256, 176};
     case kQ6_K: return {256, 210};
+    case kIQ4_NL: return {32, 18};
+    case kIQ4_XS: return {256, 136};
     default: TORCH_CHECK(false, "stream_linear_gguf: GGML type ", type, " is not streamed (Q4_0, Q4_1, Q5_0, Q5_1, ",
-                         "Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K are)");
+                         "Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS are)");
   }
   return {0, 0};
+}
+
+// weights a block (or super-block) of a streamed type
+constexpr int64_t layout_weights(int64_t type) {
+  return type == kQ2_K || type == kQ3_K || type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kIQ4_XS ? 256
+                                                                                                              : 32;
 }
 
 inline float half_at(const uint8_t* p) {
@@ -809,6 +821,30 @@ void decode_row(const uint8_t* __restrict p, int64_t K, float* __restrict out) {
         float* o = out + 16 * k;
         for (int l = 0; l < 16; ++l)
           o[l] = dl * static_cast<float>(((q[l] >> (2 * sh)) & 3) - (((m[l] >> j) & 1) ? 0 : 4));
+      }
+    }
+  } else if constexpr (Type == kIQ4_NL || Type == kIQ4_XS) {
+    // IQ4_NL: d, 16 bytes of codes (weight l: low nibble of byte l, weight 16 + l: its high nibble). IQ4_XS: d,
+    // scales_h (2 bits a sub-block), scales_l (4 bits a sub-block), then 8 sub-blocks of 32 weights coded as IQ4_NL's,
+    // each with its 6-bit scale less 32. d s v is exact (at most 23 significant bits), as gguf-py's (d s) v
+    constexpr int64_t unit = Type == kIQ4_NL ? 32 : 256, size = Type == kIQ4_NL ? 18 : 136;
+    for (int64_t b = 0; b < K / unit; ++b, p += size, out += unit) {
+      const float d = half_at(p);
+      for (int ib = 0; ib < unit / 32; ++ib) {
+        float dl = d;
+        const uint8_t* q = p + 2 + 16 * ib;
+        if constexpr (Type == kIQ4_XS) {
+          uint16_t high;
+          std::memcpy(&high, p + 2, sizeof high);
+          const int ls = ((p[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((high >> (2 * ib)) & 3) << 4);
+          dl = d * static_cast<float>(ls - 32);
+          q = p + 8 + 16 * ib;
+        }
+        float* o = out + 32 * ib;
+        for (int l = 0; l < 16; ++l) {
+          o[l] = dl * static_cast<float>(kIQ4Values[q[l] & 15]);
+          o[16 + l] = dl * static_cast<float>(kIQ4Values[q[l] >> 4]);
+        }
       }
     }
   } else {  // Q6_K: ql [128], qh [64], int8 scales [16] (one per 16 weights), d
@@ -937,6 +973,17 @@ inline void fused_weights(const uint8_t* p, int s, V& lo, V& hi) {
     const float d = half_at(p + 108);
     lo = scaled(d * static_cast<float>(scale_q3k(2 * s, p + 96)), lo);
     hi = scaled(d * static_cast<float>(scale_q3k(2 * s + 1, p + 96)), hi);
+  } else if constexpr (Type == kIQ4_NL || Type == kIQ4_XS) {  // codes looked up in kIQ4Values by a byte shuffle
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+    bytes_to_floats(_mm256_shuffle_epi8(table, nibbles16(p + (Type == kIQ4_NL ? 2 : 8 + 16 * s))), lo, hi);
+    float dl = half_at(p);
+    if constexpr (Type == kIQ4_XS) {
+      uint16_t high;
+      std::memcpy(&high, p + 2, sizeof high);
+      dl *= static_cast<float>((((p[4 + s / 2] >> (4 * (s % 2))) & 15) | (((high >> (2 * s)) & 3) << 4)) - 32);
+    }
+    lo = scaled(dl, lo);
+    hi = scaled(dl, hi);
   } else {  // Q6_K: block s = 4 n + r of the super-block
     const int n = s / 4, r = s % 4;
     const __m256i low = _mm256_and_si256(_mm256_srli_epi16(load32(p + 64 * n + 32 * (r % 2)), 4 * (r / 2)),
@@ -959,7 +1006,7 @@ void fused_block(const float* x, int64_t K, const uint8_t* raw, int64_t row_byte
                  int64_t ldo, int64_t j0, int64_t j1) {
   const GgmlLayout layout = ggml_layout(Type);
   const int64_t units = K / layout.weights;
-  constexpr int kSub = Type == kQ2_K || Type == kQ3_K || Type == kQ4_K || Type == kQ5_K || Type == kQ6_K ? 8 : 1;
+  constexpr int kSub = layout_weights(Type) / 32;
   for (int64_t j = j0; j < j1; ++j) {
     V acc[M];
     for (int i = 0; i < M; ++i) acc[i] = vzero();
@@ -996,13 +1043,14 @@ inline void fused_weights(const uint8_t*, int, V&, V&) {}
 
 constexpr int64_t kDecodedRows = 12;  // W rows decoded at a time: a multiple of every J and of kPanel
 
-// decode_row for the buffer path: Q2_K and Q3_K by fused_weights' byte-wide decoding where it is compiled (their
-// scalar loops do not vectorize: 4x slower), the same values.
+// decode_row for the buffer path: Q2_K, Q3_K, IQ4_NL and IQ4_XS by fused_weights' byte-wide decoding where it is
+// compiled (their scalar loops do not vectorize: up to 4x slower), the same values.
 template <int64_t Type>
 void decode_buffered(const uint8_t* p, int64_t K, float* out) {
-  if constexpr (kFusedGguf && (Type == kQ2_K || Type == kQ3_K)) {
-    for (int64_t u = 0; u < K / 256; ++u, p += ggml_layout(Type).bytes)
-      for (int s = 0; s < 8; ++s, out += 32) {
+  if constexpr (kFusedGguf && (Type == kQ2_K || Type == kQ3_K || Type == kIQ4_NL || Type == kIQ4_XS)) {
+    constexpr int64_t unit = layout_weights(Type);
+    for (int64_t u = 0; u < K / unit; ++u, p += ggml_layout(Type).bytes)
+      for (int s = 0; s < unit / 32; ++s, out += 32) {
         V lo, hi;
         fused_weights<Type>(p, s, lo, hi);
         vstore(out, lo);
@@ -1101,7 +1149,7 @@ torch::Tensor stream_linear_gguf_parts(const torch::Tensor& x, const std::vector
     gguf_rows<t>(xp, M, K, rp, rb, N, bp, op + col, total); \
     break;
       EAGLE_GGML(kQ4_0) EAGLE_GGML(kQ4_1) EAGLE_GGML(kQ5_0) EAGLE_GGML(kQ5_1) EAGLE_GGML(kQ8_0) EAGLE_GGML(kQ2_K)
-      EAGLE_GGML(kQ3_K) EAGLE_GGML(kQ4_K) EAGLE_GGML(kQ5_K) EAGLE_GGML(kQ6_K)
+      EAGLE_GGML(kQ3_K) EAGLE_GGML(kQ4_K) EAGLE_GGML(kQ5_K) EAGLE_GGML(kQ6_K) EAGLE_GGML(kIQ4_NL) EAGLE_GGML(kIQ4_XS)
 #undef EAGLE_GGML
     }
     col += N;
@@ -1138,7 +1186,7 @@ torch::Tensor gguf_dequantize_rows(const torch::Tensor& raw, int64_t type, const
     decode_row<t>(rp + ip[r] * rb, K, op + r * K); \
     break;
       EAGLE_GGML(kQ4_0) EAGLE_GGML(kQ4_1) EAGLE_GGML(kQ5_0) EAGLE_GGML(kQ5_1) EAGLE_GGML(kQ8_0) EAGLE_GGML(kQ2_K)
-      EAGLE_GGML(kQ3_K) EAGLE_GGML(kQ4_K) EAGLE_GGML(kQ5_K) EAGLE_GGML(kQ6_K)
+      EAGLE_GGML(kQ3_K) EAGLE_GGML(kQ4_K) EAGLE_GGML(kQ5_K) EAGLE_GGML(kQ6_K) EAGLE_GGML(kIQ4_NL) EAGLE_GGML(kIQ4_XS)
 #undef EAGLE_GGML
     }
   }
