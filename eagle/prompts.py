@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from eagle.errors import EagleError, read_text
 
 NO_CATEGORY = "uncategorized"
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` has a chat template; a base model's has none, and its turns are plain text."""
+    return bool(getattr(tokenizer, "chat_template", None))
 
 
 def read_prompts(path: str | Path) -> list[dict]:

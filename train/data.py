@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from eagle.errors import EagleError, read_text
+from eagle.prompts import has_chat_template
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "bing": "assistant", "bard": "assistant", "system": "system"}
@@ -150,7 +151,7 @@ def assistant_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[tup
     """Render with the chat template; return the text and the character spans of assistant
     replies (content and the template's end-of-turn text up to the next turn). Without a chat
     template: ``plain_spans``."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not has_chat_template(tokenizer):
         return plain_spans(tokenizer, messages)
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans = []

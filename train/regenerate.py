@@ -33,6 +33,7 @@ from tqdm import tqdm
 from eagle.config import SamplingConfig
 from eagle.decoding.batch import BatchDecoder, Request, default_rows, request_seed
 from eagle.errors import EagleError, read_text
+from eagle.prompts import has_chat_template
 from eagle.runtime.target import Target, load_target
 from train.data import plain_spans, to_messages
 
@@ -187,11 +188,6 @@ def completed(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in lines]
 
 
-def is_base_model(target: Target) -> bool:
-    """A target whose tokenizer has no chat template: it continues plain text."""
-    return not getattr(target.tokenizer, "chat_template", None)
-
-
 def prompt_text(target: Target, chat: Chat, answers: list[str]) -> str:
     """The conversation up to user turn ``len(answers)``, ending where the assistant's answer starts:
     chat-templated, or for a base model its contents back to back (``train.data.plain_spans``, the
@@ -201,7 +197,7 @@ def prompt_text(target: Target, chat: Chat, answers: list[str]) -> str:
         messages.append({"role": "user", "content": user})
         if answer is not None:
             messages.append({"role": "assistant", "content": answer})
-    if is_base_model(target):
+    if not has_chat_template(target.tokenizer):
         return plain_spans(target.tokenizer, messages)[0]
     return target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
@@ -284,7 +280,7 @@ class Conversations:
         hand the conversation to ``done`` (an empty answer ends it there)."""
         answer = self.target.tokenizer.decode(token_ids, skip_special_tokens=True)
         # a base model's answer is kept as written (a leading space included): it is put back to back with the turns
-        answer = answer if is_base_model(self.target) and answer.strip() else answer.strip()
+        answer = answer if not has_chat_template(self.target.tokenizer) and answer.strip() else answer.strip()
         self.gen["answer_tokens"] += len(token_ids)
         self.gen["answers_ended_eos" if ended else "answers_cut_at_max"] += 1
         if not answer:

@@ -18,6 +18,7 @@ from eagle.runtime import kv_cache
 from eagle.cache_dir import cache_root
 from eagle.errors import EagleError
 from eagle.inputs import DEFAULT_TARGET, check_prompt_text, check_spec  # noqa: F401 (names of this module too)
+from eagle.prompts import has_chat_template
 from eagle.runtime.decoder import LeanDecoder, lean_decoder
 from eagle.runtime.gguf_file import check_gguf, config_overrides, read_header
 
@@ -125,6 +126,11 @@ class Target:
             raise EagleError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
         return ids
 
+    @property
+    def is_base_model(self) -> bool:
+        """Whether the tokenizer has no chat template (``has_chat_template``): prompts are plain text."""
+        return not has_chat_template(self.tokenizer)
+
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         for m in messages:
             if not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
@@ -133,7 +139,7 @@ class Target:
             raise EagleError("empty prompt: a chat message has no content")
         for m in messages:
             check_prompt_text(m["content"])
-        if getattr(self.tokenizer, "chat_template", None):
+        if not self.is_base_model:
             out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
             return [int(t) for t in ids]
