@@ -1,8 +1,8 @@
 """A lean inference forward for Llama-family targets, and prepacked linear layers.
 
 ``LeanDecoder`` does the arithmetic of transformers' Llama/Qwen2/Qwen3 decoder (RMSNorm, RoPE from the
-model's own rotary module, grouped-query SDPA, SiLU-gated MLP; Qwen3's RMSNorm on each query and key head) with fewer, larger operations:
-q/k/v and gate/up fused into one matrix each, keys and values written by position into a
+model's own rotary module, grouped-query SDPA, SiLU-gated MLP; Qwen3's RMSNorm on each query and key
+head) with fewer, larger operations: q/k/v and gate/up fused into one matrix each, keys and values written by position into a
 ``StaticCache``, masks passed in. It reads the weights of an unmodified transformers model, which
 stays usable (its own forward is the reference in the tests). In fp32 on AVX-512 CPUs one sequence
 of 1-16 tokens (decoding, tree verification) runs each decoder layer as one compiled call
@@ -367,7 +367,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # Qwen3: an RMSNorm (eps: input_eps) on each query head and each key head
     k_norm: torch.Tensor | None = None
 
-    def normed_heads(self, qkv: torch.Tensor, nh: int, nkv: int, norm: Callable = None) -> torch.Tensor:
+    def normed_heads(self, qkv: torch.Tensor, nh: int, nkv: int, norm: Callable | None = None) -> torch.Tensor:
         """``qkv`` [..., (nh + 2 nkv) d] with each query head normed by ``q_norm`` and each key head by
         ``k_norm`` over its d values (``norm``: ``rms_norm`` or the compiled one); ``qkv`` itself when the
         layer has no head norms."""

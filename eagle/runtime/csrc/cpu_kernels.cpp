@@ -731,6 +731,13 @@ inline int scale_q3k(int k, const uint8_t* sc) {
   return (((sc[k % 8] >> (4 * (k / 8))) & 15) | (((sc[8 + k % 4] >> (2 * (k / 4))) & 3) << 4)) - 32;
 }
 
+// IQ4_XS: the scale of sub-block ib (0..7, 32 weights) of the super-block at p: 6 bits (scales_l, scales_h), less 32.
+inline int scale_iq4xs(int ib, const uint8_t* p) {
+  uint16_t high;
+  std::memcpy(&high, p + 2, sizeof high);
+  return (((p[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((high >> (2 * ib)) & 3) << 4)) - 32;
+}
+
 // One row of K weights from its GGUF bytes into out (fp32), as gguf-py's dequantize computes them.
 // (restrict: the stores to out cannot change the codes, so the loops vectorize; uint8_t may alias anything)
 template <int64_t Type>
@@ -834,10 +841,7 @@ void decode_row(const uint8_t* __restrict p, int64_t K, float* __restrict out) {
         float dl = d;
         const uint8_t* q = p + 2 + 16 * ib;
         if constexpr (Type == kIQ4_XS) {
-          uint16_t high;
-          std::memcpy(&high, p + 2, sizeof high);
-          const int ls = ((p[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((high >> (2 * ib)) & 3) << 4);
-          dl = d * static_cast<float>(ls - 32);
+          dl = d * static_cast<float>(scale_iq4xs(ib, p));
           q = p + 8 + 16 * ib;
         }
         float* o = out + 32 * ib;
@@ -976,12 +980,7 @@ inline void fused_weights(const uint8_t* p, int s, V& lo, V& hi) {
   } else if constexpr (Type == kIQ4_NL || Type == kIQ4_XS) {  // codes looked up in kIQ4Values by a byte shuffle
     const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
     bytes_to_floats(_mm256_shuffle_epi8(table, nibbles16(p + (Type == kIQ4_NL ? 2 : 8 + 16 * s))), lo, hi);
-    float dl = half_at(p);
-    if constexpr (Type == kIQ4_XS) {
-      uint16_t high;
-      std::memcpy(&high, p + 2, sizeof high);
-      dl *= static_cast<float>((((p[4 + s / 2] >> (4 * (s % 2))) & 15) | (((high >> (2 * s)) & 3) << 4)) - 32);
-    }
+    const float dl = Type == kIQ4_XS ? half_at(p) * static_cast<float>(scale_iq4xs(s, p)) : half_at(p);
     lo = scaled(dl, lo);
     hi = scaled(dl, hi);
   } else {  // Q6_K: block s = 4 n + r of the super-block
