@@ -2,8 +2,8 @@
 
 ``LeanDecoder`` does the arithmetic of transformers' Llama/Qwen2/Qwen3 decoder (RMSNorm, RoPE from the
 model's own rotary module, grouped-query SDPA, SiLU-gated MLP; Qwen3's RMSNorm on each query and key
-head) with fewer, larger operations: q/k/v and gate/up fused into one matrix each, keys and values written by position into a
-``StaticCache``, masks passed in. It reads the weights of an unmodified transformers model, which
+head) with fewer, larger operations: q/k/v and gate/up fused into one matrix each, keys and values
+written by position into a ``StaticCache``, masks passed in. It reads the weights of an unmodified transformers model, which
 stays usable (its own forward is the reference in the tests). In fp32 on AVX-512 CPUs one sequence
 of 1-16 tokens (decoding, tree verification) runs each decoder layer as one compiled call
 (``eagle.runtime.kernels``) whose rows do not depend on each other, so a tree node gets the plain

@@ -20,7 +20,7 @@ from eagle.errors import EagleError
 from eagle.inputs import DEFAULT_TARGET, check_prompt_text, check_spec  # noqa: F401 (names of this module too)
 from eagle.prompts import has_chat_template
 from eagle.runtime.decoder import LeanDecoder, lean_decoder
-from eagle.runtime.gguf_file import check_gguf, config_overrides, read_header
+from eagle.runtime.gguf_file import GGUFHeader, check_gguf, config_overrides, read_header
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -126,11 +126,6 @@ class Target:
             raise EagleError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
         return ids
 
-    @property
-    def is_base_model(self) -> bool:
-        """Whether the tokenizer has no chat template (``has_chat_template``): prompts are plain text."""
-        return not has_chat_template(self.tokenizer)
-
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         for m in messages:
             if not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
@@ -139,7 +134,7 @@ class Target:
             raise EagleError("empty prompt: a chat message has no content")
         for m in messages:
             check_prompt_text(m["content"])
-        if not self.is_base_model:
+        if has_chat_template(self.tokenizer):
             out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
             return [int(t) for t in ids]
@@ -224,11 +219,13 @@ def _gguf_cache_dir(gguf_path: Path) -> Path:
     return cache_root() / "targets" / f"{gguf_path.stem}-{key}"
 
 
-def gguf_metadata_dir(gguf_path: Path, tokenizer: bool = True) -> Path:
+def gguf_metadata_dir(gguf_path: Path, tokenizer: bool = True, header: GGUFHeader | None = None) -> Path:
     """A folder with the config, generation config and (with ``tokenizer``) the tokenizer transformers
     derives from a GGUF file's metadata (its reader takes about a minute for a 262k-token vocabulary),
-    written once to the cache; no tensor is read. A folder converted by ``converted_gguf_dir`` serves as
-    well; without ``tokenizer``, one with the configs alone (``NAME-KEY.config``)."""
+    with what that reader leaves out (``gguf_file.config_overrides``), written once to the cache; no
+    tensor but ``rope_freqs`` is read. A folder converted by ``converted_gguf_dir`` serves as well;
+    without ``tokenizer``, one with the configs alone (``NAME-KEY.config``). ``header``: the file's,
+    when already read."""
     converted = _gguf_cache_dir(gguf_path)
     if (converted / "config.json").is_file() and (converted / "tokenizer_config.json").is_file():
         return converted
@@ -242,7 +239,7 @@ def gguf_metadata_dir(gguf_path: Path, tokenizer: bool = True) -> Path:
 
     out = out if tokenizer else configs
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    for key, value in config_overrides(gguf_path, read_header(gguf_path)).items():  # what its reader leaves out
+    for key, value in config_overrides(gguf_path, header or read_header(gguf_path)).items():
         setattr(config, key, value)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -270,7 +267,7 @@ def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None) -> Targe
     header = check_gguf(gguf_path)
     # the tokenizer first: building a large one takes a transient few hundred MB, better spent before the weights
     tokenizer = tokenizer if tokenizer is not None else gguf_tokenizer(gguf_path, header)
-    meta = gguf_metadata_dir(gguf_path, tokenizer=tokenizer is None)
+    meta = gguf_metadata_dir(gguf_path, tokenizer=tokenizer is None, header=header)
     config = AutoConfig.from_pretrained(meta)
     if tokenizer is None:
         from transformers import AutoTokenizer  # its import alone: the tokenizers library, jinja2
@@ -300,7 +297,7 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
         from safetensors.torch import save_file
         from transformers import AutoConfig
 
-        meta = gguf_metadata_dir(gguf_path)
+        meta = gguf_metadata_dir(gguf_path, header=header)
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         shutil.copytree(meta, tmp, dirs_exist_ok=True)
         state = hf_state_dict(gguf_path, header, AutoConfig.from_pretrained(meta))

@@ -8,6 +8,7 @@ import pytest
 from eagle import EagleError
 from eagle.config import SamplingConfig, load_config_file
 from eagle.decoding.batch import BatchDecoder, generate_batch
+from eagle.prompts import has_chat_template
 from eagle.runtime.target import load_target
 from train import regenerate
 from train.data import load_chats
@@ -207,7 +208,7 @@ def test_a_base_model_answers_each_turn_continuing_the_plain_conversation():
     conversation's contents back to back (``train.data.plain_spans``, what training reads), and each
     answer, kept as written, is the target's greedy continuation of it; decoded batched."""
     target = tiny_gemma(seed=3, window=6)
-    assert target.is_base_model
+    assert not has_chat_template(target.tokenizer)
     chats = [regenerate.Chat(id=f"c{i}", system=None, users=[f" t{4 + i} t{5 + i} ", f" t{9 + i} t{3 + i} t7 "],
                              heldout=False) for i in range(5)]
     work = regenerate.Conversations(target, iter(chats), 5, 64, 0, collections.Counter())
