@@ -273,7 +273,7 @@ class EagleModel:
                         adaptive_gamma: bool | None = None,
                         drafter_dtype: torch.dtype | None = None, drafter_quant: str | None = None,
                         cuda_graphs: bool | None = None, device_rounds: bool | None = None,
-                        **prompt_lookup: Any) -> "EagleModel":
+                        int8_activations: bool = False, **prompt_lookup: Any) -> "EagleModel":
         """``drafter``: a drafter folder or ``Drafter`` (default: the one shipped for the target,
         if any; "eagle3": the EAGLE-3 drafter shipped for it). ``draft_model``: a model spec (as for targets), a draft LM folder
         (``eagle.drafting.draft_lm``) or a loaded model for ``sd`` (default: the draft LM shipped for the
@@ -287,12 +287,15 @@ class EagleModel:
         ``min_ngram``, ``num_draft_tokens`` (the n-gram sizes also apply to ``lookup_tokens``).
         ``drafter_dtype``, ``drafter_quant``: see ``EagleModel``. ``cuda_graphs``: the target and the
         drafter on static shapes replayed as CUDA graphs (``eagle.runtime.cuda_graphs``; default: on CUDA;
-        ``True`` on a CPU runs that static path without graphs). ``device_rounds``: see ``EagleModel``."""
+        ``True`` on a CPU runs that static path without graphs). ``device_rounds``: see ``EagleModel``.
+        ``int8_activations``: the target's products from codes take activations quantized to int8, as llama.cpp's
+        do (``eagle.runtime.target.load_target``)."""
         tree, spec, pl = option_configs(
             total_tokens=total_tokens, depth=depth, top_k=top_k, choices=choices,
             lookup_tokens=lookup_tokens, sampled_tree=sampled_tree, draw_temperature_scale=draw_temperature_scale,
             draw_support=draw_support, gamma=gamma, lenience=lenience, adaptive_gamma=adaptive_gamma, **prompt_lookup)
-        tgt = load_target(target, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
+        tgt = load_target(target, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
+                          int8_activations=int8_activations)
         if drafter is None and isinstance(target, str):
             drafter = shipped_drafter(target) or shipped_drafter_for(tgt)
         else:

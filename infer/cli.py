@@ -51,6 +51,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run the target and drafter on static shapes replayed as CUDA graphs (default: on CUDA; "
                         "on a CPU the same static path runs without graphs)")
+    g.add_argument("--int8-activations", action="store_true",
+                   help="multiply the target's quantized weights by activations quantized to int8 per block of 32, "
+                        "as llama.cpp does (CPU, float32; faster; greedy output then equals plain decoding's with "
+                        "the same option, not always the float32 products')")
     g.add_argument("--device-rounds", action=argparse.BooleanOptionalAction, default=None,
                    help="eagle-tree/eagle-chain rounds drafted, verified and accepted on the device with one host read "
                         "each: fixed-shape EAGLE-2 trees, no prompt-lookup grafts, children drawn (or top-k) when "
@@ -85,6 +89,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 # the methods that read each model flag (eagle-bench's hf and llama.cpp methods read none of them)
 FLAG_METHODS = {
     "--drafter": ("eagle-tree", "eagle-chain", "llama.cpp-eagle3"), "--draft-model": ("sd",), "--cuda-graphs": METHODS,
+    "--int8-activations": METHODS,
     "--device-rounds": ("eagle-tree", "eagle-chain"), "--total-tokens": ("eagle-tree",),
     "--depth": ("eagle-tree", "eagle-chain"), "--tree-top-k": ("eagle-tree",), "--lookup-tokens": ("eagle-tree",),
     "--sampled-tree": ("eagle-tree", "eagle-chain"), "--draw-temperature-scale": ("eagle-tree", "eagle-chain"),
@@ -189,7 +194,8 @@ def load_model(args: argparse.Namespace) -> Any:
     return EagleModel.from_pretrained(
         args.target, drafter=args.drafter, draft_model=args.draft_model, device=args.device, dtype=dtype,
         drafter_dtype=drafter_dtype, drafter_quant=None if args.drafter_quant == "auto" else args.drafter_quant,
-        cuda_graphs=args.cuda_graphs, device_rounds=args.device_rounds, **option_args(args))
+        cuda_graphs=args.cuda_graphs, device_rounds=args.device_rounds, int8_activations=args.int8_activations,
+        **option_args(args))
 
 
 def check_method(model: Any, method: str) -> None:

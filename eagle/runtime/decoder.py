@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle.errors import EagleError
 from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels, source_digest, stream_linear_op
 from eagle.runtime.kv_cache import StaticCache
 from eagle.runtime.huge_pages import huge_page_copies
@@ -69,10 +70,14 @@ class PackedLinear(nn.Module):
     given ``n`` (zero rows appended, their outputs dropped). oneDNN picks its kernel by row count,
     and for a wide matrix a few rows can cost less than one."""
 
+    int8 = False  # int8 activations: the codes meet x quantized per block of 32 (``int8_activations``)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, stream: bool = True,
-                 encode: bool = True, once: bool = False) -> None:
+                 encode: bool = True, once: bool = False, int8: bool = False) -> None:
         """``once``: the weight is read once per forward (a target's): the streamed kernel fetches it
-        so as to keep what is read again soon (a drafter's weights, the KV cache) in the caches."""
+        so as to keep what is read again soon (a drafter's weights, the KV cache) in the caches.
+        ``int8``: where the weight is streamed from its codes, multiply them by x quantized to int8
+        (``eagle.runtime.kernels``: faster, not the fp32 product's bits)."""
         super().__init__()
         self.once = once
         weight = weight.detach().contiguous()
@@ -92,17 +97,18 @@ class PackedLinear(nn.Module):
         self.plain_weight: torch.Tensor | None = weight if self.encoded is None and (
             self.packed or self.stream_op is not None) else None
         self.plain_rows: frozenset[int] = frozenset()
+        self.int8 = int8 and self.encoded is not None
 
     @classmethod
     def fused(cls, linears: list[nn.Linear], stream: bool = True, encode: bool = True,
-              once: bool = False) -> "PackedLinear":
+              once: bool = False, int8: bool = False) -> "PackedLinear":
         """One matrix for several linears reading the same input; outputs concatenated."""
         biases = [lin.bias for lin in linears]
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat([b.detach() if b is not None else lin.weight.new_zeros(lin.out_features)
                               for b, lin in zip(biases, linears)])
-        return cls(torch.cat([lin.weight.detach() for lin in linears]), bias, stream, encode, once)
+        return cls(torch.cat([lin.weight.detach() for lin in linears]), bias, stream, encode, once, int8)
 
     @classmethod
     def quantized(cls, weight: torch.Tensor, bias: torch.Tensor | None, bits: int) -> "PackedLinear":
@@ -117,10 +123,11 @@ class PackedLinear(nn.Module):
         return linear
 
     @classmethod
-    def from_codes(cls, codes: BlockCodes, bias: torch.Tensor | None = None) -> "PackedLinear":
+    def from_codes(cls, codes: BlockCodes, bias: torch.Tensor | None = None, int8: bool = False) -> "PackedLinear":
         """The product of a weight given only by its block codes (a GGUF target's Q4_0, Q4_1, Q8_0 matrices,
         ``eagle.runtime.gguf_weights``), streamed from them for any number of rows, no fp32
-        copy made; where the compiled kernels do not run, ``F.linear`` on the decoded weight."""
+        copy made; where the compiled kernels do not run, ``F.linear`` on the decoded weight. ``int8``: as
+        for ``PackedLinear``."""
         linear = cls.__new__(cls)
         nn.Module.__init__(linear)
         linear.once, linear.packed, linear.pad_rows, linear.plain_rows = True, False, (), frozenset()
@@ -129,10 +136,14 @@ class PackedLinear(nn.Module):
         linear.stream_op, linear.plain_weight = stream_linear_op(), None
         linear.encoded = codes if linear.stream_op is not None else None
         linear.weight = None if linear.stream_op is not None else decode(codes)
+        linear.int8 = int8 and linear.encoded is not None
         return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
+        if self.int8:  # any number of rows in one call, each with the bits it has alone
+            out = self.stream(x.reshape(rows, self.in_features).contiguous())
+            return out.view(*x.shape[:-1], out.shape[-1])
         if self.stream_op is not None and 0 < rows <= STREAM_MAX_ROWS:
             return self.stream(x.reshape(rows, self.in_features).contiguous()).view(*x.shape[:-1], -1)
         if self.weight is None:  # codes only (``from_codes``): as many rows a call as the kernel takes
@@ -154,7 +165,8 @@ class PackedLinear(nn.Module):
         """The streamed kernel's product of 1-16 contiguous rows [M, in] -> [M, out], from the codes
         where the weight has an exact block encoding (the same bits)."""
         if self.encoded is not None:
-            return cpu_kernels().stream_linear_q(x, self.encoded.codes, self.encoded.scales, self.bias, self.once)
+            return cpu_kernels().stream_linear_q(x, self.encoded.codes, self.encoded.scales, self.bias, self.once,
+                                                 self.int8)
         return self.stream_op(x, self.plain_weight, self.bias, self.once)
 
     def kernel_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -165,8 +177,8 @@ class PackedLinear(nn.Module):
 
     def kernel_product(self) -> tuple:
         """This product as the compiled ``DecoderStack`` takes it: (weight or codes, scales or None, no GGUF
-        parts, no types, bias)."""
-        return (*self.kernel_weight(), [], [], self.bias)
+        parts, no types, bias, int8 activations)."""
+        return (*self.kernel_weight(), [], [], self.bias, self.int8)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -421,32 +433,35 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
-def lean_decoder(model: Any) -> Any:
+def lean_decoder(model: Any, int8_activations: bool = False) -> Any:
     """A lean forward for ``model`` when its architecture is supported, else None: a ``LeanDecoder``
-    (Llama, Qwen2) or an ``eagle.runtime.gemma.GemmaDecoder`` (Gemma-3)."""
+    (Llama, Qwen2, Qwen3) or an ``eagle.runtime.gemma.GemmaDecoder`` (Gemma-3). ``int8_activations``: see
+    ``LeanDecoder``."""
     from eagle.runtime import gemma
 
     if getattr(model.config, "model_type", None) in gemma.GEMMA_MODEL_TYPES:
-        return gemma.GemmaDecoder(model) if gemma.unsupported_reason(model) is None else None
-    return LeanDecoder(model) if unsupported_reason(model) is None else None
+        return gemma.GemmaDecoder(model, int8_activations=int8_activations) if gemma.unsupported_reason(
+            model) is None else None
+    return LeanDecoder(model, int8_activations=int8_activations) if unsupported_reason(model) is None else None
 
 
-def product(linears: Sequence[Any], stream: bool, encode: bool) -> "PackedLinear | GGUFLinear":
+def product(linears: Sequence[Any], stream: bool, encode: bool, int8: bool = False) -> "PackedLinear | GGUFLinear":
     """One product for a lean forward's layer from a model's linears reading the same input (outputs
     side by side): ``nn.Linear`` modules -> a ``PackedLinear``; a GGUF target's projections
     (``eagle.runtime.gguf_weights``) -> a ``GGUFLinear`` multiplying their codes, or, where one of them
-    is not kept as codes (or the compiled kernels cannot run), a ``PackedLinear`` of their fp32 weights."""
+    is not kept as codes (or the compiled kernels cannot run), a ``PackedLinear`` of their fp32 weights.
+    ``int8``: products from codes take int8 activations (``PackedLinear``)."""
     if not isinstance(linears[0], GGUFProjection):
-        return PackedLinear.fused(list(linears), stream, encode, once=True) if len(linears) > 1 else PackedLinear(
-            linears[0].weight, linears[0].bias, stream, encode, once=True)
+        return PackedLinear.fused(list(linears), stream, encode, once=True, int8=int8) if len(linears) > 1 else (
+            PackedLinear(linears[0].weight, linears[0].bias, stream, encode, once=True, int8=int8))
     bias = None
     if any(lin.bias is not None for lin in linears):
         bias = torch.cat([lin.bias if lin.bias is not None else torch.zeros(lin.out_features) for lin in linears])
     if stream and all(isinstance(lin.matrix, GGUFMatrix) for lin in linears):
-        return GGUFLinear.fused(linears)
+        return GGUFLinear.fused(linears, int8)
     if all(isinstance(lin.matrix, BlockCodes) for lin in linears):  # fused when loaded: one view, no copy
         return PackedLinear.from_codes(BlockCodes(joined_rows([lin.matrix.codes for lin in linears]),
-                                                  joined_rows([lin.matrix.scales for lin in linears])), bias)
+                                                  joined_rows([lin.matrix.scales for lin in linears])), bias, int8)
     return PackedLinear(torch.cat([lin.weight for lin in linears]), bias, stream, encode, once=True)
 
 
@@ -464,28 +479,47 @@ def head_is_fp32_cpu(model: Any) -> bool:
     return head.weight.dtype == torch.float32 and head.weight.device.type == "cpu"
 
 
-def lm_head(weight: Any, stream: bool, encode: bool) -> tuple["PackedLinear | GGUFLinear", "GreedyHead | None"]:
+def lm_head(weight: Any, stream: bool, encode: bool,
+            int8: bool = False) -> tuple["PackedLinear | GGUFLinear", "GreedyHead | None"]:
     """A target's LM head [V, H] as a lean forward computes it: the product (row padding tuned) and,
     where bf16 products are native and the streamed kernel runs, the ``GreedyHead`` for greedy
     argmaxes (an encoded head streams fewer bytes than a bf16 copy: its exact logits are cheaper).
-    ``weight``: fp32 [V, H], or a GGUF target's head (``GGUFProjection``: streamed from its codes)."""
+    ``weight``: fp32 [V, H], or a GGUF target's head (``GGUFProjection``: streamed from its codes). ``int8``:
+    a head from codes takes int8 activations."""
     if isinstance(weight, GGUFProjection):
         if stream and isinstance(weight.matrix, GGUFMatrix):
-            return GGUFLinear([weight.matrix], weight.bias), None
+            return GGUFLinear([weight.matrix], weight.bias, int8), None
         if isinstance(weight.matrix, BlockCodes):
-            return PackedLinear.from_codes(weight.matrix, weight.bias), None
+            return PackedLinear.from_codes(weight.matrix, weight.bias, int8), None
         weight = weight.weight
-    head = PackedLinear(weight, stream=stream, encode=encode, once=True)
+    head = PackedLinear(weight, stream=stream, encode=encode, once=True, int8=int8)
     head.tune_padding()
     bf16_screen = stream and head.encoded is None and cpu_has_fast_bf16()
     return head, GreedyHead(head) if bf16_screen else None
 
 
 def coded_weights(matrices: Sequence[Any]) -> str:
-    """What ``kernel_choice`` says of products read from codes: block codes' bits, GGUF types."""
+    """What ``kernel_choice`` says of products read from codes: block codes' bits, GGUF types, int8 activations."""
     coded = [lin.encoded.bits for lin in matrices if lin.encoded is not None]
     gguf = [lin.describe() for lin in matrices if isinstance(lin, GGUFLinear)]
-    return (f"block-coded weights {coded}, " if coded else "") + (f"GGUF codes {gguf}, " if gguf else "")
+    int8 = "int8 activations, " if any(lin.int8 for lin in matrices) else ""
+    return (f"block-coded weights {coded}, " if coded else "") + (f"GGUF codes {gguf}, " if gguf else "") + int8
+
+
+def int8_activations_here(int8_activations: bool, stream: bool) -> bool:
+    """Whether a lean forward's products from codes take int8 activations: when asked for; asked for where
+    the compiled kernels' int8 products do not run (``stream``: the forward uses the compiled kernels), an error."""
+    if int8_activations and not (stream and cpu_kernels() is not None and cpu_kernels().int8_activations):
+        raise EagleError("int8 activations need the compiled AVX2 or AVX-512 kernels and a float32 target on the "
+                         "CPU" + ("" if cpu_kernels() is None else f" (these kernels are {cpu_kernels().isa})"))
+    return int8_activations
+
+
+def check_int8_activations(int8_activations: bool, matrices: Sequence[Any]) -> None:
+    """Asking for int8 activations where no product reads codes (they apply only there) is an error."""
+    if int8_activations and not any(lin.int8 for lin in matrices):
+        raise EagleError("int8 activations apply to weights kept as codes (a GGUF target's, or exact block "
+                         "encodings of them); this target has none")
 
 
 class HeadAndCache:
@@ -499,6 +533,11 @@ class HeadAndCache:
 
     def new_cache(self) -> StaticCache:
         return StaticCache(len(self.layers))
+
+    @property
+    def int8_activations(self) -> bool:
+        """Whether its products from codes take int8 activations."""
+        return any(lin.int8 for lin in (self.head, *self.layers[0].matrices()))
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-norm features [N, H] -> the token of each row's largest logit [N]: what
@@ -520,10 +559,12 @@ class LeanDecoder(HeadAndCache):
     """The target's decoder stack + LM head as a few fused operations. Rows of a batch share
     the cache length (left-pad them and mask the padding: ``eagle.decoding.batch``)."""
 
-    def __init__(self, model: Any, kernels: bool = True, encode: bool = True) -> None:
+    def __init__(self, model: Any, kernels: bool = True, encode: bool = True, int8_activations: bool = False) -> None:
         """``kernels``: in fp32 on CPU, the compiled kernels where they run (``eagle.runtime.kernels``: 1-16
         rows streamed, RMSNorm in one pass); ``encode``: with them, weights that are exact block
-        encodings (a dequantized GGUF target's) are streamed from their codes (``eagle.runtime.block_codes``)."""
+        encodings (a dequantized GGUF target's) are streamed from their codes (``eagle.runtime.block_codes``);
+        ``int8_activations``: those products take x quantized to int8 per block of 32, as llama.cpp's do
+        (faster; not the fp32 products' bits, so greedy output can differ from the fp32 forward's)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")
@@ -535,6 +576,7 @@ class LeanDecoder(HeadAndCache):
             lambda gate_up: compiled.silu_mul(gate_up.reshape(-1, gate_up.shape[-1]).contiguous()).view(
                 *gate_up.shape[:-1], -1))
         stream = compiled is not None
+        int8 = int8_activations_here(int8_activations, stream)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -542,20 +584,21 @@ class LeanDecoder(HeadAndCache):
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm, self.norm_eps = inner.norm.weight.detach(), inner.norm.variance_epsilon
-        self.head, self.greedy_head = lm_head(head_weight(model), stream, encode)
+        self.head, self.greedy_head = lm_head(head_weight(model), stream, encode, int8)
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(LayerWeights(
                 input_norm=layer.input_layernorm.weight.detach(), input_eps=layer.input_layernorm.variance_epsilon,
-                qkv=product([attn.q_proj, attn.k_proj, attn.v_proj], stream, encode),
-                o=product([attn.o_proj], stream, encode),
+                qkv=product([attn.q_proj, attn.k_proj, attn.v_proj], stream, encode, int8),
+                o=product([attn.o_proj], stream, encode, int8),
                 post_norm=layer.post_attention_layernorm.weight.detach(),
                 post_eps=layer.post_attention_layernorm.variance_epsilon,
-                gate_up=product([mlp.gate_proj, mlp.up_proj], stream, encode),
-                down=product([mlp.down_proj], stream, encode),
+                gate_up=product([mlp.gate_proj, mlp.up_proj], stream, encode, int8),
+                down=product([mlp.down_proj], stream, encode, int8),
                 q_norm=head_norm(attn, "q_norm"), k_norm=head_norm(attn, "k_norm")))
         linears = [lin for layer in self.layers for lin in layer.matrices()] + [self.head]
+        check_int8_activations(int8, linears)
         tune_kernels(linears)
         # a GGUF target's codes were read into huge pages (``eagle.runtime.gguf_weights``): no copies made here
         self.huge_pages = model.huge_pages if isinstance(model, GGUFModel) else to_huge_pages(linears)

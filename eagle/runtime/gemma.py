@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from eagle.decoding.tree_mask import causal_bias
-from eagle.runtime.decoder import (HeadAndCache, PackedLinear, coded_weights, head_is_fp32_cpu, head_weight, lm_head,
-                                   product, rotate)
+from eagle.runtime.decoder import (HeadAndCache, PackedLinear, check_int8_activations, coded_weights, head_is_fp32_cpu,
+                                   head_weight, int8_activations_here, lm_head, product, rotate)
 from eagle.runtime.gguf_weights import GGUFLinear
 from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_takes, cpu_kernels
 from eagle.runtime.kv_cache import StaticCache
@@ -141,15 +141,17 @@ class GemmaDecoder(HeadAndCache):
     """Gemma-3's decoder stack + tied LM head (the interface of ``LeanDecoder``). Rows of a batch
     share the cache length."""
 
-    def __init__(self, model: Any, kernels: bool = True, encode: bool = True) -> None:
+    def __init__(self, model: Any, kernels: bool = True, encode: bool = True, int8_activations: bool = False) -> None:
         """``kernels``: in fp32 on CPU, the products of 1-16 rows by the compiled streamed kernel where
-        it runs; ``encode``: with it, weights that are exact block encodings are streamed from their codes."""
+        it runs; ``encode``: with it, weights that are exact block encodings are streamed from their codes;
+        ``int8_activations``: as for ``LeanDecoder``."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"GemmaDecoder cannot run this model: {reason}")
         cfg, inner = model.config, model.model
         stream = kernels and head_is_fp32_cpu(model) and cpu_kernels() is not None
         self.argmax_op = cpu_kernels().argmax_rows if stream else None
+        int8 = int8_activations_here(int8_activations, stream)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -164,7 +166,7 @@ class GemmaDecoder(HeadAndCache):
         # each layer type's attention window (None: full attention)
         self.windows = {t: cfg.sliding_window if t == SLIDING else None for t in self.layer_types}
         self.norm = norm_scale(inner.norm)
-        self.head, self.greedy_head = lm_head(head_weight(model), stream, encode)
+        self.head, self.greedy_head = lm_head(head_weight(model), stream, encode, int8)
         self.layers = []
         for layer, layer_type in zip(inner.layers, cfg.layer_types):
             attn, mlp = layer.self_attn, layer.mlp
@@ -173,11 +175,12 @@ class GemmaDecoder(HeadAndCache):
                 k_norm=norm_scale(attn.k_norm), post_attention_norm=norm_scale(layer.post_attention_layernorm),
                 pre_feedforward_norm=norm_scale(layer.pre_feedforward_layernorm),
                 post_feedforward_norm=norm_scale(layer.post_feedforward_layernorm),
-                qkv=product([attn.q_proj, attn.k_proj, attn.v_proj], stream, encode),
-                o=product([attn.o_proj], stream, encode),
-                gate_up=product([mlp.gate_proj, mlp.up_proj], stream, encode),
-                down=product([mlp.down_proj], stream, encode),
+                qkv=product([attn.q_proj, attn.k_proj, attn.v_proj], stream, encode, int8),
+                o=product([attn.o_proj], stream, encode, int8),
+                gate_up=product([mlp.gate_proj, mlp.up_proj], stream, encode, int8),
+                down=product([mlp.down_proj], stream, encode, int8),
                 layer_type=layer_type, window=self.windows[layer_type]))
+        check_int8_activations(int8, [lin for layer in self.layers for lin in layer.matrices()] + [self.head])
         self.stack = None if self.compiled is None else gemma_stack(self.compiled, self.num_heads, self.scale,
                                                                     self.eps, self.layers, self.layer_types)
 

@@ -251,7 +251,9 @@ class GGUFLinear:
     pad_rows: tuple[int, ...] = ()
     plain_rows: frozenset[int] = frozenset()
 
-    def __init__(self, parts: Sequence[GGUFMatrix], bias: torch.Tensor | None = None) -> None:
+    def __init__(self, parts: Sequence[GGUFMatrix], bias: torch.Tensor | None = None, int8: bool = False) -> None:
+        """``int8``: the codes meet x quantized to int8 per block of 32 (``int8_activations``: faster, not
+        the fp32 product's bits)."""
         self.parts = list(parts)
         self.raws = [p.raw for p in self.parts]
         self.types = [p.type_id for p in self.parts]
@@ -262,14 +264,15 @@ class GGUFLinear:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.compiled = cpu_kernels()
         self.weight = None if self.compiled is not None else torch.cat([p.dequantize() for p in self.parts])
+        self.int8 = int8 and self.compiled is not None
 
     @classmethod
-    def fused(cls, projections: Sequence[GGUFProjection]) -> "GGUFLinear":
+    def fused(cls, projections: Sequence[GGUFProjection], int8: bool = False) -> "GGUFLinear":
         """One product for several projections reading the same input (all kept as codes)."""
         bias = None
         if any(p.bias is not None for p in projections):
             bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in projections])
-        return cls([p.matrix for p in projections], bias)
+        return cls([p.matrix for p in projections], bias, int8)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -278,13 +281,13 @@ class GGUFLinear:
         flat = x.reshape(rows, self.in_features).float().contiguous()
         if rows == 0:
             return flat.new_empty(*x.shape[:-1], self.out_features)
-        out = self.compiled.stream_linear_gguf_parts(flat, self.raws, self.types, self.bias)
+        out = self.compiled.stream_linear_gguf_parts(flat, self.raws, self.types, self.bias, self.int8)
         return out.view(*x.shape[:-1], self.out_features)
 
     def kernel_product(self) -> tuple:
         """This product as the compiled ``DecoderStack`` takes it: (no weight, no scales, GGUF parts,
-        their types, bias)."""
-        return None, None, self.raws, self.types, self.bias
+        their types, bias, int8 activations)."""
+        return None, None, self.raws, self.types, self.bias, self.int8
 
     def tune_padding(self, *args: Any, **kwargs: Any) -> tuple[int, ...]:
         return ()

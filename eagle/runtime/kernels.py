@@ -19,7 +19,10 @@ variable ``EAGLE_CPU_KERNELS`` is ``0``. ``EAGLE_CPU_ISA`` picks a lower one (``
 CPU runs as a CPU without AVX-512 would); both are read once per process (to compare, or to rule the
 kernels out when debugging). AVX2 computes AVX-512's bits; the portable path rounds a multiply-add
 twice, so its bits differ from theirs, but on every path a row's result does not depend on the rows
-computed with it. ``eagle.runtime.decoder.PackedLinear`` uses ``stream_linear`` for 1-16 rows,
+computed with it. ``stream_linear_q`` and ``stream_linear_gguf_parts`` take ``int8=True`` (the AVX builds; the
+module's ``int8_activations`` says whether it has them): x quantized to int8 per block of 32 meets the codes in
+integers, as llama.cpp's products do, with other bits than the fp32 product but still row-independent
+(``load_target(..., int8_activations=True)``). ``eagle.runtime.decoder.PackedLinear`` uses ``stream_linear`` for 1-16 rows,
 ``eagle.runtime.decoder.LeanDecoder`` and ``eagle.drafting.drafter.LeanDrafter`` a ``DecoderStack`` (for one sequence
 of 1-16 rows). Built with
 ``-ffp-contract=off``: a product and a sum stay two roundings, as in torch's operations, so the
@@ -46,7 +49,7 @@ StreamOp = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", bool], t
 
 
 ISAS = ("avx512", "avx2", "portable")  # best first
-ISA_FLAGS = {"avx512": ["-mavx512f", "-DEAGLE_ISA_AVX512"],
+ISA_FLAGS = {"avx512": ["-mavx512f", "-mfma", "-mf16c", "-DEAGLE_ISA_AVX512"],
              "avx2": ["-mavx2", "-mfma", "-mf16c", "-DEAGLE_ISA_AVX2"],
              "portable": []}
 ISA_ENV = "EAGLE_CPU_ISA"

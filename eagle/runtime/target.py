@@ -60,6 +60,11 @@ class Target:
         return int(head.out_features) if hasattr(head, "out_features") else head.weight.shape[0]
 
     @property
+    def int8_activations(self) -> bool:
+        """Whether the lean forward's products from codes take int8 activations (``load_target``)."""
+        return self.lean is not None and self.lean.int8_activations
+
+    @property
     def max_context(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
 
@@ -253,12 +258,13 @@ def gguf_metadata_dir(gguf_path: Path, tokenizer: bool = True, header: GGUFHeade
     return out
 
 
-def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None) -> Target:
+def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None, int8_activations: bool = False) -> Target:
     """A GGUF target on the CPU in fp32 whose quantized matrices stay as their GGUF codes, multiplied by the
     compiled kernels (``eagle.runtime.gguf_weights``): memory about the file's size. Refused first when
     eagle cannot run the file (``check_gguf``). ``tokenizer``: instead of the file's own, which is
     ``eagle.runtime.gguf_tokenizer.SentencePieceBPE`` where that serves the file (a Gemma vocabulary
-    without a chat template: a sixth of the memory of transformers' tokenizer), else transformers'."""
+    without a chat template: a sixth of the memory of transformers' tokenizer), else transformers'.
+    ``int8_activations``: see ``load_target``."""
     from transformers import AutoConfig, GenerationConfig
 
     from eagle.runtime.gguf_tokenizer import gguf_tokenizer
@@ -274,7 +280,7 @@ def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None) -> Targe
 
         tokenizer = AutoTokenizer.from_pretrained(meta)
     model = load_gguf_model(gguf_path, config, GenerationConfig.from_pretrained(meta), header)
-    lean = lean_decoder(model)
+    lean = lean_decoder(model, int8_activations)
     if lean is None:
         raise EagleError(f"cannot run GGUF file {gguf_path.name}: its architecture has no lean forward here")
     return Target(model=model, tokenizer=tokenizer, name=name, device=torch.device("cpu"), dtype=torch.float32,
@@ -344,7 +350,8 @@ def _gguf_file(spec: str) -> Path | None:
 
 
 def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device | None = None,
-                dtype: torch.dtype | None = None, lean: bool = True, cuda_graphs: bool | None = None) -> Target:
+                dtype: torch.dtype | None = None, lean: bool = True, cuda_graphs: bool | None = None,
+                int8_activations: bool = False) -> Target:
     """Load a target from a local folder, a cached hub id (never the network), a ``.gguf`` file,
     or the name ``smollm2-135m-instruct``. ``lean``: decode with ``eagle.runtime.decoder.LeanDecoder`` (Llama,
     Qwen2) or ``eagle.runtime.gemma.GemmaDecoder`` (Gemma-3) when the architecture is supported, else
@@ -352,14 +359,22 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
     matrices as their codes (``load_gguf_target``: ``Target.model`` is then a ``GGUFModel``, without a
     transformers forward); otherwise it is converted once to an fp32 transformers model (``lean=False``
     for what needs one: training, feature capture).
-    ``cuda_graphs``: see ``use_cuda_graphs`` (a given ``Target`` gets them too)."""
+    ``cuda_graphs``: see ``use_cuda_graphs`` (a given ``Target`` gets them too). ``int8_activations``: the
+    lean forward multiplies the weights it keeps as codes by activations quantized to int8 per block of 32, as
+    llama.cpp does (CPU, float32, the compiled AVX2 or AVX-512 kernels): faster, and greedy output equals plain
+    decoding's with the same option, but not always the float32 products' (``eagle.runtime.decoder.LeanDecoder``)."""
     if isinstance(spec, Target):
+        if int8_activations and not spec.int8_activations:
+            raise EagleError(f"target {spec.name} was loaded without int8 activations: pass int8_activations to the "
+                             f"call that loads it")
         return use_cuda_graphs(spec, cuda_graphs)
+    if int8_activations and not lean:
+        raise EagleError("int8 activations are an option of the lean forward (lean=True)")
     dev, dt = default_device_dtype(device, dtype)
     gguf_path = _gguf_file(str(spec))
     if gguf_path is not None and lean and not cuda_graphs and dev.type == "cpu" and dt == torch.float32:
         try:
-            return load_gguf_target(gguf_path, str(spec))
+            return load_gguf_target(gguf_path, str(spec), int8_activations=int8_activations)
         except EagleError:
             raise
         except Exception as exc:  # noqa: BLE001 - the GGUF reader raises ValueError, KeyError, struct.error, ...
@@ -381,7 +396,7 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
     model.to(dev).eval()
     model.requires_grad_(False)
     return use_cuda_graphs(Target(model=model, tokenizer=tokenizer, name=str(spec), device=dev, dtype=dt,
-                                  lean=lean_decoder(model) if lean else None), cuda_graphs)
+                                  lean=lean_decoder(model, int8_activations) if lean else None), cuda_graphs)
 
 
 def use_cuda_graphs(target: Target, cuda_graphs: bool | None) -> Target:

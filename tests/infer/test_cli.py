@@ -70,6 +70,7 @@ def test_interactive_chat_keeps_the_history(saved, capsys, monkeypatch):
     (["--lookup-tokens", "-1", "t3"], "lookup_tokens must be >= 0"),
     (["--draw-temperature-scale", "0", "t3"], "draw_temperature_scale must be > 0"),
     (["--draw-support", "-1", "t3"], "draw_support must be >= 0"),
+    (["--int8-activations", "t3"], "int8 activations apply to weights kept as codes"),  # random fp32 weights
     ([], "give a prompt"),
 ])
 def test_generate_errors_are_one_line_and_exit_2(saved, capsys, tmp_path, args, message):

@@ -227,11 +227,20 @@ def test_the_loaded_llama_keeps_codes_and_decodes_with_the_references_bits(llama
     assert torch.allclose(prefill, hf, atol=1e-4, rtol=1e-4)
 
 
+def with_int8_activations(target: Target) -> Target:
+    """The same loaded weights with int8 activations (``lean_decoder(..., int8_activations=True)``)."""
+    return Target(model=target.model, tokenizer=target.tokenizer, name=target.name + "-int8", device=target.device,
+                  dtype=target.dtype, lean=lean_decoder(target.model, int8_activations=True))
+
+
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("pair", ["llama_pair", "gemma_pair", "qwen3_pair"])
-def test_a_tree_row_has_the_bits_of_its_own_sequence(request, pair):
+def test_a_tree_row_has_the_bits_of_its_own_sequence(request, pair, int8):
     """Each node of a tree verified in one forward gets the logits of its own root-to-node sequence, bit for
-    bit (Gemma: a prefix longer than the window of 8, so sliding layers mask part of it)."""
+    bit (Gemma: a prefix longer than the window of 8, so sliding layers mask part of it); with int8 activations
+    too."""
     streamed = request.getfixturevalue(pair)[0]
+    streamed = with_int8_activations(streamed) if int8 else streamed
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 6])
     attn = tree_attention(parents)
     prefix, tokens = [3, 14, 15, 9, 2, 6, 21, 5, 8, 33, 2], [7, 11, 30, 4, 25, 1, 13, 38]
@@ -507,3 +516,56 @@ def test_the_default_targets_conversion_is_transformers_own(tmp_path, monkeypatc
     assert sorted(ours) == sorted(theirs)
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor), name
+
+
+@pytest.mark.parametrize("pair", ["llama_pair", "gemma_pair", "qwen3_pair"])
+def test_int8_activations_run_every_coded_product_and_keep_greedy_decoding_ar(request, pair):
+    """With int8 activations every product from codes (GGUF rows and block codes, the head included) takes x
+    quantized to int8 in the compiled stack: logits within int8's error of the fp32 forward's, not its bits;
+    greedy eagle-tree and pld give ar's tokens (ar with the same option)."""
+    streamed = request.getfixturevalue(pair)[0]
+    int8 = with_int8_activations(streamed)
+    lean = int8.lean
+    assert lean.int8_activations and int8.int8_activations and not streamed.int8_activations
+    assert all(lin.int8 for layer in lean.layers for lin in layer.matrices()) and lean.head.int8
+    assert "int8 activations" in lean.kernel_choice() and lean.stack is not None
+    vocab = streamed.vocab_size
+    ids = [(7 * i + 3) % (vocab - 1) + 1 for i in range(20)]
+    outs = []
+    for target in (streamed, int8):
+        cache = target.new_cache()
+        logits = [target.forward(torch.tensor([ids[:6]]), torch.arange(6)[None], cache).logits[0]]
+        logits += [target.forward(torch.tensor([[ids[t]]]), torch.tensor([[t]]), cache).logits[0] for t in range(6, 20)]
+        outs.append(torch.cat(logits))
+    error = (outs[1] - outs[0]).abs().max() / outs[0].abs().max()
+    assert 0.001 < error < 0.05, error
+    # a batch of two runs torch's layers with the same (Python) products: the compiled stack took int8 too
+    x, pos = torch.tensor([ids[:6]] * 2), torch.arange(6)[None].repeat(2, 1)
+    torch_layers = int8.forward(x, pos, int8.new_cache()).logits[0]
+    assert (torch_layers - outs[1][:6]).abs().max() / outs[0].abs().max() < 1e-5
+    model = EagleModel.from_pretrained(int8, drafter=tiny_drafter(int8), total_tokens=12, depth=4, top_k=3)
+    ids = prompts(1, vocab_size=vocab, seed=8)[0]
+    ar = model.generate(ids, method="ar", max_new_tokens=12).token_ids
+    assert model.generate(ids, method="eagle-tree", max_new_tokens=12).token_ids == ar
+    assert model.generate(ids, method="pld", max_new_tokens=12).token_ids == ar
+
+
+def test_int8_activations_are_refused_where_they_cannot_apply(llama_pair, monkeypatch):
+    """Without weights kept as codes (a transformers model of random fp32 weights), or without the AVX2/AVX-512
+    kernels, asking for int8 activations is an error, not a silent fp32 forward."""
+    from eagle.errors import EagleError
+    from eagle.runtime.target import load_target
+
+    streamed, reference = llama_pair
+    with pytest.raises(EagleError, match="weights kept as codes"):
+        lean_decoder(reference.model, int8_activations=True)
+    with pytest.raises(EagleError, match="loaded without int8 activations"):
+        load_target(streamed, int8_activations=True)
+    monkeypatch.setenv(kernels.ISA_ENV, "portable")
+    kernels.cpu_kernels.cache_clear()
+    try:
+        with pytest.raises(EagleError, match="need the compiled AVX2 or AVX-512 kernels"):
+            lean_decoder(streamed.model, int8_activations=True)
+    finally:
+        monkeypatch.delenv(kernels.ISA_ENV)
+        kernels.cpu_kernels.cache_clear()

@@ -535,3 +535,53 @@ def test_stream_linear_gguf_gives_the_bits_of_the_fp32_kernel_on_the_dequantized
         module.stream_linear_gguf(torch.randn(1, in_features - 32), raw, type_id, None)
     with pytest.raises(RuntimeError, match="is not streamed"):
         module.stream_linear_gguf(torch.randn(1, in_features), raw, 16, None)  # IQ2_XXS
+
+
+def int8_rows_reference(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the int8 products see it: each block of 32 quantized to codes -127..127 with scale
+    max |x| / 127 (codes rounded to the nearest, ties to even), de-quantized (float64)."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv).double() * (amax / 127.0).double()).view_as(x)
+
+
+def int8_products(module, name: str):
+    """(product(x) with int8 activations, product(x) without, the de-quantized weight) for GGUF type ``name`` or
+    block codes (``block4``/``block8``, fp32 or ``-half`` scales) of a random 37 x 512 weight."""
+    from eagle.runtime.block_codes import block_quantize, decode
+
+    if name in GGML_BLOCKS:
+        raw, type_id, weight = random_gguf_rows(name, 37, 512, seed=len(name))
+        return (lambda x: module.stream_linear_gguf(x, raw, type_id, None, int8=True),
+                lambda x: module.stream_linear_gguf(x, raw, type_id, None), weight)
+    bits = 4 if name.startswith("block4") else 8
+    codes = block_quantize(torch.randn(37, 512, generator=torch.Generator().manual_seed(bits)), bits)
+    scales = codes.scales.half() if name.endswith("half") else codes.scales.float()
+    return (lambda x: module.stream_linear_q(x, codes.codes, scales, None, True, True),
+            lambda x: module.stream_linear_q(x, codes.codes, scales, None, True), decode(codes))
+
+
+@pytest.mark.parametrize("name", [*GGML_BLOCKS, "block4", "block4-half", "block8", "block8-half"])
+def test_int8_activations_multiply_the_codes_by_x_quantized_per_block_of_32(name, isa):
+    """Every code type with int8 activations: the float64 product of the de-quantized weight and x as quantized
+    (fp32 rounding only), any number of rows, each row's bits those of that row alone (a tree row gets a plain
+    step's); the fp32 product differs by far more (x's quantization error), so the comparison is not vacuous."""
+    module = module_or_skip()
+    int8, exact, weight = int8_products(module, name)
+    if isa == "portable":
+        with pytest.raises(RuntimeError, match="int8 activations need the AVX2"):
+            int8(torch.randn(1, 512))
+        return
+    gen = torch.Generator().manual_seed(len(name))
+    x = torch.randn(21, 512, generator=gen) * torch.rand(21, 512, generator=gen) * 3
+    got = int8(x)
+    want = int8_rows_reference(x) @ weight.double().T
+    scale = (int8_rows_reference(x).abs() @ weight.double().abs().T)  # the size of each sum's terms
+    assert ((got.double() - want).abs() / scale).max() < 1e-5, name
+    assert ((exact(x).double() - want).abs() / scale).max() > 1e-4, name  # int8's error is measurable
+    for rows in (1, 2, 3, 4, 5, 8, 16, 21):
+        assert torch.equal(int8(x[:rows]), got[:rows]), (name, rows)
+    assert torch.equal(torch.cat([int8(x[i:i + 1]) for i in range(21)]), got), name
+    zero = int8(torch.zeros(2, 512))
+    assert torch.equal(zero, torch.zeros_like(zero)), name

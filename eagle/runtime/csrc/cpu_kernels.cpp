@@ -22,6 +22,9 @@
 //
 // stream_linear_gguf: the same products with W in its GGUF block layouts; 1-4 rows decode each block of codes in
 // registers (the fused path), more rows decode a few rows of W at a time into a buffer that every row meets.
+// With int8 (an option of stream_linear_q and stream_linear_gguf; AVX2 and AVX-512 builds): x quantized to int8 per
+// block of 32 meets the codes in integers, as llama.cpp's dot products do: not the fp32 product's bits, but still
+// a row's bits whatever rows come with it.
 //
 // DecoderStack, GemmaStack: a Llama/Qwen2/Qwen3 or a Gemma-3 target's decoder layers run by one call a forward.
 //
@@ -628,11 +631,17 @@ torch::Tensor stream_linear(const torch::Tensor& x, const torch::Tensor& w, cons
   return out;
 }
 
+namespace {
+void int8_linear_q(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* scales, bool half, int bits,
+                   int64_t N, const float* bias, float* out);
+void check_int8(bool int8, const char* who);
+}  // namespace
+
 // stream_linear_q: stream_linear with W given by its exact block encoding (codes uint8 [N, K / 2] and
 // scales [N, K / 32, 2] for 4 bits, or int8 [N, K] and [N, K / 32, 1] for 8 bits; scales fp32 or fp16):
-// the same outputs, bit for bit.
+// the same outputs, bit for bit. int8: the product with x quantized to int8 instead (any number of rows).
 torch::Tensor stream_linear_q(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                              const c10::optional<torch::Tensor>& bias, bool once) {
+                              const c10::optional<torch::Tensor>& bias, bool once, bool int8) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && (scales.dtype() == torch::kFloat32 || scales.dtype() == torch::kHalf),
               "stream_linear_q: fp32 x, fp32 or fp16 scales");
   TORCH_CHECK(codes.dtype() == torch::kUInt8 || codes.dtype() == torch::kInt8, "stream_linear_q: uint8 or int8 codes");
@@ -651,6 +660,11 @@ torch::Tensor stream_linear_q(const torch::Tensor& x, const torch::Tensor& codes
   const void* sp = scales.data_ptr();
   const bool half = scales.dtype() == torch::kHalf;
   float* op = out.data_ptr<float>();
+  check_int8(int8, "stream_linear_q");
+  if (int8) {
+    if (M > 0) int8_linear_q(xp, M, K, cp, sp, half, bits, N, b, op);
+    return out;
+  }
   if (kPanels && M > kPassRowsQ) {
     if (bits == 4) panels_q<4>(xp, M, K, cp, sp, half, N, b, op, once);
     else panels_q<8>(xp, M, K, cp, sp, half, N, b, op, once);
@@ -918,32 +932,38 @@ inline __m256i bits32(const uint8_t* p) {
 inline V scaled(float d, V c) { return vmul(vset1(d), c); }
 inline V scaled(float d, V c, float m) { return vfma(vset1(d), c, vset1(m)); }
 
-// The 32 weights of W's block s (0-based, 32 weights each) of the unit at p (a block of 32 weights, or a
-// super-block of 256 for the K-quants) as lo (weights 0-15) and hi (16-31).
+// The codes of W's block s (0-based, 32 weights each) of the unit at p (a block of 32 weights, or a super-block
+// of 256 for the K-quants), as 32 bytes c, and their scales: weight l is dl c[l] + ml for l < 16, dh c[l] + mh
+// for the others (the minimum added only for the types of kHasMin; dl == dh but for those of kHalfScales). Codes
+// are signed bytes, non-negative for the types of kUnsigned.
+struct Codes {
+  __m256i c;
+  float dl, dh, ml, mh;
+};
 template <int64_t Type>
-inline void fused_weights(const uint8_t* p, int s, V& lo, V& hi) {
+constexpr bool kHasMin = Type == kQ4_0 || Type == kQ4_1 || Type == kQ5_1 || Type == kQ4_K || Type == kQ5_K ||
+                         Type == kQ2_K;
+template <int64_t Type>
+constexpr bool kHalfScales = Type == kQ2_K || Type == kQ3_K || Type == kQ6_K;
+template <int64_t Type>
+constexpr bool kUnsigned = kHasMin<Type>;
+
+template <int64_t Type>
+inline Codes fused_codes(const uint8_t* p, int s) {
   if constexpr (Type == kQ8_0) {
-    bytes_to_floats(load32(p + 2), lo, hi);
     const float d = half_at(p);
-    lo = scaled(d, lo);
-    hi = scaled(d, hi);
+    return {load32(p + 2), d, d, 0.0f, 0.0f};
   } else if constexpr (Type == kQ4_0 || Type == kQ4_1) {
     const float d = half_at(p), m = Type == kQ4_0 ? -8.0f * d : half_at(p + 2);
-    bytes_to_floats(nibbles16(p + (Type == kQ4_0 ? 2 : 4)), lo, hi);
-    lo = scaled(d, lo, m);
-    hi = scaled(d, hi, m);
+    return {nibbles16(p + (Type == kQ4_0 ? 2 : 4)), d, d, m, m};
   } else if constexpr (Type == kQ5_0) {  // d (c5 - 16): exact, the value decode_row's sums reach
     const __m256i high = _mm256_andnot_si256(bits32(p + 2), _mm256_set1_epi8(static_cast<char>(0xF0)));
-    bytes_to_floats(_mm256_or_si256(nibbles16(p + 6), high), lo, hi);  // c5 - 16 as a signed byte
     const float d = half_at(p);
-    lo = scaled(d, lo);
-    hi = scaled(d, hi);
+    return {_mm256_or_si256(nibbles16(p + 6), high), d, d, 0.0f, 0.0f};  // c5 - 16 as a signed byte
   } else if constexpr (Type == kQ5_1) {  // d c5 + m, one rounding
     const __m256i high = _mm256_and_si256(bits32(p + 4), _mm256_set1_epi8(16));
-    bytes_to_floats(_mm256_or_si256(nibbles16(p + 8), high), lo, hi);
     const float d = half_at(p), m = half_at(p + 2);
-    lo = scaled(d, lo, m);
-    hi = scaled(d, hi, m);
+    return {_mm256_or_si256(nibbles16(p + 8), high), d, d, m, m};
   } else if constexpr (Type == kQ4_K || Type == kQ5_K) {  // dj c - mj, one rounding
     int sc, mn;
     scale_min_k4(s, p + 4, sc, mn);
@@ -955,17 +975,14 @@ inline void fused_weights(const uint8_t* p, int s, V& lo, V& hi) {
       const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(load32(p + 16), bit), bit);
       c = _mm256_or_si256(c, _mm256_and_si256(set, _mm256_set1_epi8(16)));
     }
-    bytes_to_floats(c, lo, hi);
-    lo = scaled(dj, lo, -mj);
-    hi = scaled(dj, hi, -mj);
+    return {c, dj, dj, -mj, -mj};
   } else if constexpr (Type == kQ2_K) {  // block s = 4 h + sh: bits 2 sh of bytes 32 h ..; dl c - ml, one rounding
     const __m256i c = _mm256_and_si256(_mm256_srli_epi16(load32(p + 16 + 32 * (s / 4)), 2 * (s % 4)),
                                        _mm256_set1_epi8(3));
-    bytes_to_floats(c, lo, hi);
     const float d = half_at(p + 80), dmin = half_at(p + 82);
     const uint8_t s0 = p[2 * s], s1 = p[2 * s + 1];
-    lo = scaled(d * static_cast<float>(s0 & 15), lo, -(dmin * static_cast<float>(s0 >> 4)));
-    hi = scaled(d * static_cast<float>(s1 & 15), hi, -(dmin * static_cast<float>(s1 >> 4)));
+    return {c, d * static_cast<float>(s0 & 15), d * static_cast<float>(s1 & 15),
+            -(dmin * static_cast<float>(s0 >> 4)), -(dmin * static_cast<float>(s1 >> 4))};
   } else if constexpr (Type == kQ3_K) {  // block s: 2-bit codes as Q2_K, bit s of hmask byte l; d sc (c - 4 (1 - h))
     const __m256i low = _mm256_and_si256(_mm256_srli_epi16(load32(p + 32 + 32 * (s / 4)), 2 * (s % 4)),
                                          _mm256_set1_epi8(3));
@@ -973,27 +990,37 @@ inline void fused_weights(const uint8_t* p, int s, V& lo, V& hi) {
     const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(load32(p), bit), bit);
     const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_and_si256(set, _mm256_set1_epi8(4))),
                                       _mm256_set1_epi8(4));
-    bytes_to_floats(q, lo, hi);
     const float d = half_at(p + 108);
-    lo = scaled(d * static_cast<float>(scale_q3k(2 * s, p + 96)), lo);
-    hi = scaled(d * static_cast<float>(scale_q3k(2 * s + 1, p + 96)), hi);
+    return {q, d * static_cast<float>(scale_q3k(2 * s, p + 96)), d * static_cast<float>(scale_q3k(2 * s + 1, p + 96)),
+            0.0f, 0.0f};
   } else if constexpr (Type == kIQ4_NL || Type == kIQ4_XS) {  // codes looked up in kIQ4Values by a byte shuffle
     const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
-    bytes_to_floats(_mm256_shuffle_epi8(table, nibbles16(p + (Type == kIQ4_NL ? 2 : 8 + 16 * s))), lo, hi);
     const float dl = Type == kIQ4_XS ? half_at(p) * static_cast<float>(scale_iq4xs(s, p)) : half_at(p);
-    lo = scaled(dl, lo);
-    hi = scaled(dl, hi);
+    return {_mm256_shuffle_epi8(table, nibbles16(p + (Type == kIQ4_NL ? 2 : 8 + 16 * s))), dl, dl, 0.0f, 0.0f};
   } else {  // Q6_K: block s = 4 n + r of the super-block
     const int n = s / 4, r = s % 4;
     const __m256i low = _mm256_and_si256(_mm256_srli_epi16(load32(p + 64 * n + 32 * (r % 2)), 4 * (r / 2)),
                                          _mm256_set1_epi8(15));
     const __m256i high = _mm256_and_si256(_mm256_srli_epi16(load32(p + 128 + 32 * n), 2 * r), _mm256_set1_epi8(3));
     const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
-    bytes_to_floats(q, lo, hi);
     const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
     const float d = half_at(p + 208);
-    lo = scaled(d * static_cast<float>(sc[8 * n + 2 * r]), lo);
-    hi = scaled(d * static_cast<float>(sc[8 * n + 2 * r + 1]), hi);
+    return {q, d * static_cast<float>(sc[8 * n + 2 * r]), d * static_cast<float>(sc[8 * n + 2 * r + 1]), 0.0f, 0.0f};
+  }
+}
+
+// The 32 weights of W's block s of the unit at p as fp32, lo (weights 0-15) and hi (16-31): d c exactly, or
+// d c + m rounded once (one fused multiply-add), the values decode_row gives.
+template <int64_t Type>
+inline void fused_weights(const uint8_t* p, int s, V& lo, V& hi) {
+  const Codes k = fused_codes<Type>(p, s);
+  bytes_to_floats(k.c, lo, hi);
+  if constexpr (kHasMin<Type>) {
+    lo = scaled(k.dl, lo, k.ml);
+    hi = scaled(k.dh, hi, k.mh);
+  } else {
+    lo = scaled(k.dl, lo);
+    hi = scaled(k.dh, hi);
   }
 }
 
@@ -1110,6 +1137,193 @@ void gguf_rows(const float* x, int64_t M, int64_t K, const uint8_t* raw, int64_t
   });
 }
 
+// ---- int8 activations: the products in the integer domain (an option: it changes the numerics) --------------
+// Each row of x is quantized per block of 32 as ggml quantizes activations for its dot products (d = max |x| / 127,
+// codes x / d rounded to the nearest, -127..127). A block's 32 codes meet W's codes in 16- and 32-bit integers
+// (exact), and one fused multiply-add per 8 lanes applies both scales; a minimum's term is its scale times the
+// block half's sum of x's codes (times d). Each output sums its blocks in order with the same operations whatever
+// rows come with it, so a tree row gets a single row's bits. Only in the AVX2 and AVX-512 builds.
+#if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)
+constexpr bool kInt8 = true;
+constexpr int kInt8Rows = 4;      // rows of x one pass over W serves
+constexpr int64_t kInt8Tile = 16;  // rows of W met by every pass before the next ones (the first-level cache holds them)
+
+// x [M, K] quantized: codes q [M, K]; d [M, K / 32], each block's scale; s [M, K / 16], d times the sum of each
+// half block's codes; sb [M, K / 32], d times the sum of each block's.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, s, sb;
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t blocks = M * K / 32;
+  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(blocks), std::vector<float>(2 * blocks),
+                  std::vector<float>(blocks)};
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  auto isum = [](__m256i v) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1)));
+  };
+  for (int64_t i = 0; i < blocks; ++i) {
+    const float* p = x + 32 * i;
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int t = 0; t < 4; ++t) {
+      v[t] = _mm256_loadu_ps(p + 8 * t);
+      amax = _mm256_max_ps(amax, _mm256_and_ps(v[t], magnitude));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float a = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float d = a / 127.0f, inv = a > 0.0f ? 127.0f / a : 0.0f;
+    __m256i q[4];
+    for (int t = 0; t < 4; ++t) q[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], _mm256_set1_ps(inv)));  // ties to even
+    r.d[i] = d;
+    const int lo = isum(_mm256_add_epi32(q[0], q[1])), hi = isum(_mm256_add_epi32(q[2], q[3]));
+    r.s[2 * i] = d * static_cast<float>(lo);
+    r.s[2 * i + 1] = d * static_cast<float>(hi);
+    r.sb[i] = d * static_cast<float>(lo + hi);
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q.data() + 32 * i),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+  return r;
+}
+
+// lanes 0-7 summed in one order: (i + (i + 4)), then (0 + 2) + (1 + 3)
+inline float hsum8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// W's rows as GGUF rows of one type: the codes of row j's block b.
+template <int64_t Type>
+struct GgufCodes {
+  static constexpr bool kMin = kHasMin<Type>, kHalf = kHalfScales<Type>, kPlus = kUnsigned<Type>;
+  static constexpr int kSub = layout_weights(Type) / 32;
+  static constexpr int kEvery = 1;  // blocks per prefetch
+  const uint8_t* raw;
+  int64_t row_bytes, unit_bytes;
+  Codes at(int64_t j, int64_t b) const { return fused_codes<Type>(raw + j * row_bytes + b / kSub * unit_bytes, b % kSub); }
+  const uint8_t* line(int64_t j, int64_t b) const { return raw + j * row_bytes + b * unit_bytes / kSub; }
+};
+
+// W's rows as block codes (eagle.runtime.block_codes): 4 bits, Q4_1's nibbles with (d, m); 8 bits, int8 codes
+// with d; scales fp32 or (Half) fp16.
+template <int Bits, bool Half>
+struct BlockCodesRows {
+  static constexpr bool kMin = Bits == 4, kHalf = false, kPlus = Bits == 4;
+  static constexpr int kEvery = 64 / (32 * Bits / 8);  // blocks per prefetch: a cache line's
+  const uint8_t* codes;
+  const void* scales;
+  int64_t row_bytes, row_scales;
+  float scale(int64_t i) const {
+    if constexpr (Half) return half_at(static_cast<const uint8_t*>(scales) + 2 * i);
+    else return static_cast<const float*>(scales)[i];
+  }
+  Codes at(int64_t j, int64_t b) const {
+    const uint8_t* p = line(j, b);
+    const int64_t i = j * row_scales + b * kScales<Bits>;
+    if constexpr (Bits == 4 && Half) {  // (d, m) converted together
+      int32_t pair;
+      std::memcpy(&pair, static_cast<const uint16_t*>(scales) + i, sizeof pair);
+      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(pair));
+      const float d = _mm_cvtss_f32(dm), m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+      return {nibbles16(p), d, d, m, m};
+    } else {
+      const float d = scale(i), m = Bits == 4 ? scale(i + 1) : 0.0f;
+      return {Bits == 4 ? nibbles16(p) : load32(p), d, d, m, m};
+    }
+  }
+  const uint8_t* line(int64_t j, int64_t b) const { return codes + j * row_bytes + b * 32 * Bits / 8; }
+};
+
+// out[i * ldo + j] for rows row0..row0+M-1 of x (quantized: xq) and rows j0..j1 of W (src).
+template <class Src, int M>
+void int8_block(const Src& src, const QuantizedRows& xq, int64_t K, int64_t row0, const float* bias, float* out,
+                int64_t ldo, int64_t j0, int64_t j1) {
+  const int64_t blocks = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t j = j0; j < j1; ++j) {
+    __m256 acc[M];
+    float mins[M];
+    for (int i = 0; i < M; ++i) {
+      acc[i] = _mm256_setzero_ps();
+      mins[i] = 0.0f;
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      if (b % Src::kEvery == 0) prefetch(src.line(j + kPrefetchRows, b), true);
+      const Codes k = src.at(j, b);
+      const __m256i a = Src::kPlus ? k.c : _mm256_abs_epi8(k.c);
+      for (int i = 0; i < M; ++i) {
+        const int64_t xb = (row0 + i) * blocks + b;
+        __m256i xv = load32(reinterpret_cast<const uint8_t*>(xq.q.data()) + 32 * xb);
+        if constexpr (!Src::kPlus) xv = _mm256_sign_epi8(xv, k.c);
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(a, xv), ones));
+        const float dx = xq.d[xb];
+        const __m256 scale = Src::kHalf ? _mm256_set_m128(_mm_set1_ps(k.dh * dx), _mm_set1_ps(k.dl * dx))
+                                        : _mm256_set1_ps(k.dl * dx);
+        acc[i] = _mm256_fmadd_ps(sums, scale, acc[i]);
+        if constexpr (Src::kMin && Src::kHalf) mins[i] = mins[i] + (k.ml * xq.s[2 * xb] + k.mh * xq.s[2 * xb + 1]);
+        else if constexpr (Src::kMin) mins[i] = mins[i] + k.ml * xq.sb[xb];
+      }
+    }
+    for (int i = 0; i < M; ++i) out[i * ldo + j] = hsum8(acc[i]) + mins[i] + (bias ? bias[j] : 0.0f);
+  }
+}
+
+// out [M, N] (rows ldo apart) = x W^T (+ bias) for any M >= 1, x given quantized: kInt8Rows rows of x a pass.
+template <class Src>
+void int8_rows(const Src& src, const QuantizedRows& xq, int64_t M, int64_t K, int64_t N, const float* bias,
+               float* out, int64_t ldo) {
+  at::parallel_for(0, N, 16, [&](int64_t j0, int64_t j1) {
+    for (int64_t t = j0; t < j1; t += kInt8Tile) {
+      const int64_t t1 = std::min(j1, t + kInt8Tile);
+      for (int64_t r = 0; r < M; r += kInt8Rows) {
+        float* o = out + r * ldo;
+        switch (std::min<int64_t>(kInt8Rows, M - r)) {
+          case 1: int8_block<Src, 1>(src, xq, K, r, bias, o, ldo, t, t1); break;
+          case 2: int8_block<Src, 2>(src, xq, K, r, bias, o, ldo, t, t1); break;
+          case 3: int8_block<Src, 3>(src, xq, K, r, bias, o, ldo, t, t1); break;
+          default: int8_block<Src, 4>(src, xq, K, r, bias, o, ldo, t, t1); break;
+        }
+      }
+    }
+  });
+}
+
+// The int8 product of x [M, K] and block codes (stream_linear_q's arguments) into out [M, N].
+void int8_linear_q(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* scales, bool half, int bits,
+                   int64_t N, const float* bias, float* out) {
+  const QuantizedRows xq = quantize_rows(x, M, K);
+  const int64_t row_bytes = K * bits / 8, row_scales = K / 32 * (bits == 4 ? kScales<4> : kScales<8>);
+  if (bits == 4 && half) int8_rows(BlockCodesRows<4, true>{codes, scales, row_bytes, row_scales}, xq, M, K, N, bias, out, N);
+  else if (bits == 4) int8_rows(BlockCodesRows<4, false>{codes, scales, row_bytes, row_scales}, xq, M, K, N, bias, out, N);
+  else if (half) int8_rows(BlockCodesRows<8, true>{codes, scales, row_bytes, row_scales}, xq, M, K, N, bias, out, N);
+  else int8_rows(BlockCodesRows<8, false>{codes, scales, row_bytes, row_scales}, xq, M, K, N, bias, out, N);
+}
+
+template <int64_t Type>
+void int8_gguf(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* raw, int64_t row_bytes, int64_t N,
+               const float* bias, float* out, int64_t ldo) {
+  int8_rows(GgufCodes<Type>{raw, row_bytes, ggml_layout(Type).bytes}, xq, M, K, N, bias, out, ldo);
+}
+#else
+constexpr bool kInt8 = false;
+struct QuantizedRows {};
+QuantizedRows quantize_rows(const float*, int64_t, int64_t) { return {}; }
+void int8_linear_q(const float*, int64_t, int64_t, const uint8_t*, const void*, bool, int, int64_t, const float*,
+                   float*) {}
+template <int64_t Type>
+void int8_gguf(const QuantizedRows&, int64_t, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*,
+               int64_t) {}
+#endif
+
+void check_int8(bool int8, const char* who) {
+  TORCH_CHECK(!int8 || kInt8, who, ": int8 activations need the AVX2 or AVX-512 kernels (these are ", kIsa, ")");
+}
+
 }  // namespace
 
 // stream_linear_gguf: y = x W^T (+ b) for the rows of x [M, K] with W given as GGUF rows of one or more parts
@@ -1117,7 +1331,8 @@ void gguf_rows(const float* x, int64_t M, int64_t K, const uint8_t* raw, int64_t
 // gate/up whose parts have different types): the bits of stream_linear on the parts de-quantized as gguf-py does
 // and concatenated. bias: [sum N_i] or none.
 torch::Tensor stream_linear_gguf_parts(const torch::Tensor& x, const std::vector<torch::Tensor>& raws,
-                                       const std::vector<int64_t>& types, const c10::optional<torch::Tensor>& bias) {
+                                       const std::vector<int64_t>& types, const c10::optional<torch::Tensor>& bias,
+                                       bool int8) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.device().is_cpu(),
               "stream_linear_gguf: contiguous fp32 CPU x [M, K]");
   TORCH_CHECK(!raws.empty() && raws.size() == types.size(), "stream_linear_gguf: a GGML type per part");
@@ -1137,6 +1352,8 @@ torch::Tensor stream_linear_gguf_parts(const torch::Tensor& x, const std::vector
   auto out = torch::empty({M, total}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  check_int8(int8, "stream_linear_gguf");
+  const QuantizedRows xq = int8 ? quantize_rows(xp, M, K) : QuantizedRows{};  // once for every part
   int64_t col = 0;
   for (size_t i = 0; i < raws.size(); ++i) {
     const uint8_t* rp = raws[i].data_ptr<uint8_t>();
@@ -1145,7 +1362,8 @@ torch::Tensor stream_linear_gguf_parts(const torch::Tensor& x, const std::vector
     switch (types[i]) {
 #define EAGLE_GGML(t) \
   case t:             \
-    gguf_rows<t>(xp, M, K, rp, rb, N, bp, op + col, total); \
+    if (int8) int8_gguf<t>(xq, M, K, rp, rb, N, bp, op + col, total); \
+    else gguf_rows<t>(xp, M, K, rp, rb, N, bp, op + col, total); \
     break;
       EAGLE_GGML(kQ4_0) EAGLE_GGML(kQ4_1) EAGLE_GGML(kQ5_0) EAGLE_GGML(kQ5_1) EAGLE_GGML(kQ8_0) EAGLE_GGML(kQ2_K)
       EAGLE_GGML(kQ3_K) EAGLE_GGML(kQ4_K) EAGLE_GGML(kQ5_K) EAGLE_GGML(kQ6_K) EAGLE_GGML(kIQ4_NL) EAGLE_GGML(kIQ4_XS)
@@ -1158,8 +1376,8 @@ torch::Tensor stream_linear_gguf_parts(const torch::Tensor& x, const std::vector
 
 // stream_linear_gguf: one part (W as its GGUF rows raw uint8 [N, row bytes] of GGML type `type`).
 torch::Tensor stream_linear_gguf(const torch::Tensor& x, const torch::Tensor& raw, int64_t type,
-                                 const c10::optional<torch::Tensor>& bias) {
-  return stream_linear_gguf_parts(x, {raw}, {type}, bias);
+                                 const c10::optional<torch::Tensor>& bias, bool int8) {
+  return stream_linear_gguf_parts(x, {raw}, {type}, bias, int8);
 }
 
 // gguf_dequantize_rows: rows `index` (int64 [n]) of W given as its GGUF rows raw uint8 [N, row bytes] of GGML type
@@ -1193,19 +1411,21 @@ torch::Tensor gguf_dequantize_rows(const torch::Tensor& raw, int64_t type, const
 }
 
 // A product for decoder_layer: W fp32 [N, K], or codes with their scales (stream_linear_q), or GGUF rows of one or
-// more parts (raws and their GGML types, stream_linear_gguf_parts: w unused); and its bias.
+// more parts (raws and their GGML types, stream_linear_gguf_parts: w unused); its bias; and whether codes meet x
+// quantized to int8 (int8 activations).
 struct Product {
   c10::optional<torch::Tensor> w, s;
   std::vector<torch::Tensor> raws;
   std::vector<int64_t> types;
   c10::optional<torch::Tensor> b;
+  bool int8 = false;
 };
 using ProductArgs = std::tuple<c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, std::vector<torch::Tensor>,
-                               std::vector<int64_t>, c10::optional<torch::Tensor>>;
+                               std::vector<int64_t>, c10::optional<torch::Tensor>, bool>;
 
 torch::Tensor linear(const torch::Tensor& x, const Product& p, bool once) {
-  if (!p.raws.empty()) return stream_linear_gguf_parts(x, p.raws, p.types, p.b);
-  return p.s.has_value() ? stream_linear_q(x, *p.w, *p.s, p.b, once) : stream_linear(x, *p.w, p.b, once);
+  if (!p.raws.empty()) return stream_linear_gguf_parts(x, p.raws, p.types, p.b, p.int8);
+  return p.s.has_value() ? stream_linear_q(x, *p.w, *p.s, p.b, once, p.int8) : stream_linear(x, *p.w, p.b, once);
 }
 
 // rms_norm: Llama's RMSNorm in fp32, w * (x * 1 / sqrt(mean(x^2) + eps)) per row of x [..., H], in one
@@ -1526,10 +1746,12 @@ std::array<Product, 4> four_products(const std::vector<ProductArgs>& products, c
   TORCH_CHECK(products.size() == 4, who, ": four products (qkv, o, gate_up, down)");
   std::array<Product, 4> p;
   for (int i = 0; i < 4; ++i) {
-    const auto& [w, s, raws, types, b] = products[i];
+    const auto& [w, s, raws, types, b, int8] = products[i];
     TORCH_CHECK(raws.size() == types.size() && (w.has_value() != !raws.empty()),
                 who, ": a product is a weight or GGUF parts with their types");
-    p[i] = {w, s, raws, types, b};
+    TORCH_CHECK(!int8 || s.has_value() || !raws.empty(), who, ": int8 activations for codes only");
+    check_int8(int8, who);
+    p[i] = {w, s, raws, types, b, int8};
   }
   return p;
 }
@@ -1719,11 +1941,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("bias"), py::arg("once") = false);
   m.attr("stream_rows_q") = kPanels ? int64_t(1) << 40 : kMaxRows;
   m.def("stream_linear_q", &stream_linear_q, "stream_linear with W as exact block codes and scales: the same bits",
-        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("bias"), py::arg("once") = false);
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("bias"), py::arg("once") = false,
+        py::arg("int8") = false);
+  m.attr("int8_activations") = kInt8;
   m.def("stream_linear_gguf", &stream_linear_gguf, "stream_linear with W as its GGUF rows (GGML type): the bits of "
-        "the de-quantized W", py::arg("x"), py::arg("raw"), py::arg("type"), py::arg("bias"));
+        "the de-quantized W", py::arg("x"), py::arg("raw"), py::arg("type"), py::arg("bias"), py::arg("int8") = false);
   m.def("stream_linear_gguf_parts", &stream_linear_gguf_parts, "stream_linear_gguf of several GGUF parts, their "
-        "outputs side by side", py::arg("x"), py::arg("raws"), py::arg("types"), py::arg("bias"));
+        "outputs side by side", py::arg("x"), py::arg("raws"), py::arg("types"), py::arg("bias"),
+        py::arg("int8") = false);
   m.def("gguf_dequantize_rows", &gguf_dequantize_rows, "rows of a GGUF matrix de-quantized to fp32 (as gguf-py)",
         py::arg("raw"), py::arg("type"), py::arg("index"));
   m.def("rms_norm", &rms_norm, "Llama's RMSNorm, fp32, one pass per row");
@@ -1734,7 +1959,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compact_rows", &compact_rows, "copy rows keep[j] of each cache buffer to start + j, for all layers at once");
   py::class_<DecoderStack>(m, "DecoderStack", py::module_local(), "decoder layers run by one call a forward (decoder_layer each)")
       .def(py::init<int64_t, double>(), py::arg("nh"), py::arg("scale"))
-      .def("add", &DecoderStack::add, "append a layer: its norms and four products (w, scales, raws, types, bias)",
+      .def("add", &DecoderStack::add, "append a layer: its norms and four products (w, scales, raws, types, bias, int8)",
            py::arg("input_norm"), py::arg("input_eps"), py::arg("post_norm"), py::arg("post_eps"), py::arg("products"),
            py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none())
       .def("forward", &DecoderStack::forward, "every layer in place on x [q, H]; copies of x after the aux layers",
