@@ -32,10 +32,10 @@ from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels, 
 from eagle.runtime.kv_cache import StaticCache
 from eagle.runtime.huge_pages import huge_page_copies
 from eagle.runtime.block_codes import BlockCodes, block_encode, block_quantize, decode
+from eagle.runtime.gguf_file import LLAMA_FAMILY
 from eagle.runtime.gguf_weights import GGUFLinear, GGUFMatrix, GGUFModel, GGUFProjection, joined_rows
 from eagle.decoding.tree_mask import causal_bias
 
-LEAN_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -421,8 +421,8 @@ def decoder_stack(compiled: Any, num_heads: int, scale: float, layers: Sequence[
 def unsupported_reason(model: Any) -> str | None:
     """Why ``LeanDecoder`` cannot run ``model`` (None when it can)."""
     cfg = model.config
-    if getattr(cfg, "model_type", None) not in LEAN_MODEL_TYPES:
-        return f"model type {getattr(cfg, 'model_type', None)!r} is not one of {LEAN_MODEL_TYPES}"
+    if getattr(cfg, "model_type", None) not in LLAMA_FAMILY:
+        return f"model type {getattr(cfg, 'model_type', None)!r} is not one of {LLAMA_FAMILY}"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"activation {cfg.hidden_act!r} is not silu"
     if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "layer_types", None) and any(

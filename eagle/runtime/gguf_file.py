@@ -18,8 +18,11 @@ from typing import Any
 
 from eagle.errors import EagleError
 
+# the Llama family: transformers model types run by ``eagle.runtime.decoder.LeanDecoder``, and the GGUF architectures
+# of the same names (their weights converted by ``gguf_weights.hf_state_dict``)
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3")
 # GGUF ``general.architecture`` -> the transformers model type eagle's lean forward runs
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+ARCHITECTURES = {**{name: name for name in LLAMA_FAMILY}, "gemma3": "gemma3_text"}
 # GGUF tensor types the loader converts (gguf's de-quantizers; the names of ``gguf.GGMLQuantizationType``)
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                 "IQ4_NL", "IQ4_XS")

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle.runtime.block_codes import BlockCodes, decode
-from eagle.runtime.gguf_file import GGUFHeader, TensorInfo, check_gguf, tensor_storage, KEEP_BLOCKS
+from eagle.runtime.gguf_file import GGUFHeader, LLAMA_FAMILY, TensorInfo, check_gguf, tensor_storage, KEEP_BLOCKS
 from eagle.runtime.huge_pages import Arena
 from eagle.runtime.kernels import cpu_kernels
 
@@ -461,7 +461,7 @@ class Rotary:
         if config.model_type == "gemma3_text":
             return all(params.get(t) is not None and params[t]["rope_type"] in cls.STATIC
                        for t in set(config.layer_types))
-        return config.model_type in ("llama", "qwen2", "qwen3") and params["rope_type"] in cls.STATIC
+        return config.model_type in LLAMA_FAMILY and params["rope_type"] in cls.STATIC
 
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor,
                  layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -551,17 +551,16 @@ def _load(reader: _Reader, path: str | Path, config: Any, generation_config: Any
     return GGUFModel(config, generation_config, inner, head, storage, huge_pages=arena.region is not None)
 
 
-DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # what ``hf_state_dict`` converts
 
 
 def hf_state_dict(path: str | Path, header: GGUFHeader, config: Any) -> dict[str, torch.Tensor]:
-    """The fp32 weights of a GGUF file of ``DENSE_ARCHITECTURES`` by transformers' names, as its own
+    """The fp32 weights of a GGUF file of ``LLAMA_FAMILY`` by transformers' names, as its own
     GGUF reader gives them (gguf-py's de-quantization; a llama file's q and k rows in transformers'
     order) without that reader's parse of the whole metadata (half a minute for a 49k vocabulary).
     No ``lm_head.weight`` where the file ties the head to the embedding. A tensor it does not know
     is a ``ValueError``."""
-    if header.architecture not in DENSE_ARCHITECTURES:
-        raise ValueError(f"hf_state_dict converts {', '.join(DENSE_ARCHITECTURES)} files, not {header.architecture}")
+    if header.architecture not in LLAMA_FAMILY:
+        raise ValueError(f"hf_state_dict converts {', '.join(LLAMA_FAMILY)} files, not {header.architecture}")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     names: dict[str, tuple[str, int | None]] = {"token_embd.weight": ("model.embed_tokens.weight", None),

@@ -20,7 +20,7 @@ from eagle.errors import EagleError
 from eagle.inputs import DEFAULT_TARGET, check_prompt_text, check_spec  # noqa: F401 (names of this module too)
 from eagle.prompts import has_chat_template
 from eagle.runtime.decoder import LeanDecoder, lean_decoder
-from eagle.runtime.gguf_file import GGUFHeader, check_gguf, config_overrides, read_header
+from eagle.runtime.gguf_file import LLAMA_FAMILY, GGUFHeader, check_gguf, config_overrides, read_header
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -297,9 +297,9 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eagle.runtime.gguf_weights import DENSE_ARCHITECTURES, hf_state_dict
+    from eagle.runtime.gguf_weights import hf_state_dict
 
-    if header.architecture in DENSE_ARCHITECTURES:  # the weights read here, the rest from transformers' reader
+    if header.architecture in LLAMA_FAMILY:  # the weights read here, the rest from transformers' reader
         from safetensors.torch import save_file
         from transformers import AutoConfig
 
