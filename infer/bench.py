@@ -14,6 +14,7 @@ work on plain record dicts, without a model."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import functools
@@ -45,13 +46,14 @@ PARTS = ("prefill",) + STEPS  # the time breakdown, as fractions of total time
 
 # ---- input ---------------------------------------------------------------------------------
 DRAFTER_METHODS = ("eagle-tree", "eagle-chain")
+INT8 = "+int8"  # a method's suffix: run on the target loaded with int8 activations (compared in one process)
 
 
 def split_method(name: str) -> tuple[str, str | None]:
     """``"eagle-tree@DIR"`` -> ("eagle-tree", "DIR"): an EAGLE method with another drafter folder than
     ``--drafter`` (to compare drafters in one process; ``@eagle3``: the EAGLE-3 drafter shipped for the
-    target); a plain name -> (name, None)."""
-    method, at, drafter = name.partition("@")
+    target); a plain name -> (name, None). A ``+int8`` suffix (``ar+int8``) is not part of either."""
+    method, at, drafter = name.removesuffix(INT8).partition("@")
     return method, (drafter if at else None)
 
 
@@ -65,6 +67,8 @@ def parse_methods(text: str) -> list[str]:
         method, drafter = split_method(m)
         if drafter is not None and (method not in DRAFTER_METHODS or not drafter):
             raise EagleError(f"{m!r}: only {' and '.join(DRAFTER_METHODS)} take a drafter folder after '@'")
+        if m.endswith(INT8) and method not in METHODS:
+            raise EagleError(f"{m!r}: only eagle's own methods ({', '.join(METHODS)}) run with int8 activations")
     unknown = [m for m in methods if split_method(m)[0] not in BENCH_METHODS]
     if unknown:
         raise EagleError(f"unknown method(s) {', '.join(map(repr, unknown))}; choose from {', '.join(BENCH_METHODS)}")
@@ -243,17 +247,19 @@ def summarize(records: Iterable[dict], greedy: bool = True) -> dict:
     ``identical_to_ar`` says whether every prompt's tokens equal ar's, ``identical_share`` for
     which share of the prompts they do (both None unless greedy and ar ran); ``identical_to_llama_cpp``
     and ``identical_share_llama_cpp`` the same against ``llama.cpp`` (whose numerics differ from ours:
-    the check that llama.cpp's speculative methods are lossless)."""
+    the check that llama.cpp's speculative methods are lossless). A ``+int8`` method is compared with
+    ``ar+int8`` where that ran (the same numerics), else with ``ar``."""
     records = list(records)
     methods = list(dict.fromkeys(r["method"] for r in records))
     references = {name: {r["prompt"]: r["token_ids"] for r in records if r["method"] == name}
-                  for name in ("ar", "llama.cpp")}
+                  for name in ("ar", "ar" + INT8, "llama.cpp")}
     out: dict[str, dict] = {}
     for method in methods:
         mine = [r for r in records if r["method"] == method]
         stats = _rates(mine)
         stats["target_forwards"] = sum(r["target_forwards"] for r in mine)
-        for name, every, share in (("ar", "identical_to_ar", "identical_share"),
+        ar = "ar" + INT8 if method.endswith(INT8) and references["ar" + INT8] else "ar"
+        for name, every, share in ((ar, "identical_to_ar", "identical_share"),
                                    ("llama.cpp", "identical_to_llama_cpp", "identical_share_llama_cpp")):
             tokens = references[name]
             same = [r["token_ids"] == tokens.get(r["prompt"]) for r in mine] if greedy and tokens else None
@@ -375,7 +381,9 @@ def build_parser() -> Parser:
                         help='JSONL: {"prompt": str, "category"?: str} or {"turns": [str, ...], "category": str}')
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help=f"comma list from {', '.join(BENCH_METHODS)} (default {DEFAULT_METHODS}); "
-                             f"eagle-tree@DIR (or eagle-chain@DIR) runs with the drafter in DIR instead of --drafter")
+                             f"eagle-tree@DIR (or eagle-chain@DIR) runs with the drafter in DIR instead of --drafter; "
+                             f"a method with the suffix {INT8} (ar+int8, eagle-tree+int8) runs on the target loaded "
+                             f"again with --int8-activations")
     parser.add_argument("--limit", type=int, help="only the first N prompts")
     parser.add_argument("--per-category", type=int,
                         help="only the first N prompts of each category (every category stays represented)")
@@ -527,12 +535,20 @@ def main(argv: list[str] | None = None) -> None:
             raise EagleError("--plot needs matplotlib: pip install 'eagle[bench]'") from None
     check_model_args(args)
     setup = check_llama_cpp(args, methods)
-    reading = [m for m in methods if not (m == "llama.cpp-eagle3" and args.llama_cpp_draft)]  # its own draft
+    # what each method reads (llama.cpp-eagle3 with a draft of its own: not --drafter; a +int8 method: its own's)
+    reading = [m.removesuffix(INT8) for m in methods if not (m == "llama.cpp-eagle3" and args.llama_cpp_draft)]
     note_ignored_flags(PROG, build_parser(), args, reading, f"with --methods {args.methods}", [
         (("--llama-cpp",), setup is None, f"with --methods {args.methods}"),
         (("--title",), not args.json, "without --json (it titles the JSON report)")])
     model = load_model(args)
-    models = {m: with_drafter(model, split_method(m)[1]) if split_method(m)[1] else model for m in methods}
+    int8 = load_model(argparse.Namespace(**{**vars(args), "int8_activations": True})) if any(
+        m.endswith(INT8) for m in methods) else None
+
+    def model_of(method: str) -> Any:
+        base = int8 if method.endswith(INT8) else model
+        return with_drafter(base, split_method(method)[1]) if split_method(method)[1] else base
+
+    models = {m: model_of(m) for m in methods}
     for method in methods:
         if method != "hf" and method not in llama_cpp.METHODS:
             check_method(models[method], split_method(method)[0])
@@ -548,7 +564,7 @@ def load_test(args: Any, argv: list[str], methods: list[str], prompts: list[dict
     levels = lt.parse_levels(args.concurrency)
     if args.methods == DEFAULT_METHODS:  # not given: the default's methods that eagle-serve serves
         methods = [m for m in methods if m != "hf"]
-    served = [m for m in methods if m not in ("hf",) + llama_cpp.METHODS and "@" not in m]
+    served = [m for m in methods if m not in ("hf",) + llama_cpp.METHODS and "@" not in m and INT8 not in m]
     if served != methods:
         raise EagleError(f"the load test runs methods eagle-serve serves ({', '.join(METHODS)}), not "
                          f"{', '.join(m for m in methods if m not in served)}")
@@ -627,6 +643,9 @@ def run_all(args: Any, argv: list[str], methods: list[str], prompts: list[dict],
     env = [f"{k}={os.environ[k]}" for k in RUN_ENV if os.environ.get(k)]
     command = shlex.join(env + [PROG] + argv)
     info = machine(model)
+    int8 = next((models[m] for m in methods if m.endswith(INT8)), None)
+    if int8 is not None and int8.target.lean is not None:
+        info["kernels" + INT8] = int8.target.lean.kernel_choice()
     if setup:
         info["llama_cpp"] = llama_cpp.version(setup["folder"], setup["binary"]) or str(setup["binary"])
     print(f"$ {command}")

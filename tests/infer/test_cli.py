@@ -286,6 +286,39 @@ def test_bench_compares_drafters_in_one_process(saved, tmp_path, capsys):
     assert data[f"eagle-tree@{other}"]["step_fractions"]["draft"] > 0  # it drafted
 
 
+def test_bench_compares_int8_activations_in_one_process(saved, tmp_path):
+    """``ar+int8`` and ``eagle-tree+int8`` run on the target loaded again with int8 activations (here a target
+    whose weights are exact 4-bit block encodings, as a GGUF file's are): the +int8 methods are compared with
+    ar+int8 (greedy: the same tokens), and the report names both kernel choices."""
+    import shutil
+
+    import torch
+
+    from eagle.runtime.block_codes import block_quantize, decode
+
+    target_dir, drafter_dir = saved
+    coded = tmp_path / "coded"
+    shutil.copytree(target_dir, coded)
+    model = load_target(target_dir, lean=False).model
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.in_features % 32 == 0:
+                module.weight.copy_(decode(block_quantize(module.weight.float(), 4)))
+    model.save_pretrained(coded)
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt": "t3 t4 t5 t3 t4"}, {"prompt": "t7 t8 t9 t7"}])
+    report = tmp_path / "b.json"
+    methods = "ar,ar+int8,eagle-tree+int8"
+    assert bench.main(["--target", str(coded), "--drafter", drafter_dir, "--prompts", prompts, "--methods", methods,
+                       "--max-new-tokens", "16", "--json", str(report), "--warmup", "0"]) == 0
+    report = json.loads(report.read_text())
+    data = report["methods"]
+    assert list(data) == methods.split(",")
+    assert data["eagle-tree+int8"]["identical_to_ar"] is True and data["ar+int8"]["identical_to_ar"] is True
+    assert "int8 activations" in report["machine"]["kernels+int8"]
+    assert "int8 activations" not in report["machine"]["kernels"]
+    assert bench.main(["--target", target_dir, "--prompts", prompts, "--methods", "hf+int8"]) == 2
+
+
 # ---- options a mode does not read ----------------------------------------------------------
 def warnings(err: str, prog: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith(f"{prog}: warning: ")]

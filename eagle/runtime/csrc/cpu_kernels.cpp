@@ -1145,7 +1145,7 @@ void gguf_rows(const float* x, int64_t M, int64_t K, const uint8_t* raw, int64_t
 // rows come with it, so a tree row gets a single row's bits. Only in the AVX2 and AVX-512 builds.
 #if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)
 constexpr bool kInt8 = true;
-constexpr int kInt8Rows = 4;      // rows of x one pass over W serves
+constexpr int kInt8Rows = 8;      // rows of x one pass over W serves
 constexpr int64_t kInt8Tile = 16;  // rows of W met by every pass before the next ones (the first-level cache holds them)
 
 // x [M, K] quantized: codes q [M, K]; d [M, K / 32], each block's scale; s [M, K / 16], d times the sum of each
@@ -1286,7 +1286,11 @@ void int8_rows(const Src& src, const QuantizedRows& xq, int64_t M, int64_t K, in
           case 1: int8_block<Src, 1>(src, xq, K, r, bias, o, ldo, t, t1); break;
           case 2: int8_block<Src, 2>(src, xq, K, r, bias, o, ldo, t, t1); break;
           case 3: int8_block<Src, 3>(src, xq, K, r, bias, o, ldo, t, t1); break;
-          default: int8_block<Src, 4>(src, xq, K, r, bias, o, ldo, t, t1); break;
+          case 4: int8_block<Src, 4>(src, xq, K, r, bias, o, ldo, t, t1); break;
+          case 5: int8_block<Src, 5>(src, xq, K, r, bias, o, ldo, t, t1); break;
+          case 6: int8_block<Src, 6>(src, xq, K, r, bias, o, ldo, t, t1); break;
+          case 7: int8_block<Src, 7>(src, xq, K, r, bias, o, ldo, t, t1); break;
+          default: int8_block<Src, 8>(src, xq, K, r, bias, o, ldo, t, t1); break;
         }
       }
     }
