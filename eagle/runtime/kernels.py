@@ -22,9 +22,9 @@ twice, so its bits differ from theirs, but on every path a row's result does not
 computed with it. ``stream_linear_q`` and ``stream_linear_gguf_parts`` take ``int8=True`` (the AVX builds; the
 module's ``int8_activations`` says whether it has them): x quantized to int8 per block of 32 meets the codes in
 integers, as llama.cpp's products do, with other bits than the fp32 product but still row-independent
-(``load_target(..., int8_activations=True)``). ``eagle.runtime.decoder.PackedLinear`` uses ``stream_linear`` for 1-16 rows,
-``eagle.runtime.decoder.LeanDecoder`` and ``eagle.drafting.drafter.LeanDrafter`` a ``DecoderStack`` (for one sequence
-of 1-16 rows). Built with
+(``load_target(..., int8_activations=True)``). ``eagle.runtime.decoder.PackedLinear`` uses ``stream_linear`` for
+1-16 rows, ``eagle.runtime.decoder.LeanDecoder`` and ``eagle.drafting.drafter.LeanDrafter`` a ``DecoderStack`` (for
+one sequence of 1-16 rows). Built with
 ``-ffp-contract=off``: a product and a sum stay two roundings, as in torch's operations, so the
 rotary embedding gives torch's bits. Inference only: they have no backward."""
 

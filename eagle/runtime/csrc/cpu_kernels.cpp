@@ -633,7 +633,7 @@ torch::Tensor stream_linear(const torch::Tensor& x, const torch::Tensor& w, cons
 
 namespace {
 void int8_linear_q(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* scales, bool half, int bits,
-                   int64_t N, const float* bias, float* out);
+                   int64_t N, const float* bias, float* out, bool once);
 void check_int8(bool int8, const char* who);
 }  // namespace
 
@@ -662,7 +662,7 @@ torch::Tensor stream_linear_q(const torch::Tensor& x, const torch::Tensor& codes
   float* op = out.data_ptr<float>();
   check_int8(int8, "stream_linear_q");
   if (int8) {
-    if (M > 0) int8_linear_q(xp, M, K, cp, sp, half, bits, N, b, op);
+    if (M > 0) int8_linear_q(xp, M, K, cp, sp, half, bits, N, b, op, once);
     return out;
   }
   if (kPanels && M > kPassRowsQ) {
@@ -1146,7 +1146,7 @@ void gguf_rows(const float* x, int64_t M, int64_t K, const uint8_t* raw, int64_t
 #if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)
 constexpr bool kInt8 = true;
 constexpr int kInt8Rows = 8;      // rows of x one pass over W serves
-constexpr int64_t kInt8Tile = 16;  // rows of W met by every pass before the next ones (the first-level cache holds them)
+constexpr int64_t kInt8Tile = 16;  // rows of W met by every pass before the next ones (the L1 cache holds them)
 
 // x [M, K] quantized: codes q [M, K]; d [M, K / 32], each block's scale; s [M, K / 16], d times the sum of each
 // half block's codes; sb [M, K / 32], d times the sum of each block's.
@@ -1205,7 +1205,9 @@ struct GgufCodes {
   static constexpr int kEvery = 1;  // blocks per prefetch
   const uint8_t* raw;
   int64_t row_bytes, unit_bytes;
-  Codes at(int64_t j, int64_t b) const { return fused_codes<Type>(raw + j * row_bytes + b / kSub * unit_bytes, b % kSub); }
+  Codes at(int64_t j, int64_t b) const {
+    return fused_codes<Type>(raw + j * row_bytes + b / kSub * unit_bytes, b % kSub);
+  }
   const uint8_t* line(int64_t j, int64_t b) const { return raw + j * row_bytes + b * unit_bytes / kSub; }
 };
 
@@ -1239,10 +1241,11 @@ struct BlockCodesRows {
   const uint8_t* line(int64_t j, int64_t b) const { return codes + j * row_bytes + b * 32 * Bits / 8; }
 };
 
-// out[i * ldo + j] for rows row0..row0+M-1 of x (quantized: xq) and rows j0..j1 of W (src).
+// out[i * ldo + j] for rows row0..row0+M-1 of x (quantized: xq) and rows j0..j1 of W (src); once: as for
+// prefetch.
 template <class Src, int M>
 void int8_block(const Src& src, const QuantizedRows& xq, int64_t K, int64_t row0, const float* bias, float* out,
-                int64_t ldo, int64_t j0, int64_t j1) {
+                int64_t ldo, int64_t j0, int64_t j1, bool once) {
   const int64_t blocks = K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t j = j0; j < j1; ++j) {
@@ -1253,7 +1256,7 @@ void int8_block(const Src& src, const QuantizedRows& xq, int64_t K, int64_t row0
       mins[i] = 0.0f;
     }
     for (int64_t b = 0; b < blocks; ++b) {
-      if (b % Src::kEvery == 0) prefetch(src.line(j + kPrefetchRows, b), true);
+      if (b % Src::kEvery == 0) prefetch(src.line(j + kPrefetchRows, b), once);
       const Codes k = src.at(j, b);
       const __m256i a = Src::kPlus ? k.c : _mm256_abs_epi8(k.c);
       for (int i = 0; i < M; ++i) {
@@ -1276,21 +1279,21 @@ void int8_block(const Src& src, const QuantizedRows& xq, int64_t K, int64_t row0
 // out [M, N] (rows ldo apart) = x W^T (+ bias) for any M >= 1, x given quantized: kInt8Rows rows of x a pass.
 template <class Src>
 void int8_rows(const Src& src, const QuantizedRows& xq, int64_t M, int64_t K, int64_t N, const float* bias,
-               float* out, int64_t ldo) {
+               float* out, int64_t ldo, bool once) {
   at::parallel_for(0, N, 16, [&](int64_t j0, int64_t j1) {
     for (int64_t t = j0; t < j1; t += kInt8Tile) {
       const int64_t t1 = std::min(j1, t + kInt8Tile);
       for (int64_t r = 0; r < M; r += kInt8Rows) {
         float* o = out + r * ldo;
         switch (std::min<int64_t>(kInt8Rows, M - r)) {
-          case 1: int8_block<Src, 1>(src, xq, K, r, bias, o, ldo, t, t1); break;
-          case 2: int8_block<Src, 2>(src, xq, K, r, bias, o, ldo, t, t1); break;
-          case 3: int8_block<Src, 3>(src, xq, K, r, bias, o, ldo, t, t1); break;
-          case 4: int8_block<Src, 4>(src, xq, K, r, bias, o, ldo, t, t1); break;
-          case 5: int8_block<Src, 5>(src, xq, K, r, bias, o, ldo, t, t1); break;
-          case 6: int8_block<Src, 6>(src, xq, K, r, bias, o, ldo, t, t1); break;
-          case 7: int8_block<Src, 7>(src, xq, K, r, bias, o, ldo, t, t1); break;
-          default: int8_block<Src, 8>(src, xq, K, r, bias, o, ldo, t, t1); break;
+          case 1: int8_block<Src, 1>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
+          case 2: int8_block<Src, 2>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
+          case 3: int8_block<Src, 3>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
+          case 4: int8_block<Src, 4>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
+          case 5: int8_block<Src, 5>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
+          case 6: int8_block<Src, 6>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
+          case 7: int8_block<Src, 7>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
+          default: int8_block<Src, 8>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
         }
       }
     }
@@ -1299,26 +1302,27 @@ void int8_rows(const Src& src, const QuantizedRows& xq, int64_t M, int64_t K, in
 
 // The int8 product of x [M, K] and block codes (stream_linear_q's arguments) into out [M, N].
 void int8_linear_q(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* scales, bool half, int bits,
-                   int64_t N, const float* bias, float* out) {
+                   int64_t N, const float* bias, float* out, bool once) {
   const QuantizedRows xq = quantize_rows(x, M, K);
   const int64_t row_bytes = K * bits / 8, row_scales = K / 32 * (bits == 4 ? kScales<4> : kScales<8>);
-  if (bits == 4 && half) int8_rows(BlockCodesRows<4, true>{codes, scales, row_bytes, row_scales}, xq, M, K, N, bias, out, N);
-  else if (bits == 4) int8_rows(BlockCodesRows<4, false>{codes, scales, row_bytes, row_scales}, xq, M, K, N, bias, out, N);
-  else if (half) int8_rows(BlockCodesRows<8, true>{codes, scales, row_bytes, row_scales}, xq, M, K, N, bias, out, N);
-  else int8_rows(BlockCodesRows<8, false>{codes, scales, row_bytes, row_scales}, xq, M, K, N, bias, out, N);
+  auto run = [&](const auto& src) { int8_rows(src, xq, M, K, N, bias, out, N, once); };
+  if (bits == 4 && half) run(BlockCodesRows<4, true>{codes, scales, row_bytes, row_scales});
+  else if (bits == 4) run(BlockCodesRows<4, false>{codes, scales, row_bytes, row_scales});
+  else if (half) run(BlockCodesRows<8, true>{codes, scales, row_bytes, row_scales});
+  else run(BlockCodesRows<8, false>{codes, scales, row_bytes, row_scales});
 }
 
 template <int64_t Type>
 void int8_gguf(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* raw, int64_t row_bytes, int64_t N,
                const float* bias, float* out, int64_t ldo) {
-  int8_rows(GgufCodes<Type>{raw, row_bytes, ggml_layout(Type).bytes}, xq, M, K, N, bias, out, ldo);
+  int8_rows(GgufCodes<Type>{raw, row_bytes, ggml_layout(Type).bytes}, xq, M, K, N, bias, out, ldo, true);
 }
 #else
 constexpr bool kInt8 = false;
 struct QuantizedRows {};
 QuantizedRows quantize_rows(const float*, int64_t, int64_t) { return {}; }
 void int8_linear_q(const float*, int64_t, int64_t, const uint8_t*, const void*, bool, int, int64_t, const float*,
-                   float*) {}
+                   float*, bool) {}
 template <int64_t Type>
 void int8_gguf(const QuantizedRows&, int64_t, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*,
                int64_t) {}
