@@ -37,7 +37,6 @@ from eagle.runtime.gguf_weights import GGUFLinear, GGUFMatrix, GGUFModel, GGUFPr
 from eagle.decoding.tree_mask import causal_bias
 
 
-
 def cpu_has_fast_bf16() -> bool:
     """Whether oneDNN runs bf16 matrix products natively on this CPU (AVX512-BF16 or AMX)."""
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported")

@@ -551,8 +551,6 @@ def _load(reader: _Reader, path: str | Path, config: Any, generation_config: Any
     return GGUFModel(config, generation_config, inner, head, storage, huge_pages=arena.region is not None)
 
 
-
-
 def hf_state_dict(path: str | Path, header: GGUFHeader, config: Any) -> dict[str, torch.Tensor]:
     """The fp32 weights of a GGUF file of ``LLAMA_FAMILY`` by transformers' names, as its own
     GGUF reader gives them (gguf-py's de-quantization; a llama file's q and k rows in transformers'
