@@ -317,6 +317,14 @@ class EagleModel:
                 draft_model = draft.model
         return cls(tgt, drafter, draft_model, tree, spec, pl, drafter_dtype, drafter_quant, device_rounds)
 
+    def with_tree(self, tree: TreeConfig) -> "EagleModel":
+        """This model with other tree options: the same target, drafter and draft model, and the same
+        inference copies of their weights (made once, whichever of the two uses them first)."""
+        view = EagleModel(self.target, self.drafter, self.draft_model, tree, self.speculative, self.prompt_lookup,
+                          self.drafter_dtype, self.drafter_quant or "none", self.device_rounds)
+        view._packed = self._packed
+        return view
+
     def _method_tree(self, method: str) -> TreeConfig:
         """The tree options ``method`` drafts with (``eagle-chain``: one branch, no lookup)."""
         if method == "eagle-chain":

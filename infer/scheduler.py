@@ -130,12 +130,7 @@ class SerialBackend:
             return self.model
         view = self.views.pop(size, None)
         if view is None:
-            from eagle.engine import EagleModel
-
-            m = self.model
-            view = EagleModel(m.target, m.drafter, m.draft_model, dataclasses.replace(m.tree, total_tokens=size),
-                              m.speculative, m.prompt_lookup, m.drafter_dtype, m.drafter_quant or "none",
-                              m.device_rounds)
+            view = self.model.with_tree(dataclasses.replace(self.model.tree, total_tokens=size))
         self.views[size] = view  # the most recently used last
         while len(self.views) > VIEWS:
             del self.views[next(iter(self.views))]

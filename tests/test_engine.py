@@ -315,3 +315,21 @@ def test_the_drafter_is_quantized_to_8_bits_where_the_compiled_kernels_run(targe
         for ids in prompts(6, seed=4):
             assert model.generate(ids, method="eagle-tree", max_new_tokens=24).token_ids == \
                 model.generate(ids, method="ar", max_new_tokens=24).token_ids
+        lean = proposer.drafter  # where streamed, the codes alone: no fp32 copy of a quantized matrix
+        for linear in [lean.fc, lean.lm_head] + [m for layer in lean.layers for m in layer.matrices()]:
+            if linear is not None and linear.stream_op is not None and linear.in_features % 32 == 0:
+                assert linear.encoded is not None and linear.weight is None and linear.plain_weight is None
+
+
+def test_a_model_with_other_tree_options_shares_the_inference_copies(target, drafter):
+    """``with_tree``: other tree options over the same weights; the drafter's inference copy is made
+    once for both, and each decodes as a model built with those options."""
+    model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=12, depth=4, top_k=3)
+    view = model.with_tree(TreeConfig(total_tokens=6, depth=3, top_k=2))
+    copy = model._proposer("eagle-tree", SamplingConfig(), torch.Generator()).drafter
+    assert view._proposer("eagle-tree", SamplingConfig(), torch.Generator()).drafter is copy
+    alone = EagleModel.from_pretrained(target, drafter=drafter, total_tokens=6, depth=3, top_k=2)
+    for ids in prompts(3, seed=5):
+        out = view.generate(ids, method="eagle-tree", max_new_tokens=16)
+        assert out.token_ids == alone.generate(ids, method="ar", max_new_tokens=16).token_ids
+        assert out.accept_lengths == alone.generate(ids, method="eagle-tree", max_new_tokens=16).accept_lengths

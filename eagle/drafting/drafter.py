@@ -336,23 +336,21 @@ class Drafter(nn.Module):
         layout = checkpoint_formats.detect_format(raw)
         if layout == checkpoint_formats.EAGLE3_LAYOUT:
             cfg, state = checkpoint_formats.load_eagle3_checkpoint(
-                directory, raw, allow_pickle=allow_pickle, shapes=lambda c: cls(c).state_dict(),
+                directory, raw, allow_pickle=allow_pickle, shapes=lambda c: skeleton(cls, c).state_dict(),
                 target_layers=None if target is None else target.model.config.num_hidden_layers,
                 target_embedding=None if target is None else target.model.get_input_embeddings().weight)
-            drafter = cls(cfg)
-            drafter.load_state_dict(state)
+            drafter = load_into_skeleton(skeleton(cls, cfg), state)
         elif layout != FORMAT:
             cfg, state = checkpoint_formats.load_eagle_checkpoint(directory, raw, allow_pickle=allow_pickle,
-                                                     shapes=lambda c: cls(c).state_dict())
-            drafter = cls(cfg)
-            drafter.load_state_dict(state)
+                                                     shapes=lambda c: skeleton(cls, c).state_dict())
+            drafter = load_into_skeleton(skeleton(cls, cfg), state)
         else:
             if not (directory / "model.safetensors").is_file():
                 raise EagleError(f"no drafter weights at {directory}: model.safetensors missing")
-            drafter = cls(DrafterConfig.from_json(directory / "config.json"))
+            drafter = skeleton(cls, DrafterConfig.from_json(directory / "config.json"))
             state = unpack_state(read_safetensors(directory / "model.safetensors"))
             check_state(drafter.state_dict(), state, f"drafter weights {directory / 'model.safetensors'}")
-            drafter.load_state_dict(state)
+            load_into_skeleton(drafter, state)
         if drafter.d2t is not None and not (0 <= int(drafter.d2t.min()) and int(drafter.d2t.max()) < drafter.config.vocab_size):
             raise EagleError(f"drafter at {directory}: its draft-to-target id map d2t holds ids outside "
                              f"0..{drafter.config.vocab_size - 1}")
@@ -392,13 +390,29 @@ class Drafter(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.d2t is None else self.d2t[draft_ids]
 
+def skeleton(cls: type[Drafter], cfg: DrafterConfig) -> Drafter:
+    """A drafter of ``cfg`` whose tensors have no storage (the meta device): its shapes, or a module for
+    ``load_into_skeleton`` to fill without first allocating and initializing weights that are overwritten."""
+    with torch.device("meta"):
+        return cls(cfg)
+
+
+def load_into_skeleton(drafter: Drafter, state: dict[str, torch.Tensor]) -> Drafter:
+    """``drafter`` (a ``skeleton``) holding the tensors of ``state`` themselves, each in the dtype the
+    module gives it (cast where it differs): one copy of the weights in memory while loading, not two
+    (those of a plain safetensors file stay mapped from it, copy-on-write, as safetensors reads them).
+    Keys must match exactly, as in ``load_state_dict``."""
+    reference = drafter.state_dict()
+    drafter.load_state_dict({k: v.to(reference[k].dtype) if k in reference else v for k, v in state.items()},
+                            assign=True)
+    return drafter
 
 
 class LeanDrafter(nn.Module):
     """Inference-only forward of a ``Drafter`` (as ``eagle.runtime.decoder.LeanDecoder`` is for targets): q/k/v
     and gate/up fused into one prepacked matrix each (``PackedLinear``), rotary tables computed
     once, weights cast to ``dtype``. Same ``forward`` as ``Drafter``, and the parts the tree
-    proposer uses (``config``, ``draft_logits``, ``to_target_ids``, ``new_cache``). The tree's
+    proposer uses (``config``, ``device``, ``draft_logits``, ``to_target_ids``, ``new_cache``). The tree's
     drafter calls have ~10 rows, where a call's fixed cost outweighs its arithmetic: in fp32 on
     a CPU where the compiled kernels run (``eagle.runtime.kernels``), a call of one sequence of at most
     16 rows runs its decoder layers in one call (``eagle.runtime.decoder.decoder_stack``), as
@@ -419,13 +433,14 @@ class LeanDrafter(nn.Module):
             raise EagleError(f"a {quant} drafter computes in float32, not {dtype}")
         self.quant = quant
         self.dtype = dtype = torch.float32 if quant else dtype or drafter.fc.weight.dtype
+        self.device = drafter.fc.weight.device
 
         def packed(*linears: nn.Linear) -> PackedLinear:
             bias = None if linears[0].bias is None else torch.cat([lin.bias.detach().to(dtype) for lin in linears])
-            weight = torch.cat([lin.weight.detach().to(dtype) for lin in linears])
-            if quant is not None and weight.shape[1] % BLOCK == 0:
+            if quant is not None and linears[0].in_features % BLOCK == 0:  # quantized as read: no fp32 copy
+                weight = linears[0].weight if len(linears) == 1 else torch.cat([lin.weight.detach() for lin in linears])
                 return PackedLinear.quantized(weight, bias, FORMATS[quant])
-            return PackedLinear(weight, bias, encode=False)
+            return PackedLinear(torch.cat([lin.weight.detach().to(dtype) for lin in linears]), bias, encode=False)
 
         def norm(module: RMSNorm | None) -> torch.Tensor | None:
             return None if module is None else module.weight.detach().to(dtype)
@@ -446,7 +461,7 @@ class LeanDrafter(nn.Module):
         to_huge_pages([self.fc] + [lin for layer in self.layers for lin in layer.matrices()]
                       + ([self.lm_head] if self.lm_head is not None else []))
         self.d2t = drafter.d2t
-        self._cos = self._sin = torch.empty(0, self.config.head_dim, dtype=dtype, device=drafter.fc.weight.device)
+        self._cos = self._sin = torch.empty(0, self.config.head_dim, dtype=dtype, device=self.device)
         on_cpu = drafter.fc.weight.device.type == "cpu"
         fits = dtype == torch.float32 and on_cpu and attention_fits(self.config.head_dim) and not eagle3
         compiled = cpu_kernels() if fits else None  # the compiled stack has no EAGLE-3 attention input

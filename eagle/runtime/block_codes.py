@@ -99,15 +99,26 @@ def block_quantize(weight: torch.Tensor, bits: int) -> BlockCodes:
     if bits not in FORMATS.values() or weight.dim() != 2 or weight.shape[1] % BLOCK:
         raise ValueError(f"block_quantize: bits 8 or 4 and a weight [N, K] with K a multiple of {BLOCK}, "
                          f"got bits {bits} and shape {tuple(weight.shape)}")
-    n = weight.shape[0]
-    blocks = weight.detach().float().reshape(n, -1, BLOCK)
-    if bits == 8:
-        d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
-        return _bytes(torch.round(blocks / torch.where(d == 0, 1.0, d)).clamp(-127, 127), d)
-    low = blocks.amin(-1, keepdim=True)
-    d, m = ((blocks.amax(-1, keepdim=True) - low) / 15).half().float(), low.half().float()
-    codes = torch.round((blocks - m) / torch.where(d == 0, 1.0, d)).clamp(0, 15)
-    return BlockCodes(_nibbles(codes), _pairs(d, m))
+    # a few rows at a time, each part written into the result: the float temporaries stay small beside the
+    # codes (rows are independent, so the parts are the whole weight's)
+    n, k = weight.shape
+    codes = torch.empty(n, k * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8, device=weight.device)
+    d = torch.empty(n, k // BLOCK, 1, device=weight.device)
+    m = torch.empty_like(d) if bits == 4 else None
+    step = max(1, (1 << 18) // max(k, 1))
+    for i in range(0, n, step):
+        blocks = weight[i:i + step].detach().float().reshape(-1, k // BLOCK, BLOCK)
+        if bits == 8:
+            scale = d[i:i + step] = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+            rounded = torch.round(blocks / torch.where(scale == 0, 1.0, scale)).clamp(-127, 127)
+            codes[i:i + step] = rounded.reshape(blocks.shape[0], -1)
+        else:
+            low = blocks.amin(-1, keepdim=True)
+            scale = d[i:i + step] = ((blocks.amax(-1, keepdim=True) - low) / 15).half().float()
+            low = m[i:i + step] = low.half().float()
+            rounded = torch.round((blocks - low) / torch.where(scale == 0, 1.0, scale)).clamp(0, 15)
+            codes[i:i + step] = _nibbles(rounded)
+    return _bytes(codes, d) if bits == 8 else BlockCodes(codes, _pairs(d, m))
 
 
 def _pairs(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

@@ -425,7 +425,7 @@ class GraphedDrafter:
 
         self.inner, self.config, self.dtype = drafter, drafter.config, drafter.dtype
         cfg = drafter.config
-        device = drafter.fc.weight.device
+        device = drafter.device
         capacity = -(-(capacity + buckets[-1]) // 16) * 16
         self.runner = _Runner(GraphCache(cfg.num_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, self.dtype,
                                          device), self.dtype, device, capture, buckets)

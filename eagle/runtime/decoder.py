@@ -114,12 +114,15 @@ class PackedLinear(nn.Module):
         """``weight`` [out, in] rounded to its nearest block encoding (``eagle.runtime.block_codes.block_quantize``,
         lossy: for a drafter, whose precision never changes the output), in fp32: the product of the
         quantized weight, streamed from its codes where the compiled kernels run (1.125 or 0.625
-        bytes a weight against bf16's 2), else computed from the decoded weight."""
-        codes = block_quantize(weight.detach().float(), bits)
-        linear = cls(decode(codes), None if bias is None else bias.detach().float(), encode=False)
-        if linear.stream_op is not None:
-            linear.encoded, linear.plain_weight = codes, None
-        return linear
+        bytes a weight against bf16's 2; no fp32 copy is kept, so more than 16 rows are computed 16 at a time),
+        else computed from the decoded weight."""
+        codes = block_quantize(weight.detach(), bits)
+        bias = None if bias is None else bias.detach().float()
+        if weight.device.type == "cpu" and stream_linear_op() is not None:
+            linear = cls.from_codes(codes, bias)
+            linear.once = False  # a drafter's weights are read again soon: keep them in the caches
+            return linear
+        return cls(decode(codes), bias, encode=False)
 
     @classmethod
     def from_codes(cls, codes: BlockCodes, bias: torch.Tensor | None = None, int8: bool = False) -> "PackedLinear":

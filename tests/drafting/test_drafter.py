@@ -21,6 +21,14 @@ def test_save_and_load_round_trip(tmp_path, target, drafter):
     assert torch.equal(loaded(feats, embeds, pos), drafter(feats, embeds, pos))
     assert loaded.config == drafter.config
     assert not any("embed" in k for k in loaded.state_dict())  # the target's embedding is not stored
+    # read into a skeleton, not copied over random weights: every tensor real, in the module's dtypes
+    half = copy.deepcopy(drafter).to(torch.bfloat16)
+    half.save_pretrained(tmp_path)
+    state = Drafter.from_pretrained(tmp_path).state_dict()
+    assert not any(t.is_meta for t in state.values()) and state.keys() == half.state_dict().keys()
+    assert all(t.dtype == torch.float32 for t in state.values())
+    for name, weight in half.state_dict().items():
+        assert torch.equal(state[name], weight.float()), name
 
 
 def test_drafter_for_another_target_is_refused(tmp_path, drafter):

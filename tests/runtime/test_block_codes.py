@@ -59,6 +59,14 @@ def test_block_quantize_rounds_each_weight_to_its_nearest_code():
         assert not torch.equal(values, weight) and torch.equal(decode(block_encode(values)), values)
         if bits == 8:
             assert codes.codes.abs().amax(-1).eq(127).all()  # each block's largest weight on the grid's end
+    # a weight quantized a few rows at a time (here 128 of 2048): each row as it is alone
+    tall = torch.randn(300, 2048, generator=gen) * torch.logspace(-2, 1, 300)[:, None]
+    for bits in (8, 4):
+        whole = block_quantize(tall, bits)
+        for i in (0, 127, 128, 255, 256, 299):
+            alone = block_quantize(tall[i:i + 1], bits)
+            assert torch.equal(whole.codes[i:i + 1], alone.codes) and torch.equal(whole.scales[i:i + 1].float(),
+                                                                                   alone.scales.float())
     with pytest.raises(ValueError, match="multiple of 32"):
         block_quantize(weight[:, :40], 8)
     with pytest.raises(ValueError, match="bits 8 or 4"):
@@ -78,8 +86,8 @@ def test_a_quantized_linear_computes_its_decoded_weight():
         for rows in (1, 3, 16, 40):
             x = torch.randn(rows, 64, generator=gen)
             torch.testing.assert_close(linear(x), x @ decoded.T + bias, rtol=1e-5, atol=1e-4)
-        if linear.stream_op is not None:
-            assert linear.encoded is not None and linear.plain_weight is None
+        if linear.stream_op is not None:  # the codes alone, whatever the row count: no fp32 copy kept
+            assert linear.encoded is not None and linear.plain_weight is None and linear.weight is None
 
 
 def test_pack_state_stores_q8_codes_and_unpacks_to_their_values():
