@@ -429,6 +429,17 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def peak_memory_mb() -> float | None:
+    """The largest resident memory this process has held so far, in MB (``getrusage``'s maximum RSS: kB on
+    Linux, bytes on macOS), or None where the platform has no ``resource`` module."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2 ** 20 if sys.platform == "darwin" else 2 ** 10), 1)
+
+
 def check_llama_cpp(args: Any, methods: list[str]) -> dict | None:
     """Before anything loads: the build folder, its llama-server, the target's GGUF file and the
     given draft. None when no llama.cpp method runs."""
@@ -665,6 +676,8 @@ def run_all(args: Any, argv: list[str], methods: list[str], prompts: list[dict],
     stats = dict(captured=end["captured"] - start["captured"], fallbacks=end["fallbacks"] - start["fallbacks"],
                  errors=end["errors"][len(start["errors"]):])
     info.update(graph_captures=stats["captured"], graph_fallbacks=stats["fallbacks"])
+    if peak_memory_mb() is not None:  # this process's: every method's model, not llama.cpp's own server
+        info["peak_memory_mb"] = peak_memory_mb()
     print()
     print(markdown(summary), end="", flush=True)
     print(f"graphs: {stats['captured']} captured, {stats['fallbacks']} fell back to eager running", flush=True)

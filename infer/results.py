@@ -35,6 +35,8 @@ def section(report: dict, source: str) -> str:
     if mach.get("graph_captures") or mach.get("graph_fallbacks"):  # eagle-bench's counts (eagle.runtime.cuda_graphs)
         machine += (f"; CUDA graphs: {mach.get('graph_captures', 0)} captured, {mach.get('graph_fallbacks', 0)} "
                     f"fell back to eager running" + (" (NOT the fast path)" if mach.get("graph_fallbacks") else ""))
+    if mach.get("peak_memory_mb"):  # eagle-bench's process (llama.cpp's server runs in its own)
+        machine += f"; peak memory of the process {mach['peak_memory_mb']:.0f} MB"
     temp = cfg.get("temperature", 0)
     lines = [f"## {title}", "", f"`{cmd}`", "",
              f"Machine: {machine}. Date: {mach.get('date', 'not recorded')}. {report.get('prompts')} prompts, "

@@ -59,6 +59,13 @@ def test_a_gpu_section_says_its_graph_captures_and_fallbacks():
     assert "CUDA graphs" not in results.section(report(), "cpu.json")
 
 
+def test_a_section_says_the_peak_memory_of_the_bench_process_where_recorded():
+    cpu = report()
+    assert "peak memory" not in results.section(cpu, "cpu.json")  # reports written before it was recorded
+    cpu["machine"]["peak_memory_mb"] = 707.2
+    assert "; peak memory of the process 707 MB. Date:" in results.section(cpu, "cpu.json")
+
+
 def test_a_load_test_report_renders_its_own_table():
     """``eagle-bench --concurrency --json`` reports (kind "load-test") sit in docs/results/ too."""
     row = {"method": "ar", "concurrency": 4, "requests": 8, "errors": 0, "tokens": 512, "wall_s": 10.0,
