@@ -44,6 +44,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model", help="draft model for method 'sd': a model spec or a draft LM folder, same "
                                          "tokenizer as the target (default: the draft LM shipped for the target, if any)")
     g.add_argument("--device", help="torch device, e.g. cpu or cuda (default: cuda when present)")
+    g.add_argument("--threads", type=int,
+                   help="CPU threads the products run on (torch's intra-op threads; default: torch's, one per "
+                        "physical core); eagle-bench gives llama.cpp as many")
     g.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="what the target computes in (default auto: bfloat16 on CUDA, float32 on a CPU); greedy "
                         "output equals plain decoding's token for token in float32, while in 16-bit formats a "
@@ -177,6 +180,12 @@ def check_model_args(args: argparse.Namespace) -> None:
     if args.draft_model is not None and not is_draft_lm(args.draft_model):
         check_spec(args.draft_model)
     check_device(args.device)
+    check_threads(args.threads)
+
+
+def check_threads(threads: int | None) -> None:
+    if threads is not None and threads < 1:
+        raise EagleError(f"--threads must be >= 1, got {threads}")
 
 
 def load_model(args: argparse.Namespace) -> Any:
@@ -186,9 +195,12 @@ def load_model(args: argparse.Namespace) -> Any:
     from eagle.engine import EagleModel
 
     check_device(args.device)
+    check_threads(args.threads)
     hf_logging.disable_progress_bar()  # keep stderr for our own lines
     import torch
 
+    if args.threads is not None:  # before loading: kernel choices and tree-size cost curves are per thread count
+        torch.set_num_threads(args.threads)
     drafter_dtype = None if args.drafter_dtype == "auto" else getattr(torch, args.drafter_dtype)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     return EagleModel.from_pretrained(

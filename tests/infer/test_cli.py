@@ -44,6 +44,30 @@ def test_generate_streams_text_and_one_stats_line(saved, capsys):
     assert ar_out == out  # greedy: the same text
 
 
+def test_threads_set_the_products_threads_before_the_model_loads(saved, capsys, monkeypatch):
+    """``--threads N``: torch's intra-op threads, set before anything loads (the kernels' row-count choices
+    and the tree-size cost curves are measured per thread count); the same text."""
+    import torch
+
+    loaded_with = []
+    original = EagleModel.from_pretrained
+
+    def spy(*args, **kwargs):
+        loaded_with.append(torch.get_num_threads())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(EagleModel, "from_pretrained", spy)
+    before = torch.get_num_threads()
+    assert cli.main(["--target", saved[0], "--max-new-tokens", "8", "t3 t4 t5"]) == 0
+    out, _ = capsys.readouterr()
+    try:
+        assert cli.main(["--target", saved[0], "--threads", "1", "--max-new-tokens", "8", "t3 t4 t5"]) == 0
+        assert torch.get_num_threads() == 1 and loaded_with == [before, 1]
+    finally:
+        torch.set_num_threads(before)
+    assert capsys.readouterr()[0] == out
+
+
 def test_interactive_chat_keeps_the_history(saved, capsys, monkeypatch):
     seen = []
     original = EagleModel.generate
@@ -71,6 +95,7 @@ def test_interactive_chat_keeps_the_history(saved, capsys, monkeypatch):
     (["--draw-temperature-scale", "0", "t3"], "draw_temperature_scale must be > 0"),
     (["--draw-support", "-1", "t3"], "draw_support must be >= 0"),
     (["--int8-activations", "t3"], "int8 activations apply to weights kept as codes"),  # random fp32 weights
+    (["--threads", "0", "t3"], "--threads must be >= 1, got 0"),
     ([], "give a prompt"),
 ])
 def test_generate_errors_are_one_line_and_exit_2(saved, capsys, tmp_path, args, message):
@@ -176,6 +201,7 @@ def test_bench_reports_graph_captures_and_fallbacks(saved, tmp_path, capsys, fai
     data = json.loads(report.read_text())
     machine = data["machine"]
     assert (machine["graph_fallbacks"] > 0) == fails and (machine["graph_captures"] > 0) != fails
+    assert 50 < machine["peak_memory_mb"] < 100_000  # this process's largest resident memory, in MB
     for name in ("ar", "eagle-tree"):
         assert (data["methods"][name]["graph_fallbacks"] > 0) == fails
     assert ("FELL BACK" in out and "FELL BACK" in err) == fails
