@@ -7,7 +7,8 @@ the longer left part; spaces become "▁" (no prefix space); tokens of spaces on
 control tokens (type 3) and user-defined tokens (type 4) are matched whole in the text first. For the
 262,144-token Gemma-3 vocabulary that object holds about 320 MB (514,906 merges). ``SentencePieceBPE``
 tokenizes and detokenizes identically with the vocabulary alone (a merge's rank is computed from the two
-tokens when it is needed), in about 50 MB. ``gguf_tokenizer`` gives it for a file it serves, else None.
+tokens when it is needed), in about 50 MB, and renders the file's chat template as transformers does (its own
+Jinja renderer, the same variables). ``gguf_tokenizer`` gives it for a file it serves, else None.
 """
 
 from __future__ import annotations
@@ -34,14 +35,13 @@ def gemma_spelling(tokens: Sequence[str]) -> list[str]:
 class SentencePieceBPE:
     """Gemma's tokenizer over ``tokens`` (the file's spelling) and their GGUF ``token_types``, with the
     interface eagle uses of a transformers tokenizer: ``tok(text)["input_ids"]``, ``encode``,
-    ``decode(ids, skip_special_tokens)``, ``get_vocab``, ``convert_ids_to_tokens``, the special token ids,
-    ``chat_template`` (None: a file with a chat template gets transformers' tokenizer)."""
-
-    chat_template = None
+    ``decode(ids, skip_special_tokens)``, ``get_vocab``, ``convert_ids_to_tokens``, the special token ids and
+    strings, ``chat_template`` (the file's, or None) and ``apply_chat_template``."""
 
     def __init__(self, tokens: Sequence[str], token_types: Sequence[int], bos_token_id: int | None,
                  eos_token_id: int | None, unk_token_id: int | None, pad_token_id: int | None,
-                 add_bos: bool = True, add_eos: bool = False) -> None:
+                 add_bos: bool = True, add_eos: bool = False, chat_template: str | None = None) -> None:
+        self.chat_template = chat_template
         self.tokens = gemma_spelling(tokens)
         self.vocab = {t: i for i, t in enumerate(self.tokens)}  # a repeated token: its last id, as transformers
         self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
@@ -65,6 +65,28 @@ class SentencePieceBPE:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """The special tokens' strings by role (``bos_token``, ...), as the chat template sees them."""
+        return {name: token for name, token in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
+                                                 ("unk_token", self.unk_token), ("pad_token", self.pad_token))
+                if token is not None}
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = True,
+                            **kwargs: Any) -> list[int] | str:
+        """The conversation rendered by the file's chat template with transformers' renderer and variables
+        (``render_jinja_template``: the messages, ``add_generation_prompt``, the special tokens, ``kwargs``),
+        then, with ``tokenize``, its ids without special tokens added: what
+        ``PreTrainedTokenizerBase.apply_chat_template`` gives."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        rendered, _ = render_jinja_template([messages], chat_template=self.chat_template,
+                                            add_generation_prompt=add_generation_prompt,
+                                            **{**self.special_tokens_map, **kwargs})
+        return self.encode(rendered[0], add_special_tokens=False) if tokenize else rendered[0]
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         return {"input_ids": self.encode(text, add_special_tokens)}
@@ -194,10 +216,9 @@ def _bytes_text(data: bytearray) -> str:
 
 
 def serves(meta: dict) -> bool:
-    """Whether ``SentencePieceBPE`` serves a GGUF file of this metadata: a Gemma SentencePiece vocabulary
-    without a chat template (whose rendering stays transformers')."""
+    """Whether ``SentencePieceBPE`` serves a GGUF file of this metadata: a Gemma SentencePiece vocabulary."""
     return (meta.get("general.architecture") in GEMMA_ARCHITECTURES and meta.get("tokenizer.ggml.model") == "llama"
-            and "tokenizer.chat_template" not in meta and all(key in meta for key in _ARRAYS))
+            and all(key in meta for key in _ARRAYS))
 
 
 def gguf_tokenizer(path: str | Path, header: Any = None) -> SentencePieceBPE | None:
@@ -216,7 +237,8 @@ def gguf_tokenizer(path: str | Path, header: Any = None) -> SentencePieceBPE | N
     ids = {name: meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("bos", "eos", "unknown", "padding")}
     tokenizer = SentencePieceBPE(tokens, types, ids["bos"], ids["eos"], ids["unknown"], ids["padding"],
                                  add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
-                                 add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+                                 add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+                                 chat_template=meta.get("tokenizer.chat_template") or None)
     if len(tokenizer.special) != sum(1 for kind in types if kind == CONTROL):
         return None  # a control token spelled otherwise in the vocabulary: transformers adds it with a new id
     return tokenizer

@@ -262,8 +262,8 @@ def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None, int8_act
     """A GGUF target on the CPU in fp32 whose quantized matrices stay as their GGUF codes, multiplied by the
     compiled kernels (``eagle.runtime.gguf_weights``): memory about the file's size. Refused first when
     eagle cannot run the file (``check_gguf``). ``tokenizer``: instead of the file's own, which is
-    ``eagle.runtime.gguf_tokenizer.SentencePieceBPE`` where that serves the file (a Gemma vocabulary
-    without a chat template: a sixth of the memory of transformers' tokenizer), else transformers'.
+    ``eagle.runtime.gguf_tokenizer.SentencePieceBPE`` where that serves the file (a Gemma vocabulary, with its
+    chat template if it has one: a sixth of the memory of transformers' tokenizer), else transformers'.
     ``int8_activations``: see ``load_target``."""
     from transformers import AutoConfig, GenerationConfig
 

@@ -125,13 +125,66 @@ def test_merges_over_a_two_letter_alphabet_apply_in_transformers_order(tmp_path)
 
 
 def test_files_it_does_not_serve_get_transformers_tokenizer(tmp_path):
-    """A vocabulary of another architecture, or one with a chat template (rendered by transformers),
-    gets no lean tokenizer."""
+    """A vocabulary of another architecture gets no lean tokenizer."""
     tokens, types = tiny_vocabulary()
     assert gguf_tokenizer(write_tokenizer_gguf(tmp_path / "g.gguf", tokens, types)) is not None
-    assert gguf_tokenizer(write_tokenizer_gguf(tmp_path / "l.gguf", tokens, types, arch="llama")) is None
-    templated = write_tokenizer_gguf(tmp_path / "c.gguf", tokens, types, chat_template="{{ messages[0]['content'] }}")
-    assert gguf_tokenizer(templated) is None and gguf_tokenizer(templated, read_header(templated)) is None
+    llama = write_tokenizer_gguf(tmp_path / "l.gguf", tokens, types, arch="llama")
+    assert gguf_tokenizer(llama) is None and gguf_tokenizer(llama, read_header(llama)) is None
+
+
+# Gemma's turn markup, whitespace control, a system turn folded into the first user turn, roles that must
+# alternate (raise_exception), loop variables and filters: what an instruction-tuned Gemma file's template uses
+GEMMA_LIKE_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- set prefix = messages[0]['content'] + '\\n\\n' -%}{%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}{%- set prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}\n"
+    "    {%- endif -%}\n"
+    "    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}\n"
+    "    {{ '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') }}\n"
+    "    {{ message['content'] | trim }}\n"
+    "    {{ '<end_of_turn>\\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}\n")
+
+
+def test_a_chat_template_is_rendered_and_tokenized_as_transformers_does(tmp_path):
+    """A file with a chat template keeps the lean tokenizer: every conversation rendered (with and without the
+    generation prompt) to transformers' text and ids; a template's own error is raised as there."""
+    from transformers import AutoTokenizer
+
+    tokens, types = tiny_vocabulary()
+    path = write_tokenizer_gguf(tmp_path / "it.gguf", tokens, types, chat_template=GEMMA_LIKE_TEMPLATE)
+    reference, lean = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name), gguf_tokenizer(path)
+    assert isinstance(lean, SentencePieceBPE) and lean.chat_template == reference.chat_template
+    assert gguf_tokenizer(path, read_header(path)) is not None
+    rng = random.Random(4)
+    words = ALPHABET + [" ", "  ", "\n", "é€", "<start_of_turn>", "<bos>", "😀"]
+
+    def text() -> str:
+        return "".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
+
+    chats = [[{"role": "user", "content": "abc"}],
+             [{"role": "system", "content": "be brief"}, {"role": "user", "content": " a b "}]]
+    for _ in range(40):
+        turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": text()}
+                 for i in range(2 * rng.randint(0, 2) + 1)]
+        chats.append(([{"role": "system", "content": text()}] if rng.random() < 0.3 else []) + turns)
+    for chat in chats:
+        for prompt in (True, False):
+            assert lean.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=False) == \
+                reference.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=False), chat
+            expected = reference.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=True)
+            expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+            assert lean.apply_chat_template(chat, add_generation_prompt=prompt) == list(expected), chat
+    wrong = [{"role": "assistant", "content": "a"}]
+    with pytest.raises(Exception, match="roles must alternate") as theirs:
+        reference.apply_chat_template(wrong)
+    with pytest.raises(theirs.type, match="roles must alternate"):
+        lean.apply_chat_template(wrong)
 
 
 def varied_texts(seed: int = 0, n: int = 300) -> list[str]:
