@@ -676,8 +676,9 @@ def run_all(args: Any, argv: list[str], methods: list[str], prompts: list[dict],
     stats = dict(captured=end["captured"] - start["captured"], fallbacks=end["fallbacks"] - start["fallbacks"],
                  errors=end["errors"][len(start["errors"]):])
     info.update(graph_captures=stats["captured"], graph_fallbacks=stats["fallbacks"])
-    if peak_memory_mb() is not None:  # this process's: every method's model, not llama.cpp's own server
-        info["peak_memory_mb"] = peak_memory_mb()
+    peak = peak_memory_mb()  # this process's: every method's model, not llama.cpp's own server
+    if peak is not None:
+        info["peak_memory_mb"] = peak
     print()
     print(markdown(summary), end="", flush=True)
     print(f"graphs: {stats['captured']} captured, {stats['fallbacks']} fell back to eager running", flush=True)
