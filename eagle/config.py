@@ -254,13 +254,18 @@ class SpeculativeConfig:
 @dataclasses.dataclass(frozen=True)
 class PromptLookupConfig:
     """Prompt lookup decoding (method ``pld``): match the last n-gram in the context and
-    propose the tokens that followed its most recent earlier occurrence."""
+    propose the tokens that followed its most recent earlier occurrence, at most
+    ``num_draft_tokens`` of them. ``auto_length``: only as many as are expected to pay for the rows
+    they add to the target's forward, from its measured cost and how often the target agreed
+    with lookup drafts so far (``eagle.decoding.proposers.PromptLookup``); off: all of them."""
 
     max_ngram: int = 3
     min_ngram: int = 1
     num_draft_tokens: int = 8
+    auto_length: bool = True
 
     def __post_init__(self) -> None:
+        check_bool("auto_length", self.auto_length)
         for name in ("max_ngram", "min_ngram", "num_draft_tokens"):
             check_int(name, getattr(self, name))
         if not 1 <= self.min_ngram <= self.max_ngram:

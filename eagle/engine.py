@@ -242,8 +242,8 @@ class EagleModel:
             check_bool("device_rounds", device_rounds)
         self.device_rounds = target.device.type == "cuda" if device_rounds is None else device_rounds
         self._packed: dict[tuple[int, torch.dtype, str | None], tuple[Any, Any]] = {}
-        # what "auto" tree sizing has learned in this model's decoding so far, greedy and sampled (by greedy)
-        self._sizing: dict[bool, Sizing] = {}
+        # what sizing by cost has learned in this model's decoding so far, per kind of round, greedy and sampled
+        self._sizing: dict[tuple[str, bool], Sizing] = {}
 
     def _inference_copy(self, module: Any, dtype: torch.dtype, quant: str | None = None) -> Any:
         """An inference copy in ``dtype`` (a drafter: or quantized to ``quant``), made on first use
@@ -325,6 +325,17 @@ class EagleModel:
         view._packed = self._packed
         return view
 
+    def _cost_sizing(self, kind: str, sampling: SamplingConfig) -> Sizing:
+        """What sizing ``kind``'s rounds ("eagle" trees, "pld" chains) by cost has learned in this model's
+        decoding so far, greedy or sampled; new for a cost curve measured anew."""
+        from eagle.decoding.tree_sizing import cost_curve
+
+        cost = cost_curve(self.target, greedy=sampling.greedy)
+        sizing = self._sizing.get((kind, sampling.greedy))
+        if sizing is None or sizing.curve != cost:
+            sizing = self._sizing[kind, sampling.greedy] = Sizing(cost)
+        return sizing
+
     def _method_tree(self, method: str) -> TreeConfig:
         """The tree options ``method`` drafts with (``eagle-chain``: one branch, no lookup)."""
         if method == "eagle-chain":
@@ -356,7 +367,8 @@ class EagleModel:
         if method == "ar":
             return NoDraft(device)
         if method == "pld":
-            return PromptLookup(self.prompt_lookup, device)
+            sized = self.prompt_lookup.auto_length and fixed_total is None
+            return PromptLookup(self.prompt_lookup, device, self._cost_sizing(method, sampling) if sized else None)
         if method == "sd":
             if self.draft_model is None:
                 raise EagleError("method 'sd' needs a draft model: pass draft_model=... (--draft-model)")
@@ -369,14 +381,7 @@ class EagleModel:
             tree = self._method_tree(method)
             if fixed_total is not None and tree.total_tokens == "auto":
                 tree = dataclasses.replace(tree, total_tokens=fixed_total)
-            sizing = None
-            if tree.total_tokens == "auto":
-                from eagle.decoding.tree_sizing import cost_curve
-
-                cost = cost_curve(self.target, greedy=sampling.greedy)
-                sizing = self._sizing.get(sampling.greedy)
-                if sizing is None or sizing.curve != cost:  # a curve measured anew starts afresh
-                    sizing = self._sizing[sampling.greedy] = Sizing(cost)
+            sizing = self._cost_sizing("eagle", sampling) if tree.total_tokens == "auto" else None
             return EagleDrafter(self._inference_copy(self.drafter, self.drafter_dtype, self.drafter_quant), self.target,
                                 tree, lookup=self.prompt_lookup, sampling=sampling, generator=generator, sizing=sizing)
         raise EagleError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")

@@ -168,13 +168,33 @@ class LookupRates:
 
 
 class PromptLookup(Proposer):
-    def __init__(self, cfg: PromptLookupConfig, device: torch.device) -> None:
-        self.cfg, self.device = cfg, device
+    """Prompt lookup decoding: the tokens that followed the most recent earlier occurrence of the context's
+    last n-gram. With ``sizing`` (``PromptLookupConfig.auto_length``), only as many of them as pay for the
+    rows they add: the chain length with the most expected tokens per second (``choose_tree_size``), each
+    draft as likely as the target's agreement with such drafts so far (``LookupRates``: past output only,
+    so decoding stays lossless) and each length as dear as a round of it has cost (``Sizing``)."""
+
+    def __init__(self, cfg: PromptLookupConfig, device: torch.device, sizing: Sizing | None = None) -> None:
+        self.cfg, self.device, self.sizing = cfg, device, sizing
+        self.rates = LookupRates(cfg.max_ngram)
+        self.match: LookupMatch | None = None
+        self.proposed: tuple[int, float] | None = None  # (chain size, when proposed), for ``sizing``
 
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         limit = min(self.cfg.num_draft_tokens, max_depth, max_nodes - 1)
-        draft = prompt_lookup(ids, self.cfg, limit).tokens
+        self.match = prompt_lookup(ids, self.cfg, limit)
+        draft = self.match.tokens
+        if self.sizing is not None and draft:
+            draft = draft[:choose_tree_size(self.rates.scores(self.match), self.sizing.costs, 0.0).size - 1]
+        self.proposed = (len(draft) + 1, time.perf_counter())
         return Proposal(chain_tree(ids[-1], torch.tensor(draft, dtype=torch.long, device=self.device)))
+
+    def commit(self, ids: list[int], path: list[int], features: torch.Tensor | None) -> None:
+        if self.sizing is not None and self.proposed is not None:
+            size, made = self.proposed
+            self.sizing.record_round(size, time.perf_counter() - made)
+        if self.match is not None and self.match.tokens:  # every draft the target's output can judge, verified or not
+            self.rates.update(self.match, ids[len(ids) - len(path) - 1:])
 
 
 class DraftModel(Proposer):

@@ -312,9 +312,9 @@ def test_auto_sizing_keeps_what_it_learns_across_generations(target, drafter, mo
 
     monkeypatch.setattr(proposers.EagleDrafter, "propose", recorded)
     out = model.generate([5, 6, 7, 8], method="eagle-tree", max_new_tokens=12)
-    sizing = model._sizing[True]
+    sizing = model._sizing["eagle", True]
     assert set(sizing.round_seconds) and set(sizing.round_seconds) <= {tree.size for tree in trees}
-    assert False not in model._sizing or not model._sizing[False].round_seconds
+    assert ("eagle", False) not in model._sizing or not model._sizing["eagle", False].round_seconds
     assert all(0 < seconds < 1.0 for seconds in sizing.round_seconds.values())  # far below the curve's second a round
     assert sizing.costs[0] < 1.0 and sizing.costs[-1] < curve.per_token[-1]
     # the last round ends the generation: it is never committed
@@ -322,6 +322,54 @@ def test_auto_sizing_keeps_what_it_learns_across_generations(target, drafter, mo
     assert sum(sizing.predicted) == pytest.approx(sum(float(t.scores[1:].exp().sum()) for t in trees[:-1]))
     assert sizing.predicted[0] == pytest.approx(sum(float(t.scores[1:].exp().max()) for t in trees[:-1] if t.size > 1))
     assert model._proposer("eagle-tree", SamplingConfig(), None).sizing is sizing
+
+
+def test_prompt_lookup_verifies_the_drafts_that_pay_for_their_rows(target, monkeypatch):
+    """``pld`` (``auto_length``): each round's chain is the length with the most expected tokens per
+    second, by the brute-force ratio (1 + the drafts' summed agreement rates) / cost, with the rates
+    the target's output gave so far, every draft it could judge counted; a forward whose extra rows
+    cost nothing keeps every looked-up draft, one where they cost 100 s keeps none (the rates still
+    learn); without ``auto_length`` every draft is verified. The output is ``ar``'s in each case."""
+    import eagle.decoding.proposers as proposers
+    from eagle.decoding.tree_sizing import CostCurve
+
+    chains = []  # (the lookup, the rates before the round, the costs, the chain verified)
+    propose = proposers.PromptLookup.propose
+
+    def recorded(self, *args, **kwargs):
+        before = [list(c) for c in self.rates.first], list(self.rates.later)
+        costs = list(self.sizing.costs) if self.sizing is not None else None
+        proposal = propose(self, *args, **kwargs)
+        chains.append((self.match, before, costs, proposal.tree.size - 1))
+        return proposal
+
+    monkeypatch.setattr(proposers.PromptLookup, "propose", recorded)
+    ids = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 3, 5, 6]
+    for name, per_row in (("steep", lambda n: 1.0 + 100.0 * (n - 1)), ("flat", lambda n: 1.0),
+                          ("sloped", lambda n: 1.0 + 0.4 * (n - 1))):
+        curve = CostCurve(sizes=list(range(1, 17)), seconds=[per_row(n) for n in range(1, 17)])
+        monkeypatch.setattr("eagle.decoding.tree_sizing.cost_curve", lambda target, greedy=False: curve)
+        for auto in (True, False):
+            model = EagleModel.from_pretrained(target, num_draft_tokens=6, auto_length=auto)
+            chains.clear()
+            out = model.generate(ids, method="pld", max_new_tokens=40)
+            assert out.token_ids == model.generate(ids, method="ar", max_new_tokens=40).token_ids
+            matched = [c for c in chains if c[0].tokens]
+            assert matched
+            for match, (first, later), costs, kept in matched:
+                if not auto:
+                    assert kept == len(match.tokens) and costs is None
+                    continue
+                p1, pl = first[match.ngram][0] / first[match.ngram][1], later[0] / later[1]
+                rates = [(1 + sum(p1 * pl ** i for i in range(n))) / costs[n] for n in range(len(match.tokens) + 1)]
+                assert rates[kept] == pytest.approx(max(rates)), (name, match, kept)
+            if auto and name == "steep":
+                assert all(kept == 0 for *_, kept in matched) and out.accept_lengths == [1] * len(out.accept_lengths)
+                learned = model._proposer("pld", SamplingConfig(), None).rates
+                assert learned.first == [[1.0, 2.0]] * 4  # a new generation's rates start afresh
+                assert any(c[1][0] != [[1.0, 2.0]] * 4 for c in matched)  # judged though never verified
+            if auto and name == "flat":
+                assert all(kept == len(match.tokens) for match, _, _, kept in matched)
 
 
 def test_draw_distributions_give_the_rows_of_the_dense_matrix():
