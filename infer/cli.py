@@ -184,6 +184,7 @@ def check_model_args(args: argparse.Namespace) -> None:
 
 
 def check_threads(threads: int | None) -> None:
+    """``--threads`` below 1 is an error."""
     if threads is not None and threads < 1:
         raise EagleError(f"--threads must be >= 1, got {threads}")
 

@@ -462,7 +462,7 @@ class LeanDrafter(nn.Module):
                       + ([self.lm_head] if self.lm_head is not None else []))
         self.d2t = drafter.d2t
         self._cos = self._sin = torch.empty(0, self.config.head_dim, dtype=dtype, device=self.device)
-        on_cpu = drafter.fc.weight.device.type == "cpu"
+        on_cpu = self.device.type == "cpu"
         fits = dtype == torch.float32 and on_cpu and attention_fits(self.config.head_dim) and not eagle3
         compiled = cpu_kernels() if fits else None  # the compiled stack has no EAGLE-3 attention input
         self.stack = None if compiled is None else decoder_stack(compiled, self.config.num_attention_heads,

@@ -119,20 +119,19 @@ class PackedLinear(nn.Module):
         codes = block_quantize(weight.detach(), bits)
         bias = None if bias is None else bias.detach().float()
         if weight.device.type == "cpu" and stream_linear_op() is not None:
-            linear = cls.from_codes(codes, bias)
-            linear.once = False  # a drafter's weights are read again soon: keep them in the caches
-            return linear
+            return cls.from_codes(codes, bias, once=False)  # a drafter's weights are read again soon
         return cls(decode(codes), bias, encode=False)
 
     @classmethod
-    def from_codes(cls, codes: BlockCodes, bias: torch.Tensor | None = None, int8: bool = False) -> "PackedLinear":
+    def from_codes(cls, codes: BlockCodes, bias: torch.Tensor | None = None, int8: bool = False,
+                   once: bool = True) -> "PackedLinear":
         """The product of a weight given only by its block codes (a GGUF target's Q4_0, Q4_1, Q8_0 matrices,
         ``eagle.runtime.gguf_weights``), streamed from them for any number of rows, no fp32
-        copy made; where the compiled kernels do not run, ``F.linear`` on the decoded weight. ``int8``: as
-        for ``PackedLinear``."""
+        copy made; where the compiled kernels do not run, ``F.linear`` on the decoded weight. ``int8``, ``once``:
+        as for ``PackedLinear`` (a target's weights by default: read once per forward)."""
         linear = cls.__new__(cls)
         nn.Module.__init__(linear)
-        linear.once, linear.packed, linear.pad_rows, linear.plain_rows = True, False, (), frozenset()
+        linear.once, linear.packed, linear.pad_rows, linear.plain_rows = once, False, (), frozenset()
         linear.in_features = codes.codes.shape[1] * (2 if codes.bits == 4 else 1)
         linear.bias = None if bias is None else bias.detach().float().contiguous()
         linear.stream_op, linear.plain_weight = stream_linear_op(), None
