@@ -12,7 +12,8 @@ call).
 
 ``cpu_kernels()`` builds them on first use with torch's C++ extension tools (a compiler and
 ninja; once per machine, torch version and instruction set, cached under ``$EAGLE_CACHE/extensions``)
-for the best instruction set this CPU has (``ISAS``: ``avx512``, ``avx2`` with FMA and F16C, or
+for the best instruction set this CPU has (``ISAS``: ``avx512vnni``, AVX-512 whose int8 products take
+VNNI's one-instruction dot products, the same integers; ``avx512``; ``avx2`` with FMA and F16C; or
 ``portable``: plain C++ that the compiler vectorizes for any CPU), and returns None when the build
 fails (the callers then use oneDNN or ``F.linear``, and torch's operations) or when the environment
 variable ``EAGLE_CPU_KERNELS`` is ``0``. ``EAGLE_CPU_ISA`` picks a lower one (``avx2`` on an AVX-512
@@ -48,8 +49,10 @@ NAME = "eagle_cpu_kernels"
 StreamOp = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", bool], torch.Tensor]
 
 
-ISAS = ("avx512", "avx2", "portable")  # best first
-ISA_FLAGS = {"avx512": ["-mavx512f", "-mfma", "-mf16c", "-DEAGLE_ISA_AVX512"],
+ISAS = ("avx512vnni", "avx512", "avx2", "portable")  # best first
+ISA_FLAGS = {"avx512vnni": ["-mavx512f", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c", "-DEAGLE_ISA_AVX512",
+                            "-DEAGLE_VNNI"],
+             "avx512": ["-mavx512f", "-mfma", "-mf16c", "-DEAGLE_ISA_AVX512"],
              "avx2": ["-mavx2", "-mfma", "-mf16c", "-DEAGLE_ISA_AVX2"],
              "portable": []}
 ISA_ENV = "EAGLE_CPU_ISA"
@@ -60,11 +63,23 @@ def cpu_has_avx512() -> bool:
     return "AVX512" in torch.backends.cpu.get_cpu_capability()
 
 
+@functools.cache
+def cpu_has_vnni() -> bool:
+    """Whether this CPU has AVX512-VNNI (and AVX512-VL): its flags in ``/proc/cpuinfo`` (Linux; elsewhere
+    False: the plain AVX-512 build runs there)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return {"avx512_vnni", "avx512vl"} <= flags
+
+
 def cpu_isas() -> tuple[str, ...]:
     """The kernels' instruction sets this CPU runs, best first (torch's CPU dispatch decides: AVX2 there
-    implies FMA and F16C)."""
+    implies FMA and F16C; VNNI from ``cpu_has_vnni``)."""
     capability = torch.backends.cpu.get_cpu_capability()
-    found = ["avx512"] if "AVX512" in capability else []
+    found = ["avx512vnni"] if "AVX512" in capability and cpu_has_vnni() else []
+    found += ["avx512"] if "AVX512" in capability else []
     found += ["avx2"] if "AVX512" in capability or "AVX2" in capability else []
     return tuple(found) + ("portable",)
 

@@ -1,6 +1,6 @@
 """The compiled fp32 kernels (eagle/runtime/csrc/cpu_kernels.cpp): float64 references, row independence,
 where PackedLinear and LeanDecoder use them. Every test runs once per instruction set this CPU has
-(``kernels.cpu_isas()``: AVX-512, AVX2, portable), chosen as ``EAGLE_CPU_ISA`` would."""
+(``kernels.cpu_isas()``: AVX-512 with VNNI, AVX-512, AVX2, portable), chosen as ``EAGLE_CPU_ISA`` would."""
 
 import pytest
 import torch
@@ -30,6 +30,7 @@ def op_or_skip():
 def test_the_isa_is_the_best_this_cpu_runs_unless_the_environment_picks_a_lower_one(monkeypatch):
     have = kernels.cpu_isas()
     assert have[-1] == "portable" and ("avx512" in have) == kernels.cpu_has_avx512()
+    assert ("avx512vnni" in have) == (kernels.cpu_has_avx512() and kernels.cpu_has_vnni())
     monkeypatch.delenv(kernels.ISA_ENV)
     assert kernels.chosen_isa() == have[0]
     for wrong, message in (("sse9", "must be one of"), *((isa, "runs only") for isa in kernels.ISAS if isa not in have)):
@@ -58,8 +59,9 @@ def test_every_isa_gives_close_results_and_avx2_gives_avx512s_bits():
     for isa, got in results.items():
         for a, b in zip(got, results["portable"]):
             assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), isa
-    if "avx512" in results:
-        assert all(torch.equal(a, b) for a, b in zip(results["avx2"], results["avx512"]))
+    for wide in ("avx512", "avx512vnni"):
+        if wide in results:
+            assert all(torch.equal(a, b) for a, b in zip(results["avx2"], results[wide])), wide
 
 
 # K with and without a tail of fewer than 16; N not a multiple of any block width
@@ -579,9 +581,28 @@ def test_int8_activations_multiply_the_codes_by_x_quantized_per_block_of_32(name
     want = int8_rows_reference(x) @ weight.double().T
     scale = (int8_rows_reference(x).abs() @ weight.double().abs().T)  # the size of each sum's terms
     assert ((got.double() - want).abs() / scale).max() < 1e-5, name
-    assert ((exact(x).double() - want).abs() / scale).max() > 1e-4, name  # int8's error is measurable
+    fp32 = torch.cat([exact(x[i:i + 16]) for i in range(0, 21, 16)])  # 16 rows a call: AVX-512 stream_linear_q's most
+    assert ((fp32.double() - want).abs() / scale).max() > 1e-4, name  # int8's error is measurable
     for rows in (1, 2, 3, 4, 5, 8, 16, 21):
         assert torch.equal(int8(x[:rows]), got[:rows]), (name, rows)
     assert torch.equal(torch.cat([int8(x[i:i + 1]) for i in range(21)]), got), name
     zero = int8(torch.zeros(2, 512))
     assert torch.equal(zero, torch.zeros_like(zero)), name
+
+
+@pytest.mark.parametrize("name", [*GGML_BLOCKS, "block4", "block8-half"])
+def test_int8_activations_give_the_same_bits_on_every_avx_instruction_set(name):
+    """AVX2's two-step byte products (vpmaddubsw, vpmaddwd), AVX-512's and VNNI's one-step ones (vpdpbusd) sum the
+    same integers: the same bits, also where the codes reach -128 and x's codes +-127 (every byte of a block
+    at its largest, where a 16-bit pair sum would come closest to saturating)."""
+    modules = {isa: kernels.kernels_for(isa) for isa in kernels.cpu_isas() if isa != "portable"}
+    if len(modules) < 2 or any(m is None for m in modules.values()):
+        pytest.skip("fewer than two AVX instruction sets here")
+    gen = torch.Generator().manual_seed(len(name) + 5)
+    x = torch.randn(19, 512, generator=gen) * 2
+    x[3] = 1.0  # codes +127 throughout
+    x[4] = -1.0
+    x[5, ::2] = -x[5, ::2].abs() - 3  # every other code -127
+    results = {isa: int8_products(module, name)[0](x) for isa, module in modules.items()}
+    for isa, got in results.items():
+        assert torch.equal(got, results["avx2"]), (name, isa)

@@ -124,7 +124,11 @@ inline void half16(const uint16_t* src, float* dst) {
 inline V vbitmask(uint32_t bits, float value) {
   return {_mm512_maskz_mov_ps(static_cast<__mmask16>(bits & 0xFFFF), _mm512_set1_ps(value))};
 }
+#if defined(EAGLE_VNNI)
+constexpr const char* kIsa = "avx512vnni";
+#else
 constexpr const char* kIsa = "avx512";
+#endif
 
 #elif defined(EAGLE_ISA_AVX2)
 struct V { __m256 a, b; };  // lanes 0-7, 8-15
@@ -1241,13 +1245,23 @@ struct BlockCodesRows {
   const uint8_t* line(int64_t j, int64_t b) const { return codes + j * row_bytes + b * 32 * Bits / 8; }
 };
 
+// Lane l: the sum of the products of bytes 4l..4l+3 of a (unsigned) and x (signed), exact in int32: one vpdpbusd
+// with VNNI; else vpmaddubsw's pairs (they never saturate: |a| <= 128 and |x| <= 127 in every use) summed by
+// vpmaddwd. The same integers either way, so the same bits.
+inline __m256i dot_fours(__m256i a, __m256i x) {
+#if defined(EAGLE_VNNI)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), _mm256_set1_epi16(1));
+#endif
+}
+
 // out[i * ldo + j] for rows row0..row0+M-1 of x (quantized: xq) and rows j0..j1 of W (src); once: as for
 // prefetch.
 template <class Src, int M>
 void int8_block(const Src& src, const QuantizedRows& xq, int64_t K, int64_t row0, const float* bias, float* out,
                 int64_t ldo, int64_t j0, int64_t j1, bool once) {
   const int64_t blocks = K / 32;
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t j = j0; j < j1; ++j) {
     __m256 acc[M];
     float mins[M];
@@ -1263,7 +1277,7 @@ void int8_block(const Src& src, const QuantizedRows& xq, int64_t K, int64_t row0
         const int64_t xb = (row0 + i) * blocks + b;
         __m256i xv = load32(reinterpret_cast<const uint8_t*>(xq.q.data()) + 32 * xb);
         if constexpr (!Src::kPlus) xv = _mm256_sign_epi8(xv, k.c);
-        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(a, xv), ones));
+        const __m256 sums = _mm256_cvtepi32_ps(dot_fours(a, xv));
         const float dx = xq.d[xb];
         const __m256 scale = Src::kHalf ? _mm256_set_m128(_mm_set1_ps(k.dh * dx), _mm_set1_ps(k.dl * dx))
                                         : _mm256_set1_ps(k.dl * dx);
