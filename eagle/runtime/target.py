@@ -288,38 +288,28 @@ def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None, int8_act
 
 
 def converted_gguf_dir(gguf_path: Path) -> Path:
-    """Convert a GGUF file once to a safetensors model folder in the cache; return that folder. A file
-    eagle cannot run is refused first (``eagle.runtime.gguf_file.check_gguf``)."""
+    """Convert a GGUF file once to a safetensors model folder in the cache; return that folder: the configs
+    (``gguf_metadata_dir``'s, ``gguf_file.config_overrides`` applied) and tokenizer files beside the weights. A
+    file eagle cannot run is refused first (``eagle.runtime.gguf_file.check_gguf``)."""
     out = _gguf_cache_dir(gguf_path)
     if (out / "model.safetensors").is_file():
         return out
     header = check_gguf(gguf_path)  # refuses in about a second what cannot run, before any tensor is converted
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors.torch import save_file, save_model
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from eagle.runtime.gguf_weights import hf_state_dict
 
-    if header.architecture in LLAMA_FAMILY:  # the weights read here, the rest from transformers' reader
-        from safetensors.torch import save_file
-        from transformers import AutoConfig
-
-        meta = gguf_metadata_dir(gguf_path, header=header)
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        shutil.copytree(meta, tmp, dirs_exist_ok=True)
-        state = hf_state_dict(gguf_path, header, AutoConfig.from_pretrained(meta))
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        tmp.rename(out)
-        return out
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    meta = gguf_metadata_dir(gguf_path, header=header)
+    config = AutoConfig.from_pretrained(meta)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.config.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    save_model(model, str(tmp / "model.safetensors"))  # handles tied weights; GGUF models refuse save_pretrained
+    shutil.copytree(meta, tmp, dirs_exist_ok=True)
+    if header.architecture in LLAMA_FAMILY:  # the weights read here
+        save_file(hf_state_dict(gguf_path, header, config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    else:  # transformers' reader de-quantizes them, into a model of the config with its overrides
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, config=config,
+                                                     dtype=torch.float32)
+        save_model(model, str(tmp / "model.safetensors"))  # handles tied weights; GGUF models refuse save_pretrained
     tmp.rename(out)
     return out
 
