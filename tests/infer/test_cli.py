@@ -182,21 +182,26 @@ def test_bench_writes_the_report(saved, tmp_path, capsys, monkeypatch):
 
 @pytest.mark.graph_fallback
 @pytest.mark.parametrize("fails", [False, True])
-def test_bench_reports_graph_captures_and_fallbacks(saved, tmp_path, capsys, fails):
-    """The static path with a capture (the CPU stand-in for CUDA's; one that always fails as the
-    control): the report counts captures and fallbacks per method and in the machine info, and a
-    fallback is said loudly."""
-    from eagle.runtime import cuda_graphs
+def test_bench_reports_graph_captures_and_fallbacks(saved, tmp_path, capsys, monkeypatch, fails):
+    """The static path with a capture (the CPU stand-in for CUDA's, with the compiled kernels off as a recording
+    needs them; one that always fails as the control): the report counts captures and fallbacks per method and in
+    the machine info, and a fallback is said loudly."""
+    from eagle.runtime import cuda_graphs, kernels
     from eagle.runtime.fake_capture import fake_capture
 
     def failing(run, device, pool):
         raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
 
     report, prompts = tmp_path / "b.json", write_prompts(tmp_path / "p.jsonl", [{"prompt": "t3 t4 t5"}])
-    with cuda_graphs.capture_with(failing if fails else fake_capture):
-        assert bench.main(["--target", saved[0], "--drafter", saved[1], "--prompts", prompts, "--methods",
-                           "ar,eagle-tree", "--max-new-tokens", "6", "--cuda-graphs", "--device-rounds",
-                           "--warmup", "0", "--total-tokens", "6", "--json", str(report)]) == 0
+    monkeypatch.setenv("EAGLE_CPU_KERNELS", "0")  # a recording replays torch's operations, not the kernels'
+    kernels.cpu_kernels.cache_clear()
+    try:
+        with cuda_graphs.capture_with(failing if fails else fake_capture):
+            assert bench.main(["--target", saved[0], "--drafter", saved[1], "--prompts", prompts, "--methods",
+                               "ar,eagle-tree", "--max-new-tokens", "6", "--cuda-graphs", "--device-rounds",
+                               "--warmup", "0", "--total-tokens", "6", "--json", str(report)]) == 0
+    finally:
+        kernels.cpu_kernels.cache_clear()  # built again, as the environment gives, by the next user
     out, err = capsys.readouterr()
     data = json.loads(report.read_text())
     machine = data["machine"]
