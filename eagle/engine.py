@@ -20,7 +20,7 @@ from eagle.decoding.proposers import DraftModel, EagleDrafter, NoDraft, PromptLo
 from eagle.decoding.sampling import make_generator
 from eagle.decoding.tree_sizing import Sizing
 from eagle.drafting import draft_lm
-from eagle.drafting.drafter import Drafter, LeanDrafter
+from eagle.drafting.drafter import Drafter, DrafterConfig, DrafterFile, LeanDrafter
 from eagle.errors import EagleError
 from eagle.inputs import METHODS
 from eagle.runtime.block_codes import FORMATS
@@ -198,6 +198,14 @@ def default_drafter_quant(target: Target) -> str | None:
     return None
 
 
+def open_drafter(folder: str | Path, target: Target) -> Drafter | DrafterFile:
+    """The drafter in ``folder`` for ``target``: for an fp32 target on a CPU a ``DrafterFile`` (its inference copy
+    read from the file, the fp32 module only when asked for) where the folder is in eagle's format, else the
+    loaded ``Drafter``."""
+    on_cpu = target.device.type == "cpu" and target.dtype == torch.float32
+    return (DrafterFile.open(folder, target) if on_cpu else None) or Drafter.from_pretrained(folder, target=target)
+
+
 @dataclasses.dataclass
 class DeferredDraftLM:
     """The draft LM shipped for a target, read on first use: only ``sd`` needs it, and loading it with
@@ -216,7 +224,7 @@ class DeferredDraftLM:
 class EagleModel:
     """A target with optional drafter (EAGLE methods) and draft model (``sd``)."""
 
-    def __init__(self, target: Target, drafter: Drafter | None = None, draft_model: Any = None,
+    def __init__(self, target: Target, drafter: Drafter | DrafterFile | None = None, draft_model: Any = None,
                  tree: TreeConfig | None = None, speculative: SpeculativeConfig | None = None,
                  prompt_lookup: PromptLookupConfig | None = None, drafter_dtype: torch.dtype | None = None,
                  drafter_quant: str | None = None, device_rounds: bool | None = None) -> None:
@@ -227,8 +235,10 @@ class EagleModel:
         is still the target's, whatever their precision (``sd`` accepts against the draft
         probabilities it really sampled from). ``device_rounds``: ``eagle-tree``/``eagle-chain`` rounds
         drafted, verified and accepted on the device with one host read each
-        (``eagle.decoding.device_rounds``; default: on CUDA), where the tree options allow it."""
-        self.target, self.drafter, self.draft_model = target, drafter, draft_model
+        (``eagle.decoding.device_rounds``; default: on CUDA), where the tree options allow it. ``drafter``: a
+        module, or a ``DrafterFile`` (what ``from_pretrained`` opens for an fp32 target on a CPU): the inference
+        copy is then read from the file and the fp32 module only when ``drafter`` is asked for."""
+        self.target, self._drafter, self.draft_model = target, drafter, draft_model
         self.tree = tree or TreeConfig()
         self.speculative = speculative or SpeculativeConfig()
         self.prompt_lookup = prompt_lookup or PromptLookupConfig()
@@ -245,6 +255,23 @@ class EagleModel:
         # what sizing by cost has learned in this model's decoding so far, per kind of round, greedy and sampled
         self._sizing: dict[tuple[str, bool], Sizing] = {}
 
+    @property
+    def drafter(self) -> Drafter | None:
+        """The EAGLE drafter (a ``DrafterFile``'s module read now if not yet), or None."""
+        return self._drafter.load() if isinstance(self._drafter, DrafterFile) else self._drafter
+
+    @property
+    def drafter_config(self) -> DrafterConfig | None:
+        """The drafter's config (its kind, sizes, target), without reading its weights; None without one."""
+        return None if self._drafter is None else self._drafter.config
+
+    @property
+    def drafter_source(self) -> str:
+        """The folder the drafter was read from ("" for one built in memory or none)."""
+        if isinstance(self._drafter, DrafterFile):
+            return str(self._drafter.directory)
+        return getattr(self._drafter, "source", "")
+
     def _inference_copy(self, module: Any, dtype: torch.dtype, quant: str | None = None) -> Any:
         """An inference copy in ``dtype`` (a drafter: or quantized to ``quant``), made on first use
         (the weights are read then; build a new ``EagleModel`` after changing them): for the drafter
@@ -252,7 +279,7 @@ class EagleModel:
         key = (id(module), dtype, quant)
         entry = self._packed.get(key)
         if entry is None or entry[0] is not module:
-            if isinstance(module, Drafter):
+            if isinstance(module, (Drafter, DrafterFile)):
                 copy = LeanDrafter(module, None if quant else dtype, quant)
                 if self.target.graphs is not None:  # the drafter on static shapes too (graphs on CUDA)
                     from eagle.runtime.cuda_graphs import GraphedDrafter
@@ -301,7 +328,7 @@ class EagleModel:
         else:
             drafter = shipped_drafter_of_kind(drafter, tgt, target if isinstance(target, str) else None) or drafter
         if drafter is not None and not isinstance(drafter, Drafter):
-            drafter = Drafter.from_pretrained(drafter, target=tgt)
+            drafter = open_drafter(drafter, tgt)
         elif drafter is not None:
             drafter.check_target(tgt)
             drafter = drafter.to(device=tgt.device, dtype=tgt.dtype).eval()
@@ -320,7 +347,7 @@ class EagleModel:
     def with_tree(self, tree: TreeConfig) -> "EagleModel":
         """This model with other tree options: the same target, drafter and draft model, and the same
         inference copies of their weights (made once, whichever of the two uses them first)."""
-        view = EagleModel(self.target, self.drafter, self.draft_model, tree, self.speculative, self.prompt_lookup,
+        view = EagleModel(self.target, self._drafter, self.draft_model, tree, self.speculative, self.prompt_lookup,
                           self.drafter_dtype, self.drafter_quant or "none", self.device_rounds)
         view._packed = self._packed
         return view
@@ -346,7 +373,7 @@ class EagleModel:
     def _device_drafter(self, method: str, sampling: SamplingConfig) -> DeviceTreeDrafter | None:
         """The drafter of ``method``'s device rounds, or None where they do not apply (off, another
         method, no drafter, or tree options only the host path has)."""
-        if not self.device_rounds or method not in ("eagle-tree", "eagle-chain") or self.drafter is None:
+        if not self.device_rounds or method not in ("eagle-tree", "eagle-chain") or self._drafter is None:
             return None
         tree = self._method_tree(method)
         if not device_rounds_apply(tree, sampling):
@@ -355,7 +382,7 @@ class EagleModel:
         pool = 1 + k + tree.depth * k * k
         total = tree.total_tokens if isinstance(tree.total_tokens, int) else auto_total(self.target, pool,
                                                                                          sampling.greedy)
-        return DeviceTreeDrafter(self._inference_copy(self.drafter, self.drafter_dtype, self.drafter_quant),
+        return DeviceTreeDrafter(self._inference_copy(self._drafter, self.drafter_dtype, self.drafter_quant),
                                  self.target, k, tree.depth, min(total, MAX_TREE), draw_temperature(tree, sampling),
                                  tree.draw_support)
 
@@ -376,13 +403,13 @@ class EagleModel:
             return DraftModel(self._inference_copy(draft, self.drafter_dtype), self.speculative, sampling,
                               generator)
         if method in ("eagle-tree", "eagle-chain"):
-            if self.drafter is None:
+            if self._drafter is None:
                 raise EagleError(f"method {method!r} needs a drafter: pass drafter=... (--drafter)")
             tree = self._method_tree(method)
             if fixed_total is not None and tree.total_tokens == "auto":
                 tree = dataclasses.replace(tree, total_tokens=fixed_total)
             sizing = self._cost_sizing("eagle", sampling) if tree.total_tokens == "auto" else None
-            return EagleDrafter(self._inference_copy(self.drafter, self.drafter_dtype, self.drafter_quant), self.target,
+            return EagleDrafter(self._inference_copy(self._drafter, self.drafter_dtype, self.drafter_quant), self.target,
                                 tree, lookup=self.prompt_lookup, sampling=sampling, generator=generator, sizing=sizing)
         raise EagleError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 

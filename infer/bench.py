@@ -179,17 +179,16 @@ def run_one(model: Any, ids: list[int], method: str, args: Any, servers: dict | 
 
 def drafter_name(model: Any) -> str | None:
     """Which drafter an ``EagleModel`` drafts with: its kind and the folder it was loaded from."""
-    drafter = model.drafter
-    return None if drafter is None else f"{drafter.config.kind} {getattr(drafter, 'source', '') or '(in memory)'}"
+    config = model.drafter_config
+    return None if config is None else f"{config.kind} {model.drafter_source or '(in memory)'}"
 
 
 def with_drafter(model: Any, folder: str) -> Any:
     """An ``EagleModel`` on ``model``'s target and settings with the drafter in ``folder``."""
-    from eagle.drafting.drafter import Drafter
-    from eagle.engine import EagleModel, shipped_drafter_of_kind
+    from eagle.engine import EagleModel, open_drafter, shipped_drafter_of_kind
 
     folder = shipped_drafter_of_kind(folder, model.target) or folder  # a kind, e.g. eagle-tree@eagle3
-    drafter = Drafter.from_pretrained(folder, target=model.target)
+    drafter = open_drafter(folder, model.target)
     return EagleModel(model.target, drafter, model.draft_model, model.tree, model.speculative, model.prompt_lookup,
                       model.drafter_dtype, model.drafter_quant or "none", model.device_rounds)
 

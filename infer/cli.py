@@ -213,7 +213,7 @@ def load_model(args: argparse.Namespace) -> Any:
 
 def check_method(model: Any, method: str) -> None:
     """A method that needs a drafter or a draft model the model lacks is an error up front."""
-    if method in ("eagle-tree", "eagle-chain") and model.drafter is None:
+    if method in ("eagle-tree", "eagle-chain") and model.drafter_config is None:
         raise EagleError(f"method {method!r} needs a drafter: pass --drafter FOLDER (no drafter is shipped for "
                          f"target {model.target.name!r})")
     if method == "sd" and model.draft_model is None:
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     check_model_args(args)
     model = load_model(args)
     if args.method is None:
-        args.method = "eagle-tree" if model.drafter is not None else "ar"
+        args.method = "eagle-tree" if model.drafter_config is not None else "ar"
     check_method(model, args.method)
     note_ignored_flags(PROG, build_parser(), args, [args.method], f"with method {args.method}")
     if args.interactive:

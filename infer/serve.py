@@ -232,7 +232,7 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
     from starlette.routing import Route
 
     if method is None:
-        method = "eagle-tree" if model.drafter is not None else "ar"
+        method = "eagle-tree" if model.drafter_config is not None else "ar"
     check_serving(max_queue=max_queue, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout_s,
                   max_batch=max_batch, api_key=api_key)
     name = model_name or model.target.name
@@ -535,7 +535,7 @@ def main(argv: list[str] | None = None) -> None:
     from infer.cli import check_method, load_model
 
     model = load_model(args)
-    method = args.method or ("eagle-tree" if model.drafter is not None else "ar")
+    method = args.method or ("eagle-tree" if model.drafter_config is not None else "ar")
     check_method(model, method)
     if not args.no_warmup:
         warm_up(model, method)

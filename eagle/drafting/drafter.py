@@ -17,6 +17,7 @@ The target's embedding is reused and never stored in the drafter checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -30,11 +31,11 @@ from eagle.errors import EagleError
 from eagle.runtime.kv_cache import StaticCache
 from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels
 from eagle.runtime.decoder import LayerWeights, PackedLinear, decoder_stack, rms_norm, rotate, to_huge_pages
-from eagle.runtime.block_codes import BLOCK, FORMATS, unpack_state
+from eagle.runtime.block_codes import BLOCK, CODES, FORMATS, SCALES, BlockCodes, decode, unpack_state
 from eagle.decoding.tree_mask import causal_bias
 from eagle.drafting import checkpoint_formats
 from eagle.drafting.drafter_config import FORMAT, DrafterConfig, TargetInfo, default_eagle3_layers
-from eagle.drafting.weights import check_state, read_safetensors
+from eagle.drafting.weights import SafetensorsRows, check_state, read_safetensors
 
 
 def most_frequent(token_counts: torch.Tensor, n: int) -> torch.Tensor:
@@ -325,15 +326,7 @@ class Drafter(nn.Module):
         EAGLE-3 checkpoint must be the target's."""
 
         directory = Path(directory)
-        if not (directory / "config.json").is_file():
-            raise EagleError(f"no drafter at {directory}: config.json missing")
-        try:
-            raw = json.loads((directory / "config.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise EagleError(f"cannot read {directory / 'config.json'}: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise EagleError(f"{directory / 'config.json'} is not a JSON object")
-        layout = checkpoint_formats.detect_format(raw)
+        layout = checkpoint_formats.detect_format(raw := read_config_json(directory))
         if layout == checkpoint_formats.EAGLE3_LAYOUT:
             cfg, state = checkpoint_formats.load_eagle3_checkpoint(
                 directory, raw, allow_pickle=allow_pickle, shapes=lambda c: skeleton(cls, c).state_dict(),
@@ -351,9 +344,7 @@ class Drafter(nn.Module):
             state = unpack_state(read_safetensors(directory / "model.safetensors"))
             check_state(drafter.state_dict(), state, f"drafter weights {directory / 'model.safetensors'}")
             load_into_skeleton(drafter, state)
-        if drafter.d2t is not None and not (0 <= int(drafter.d2t.min()) and int(drafter.d2t.max()) < drafter.config.vocab_size):
-            raise EagleError(f"drafter at {directory}: its draft-to-target id map d2t holds ids outside "
-                             f"0..{drafter.config.vocab_size - 1}")
+        check_d2t(drafter.d2t, drafter.config, directory)
         if target is not None:
             drafter.check_target(target)
             device, dtype = device or target.device, dtype or target.dtype
@@ -390,6 +381,26 @@ class Drafter(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.d2t is None else self.d2t[draft_ids]
 
+def read_config_json(directory: Path) -> dict:
+    """A drafter folder's ``config.json`` as a dict; ``EagleError`` when missing or not a JSON object."""
+    if not (directory / "config.json").is_file():
+        raise EagleError(f"no drafter at {directory}: config.json missing")
+    try:
+        raw = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise EagleError(f"cannot read {directory / 'config.json'}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise EagleError(f"{directory / 'config.json'} is not a JSON object")
+    return raw
+
+
+def check_d2t(d2t: torch.Tensor | None, cfg: DrafterConfig, directory: Path) -> None:
+    """Refuse a draft-to-target id map with ids outside the target's vocabulary."""
+    if d2t is not None and not (0 <= int(d2t.min()) and int(d2t.max()) < cfg.vocab_size):
+        raise EagleError(f"drafter at {directory}: its draft-to-target id map d2t holds ids outside "
+                         f"0..{cfg.vocab_size - 1}")
+
+
 def skeleton(cls: type[Drafter], cfg: DrafterConfig) -> Drafter:
     """A drafter of ``cfg`` whose tensors have no storage (the meta device): its shapes, or a module for
     ``load_into_skeleton`` to fill without first allocating and initializing weights that are overwritten."""
@@ -408,6 +419,141 @@ def load_into_skeleton(drafter: Drafter, state: dict[str, torch.Tensor]) -> Draf
     return drafter
 
 
+class _ModuleWeights:
+    """A ``Drafter``'s tensors by state-dict name, as ``LeanDrafter`` reads them (``DrafterFile``'s interface)."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.config, self.device, self.dtype = drafter.config, drafter.fc.weight.device, drafter.fc.weight.dtype
+        self._tensors = drafter.state_dict(keep_vars=True)
+        self.shapes = {name: tuple(t.shape) for name, t in self._tensors.items()}
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._tensors[name].detach()
+
+    def matrix(self, names: list[str], bits: int) -> torch.Tensor:
+        """The weights ``names`` stacked by rows."""
+        parts = [self.tensor(name) for name in names]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+@dataclasses.dataclass(eq=False)
+class DrafterFile:
+    """A drafter folder in eagle's own format (plain, or packed by ``eagle.runtime.block_codes.pack_state``) for a
+    target on a CPU, opened (``open``: the config, the checks ``Drafter.from_pretrained`` makes, the tensors'
+    shapes from the file's header) without reading its weights into a module. ``LeanDrafter(file, quant=...)``
+    reads them from the file one matrix at a time, a few rows at a time, so that its codes are all a decoding
+    process holds of the drafter (a fp32 module beside them is 4 bytes a weight: 45 MB for the default target's,
+    68 MB for Gemma-3-270M's). ``load()``: the ``Drafter`` itself, read on first call."""
+
+    directory: Path
+    config: DrafterConfig
+    target: Any
+    reader: SafetensorsRows
+    module: Drafter | None = None
+
+    @classmethod
+    def open(cls, directory: str | Path, target: Any) -> "DrafterFile | None":
+        """The folder opened, or None when it holds another layout (an EAGLE release: ``Drafter.from_pretrained``
+        converts it). ``EagleError`` for what ``Drafter.from_pretrained`` refuses."""
+        directory = Path(directory)
+        if checkpoint_formats.detect_format(read_config_json(directory)) != FORMAT:
+            return None
+        if not (directory / "model.safetensors").is_file():
+            raise EagleError(f"no drafter weights at {directory}: model.safetensors missing")
+        file = cls(directory, DrafterConfig.from_json(directory / "config.json"), target,
+                   SafetensorsRows(directory / "model.safetensors"))
+        shell = skeleton(Drafter, file.config)
+        check_state(shell.state_dict(), {name: torch.empty(shape, device="meta") for name, shape in file.shapes.items()},
+                    f"drafter weights {directory / 'model.safetensors'}")
+        check_d2t(file.tensor("d2t") if file.has("d2t") else None, file.config, directory)
+        shell.check_target(target)
+        return file
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.target.dtype
+
+    @functools.cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each weight's shape by its name in the module (a packed weight's: its codes')."""
+        out = {}
+        for name, shape in self.reader.shapes.items():
+            if name.endswith(SCALES):
+                continue
+            if name.endswith(CODES):
+                name = name[:-len(CODES)]
+                if name + SCALES not in self.reader.shapes:
+                    raise EagleError(f"drafter weights {self.reader.path}: packed weight {name} has codes but no "
+                                     f"{name + SCALES}")
+            out[name] = shape
+        return out
+
+    def has(self, name: str) -> bool:
+        return name in self.shapes
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of a weight, as the module would hold them (floats in the target's dtype)."""
+        if name + CODES in self.reader.shapes:
+            codes = BlockCodes(self.reader.rows(name + CODES, start, stop),
+                               self.reader.rows(name + SCALES, start, stop).float().unsqueeze(-1))
+            return decode(codes).to(self.dtype)
+        out = self.reader.rows(name, start, stop)
+        return out.to(self.dtype) if out.is_floating_point() else out
+
+    def tensor(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        if shape:
+            return self.rows(name, 0, shape[0])
+        out = self.reader.tensor(name)
+        return out.to(self.dtype) if out.is_floating_point() else out
+
+    def matrix(self, names: list[str], bits: int) -> "BlockCodes | _StackedRows":
+        """The weights ``names`` stacked by rows, for ``PackedLinear.quantized``: their stored 8-bit codes when
+        every one is packed and ``bits`` is 8, else their rows read on demand."""
+        if bits == 8 and all(name + CODES in self.reader.shapes for name in names):
+            return BlockCodes(torch.cat([self.reader.tensor(name + CODES) for name in names]),
+                              torch.cat([self.reader.tensor(name + SCALES) for name in names]).float().unsqueeze(-1))
+        return _StackedRows(self, names)
+
+    def load(self) -> Drafter:
+        if self.module is None:
+            self.module = Drafter.from_pretrained(self.directory, target=self.target)
+        return self.module
+
+
+class _StackedRows:
+    """Weights of a ``DrafterFile`` stacked by rows [sum N, K], read a few rows at a time (``block_quantize``)."""
+
+    def __init__(self, file: DrafterFile, names: list[str]) -> None:
+        self.file, self.names = file, names
+        self.sizes = [file.shapes[name][0] for name in names]
+        self.shape = torch.Size([sum(self.sizes), file.shapes[names[0]][1]])
+        self.device = file.device
+
+    def dim(self) -> int:
+        return 2
+
+    def detach(self) -> "_StackedRows":
+        return self
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        start, stop, _ = rows.indices(self.shape[0])
+        parts, offset = [], 0
+        for name, size in zip(self.names, self.sizes):
+            lo, hi = max(start - offset, 0), min(stop - offset, size)
+            if lo < hi:
+                parts.append(self.file.rows(name, lo, hi))
+            offset += size
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 class LeanDrafter(nn.Module):
     """Inference-only forward of a ``Drafter`` (as ``eagle.runtime.decoder.LeanDecoder`` is for targets): q/k/v
     and gate/up fused into one prepacked matrix each (``PackedLinear``), rotary tables computed
@@ -421,46 +567,56 @@ class LeanDrafter(nn.Module):
     to_target_ids = Drafter.to_target_ids
     new_cache = Drafter.new_cache
 
-    def __init__(self, drafter: Drafter, dtype: torch.dtype | None = None, quant: str | None = None) -> None:
+    def __init__(self, drafter: "Drafter | DrafterFile", dtype: torch.dtype | None = None,
+                 quant: str | None = None) -> None:
         """``quant``: a format of ``eagle.runtime.block_codes.FORMATS`` ("q8_0", "q4_1"): the matrices rounded to
         it (lossy) and computed in fp32, read from their codes by the compiled kernels where they
-        run; a matrix whose input size is not a multiple of 32 stays as it is."""
+        run; a matrix whose input size is not a multiple of 32 stays as it is. ``drafter``: a module, or a
+        ``DrafterFile`` whose weights are read from the file one matrix at a time (8-bit codes stored by
+        ``pack_state`` taken as they are for "q8_0": the codes quantizing the module would give)."""
         super().__init__()
-        self.config = drafter.config
+        weights = drafter if isinstance(drafter, DrafterFile) else _ModuleWeights(drafter)
+        self.config = weights.config
         if quant is not None and quant not in FORMATS:
             raise EagleError(f"unknown drafter quantization {quant!r}; choose from {', '.join(FORMATS)}")
         if quant is not None and dtype not in (None, torch.float32):
             raise EagleError(f"a {quant} drafter computes in float32, not {dtype}")
         self.quant = quant
-        self.dtype = dtype = torch.float32 if quant else dtype or drafter.fc.weight.dtype
-        self.device = drafter.fc.weight.device
+        self.dtype = dtype = torch.float32 if quant else dtype or weights.dtype
+        self.device = weights.device
 
-        def packed(*linears: nn.Linear) -> PackedLinear:
-            bias = None if linears[0].bias is None else torch.cat([lin.bias.detach().to(dtype) for lin in linears])
-            if quant is not None and linears[0].in_features % BLOCK == 0:  # quantized as read: no fp32 copy
-                weight = linears[0].weight if len(linears) == 1 else torch.cat([lin.weight.detach() for lin in linears])
-                return PackedLinear.quantized(weight, bias, FORMATS[quant])
-            return PackedLinear(torch.cat([lin.weight.detach().to(dtype) for lin in linears]), bias, encode=False)
+        def packed(*names: str) -> PackedLinear:
+            biases = [name + ".bias" for name in names]
+            bias = torch.cat([weights.tensor(b).to(dtype) for b in biases]) if weights.has(biases[0]) else None
+            if quant is not None and weights.shapes[names[0] + ".weight"][1] % BLOCK == 0:  # quantized as read
+                bits = FORMATS[quant]
+                return PackedLinear.quantized(weights.matrix([n + ".weight" for n in names], bits), bias, bits)
+            return PackedLinear(torch.cat([weights.tensor(n + ".weight").to(dtype) for n in names]), bias,
+                                encode=False)
 
-        def norm(module: RMSNorm | None) -> torch.Tensor | None:
-            return None if module is None else module.weight.detach().to(dtype)
+        def norm(name: str | None) -> torch.Tensor | None:
+            return None if name is None or not weights.has(name + ".weight") else \
+                weights.tensor(name + ".weight").to(dtype)
 
-        self.fc = packed(drafter.fc)
+        self.fc = packed("fc")
         eps = self.config.rms_norm_eps
         eagle3 = self.config.kind == "eagle3"  # input_layernorm normalizes the embedding, hidden_norm the hidden state
-        self.layers = [LayerWeights(input_norm=norm(layer.hidden_norm if eagle3 else layer.input_layernorm),
-                                    input_eps=eps,
-                                    qkv=packed(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                                    o=packed(layer.self_attn.o_proj), post_norm=norm(layer.post_attention_layernorm),
-                                    post_eps=eps, gate_up=packed(layer.mlp.gate_proj, layer.mlp.up_proj),
-                                    down=packed(layer.mlp.down_proj),
-                                    embed_norm=norm(layer.input_layernorm) if eagle3 else None)
-                       for layer in drafter.layers]
-        self.norm = norm(drafter.norm)
-        self.lm_head = None if drafter.lm_head is None else packed(drafter.lm_head)
+
+        def layer(i: int) -> LayerWeights:
+            at = f"layers.{i}."
+            return LayerWeights(input_norm=norm(at + ("hidden_norm" if eagle3 else "input_layernorm")), input_eps=eps,
+                                qkv=packed(*(at + f"self_attn.{p}_proj" for p in "qkv")),
+                                o=packed(at + "self_attn.o_proj"), post_norm=norm(at + "post_attention_layernorm"),
+                                post_eps=eps, gate_up=packed(at + "mlp.gate_proj", at + "mlp.up_proj"),
+                                down=packed(at + "mlp.down_proj"),
+                                embed_norm=norm(at + "input_layernorm") if eagle3 else None)
+
+        self.layers = [layer(i) for i in range(self.config.num_layers)]
+        self.norm = norm("norm")
+        self.lm_head = packed("lm_head") if weights.has("lm_head.weight") else None
         to_huge_pages([self.fc] + [lin for layer in self.layers for lin in layer.matrices()]
                       + ([self.lm_head] if self.lm_head is not None else []))
-        self.d2t = drafter.d2t
+        self.d2t = weights.tensor("d2t").to(self.device) if weights.has("d2t") else None
         self._cos = self._sin = torch.empty(0, self.config.head_dim, dtype=dtype, device=self.device)
         on_cpu = self.device.type == "cpu"
         fits = dtype == torch.float32 and on_cpu and attention_fits(self.config.head_dim) and not eagle3

@@ -31,3 +31,61 @@ def check_state(reference: dict[str, torch.Tensor], state: dict[str, torch.Tenso
         if tuple(state[key].shape) != shape:
             raise EagleError(f"{what} do not match the config: {key} has shape {list(state[key].shape)}, "
                              f"the config implies {list(shape)}")
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class SafetensorsRows:
+    """A safetensors file read by plain reads, a few rows of one tensor at a time, nothing mapped: only what is
+    asked for is ever in this process's memory (safetensors' own reader maps the whole file, and every page
+    read through the mapping stays resident while it is open). ``shapes``: each tensor's shape;
+    ``rows(name, start, stop)``: rows ``start:stop`` of its first dimension; ``tensor(name)``: all of it. A
+    damaged or truncated file is an ``EagleError`` naming it."""
+
+    def __init__(self, path: str | Path) -> None:
+        import json
+
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size)) if 0 < size < 100_000_000 else None
+            self._start, end = 8 + size, self.path.stat().st_size
+            if not isinstance(header, dict):
+                raise ValueError("no safetensors header")
+            header.pop("__metadata__", None)
+            self._entries = {name: (_DTYPES[e["dtype"]], [int(n) for n in e["shape"]], *map(int, e["data_offsets"]))
+                             for name, e in header.items()}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise EagleError(f"cannot read {path} (damaged or truncated?): {exc!r}") from None
+        for name, (dtype, shape, begin, stop) in self._entries.items():
+            numel = 1
+            for n in shape:
+                numel *= n
+            if stop - begin != numel * dtype.itemsize or self._start + stop > end:
+                raise EagleError(f"cannot read {path} (damaged or truncated?): tensor {name} does not fit the file")
+        self.shapes = {name: tuple(entry[1]) for name, entry in self._entries.items()}
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._entries[name][0]
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        dtype, shape, begin, _ = self._entries[name]
+        row = dtype.itemsize
+        for n in shape[1:]:
+            row *= n
+        out = torch.empty([stop - start, *shape[1:]], dtype=dtype)
+        with open(self.path, "rb") as f:
+            f.seek(self._start + begin + start * row)
+            if f.readinto(out.view(torch.uint8).reshape(-1).numpy()) != (stop - start) * row:
+                raise EagleError(f"cannot read {self.path} (damaged or truncated?): tensor {name} is cut short")
+        return out
+
+    def tensor(self, name: str) -> torch.Tensor:
+        shape = self._entries[name][1]
+        if not shape:  # a scalar: one row of nothing
+            return self.rows(name, 0, 1).reshape(())
+        return self.rows(name, 0, shape[0])

@@ -95,7 +95,9 @@ def block_quantize(weight: torch.Tensor, bits: int) -> BlockCodes:
     """The nearest block encoding of a weight [N, K] (K a multiple of 32), lossy: 8 bits symmetric
     (d = max |w| / 127 per block, GGUF's Q8_0) or 4 bits affine (d = (max - min) / 15, m = min, Q4_1),
     d and m rounded to float16 as GGUF stores them (as llama.cpp quantizes). ``decode`` of the result
-    is the quantized weight, within about d / 2 of ``weight`` (plus the float16 roundings)."""
+    is the quantized weight, within about d / 2 of ``weight`` (plus the float16 roundings). ``weight``: a tensor,
+    or anything with its ``dim()``, ``shape``, ``device`` and slices of rows (``weight[i:j]``, a tensor): it is read
+    a few rows at a time."""
     if bits not in FORMATS.values() or weight.dim() != 2 or weight.shape[1] % BLOCK:
         raise ValueError(f"block_quantize: bits 8 or 4 and a weight [N, K] with K a multiple of {BLOCK}, "
                          f"got bits {bits} and shape {tuple(weight.shape)}")

@@ -110,15 +110,16 @@ class PackedLinear(nn.Module):
         return cls(torch.cat([lin.weight.detach() for lin in linears]), bias, stream, encode, once, int8)
 
     @classmethod
-    def quantized(cls, weight: torch.Tensor, bias: torch.Tensor | None, bits: int) -> "PackedLinear":
+    def quantized(cls, weight: Any, bias: torch.Tensor | None, bits: int) -> "PackedLinear":
         """``weight`` [out, in] rounded to its nearest block encoding (``eagle.runtime.block_codes.block_quantize``,
         lossy: for a drafter, whose precision never changes the output), in fp32: the product of the
         quantized weight, streamed from its codes where the compiled kernels run (1.125 or 0.625
         bytes a weight against bf16's 2; no fp32 copy is kept, so more than 16 rows are computed 16 at a time),
-        else computed from the decoded weight."""
-        codes = block_quantize(weight.detach(), bits)
+        else computed from the decoded weight. ``weight`` may be anything ``block_quantize`` reads a few rows at
+        a time (a file's rows), or its ``BlockCodes`` already (a CPU weight's: taken as they are)."""
+        codes = weight if isinstance(weight, BlockCodes) else block_quantize(weight.detach(), bits)
         bias = None if bias is None else bias.detach().float()
-        if weight.device.type == "cpu" and stream_linear_op() is not None:
+        if codes.codes.device.type == "cpu" and stream_linear_op() is not None:
             return cls.from_codes(codes, bias, once=False)  # a drafter's weights are read again soon
         return cls(decode(codes), bias, encode=False)
 

@@ -182,6 +182,78 @@ def test_a_quantized_lean_drafter_computes_the_drafter_with_quantized_weights(ta
         LeanDrafter(drafter, torch.bfloat16, quant=quant)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("stored", ["fp32", "bf16", "packed"])
+def test_a_lean_drafter_read_from_its_file_is_the_one_made_from_the_module(tmp_path, target, eagle3_target, kind,
+                                                                           stored):
+    """``DrafterFile``: a drafter folder opened without a module; ``LeanDrafter`` reads its matrices from the file
+    a few rows at a time (stored 8-bit codes as they are) and computes the bits of the one made from the loaded
+    ``Drafter``, for every quantization and none. The module is read only when asked for; what the loader
+    refuses, ``open`` refuses."""
+    from safetensors.torch import load_file, save_file
+
+    from eagle.drafting.drafter import DrafterFile, _StackedRows
+    from eagle.runtime.block_codes import pack_state
+
+    tgt = target if kind == "eagle" else eagle3_target
+    made = tiny_drafter(tgt, num_layers=2, draft_vocab_size=8) if kind == "eagle" else \
+        tiny_drafter(tgt, kind="eagle3", draft_vocab_size=20)
+    (made.to(torch.bfloat16) if stored == "bf16" else made).save_pretrained(tmp_path)
+    path = str(tmp_path / "model.safetensors")
+    if stored == "packed":
+        save_file(pack_state(load_file(path), min_size=256), path, metadata={"format": "eagle-drafter/1"})
+    file = DrafterFile.open(tmp_path, tgt)
+    module = Drafter.from_pretrained(tmp_path, target=tgt)
+    gen = torch.Generator().manual_seed(3)
+    width = 32 * (1 + len(made.config.aux_layers) if kind == "eagle3" else 1)
+    f, e = torch.randn(1, 7, width, generator=gen), torch.randn(1, 7, 32, generator=gen)
+    pos = torch.arange(7)[None]
+    for quant in ("q8_0", "q4_1", None):
+        ours, theirs = LeanDrafter(file, quant=quant), LeanDrafter(module, quant=quant)
+        with torch.inference_mode():
+            a, b = ours(f, e, pos, ours.new_cache()), theirs(f, e, pos, theirs.new_cache())
+            assert torch.equal(a, b), quant
+            assert torch.equal(ours.draft_logits(a[0], tgt.lm_head), theirs.draft_logits(b[0], tgt.lm_head)), quant
+        assert torch.equal(ours.to_target_ids(torch.arange(8)), theirs.to_target_ids(torch.arange(8)))
+    names = [f"layers.0.self_attn.{p}_proj.weight" for p in "qkv"]  # rows across parts, as block_quantize reads them
+    whole, stacked = torch.cat([module.state_dict()[name] for name in names]), _StackedRows(file, names)
+    n = whole.shape[0]
+    for start, stop in ((0, n), (5, n - 3), (n // 2 - 1, n // 2 + 1), (n - 10, n + 50)):
+        assert torch.equal(stacked[start:stop], whole[start:stop]), (start, stop)
+    assert file.module is None  # no module was made
+    assert torch.equal(file.load().fc.weight, module.fc.weight) and file.load() is file.load()
+    with pytest.raises(EagleError, match="built for"):
+        DrafterFile.open(tmp_path, tiny_target(vocab_size=40, layers=tgt.model.config.num_hidden_layers))
+    state = load_file(path)
+    state["fc.weight" if stored != "packed" else "fc.weight.q8_codes"] = torch.zeros(3, 3, dtype=torch.int8)
+    save_file(state, path, metadata={"format": "eagle-drafter/1"})
+    with pytest.raises(EagleError, match="do not match the config"):
+        DrafterFile.open(tmp_path, tgt)
+    with open(path, "r+b") as out:
+        out.truncate(out.seek(0, 2) - 10)
+    with pytest.raises(EagleError, match="damaged or truncated"):
+        DrafterFile.open(tmp_path, tgt)
+
+
+def test_a_model_on_a_cpu_reads_its_drafter_from_the_file_and_the_module_only_when_asked(tmp_path, target, drafter):
+    """``EagleModel.from_pretrained`` with a drafter folder, fp32 on a CPU: the inference copy comes from the
+    file (no fp32 module in memory while decoding), the output is the module-built model's, and
+    ``model.drafter`` reads the module when asked."""
+    from eagle.drafting.drafter import DrafterFile
+
+    drafter.save_pretrained(tmp_path)
+    model = EagleModel.from_pretrained(target, drafter=str(tmp_path))
+    assert isinstance(model._drafter, DrafterFile) and model.drafter_config == drafter.config
+    assert model.drafter_source == str(tmp_path)
+    reference = EagleModel(target, Drafter.from_pretrained(tmp_path, target=target))
+    for prompt in prompts(3):
+        ours = model.generate(prompt, method="eagle-tree", max_new_tokens=12)
+        assert ours.token_ids == reference.generate(prompt, method="eagle-tree", max_new_tokens=12).token_ids
+    assert model._drafter.module is None
+    assert model.drafter is model.drafter and isinstance(model.drafter, Drafter)
+    assert model.with_tree(model.tree)._packed is model._packed
+
+
 def test_appended_layers_start_as_the_drafter_they_extend(target):
     """``with_layers`` appends layers whose output projections are zero: the same predictions
     (and the same cached keys for the old layers) until the new layer is trained; the new
