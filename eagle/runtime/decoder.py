@@ -9,7 +9,8 @@ of 1-16 tokens (decoding, tree verification) runs each decoder layer as one comp
 (``eagle.runtime.kernels``) whose rows do not depend on each other, so a tree node gets the plain
 step's bits; weights that are exact block encodings (a dequantized GGUF target's) are streamed
 from their codes (``eagle.runtime.block_codes``). Greedy decoding takes the head's argmax from a bf16
-copy with an exact fp32 recheck (``GreedyHead``).
+copy with an exact fp32 recheck (``GreedyHead``), or, for a large head of 8-bit codes, from the int8 products of
+the same codes with that recheck (``CodesGreedyHead``).
 
 ``PackedLinear``: ``y = x W^T + b`` with the weight prepacked for oneDNN on CPU, products of 1-16 rows
 by the compiled kernel where it runs, and ``F.linear`` elsewhere (CUDA); ``tune_kernels`` picks
@@ -271,6 +272,87 @@ class GreedyHead:
         return tokens[exact.masked_fill(~keep[:, tokens], -torch.inf).argmax(dim=1)]
 
 
+class CodesGreedyHead:
+    """The argmax of an LM head read from 8-bit block codes (its fp32 logits, as ``head`` computes them), exactly,
+    for about half the arithmetic: logits from the same codes with x quantized to int8 per block of 32 (the compiled
+    int8 products), a bound on how far each can be from the fp32 one, and the fp32 logits of only the tokens the
+    bound leaves within reach of the best (the true argmax is always among them), computed by the same kernel on
+    their rows of codes (an output's sum does not depend on the other rows: the same bits).
+
+    With A the int8 logits, r the fp32 ones, s the exact x w^T and x' x as the int8 products see it (each block's
+    codes times its scale): A sums the exact products of w and x' (integers, then one scale per block) in fp32, so
+    |A_j - s_j| <= |x - x'| |w_j| + g |x'| |w_j|, and |r_j - s_j| <= g |x| |w_j| (g = 2 K u / (1 - K u), u = 2^-24:
+    twice a K-term sum's bound). With c = |x - x'| + g (|x'| + |x|), the argmax j* of r has
+    A_j* + c |w_j*| >= max_i (A_i - c |w_i|), per-token norms |w_j| computed once. Typically a few to a few
+    dozen tokens per row are recomputed; where x holds no finite value, the whole head is."""
+
+    SLACK = 2.0 ** -20  # fp32 roundings of A +- c |w| and of their maximum, relative to the largest of them
+
+    def __init__(self, head: PackedLinear) -> None:
+        compiled = cpu_kernels()
+        codes = head.encoded
+        if codes is None or codes.bits != 8 or head.int8 or compiled is None or not compiled.int8_activations:
+            raise ValueError("CodesGreedyHead needs a head streamed from 8-bit codes and the int8 products")
+        self.head, self.op = head, compiled.stream_linear_q  # head.encoded read at each call: it may move (huge pages)
+        self.norms = row_norms(codes) * (1 + 2.0 ** -10)  # fp32 sums of K squares: within K u of the exact ones
+        k, u = head.in_features, 2.0 ** -24
+        self.gamma = 2 * k * u / (1 - k * u)
+
+    @torch.inference_mode()
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Features [N, K] (fp32) -> the index of each row's largest fp32 logit [N] (the first of equal ones,
+        as ``argmax``)."""
+        x = hidden.reshape(-1, self.head.in_features).float().contiguous()
+        n = x.shape[0]
+        if n == 0:
+            return torch.zeros(0, dtype=torch.long, device=x.device)
+        codes, scales, bias = self.head.encoded.codes, self.head.encoded.scales, self.head.bias
+        approx = self.op(x, codes, scales, bias, True, True)  # [N, V]
+        blocks = x.view(n, -1, 32)  # x as the int8 products quantize it
+        top = blocks.abs().amax(-1, keepdim=True)
+        inv = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+        seen = (torch.round(blocks * inv).double() * (top / 127.0).double()).view(n, -1)
+        x64 = x.double()
+        c = ((x64 - seen).norm(dim=1) + self.gamma * (seen.norm(dim=1) + x64.norm(dim=1))) * 1.001 + 1e-12
+        reach = torch.outer(c.float(), self.norms)  # [N, V]
+        lowest = (approx - reach).amax(dim=1)  # no row's true best is below this
+        reach += approx  # the highest each token's fp32 logit can be
+        slack = self.SLACK * torch.maximum(reach.abs().amax(dim=1), lowest.abs())
+        keep = reach >= (lowest - slack)[:, None]  # [N, V]
+        tokens = keep.any(dim=0).nonzero()[:, 0]  # the union of the rows' candidates, in order
+        if tokens.shape[0] == 0 or tokens.shape[0] > codes.shape[0] // 8:  # not finite, or flat: the whole head
+            return argmax(self.head(x), cpu_kernels().argmax_rows)
+        rows = BlockCodes(codes.index_select(0, tokens), scales.index_select(0, tokens))
+        exact = PackedLinear.from_codes(rows, None if bias is None else bias.index_select(0, tokens))(x)  # [N, c]
+        return tokens[exact.masked_fill(~keep[:, tokens], -torch.inf).argmax(dim=1)]
+
+
+SCREENED_HEAD_WEIGHTS = 1 << 26  # smaller heads: the screen's fixed cost outweighs its saving (docs/performance.md)
+
+
+def row_norms(codes: BlockCodes, rows: int = 1024) -> torch.Tensor:
+    """The Euclidean norm of each row of the weight 8-bit ``codes`` stand for [N], in fp32, ``rows`` at a time
+    through one buffer (a new temporary per slice of a large head left hundreds of MB resident)."""
+    n, k = codes.codes.shape
+    buf = torch.empty(min(rows, n), k)
+    out = torch.empty(n)
+    for i in range(0, n, rows):
+        part = buf[:min(rows, n - i)]
+        part.copy_(codes.codes[i:i + rows])
+        part.view(part.shape[0], -1, 32).mul_(codes.scales[i:i + rows].float())
+        torch.sum(part.square_(), dim=1, out=out[i:i + part.shape[0]])
+    return out.sqrt_()
+
+
+def codes_greedy_head(head: PackedLinear) -> CodesGreedyHead | None:
+    """The ``CodesGreedyHead`` of a head of at least ``SCREENED_HEAD_WEIGHTS`` weights streamed from 8-bit codes in
+    fp32, where the int8 products run; else None."""
+    compiled = cpu_kernels()
+    if head.encoded is None or head.encoded.bits != 8 or head.int8 or compiled is None or not compiled.int8_activations:
+        return None
+    return CodesGreedyHead(head) if head.encoded.codes.numel() >= SCREENED_HEAD_WEIGHTS else None
+
+
 @torch.inference_mode()
 def tune_kernels(linears: Sequence[PackedLinear], max_rows: int = 8, rounds: int = 3,
                  margin: float = 0.05) -> frozenset[int]:
@@ -482,22 +564,31 @@ def head_is_fp32_cpu(model: Any) -> bool:
 
 
 def lm_head(weight: Any, stream: bool, encode: bool,
-            int8: bool = False) -> tuple["PackedLinear | GGUFLinear", "GreedyHead | None"]:
-    """A target's LM head [V, H] as a lean forward computes it: the product (row padding tuned) and,
-    where bf16 products are native and the streamed kernel runs, the ``GreedyHead`` for greedy
-    argmaxes (an encoded head streams fewer bytes than a bf16 copy: its exact logits are cheaper).
+            int8: bool = False) -> tuple["PackedLinear | GGUFLinear", "GreedyHead | CodesGreedyHead | None"]:
+    """A target's LM head [V, H] as a lean forward computes it: the product (row padding tuned) and the screen for
+    greedy argmaxes: for a large head of 8-bit codes where the int8 products run, ``CodesGreedyHead``; for an fp32
+    head where bf16 products are native and the streamed kernel runs, ``GreedyHead`` (an otherwise encoded head
+    streams fewer bytes than a bf16 copy: its exact logits are cheaper).
     ``weight``: fp32 [V, H], or a GGUF target's head (``GGUFProjection``: streamed from its codes). ``int8``:
     a head from codes takes int8 activations."""
     if isinstance(weight, GGUFProjection):
         if stream and isinstance(weight.matrix, GGUFMatrix):
             return GGUFLinear([weight.matrix], weight.bias, int8), None
         if isinstance(weight.matrix, BlockCodes):
-            return PackedLinear.from_codes(weight.matrix, weight.bias, int8), None
+            head = PackedLinear.from_codes(weight.matrix, weight.bias, int8)
+            return head, codes_greedy_head(head) if stream else None
         weight = weight.weight
     head = PackedLinear(weight, stream=stream, encode=encode, once=True, int8=int8)
     head.tune_padding()
-    bf16_screen = stream and head.encoded is None and cpu_has_fast_bf16()
+    if head.encoded is not None:
+        return head, codes_greedy_head(head) if stream else None
+    bf16_screen = stream and cpu_has_fast_bf16()
     return head, GreedyHead(head) if bf16_screen else None
+
+
+def screened(greedy_head: Any) -> str:
+    """What ``kernel_choice`` says of a greedy head screened by the int8 products."""
+    return "greedy head screened by int8 products, " if isinstance(greedy_head, CodesGreedyHead) else ""
 
 
 def coded_weights(matrices: Sequence[Any]) -> str:
@@ -529,7 +620,7 @@ class HeadAndCache:
     ``lm_head``) and a fresh cache for their ``layers``."""
 
     head: PackedLinear
-    greedy_head: GreedyHead | None
+    greedy_head: "GreedyHead | CodesGreedyHead | None"
     layers: list
     argmax_op: Callable[[torch.Tensor], torch.Tensor] | None = None  # the compiled argmax, with the compiled kernels
 
@@ -617,7 +708,7 @@ class LeanDecoder(HeadAndCache):
         compiled = (f"compiled {isa} kernels {source_digest()} and attention, " if self.compiled is not None else
                     f"compiled {isa} kernels {source_digest()}, " if self.head.stream_op is not None else "")
         matrices = (self.head, *first.matrices())
-        compiled += coded_weights(matrices)
+        compiled += coded_weights(matrices) + screened(self.greedy_head)
         if self.huge_pages:
             compiled += "in huge pages, "
         return compiled + repr([sorted(lin.plain_rows) for lin in matrices])

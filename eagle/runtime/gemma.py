@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from eagle.decoding.tree_mask import causal_bias
 from eagle.runtime.decoder import (HeadAndCache, PackedLinear, check_int8_activations, coded_weights, head_is_fp32_cpu,
-                                   head_weight, int8_activations_here, lm_head, product, rotate)
+                                   head_weight, int8_activations_here, lm_head, product, rotate, screened)
 from eagle.runtime.gguf_weights import GGUFLinear
 from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_takes, cpu_kernels
 from eagle.runtime.kv_cache import StaticCache
@@ -190,7 +190,7 @@ class GemmaDecoder(HeadAndCache):
         matrices = (self.head, *first.matrices())
         streamed = "streamed products, " if self.head.stream_op is not None or isinstance(self.head, GGUFLinear) else ""
         layers = "gemma3 compiled layer stack" if self.compiled is not None else "gemma3 torch layers"
-        return f"{layers}, {streamed}" + coded_weights(matrices) + repr(
+        return f"{layers}, {streamed}" + coded_weights(matrices) + screened(self.greedy_head) + repr(
             [sorted(lin.plain_rows) for lin in matrices])
 
     @torch.inference_mode()

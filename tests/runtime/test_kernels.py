@@ -606,3 +606,49 @@ def test_int8_activations_give_the_same_bits_on_every_avx_instruction_set(name):
     results = {isa: int8_products(module, name)[0](x) for isa, module in modules.items()}
     for isa, got in results.items():
         assert torch.equal(got, results["avx2"]), (name, isa)
+
+
+def test_codes_greedy_head_argmax_is_the_fp32_heads_even_on_near_ties(isa, monkeypatch):
+    """``CodesGreedyHead`` (int8 logits from the head's 8-bit codes, a bound, fp32 recomputation of the candidates)
+    returns exactly the fp32 head's argmax: on near-ties (rows one code apart, where the int8 logits alone pick
+    the wrong token), exact ties (duplicate rows: the first index), crowds, 1-21 rows, with a bias; x that is not
+    finite gets the whole head's answer. With the bound taken away it fails (the negative control)."""
+    from eagle.runtime import decoder
+    from eagle.runtime.block_codes import block_quantize
+    from eagle.runtime.decoder import CodesGreedyHead, codes_greedy_head
+
+    op_or_skip()
+    gen = torch.Generator().manual_seed(5)
+    vocab, k = 3000, 96
+    w = torch.randn(vocab, k, generator=gen)
+    w[1000:1100] = w[:100]
+    w[2000:2100] = w[:100]  # exact twins: the first index wins
+    w[2500:2700] = w[100] + 2e-2 * torch.randn(200, k, generator=gen)  # a crowd whose order int8 blurs
+    codes = block_quantize(w, 8)
+    codes.codes[1000:1100, 5] += torch.where(codes.codes[1000:1100, 5] < 127, 1, -1).to(torch.int8)  # near-twins
+    bias = 1e-3 * torch.randn(vocab, generator=gen)
+    bias[1000:1100] = bias[2000:2100] = bias[:100]
+    head = PackedLinear.from_codes(codes, bias)
+    assert codes_greedy_head(head) is None  # a small head: the screen would not pay
+    if not kernels.cpu_kernels().int8_activations:
+        return
+    monkeypatch.setattr(decoder, "SCREENED_HEAD_WEIGHTS", vocab * k)
+    greedy = codes_greedy_head(head)
+    assert isinstance(greedy, CodesGreedyHead)
+    w = (codes.codes.float().view(vocab, -1, 32) * codes.scales).view(vocab, k)
+    x = torch.cat([w[:100] * 3 + 0.01 * torch.randn(100, k, generator=gen),  # best logit among twins
+                   w[100] * 3 + 0.3 * torch.randn(100, k, generator=gen),  # best logit in the crowd
+                   torch.randn(60, k, generator=gen)])
+    with torch.inference_mode():
+        want = head(x).argmax(-1)
+        approx = kernels.cpu_kernels().stream_linear_q(x, codes.codes, codes.scales, bias, True, True)
+        for rows in (x[:1], x[:7], x[:16], x[:21], x):
+            assert torch.equal(greedy(rows), want[:rows.shape[0]])
+        nan = x[:3].clone()
+        nan[1, 4] = torch.nan
+        assert torch.equal(greedy(nan), head(nan).argmax(-1))
+        blind = CodesGreedyHead(head)
+        blind.norms = torch.zeros_like(blind.norms)  # no bound: the int8 logits' best alone
+        assert not torch.equal(blind(x), want)
+    assert (approx.argmax(-1) != want).any()  # the int8 logits alone are not enough here
+    assert (want[:100] < 1000).any() and (want[:100] >= 1000).any() and not (want[:100] >= 2000).any()
