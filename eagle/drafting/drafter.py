@@ -381,6 +381,7 @@ class Drafter(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.d2t is None else self.d2t[draft_ids]
 
+
 def read_config_json(directory: Path) -> dict:
     """A drafter folder's ``config.json`` as a dict; ``EagleError`` when missing or not a JSON object."""
     if not (directory / "config.json").is_file():
@@ -445,8 +446,8 @@ class DrafterFile:
     target on a CPU, opened (``open``: the config, the checks ``Drafter.from_pretrained`` makes, the tensors'
     shapes from the file's header) without reading its weights into a module. ``LeanDrafter(file, quant=...)``
     reads them from the file one matrix at a time, a few rows at a time, so that its codes are all a decoding
-    process holds of the drafter (a fp32 module beside them is 4 bytes a weight: 45 MB for the default target's,
-    68 MB for Gemma-3-270M's). ``load()``: the ``Drafter`` itself, read on first call."""
+    process holds of the drafter (an fp32 module beside them would add 4 bytes a weight; docs/targets.md).
+    ``load()``: the ``Drafter`` itself, read on first call."""
 
     directory: Path
     config: DrafterConfig
