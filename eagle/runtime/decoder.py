@@ -273,30 +273,54 @@ class GreedyHead:
 
 
 class CodesGreedyHead:
-    """The argmax of an LM head read from 8-bit block codes (its fp32 logits, as ``head`` computes them), exactly,
-    for about half the arithmetic: logits from the same codes with x quantized to int8 per block of 32 (the compiled
-    int8 products), a bound on how far each can be from the fp32 one, and the fp32 logits of only the tokens the
-    bound leaves within reach of the best (the true argmax is always among them), computed by the same kernel on
-    their rows of codes (an output's sum does not depend on the other rows: the same bits).
+    """The argmax of an LM head read from 8-bit codes (its fp32 logits, as ``head`` computes them), exactly, for about
+    half the arithmetic: logits from the same codes with x quantized to int8 per block of 32 (the compiled int8
+    products), a bound on how far each can be from the fp32 one, and the fp32 logits of only the tokens the bound
+    leaves within reach of the best (the true argmax is always among them), computed by the same kernel on their
+    rows of codes (an output's sum does not depend on the other rows: the same bits). ``head``: a ``PackedLinear``
+    of 8-bit block codes (a GGUF's Q8_0 head is loaded so; its other types' fp32 products decode in registers about
+    as fast as their int8 ones, docs/performance.md).
 
     With A the int8 logits, r the fp32 ones, s the exact x w^T and x' x as the int8 products see it (each block's
-    codes times its scale): A sums the exact products of w and x' (integers, then one scale per block) in fp32, so
+    codes times its scale): A sums products of w and x' (exact integer sums, then each block's scales) in fp32, so
     |A_j - s_j| <= |x - x'| |w_j| + g |x'| |w_j|, and |r_j - s_j| <= g |x| |w_j| (g = 2 K u / (1 - K u), u = 2^-24:
     twice a K-term sum's bound). With c = |x - x'| + g (|x'| + |x|), the argmax j* of r has
-    A_j* + c |w_j*| >= max_i (A_i - c |w_i|), per-token norms |w_j| computed once. Typically a few to a few
-    dozen tokens per row are recomputed; where x holds no finite value, the whole head is."""
+    A_j* + c |w_j*| >= max_i (A_i - c |w_i|), per-token norms |w_j| computed once. Where x holds no finite value,
+    or the bound leaves an eighth of the vocabulary, the whole head decides."""
 
     SLACK = 2.0 ** -20  # fp32 roundings of A +- c |w| and of their maximum, relative to the largest of them
 
     def __init__(self, head: PackedLinear) -> None:
         compiled = cpu_kernels()
-        codes = head.encoded
-        if codes is None or codes.bits != 8 or head.int8 or compiled is None or not compiled.int8_activations:
-            raise ValueError("CodesGreedyHead needs a head streamed from 8-bit codes and the int8 products")
-        self.head, self.op = head, compiled.stream_linear_q  # head.encoded read at each call: it may move (huge pages)
-        self.norms = row_norms(codes) * (1 + 2.0 ** -10)  # fp32 sums of K squares: within K u of the exact ones
+        if not screenable(head):
+            raise ValueError("CodesGreedyHead needs a head streamed from 8-bit block codes and the int8 products")
+        self.head, self.compiled = head, compiled
+        self.norms = row_norms(head.encoded) * (1 + 2.0 ** -10)  # fp32 sums of K squares: within K u of the exact ones
         k, u = head.in_features, 2.0 ** -24
         self.gamma = 2 * k * u / (1 - k * u)
+
+    def _approx(self, x: torch.Tensor) -> torch.Tensor:
+        """The int8 logits [N, V]."""
+        head = self.head
+        return self.compiled.stream_linear_q(x, head.encoded.codes, head.encoded.scales, head.bias, True, True)
+
+    def _exact(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The fp32 logits of ``tokens`` [N, len(tokens)], the head's own bits."""
+        head = self.head
+        bias = None if head.bias is None else head.bias.index_select(0, tokens)
+        codes = head.encoded  # read at each call: it may have moved (huge pages)
+        return PackedLinear.from_codes(BlockCodes(codes.codes.index_select(0, tokens),
+                                                  codes.scales.index_select(0, tokens)), bias)(x)
+
+    def radius(self, x: torch.Tensor) -> torch.Tensor:
+        """c [N] for fp32 rows x [N, K]: each int8 logit is within c |w_j| of the fp32 one (with a margin)."""
+        n = x.shape[0]
+        blocks = x.view(n, -1, 32)  # x as the int8 products quantize it
+        top = blocks.abs().amax(-1, keepdim=True)
+        inv = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+        seen = (torch.round(blocks * inv).double() * (top / 127.0).double()).view(n, -1)
+        x64 = x.double()
+        return ((x64 - seen).norm(dim=1) + self.gamma * (seen.norm(dim=1) + x64.norm(dim=1))) * 1.001 + 1e-12
 
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -306,36 +330,33 @@ class CodesGreedyHead:
         n = x.shape[0]
         if n == 0:
             return torch.zeros(0, dtype=torch.long, device=x.device)
-        codes, scales, bias = self.head.encoded.codes, self.head.encoded.scales, self.head.bias
-        approx = self.op(x, codes, scales, bias, True, True)  # [N, V]
-        blocks = x.view(n, -1, 32)  # x as the int8 products quantize it
-        top = blocks.abs().amax(-1, keepdim=True)
-        inv = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
-        seen = (torch.round(blocks * inv).double() * (top / 127.0).double()).view(n, -1)
-        x64 = x.double()
-        c = ((x64 - seen).norm(dim=1) + self.gamma * (seen.norm(dim=1) + x64.norm(dim=1))) * 1.001 + 1e-12
-        reach = torch.outer(c.float(), self.norms)  # [N, V]
+        approx = self._approx(x)  # [N, V]
+        reach = torch.outer(self.radius(x).float(), self.norms)  # [N, V]
         lowest = (approx - reach).amax(dim=1)  # no row's true best is below this
         reach += approx  # the highest each token's fp32 logit can be
         slack = self.SLACK * torch.maximum(reach.abs().amax(dim=1), lowest.abs())
         keep = reach >= (lowest - slack)[:, None]  # [N, V]
         tokens = keep.any(dim=0).nonzero()[:, 0]  # the union of the rows' candidates, in order
-        if tokens.shape[0] == 0 or tokens.shape[0] > codes.shape[0] // 8:  # not finite, or flat: the whole head
-            return argmax(self.head(x), cpu_kernels().argmax_rows)
-        rows = BlockCodes(codes.index_select(0, tokens), scales.index_select(0, tokens))
-        exact = PackedLinear.from_codes(rows, None if bias is None else bias.index_select(0, tokens))(x)  # [N, c]
+        if tokens.shape[0] == 0 or tokens.shape[0] > approx.shape[1] // 8:  # not finite, or flat: the whole head
+            return argmax(self.head(x), self.compiled.argmax_rows)
+        exact = self._exact(x, tokens)  # [N, candidates]
         return tokens[exact.masked_fill(~keep[:, tokens], -torch.inf).argmax(dim=1)]
 
 
-SCREENED_HEAD_WEIGHTS = 1 << 26  # smaller heads: the screen's fixed cost outweighs its saving (docs/performance.md)
+def screenable(head: Any) -> bool:
+    """Whether ``CodesGreedyHead`` takes ``head``: fp32 products (not int8 activations) from 8-bit block codes, where
+    the compiled int8 products run."""
+    compiled = cpu_kernels()
+    if compiled is None or not compiled.int8_activations or isinstance(head, GGUFLinear) or head.int8:
+        return False
+    return head.encoded is not None and head.encoded.bits == 8
 
 
 def row_norms(codes: BlockCodes, rows: int = 1024) -> torch.Tensor:
     """The Euclidean norm of each row of the weight 8-bit ``codes`` stand for [N], in fp32, ``rows`` at a time
     through one buffer (a new temporary per slice of a large head left hundreds of MB resident)."""
     n, k = codes.codes.shape
-    buf = torch.empty(min(rows, n), k)
-    out = torch.empty(n)
+    buf, out = torch.empty(min(rows, n), k), torch.empty(n)
     for i in range(0, n, rows):
         part = buf[:min(rows, n - i)]
         part.copy_(codes.codes[i:i + rows])
@@ -344,13 +365,15 @@ def row_norms(codes: BlockCodes, rows: int = 1024) -> torch.Tensor:
     return out.sqrt_()
 
 
+SCREENED_HEAD_WEIGHTS = 1 << 26  # smaller heads: the screen's fixed cost outweighs its saving (docs/performance.md)
+
+
 def codes_greedy_head(head: PackedLinear) -> CodesGreedyHead | None:
-    """The ``CodesGreedyHead`` of a head of at least ``SCREENED_HEAD_WEIGHTS`` weights streamed from 8-bit codes in
-    fp32, where the int8 products run; else None."""
-    compiled = cpu_kernels()
-    if head.encoded is None or head.encoded.bits != 8 or head.int8 or compiled is None or not compiled.int8_activations:
+    """The ``CodesGreedyHead`` of a head of at least ``SCREENED_HEAD_WEIGHTS`` weights that ``screenable`` takes;
+    else None."""
+    if not screenable(head) or head.encoded.codes.numel() < SCREENED_HEAD_WEIGHTS:
         return None
-    return CodesGreedyHead(head) if head.encoded.codes.numel() >= SCREENED_HEAD_WEIGHTS else None
+    return CodesGreedyHead(head)
 
 
 @torch.inference_mode()

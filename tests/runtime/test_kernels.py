@@ -647,8 +647,19 @@ def test_codes_greedy_head_argmax_is_the_fp32_heads_even_on_near_ties(isa, monke
         nan = x[:3].clone()
         nan[1, 4] = torch.nan
         assert torch.equal(greedy(nan), head(nan).argmax(-1))
+        bound_holds_and_is_not_vacuous(greedy, head, torch.cat([x, x[:30] ** 3]))
         blind = CodesGreedyHead(head)
         blind.norms = torch.zeros_like(blind.norms)  # no bound: the int8 logits' best alone
         assert not torch.equal(blind(x), want)
     assert (approx.argmax(-1) != want).any()  # the int8 logits alone are not enough here
     assert (want[:100] < 1000).any() and (want[:100] >= 1000).any() and not (want[:100] >= 2000).any()
+
+
+def bound_holds_and_is_not_vacuous(greedy, head, x: torch.Tensor) -> None:
+    """Every int8 logit within ``radius(x) |w_j|`` of the fp32 one; the largest gap over a twentieth of that."""
+    with torch.inference_mode():
+        gap = (greedy._approx(x).double() - head(x).double()).abs()
+        bound = greedy.radius(x)[:, None] * greedy.norms.double()[None]
+    assert (gap <= bound).all()
+    assert (gap > bound / 20).any()
+
