@@ -509,11 +509,7 @@ class DrafterFile:
         return out.to(self.dtype) if out.is_floating_point() else out
 
     def tensor(self, name: str) -> torch.Tensor:
-        shape = self.shapes[name]
-        if shape:
-            return self.rows(name, 0, shape[0])
-        out = self.reader.tensor(name)
-        return out.to(self.dtype) if out.is_floating_point() else out
+        return self.rows(name, 0, self.shapes[name][0])  # a drafter holds no scalars (``open`` checked the shapes)
 
     def matrix(self, names: list[str], bits: int) -> "BlockCodes | _StackedRows":
         """The weights ``names`` stacked by rows, for ``PackedLinear.quantized``: their stored 8-bit codes when
@@ -595,9 +591,8 @@ class LeanDrafter(nn.Module):
             return PackedLinear(torch.cat([weights.tensor(n + ".weight").to(dtype) for n in names]), bias,
                                 encode=False)
 
-        def norm(name: str | None) -> torch.Tensor | None:
-            return None if name is None or not weights.has(name + ".weight") else \
-                weights.tensor(name + ".weight").to(dtype)
+        def norm(name: str) -> torch.Tensor | None:
+            return weights.tensor(name + ".weight").to(dtype) if weights.has(name + ".weight") else None
 
         self.fc = packed("fc")
         eps = self.config.rms_norm_eps

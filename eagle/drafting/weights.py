@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import torch
@@ -46,8 +48,6 @@ class SafetensorsRows:
     damaged or truncated file is an ``EagleError`` naming it."""
 
     def __init__(self, path: str | Path) -> None:
-        import json
-
         self.path = Path(path)
         try:
             with open(self.path, "rb") as f:
@@ -62,21 +62,13 @@ class SafetensorsRows:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise EagleError(f"cannot read {path} (damaged or truncated?): {exc!r}") from None
         for name, (dtype, shape, begin, stop) in self._entries.items():
-            numel = 1
-            for n in shape:
-                numel *= n
-            if stop - begin != numel * dtype.itemsize or self._start + stop > end:
+            if stop - begin != math.prod(shape) * dtype.itemsize or self._start + stop > end:
                 raise EagleError(f"cannot read {path} (damaged or truncated?): tensor {name} does not fit the file")
         self.shapes = {name: tuple(entry[1]) for name, entry in self._entries.items()}
 
-    def dtype(self, name: str) -> torch.dtype:
-        return self._entries[name][0]
-
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         dtype, shape, begin, _ = self._entries[name]
-        row = dtype.itemsize
-        for n in shape[1:]:
-            row *= n
+        row = dtype.itemsize * math.prod(shape[1:])
         out = torch.empty([stop - start, *shape[1:]], dtype=dtype)
         with open(self.path, "rb") as f:
             f.seek(self._start + begin + start * row)
@@ -86,6 +78,4 @@ class SafetensorsRows:
 
     def tensor(self, name: str) -> torch.Tensor:
         shape = self._entries[name][1]
-        if not shape:  # a scalar: one row of nothing
-            return self.rows(name, 0, 1).reshape(())
-        return self.rows(name, 0, shape[0])
+        return self.rows(name, 0, shape[0] if shape else 1).reshape(shape)  # a scalar: one row of nothing

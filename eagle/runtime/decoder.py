@@ -216,6 +216,25 @@ class PackedLinear(nn.Module):
             self.plain_weight = None
 
 
+def twice_sum_rounding(k: int) -> float:
+    """g = 2 K u / (1 - K u), u = 2^-24: twice the relative bound on an fp32 sum of K products rounded at most K
+    times (the greedy heads' margin for the fp32 logits and their approximations alike)."""
+    u = 2.0 ** -24
+    return 2 * k * u / (1 - k * u)
+
+
+def argmax_of_candidates(keep: torch.Tensor, exact: Callable[[torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+    """Each row's largest exact logit among its candidates ``keep`` [N, V] (bool; a sound screen keeps every row's
+    true best, so this is the argmax of all its logits, the first of equal ones): ``exact(tokens)`` -> the exact
+    logits [N, len(tokens)] of the union of the rows' candidates, or, with None, of the whole vocabulary [N, V] (used
+    where the candidates are over an eighth of it, the whole head costing less than gathering their rows, or none,
+    as for logits that are not finite)."""
+    tokens = keep.any(dim=0).nonzero()[:, 0]  # the union of the rows' candidates, in order
+    if tokens.shape[0] == 0 or tokens.shape[0] > keep.shape[1] // 8:
+        return exact(None).argmax(dim=1)
+    return tokens[exact(tokens).masked_fill(~keep[:, tokens], -torch.inf).argmax(dim=1)]
+
+
 class GreedyHead:
     """The argmax of an fp32 LM head's logits (as ``head`` computes them with the streamed kernel),
     exactly, for half the memory traffic: logits from a bf16 copy of the head (oneDNN), a bound E on
@@ -238,8 +257,7 @@ class GreedyHead:
         low = weight.bfloat16()
         self.approx = PackedLinear(low, None if head.bias is None else head.bias.bfloat16(), stream=False)
         exact, rounded = weight.double(), low.double()
-        k, u = weight.shape[1], 2.0 ** -24
-        self.gamma = 2 * k * u / (1 - k * u)
+        self.gamma = twice_sum_rounding(weight.shape[1])
         self.max_norm = float(exact.norm(dim=1).max())
         self.max_low_norm = float(rounded.norm(dim=1).max())
         self.max_error_norm = float((exact - rounded).norm(dim=1).max())
@@ -259,17 +277,15 @@ class GreedyHead:
                  + self.gamma * (low_norm * self.max_low_norm + norm * self.max_norm)
                  + norm * self.max_error_norm + off * self.max_low_norm) * 1.001 + 1e-6
         floor = (approx.amax(dim=1).double() - 2 * bound).float()
-        keep = approx >= floor[:, None]  # [N, V]
-        tokens = keep.any(dim=0).nonzero()[:, 0]  # the union of the rows' candidates, in order
-        weight, bias = self.head.plain_weight, self.head.bias
-        if tokens.shape[0] > approx.shape[1] // 8:  # flat logits: the whole head costs less than copying the rows
-            tokens = torch.arange(approx.shape[1], device=x.device)
-        else:
-            weight = weight.index_select(0, tokens)
-            bias = None if bias is None else bias.index_select(0, tokens)
-        exact = torch.cat([self.head.stream_op(rows.contiguous(), weight, bias)
-                           for rows in x.split(STREAM_MAX_ROWS)])  # [N, candidates]
-        return tokens[exact.masked_fill(~keep[:, tokens], -torch.inf).argmax(dim=1)]
+
+        def exact(tokens: torch.Tensor | None) -> torch.Tensor:
+            weight, bias = self.head.plain_weight, self.head.bias
+            if tokens is not None:
+                weight = weight.index_select(0, tokens)
+                bias = None if bias is None else bias.index_select(0, tokens)
+            return torch.cat([self.head.stream_op(rows.contiguous(), weight, bias) for rows in x.split(STREAM_MAX_ROWS)])
+
+        return argmax_of_candidates(approx >= floor[:, None], exact)
 
 
 class CodesGreedyHead:
@@ -296,17 +312,18 @@ class CodesGreedyHead:
             raise ValueError("CodesGreedyHead needs a head streamed from 8-bit block codes and the int8 products")
         self.head, self.compiled = head, compiled
         self.norms = row_norms(head.encoded) * (1 + 2.0 ** -10)  # fp32 sums of K squares: within K u of the exact ones
-        k, u = head.in_features, 2.0 ** -24
-        self.gamma = 2 * k * u / (1 - k * u)
+        self.gamma = twice_sum_rounding(head.in_features)
 
     def _approx(self, x: torch.Tensor) -> torch.Tensor:
         """The int8 logits [N, V]."""
         head = self.head
         return self.compiled.stream_linear_q(x, head.encoded.codes, head.encoded.scales, head.bias, True, True)
 
-    def _exact(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """The fp32 logits of ``tokens`` [N, len(tokens)], the head's own bits."""
+    def _exact(self, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        """The fp32 logits of ``tokens`` [N, len(tokens)] (None: of all), the head's own bits."""
         head = self.head
+        if tokens is None:
+            return head(x)
         bias = None if head.bias is None else head.bias.index_select(0, tokens)
         codes = head.encoded  # read at each call: it may have moved (huge pages)
         return PackedLinear.from_codes(BlockCodes(codes.codes.index_select(0, tokens),
@@ -335,12 +352,7 @@ class CodesGreedyHead:
         lowest = (approx - reach).amax(dim=1)  # no row's true best is below this
         reach += approx  # the highest each token's fp32 logit can be
         slack = self.SLACK * torch.maximum(reach.abs().amax(dim=1), lowest.abs())
-        keep = reach >= (lowest - slack)[:, None]  # [N, V]
-        tokens = keep.any(dim=0).nonzero()[:, 0]  # the union of the rows' candidates, in order
-        if tokens.shape[0] == 0 or tokens.shape[0] > approx.shape[1] // 8:  # not finite, or flat: the whole head
-            return argmax(self.head(x), self.compiled.argmax_rows)
-        exact = self._exact(x, tokens)  # [N, candidates]
-        return tokens[exact.masked_fill(~keep[:, tokens], -torch.inf).argmax(dim=1)]
+        return argmax_of_candidates(reach >= (lowest - slack)[:, None], lambda tokens: self._exact(x, tokens))
 
 
 def screenable(head: Any) -> bool:
