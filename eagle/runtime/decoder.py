@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import json
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -28,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle.atomic import write_file
+from eagle.cache_dir import cache_root
 from eagle.errors import EagleError
 from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels, source_digest, stream_linear_op
 from eagle.runtime.kv_cache import StaticCache
@@ -302,15 +306,16 @@ class CodesGreedyHead:
     |A_j - s_j| <= |x - x'| |w_j| + g |x'| |w_j|, and |r_j - s_j| <= g |x| |w_j| (g = 2 K u / (1 - K u), u = 2^-24:
     twice a K-term sum's bound). With c = |x - x'| + g (|x'| + |x|), the argmax j* of r has
     A_j* + c |w_j*| >= max_i (A_i - c |w_i|), per-token norms |w_j| computed once. Where x holds no finite value,
-    or the bound leaves an eighth of the vocabulary, the whole head decides."""
+    or the bound leaves an eighth of the vocabulary, the whole head decides; so it does for more than ``max_rows``
+    rows (None: no limit; ``codes_greedy_head`` sets it to where the screen measured faster)."""
 
     SLACK = 2.0 ** -20  # fp32 roundings of A +- c |w| and of their maximum, relative to the largest of them
 
-    def __init__(self, head: PackedLinear) -> None:
+    def __init__(self, head: PackedLinear, max_rows: int | None = None) -> None:
         compiled = cpu_kernels()
         if not screenable(head):
             raise ValueError("CodesGreedyHead needs a head streamed from 8-bit block codes and the int8 products")
-        self.head, self.compiled = head, compiled
+        self.head, self.compiled, self.max_rows = head, compiled, max_rows
         self.norms = row_norms(head.encoded) * (1 + 2.0 ** -10)  # fp32 sums of K squares: within K u of the exact ones
         self.gamma = twice_sum_rounding(head.in_features)
 
@@ -347,6 +352,8 @@ class CodesGreedyHead:
         n = x.shape[0]
         if n == 0:
             return torch.zeros(0, dtype=torch.long, device=x.device)
+        if self.max_rows is not None and n > self.max_rows:
+            return argmax(self.head(x), self.compiled.argmax_rows)
         approx = self._approx(x)  # [N, V]
         reach = torch.outer(self.radius(x).float(), self.norms)  # [N, V]
         lowest = (approx - reach).amax(dim=1)  # no row's true best is below this
@@ -378,14 +385,51 @@ def row_norms(codes: BlockCodes, rows: int = 1024) -> torch.Tensor:
 
 
 SCREENED_HEAD_WEIGHTS = 1 << 26  # smaller heads: the screen's fixed cost outweighs its saving (docs/performance.md)
+SCREEN_TRIAL_ROWS = (1, 4, 16)  # row counts at which the screen is timed against the whole head
 
 
 def codes_greedy_head(head: PackedLinear) -> CodesGreedyHead | None:
-    """The ``CodesGreedyHead`` of a head of at least ``SCREENED_HEAD_WEIGHTS`` weights that ``screenable`` takes;
-    else None."""
+    """The ``CodesGreedyHead`` of a head of at least ``SCREENED_HEAD_WEIGHTS`` weights that ``screenable`` takes,
+    screening as many rows as it measured faster at (``paying_rows``); None where it pays at none (or is not
+    taken). Timings choose speed only: either way the argmax is the fp32 head's."""
     if not screenable(head) or head.encoded.codes.numel() < SCREENED_HEAD_WEIGHTS:
         return None
-    return CodesGreedyHead(head)
+    screen = CodesGreedyHead(head)
+    key = json.dumps(["v1", list(head.encoded.codes.shape), head.bias is not None, screen.compiled.isa,
+                      source_digest(), torch.get_num_threads()])
+    path = cache_root() / "screen" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    if path.is_file():  # measured once per machine, head shape and thread count
+        screen.max_rows = json.loads(path.read_text())["max_rows"]
+    else:
+        screen.max_rows = paying_rows(screen)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file(path, json.dumps({"key": key, "max_rows": screen.max_rows}))
+    return screen if screen.max_rows else None
+
+
+@torch.inference_mode()
+def paying_rows(screen: CodesGreedyHead, rows: Sequence[int] = SCREEN_TRIAL_ROWS, rounds: int = 3) -> int:
+    """The most rows (of ``rows``, ascending, up to the first that loses) at which ``screen`` measured faster than
+    the whole head's product and argmax; 0 where it loses at the first. The int8 products gain where the CPU sums
+    byte products in one instruction (AVX-512 VNNI); elsewhere the screen's bound over the vocabulary can cost
+    more than it saves (docs/performance.md)."""
+    head, limit = screen.head, screen.max_rows
+    screen.max_rows = None
+    x = torch.randn(max(rows), head.in_features, generator=torch.Generator().manual_seed(0))
+    calls: dict[tuple[str, int], Callable[[], Any]] = {}
+    for n in rows:
+        calls["screen", n] = lambda n=n: screen(x[:n])
+        calls["whole", n] = lambda n=n: argmax(head(x[:n]), screen.compiled.argmax_rows)
+    for call in calls.values():  # first calls pay for allocations
+        call()
+    cost = interleaved_medians(calls, rounds)
+    screen.max_rows = limit
+    best = 0
+    for n in rows:
+        if cost["screen", n] >= cost["whole", n]:
+            break
+        best = n
+    return best
 
 
 @torch.inference_mode()
@@ -622,8 +666,11 @@ def lm_head(weight: Any, stream: bool, encode: bool,
 
 
 def screened(greedy_head: Any) -> str:
-    """What ``kernel_choice`` says of a greedy head screened by the int8 products."""
-    return "greedy head screened by int8 products, " if isinstance(greedy_head, CodesGreedyHead) else ""
+    """What ``kernel_choice`` says of a greedy head screened by the int8 products (and up to how many rows)."""
+    if not isinstance(greedy_head, CodesGreedyHead):
+        return ""
+    rows = "" if greedy_head.max_rows is None else f" up to {greedy_head.max_rows} rows"
+    return f"greedy head screened by int8 products{rows}, "
 
 
 def coded_weights(matrices: Sequence[Any]) -> str:

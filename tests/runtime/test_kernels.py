@@ -633,8 +633,7 @@ def test_codes_greedy_head_argmax_is_the_fp32_heads_even_on_near_ties(isa, monke
     if not kernels.cpu_kernels().int8_activations:
         return
     monkeypatch.setattr(decoder, "SCREENED_HEAD_WEIGHTS", vocab * k)
-    greedy = codes_greedy_head(head)
-    assert isinstance(greedy, CodesGreedyHead)
+    greedy = CodesGreedyHead(head)  # screening any number of rows (whether it pays here: the next test)
     w = (codes.codes.float().view(vocab, -1, 32) * codes.scales).view(vocab, k)
     x = torch.cat([w[:100] * 3 + 0.01 * torch.randn(100, k, generator=gen),  # best logit among twins
                    w[100] * 3 + 0.3 * torch.randn(100, k, generator=gen),  # best logit in the crowd
@@ -651,8 +650,53 @@ def test_codes_greedy_head_argmax_is_the_fp32_heads_even_on_near_ties(isa, monke
         blind = CodesGreedyHead(head)
         blind.norms = torch.zeros_like(blind.norms)  # no bound: the int8 logits' best alone
         assert not torch.equal(blind(x), want)
+        blind.max_rows = x.shape[0] - 1  # more rows than it screens: the whole head decides
+        assert torch.equal(blind(x), want)
     assert (approx.argmax(-1) != want).any()  # the int8 logits alone are not enough here
     assert (want[:100] < 1000).any() and (want[:100] >= 1000).any() and not (want[:100] >= 2000).any()
+
+
+def test_codes_greedy_head_screens_only_the_row_counts_it_measured_faster_at(isa, monkeypatch, tmp_path):
+    """``codes_greedy_head`` times the screen against the whole head's product and argmax at 1, 4 and 16 rows:
+    it screens up to the last row count it won (ascending, to the first loss), and is None where it loses at one
+    row (a CPU without fast int8 dot products); the choice is kept in the cache, not measured again. Above
+    ``max_rows`` the whole head answers."""
+    from eagle.runtime import decoder
+    from eagle.runtime.block_codes import block_quantize
+    from eagle.runtime.decoder import CodesGreedyHead, codes_greedy_head
+
+    op_or_skip()
+    if not kernels.cpu_kernels().int8_activations:
+        pytest.skip("no int8 products on this CPU build")
+    gen = torch.Generator().manual_seed(6)
+    head = PackedLinear.from_codes(block_quantize(torch.randn(2048, 64, generator=gen), 8))
+    monkeypatch.setattr(decoder, "SCREENED_HEAD_WEIGHTS", 0)
+    for i, (wins, max_rows) in enumerate((({1, 4, 16}, 16), ({1, 16}, 1), ({4, 16}, None), ({1, 4}, 4))):
+        def timed(calls, rounds, wins=wins):
+            assert rounds >= 1 and {n for _, n in calls} == {1, 4, 16}
+            return {(kind, n): 1.0 if (kind == "screen") == (n in wins) else 2.0 for kind, n in calls}
+
+        monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / str(i)))
+        monkeypatch.setattr(decoder, "interleaved_medians", timed)
+        greedy = codes_greedy_head(head)
+        assert (greedy.max_rows if greedy is not None else None) == max_rows, wins
+        monkeypatch.setattr(decoder, "interleaved_medians", None)  # measured once: now read from the cache
+        again = codes_greedy_head(head)
+        assert (again.max_rows if again is not None else None) == max_rows, wins
+    greedy = CodesGreedyHead(head, max_rows=4)
+    screened = []
+    monkeypatch.setattr(greedy, "_approx", lambda x: screened.append(x.shape[0]) or CodesGreedyHead._approx(greedy, x))
+    x = torch.randn(9, 64, generator=gen)
+    with torch.inference_mode():
+        want = head(x).argmax(-1)
+        assert torch.equal(greedy(x[:4]), want[:4]) and torch.equal(greedy(x), want)
+    assert screened == [4]
+    # the real timing runs and gives one of the trial counts (which one depends on the CPU)
+    monkeypatch.undo()
+    monkeypatch.setattr(decoder, "SCREENED_HEAD_WEIGHTS", 0)
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "real"))
+    greedy = codes_greedy_head(head)
+    assert greedy is None or greedy.max_rows in decoder.SCREEN_TRIAL_ROWS
 
 
 def bound_holds_and_is_not_vacuous(greedy, head, x: torch.Tensor) -> None:
