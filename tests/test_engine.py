@@ -190,7 +190,7 @@ def test_auto_total_tokens_is_exact_and_within_budget(target, drafter, monkeypat
 
     monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
     monkeypatch.setattr(eagle.decoding.tree_sizing, "NOISY", float("inf"))  # sub-millisecond timings of a tiny model are noisy
-    monkeypatch.setattr(eagle.decoding.tree_sizing, "_UNCACHED", {})  # a noisy curve kept in memory by an earlier test
+    monkeypatch.setattr(eagle.decoding.tree_sizing, "_MEASURED", {})  # a curve kept in memory by an earlier test
     auto = EagleModel.from_pretrained(target, drafter=drafter, total_tokens="auto", depth=4, top_k=3,
                                       lookup_tokens=0)
     for ids in prompts(5, seed=4):
