@@ -347,10 +347,17 @@ class EagleModel:
     def with_tree(self, tree: TreeConfig) -> "EagleModel":
         """This model with other tree options: the same target, drafter and draft model, and the same
         inference copies of their weights (made once, whichever of the two uses them first)."""
-        view = EagleModel(self.target, self._drafter, self.draft_model, tree, self.speculative, self.prompt_lookup,
-                          self.drafter_dtype, self.drafter_quant or "none", self.device_rounds)
+        view = self._with(self._drafter, tree)
         view._packed = self._packed
         return view
+
+    def with_drafter(self, drafter: Drafter | DrafterFile | None) -> "EagleModel":
+        """This model with another drafter (``open_drafter``'s): the same target, draft model and options."""
+        return self._with(drafter, self.tree)
+
+    def _with(self, drafter: Drafter | DrafterFile | None, tree: TreeConfig) -> "EagleModel":
+        return EagleModel(self.target, drafter, self.draft_model, tree, self.speculative, self.prompt_lookup,
+                          self.drafter_dtype, self.drafter_quant or "none", self.device_rounds)
 
     def _cost_sizing(self, kind: str, sampling: SamplingConfig) -> Sizing:
         """What sizing ``kind``'s rounds ("eagle" trees, "pld" chains) by cost has learned in this model's

@@ -185,12 +185,10 @@ def drafter_name(model: Any) -> str | None:
 
 def with_drafter(model: Any, folder: str) -> Any:
     """An ``EagleModel`` on ``model``'s target and settings with the drafter in ``folder``."""
-    from eagle.engine import EagleModel, open_drafter, shipped_drafter_of_kind
+    from eagle.engine import open_drafter, shipped_drafter_of_kind
 
     folder = shipped_drafter_of_kind(folder, model.target) or folder  # a kind, e.g. eagle-tree@eagle3
-    drafter = open_drafter(folder, model.target)
-    return EagleModel(model.target, drafter, model.draft_model, model.tree, model.speculative, model.prompt_lookup,
-                      model.drafter_dtype, model.drafter_quant or "none", model.device_rounds)
+    return model.with_drafter(open_drafter(folder, model.target))
 
 
 # ---- statistics (pure) ---------------------------------------------------------------------

@@ -17,7 +17,8 @@
 # LLAMA_CPP_ISA (avx512 or avx2; default: avx512 where /proc/cpuinfo lists avx512f, else avx2).
 # Build flags: GGML_NATIVE=OFF (a native build dies with "Illegal instruction" on machines of this kind) with
 # explicit instruction sets: AVX-512 on and AMX off, or (avx2) AVX-512 off with AVX2, FMA and F16C; no libcurl.
-# An avx2 build goes to $DIR/build-avx2, so one folder can hold both (eagle-bench --llama-cpp-build-dir).
+# An avx2 build goes to $DIR/build-avx2, so one folder can hold both (eagle-bench --llama-cpp DIR runs the one
+# this CPU runs best).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${LLAMA_CPP_DIR:-$PWD/.llama.cpp}
