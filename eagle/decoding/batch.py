@@ -574,6 +574,8 @@ class BatchDecoder:
         def run() -> torch.Tensor:
             hidden = decode_rows(self.lean, self.kv[:, :, :size], self.rope, self.ids[:size],
                                  self.positions[:size], keys_len, self.varlen)
+            if self.sampling.greedy:  # the lean forward's argmax: the compiled one (or a screen) on a CPU
+                return self.lean.argmax(hidden)
             return draw_tokens(self.lean.head(hidden).float(), self.sampling, self.keys[:size], self.steps[:size])
 
         if not self.capture:
