@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import math
 import statistics
@@ -20,8 +19,8 @@ from typing import Sequence
 
 import torch
 
-from eagle.atomic import write_file
-from eagle.runtime.target import Target, cache_root
+from eagle.cache_dir import keep_measurement, measurement_path
+from eagle.runtime.target import Target
 
 # every size up to 16, coarser past it: matrix kernels block their rows, so the cost steps (on the
 # 2-core reference CPU 1-6 tree tokens cost the same and 7 about 10% more), which sizes 4 and 8
@@ -283,7 +282,7 @@ def cost_curve(target: Target, greedy: bool = False) -> CostCurve:
                      + ([target.graphs.describe()] if target.graphs is not None else []))
     if key in _MEASURED:
         return _MEASURED[key]
-    path = cache_root() / "cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    path = measurement_path("cost", key)
     kept = CostCurve(**json.loads(path.read_text())) if path.is_file() else None
     if kept is not None and (kept.spread <= NOISY or kept.measurements >= NOISY_TRIES):
         return kept
@@ -294,8 +293,7 @@ def cost_curve(target: Target, greedy: bool = False) -> CostCurve:
     if kept is not None:
         curve = dataclasses.replace(min(curve, kept, key=lambda c: c.spread), measurements=kept.measurements + 1)
     _MEASURED[key] = curve
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_file(path, json.dumps(dataclasses.asdict(curve)))
+    keep_measurement(path, dataclasses.asdict(curve))
     return curve
 
 

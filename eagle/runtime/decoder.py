@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import statistics
 import time
@@ -30,8 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle.atomic import write_file
-from eagle.cache_dir import cache_root
+from eagle.cache_dir import keep_measurement, measurement_path
 from eagle.errors import EagleError
 from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels, source_digest, stream_linear_op
 from eagle.runtime.kv_cache import StaticCache
@@ -334,6 +332,10 @@ class CodesGreedyHead:
         return PackedLinear.from_codes(BlockCodes(codes.codes.index_select(0, tokens),
                                                   codes.scales.index_select(0, tokens)), bias)(x)
 
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """The argmax of the whole head's fp32 logits [N] for rows x [N, K], unscreened."""
+        return argmax(self.head(x), self.compiled.argmax_rows)
+
     def radius(self, x: torch.Tensor) -> torch.Tensor:
         """c [N] for fp32 rows x [N, K]: each int8 logit is within c |w_j| of the fp32 one (with a margin)."""
         n = x.shape[0]
@@ -353,7 +355,7 @@ class CodesGreedyHead:
         if n == 0:
             return torch.zeros(0, dtype=torch.long, device=x.device)
         if self.max_rows is not None and n > self.max_rows:
-            return argmax(self.head(x), self.compiled.argmax_rows)
+            return self.whole(x)
         approx = self._approx(x)  # [N, V]
         reach = torch.outer(self.radius(x).float(), self.norms)  # [N, V]
         lowest = (approx - reach).amax(dim=1)  # no row's true best is below this
@@ -397,13 +399,12 @@ def codes_greedy_head(head: PackedLinear) -> CodesGreedyHead | None:
     screen = CodesGreedyHead(head)
     key = json.dumps(["v1", list(head.encoded.codes.shape), head.bias is not None, screen.compiled.isa,
                       source_digest(), torch.get_num_threads()])
-    path = cache_root() / "screen" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    path = measurement_path("screen", key)
     if path.is_file():  # measured once per machine, head shape and thread count
         screen.max_rows = json.loads(path.read_text())["max_rows"]
     else:
         screen.max_rows = paying_rows(screen)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_file(path, json.dumps({"key": key, "max_rows": screen.max_rows}))
+        keep_measurement(path, {"key": key, "max_rows": screen.max_rows})
     return screen if screen.max_rows else None
 
 
@@ -413,13 +414,12 @@ def paying_rows(screen: CodesGreedyHead, rows: Sequence[int] = SCREEN_TRIAL_ROWS
     the whole head's product and argmax; 0 where it loses at the first. The int8 products gain where the CPU sums
     byte products in one instruction (AVX-512 VNNI); elsewhere the screen's bound over the vocabulary can cost
     more than it saves (docs/performance.md)."""
-    head, limit = screen.head, screen.max_rows
-    screen.max_rows = None
-    x = torch.randn(max(rows), head.in_features, generator=torch.Generator().manual_seed(0))
+    limit, screen.max_rows = screen.max_rows, None
+    x = torch.randn(max(rows), screen.head.in_features, generator=torch.Generator().manual_seed(0))
     calls: dict[tuple[str, int], Callable[[], Any]] = {}
     for n in rows:
         calls["screen", n] = lambda n=n: screen(x[:n])
-        calls["whole", n] = lambda n=n: argmax(head(x[:n]), screen.compiled.argmax_rows)
+        calls["whole", n] = lambda n=n: screen.whole(x[:n])
     for call in calls.values():  # first calls pay for allocations
         call()
     cost = interleaved_medians(calls, rounds)
