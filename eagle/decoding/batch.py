@@ -131,11 +131,10 @@ def request_noise(keys: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.
 
 def draw_tokens(logits: torch.Tensor, sampling: SamplingConfig, keys: torch.Tensor,
                 steps: torch.Tensor) -> torch.Tensor:
-    """Logits [R, V] -> one token per row [R]: the argmax when greedy, else a draw from
-    ``logits_to_probs`` by an exponential race (argmax of p / -log u: token i wins with probability
-    p_i; a zero-probability token never does) on ``request_noise(keys, steps)``."""
-    if sampling.greedy:
-        return logits.argmax(-1)
+    """Logits [R, V] -> one token per row [R], sampled (greedy rows take the argmax:
+    ``BatchDecoder._draw``): a draw from ``logits_to_probs`` by an exponential race (argmax of
+    p / -log u: token i wins with probability p_i; a zero-probability token never does) on
+    ``request_noise(keys, steps)``."""
     probs = logits_to_probs(logits, sampling)
     return (probs / -torch.log(request_noise(keys, steps, logits.shape[-1]))).argmax(-1)
 
@@ -501,7 +500,7 @@ class BatchDecoder:
         else:
             hidden = prefill_rows(self.lean, self.kv, self.rope, where, ids, lengths - 1)
         keys = torch.tensor([r.seed for r in requests], device=device)
-        tokens = draw_tokens(self.lean.head(hidden).float(), self.sampling, keys, torch.zeros_like(keys))
+        tokens = self._draw(hidden, keys, torch.zeros_like(keys))
         self.ids[where], self.positions[where], self.keys[where] = tokens, lengths, keys
         self.steps[where] = 1
         host = tokens.tolist()
@@ -569,14 +568,19 @@ class BatchDecoder:
                 slots[s].position += 1
                 yield from self._accept(s, host[s], slots)
 
+    def _draw(self, hidden: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """Final-norm features [R, H] -> one token per row [R]: greedy, the lean forward's argmax (the compiled
+        one, or the screened head, on a CPU); sampled, ``draw_tokens`` keyed by ``keys`` and ``steps``."""
+        if self.sampling.greedy:
+            return self.lean.argmax(hidden)
+        return draw_tokens(self.lean.head(hidden).float(), self.sampling, keys, steps)
+
     def _run(self, size: int, keys_len: int) -> torch.Tensor:
         """The step's tokens [size] (a graph's static output on CUDA, replayed; else computed)."""
         def run() -> torch.Tensor:
             hidden = decode_rows(self.lean, self.kv[:, :, :size], self.rope, self.ids[:size],
                                  self.positions[:size], keys_len, self.varlen)
-            if self.sampling.greedy:  # the lean forward's argmax: the compiled one (or a screen) on a CPU
-                return self.lean.argmax(hidden)
-            return draw_tokens(self.lean.head(hidden).float(), self.sampling, self.keys[:size], self.steps[:size])
+            return self._draw(hidden, self.keys[:size], self.steps[:size])
 
         if not self.capture:
             return run()
