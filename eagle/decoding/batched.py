@@ -37,9 +37,8 @@ from eagle.decoding.tree_sizing import AVERAGING, RankRates, batch_tree_sizes, c
 from eagle.errors import EagleError
 from eagle.inputs import METHODS
 from eagle.runtime import kv_cache
-from eagle.runtime.decoder import LeanDecoder
 from eagle.runtime.kernels import STREAM_MAX_ROWS
-from eagle.runtime.segments import segment_forward
+from eagle.runtime.segments import runs_segments, segment_forward
 
 # the most prompt tokens one step prefills (a longer prompt goes alone): the requests it admits are
 # prefilled by one forward; the running sequences get a round between such steps, and the first
@@ -261,7 +260,7 @@ class BatchedEngine:
             seq.cache = target.lean.new_cache() if target.lean is not None else kv_cache.new_cache(target.model)
         features: dict[int, torch.Tensor] = {}
         todo = [i for i, seq in enumerate(seqs) if len(seq.ids) > 1]
-        if len(todo) > 1 and isinstance(target.lean, LeanDecoder):
+        if len(todo) > 1 and runs_segments(target.lean):
             aux = next((seqs[i].proposer.aux_layers for i in todo if seqs[i].proposer.aux_layers), ())
             sizes = [len(seqs[i].ids) - 1 for i in todo]
             tokens = torch.tensor([t for i in todo for t in seqs[i].ids[:-1]], device=target.device)
@@ -338,8 +337,8 @@ class BatchedEngine:
     def _verify(self, rounds: list[_Round]) -> torch.Tensor:
         """ONE target forward over every tree -> the features at every node [R, (1 + n) H], the
         trees one after another (``segment_forward``). One sequence takes the target's own forward
-        (on a CPU one compiled call for the whole stack), as does each sequence of a target without
-        the Llama-family lean forward."""
+        (on a CPU one compiled call for the whole stack), as does each sequence of a target whose lean
+        forward cannot run several (``runs_segments``)."""
         target = self.target
         aux = next((r.seq.proposer.aux_layers for r in rounds if r.seq.proposer.aux_layers), ())
         masks = [attention_bias(r.attn.mask, r.past, target.dtype) if r.proposal.tree.size > 1 else None
@@ -347,7 +346,7 @@ class BatchedEngine:
         for r in rounds:
             r.seq.stats.tree_size = r.proposal.tree.size
             r.seq.stats.target_forwards += 1
-        if len(rounds) > 1 and isinstance(target.lean, LeanDecoder) and all(
+        if len(rounds) > 1 and runs_segments(target.lean) and all(
                 isinstance(r.seq.cache, kv_cache.StaticCache) for r in rounds):
             tokens = torch.cat([r.proposal.tree.tokens for r in rounds])
             positions = torch.cat([r.past + r.attn.depths for r in rounds])

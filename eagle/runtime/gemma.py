@@ -225,22 +225,52 @@ class GemmaDecoder(HeadAndCache):
         """``forward`` for one sequence of 1-16 rows, every layer in one call of the compiled ``GemmaStack``:
         x [q, H] -> [q, (1 + n) H]. Each row's result depends only on its own keys (the attention lists
         them, masked ones left out), so a tree node gets the bits of the plain step."""
-        q_len = x.shape[0]
-        cos, sin, biases = [], [], []
-        full = None if attention_mask is None else attention_mask[0, 0].contiguous()
-        for layer_type in self.layer_types:
-            c, s = self.rotary(x[None], position_ids, layer_type)  # [1, q, d]
-            cos.append(c[0].contiguous())
-            sin.append(s[0].contiguous())
-            window = self.windows[layer_type]
-            # None: causal over keys all within the window
-            biases.append(full if window is None else None if attention_mask is None and past + q_len <= window else
-                          window_bias(attention_mask, position_ids, past, window)[0, 0].contiguous())
-        like = x.new_empty(1, self.num_kv_heads, q_len, self.head_dim)  # a layer's new keys, for the cache
+        like = x.new_empty(1, self.num_kv_heads, x.shape[0], self.head_dim)  # a layer's new keys, for the cache
         x = x.contiguous()
-        aux = self.stack.forward(x, cos, sin, cache.keys, cache.values, cache.reserve_layers(like), biases,
-                                 list(aux_layers))
+        cos, sin = self._rotary_tables(x, position_ids)
+        aux = self.stack.forward(x, cos, sin, cache.keys, cache.values, cache.reserve_layers(like),
+                                 self._kind_biases(attention_mask, position_ids, past), list(aux_layers))
         return torch.cat([self.compiled.rms_norm(x, self.norm, self.eps)] + aux, dim=-1)
+
+    @torch.inference_mode()
+    def segment_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[StaticCache],
+                        sizes: Sequence[int], masks: Sequence[torch.Tensor | None],
+                        aux_layers: Sequence[int] = ()) -> torch.Tensor:
+        """``forward`` for several sequences in one call of the compiled ``GemmaStack`` (the weights read
+        once for all rows): ``input_ids``/``position_ids`` [R], the rows of S sequences one after
+        another, ``sizes`` [S] (1-16 each, sum R); sequence s's rows extend ``caches[s]`` and attend
+        under ``masks[s]`` (as ``forward``'s mask; None: causal). Each row gets the bits of its
+        sequence's ``forward`` alone. Returns [R, (1 + n) H]."""
+        if self.stack is None or not all(0 < n <= STREAM_MAX_ROWS for n in sizes):
+            raise ValueError("GemmaDecoder.segment_forward: the compiled stack, 1-16 rows a sequence")
+        x = self.embed(input_ids[None])[0].contiguous()  # [R, H]
+        cos, sin = self._rotary_tables(x, position_ids[None])
+        starts, biases, start = [], [], 0
+        for cache, n, mask in zip(caches, sizes, masks):
+            past = cache.get_seq_length()
+            biases.append(self._kind_biases(mask, position_ids[None, start:start + n], past))
+            starts.append(cache.reserve_layers(x.new_empty(1, self.num_kv_heads, n, self.head_dim)))
+            start += n
+        aux = self.stack.forward_segments(x, cos, sin, list(sizes), starts, [c.keys for c in caches],
+                                          [c.values for c in caches], biases, list(aux_layers))
+        return torch.cat([self.compiled.rms_norm(x, self.norm, self.eps)] + aux, dim=-1)
+
+    def _rotary_tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The compiled stack's rotary tables for x [q, H] at ``position_ids`` [1, q]: (cos, sin), each a
+        [q, d] table per layer type."""
+        tables = [self.rotary(x[None], position_ids, t) for t in self.layer_types]  # ([1, q, d], [1, q, d])
+        return [c[0].contiguous() for c, _ in tables], [s[0].contiguous() for _, s in tables]
+
+    def _kind_biases(self, mask: torch.Tensor | None, position_ids: torch.Tensor,
+                     past: int) -> list[torch.Tensor | None]:
+        """The compiled stack's attention bias per layer type for q rows at ``position_ids`` [1, q] after
+        ``past`` cached ones under ``mask`` (as ``forward``'s): [q, past + q], the window's keys
+        masked in sliding-window layers; None: causal over keys all within the window."""
+        q_len = position_ids.shape[1]
+        full = None if mask is None else mask[0, 0].contiguous()
+        return [full if window is None else None if mask is None and past + q_len <= window else
+                window_bias(mask, position_ids, past, window)[0, 0].contiguous()
+                for window in (self.windows[t] for t in self.layer_types)]
 
     def _cached_attention(self, i: int, cache: StaticCache, mask: torch.Tensor | None,
                           start: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -6,7 +6,9 @@ for the whole batch); attention runs per sequence, each segment of rows against 
 The arithmetic is ``LeanDecoder``'s (``eagle.runtime.decoder``), on its weights: where one
 sequence alone takes the compiled decoder stack (the compiled kernels run, at most
 ``STREAM_MAX_ROWS`` rows), its segment takes the same compiled rotary, cache write and attention
-(``rope_cache``, ``attention``), so each of its rows gets the bits it gets alone; else torch's."""
+(``rope_cache``, ``attention``), so each of its rows gets the bits it gets alone; else torch's.
+A Gemma-3 target (``GemmaDecoder``) runs its sequences of 1-16 rows in one call of its compiled stack
+(``GemmaDecoder.segment_forward``, the same bits as alone) and each longer one by its own forward."""
 
 from __future__ import annotations
 
@@ -17,8 +19,14 @@ import torch.nn.functional as F
 
 from eagle.decoding.tree_mask import causal_bias
 from eagle.runtime.decoder import LeanDecoder, rotate
+from eagle.runtime.gemma import GemmaDecoder
 from eagle.runtime.kernels import STREAM_MAX_ROWS
 from eagle.runtime.kv_cache import StaticCache
+
+
+def runs_segments(lean: object) -> bool:
+    """Whether ``segment_forward`` runs several sequences of this lean forward in one forward."""
+    return isinstance(lean, LeanDecoder) or isinstance(lean, GemmaDecoder) and lean.stack is not None
 
 
 def compiled_segments(lean: LeanDecoder, sizes: Sequence[int]) -> list[bool]:
@@ -28,13 +36,15 @@ def compiled_segments(lean: LeanDecoder, sizes: Sequence[int]) -> list[bool]:
 
 
 @torch.inference_mode()
-def segment_forward(lean: LeanDecoder, input_ids: torch.Tensor, position_ids: torch.Tensor,
+def segment_forward(lean: LeanDecoder | GemmaDecoder, input_ids: torch.Tensor, position_ids: torch.Tensor,
                     caches: Sequence[StaticCache], sizes: Sequence[int], masks: Sequence[torch.Tensor | None],
                     aux_layers: Sequence[int] = ()) -> torch.Tensor:
     """``input_ids``/``position_ids`` [R]: the rows of S sequences one after another, ``sizes`` [S]
     rows each (sum R); sequence s's rows are appended to ``caches[s]`` and attend to it under
     ``masks[s]`` (additive [1, 1, n_s, past_s + n_s], or None: causal). Returns the final-norm
     hidden states [R, H] followed by the outputs of layers ``aux_layers`` ([R, (1 + n) H])."""
+    if isinstance(lean, GemmaDecoder):
+        return _gemma_segments(lean, input_ids, position_ids, caches, sizes, masks, aux_layers)
     nh, nkv, d = lean.num_heads, lean.num_kv_heads, lean.head_dim
     x = lean.embed(input_ids)  # [R, H]
     cos, sin = lean.rotary(x[None], position_ids[None])
@@ -77,3 +87,23 @@ def segment_forward(lean: LeanDecoder, input_ids: torch.Tensor, position_ids: to
         if i in aux_layers:
             kept[i] = x
     return torch.cat([lean.rms_norm(x, lean.norm, lean.norm_eps)] + [kept[i] for i in aux_layers], dim=-1)
+
+
+def _gemma_segments(lean: GemmaDecoder, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                    caches: Sequence[StaticCache], sizes: Sequence[int], masks: Sequence[torch.Tensor | None],
+                    aux_layers: Sequence[int]) -> torch.Tensor:
+    """``segment_forward`` for a Gemma-3 target: the sequences of 1-16 rows together in one call of the
+    compiled stack, each longer one by its own ``forward`` (as it runs alone)."""
+    ends = torch.tensor(list(sizes)).cumsum(0).tolist()
+    parts = [(slice(end - n, end), cache, n, mask) for end, cache, n, mask in zip(ends, caches, sizes, masks)]
+    short = [p for p in parts if p[2] <= STREAM_MAX_ROWS]
+    out: dict[int, torch.Tensor] = {}
+    if short:
+        rows = torch.cat([torch.arange(r.start, r.stop) for r, *_ in short]).to(input_ids.device)
+        together = lean.segment_forward(input_ids[rows], position_ids[rows], [p[1] for p in short],
+                                        [p[2] for p in short], [p[3] for p in short], aux_layers)
+        out.update(zip((r.start for r, *_ in short), together.split([p[2] for p in short])))
+    for rows, cache, n, mask in parts:
+        if n > STREAM_MAX_ROWS:
+            out[rows.start] = lean.forward(input_ids[None, rows], position_ids[None, rows], cache, mask, aux_layers)[0]
+    return torch.cat([out[r.start] for r, *_ in parts])

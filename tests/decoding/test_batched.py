@@ -14,9 +14,10 @@ from eagle.decoding import acceptance
 from eagle.decoding.batched import BatchedEngine, RequestOptions, generate_together
 from eagle.decoding.tree_mask import attention_bias, tree_attention
 from eagle.decoding.tree_sizing import RankRates, batch_tree_sizes
-from eagle.runtime.segments import segment_forward
+from eagle.runtime.gemma import GemmaDecoder
+from eagle.runtime.segments import runs_segments, segment_forward
 
-from tests.conftest import prompts, tiny_drafter, tiny_target
+from tests.conftest import prompts, tiny_drafter, tiny_gemma, tiny_target
 
 METHODS = ("ar", "pld", "sd", "eagle-chain", "eagle-tree")
 CHEAP = [1.0] * 64  # a forward costs the same for 1-64 rows: every draft pays
@@ -170,6 +171,51 @@ def test_segment_forward_with_compiled_attention_gives_each_row_its_bits_alone()
     for mine, alone in rows:
         torch.testing.assert_close(mine, alone, rtol=1e-5, atol=1e-4)
     assert [c.lengths for c, _ in caches] == [[5 + 18] * 2, [3 + 1] * 2]
+
+
+def test_gemma_segments_give_each_row_its_bits_alone():
+    """Gemma-3 (sliding-window layers of 6 beside full ones): a tree after a context longer than the
+    window, a single row, a chain, and a chain longer than the compiled stack takes, in one
+    ``segment_forward``: every row is bit-identical to its own sequence's forward, and every cache holds
+    what its own forward wrote."""
+    from tests.runtime.test_kernels import module_or_skip
+
+    module_or_skip()
+    target = tiny_gemma(seed=3, window=6)
+    assert runs_segments(target.lean) and target.lean.stack is not None
+    contexts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [9, 2, 2], [2, 8, 8, 8, 1], [7, 7]]
+    parents = [torch.tensor([-1, 0, 0, 1, 1, 2, 5]), torch.tensor([-1]), torch.arange(-1, 8), torch.arange(-1, 19)]
+    rows, caches = segments_and_alone(target, contexts, parents)
+    assert [len(mine) for mine, _ in rows] == [7, 1, 9, 20]
+    assert all(torch.equal(mine, alone) for mine, alone in rows)
+    for mine, ref in caches:
+        assert mine.lengths == ref.lengths
+        n = ref.lengths[0]
+        assert all(torch.equal(a[..., :n, :], b[..., :n, :]) for a, b in zip(mine.keys + mine.values,
+                                                                             ref.keys + ref.values))
+
+
+def test_gemma_batch_runs_one_forward_a_round_and_equals_each_request_alone(monkeypatch):
+    """A Gemma-3 target in the batch: each round's trees verified by one call of the compiled stack for
+    all sequences, prompts of up to 16 tokens prefilled together; every request's greedy tokens are its
+    own ``ar`` decoding's, past the sliding window."""
+    from tests.runtime.test_kernels import module_or_skip
+
+    module_or_skip()
+    target = tiny_gemma(seed=4, window=6)
+    model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3)
+    calls = []
+    together = GemmaDecoder.segment_forward
+    monkeypatch.setattr(GemmaDecoder, "segment_forward",
+                        lambda self, *args, **kw: calls.append(list(args[3])) or together(self, *args, **kw))
+    batch = prompts(6, seed=3)
+    options = [RequestOptions(method=("ar", "pld", "eagle-tree")[i % 3], max_new_tokens=12) for i in range(6)]
+    results = generate_together(BatchedEngine(model, max_batch=4, load_sizing=False), batch, options)
+    for ids, opts, result in zip(batch, options, results):
+        assert result.token_ids == model.generate(ids, method="ar", max_new_tokens=12).token_ids, opts.method
+        assert result.accept_lengths == model.generate(ids, method=opts.method, max_new_tokens=12).accept_lengths
+    assert any(len(sizes) == 4 and max(sizes) > 1 for sizes in calls)  # a round of four sequences, trees among them
+    assert sum(len(r.accept_lengths) for r in results) < sum(len(r.token_ids) for r in results)  # drafts accepted
 
 
 def test_cancel_queue_counts_and_refusals(model):

@@ -1868,25 +1868,60 @@ struct GemmaLayerWeights {
   int64_t kind;
 };
 
-// gemma_layer: one Gemma-3 decoder layer for one sequence of 1-16 rows, in place on x [q, H]:
+// linear_rows: linear for any number of rows, a kernel that takes 1-16 rows a call given them 16 at a time (a
+// row's result does not depend on the rows computed with it).
+torch::Tensor linear_rows(const torch::Tensor& x, const Product& p) {
+  const int64_t M = x.size(0);
+  if (M <= kMaxRows || !p.raws.empty() || p.int8 || (kPanels && p.s.has_value())) return linear(x, p, true);
+  std::vector<torch::Tensor> parts;
+  for (int64_t r = 0; r < M; r += kMaxRows) parts.push_back(linear(x.narrow(0, r, std::min(kMaxRows, M - r)), p, true));
+  return torch::cat(parts);
+}
+
+// One sequence's rows in a Gemma-3 forward over several (GemmaStack.forward_segments): how many (1-16), the cache
+// row its first new key goes to, its cache buffers per layer ([1, kv, capacity, d]) and its attention bias per
+// layer kind (none: causal).
+struct GemmaSegment {
+  int64_t rows, start;
+  const std::vector<torch::Tensor>* keys;
+  const std::vector<torch::Tensor>* values;
+  const std::vector<c10::optional<torch::Tensor>>* biases;
+};
+
+// gemma_layer: Gemma-3 decoder layer i over the rows of segs (one after another in x [R, H]), in place:
 // qkv(rms(x)), RMSNorms on each query and key head, rotary, attention; x += rms(o(.)); then
-// x += rms(down(gelu_tanh(gate) * up)) with gate, up = gate_up(rms(x)). The kernels and sums of the separate
-// calls eagle.runtime.gemma makes (the activation is torch's), so the bits are theirs.
-void gemma_layer(torch::Tensor x, const GemmaLayerWeights& l, const torch::Tensor& cos, const torch::Tensor& sin,
-                 torch::Tensor key_buf, torch::Tensor value_buf, int64_t nh, int64_t start,
-                 const c10::optional<torch::Tensor>& bias, double scale, double eps) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "gemma_layer: x fp32 [q, H]");
-  const torch::Tensor qkv = linear(rms_norm(x, l.input_norm, eps), l.qkv, true);
-  const int64_t q = x.size(0), nkv = key_buf.size(0), d = key_buf.size(2), heads = qkv.size(1) / d;
+// x += rms(down(gelu_tanh(gate) * up)) with gate, up = gate_up(rms(x)). The products and norms run over all rows
+// (each row's result its own); rotary, cache writes, attention and the activation per sequence, each on its rows
+// alone. The kernels and sums of the separate calls eagle.runtime.gemma makes (the activation is torch's), so a
+// row gets the bits of its sequence's forward alone.
+void gemma_layer(torch::Tensor x, const GemmaLayerWeights& l, size_t i, const torch::Tensor& cos,
+                 const torch::Tensor& sin, const std::vector<GemmaSegment>& segs, int64_t nh, double scale, double eps) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "gemma_layer: x fp32 [R, H]");
+  const torch::Tensor qkv = linear_rows(rms_norm(x, l.input_norm, eps), l.qkv);
+  const torch::Tensor& first = (*segs[0].keys)[i];
+  const int64_t nkv = first.size(1), d = first.size(3), heads = qkv.size(1) / d;
   TORCH_CHECK(heads == nh + 2 * nkv && l.q_norm.numel() == d && l.k_norm.numel() == d, "gemma_layer: head widths");
   head_norms(qkv, l.q_norm, l.k_norm, nh, nkv, eps);
-  const torch::Tensor qr = rope_cache(qkv, cos, sin, key_buf, value_buf, nh, start);
-  x.add_(rms_norm(linear(attention(qr, key_buf, value_buf, start + q, bias, scale), l.o, true),
-                  l.post_attention_norm, eps));
-  const torch::Tensor gate_up = linear(rms_norm(x, l.pre_feedforward_norm, eps), l.gate_up, true);
+  std::vector<torch::Tensor> outs;
+  int64_t row = 0;
+  for (const GemmaSegment& s : segs) {
+    const torch::Tensor key_buf = (*s.keys)[i][0], value_buf = (*s.values)[i][0];
+    const torch::Tensor qr = rope_cache(qkv.narrow(0, row, s.rows), cos.narrow(0, row, s.rows),
+                                        sin.narrow(0, row, s.rows), key_buf, value_buf, nh, s.start);
+    outs.push_back(attention(qr, key_buf, value_buf, s.start + s.rows, (*s.biases)[l.kind], scale));
+    row += s.rows;
+  }
+  x.add_(rms_norm(linear_rows(outs.size() == 1 ? outs[0] : torch::cat(outs), l.o), l.post_attention_norm, eps));
+  const torch::Tensor gate_up = linear_rows(rms_norm(x, l.pre_feedforward_norm, eps), l.gate_up);
   const int64_t inter = gate_up.size(1) / 2;
-  const torch::Tensor act = (at::gelu(gate_up.narrow(1, 0, inter), "tanh") * gate_up.narrow(1, inter, inter)).contiguous();
-  x.add_(rms_norm(linear(act, l.down, true), l.post_feedforward_norm, eps));
+  std::vector<torch::Tensor> acts;
+  row = 0;
+  for (const GemmaSegment& s : segs) {  // torch's activation on each sequence's rows: the shape it has alone
+    const torch::Tensor g = gate_up.narrow(0, row, s.rows);
+    acts.push_back((at::gelu(g.narrow(1, 0, inter), "tanh") * g.narrow(1, inter, inter)).contiguous());
+    row += s.rows;
+  }
+  x.add_(rms_norm(linear_rows(acts.size() == 1 ? acts[0] : torch::cat(acts), l.down), l.post_feedforward_norm, eps));
 }
 
 // GemmaStack: a Gemma-3 target's decoder layers, handed over once (add) and run by one call a forward.
@@ -1904,28 +1939,60 @@ class GemmaStack {
     layers_.push_back({norms[0], norms[1], norms[2], norms[3], norms[4], norms[5], p[0], p[1], p[2], p[3], kind});
   }
 
-  // Every layer in order on x [q, H], in place; a layer of kind t reads cos[t], sin[t] ([q, d]) and biases[t]
-  // (as for attention; none: causal) and writes its keys and values to rows start..start+q-1 of keys[i][0],
-  // values[i][0]. Returns copies of x after each layer listed in aux, in aux's order.
+  // Every layer in order on x [q, H] (one sequence), in place; a layer of kind t reads cos[t], sin[t] ([q, d]) and
+  // biases[t] (as for attention; none: causal) and writes its keys and values to rows start..start+q-1 of
+  // keys[i][0], values[i][0]. Returns copies of x after each layer listed in aux, in aux's order.
   std::vector<torch::Tensor> forward(torch::Tensor x, const std::vector<torch::Tensor>& cos,
                                      const std::vector<torch::Tensor>& sin, const std::vector<torch::Tensor>& keys,
                                      const std::vector<torch::Tensor>& values, int64_t start,
                                      const std::vector<c10::optional<torch::Tensor>>& biases,
                                      const std::vector<int64_t>& aux) {
-    TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "GemmaStack: a buffer per layer");
+    return run(x, cos, sin, {{x.size(0), start, &keys, &values, &biases}}, aux);
+  }
+
+  // forward for S sequences at once: x [R, H] holds their rows one after another, sizes[s] (1-16) each; sequence s
+  // writes its keys and values from row starts[s] of keys[s][i][0], values[s][i][0] and attends under biases[s][t]
+  // in a layer of kind t; cos[t], sin[t] [R, d]. The weights are read once for all R rows.
+  std::vector<torch::Tensor> forward_segments(torch::Tensor x, const std::vector<torch::Tensor>& cos,
+                                              const std::vector<torch::Tensor>& sin, const std::vector<int64_t>& sizes,
+                                              const std::vector<int64_t>& starts,
+                                              const std::vector<std::vector<torch::Tensor>>& keys,
+                                              const std::vector<std::vector<torch::Tensor>>& values,
+                                              const std::vector<std::vector<c10::optional<torch::Tensor>>>& biases,
+                                              const std::vector<int64_t>& aux) {
+    const size_t n = sizes.size();
+    TORCH_CHECK(n > 0 && starts.size() == n && keys.size() == n && values.size() == n && biases.size() == n,
+                "GemmaStack.forward_segments: sizes, starts, keys, values and biases per sequence");
+    std::vector<GemmaSegment> segs;
+    int64_t rows = 0;
+    for (size_t s = 0; s < n; ++s) {
+      TORCH_CHECK(sizes[s] >= 1 && sizes[s] <= kMaxRows, "GemmaStack.forward_segments: 1 to 16 rows a sequence");
+      segs.push_back({sizes[s], starts[s], &keys[s], &values[s], &biases[s]});
+      rows += sizes[s];
+    }
+    TORCH_CHECK(rows == x.size(0), "GemmaStack.forward_segments: the sizes add up to x's rows");
+    return run(x, cos, sin, segs, aux);
+  }
+
+ private:
+  std::vector<torch::Tensor> run(torch::Tensor x, const std::vector<torch::Tensor>& cos,
+                                 const std::vector<torch::Tensor>& sin, const std::vector<GemmaSegment>& segs,
+                                 const std::vector<int64_t>& aux) {
+    for (const GemmaSegment& s : segs)
+      TORCH_CHECK(s.keys->size() == layers_.size() && s.values->size() == layers_.size() &&
+                  s.biases->size() == cos.size(), "GemmaStack: a buffer per layer, a bias per layer kind");
     std::vector<torch::Tensor> outputs(aux.size());
     for (size_t i = 0; i < layers_.size(); ++i) {
       const GemmaLayerWeights& l = layers_[i];
-      TORCH_CHECK(l.kind >= 0 && l.kind < static_cast<int64_t>(cos.size()) && cos.size() == sin.size() &&
-                  cos.size() == biases.size(), "GemmaStack: cos, sin and a bias per layer kind");
-      gemma_layer(x, l, cos[l.kind], sin[l.kind], keys[i][0], values[i][0], nh_, start, biases[l.kind], scale_, eps_);
+      TORCH_CHECK(l.kind >= 0 && l.kind < static_cast<int64_t>(cos.size()) && cos.size() == sin.size(),
+                  "GemmaStack: cos and sin per layer kind");
+      gemma_layer(x, l, i, cos[l.kind], sin[l.kind], segs, nh_, scale_, eps_);
       for (size_t j = 0; j < aux.size(); ++j)
         if (aux[j] == static_cast<int64_t>(i)) outputs[j] = x.clone();
     }
     return outputs;
   }
 
- private:
   int64_t nh_;
   double scale_, eps_;
   std::vector<GemmaLayerWeights> layers_;
@@ -1993,5 +2060,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("norms"), py::arg("products"), py::arg("kind"))
       .def("forward", &GemmaStack::forward, "every layer in place on x [q, H]; copies of x after the aux layers",
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("start"),
-           py::arg("biases"), py::arg("aux"));
+           py::arg("biases"), py::arg("aux"))
+      .def("forward_segments", &GemmaStack::forward_segments,
+           "forward for several sequences' rows at once, each with its own cache and biases; the weights read once",
+           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("sizes"), py::arg("starts"), py::arg("keys"),
+           py::arg("values"), py::arg("biases"), py::arg("aux"));
 }
