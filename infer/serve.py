@@ -29,6 +29,7 @@ from typing import Any
 
 from eagle.errors import EagleError, command
 from eagle.engine import METHODS
+from eagle.runtime.openmp import release_workers
 from infer.scheduler import ApiError, BatchedBackend, Job, Metrics, Scheduler, SerialBackend
 
 PROG = "eagle-serve"
@@ -240,6 +241,7 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
     if backend is None:  # one request at a time on the fast single-stream path, else one batch
         backend = SerialBackend(model) if max_batch == 1 else BatchedBackend(model, max_batch)
     engine = Scheduler(backend, model.target.tokenizer, model.target.max_context, max_queue, metrics)
+    release_workers()  # this thread hands decoding to the scheduler's: its idle OpenMP workers would slow it
     created = int(time.time())
     key = api_key.encode() if api_key is not None else None
 
