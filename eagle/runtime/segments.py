@@ -12,6 +12,7 @@ A Gemma-3 target (``GemmaDecoder``) runs its sequences of 1-16 rows in one call 
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
@@ -94,8 +95,8 @@ def _gemma_segments(lean: GemmaDecoder, input_ids: torch.Tensor, position_ids: t
                     aux_layers: Sequence[int]) -> torch.Tensor:
     """``segment_forward`` for a Gemma-3 target: the sequences of 1-16 rows together in one call of the
     compiled stack, each longer one by its own ``forward`` (as it runs alone)."""
-    ends = torch.tensor(list(sizes)).cumsum(0).tolist()
-    parts = [(slice(end - n, end), cache, n, mask) for end, cache, n, mask in zip(ends, caches, sizes, masks)]
+    parts = [(slice(end - n, end), cache, n, mask)
+             for end, cache, n, mask in zip(itertools.accumulate(sizes), caches, sizes, masks)]
     short = [p for p in parts if p[2] <= STREAM_MAX_ROWS]
     out: dict[int, torch.Tensor] = {}
     if short:
