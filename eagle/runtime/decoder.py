@@ -337,14 +337,9 @@ class CodesGreedyHead:
         return argmax(self.head(x), self.compiled.argmax_rows)
 
     def radius(self, x: torch.Tensor) -> torch.Tensor:
-        """c [N] for fp32 rows x [N, K]: each int8 logit is within c |w_j| of the fp32 one (with a margin)."""
-        n = x.shape[0]
-        blocks = x.view(n, -1, 32)  # x as the int8 products quantize it
-        top = blocks.abs().amax(-1, keepdim=True)
-        inv = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
-        seen = (torch.round(blocks * inv).double() * (top / 127.0).double()).view(n, -1)
-        x64 = x.double()
-        return ((x64 - seen).norm(dim=1) + self.gamma * (seen.norm(dim=1) + x64.norm(dim=1))) * 1.001 + 1e-12
+        """c [N] (float64) for fp32 rows x [N, K]: each int8 logit is within c |w_j| of the fp32 one (with a margin),
+        x' taken as the int8 products quantize it."""
+        return self.compiled.int8_radius(x, self.gamma)
 
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -357,11 +352,13 @@ class CodesGreedyHead:
         if self.max_rows is not None and n > self.max_rows:
             return self.whole(x)
         approx = self._approx(x)  # [N, V]
-        reach = torch.outer(self.radius(x).float(), self.norms)  # [N, V]
-        lowest = (approx - reach).amax(dim=1)  # no row's true best is below this
-        reach += approx  # the highest each token's fp32 logit can be
-        slack = self.SLACK * torch.maximum(reach.abs().amax(dim=1), lowest.abs())
-        return argmax_of_candidates(reach >= (lowest - slack)[:, None], lambda tokens: self._exact(x, tokens))
+        # the tokens within reach of each row's best (A_j + c |w_j| >= max_i (A_i - c |w_i|), with a slack for
+        # fp32 roundings), in one compiled pass; none where the whole head decides (an eighth of the vocabulary)
+        tokens, keep = self.compiled.screen_candidates(approx, self.radius(x).float(), self.norms, self.SLACK,
+                                                       approx.shape[1] // 8)
+        if tokens.shape[0] == 0:
+            return self.whole(x)
+        return tokens[self._exact(x, tokens).masked_fill(~keep, -torch.inf).argmax(dim=1)]
 
 
 def screenable(head: Any) -> bool:

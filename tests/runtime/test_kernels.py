@@ -285,6 +285,48 @@ def test_argmax_rows_gives_the_first_largest_index_as_torch():
         module.argmax_rows(x.double())
 
 
+def screen_reference(approx, radius, norms, slack):
+    """Which tokens the bound keeps per row [N, V] (bool), by the torch expressions ``screen_candidates``
+    replaces."""
+    reach = torch.outer(radius, norms)
+    lowest = (approx - reach).amax(dim=1)
+    reach += approx
+    return reach >= (lowest - slack * torch.maximum(reach.abs().amax(dim=1), lowest.abs()))[:, None]
+
+
+def test_screen_candidates_keeps_what_the_bound_keeps():
+    """Each row's candidates and their union as the torch expressions give them: crowds in a block of 16,
+    candidates in the tail past the last whole vector, one row alone; empty (the whole head decides) for a
+    value that is not finite in any row, a row with more than ``most`` candidates, or a union with more."""
+    module = module_or_skip()
+    gen = torch.Generator().manual_seed(4)
+    n, v, slack = 6, 1000 + 7, 2.0 ** -20
+    approx = torch.randn(n, v, generator=gen) * 4
+    radius, norms = torch.rand(n, generator=gen) * 0.05, torch.rand(v, generator=gen) + 0.5
+    radius[1] = 0.02
+    approx[1, 32:48] = approx[1].max() + 1e-4 * torch.rand(16, generator=gen)  # a whole block within reach
+    approx[2, 1003] = approx[2, 1005] = approx[2].max() + 1  # best in the tail, twice
+    approx[3, :] = 1.0  # every token ties
+    want = screen_reference(approx, radius, norms, slack)
+    assert want[3].all() and want[:3].sum(dim=1).tolist()[1] >= 16
+    rows = [0, 1, 2, 4, 5]
+    tokens, keep = module.screen_candidates(approx[rows].contiguous(), radius[rows].contiguous(), norms, slack, v // 8)
+    assert torch.equal(tokens, want[rows].any(dim=0).nonzero()[:, 0])
+    assert torch.equal(keep, want[rows][:, tokens]) and keep.any(dim=1).all()
+    assert 1003 in tokens.tolist() and 1005 in tokens.tolist()
+    tokens, keep = module.screen_candidates(approx[:1].contiguous(), radius[:1].contiguous(), norms, slack, v // 8)
+    assert torch.equal(tokens, want[0].nonzero()[:, 0]) and keep.all()
+    for bad in (approx[:4], approx[rows[:2]]):  # a row of ties: more than an eighth; a tight limit
+        most = v // 8 if bad.shape[0] == 4 else 3
+        tokens, keep = module.screen_candidates(bad.contiguous(), radius[:bad.shape[0]].contiguous(), norms, slack, most)
+        assert tokens.shape == (0,) and keep.shape == (bad.shape[0], 0)
+    for value in (float("nan"), float("inf")):
+        odd = approx[rows].clone()
+        odd[2, 500] = value
+        tokens, _ = module.screen_candidates(odd, radius[rows].contiguous(), norms, slack, v // 8)
+        assert tokens.shape == (0,)
+
+
 def test_silu_mul_matches_a_float64_reference():
     module = module_or_skip()
     gate_up = torch.randn(3, 2 * 48, generator=torch.Generator().manual_seed(5)) * 6
@@ -643,7 +685,7 @@ def test_codes_greedy_head_argmax_is_the_fp32_heads_even_on_near_ties(isa, monke
         approx = kernels.cpu_kernels().stream_linear_q(x, codes.codes, codes.scales, bias, True, True)
         for rows in (x[:1], x[:7], x[:16], x[:21], x):
             assert torch.equal(greedy(rows), want[:rows.shape[0]])
-        nan = x[:3].clone()
+        nan = x[100:103].clone()  # the other rows' candidates are in the crowd, the NaN row's argmax is 0
         nan[1, 4] = torch.nan
         assert torch.equal(greedy(nan), head(nan).argmax(-1))
         bound_holds_and_is_not_vacuous(greedy, head, torch.cat([x, x[:30] ** 3]))

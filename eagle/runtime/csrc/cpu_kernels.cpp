@@ -1860,6 +1860,108 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
+// int8_radius: for fp32 rows x [N, K], c [N] such that each logit of the int8 products (x quantized by quantize_rows,
+// x' its codes times their block scales) is within c |w_j| of the fp32 one: c = |x - x'| + gamma (|x'| + |x|)
+// (CodesGreedyHead), summed in double, times 1.001 plus 1e-12 for the roundings of these sums. NaN where x is not
+// finite. Float64 [N].
+torch::Tensor int8_radius(const torch::Tensor& x, double gamma) {
+  check_int8(true, "int8_radius");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.device().is_cpu() &&
+              x.size(1) % 32 == 0, "int8_radius: contiguous fp32 CPU x [N, K], K a multiple of 32");
+  const int64_t N = x.size(0), K = x.size(1);
+  auto out = torch::empty({N}, torch::kFloat64);
+  double* op = out.data_ptr<double>();
+#if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)  // the builds with int8 products (check_int8 above)
+  const float* xp = x.data_ptr<float>();
+  const QuantizedRows xq = quantize_rows(xp, N, K);
+  for (int64_t i = 0; i < N; ++i) {
+    double err = 0.0, seen = 0.0, own = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double v = xp[i * K + k], q = static_cast<double>(xq.q[i * K + k]) * xq.d[(i * K + k) / 32];
+      err += (v - q) * (v - q);
+      seen += q * q;
+      own += v * v;
+    }
+    op[i] = (std::sqrt(err) + gamma * (std::sqrt(seen) + std::sqrt(own))) * 1.001 + 1e-12;
+  }
+#endif
+  return out;
+}
+
+// screen_candidates: the tokens whose fp32 logit may be a row's largest, from approximate logits approx fp32 [N, V]
+// each within radius[i] * norms[j] of the fp32 one (CodesGreedyHead's bound). Per row, with c_j = radius * norms[j]:
+// lowest = max_j (A_j - c_j) (no row's best is below it), and token j is a candidate where A_j + c_j >= lowest -
+// slack * max(max_j |A_j + c_j|, |lowest|) (the fp32 roundings of those sums), the arithmetic of the torch expressions
+// it replaces, in two passes over the row. Returns (the union of the rows' candidates in increasing order, int64 [T];
+// which of them each row keeps, bool [N, T]), or two empty tensors where the whole head must decide: a row with a
+// value that is not finite or with no candidate, or more than `most` candidates in a row or in all.
+std::tuple<torch::Tensor, torch::Tensor> screen_candidates(const torch::Tensor& approx, const torch::Tensor& radius,
+                                                           const torch::Tensor& norms, double slack, int64_t most) {
+  TORCH_CHECK(approx.dtype() == torch::kFloat32 && approx.is_contiguous() && approx.dim() == 2 && approx.device().is_cpu(),
+              "screen_candidates: contiguous fp32 CPU approx [N, V]");
+  const int64_t N = approx.size(0), W = approx.size(1), whole = W / 16 * 16;
+  TORCH_CHECK(radius.dtype() == torch::kFloat32 && radius.is_contiguous() && radius.numel() == N &&
+              norms.dtype() == torch::kFloat32 && norms.is_contiguous() && norms.numel() == W,
+              "screen_candidates: fp32 radius [N] and norms [V]");
+  const float* ap = approx.data_ptr<float>();
+  const float* rp = radius.data_ptr<float>();
+  const float* np = norms.data_ptr<float>();
+  std::vector<std::vector<int64_t>> rows(N);
+  std::vector<char> usable(N, 1);
+  at::parallel_for(0, N, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* a = ap + i * W;
+      const float r = rp[i];
+      const V vr = vset1(r);
+      V lo = vset1(-INFINITY), top = vzero(), odd = vzero();  // odd: 0 while every value is finite
+      for (int64_t k = 0; k < whole; k += 16) {
+        const V v = vload(a + k), c = vmul(vr, vload(np + k)), s = vadd(v, c);
+        lo = vmax(lo, vsub(v, c));
+        top = vmax(top, vmax(s, vsub(vzero(), s)));
+        odd = vadd(odd, vmul(s, vzero()));
+      }
+      float lowest = vmaxall(lo), high = vmaxall(top);
+      bool finite = std::isfinite(vsum(odd)) && std::isfinite(r);
+      for (int64_t k = whole; k < W; ++k) {
+        const float c = r * np[k], s = a[k] + c;
+        finite = finite && std::isfinite(s);
+        lowest = std::max(lowest, a[k] - c);
+        high = std::max(high, std::fabs(s));
+      }
+      if (!finite || !std::isfinite(lowest)) {
+        usable[i] = 0;
+        continue;
+      }
+      const float t = lowest - static_cast<float>(slack) * std::max(high, std::fabs(lowest));
+      std::vector<int64_t>& kept = rows[i];
+      for (int64_t k = 0; k < W; k += 16) {
+        const int64_t n = std::min<int64_t>(16, W - k);
+        if (n == 16 && vmaxall(vadd(vload(a + k), vmul(vr, vload(np + k)))) < t) continue;  // none of the 16
+        for (int64_t j = k; j < k + n; ++j)
+          if (a[j] + r * np[j] >= t) kept.push_back(j);
+        if (static_cast<int64_t>(kept.size()) > most) break;
+      }
+      if (kept.empty() || static_cast<int64_t>(kept.size()) > most) usable[i] = 0;
+    }
+  });
+  const auto none = std::make_tuple(torch::empty({0}, torch::kInt64), torch::empty({N, 0}, torch::kBool));
+  for (int64_t i = 0; i < N; ++i)
+    if (!usable[i]) return none;
+  std::vector<int64_t> all;
+  for (const auto& kept : rows) all.insert(all.end(), kept.begin(), kept.end());
+  std::sort(all.begin(), all.end());
+  all.erase(std::unique(all.begin(), all.end()), all.end());
+  if (static_cast<int64_t>(all.size()) > most) return none;
+  const int64_t T = static_cast<int64_t>(all.size());
+  auto tokens = torch::empty({T}, torch::kInt64);
+  std::copy(all.begin(), all.end(), tokens.data_ptr<int64_t>());
+  auto keep = torch::zeros({N, T}, torch::kBool);
+  bool* kp = keep.data_ptr<bool>();
+  for (int64_t i = 0; i < N; ++i)
+    for (const int64_t j : rows[i]) kp[i * T + (std::lower_bound(all.begin(), all.end(), j) - all.begin())] = true;
+  return std::make_tuple(tokens, keep);
+}
+
 // A Gemma-3 decoder layer's weights: the (1 + w) scales of its six RMSNorms, its four products, and its kind (which
 // of the forward's rotary tables and attention biases it reads: sliding-window and full-attention layers differ).
 struct GemmaLayerWeights {
@@ -2044,6 +2146,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_cache", &rope_cache, "rotary queries and keys, keys and values into the cache buffers, fp32");
   m.def("attention", &attention, "grouped-query attention of a few rows over the cache, fp32, row-independent");
   m.def("silu_mul", &silu_mul, "silu(gate) * up, fp32");
+  m.def("int8_radius", &int8_radius, "how far each int8-product logit of rows x can be from the fp32 one, per unit "
+        "of the weight row's norm (float64)", py::arg("x"), py::arg("gamma"));
+  m.def("screen_candidates", &screen_candidates, "the tokens an approximate head's bound leaves within reach of each "
+        "row's best: (their union, which each row keeps), or empty ones where the whole head must decide",
+        py::arg("approx"), py::arg("radius"), py::arg("norms"), py::arg("slack"), py::arg("most"));
   m.def("argmax_rows", &argmax_rows, "each row's first largest value's index (torch's argmax), fp32 [N, V]");
   m.def("compact_rows", &compact_rows, "copy rows keep[j] of each cache buffer to start + j, for all layers at once");
   py::class_<DecoderStack>(m, "DecoderStack", py::module_local(), "decoder layers run by one call a forward (decoder_layer each)")
