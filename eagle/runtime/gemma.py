@@ -204,7 +204,7 @@ class GemmaDecoder(HeadAndCache):
         past = cache.get_seq_length()
         x = self.embed(input_ids)
         if self.compiled is not None and b == 1 and q_len <= STREAM_MAX_ROWS:
-            return self._compiled_forward(x[0], position_ids, cache, attention_mask, past, aux_layers)[None]
+            return self._stack_rows(x[0], position_ids[0], [cache], [q_len], [attention_mask], aux_layers)[None]
         rope = {t: tuple(c[:, None] for c in self.rotary(x, position_ids, t)) for t in self.layer_types}
         if attention_mask is None and q_len > 1:
             attention_mask = causal_bias(q_len, past, x.dtype, x.device)
@@ -220,18 +220,6 @@ class GemmaDecoder(HeadAndCache):
                 kept[i] = x
         return torch.cat([gemma_norm(x, self.norm, self.eps)] + [kept[i] for i in aux_layers], dim=-1)
 
-    def _compiled_forward(self, x: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache,
-                          attention_mask: torch.Tensor | None, past: int, aux_layers: Sequence[int]) -> torch.Tensor:
-        """``forward`` for one sequence of 1-16 rows, every layer in one call of the compiled ``GemmaStack``:
-        x [q, H] -> [q, (1 + n) H]. Each row's result depends only on its own keys (the attention lists
-        them, masked ones left out), so a tree node gets the bits of the plain step."""
-        like = x.new_empty(1, self.num_kv_heads, x.shape[0], self.head_dim)  # a layer's new keys, for the cache
-        x = x.contiguous()
-        cos, sin = self._rotary_tables(x, position_ids)
-        aux = self.stack.forward(x, cos, sin, cache.keys, cache.values, cache.reserve_layers(like),
-                                 self._kind_biases(attention_mask, position_ids, past), list(aux_layers))
-        return torch.cat([self.compiled.rms_norm(x, self.norm, self.eps)] + aux, dim=-1)
-
     @torch.inference_mode()
     def segment_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[StaticCache],
                         sizes: Sequence[int], masks: Sequence[torch.Tensor | None],
@@ -243,7 +231,16 @@ class GemmaDecoder(HeadAndCache):
         sequence's ``forward`` alone. Returns [R, (1 + n) H]."""
         if self.stack is None or not all(0 < n <= STREAM_MAX_ROWS for n in sizes):
             raise ValueError("GemmaDecoder.segment_forward: the compiled stack, 1-16 rows a sequence")
-        x = self.embed(input_ids[None])[0].contiguous()  # [R, H]
+        return self._stack_rows(self.embed(input_ids[None])[0], position_ids, caches, sizes, masks, aux_layers)
+
+    def _stack_rows(self, x: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[StaticCache],
+                    sizes: Sequence[int], masks: Sequence[torch.Tensor | None],
+                    aux_layers: Sequence[int]) -> torch.Tensor:
+        """Embedded rows x [R, H] of S sequences (``sizes`` [S], 1-16 each) at ``position_ids`` [R] through every
+        layer in one call of the compiled ``GemmaStack`` -> [R, (1 + n) H]. Each row's result depends only on its
+        own keys (the attention lists them, masked ones left out), so a tree node gets the bits of the plain step
+        and a sequence in a batch those it gets alone."""
+        x = x.contiguous()
         cos, sin = self._rotary_tables(x, position_ids[None])
         starts, biases, start = [], [], 0
         for cache, n, mask in zip(caches, sizes, masks):

@@ -148,6 +148,15 @@ def segments_and_alone(target, contexts: list[list[int]], parents: list[torch.Te
     return list(zip(out.split(sizes), alone)), caches
 
 
+def assert_same_caches(caches: list[tuple]) -> None:
+    """Each (cache, its sequence's own cache) pair holds the same lengths and, up to them, the same bits."""
+    for mine, ref in caches:
+        assert mine.lengths == ref.lengths
+        n = ref.lengths[0]
+        assert all(torch.equal(a[..., :n, :], b[..., :n, :]) for a, b in zip(mine.keys + mine.values,
+                                                                             ref.keys + ref.values))
+
+
 def test_segment_forward_with_compiled_attention_gives_each_row_its_bits_alone():
     """Head dim 32 (the compiled attention runs): a tree, a single row and a chain, 16 rows in all,
     in one forward: every row is bit-identical to its sequence's own forward (the compiled stack),
@@ -162,11 +171,7 @@ def test_segment_forward_with_compiled_attention_gives_each_row_its_bits_alone()
     rows, caches = segments_and_alone(target, contexts, [torch.tensor([-1, 0, 0, 1, 1, 2]), torch.tensor([-1]),
                                                          torch.arange(-1, 8)])
     assert all(torch.equal(mine, alone) for mine, alone in rows)
-    for mine, ref in caches:
-        assert mine.lengths == ref.lengths
-        n = ref.lengths[0]
-        assert all(torch.equal(a[..., :n, :], b[..., :n, :]) for a, b in zip(mine.keys + mine.values,
-                                                                             ref.keys + ref.values))
+    assert_same_caches(caches)
     rows, caches = segments_and_alone(target, contexts[:2], [torch.arange(-1, 17), torch.tensor([-1])])
     for mine, alone in rows:
         torch.testing.assert_close(mine, alone, rtol=1e-5, atol=1e-4)
@@ -188,11 +193,7 @@ def test_gemma_segments_give_each_row_its_bits_alone():
     rows, caches = segments_and_alone(target, contexts, parents)
     assert [len(mine) for mine, _ in rows] == [7, 1, 9, 20]
     assert all(torch.equal(mine, alone) for mine, alone in rows)
-    for mine, ref in caches:
-        assert mine.lengths == ref.lengths
-        n = ref.lengths[0]
-        assert all(torch.equal(a[..., :n, :], b[..., :n, :]) for a, b in zip(mine.keys + mine.values,
-                                                                             ref.keys + ref.values))
+    assert_same_caches(caches)
 
 
 def test_gemma_batch_runs_one_forward_a_round_and_equals_each_request_alone(monkeypatch):

@@ -2041,20 +2041,11 @@ class GemmaStack {
     layers_.push_back({norms[0], norms[1], norms[2], norms[3], norms[4], norms[5], p[0], p[1], p[2], p[3], kind});
   }
 
-  // Every layer in order on x [q, H] (one sequence), in place; a layer of kind t reads cos[t], sin[t] ([q, d]) and
-  // biases[t] (as for attention; none: causal) and writes its keys and values to rows start..start+q-1 of
-  // keys[i][0], values[i][0]. Returns copies of x after each layer listed in aux, in aux's order.
-  std::vector<torch::Tensor> forward(torch::Tensor x, const std::vector<torch::Tensor>& cos,
-                                     const std::vector<torch::Tensor>& sin, const std::vector<torch::Tensor>& keys,
-                                     const std::vector<torch::Tensor>& values, int64_t start,
-                                     const std::vector<c10::optional<torch::Tensor>>& biases,
-                                     const std::vector<int64_t>& aux) {
-    return run(x, cos, sin, {{x.size(0), start, &keys, &values, &biases}}, aux);
-  }
-
-  // forward for S sequences at once: x [R, H] holds their rows one after another, sizes[s] (1-16) each; sequence s
-  // writes its keys and values from row starts[s] of keys[s][i][0], values[s][i][0] and attends under biases[s][t]
-  // in a layer of kind t; cos[t], sin[t] [R, d]. The weights are read once for all R rows.
+  // Every layer in order on x [R, H], in place, for S sequences at once (one alone: S = 1): x holds their rows one
+  // after another, sizes[s] (1-16) each; sequence s writes its keys and values from row starts[s] of keys[s][i][0],
+  // values[s][i][0] (buffers [1, kv, capacity, d]) and attends under biases[s][t] (as for attention; none: causal)
+  // in a layer of kind t; cos[t], sin[t] [R, d]. The weights are read once for all R rows. Returns copies of x
+  // after each layer listed in aux, in aux's order.
   std::vector<torch::Tensor> forward_segments(torch::Tensor x, const std::vector<torch::Tensor>& cos,
                                               const std::vector<torch::Tensor>& sin, const std::vector<int64_t>& sizes,
                                               const std::vector<int64_t>& starts,
@@ -2069,20 +2060,12 @@ class GemmaStack {
     int64_t rows = 0;
     for (size_t s = 0; s < n; ++s) {
       TORCH_CHECK(sizes[s] >= 1 && sizes[s] <= kMaxRows, "GemmaStack.forward_segments: 1 to 16 rows a sequence");
+      TORCH_CHECK(keys[s].size() == layers_.size() && values[s].size() == layers_.size() &&
+                  biases[s].size() == cos.size(), "GemmaStack: a buffer per layer, a bias per layer kind");
       segs.push_back({sizes[s], starts[s], &keys[s], &values[s], &biases[s]});
       rows += sizes[s];
     }
     TORCH_CHECK(rows == x.size(0), "GemmaStack.forward_segments: the sizes add up to x's rows");
-    return run(x, cos, sin, segs, aux);
-  }
-
- private:
-  std::vector<torch::Tensor> run(torch::Tensor x, const std::vector<torch::Tensor>& cos,
-                                 const std::vector<torch::Tensor>& sin, const std::vector<GemmaSegment>& segs,
-                                 const std::vector<int64_t>& aux) {
-    for (const GemmaSegment& s : segs)
-      TORCH_CHECK(s.keys->size() == layers_.size() && s.values->size() == layers_.size() &&
-                  s.biases->size() == cos.size(), "GemmaStack: a buffer per layer, a bias per layer kind");
     std::vector<torch::Tensor> outputs(aux.size());
     for (size_t i = 0; i < layers_.size(); ++i) {
       const GemmaLayerWeights& l = layers_[i];
@@ -2095,6 +2078,7 @@ class GemmaStack {
     return outputs;
   }
 
+ private:
   int64_t nh_;
   double scale_, eps_;
   std::vector<GemmaLayerWeights> layers_;
@@ -2165,11 +2149,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, double, double>(), py::arg("nh"), py::arg("scale"), py::arg("eps"))
       .def("add", &GemmaStack::add, "append a layer: six norm scales, four products, its kind",
            py::arg("norms"), py::arg("products"), py::arg("kind"))
-      .def("forward", &GemmaStack::forward, "every layer in place on x [q, H]; copies of x after the aux layers",
-           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("start"),
-           py::arg("biases"), py::arg("aux"))
       .def("forward_segments", &GemmaStack::forward_segments,
-           "forward for several sequences' rows at once, each with its own cache and biases; the weights read once",
+           "every layer in place on the rows of one or more sequences, each with its own cache and biases; the "
+           "weights read once; copies of x after the aux layers",
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("sizes"), py::arg("starts"), py::arg("keys"),
            py::arg("values"), py::arg("biases"), py::arg("aux"));
 }
