@@ -208,16 +208,14 @@ def masks_by_window(plan: LayerPlan, keys: torch.Tensor, positions: torch.Tensor
     return {w: additive_bias(allowed_keys(keys, positions, w), dtype) for w in set(plan.windows)}
 
 
-def run_layers(lean: Any, x: torch.Tensor, rope: Rope,
-               attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The decoder layers over ``x`` [n, m, H] with rotary tables ``rope`` (``gathered``: broadcasting
-    to [n, 1, m, d]); ``attend(i, q, k, v)`` (q [n, heads, m, d], k and v [n, kv_heads, m, d], rotated)
-    stores layer i's keys and values and returns its attention output [n, m, heads d]. -> [n, m, H],
-    before the final norm."""
+def each_layer(lean: Any, x: torch.Tensor, rope: Rope,
+               attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> Iterator[torch.Tensor]:
+    """x after each decoder layer in turn (``run_layers``), each a new tensor."""
     if isinstance(lean, GemmaDecoder):
         for i, layer in enumerate(lean.layers):
             x = lean.layer_with(layer, x, *rope[layer.layer_type], functools.partial(attend, i))
-        return x
+            yield x
+        return
     n, m = x.shape[:2]
     nh, nkv, d = lean.num_heads, lean.num_kv_heads, lean.head_dim
     cos, sin = rope[None]
@@ -227,6 +225,17 @@ def run_layers(lean: Any, x: torch.Tensor, rope: Rope,
         q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)
         x = x + layer.o(attend(i, q, k, v))
         x = x + layer.down(silu_mul(layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps))))
+        yield x
+
+
+def run_layers(lean: Any, x: torch.Tensor, rope: Rope,
+               attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The decoder layers over ``x`` [n, m, H] with rotary tables ``rope`` (``gathered``: broadcasting
+    to [n, 1, m, d]); ``attend(i, q, k, v)`` (q [n, heads, m, d], k and v [n, kv_heads, m, d], rotated)
+    stores layer i's keys and values and returns its attention output [n, m, heads d]. -> [n, m, H],
+    before the final norm."""
+    for x in each_layer(lean, x, rope, attend):
+        pass
     return x
 
 

@@ -160,13 +160,23 @@ class BatchedEngine:
     configured tree; ``max_tree``: the most nodes (root included) one tree may have where the
     model's ``total_tokens`` is "auto" (an int ``total_tokens`` is used as it is); ``row_seconds``: a
     target forward's seconds for 1 .. S rows, for ``load_sizing`` (default: ``cost_curve``, measured
-    once per machine and cached)."""
+    once per machine and cached); ``cache_pool``: the running sequences' caches as slots of one
+    ``CachePool`` (``kv_cache``), so that a round's forward attends for all of them in one call per layer
+    (``segments.pooled_forward``; None: where the target runs on CUDA, where per-sequence attention
+    would launch a few kernels per sequence and layer)."""
 
     def __init__(self, model: Any, max_batch: int = 8, load_sizing: bool = True, max_tree: int = MAX_TREE,
-                 row_seconds: Sequence[float] | None = None) -> None:
+                 row_seconds: Sequence[float] | None = None, cache_pool: bool | None = None) -> None:
         check_int("max_batch", max_batch, 1)
         check_int("max_tree", max_tree, 1)
         self.model, self.target = model, model.target
+        lean = self.target.lean
+        if cache_pool is None:
+            cache_pool = lean is not None and self.target.device.type == "cuda"
+        if cache_pool and not runs_segments(lean, pooled=True):
+            raise EagleError(f"{self.target.name} has no lean forward to run pooled caches")
+        self._pool = kv_cache.CachePool(len(lean.layers), max_batch, lean.num_kv_heads, lean.head_dim,
+                                        self.target.dtype, self.target.device) if cache_pool else None
         self.max_batch, self.load_sizing, self.max_tree = max_batch, load_sizing, max_tree
         self._queue: OrderedDict[Hashable, _Sequence] = OrderedDict()
         self._active: OrderedDict[Hashable, _Sequence] = OrderedDict()
@@ -214,14 +224,26 @@ class BatchedEngine:
     def cancel(self, request_id: Hashable) -> bool:
         """Drop a queued or running request (its cache is freed; no more events come for it).
         Returns whether it was there."""
-        return self._queue.pop(request_id, None) is not None or self._active.pop(request_id, None) is not None
+        if self._queue.pop(request_id, None) is not None:
+            return True
+        seq = self._active.pop(request_id, None)
+        if seq is not None:
+            self._free(seq)
+        return seq is not None
 
     def close(self) -> None:
         """Drop every request, queued or running, as ``cancel`` does each (no more events come for
         them). What the engine learned (acceptance per rank, drafting times, the cost curve) stays:
         it can take new requests afterwards."""
         self._queue.clear()
+        for seq in self._active.values():
+            self._free(seq)
         self._active.clear()
+
+    def _free(self, seq: _Sequence) -> None:
+        """Give a leaving sequence's pool slot back."""
+        if self._pool is not None:
+            self._pool.release(seq.cache)
 
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
@@ -257,10 +279,11 @@ class BatchedEngine:
         prefilled when its sequence first drafts."""
         target = self.target
         for seq in seqs:
-            seq.cache = target.lean.new_cache() if target.lean is not None else kv_cache.new_cache(target.model)
+            seq.cache = (self._pool.cache() if self._pool is not None else target.lean.new_cache()
+                         if target.lean is not None else kv_cache.new_cache(target.model))
         features: dict[int, torch.Tensor] = {}
         todo = [i for i, seq in enumerate(seqs) if len(seq.ids) > 1]
-        if len(todo) > 1 and runs_segments(target.lean):
+        if len(todo) > 1 and runs_segments(target.lean, self._pool is not None):
             aux = next((seqs[i].proposer.aux_layers for i in todo if seqs[i].proposer.aux_layers), ())
             sizes = [len(seqs[i].ids) - 1 for i in todo]
             tokens = torch.tensor([t for i in todo for t in seqs[i].ids[:-1]], device=target.device)
@@ -346,7 +369,7 @@ class BatchedEngine:
         for r in rounds:
             r.seq.stats.tree_size = r.proposal.tree.size
             r.seq.stats.target_forwards += 1
-        if len(rounds) > 1 and runs_segments(target.lean) and all(
+        if len(rounds) > 1 and runs_segments(target.lean, self._pool is not None) and all(
                 isinstance(r.seq.cache, kv_cache.StaticCache) for r in rounds):
             tokens = torch.cat([r.proposal.tree.tokens for r in rounds])
             positions = torch.cat([r.past + r.attn.depths for r in rounds])
@@ -395,6 +418,7 @@ class BatchedEngine:
         event = StepEvent(seq.request_id, chunk, bool(stop), stats, stop)
         if stop:
             del self._active[seq.request_id]
+            self._free(seq)
             text = target.tokenizer.decode(seq.new, skip_special_tokens=True)
             event.result = GenerationResult(
                 text=text[:seq.text_cut] if seq.text_cut >= 0 else text, token_ids=list(seq.new),

@@ -7,6 +7,7 @@ written by position, used by the lean target forward (``eagle.runtime.decoder``)
 from __future__ import annotations
 
 import functools
+import heapq
 import inspect
 from typing import Any
 
@@ -92,6 +93,126 @@ class StaticCache:
             for buf in buffers:
                 buf[..., start:start + m, :] = buf.index_select(-2, keep.to(buf.device))
         self.truncate(start + m)
+
+
+class CachePool:
+    """The caches of up to ``slots`` sequences in one buffer ``kv`` [2, layers, slots, kv_heads, capacity,
+    head_dim] (keys, then values), so that one attention call per layer reads them all
+    (``eagle.runtime.segments``). ``cache()`` hands a free slot out as a ``SlotCache``; the capacity
+    doubles (every slot copied) when a sequence would outgrow it. Compactions are deferred and applied
+    to every slot at once (``flush``: one gather and one scatter for all layers) before the buffer is
+    next read. Unused positions hold finite values (zeros at first), so masked keys weigh exactly 0."""
+
+    def __init__(self, num_layers: int, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str, capacity: int = _MIN_CAPACITY) -> None:
+        self.kv = torch.zeros(2, num_layers, slots, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self._free = list(range(slots))
+        self._used: set[int] = set()
+        self._moves: list[tuple[int, int, torch.Tensor]] = []  # (slot, start, kept positions)
+        self._views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[-2]
+
+    @property
+    def top(self) -> int:
+        """One past the highest slot in use: attention reads slots 0 .. top - 1."""
+        return max(self._used, default=-1) + 1
+
+    def cache(self) -> "SlotCache":
+        """An empty cache in the lowest free slot (an ``EagleError`` when every slot is in use)."""
+        if not self._free:
+            raise EagleError(f"all {self.kv.shape[2]} slots of the cache pool are in use")
+        slot = heapq.heappop(self._free)
+        self._used.add(slot)
+        return SlotCache(self, slot)
+
+    def release(self, cache: "SlotCache") -> None:
+        """Give ``cache``'s slot back (what it holds is overwritten by the next sequence)."""
+        if cache.slot in self._used:
+            self._used.remove(cache.slot)
+            heapq.heappush(self._free, cache.slot)
+            self._moves = [m for m in self._moves if m[0] != cache.slot]
+
+    def grow(self, end: int) -> None:
+        """Make room for ``end`` positions in every slot (capacity doubled until it fits)."""
+        if end <= self.capacity:
+            return
+        self.flush()
+        capacity = 1 << (end - 1).bit_length()
+        grown = self.kv.new_zeros(*self.kv.shape[:-2], capacity, self.kv.shape[-1])
+        grown[..., :self.capacity, :] = self.kv
+        self.kv = grown
+        self._views.clear()
+
+    def views(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Slot ``slot``'s keys and values per layer, views [1, kv_heads, capacity, d] of ``kv``."""
+        if slot not in self._views:
+            self._views[slot] = tuple([self.kv[j, i, slot:slot + 1] for i in range(self.kv.shape[1])]
+                                      for j in (0, 1))
+        return self._views[slot]
+
+    def defer_compact(self, slot: int, start: int, keep: torch.Tensor) -> None:
+        """Queue a compaction of ``slot`` (``StaticCache.compact``'s), applied by the next ``flush``."""
+        if any(m[0] == slot for m in self._moves):  # a second move reads what the first wrote
+            self.flush()
+        self._moves.append((slot, start, keep))
+
+    def flush(self) -> None:
+        """Apply the deferred compactions: in every slot and layer, the entries at a move's kept
+        positions go to start .. start + m - 1 (gathered before any is written)."""
+        if not self._moves:
+            return
+        moves, self._moves = self._moves, []
+        device = self.kv.device
+        slots = torch.tensor([slot for slot, _, keep in moves for _ in range(keep.shape[0])], device=device)
+        dst = torch.tensor([start + j for _, start, keep in moves for j in range(keep.shape[0])], device=device)
+        src = torch.cat([keep.to(device) for _, _, keep in moves])
+        self.kv[:, :, slots, :, dst] = self.kv[:, :, slots, :, src]  # [moved, 2, layers, kv_heads, d]
+
+
+class SlotCache(StaticCache):
+    """One sequence's cache in a ``CachePool``: a ``StaticCache`` whose layers' buffers are views of its
+    slot [1, kv_heads, capacity, d]. Reading them applies the pool's deferred compactions first;
+    ``compact`` defers its move to the pool (``flush``)."""
+
+    gathers = True  # ``compact`` needs no look from the host
+
+    def __init__(self, pool: CachePool, slot: int) -> None:
+        self.pool, self.slot = pool, slot
+        self.lengths = [0] * pool.kv.shape[1]
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        self.pool.flush()
+        return self.pool.views(self.slot)[0]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        self.pool.flush()
+        return self.pool.views(self.slot)[1]
+
+    def reserve(self, index: int, like: torch.Tensor) -> int:
+        start = self.lengths[index]
+        self.pool.grow(start + like.shape[-2])
+        self.lengths[index] = start + like.shape[-2]
+        return start
+
+    def take(self, n: int) -> int:
+        """Count ``n`` more positions as written in every layer (the caller writes them into the pool's
+        buffer); returns where they start."""
+        start = self.get_seq_length()
+        self.pool.grow(start + n)
+        self.lengths = [start + n] * len(self.lengths)
+        return start
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        raise EagleError("a pooled cache holds one sequence: it has no batch rows to keep")
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        self.pool.defer_compact(self.slot, start, keep)
+        self.truncate(start + keep.shape[0])
 
 
 def new_cache(model: Any, role: str = "target") -> Any:

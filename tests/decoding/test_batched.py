@@ -14,6 +14,7 @@ from eagle.decoding import acceptance
 from eagle.decoding.batched import BatchedEngine, RequestOptions, generate_together
 from eagle.decoding.tree_mask import attention_bias, tree_attention
 from eagle.decoding.tree_sizing import RankRates, batch_tree_sizes
+from eagle.runtime import segments
 from eagle.runtime.gemma import GemmaDecoder
 from eagle.runtime.segments import runs_segments, segment_forward
 
@@ -217,6 +218,33 @@ def test_gemma_batch_runs_one_forward_a_round_and_equals_each_request_alone(monk
         assert result.accept_lengths == model.generate(ids, method=opts.method, max_new_tokens=12).accept_lengths
     assert any(len(sizes) == 4 and max(sizes) > 1 for sizes in calls)  # a round of four sequences, trees among them
     assert sum(len(r.accept_lengths) for r in results) < sum(len(r.token_ids) for r in results)  # drafts accepted
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_pooled_batch_equals_each_request_alone(family, monkeypatch):
+    """Caches as slots of one pool (a GPU batch's layout), 7 requests through 3 slots (slots freed and
+    handed out again, a cancelled one too): each round's trees verified by one pooled forward for all
+    sequences, and every request's tokens and rounds are its own decoding's (Gemma-3: past its window)."""
+    target = tiny_target(eos=True, seed=10) if family == "llama" else tiny_gemma(seed=4, window=6)
+    model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3)
+    calls = []
+    pooled = segments.pooled_forward
+    monkeypatch.setattr(segments, "pooled_forward",
+                        lambda *args, **kw: calls.append(list(args[4])) or pooled(*args, **kw))
+    batch = prompts(7, seed=3)
+    options = [RequestOptions(method=("ar", "pld", "eagle-tree")[i % 3], max_new_tokens=12) for i in range(7)]
+    engine = BatchedEngine(model, max_batch=3, load_sizing=False, cache_pool=True)
+    engine.add("gone", batch[0], options[0])
+    engine.step()
+    assert engine._pool.top == 1 and engine.cancel("gone") and engine._pool.top == 0
+    results = generate_together(engine, batch, options)
+    for ids, opts, result in zip(batch, options, results):
+        alone = model.generate(ids, method=opts.method, max_new_tokens=12)
+        assert result.token_ids == alone.token_ids, opts.method
+        assert result.accept_lengths == alone.accept_lengths
+    assert any(len(sizes) == 3 and max(sizes) > 1 for sizes in calls)  # a round of three sequences, trees among them
+    assert sum(len(r.accept_lengths) for r in results) < sum(len(r.token_ids) for r in results)  # drafts accepted
+    assert engine._pool.top == 0
 
 
 def test_cancel_queue_counts_and_refusals(model):
