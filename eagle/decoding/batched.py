@@ -38,6 +38,7 @@ from eagle.errors import EagleError
 from eagle.inputs import METHODS
 from eagle.runtime import kv_cache
 from eagle.runtime.kernels import STREAM_MAX_ROWS
+from eagle.runtime.pooled import PooledGraphs
 from eagle.runtime.segments import runs_segments, segment_forward
 
 # the most prompt tokens one step prefills (a longer prompt goes alone): the requests it admits are
@@ -162,8 +163,9 @@ class BatchedEngine:
     target forward's seconds for 1 .. S rows, for ``load_sizing`` (default: ``cost_curve``, measured
     once per machine and cached); ``cache_pool``: the running sequences' caches as slots of one
     ``CachePool`` (``kv_cache``), so that a round's forward attends for all of them in one call per layer
-    (``segments.pooled_forward``; None: where the target runs on CUDA, where per-sequence attention
-    would launch a few kernels per sequence and layer)."""
+    (``pooled.pooled_forward``; None: where the target runs on CUDA, where per-sequence attention
+    would launch a few kernels per sequence and layer); on static shapes replayed as CUDA graphs
+    (``pooled.PooledGraphs``) where the target's forward is (``cuda_graphs``)."""
 
     def __init__(self, model: Any, max_batch: int = 8, load_sizing: bool = True, max_tree: int = MAX_TREE,
                  row_seconds: Sequence[float] | None = None, cache_pool: bool | None = None) -> None:
@@ -177,6 +179,8 @@ class BatchedEngine:
             raise EagleError(f"{self.target.name} has no lean forward to run pooled caches")
         self._pool = kv_cache.CachePool(len(lean.layers), max_batch, lean.num_kv_heads, lean.head_dim,
                                         self.target.dtype, self.target.device) if cache_pool else None
+        if self._pool is not None and self.target.graphs is not None:  # static shapes, captured where the target's are
+            self._pool.graphs = PooledGraphs(lean, self._pool, capture=self.target.graphs.capture)
         self.max_batch, self.load_sizing, self.max_tree = max_batch, load_sizing, max_tree
         self._queue: OrderedDict[Hashable, _Sequence] = OrderedDict()
         self._active: OrderedDict[Hashable, _Sequence] = OrderedDict()

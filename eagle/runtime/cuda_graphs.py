@@ -191,11 +191,12 @@ def layer_stack(layers: Sequence[LayerWeights], x: torch.Tensor, cos: torch.Tens
     return x, kept
 
 
-def capture_graph(run: Callable[[], Any], device: torch.device, pool: Any, key: Any = "") -> tuple[Any, Any]:
-    """Capture ``run`` as a runner does (the installed capture, else ``cuda_capture``) -> (graph, its
-    output); a capture that fails is counted and warned as a runner's (``capture_stats``) and gives
-    (None, the output of an eager run)."""
-    capturer = _CAPTURE[-1] if _CAPTURE else cuda_capture
+def capture_graph(run: Callable[[], Any], device: torch.device, pool: Any, key: Any = "",
+                  capturer: Callable | None = None) -> tuple[Any, Any]:
+    """Capture ``run`` with ``capturer`` (default: the installed capture, else ``cuda_capture``) ->
+    (graph, its output); a capture that fails is counted and warned as a runner's (``capture_stats``)
+    and gives (None, the output of an eager run)."""
+    capturer = capturer or (_CAPTURE[-1] if _CAPTURE else cuda_capture)
     try:
         graph, output = capturer(run, device, pool)
     except Exception as exc:  # noqa: BLE001 - an operation that cannot be captured: run this shape eagerly

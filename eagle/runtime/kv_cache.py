@@ -96,16 +96,20 @@ class StaticCache:
 
 
 class CachePool:
-    """The caches of up to ``slots`` sequences in one buffer ``kv`` [2, layers, slots, kv_heads, capacity,
-    head_dim] (keys, then values), so that one attention call per layer reads them all
-    (``eagle.runtime.segments``). ``cache()`` hands a free slot out as a ``SlotCache``; the capacity
-    doubles (every slot copied) when a sequence would outgrow it. Compactions are deferred and applied
-    to every slot at once (``flush``: one gather and one scatter for all layers) before the buffer is
-    next read. Unused positions hold finite values (zeros at first), so masked keys weigh exactly 0."""
+    """The caches of up to ``slots`` sequences in one buffer ``kv`` [2, layers, slots + 1, kv_heads,
+    capacity, head_dim] (keys, then values), so that one attention call per layer reads them all
+    (``eagle.runtime.pooled``). ``cache()`` hands a free slot out as a ``SlotCache``; the last slot,
+    ``scratch``, is never handed out (padding rows of a static call write there). The capacity doubles
+    (every slot copied into a new buffer) when a sequence would outgrow it. Compactions are deferred and
+    applied to every slot at once (``flush``: one gather and one scatter for all layers) before the
+    buffer is next read. Unused positions hold finite values (zeros at first), so masked keys weigh
+    exactly 0. ``graphs``: a ``pooled.PooledGraphs`` the forward runs on, if any."""
 
     def __init__(self, num_layers: int, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str, capacity: int = _MIN_CAPACITY) -> None:
-        self.kv = torch.zeros(2, num_layers, slots, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.kv = torch.zeros(2, num_layers, slots + 1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.scratch = slots
+        self.graphs: Any = None
         self._free = list(range(slots))
         self._used: set[int] = set()
         self._moves: list[tuple[int, int, torch.Tensor]] = []  # (slot, start, kept positions)
@@ -123,7 +127,7 @@ class CachePool:
     def cache(self) -> "SlotCache":
         """An empty cache in the lowest free slot (an ``EagleError`` when every slot is in use)."""
         if not self._free:
-            raise EagleError(f"all {self.kv.shape[2]} slots of the cache pool are in use")
+            raise EagleError(f"all {self.scratch} slots of the cache pool are in use")
         slot = heapq.heappop(self._free)
         self._used.add(slot)
         return SlotCache(self, slot)

@@ -11,9 +11,7 @@ A Gemma-3 target (``GemmaDecoder``) runs its sequences of 1-16 rows in one call 
 (``GemmaDecoder.segment_forward``, the same bits as alone) and each longer one by its own forward.
 
 Caches that are slots of one ``CachePool`` (``kv_cache``; how a GPU batch keeps them) take one
-attention call per layer for all sequences instead (``pooled_forward``): each sequence's rows padded
-to the longest segment, keys read from the pool's slots, the window of a sliding layer in its mask.
-torch's operations throughout: a row's values equal its sequence's own forward up to rounding."""
+attention call per layer for all sequences instead (``eagle.runtime.pooled.pooled_forward``)."""
 
 from __future__ import annotations
 
@@ -23,12 +21,12 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from eagle.decoding.batch import LayerPlan, each_layer, final_norm
-from eagle.decoding.tree_mask import additive_bias, causal_bias
+from eagle.decoding.tree_mask import causal_bias
 from eagle.runtime.decoder import LeanDecoder, rotate
 from eagle.runtime.gemma import GemmaDecoder
 from eagle.runtime.kernels import STREAM_MAX_ROWS
 from eagle.runtime.kv_cache import SlotCache, StaticCache
+from eagle.runtime.pooled import pooled_forward
 
 
 def runs_segments(lean: object, pooled: bool = False) -> bool:
@@ -120,100 +118,3 @@ def _gemma_segments(lean: GemmaDecoder, input_ids: torch.Tensor, position_ids: t
             out[rows.start] = lean.forward(input_ids[None, rows], position_ids[None, rows], cache, mask, aux_layers)[0]
     return torch.cat([out[r.start] for r, *_ in parts])
 
-
-@torch.inference_mode()
-def pooled_forward(lean: LeanDecoder | GemmaDecoder, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                   caches: Sequence[SlotCache], sizes: Sequence[int], masks: Sequence[torch.Tensor | None],
-                   aux_layers: Sequence[int] = ()) -> torch.Tensor:
-    """``segment_forward`` over caches that are slots of one ``CachePool``: the products over all R rows
-    together and ONE attention call per layer, each sequence's rows padded to the longest segment M
-    (padding rows attend to one key; their output is dropped), keys up to the longest sequence's end
-    (rounded up to 16, within the capacity: masked). The batch of that call is the pool's slots 0 ..
-    top - 1 read in place when these sequences are at least half of them (a round of the running
-    batch), else these sequences' slots gathered (prompts joining a long batch). Same arguments and
-    result as ``segment_forward``."""
-    pool = caches[0].pool
-    if any(c.pool is not pool for c in caches):
-        raise ValueError("pooled_forward takes caches of one pool")
-    device, dtype = input_ids.device, pool.kv.dtype
-    nh, nkv, d = lean.num_heads, lean.num_kv_heads, lean.head_dim
-    plan = LayerPlan.of(lean)
-    pasts = [c.get_seq_length() for c in caches]
-    for cache, n in zip(caches, sizes):
-        cache.take(n)  # counted as written: ``attend`` writes them
-    pool.flush()
-    m = max(sizes)
-    keys_len = min(pool.capacity, -(-max(p + n for p, n in zip(pasts, sizes)) // 16) * 16)
-    top = pool.top
-    in_place = 2 * len(caches) >= top
-    members = list(range(top)) if in_place else sorted(c.slot for c in caches)  # the attention's batch
-    where = {slot: b for b, slot in enumerate(members)}
-    slots = torch.tensor([c.slot for c, n in zip(caches, sizes) for _ in range(n)], device=device)  # [R]
-    batch = torch.tensor([where[c.slot] for c, n in zip(caches, sizes) for _ in range(n)], device=device)  # [R]
-    rows = torch.tensor([t for n in sizes for t in range(n)], device=device)  # each row's place in its segment
-    places = torch.tensor([p + t for p, n in zip(pasts, sizes) for t in range(n)], device=device)  # in its cache
-    gather = None if in_place else torch.tensor(members, device=device)
-    biases = pooled_biases(plan, group_rows=nh // nkv, dtype=dtype, sizes=sizes, pasts=pasts,
-                           places=[where[c.slot] for c in caches], members=len(members), keys_len=keys_len,
-                           positions=position_ids, batch=batch, rows=rows, masks=masks)
-    x = lean.embed(input_ids)[None]  # [1, R, H]
-    if isinstance(lean, GemmaDecoder):
-        rope = {t: tuple(c[:, None] for c in lean.rotary(x, position_ids[None], t)) for t in lean.layer_types}
-    else:
-        rope = {None: tuple(c[:, None] for c in lean.rotary(x, position_ids[None]))}  # [1, 1, R, d]
-
-    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [1, heads, R, d]
-        keys, values = pool.kv[0, i], pool.kv[1, i]  # [slots, kv_heads, capacity, d]
-        keys[slots, :, places] = k[0].transpose(0, 1)
-        values[slots, :, places] = v[0].transpose(0, 1)
-        if in_place:
-            keys, values = keys[:top, :, :keys_len], values[:top, :, :keys_len]
-        else:
-            keys, values = keys[gather, :, :keys_len], values[gather, :, :keys_len]
-        padded = q.new_zeros(len(members), nh, m, d)
-        padded[batch, :, rows] = q[0].transpose(0, 1)
-        out = F.scaled_dot_product_attention(padded.view(len(members), nkv, nh // nkv * m, d), keys, values,
-                                             attn_mask=biases[plan.windows[i]], scale=plan.scale)  # [B, kv, group M, d]
-        return out.reshape(len(members), nh, m, d)[batch, :, rows].reshape(1, -1, nh * d)  # [1, R, heads d]
-
-    kept = {}
-    for i, x in enumerate(each_layer(lean, x, rope, attend)):
-        if i in aux_layers:
-            kept[i] = x
-    return torch.cat([final_norm(lean, x)] + [kept[i] for i in aux_layers], dim=-1)[0]
-
-
-def pooled_biases(plan: LayerPlan, group_rows: int, dtype: torch.dtype, sizes: Sequence[int], pasts: Sequence[int],
-                  places: Sequence[int], members: int, keys_len: int, positions: torch.Tensor, batch: torch.Tensor,
-                  rows: torch.Tensor, masks: Sequence[torch.Tensor | None]) -> dict[int | None, torch.Tensor]:
-    """``pooled_forward``'s additive masks, one per attention window of the layers: [B, 1, group_rows M,
-    keys_len] (each row repeated for the ``group_rows`` query heads of a key head). Sequence s (``sizes``
-    rows after ``pasts`` cached ones, at batch place ``places[s]``) sees its whole cache and, among its
-    own rows, what ``masks[s]`` allows (its last n columns: a tree's ancestors; None: causal); a
-    sliding layer's window drops the keys a window or more behind the query's position (a cached
-    key's position is its slot; a row's, its position id). Padding rows see key 0 alone. The same
-    operations whatever the number of sequences, but for one copy per tree."""
-    device, m = positions.device, max(sizes)
-    n_b = torch.zeros(members, dtype=torch.long)
-    past_b = torch.zeros(members, dtype=torch.long)
-    n_b[list(places)], past_b[list(places)] = torch.tensor(list(sizes)), torch.tensor(list(pasts))
-    n_b, past_b = n_b.to(device), past_b.to(device)
-    block = torch.ones(m, m, dtype=torch.bool, device=device).tril().expand(members, m, m).clone()  # [B, M, M]
-    for place, past, n, mask in zip(places, pasts, sizes, masks):
-        if mask is not None:
-            block[place, :n, :n] = mask[0, 0, :, past:] == 0
-    pos = torch.zeros(members, m, dtype=positions.dtype, device=device)
-    pos[batch, rows] = positions
-    rel = torch.arange(keys_len, device=device)[None] - past_b[:, None]  # [B, Lk]: key j's row in its tree
-    at = rel.clamp(0, m - 1)
-    mine = (rel >= 0) & (rel < n_b[:, None])
-    allowed = (rel < 0)[:, None] | mine[:, None] & block.gather(2, at[:, None].expand(members, m, keys_len))
-    valid = torch.arange(m, device=device)[None] < n_b[:, None]  # [B, M]
-    allowed &= valid[:, :, None]  # [B, M, Lk]
-    key_pos = torch.where(rel < 0, rel + past_b[:, None], pos.gather(1, at))  # [B, Lk]
-    out = {}
-    for window in set(plan.windows):
-        seen = allowed if window is None else allowed & (pos[:, :, None] - key_pos[:, None] < window)
-        seen[:, :, 0] |= ~valid
-        out[window] = additive_bias(seen, dtype).repeat(1, 1, group_rows, 1)
-    return out

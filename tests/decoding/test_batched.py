@@ -16,6 +16,7 @@ from eagle.decoding.tree_mask import attention_bias, tree_attention
 from eagle.decoding.tree_sizing import RankRates, batch_tree_sizes
 from eagle.runtime import segments
 from eagle.runtime.gemma import GemmaDecoder
+from eagle.runtime.pooled import PooledGraphs
 from eagle.runtime.segments import runs_segments, segment_forward
 
 from tests.conftest import prompts, tiny_drafter, tiny_gemma, tiny_target
@@ -463,3 +464,37 @@ def test_batched_sampling_keeps_the_target_distribution_and_the_check_has_teeth(
     monkeypatch.setattr(acceptance, "recursive_rejection_tree", no_renormalization)
     deterministic = EagleModel(model.target, model.drafter, tree=dataclasses.replace(model.tree, sampled_tree=False))
     assert chi_square_p(counts(deterministic, 1000)[0], exact) < 1e-3
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_pooled_rounds_on_static_shapes_are_captured_and_equal_each_request_alone(family, fake_capture):
+    """A pooled batch's rounds on static shapes (``PooledGraphs``, which the engine gives a pool where
+    the target runs on them: ``cuda_graphs``): every shape is captured (by the CPU stand-in for CUDA
+    capture where there is no GPU: a host tensor, a host read or a data-dependent shape inside fails
+    the test) and replayed in later rounds, and each request's tokens and rounds are its own
+    decoding's (Gemma-3: past its window of 6)."""
+    # built here, after fake_capture turned the compiled CPU kernels off (a recording cannot replay them)
+    target = tiny_target(eos=True, seed=10) if family == "llama" else tiny_gemma(seed=4, window=6)
+    model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3,
+                                       cuda_graphs=False)
+    if family == "llama":  # the engine's own choice
+        static = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), cuda_graphs=True)
+        assert BatchedEngine(static, cache_pool=True)._pool.graphs is not None
+        assert BatchedEngine(model, cache_pool=True)._pool.graphs is None
+    batch = prompts(7, seed=3)
+    options = [RequestOptions(method=("ar", "pld", "eagle-tree")[i % 3], max_new_tokens=12) for i in range(7)]
+    engine = BatchedEngine(model, max_batch=3, load_sizing=False, cache_pool=True)
+    graphs = engine._pool.graphs = PooledGraphs(target.lean, engine._pool)
+    calls = []
+    run = PooledGraphs.__call__
+    PooledGraphs.__call__ = lambda self, *a: calls.append(len(a[0])) or run(self, *a)
+    try:
+        results = generate_together(engine, batch, options)
+    finally:
+        PooledGraphs.__call__ = run
+    for ids, opts, result in zip(batch, options, results):
+        alone = model.generate(ids, method=opts.method, max_new_tokens=12)
+        assert result.token_ids == alone.token_ids, opts.method
+        assert result.accept_lengths == alone.accept_lengths
+    assert len(calls) > len(graphs.shapes) and any(n > 3 for n in calls)  # shapes replayed; trees among the rows
+    assert graphs.captured == len(graphs.shapes) and graphs.fallbacks == 0

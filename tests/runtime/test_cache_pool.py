@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from eagle import EagleError
 from eagle.decoding.tree_mask import attention_bias, tree_attention
 from eagle.runtime.kv_cache import CachePool, StaticCache
-from eagle.runtime.segments import pooled_forward, segment_forward
+from eagle.runtime.pooled import pooled_forward
+from eagle.runtime.segments import segment_forward
 
 from tests.conftest import test_device as device_under_test, tiny_gemma, tiny_target
 

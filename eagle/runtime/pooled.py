@@ -1,0 +1,266 @@
+"""One target forward for sequences whose caches are slots of one ``CachePool`` (``kv_cache``): the
+rows of all sequences through each product together and ONE attention call per layer.
+
+``pooled_forward`` is ``segments.segment_forward`` for such caches (same arguments, same result).
+Each sequence's rows are padded to the longest segment M ([slots, heads, M, d], the query heads of a
+key head as rows of one head: grouped-query attention without repeating keys); keys are read from the
+pool's slots, up to the longest sequence's end; one additive mask per attention window
+(``batch_biases``): a sequence sees its whole cache and, among its own rows, its tree's ancestors; a
+sliding layer's window is applied by positions; padding rows see key 0 alone (their output is
+dropped). torch's operations throughout: a row's values equal its sequence's own forward up to
+rounding.
+
+``PooledGraphs`` runs the same function on static shapes, captured as CUDA graphs (one replay a
+round): every slot of the pool is in the attention's batch, calls are bucketed by rows, segment
+length and attended keys, and padding rows write to the pool's scratch slot."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from eagle.decoding.batch import LayerPlan, each_layer, final_norm, gathered, rotary_tables
+from eagle.decoding.tree_mask import additive_bias
+from eagle.runtime import cuda_graphs
+from eagle.runtime.kv_cache import CachePool, SlotCache
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # rows of a static call (all sequences' together)
+SEGMENT_BUCKETS = (1, 2, 4, 8, 16)  # one sequence's rows in a static call
+MIN_KEYS = 64  # the shortest attended cache length of a static call; longer ones double
+
+
+def batch_biases(windows: Sequence[int | None], group_rows: int, dtype: torch.dtype, sizes: torch.Tensor,
+                 pasts: torch.Tensor, block: torch.Tensor, positions: torch.Tensor,
+                 keys_len: int) -> dict[int | None, torch.Tensor]:
+    """The additive masks of a batch of B padded segments of M rows, one per window in ``windows``
+    (None: full attention): [B, 1, group_rows M, keys_len], each row repeated for the ``group_rows``
+    query heads of a key head. Segment b has ``sizes[b]`` rows after ``pasts[b]`` cached ones (both
+    [B], on the device); ``block`` [B, M, M] bool: which of its own rows each row sees (a tree's
+    ancestors; causal for a chain); ``positions`` [B, M]: each row's position. A row sees its whole
+    cache and what ``block`` allows of its rows, within the window of a sliding layer (a cached key's
+    position is its slot; a row's key, its row's position); padding rows see key 0 alone. Device
+    operations only (capturable), the same whatever the batch."""
+    members, m = block.shape[:2]
+    device = block.device
+    rel = torch.arange(keys_len, device=device)[None] - pasts[:, None]  # [B, Lk]: key j's row in its segment
+    at = rel.clamp(0, m - 1)
+    mine = (rel >= 0) & (rel < sizes[:, None])
+    allowed = (rel < 0)[:, None] | mine[:, None] & block.gather(2, at[:, None].expand(members, m, keys_len))
+    valid = torch.arange(m, device=device)[None] < sizes[:, None]  # [B, M]
+    allowed = allowed & valid[:, :, None]  # [B, M, Lk]
+    key_pos = torch.where(rel < 0, rel + pasts[:, None], positions.gather(1, at))  # [B, Lk]
+    padding = (~valid)[:, :, None] & (torch.arange(keys_len, device=device) == 0)  # key 0 for padding rows
+    out = {}
+    for window in set(windows):
+        seen = allowed if window is None else allowed & (positions[:, :, None] - key_pos[:, None] < window)
+        out[window] = additive_bias(seen | padding, dtype).repeat(1, 1, group_rows, 1)
+    return out
+
+
+def tree_blocks(members: int, m: int, places: Sequence[int], pasts: Sequence[int], sizes: Sequence[int],
+                masks: Sequence[torch.Tensor | None], device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``batch_biases``' ``block`` [B, M, M]: causal, then segment s's rows at place ``places[s]`` as its
+    additive mask [1, 1, n, past + n] allows among them (its last n columns; None: causal); written into
+    ``out`` when given. One copy per tree."""
+    causal = torch.ones(m, m, dtype=torch.bool, device=device).tril()
+    block = causal.expand(members, m, m).clone() if out is None else out.copy_(causal.expand(members, m, m))
+    for place, past, n, mask in zip(places, pasts, sizes, masks):
+        if mask is not None:
+            block[place, :n, :n] = mask[0, 0, :, past:] == 0
+    return block
+
+
+def attention_step(pool: CachePool, nh: int, scale: float, slots: torch.Tensor, batch: torch.Tensor,
+                   rows: torch.Tensor, places: torch.Tensor, members: torch.Tensor | int, m: int, keys_len: int,
+                   biases: dict, windows: Sequence[int | None]) -> Callable:
+    """``each_layer``'s ``attend`` over the pool: layer i's new keys and values (rows [R]) written to
+    their slots at ``places``, the queries padded into [B, heads, M, d] at (``batch``, ``rows``), one
+    SDPA over the batch's slots (``members``: B, the pool's first B slots; or a tensor of slots to
+    gather), the rows' outputs [1, R, heads d] read back."""
+    kv = pool.kv
+    nkv, d = kv.shape[3], kv.shape[5]
+    b = members if isinstance(members, int) else members.shape[0]
+
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [1, heads, R, d]
+        keys, values = kv[0, i], kv[1, i]  # [slots, kv_heads, capacity, d]
+        keys[slots, :, places] = k[0].transpose(0, 1)
+        values[slots, :, places] = v[0].transpose(0, 1)
+        if isinstance(members, int):
+            keys, values = keys[:members, :, :keys_len], values[:members, :, :keys_len]
+        else:
+            keys, values = keys[members, :, :keys_len], values[members, :, :keys_len]
+        padded = q.new_zeros(b, nh, m, d)
+        padded[batch, :, rows] = q[0].transpose(0, 1)
+        out = F.scaled_dot_product_attention(padded.view(b, nkv, nh // nkv * m, d), keys, values,
+                                             attn_mask=biases[windows[i]], scale=scale)  # [B, kv, group M, d]
+        return out.reshape(b, nh, m, d)[batch, :, rows].reshape(1, -1, nh * d)
+
+    return attend
+
+
+def run_pooled(lean: Any, x: torch.Tensor, rope: dict, attend: Callable, aux_layers: Sequence[int]) -> torch.Tensor:
+    """The layers over x [1, R, H] -> final-norm features followed by layers ``aux_layers``' outputs [R, (1 + n) H]."""
+    kept = {}
+    for i, x in enumerate(each_layer(lean, x, rope, attend)):
+        if i in aux_layers:
+            kept[i] = x
+    return torch.cat([final_norm(lean, x)] + [kept[i] for i in aux_layers], dim=-1)[0]
+
+
+@torch.inference_mode()
+def pooled_forward(lean: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[SlotCache],
+                   sizes: Sequence[int], masks: Sequence[torch.Tensor | None],
+                   aux_layers: Sequence[int] = ()) -> torch.Tensor:
+    """``segment_forward`` over caches that are slots of one ``CachePool`` (``masks``: each sequence
+    sees its whole cache; their last n columns are used). Runs on the pool's ``PooledGraphs`` when it
+    has one and the call fits its buckets; else eagerly, the attention's batch being the pool's slots 0
+    .. top - 1 read in place when these sequences are at least half of them (a round of the running
+    batch), else these sequences' slots gathered (prompts joining a long batch)."""
+    pool = caches[0].pool
+    if any(c.pool is not pool for c in caches):
+        raise ValueError("pooled_forward takes caches of one pool")
+    pasts = [c.get_seq_length() for c in caches]
+    for cache, n in zip(caches, sizes):
+        cache.take(n)  # counted as written: the attention writes them
+    pool.flush()
+    if pool.graphs is not None and pool.graphs.fits(sizes):
+        return pool.graphs(input_ids, position_ids, caches, pasts, sizes, masks, tuple(aux_layers))
+    device, dtype = input_ids.device, pool.kv.dtype
+    plan = LayerPlan.of(lean)
+    m = max(sizes)
+    keys_len = min(pool.capacity, -(-max(p + n for p, n in zip(pasts, sizes)) // 16) * 16)  # masked past the end
+    top = pool.top
+    in_place = 2 * len(caches) >= top
+    members = list(range(top)) if in_place else sorted(c.slot for c in caches)  # the attention's batch
+    where = {slot: b for b, slot in enumerate(members)}
+    places = [where[c.slot] for c in caches]
+    index = torch.tensor([[c.slot, where[c.slot], t, p + t] for c, p, n in zip(caches, pasts, sizes) for t in range(n)],
+                         device=device).T  # [4, R]: each row's slot, place in the batch, row in its segment, cache position
+    b = len(members)
+    seg = torch.zeros(2, b, dtype=torch.long)
+    seg[:, places] = torch.tensor([list(sizes), pasts])
+    seg = seg.to(device)
+    block = tree_blocks(b, m, places, pasts, sizes, masks, device)
+    positions = torch.zeros(b, m, dtype=position_ids.dtype, device=device)
+    positions[index[1], index[2]] = position_ids
+    biases = batch_biases(plan.windows, lean.num_heads // lean.num_kv_heads, dtype, seg[0], seg[1], block, positions,
+                          keys_len)
+    x = lean.embed(input_ids)[None]  # [1, R, H]
+    if hasattr(lean, "layer_types"):  # Gemma-3: a rotary table per layer type
+        rope = {t: tuple(c[:, None] for c in lean.rotary(x, position_ids[None], t)) for t in lean.layer_types}
+    else:
+        rope = {None: tuple(c[:, None] for c in lean.rotary(x, position_ids[None]))}  # [1, 1, R, d]
+    attend = attention_step(pool, lean.num_heads, plan.scale, index[0], index[1], index[2], index[3],
+                            b if in_place else torch.tensor(members, device=device), m, keys_len, biases, plan.windows)
+    return run_pooled(lean, x, rope, attend, aux_layers)
+
+
+@dataclasses.dataclass
+class _Shape:
+    """One static call: its inputs, the function over them, its graph and output."""
+
+    inputs: dict[str, torch.Tensor]
+    run: Callable[[], torch.Tensor]
+    graph: Any = None
+    output: torch.Tensor | None = None
+    eager: bool = False  # its capture failed (counted in ``cuda_graphs.capture_stats``): it runs eagerly
+
+
+class PooledGraphs:
+    """``pooled_forward`` on static shapes, one CUDA graph per shape replayed each round. A call of R rows
+    in segments of at most M rows attending to at most Lk keys runs the static function of (the row
+    bucket >= R, the segment bucket >= M, Lk a power of two >= ``MIN_KEYS``, the aux layers): its
+    attention's batch is every slot of the pool, scratch included; padding rows (token 0 at position
+    0) write to the scratch slot. Inputs are filled by two copies and one copy per tree. A pool that
+    grows (a new buffer) drops its graphs. ``capture``: capture (on CUDA, or with a capture installed
+    by ``cuda_graphs.capture_with``); else the same static function runs eagerly."""
+
+    def __init__(self, lean: Any, pool: CachePool, capture: bool = True) -> None:
+        self.lean, self.pool = lean, pool
+        device = pool.kv.device
+        self.capturer = (cuda_graphs._CAPTURE[-1] if cuda_graphs._CAPTURE else
+                         cuda_graphs.cuda_capture if device.type == "cuda" else cuda_graphs._cpu_capture())
+        self.capture = capture and self.capturer is not None
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.capture and device.type == "cuda" else None
+        self.plan = LayerPlan.of(lean)
+        self.shapes: dict[tuple, _Shape] = {}
+        self.buffer: torch.Tensor | None = None  # the pool's buffer the shapes were made for
+        self.rope: dict = {}
+        self.captured = self.fallbacks = 0
+
+    def fits(self, sizes: Sequence[int]) -> bool:
+        """Whether a call of segments of ``sizes`` rows runs on a static shape."""
+        return max(sizes) <= SEGMENT_BUCKETS[-1] and sum(sizes) <= ROW_BUCKETS[-1]
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[SlotCache],
+                 pasts: Sequence[int], sizes: Sequence[int], masks: Sequence[torch.Tensor | None],
+                 aux_layers: tuple[int, ...]) -> torch.Tensor:
+        """``pooled_forward``'s result [R, (1 + n) H] for caches already extended (``take``) from ``pasts``."""
+        pool, r = self.pool, len(input_ids)
+        if self.buffer is not pool.kv:  # a new buffer: the graphs read the old one
+            self.shapes.clear()
+            self.buffer = pool.kv
+            with torch.inference_mode():
+                self.rope = rotary_tables(self.lean, pool.capacity, pool.kv.device, pool.kv.dtype)
+        rows = cuda_graphs.bucket_for(r, ROW_BUCKETS)
+        m = cuda_graphs.bucket_for(max(sizes), SEGMENT_BUCKETS)
+        keys_len = min(pool.capacity, max(MIN_KEYS, 1 << (max(p + n for p, n in zip(pasts, sizes)) - 1).bit_length()))
+        key = (rows, m, keys_len, aux_layers)
+        shape = self.shapes.get(key)
+        if shape is None:
+            shape = self.shapes[key] = self._make(rows, m, keys_len, aux_layers)
+        self._fill(shape, input_ids, position_ids, caches, pasts, sizes, masks)
+        if shape.graph is not None:
+            shape.graph.replay()
+        elif self.capture and not shape.eager:
+            graph, shape.output = cuda_graphs.capture_graph(shape.run, pool.kv.device, self.graph_pool,
+                                                            key=("pooled",) + key, capturer=self.capturer)
+            shape.graph, shape.eager = graph, graph is None
+            self.captured += graph is not None
+            self.fallbacks += graph is None
+        else:
+            shape.output = shape.run()
+        return shape.output[:r]
+
+    def _make(self, rows: int, m: int, keys_len: int, aux_layers: tuple[int, ...]) -> _Shape:
+        lean, pool, plan = self.lean, self.pool, self.plan
+        device, slots = pool.kv.device, pool.kv.shape[2]
+        inputs = dict(tokens=torch.zeros(2, rows, dtype=torch.long, device=device),  # ids, positions
+                      index=torch.zeros(4, rows, dtype=torch.long, device=device),  # slot, slot, row, place
+                      seg=torch.zeros(2, slots, dtype=torch.long, device=device),  # sizes, pasts
+                      block=torch.zeros(slots, m, m, dtype=torch.bool, device=device))
+
+        def run() -> torch.Tensor:
+            ids, pos = inputs["tokens"]
+            index, seg = inputs["index"], inputs["seg"]
+            positions = torch.zeros(slots, m, dtype=pos.dtype, device=device)
+            positions[index[1], index[2]] = pos
+            biases = batch_biases(plan.windows, lean.num_heads // lean.num_kv_heads, pool.kv.dtype, seg[0], seg[1],
+                                  inputs["block"], positions, keys_len)
+            attend = attention_step(pool, lean.num_heads, plan.scale, index[0], index[1], index[2], index[3], slots,
+                                    m, keys_len, biases, plan.windows)
+            return run_pooled(lean, lean.embed(ids)[None], gathered(self.rope, pos, (1, 1, rows)), attend, aux_layers)
+
+        return _Shape(inputs, run)
+
+    def _fill(self, shape: _Shape, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[SlotCache],
+              pasts: Sequence[int], sizes: Sequence[int], masks: Sequence[torch.Tensor | None]) -> None:
+        """The static inputs of this call: real rows first, padding rows (token 0 at position 0, cache
+        position 0 of the scratch slot, its segment row 0) after; segment sizes and pasts per slot (0 for
+        slots not in the call); each tree's block."""
+        inputs, r = shape.inputs, len(input_ids)
+        rows, scratch = inputs["tokens"].shape[1], self.pool.scratch
+        tokens = inputs["tokens"]
+        tokens[0, :r], tokens[1, :r] = input_ids, position_ids
+        tokens[:, r:] = 0
+        index = [[c.slot, c.slot, t, p + t] for c, p, n in zip(caches, pasts, sizes) for t in range(n)]
+        index += [[scratch, scratch, 0, 0]] * (rows - r)
+        seg = torch.zeros(2, inputs["seg"].shape[1], dtype=torch.long)
+        seg[:, [c.slot for c in caches]] = torch.tensor([list(sizes), list(pasts)])
+        inputs["index"].copy_(torch.tensor(index).T)
+        inputs["seg"].copy_(seg)
+        tree_blocks(inputs["block"].shape[0], inputs["block"].shape[1], [c.slot for c in caches], pasts, sizes,
+                    masks, inputs["block"].device, out=inputs["block"])
