@@ -394,10 +394,12 @@ class EagleModel:
                                  tree.draw_support)
 
     def _proposer(self, method: str, sampling: SamplingConfig, generator: torch.Generator,
-                  fixed_total: int | None = None) -> Proposer:
+                  fixed_total: int | None = None, host_trees: bool = False) -> Proposer:
         """The proposer of ``method``; ``fixed_total``: the most tree nodes where ``total_tokens`` is
-        "auto", sized by the caller instead (``eagle.decoding.batched``)."""
-        device = self.target.device
+        "auto", sized by the caller instead (``eagle.decoding.batched``); ``host_trees``: ``ar``'s and
+        ``pld``'s trees (made from host values) on the host, for a caller that moves a round's trees to
+        the device at once."""
+        device = torch.device("cpu") if host_trees else self.target.device
         if method == "ar":
             return NoDraft(device)
         if method == "pld":

@@ -31,6 +31,7 @@ import torch
 from eagle.config import SamplingConfig, check_int
 from eagle.decoding.loop import GenerationResult, accept_round, check_request, commit_round
 from eagle.decoding.proposers import Proposal, Proposer
+from eagle.decoding.tree import DraftTree
 from eagle.decoding.sampling import make_generator
 from eagle.decoding.tree_mask import TreeAttention, attention_bias, tree_attention
 from eagle.decoding.tree_sizing import AVERAGING, RankRates, batch_tree_sizes, cost_curve
@@ -142,14 +143,32 @@ class _Sequence:
 
 @dataclasses.dataclass
 class _Round:
-    """One sequence's part of a round: its proposal and tree attention, where its rows sit in the
-    batched forward (``start``, ``proposal.tree.size`` rows) and how many tokens its cache held."""
+    """One sequence's part of a round: its proposal, the same tree on the host (``host``: what
+    acceptance and compaction read, without a wait on the device for each sequence) and its tree
+    attention (host tensors), where its rows sit in the batched forward (``start``,
+    ``proposal.tree.size`` rows) and how many tokens its cache held."""
 
     seq: _Sequence
     proposal: Proposal
+    host: DraftTree
     attn: TreeAttention
     past: int
     start: int
+
+
+def on_host(trees: list[DraftTree]) -> list[DraftTree]:
+    """``trees`` with their tensors on the host: those on a device moved in one copy for all (a copy per
+    tree would wait on the device once per tree)."""
+    moved = [i for i, t in enumerate(trees) if t.tokens.device.type != "cpu"]
+    if not moved:
+        return trees
+    sizes = [trees[i].size for i in moved]
+    ids = torch.cat([torch.cat([trees[i].tokens, trees[i].parents]) for i in moved]).cpu()
+    scores = torch.cat([trees[i].scores.float() for i in moved]).cpu()
+    out = list(trees)
+    for i, both, score in zip(moved, ids.split([2 * n for n in sizes]), scores.split(sizes)):
+        out[i] = DraftTree(*both.split(trees[i].size), score)
+    return out
 
 
 class BatchedEngine:
@@ -220,7 +239,8 @@ class BatchedEngine:
         check_request(self.target, ids, options.max_new_tokens)
         sampling = options.sampling
         generator = make_generator(options.seed)
-        proposer = self.model._proposer(options.method, sampling, generator, fixed_total=self.max_tree)
+        proposer = self.model._proposer(options.method, sampling, generator, fixed_total=self.max_tree,
+                                        host_trees=True)
         seq = _Sequence(request_id, options, sampling, generator, proposer, list(ids),
                         RequestStats(options.method, len(ids)), time.perf_counter())
         self._queue[request_id] = seq
@@ -354,11 +374,13 @@ class BatchedEngine:
                 before = self._draft_seconds.get(method)
                 self._draft_seconds[method] = spent if before is None else before + AVERAGING * (spent - before)
                 drafted.add(method)
-            rounds.append(_Round(seq, proposal, tree_attention(proposal.tree.parents), past, start))
+            rounds.append(_Round(seq, proposal, proposal.tree, None, past, start))
             start += proposal.tree.size
         for method in {seq.options.method for seq in live} - drafted:  # the estimate fades: a slow spell is retried
             if method in self._draft_seconds:
                 self._draft_seconds[method] *= DRAFT_FADE
+        for r, host in zip(rounds, on_host([r.proposal.tree for r in rounds])):
+            r.host, r.attn = host, tree_attention(host.parents)
         return rounds
 
     def _verify(self, rounds: list[_Round]) -> torch.Tensor:
@@ -368,18 +390,21 @@ class BatchedEngine:
         forward cannot run several (``runs_segments``)."""
         target = self.target
         aux = next((r.seq.proposer.aux_layers for r in rounds if r.seq.proposer.aux_layers), ())
-        masks = [attention_bias(r.attn.mask, r.past, target.dtype) if r.proposal.tree.size > 1 else None
+        # on the host for a pooled forward (which copies all trees' masks at once), else on the device
+        device = torch.device("cpu") if self._pool is not None else target.device
+        masks = [attention_bias(r.attn.mask, r.past, target.dtype).to(device) if r.proposal.tree.size > 1 else None
                  for r in rounds]
         for r in rounds:
             r.seq.stats.tree_size = r.proposal.tree.size
             r.seq.stats.target_forwards += 1
         if len(rounds) > 1 and runs_segments(target.lean, self._pool is not None) and all(
                 isinstance(r.seq.cache, kv_cache.StaticCache) for r in rounds):
-            tokens = torch.cat([r.proposal.tree.tokens for r in rounds])
-            positions = torch.cat([r.past + r.attn.depths for r in rounds])
+            tokens = torch.cat([r.host.tokens for r in rounds]).to(target.device)
+            positions = torch.cat([r.past + r.attn.depths for r in rounds]).to(target.device)
             return segment_forward(target.lean, tokens, positions, [r.seq.cache for r in rounds],
                                    [r.proposal.tree.size for r in rounds], masks, aux)
-        outs = [target.forward(r.proposal.tree.tokens[None], (r.past + r.attn.depths)[None], r.seq.cache, mask,
+        outs = [target.forward(r.host.tokens[None].to(target.device), (r.past + r.attn.depths)[None].to(target.device),
+                               r.seq.cache, None if mask is None else mask.to(target.device),
                                logits_from=r.proposal.tree.size, aux_layers=aux).features[0]
                 for r, mask in zip(rounds, masks)]
         return torch.cat(outs)
@@ -393,15 +418,19 @@ class BatchedEngine:
             return [None] * len(rounds)
         hidden = features[:, :self.target.hidden_size]
         rows = torch.cat([hidden[r.start:r.start + r.proposal.tree.size] for r in greedy])
-        argmax = torch.cat([self.target.greedy_tokens(part) for part in rows.split(STREAM_MAX_ROWS)])
+        argmax = torch.cat([self.target.greedy_tokens(part) for part in rows.split(STREAM_MAX_ROWS)]).cpu()
         parts = iter(argmax.split([r.proposal.tree.size for r in greedy]))
         return [next(parts) if r.seq.sampling.greedy else None for r in rounds]
 
     def _finish_round(self, r: _Round, features: torch.Tensor, choices: torch.Tensor | None) -> StepEvent:
         """Acceptance, cache compaction and the proposer's update for one sequence -> its event."""
-        seq, tree, target = r.seq, r.proposal.tree, self.target
-        logits = target.lm_head(features[:, :target.hidden_size]).float() if choices is None else None
-        acc = accept_round(r.proposal, r.attn.paths, logits, choices, seq.sampling, seq.generator,
+        seq, target = r.seq, self.target
+        if choices is None:  # sampled: the target's distributions on the device, the proposal's tree with them
+            logits, proposal = target.lm_head(features[:, :target.hidden_size]).float(), r.proposal
+        else:  # greedy: the host's tree and argmaxes
+            logits, proposal = None, dataclasses.replace(r.proposal, tree=r.host)
+        tree = proposal.tree
+        acc = accept_round(proposal, r.attn.paths, logits, choices, seq.sampling, seq.generator,
                            self.model.speculative.lenience)
         if tree.size > 1:
             drafts = set(acc.nodes[1:].tolist())

@@ -170,9 +170,14 @@ class CachePool:
             return
         moves, self._moves = self._moves, []
         device = self.kv.device
-        slots = torch.tensor([slot for slot, _, keep in moves for _ in range(keep.shape[0])], device=device)
-        dst = torch.tensor([start + j for _, start, keep in moves for j in range(keep.shape[0])], device=device)
-        src = torch.cat([keep.to(device) for _, _, keep in moves])
+        if all(keep.device.type == "cpu" for _, _, keep in moves):  # one copy to the device for all moves
+            index = torch.tensor([[slot, start + j, src] for slot, start, keep in moves
+                                  for j, src in enumerate(keep.tolist())]).T.to(device)
+            slots, dst, src = index
+        else:
+            slots = torch.tensor([slot for slot, _, keep in moves for _ in range(keep.shape[0])], device=device)
+            dst = torch.tensor([start + j for _, start, keep in moves for j in range(keep.shape[0])], device=device)
+            src = torch.cat([keep.to(device) for _, _, keep in moves])
         self.kv[:, :, slots, :, dst] = self.kv[:, :, slots, :, src]  # [moved, 2, layers, kv_heads, d]
 
 

@@ -62,15 +62,17 @@ def batch_biases(windows: Sequence[int | None], group_rows: int, dtype: torch.dt
 
 def tree_blocks(members: int, m: int, places: Sequence[int], pasts: Sequence[int], sizes: Sequence[int],
                 masks: Sequence[torch.Tensor | None], device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``batch_biases``' ``block`` [B, M, M]: causal, then segment s's rows at place ``places[s]`` as its
-    additive mask [1, 1, n, past + n] allows among them (its last n columns; None: causal); written into
-    ``out`` when given. One copy per tree."""
-    causal = torch.ones(m, m, dtype=torch.bool, device=device).tril()
-    block = causal.expand(members, m, m).clone() if out is None else out.copy_(causal.expand(members, m, m))
+    """``batch_biases``' ``block`` [B, M, M] on ``device``: causal, then segment s's rows at place
+    ``places[s]`` as its additive mask [1, 1, n, past + n] allows among them (its last n columns; None:
+    causal); written into ``out`` when given. Built on the host and copied once when the masks are
+    there, else one copy per tree on the device."""
+    host = all(mask is None or mask.device.type == "cpu" for mask in masks)
+    causal = torch.ones(m, m, dtype=torch.bool, device="cpu" if host else device).tril()
+    block = causal.expand(members, m, m).clone()
     for place, past, n, mask in zip(places, pasts, sizes, masks):
         if mask is not None:
             block[place, :n, :n] = mask[0, 0, :, past:] == 0
-    return block
+    return block.to(device) if out is None else out.copy_(block)
 
 
 def attention_step(pool: CachePool, nh: int, scale: float, slots: torch.Tensor, batch: torch.Tensor,

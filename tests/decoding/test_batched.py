@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagle import EagleError, EagleModel
 from eagle.decoding import acceptance
@@ -15,11 +16,13 @@ from eagle.decoding.batched import BatchedEngine, RequestOptions, generate_toget
 from eagle.decoding.tree_mask import attention_bias, tree_attention
 from eagle.decoding.tree_sizing import RankRates, batch_tree_sizes
 from eagle.runtime import segments
+from eagle.runtime.fake_capture import syncs
 from eagle.runtime.gemma import GemmaDecoder
 from eagle.runtime.pooled import PooledGraphs
 from eagle.runtime.segments import runs_segments, segment_forward
 
 from tests.conftest import prompts, tiny_drafter, tiny_gemma, tiny_target
+from tests.conftest import test_device as device_under_test
 
 METHODS = ("ar", "pld", "sd", "eagle-chain", "eagle-tree")
 CHEAP = [1.0] * 64  # a forward costs the same for 1-64 rows: every draft pays
@@ -206,7 +209,8 @@ def test_gemma_batch_runs_one_forward_a_round_and_equals_each_request_alone(monk
 
     module_or_skip()
     target = tiny_gemma(seed=4, window=6)
-    model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3)
+    model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3,
+                                       auto_length=False)  # pld alone: chains not sized by timing
     calls = []
     together = GemmaDecoder.segment_forward
     monkeypatch.setattr(GemmaDecoder, "segment_forward",
@@ -227,7 +231,8 @@ def test_pooled_batch_equals_each_request_alone(family, monkeypatch):
     handed out again, a cancelled one too): each round's trees verified by one pooled forward for all
     sequences, and every request's tokens and rounds are its own decoding's (Gemma-3: past its window)."""
     target = tiny_target(eos=True, seed=10) if family == "llama" else tiny_gemma(seed=4, window=6)
-    model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3)
+    model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3,
+                                       auto_length=False)  # pld alone: chains not sized by timing
     calls = []
     pooled = segments.pooled_forward
     monkeypatch.setattr(segments, "pooled_forward",
@@ -476,7 +481,7 @@ def test_pooled_rounds_on_static_shapes_are_captured_and_equal_each_request_alon
     # built here, after fake_capture turned the compiled CPU kernels off (a recording cannot replay them)
     target = tiny_target(eos=True, seed=10) if family == "llama" else tiny_gemma(seed=4, window=6)
     model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3,
-                                       cuda_graphs=False)
+                                       cuda_graphs=False, auto_length=False)  # pld alone: chains not sized by timing
     if family == "llama":  # the engine's own choice
         static = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), cuda_graphs=True)
         assert BatchedEngine(static, cache_pool=True)._pool.graphs is not None
@@ -498,3 +503,40 @@ def test_pooled_rounds_on_static_shapes_are_captured_and_equal_each_request_alon
         assert result.accept_lengths == alone.accept_lengths
     assert len(calls) > len(graphs.shapes) and any(n > 3 for n in calls)  # shapes replayed; trees among the rows
     assert graphs.captured == len(graphs.shapes) and graphs.fallbacks == 0
+
+
+class DeviceReads(TorchDispatchMode):
+    """Counts what makes the host wait for a GPU: a value read or a data-dependent size of a device tensor
+    (``fake_capture.syncs``), or a copy from the device to the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        on_device = any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
+        out = func(*args, **kwargs)
+        to_host = isinstance(out, torch.Tensor) and out.device.type == "cpu"
+        self.count += on_device and (syncs(func, args, kwargs) or to_host)
+        return out
+
+
+@pytest.mark.skipif(device_under_test().type != "cuda", reason="counts reads of a GPU's tensors")
+def test_a_batched_greedy_round_reads_the_device_twice(monkeypatch):
+    """Eight greedy sequences (``ar``, ``pld``) in a pooled round: the trees come to the host in one copy,
+    the argmaxes in another; acceptance and compaction read nothing more from the device."""
+    target = tiny_target(eos=False, seed=10)
+    model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), auto_length=False)
+    engine = BatchedEngine(model, max_batch=8, load_sizing=False, cache_pool=True)
+    for i, ids in enumerate(prompts(8, seed=2)):
+        engine.add(i, ids, RequestOptions(method=("ar", "pld")[i % 2], max_new_tokens=20))
+    engine.step()
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.device.type != "cpu") or tolist(self))
+    with DeviceReads() as counter:
+        for _ in range(3):
+            assert len(engine.step()) == 8
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    assert counter.count + sum(reads) <= 2 * 3
