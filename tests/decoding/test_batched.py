@@ -18,6 +18,7 @@ from eagle.decoding.tree_sizing import RankRates, batch_tree_sizes
 from eagle.runtime import segments
 from eagle.runtime.fake_capture import syncs
 from eagle.runtime.gemma import GemmaDecoder
+from eagle.runtime.kv_cache import CachePool
 from eagle.runtime.pooled import PooledGraphs
 from eagle.runtime.segments import runs_segments, segment_forward
 
@@ -472,12 +473,12 @@ def test_batched_sampling_keeps_the_target_distribution_and_the_check_has_teeth(
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma"])
-def test_pooled_rounds_on_static_shapes_are_captured_and_equal_each_request_alone(family, fake_capture):
+def test_pooled_rounds_on_static_shapes_are_captured_and_equal_each_request_alone(family, fake_capture, monkeypatch):
     """A pooled batch's rounds on static shapes (``PooledGraphs``, which the engine gives a pool where
     the target runs on them: ``cuda_graphs``): every shape is captured (by the CPU stand-in for CUDA
     capture where there is no GPU: a host tensor, a host read or a data-dependent shape inside fails
     the test) and replayed in later rounds, and each request's tokens and rounds are its own
-    decoding's (Gemma-3: past its window of 6)."""
+    decoding's (Gemma-3: past its window of 6), across a growth of the pool (its graphs made again)."""
     # built here, after fake_capture turned the compiled CPU kernels off (a recording cannot replay them)
     target = tiny_target(eos=True, seed=10) if family == "llama" else tiny_gemma(seed=4, window=6)
     model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3,
@@ -489,7 +490,14 @@ def test_pooled_rounds_on_static_shapes_are_captured_and_equal_each_request_alon
     batch = prompts(7, seed=3)
     options = [RequestOptions(method=("ar", "pld", "eagle-tree")[i % 3], max_new_tokens=12) for i in range(7)]
     engine = BatchedEngine(model, max_batch=3, load_sizing=False, cache_pool=True)
-    graphs = engine._pool.graphs = PooledGraphs(target.lean, engine._pool)
+    lean = target.lean
+    # a pool of 16 positions a slot: sequences outgrow it mid-run (a new buffer: the graphs made again)
+    engine._pool = CachePool(len(lean.layers), 3, lean.num_kv_heads, lean.head_dim, target.dtype, target.device,
+                             capacity=16)
+    graphs = engine._pool.graphs = PooledGraphs(lean, engine._pool)
+    buffers = set()
+    grow = CachePool.grow
+    monkeypatch.setattr(CachePool, "grow", lambda self, end: grow(self, end) or buffers.add(self.kv.data_ptr()))
     calls = []
     run = PooledGraphs.__call__
     PooledGraphs.__call__ = lambda self, *a: calls.append(len(a[0])) or run(self, *a)
@@ -502,7 +510,8 @@ def test_pooled_rounds_on_static_shapes_are_captured_and_equal_each_request_alon
         assert result.token_ids == alone.token_ids, opts.method
         assert result.accept_lengths == alone.accept_lengths
     assert len(calls) > len(graphs.shapes) and any(n > 3 for n in calls)  # shapes replayed; trees among the rows
-    assert graphs.captured == len(graphs.shapes) and graphs.fallbacks == 0
+    assert graphs.fallbacks == 0 and engine._pool.capacity > 16 and len(buffers) > 1
+    assert graphs.captured > len(graphs.shapes)  # grown mid-run: the shapes made for the old buffer made again
 
 
 class DeviceReads(TorchDispatchMode):
