@@ -615,12 +615,22 @@ def load_test(args: Any, argv: list[str], methods: list[str], prompts: list[dict
             info = dict(server=base, client_cpu=cpu_name(), platform=platform.platform(),
                         date=time.strftime("%Y-%m-%d", time.gmtime()))
         print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+        from eagle.runtime.cuda_graphs import capture_stats
+
+        before = capture_stats()
         rows = lt.run_load(base, prompts, methods, levels, args.max_new_tokens, args.temperature, args.top_p,
                            args.top_k, args.seed, warmup=min(args.warmup, len(prompts)),
                            api_key=args.api_key if args.url else None, log=lambda line: print(line, flush=True),
                            per_client=args.requests_per_client)
+        if args.url is None:  # the in-process server's graphs (its batched rounds' included)
+            after = capture_stats()
+            info.update(graph_captures=after["captured"] - before["captured"],
+                        graph_fallbacks=after["fallbacks"] - before["fallbacks"])
     print()
     print(lt.markdown(rows), end="", flush=True)
+    if info.get("graph_fallbacks"):
+        print(f"\n{info['graph_fallbacks']} CUDA graph capture(s) FELL BACK to eager running "
+              f"({info['graph_captures']} captured): eagle.runtime.cuda_graphs.capture_stats", flush=True)
     bad = [r for r in rows if r["errors"] or r["mismatches"]]
     for r in bad:
         print(f"{r['method']} at {r['concurrency']} clients: {r['errors']} errors, {r['mismatches']} answers lost, "

@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from eagle.errors import EagleError
+from eagle.runtime.cuda_graphs import capture_stats
 
 VIEWS = 4  # models with another tree size kept at once
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)  # seconds, for the histogram
@@ -255,6 +256,7 @@ class Metrics:
         def block(name: str, kind: str, help_: str, samples: list[tuple[str, Any]]) -> list[str]:
             return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"] + [f"{name}{labels} {v}" for labels, v in samples]
 
+        graphs = capture_stats()
         with self.lock:
             lines = block("eagle_requests_total", "counter",
                           "Requests answered, by HTTP status (499: the client went away).",
@@ -282,7 +284,11 @@ class Metrics:
                 ("eagle_steps_total", "counter", "Decoding steps (one round of every sequence in the batch).",
                  self.steps),
                 ("eagle_step_seconds_total", "counter", "Seconds spent in decoding steps.",
-                 round(self.step_seconds, 6))]:
+                 round(self.step_seconds, 6)),
+                ("eagle_graph_captures_total", "counter", "Static shapes captured as CUDA graphs (process-wide).",
+                 graphs["captured"]),
+                ("eagle_graph_fallbacks_total", "counter", "Shapes whose capture failed and that run eagerly, "
+                                                           "slowly (process-wide).", graphs["fallbacks"])]:
                 lines += block(name, kind, help_, [("", value)])
             methods = sorted(self.by_method.items())
             lines += block("eagle_method_tokens_total", "counter", "Tokens generated, by decoding method.",

@@ -181,9 +181,10 @@ for name in benches:
                          "methods": {m: {k: s.get(k) for k in keys} for m, s in data["methods"].items()}}
 load = out / "serving-load.json"
 if load.is_file():
-    summary["serving-load"] = [{k: r.get(k) for k in ("method", "concurrency", "tokens_per_second", "mean_accepted_length",
-                                                     "errors", "mismatches")}
-                               for r in json.loads(load.read_text())["results"]]
+    report = json.loads(load.read_text())
+    summary["serving-load"] = {"machine": report["machine"], "results": [
+        {k: r.get(k) for k in ("method", "concurrency", "tokens_per_second", "mean_accepted_length", "errors",
+                               "mismatches")} for r in report["results"]]}
 smoke = out / "train-smoke.json"
 if smoke.is_file():
     summary["train-smoke"] = json.loads(smoke.read_text())
@@ -198,8 +199,10 @@ summary["headline"] = {
     "tree_vs_ar_bf16_greedy": b16.get("eagle-tree", {}).get("speedup_vs_ar"),
     "tree_identical_share_bf16": b16.get("eagle-tree", {}).get("identical_share"),
     "train_smoke_ok": summary.get("train-smoke", {}).get("ok"),
-    "graph_captures": sum(summary[n]["machine"].get("graph_captures", 0) for n in benches if n in summary),
-    "graph_fallbacks": sum(summary[n]["machine"].get("graph_fallbacks", 0) for n in benches if n in summary),
+    "graph_captures": sum(summary[n]["machine"].get("graph_captures", 0) for n in benches + ("serving-load",)
+                          if n in summary),
+    "graph_fallbacks": sum(summary[n]["machine"].get("graph_fallbacks", 0) for n in benches + ("serving-load",)
+                           if n in summary),
     "tests_passed": (summary.get("tests", {}).get("tests", 0) - summary.get("tests", {}).get("failures", 0)
                      - summary.get("tests", {}).get("errors", 0) - summary.get("tests", {}).get("skipped", 0)),
 }

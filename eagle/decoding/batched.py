@@ -31,8 +31,8 @@ import torch
 from eagle.config import SamplingConfig, check_int
 from eagle.decoding.loop import GenerationResult, accept_round, check_request, commit_round
 from eagle.decoding.proposers import Proposal, Proposer
-from eagle.decoding.tree import DraftTree
 from eagle.decoding.sampling import make_generator
+from eagle.decoding.tree import DraftTree
 from eagle.decoding.tree_mask import TreeAttention, attention_bias, tree_attention
 from eagle.decoding.tree_sizing import AVERAGING, RankRates, batch_tree_sizes, cost_curve
 from eagle.errors import EagleError
@@ -391,8 +391,8 @@ class BatchedEngine:
         target = self.target
         aux = next((r.seq.proposer.aux_layers for r in rounds if r.seq.proposer.aux_layers), ())
         # on the host for a pooled forward (which copies all trees' masks at once), else on the device
-        device = torch.device("cpu") if self._pool is not None else target.device
-        masks = [attention_bias(r.attn.mask, r.past, target.dtype).to(device) if r.proposal.tree.size > 1 else None
+        at = torch.device("cpu") if self._pool is not None else target.device
+        masks = [attention_bias(r.attn.mask, r.past, target.dtype).to(at) if r.proposal.tree.size > 1 else None
                  for r in rounds]
         for r in rounds:
             r.seq.stats.tree_size = r.proposal.tree.size
@@ -403,8 +403,9 @@ class BatchedEngine:
             positions = torch.cat([r.past + r.attn.depths for r in rounds]).to(target.device)
             return segment_forward(target.lean, tokens, positions, [r.seq.cache for r in rounds],
                                    [r.proposal.tree.size for r in rounds], masks, aux)
-        outs = [target.forward(r.host.tokens[None].to(target.device), (r.past + r.attn.depths)[None].to(target.device),
-                               r.seq.cache, None if mask is None else mask.to(target.device),
+        device = target.device
+        outs = [target.forward(r.host.tokens[None].to(device), (r.past + r.attn.depths)[None].to(device),
+                               r.seq.cache, None if mask is None else mask.to(device),
                                logits_from=r.proposal.tree.size, aux_layers=aux).features[0]
                 for r, mask in zip(rounds, masks)]
         return torch.cat(outs)

@@ -61,7 +61,8 @@ def batch_biases(windows: Sequence[int | None], group_rows: int, dtype: torch.dt
 
 
 def tree_blocks(members: int, m: int, places: Sequence[int], pasts: Sequence[int], sizes: Sequence[int],
-                masks: Sequence[torch.Tensor | None], device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+                masks: Sequence[torch.Tensor | None], device: torch.device,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """``batch_biases``' ``block`` [B, M, M] on ``device``: causal, then segment s's rows at place
     ``places[s]`` as its additive mask [1, 1, n, past + n] allows among them (its last n columns; None:
     causal); written into ``out`` when given. Built on the host and copied once when the masks are
@@ -139,8 +140,9 @@ def pooled_forward(lean: Any, input_ids: torch.Tensor, position_ids: torch.Tenso
     members = list(range(top)) if in_place else sorted(c.slot for c in caches)  # the attention's batch
     where = {slot: b for b, slot in enumerate(members)}
     places = [where[c.slot] for c in caches]
-    index = torch.tensor([[c.slot, where[c.slot], t, p + t] for c, p, n in zip(caches, pasts, sizes) for t in range(n)],
-                         device=device).T  # [4, R]: each row's slot, place in the batch, row in its segment, cache position
+    # [4, R]: each row's slot, place in the attention's batch, row in its segment, cache position
+    index = torch.tensor([[c.slot, where[c.slot], t, p + t] for c, p, n in zip(caches, pasts, sizes)
+                          for t in range(n)], device=device).T
     b = len(members)
     seg = torch.zeros(2, b, dtype=torch.long)
     seg[:, places] = torch.tensor([list(sizes), pasts])

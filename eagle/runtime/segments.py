@@ -49,7 +49,8 @@ def segment_forward(lean: LeanDecoder | GemmaDecoder, input_ids: torch.Tensor, p
                     aux_layers: Sequence[int] = ()) -> torch.Tensor:
     """``input_ids``/``position_ids`` [R]: the rows of S sequences one after another, ``sizes`` [S]
     rows each (sum R); sequence s's rows are appended to ``caches[s]`` and attend to it under
-    ``masks[s]`` (additive [1, 1, n_s, past_s + n_s], or None: causal). Returns the final-norm
+    ``masks[s]`` (additive [1, 1, n_s, past_s + n_s], or None: causal; with pooled caches each sequence
+    sees its whole cache and only the masks' last n_s columns are read). Returns the final-norm
     hidden states [R, H] followed by the outputs of layers ``aux_layers`` ([R, (1 + n) H])."""
     if isinstance(caches[0], SlotCache):
         return pooled_forward(lean, input_ids, position_ids, caches, sizes, masks, aux_layers)
@@ -117,4 +118,3 @@ def _gemma_segments(lean: GemmaDecoder, input_ids: torch.Tensor, position_ids: t
         if n > STREAM_MAX_ROWS:
             out[rows.start] = lean.forward(input_ids[None, rows], position_ids[None, rows], cache, mask, aux_layers)[0]
     return torch.cat([out[r.start] for r, *_ in parts])
-

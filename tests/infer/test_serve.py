@@ -632,6 +632,14 @@ def test_metrics_report_the_batch_and_the_first_token(server):
     assert server.metric("eagle_batch_size_mean") == 1.0 and server.metric("eagle_steps_total") > 0
 
 
+def test_metrics_count_graph_captures_and_fallbacks(server, monkeypatch):
+    """The process's CUDA graph captures and fallbacks (``cuda_graphs.capture_stats``) are exposed."""
+    from infer import scheduler
+
+    monkeypatch.setattr(scheduler, "capture_stats", lambda: {"captured": 7, "fallbacks": 2, "errors": []})
+    assert server.metric("eagle_graph_captures_total") == 7 and server.metric("eagle_graph_fallbacks_total") == 2
+
+
 class Chromium:
     """Headless chromium driven over the DevTools protocol on a pipe (``--remote-debugging-pipe``:
     NUL-terminated JSON messages, commands on fd 3, answers on fd 4)."""
