@@ -139,7 +139,7 @@ part bench-fp32-host-rounds $SHORT "${BENCH[@]}" "${FEW[@]}" --methods ar,eagle-
   --no-device-rounds --title "One GPU, fp32, greedy, host rounds (CUDA graphs, 5 prompts)" \
   --json "$OUT/bench-fp32-host-rounds.json"
 
-part serving-load $SHORT "${BENCH[@]}" "${LIMIT[@]}" --methods ar,eagle-tree --dtype float32 "${LOAD[@]}" \
+part serving-load $SHORT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype float32 "${LOAD[@]}" \
   --title "Load test of eagle-serve --max-batch 64, one GPU, fp32, greedy, 1-64 concurrent clients" \
   --json "$OUT/serving-load.json"
 

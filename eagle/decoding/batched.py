@@ -183,23 +183,25 @@ class BatchedEngine:
     once per machine and cached); ``cache_pool``: the running sequences' caches as slots of one
     ``CachePool`` (``kv_cache``), so that a round's forward attends for all of them in one call per layer
     (``pooled.pooled_forward``; None: where the target runs on CUDA, where per-sequence attention
-    would launch a few kernels per sequence and layer); on static shapes replayed as CUDA graphs
-    (``pooled.PooledGraphs``) where the target's forward is (``cuda_graphs``)."""
+    would launch a few kernels per sequence and layer, or where its forward is captured as graphs);
+    on static shapes replayed as CUDA graphs (``pooled.PooledGraphs``) where the target's forward is
+    (``cuda_graphs``; on a CPU with ``EAGLE_FAKE_CAPTURE=1``, the stand-in capture: a rehearsal)."""
 
     def __init__(self, model: Any, max_batch: int = 8, load_sizing: bool = True, max_tree: int = MAX_TREE,
                  row_seconds: Sequence[float] | None = None, cache_pool: bool | None = None) -> None:
         check_int("max_batch", max_batch, 1)
         check_int("max_tree", max_tree, 1)
         self.model, self.target = model, model.target
-        lean = self.target.lean
+        lean, graphs = self.target.lean, self.target.graphs
         if cache_pool is None:
-            cache_pool = lean is not None and self.target.device.type == "cuda"
+            captured = graphs is not None and graphs.capture
+            cache_pool = lean is not None and (self.target.device.type == "cuda" or captured)
         if cache_pool and not runs_segments(lean, pooled=True):
             raise EagleError(f"{self.target.name} has no lean forward to run pooled caches")
         self._pool = kv_cache.CachePool(len(lean.layers), max_batch, lean.num_kv_heads, lean.head_dim,
                                         self.target.dtype, self.target.device) if cache_pool else None
-        if self._pool is not None and self.target.graphs is not None:  # static shapes, captured where the target's are
-            self._pool.graphs = PooledGraphs(lean, self._pool, capture=self.target.graphs.capture)
+        if self._pool is not None and graphs is not None:  # static shapes, captured where the target's are
+            self._pool.graphs = PooledGraphs(lean, self._pool, capture=graphs.capture)
         self.max_batch, self.load_sizing, self.max_tree = max_batch, load_sizing, max_tree
         self._queue: OrderedDict[Hashable, _Sequence] = OrderedDict()
         self._active: OrderedDict[Hashable, _Sequence] = OrderedDict()
