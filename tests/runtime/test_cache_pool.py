@@ -1,5 +1,5 @@
 """Pooled caches (``kv_cache.CachePool``, ``SlotCache``) and the forward that attends for all their
-sequences in one call per layer (``segments.pooled_forward``): against each sequence's own cache and
+sequences in one call per layer (``pooled.pooled_forward``): against each sequence's own cache and
 forward, on tiny random Llama, Qwen3 and Gemma-3 targets."""
 
 from __future__ import annotations
