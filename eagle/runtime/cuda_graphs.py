@@ -84,6 +84,13 @@ def _cpu_capture() -> Callable | None:
     return fake_capture
 
 
+def capturer_for(device: torch.device) -> Callable | None:
+    """What captures a runner's static functions on ``device``: the installed capture (``capture_with``),
+    else ``cuda_capture`` on CUDA, else the CPU stand-in where ``$EAGLE_FAKE_CAPTURE=1``; None: they run
+    eagerly."""
+    return _CAPTURE[-1] if _CAPTURE else cuda_capture if device.type == "cuda" else _cpu_capture()
+
+
 def cuda_capture(run: Callable[[], Any], device: torch.device, pool: Any) -> tuple[Any, Any]:
     """Warm ``run`` up on a side stream, then capture it (as PyTorch documents) and replay it once
     (the capture itself computes nothing) -> (graph, its output in the graph's memory). Raises
@@ -226,7 +233,7 @@ class _Runner:
     def __init__(self, cache: GraphCache, dtype: torch.dtype, device: torch.device, capture: bool,
                  buckets: Sequence[int]) -> None:
         self.cache, self.dtype, self.device = cache, dtype, device
-        self.capturer = _CAPTURE[-1] if _CAPTURE else cuda_capture if device.type == "cuda" else _cpu_capture()
+        self.capturer = capturer_for(device)
         self.capture = capture and self.capturer is not None
         self.buckets = tuple(buckets)
         self.entries: dict[tuple, _Entry] = {}

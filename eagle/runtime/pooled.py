@@ -22,14 +22,13 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from eagle.decoding.batch import LayerPlan, each_layer, final_norm, gathered, rotary_tables
+from eagle.decoding.batch import LayerPlan, each_layer, final_norm, gathered, keys_for, rotary_tables
 from eagle.decoding.tree_mask import additive_bias
 from eagle.runtime import cuda_graphs
 from eagle.runtime.kv_cache import CachePool, SlotCache
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # rows of a static call (all sequences' together)
 SEGMENT_BUCKETS = (1, 2, 4, 8, 16)  # one sequence's rows in a static call
-MIN_KEYS = 64  # the shortest attended cache length of a static call; longer ones double
 
 
 def batch_biases(windows: Sequence[int | None], group_rows: int, dtype: torch.dtype, sizes: torch.Tensor,
@@ -104,8 +103,35 @@ def attention_step(pool: CachePool, nh: int, scale: float, slots: torch.Tensor, 
     return attend
 
 
-def run_pooled(lean: Any, x: torch.Tensor, rope: dict, attend: Callable, aux_layers: Sequence[int]) -> torch.Tensor:
-    """The layers over x [1, R, H] -> final-norm features followed by layers ``aux_layers``' outputs [R, (1 + n) H]."""
+def row_index(caches: Sequence[SlotCache], pasts: Sequence[int], sizes: Sequence[int],
+              place: Callable[[int], int]) -> list[list[int]]:
+    """Each row's [its slot, its place in the attention's batch (``place(slot)``), its row in its segment,
+    its cache position], the sequences' rows one after another."""
+    return [[c.slot, place(c.slot), t, p + t] for c, p, n in zip(caches, pasts, sizes) for t in range(n)]
+
+
+def segment_table(members: int, places: Sequence[int], sizes: Sequence[int], pasts: Sequence[int]) -> torch.Tensor:
+    """[2, B] on the host: each place's segment size and cached length (0 where no sequence of the call sits)."""
+    table = torch.zeros(2, members, dtype=torch.long)
+    table[:, list(places)] = torch.tensor([list(sizes), list(pasts)])
+    return table
+
+
+def pooled_layers(lean: Any, pool: CachePool, x: torch.Tensor, rope: dict, pos: torch.Tensor, index: torch.Tensor,
+                  table: torch.Tensor, block: torch.Tensor, members: torch.Tensor | int, keys_len: int,
+                  aux_layers: Sequence[int]) -> torch.Tensor:
+    """The layers over the rows x [1, R, H] at positions ``pos`` [R] (rotary tables ``rope``, [1, 1, R, d]
+    each), ``index`` [4, R] (``row_index``), ``table`` [2, B] (``segment_table``), ``block`` [B, M, M]
+    (``tree_blocks``), the attention's batch ``members`` (``attention_step``) -> final-norm features followed
+    by layers ``aux_layers``' outputs [R, (1 + n) H]. Device operations only (capturable)."""
+    plan = LayerPlan.of(lean)
+    b, m = block.shape[:2]
+    positions = torch.zeros(b, m, dtype=pos.dtype, device=pos.device)
+    positions[index[1], index[2]] = pos
+    biases = batch_biases(plan.windows, lean.num_heads // lean.num_kv_heads, pool.kv.dtype, table[0], table[1],
+                          block, positions, keys_len)
+    attend = attention_step(pool, lean.num_heads, plan.scale, index[0], index[1], index[2], index[3], members, m,
+                            keys_len, biases, plan.windows)
     kept = {}
     for i, x in enumerate(each_layer(lean, x, rope, attend)):
         if i in aux_layers:
@@ -131,8 +157,7 @@ def pooled_forward(lean: Any, input_ids: torch.Tensor, position_ids: torch.Tenso
     pool.flush()
     if pool.graphs is not None and pool.graphs.fits(sizes):
         return pool.graphs(input_ids, position_ids, caches, pasts, sizes, masks, tuple(aux_layers))
-    device, dtype = input_ids.device, pool.kv.dtype
-    plan = LayerPlan.of(lean)
+    device = input_ids.device
     m = max(sizes)
     keys_len = min(pool.capacity, -(-max(p + n for p, n in zip(pasts, sizes)) // 16) * 16)  # masked past the end
     top = pool.top
@@ -140,26 +165,16 @@ def pooled_forward(lean: Any, input_ids: torch.Tensor, position_ids: torch.Tenso
     members = list(range(top)) if in_place else sorted(c.slot for c in caches)  # the attention's batch
     where = {slot: b for b, slot in enumerate(members)}
     places = [where[c.slot] for c in caches]
-    # [4, R]: each row's slot, place in the attention's batch, row in its segment, cache position
-    index = torch.tensor([[c.slot, where[c.slot], t, p + t] for c, p, n in zip(caches, pasts, sizes)
-                          for t in range(n)], device=device).T
-    b = len(members)
-    seg = torch.zeros(2, b, dtype=torch.long)
-    seg[:, places] = torch.tensor([list(sizes), pasts])
-    seg = seg.to(device)
-    block = tree_blocks(b, m, places, pasts, sizes, masks, device)
-    positions = torch.zeros(b, m, dtype=position_ids.dtype, device=device)
-    positions[index[1], index[2]] = position_ids
-    biases = batch_biases(plan.windows, lean.num_heads // lean.num_kv_heads, dtype, seg[0], seg[1], block, positions,
-                          keys_len)
+    index = torch.tensor(row_index(caches, pasts, sizes, where.__getitem__), device=device).T
+    table = segment_table(len(members), places, sizes, pasts).to(device)
+    block = tree_blocks(len(members), m, places, pasts, sizes, masks, device)
     x = lean.embed(input_ids)[None]  # [1, R, H]
     if hasattr(lean, "layer_types"):  # Gemma-3: a rotary table per layer type
         rope = {t: tuple(c[:, None] for c in lean.rotary(x, position_ids[None], t)) for t in lean.layer_types}
     else:
         rope = {None: tuple(c[:, None] for c in lean.rotary(x, position_ids[None]))}  # [1, 1, R, d]
-    attend = attention_step(pool, lean.num_heads, plan.scale, index[0], index[1], index[2], index[3],
-                            b if in_place else torch.tensor(members, device=device), m, keys_len, biases, plan.windows)
-    return run_pooled(lean, x, rope, attend, aux_layers)
+    gather = len(members) if in_place else torch.tensor(members, device=device)
+    return pooled_layers(lean, pool, x, rope, position_ids, index, table, block, gather, keys_len, aux_layers)
 
 
 @dataclasses.dataclass
@@ -176,7 +191,7 @@ class _Shape:
 class PooledGraphs:
     """``pooled_forward`` on static shapes, one CUDA graph per shape replayed each round. A call of R rows
     in segments of at most M rows attending to at most Lk keys runs the static function of (the row
-    bucket >= R, the segment bucket >= M, Lk a power of two >= ``MIN_KEYS``, the aux layers): its
+    bucket >= R, the segment bucket >= M, Lk a power of two >= 64: ``batch.keys_for``, the aux layers): its
     attention's batch is every slot of the pool, scratch included; padding rows (token 0 at position
     0) write to the scratch slot. Inputs are filled by two copies and one copy per tree. A pool that
     grows (a new buffer) drops its graphs. ``capture``: capture (on CUDA, or with a capture installed
@@ -185,11 +200,9 @@ class PooledGraphs:
     def __init__(self, lean: Any, pool: CachePool, capture: bool = True) -> None:
         self.lean, self.pool = lean, pool
         device = pool.kv.device
-        self.capturer = (cuda_graphs._CAPTURE[-1] if cuda_graphs._CAPTURE else
-                         cuda_graphs.cuda_capture if device.type == "cuda" else cuda_graphs._cpu_capture())
+        self.capturer = cuda_graphs.capturer_for(device)
         self.capture = capture and self.capturer is not None
         self.graph_pool = torch.cuda.graph_pool_handle() if self.capture and device.type == "cuda" else None
-        self.plan = LayerPlan.of(lean)
         self.shapes: dict[tuple, _Shape] = {}
         self.buffer: torch.Tensor | None = None  # the pool's buffer the shapes were made for
         self.rope: dict = {}
@@ -211,7 +224,7 @@ class PooledGraphs:
                 self.rope = rotary_tables(self.lean, pool.capacity, pool.kv.device, pool.kv.dtype)
         rows = cuda_graphs.bucket_for(r, ROW_BUCKETS)
         m = cuda_graphs.bucket_for(max(sizes), SEGMENT_BUCKETS)
-        keys_len = min(pool.capacity, max(MIN_KEYS, 1 << (max(p + n for p, n in zip(pasts, sizes)) - 1).bit_length()))
+        keys_len = keys_for(max(p + n for p, n in zip(pasts, sizes)), pool.capacity)
         key = (rows, m, keys_len, aux_layers)
         shape = self.shapes.get(key)
         if shape is None:
@@ -230,23 +243,17 @@ class PooledGraphs:
         return shape.output[:r]
 
     def _make(self, rows: int, m: int, keys_len: int, aux_layers: tuple[int, ...]) -> _Shape:
-        lean, pool, plan = self.lean, self.pool, self.plan
+        lean, pool = self.lean, self.pool
         device, slots = pool.kv.device, pool.kv.shape[2]
         inputs = dict(tokens=torch.zeros(2, rows, dtype=torch.long, device=device),  # ids, positions
-                      index=torch.zeros(4, rows, dtype=torch.long, device=device),  # slot, slot, row, place
-                      seg=torch.zeros(2, slots, dtype=torch.long, device=device),  # sizes, pasts
+                      index=torch.zeros(4, rows, dtype=torch.long, device=device),  # ``row_index``
+                      table=torch.zeros(2, slots, dtype=torch.long, device=device),  # ``segment_table``
                       block=torch.zeros(slots, m, m, dtype=torch.bool, device=device))
 
         def run() -> torch.Tensor:
             ids, pos = inputs["tokens"]
-            index, seg = inputs["index"], inputs["seg"]
-            positions = torch.zeros(slots, m, dtype=pos.dtype, device=device)
-            positions[index[1], index[2]] = pos
-            biases = batch_biases(plan.windows, lean.num_heads // lean.num_kv_heads, pool.kv.dtype, seg[0], seg[1],
-                                  inputs["block"], positions, keys_len)
-            attend = attention_step(pool, lean.num_heads, plan.scale, index[0], index[1], index[2], index[3], slots,
-                                    m, keys_len, biases, plan.windows)
-            return run_pooled(lean, lean.embed(ids)[None], gathered(self.rope, pos, (1, 1, rows)), attend, aux_layers)
+            return pooled_layers(lean, pool, lean.embed(ids)[None], gathered(self.rope, pos, (1, 1, rows)), pos,
+                                 inputs["index"], inputs["table"], inputs["block"], slots, keys_len, aux_layers)
 
         return _Shape(inputs, run)
 
@@ -260,11 +267,9 @@ class PooledGraphs:
         tokens = inputs["tokens"]
         tokens[0, :r], tokens[1, :r] = input_ids, position_ids
         tokens[:, r:] = 0
-        index = [[c.slot, c.slot, t, p + t] for c, p, n in zip(caches, pasts, sizes) for t in range(n)]
-        index += [[scratch, scratch, 0, 0]] * (rows - r)
-        seg = torch.zeros(2, inputs["seg"].shape[1], dtype=torch.long)
-        seg[:, [c.slot for c in caches]] = torch.tensor([list(sizes), list(pasts)])
+        slots = [c.slot for c in caches]
+        index = row_index(caches, pasts, sizes, lambda slot: slot) + [[scratch, scratch, 0, 0]] * (rows - r)
         inputs["index"].copy_(torch.tensor(index).T)
-        inputs["seg"].copy_(seg)
-        tree_blocks(inputs["block"].shape[0], inputs["block"].shape[1], [c.slot for c in caches], pasts, sizes,
-                    masks, inputs["block"].device, out=inputs["block"])
+        inputs["table"].copy_(segment_table(inputs["table"].shape[1], slots, sizes, pasts))
+        tree_blocks(inputs["block"].shape[0], inputs["block"].shape[1], slots, pasts, sizes, masks,
+                    inputs["block"].device, out=inputs["block"])
