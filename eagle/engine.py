@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import weakref
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -394,11 +395,13 @@ class EagleModel:
                                  tree.draw_support)
 
     def _proposer(self, method: str, sampling: SamplingConfig, generator: torch.Generator,
-                  fixed_total: int | None = None, host_trees: bool = False) -> Proposer:
+                  fixed_total: int | None = None, host_trees: bool = False,
+                  draft_caches: Callable[[Any], Any] | None = None) -> Proposer:
         """The proposer of ``method``; ``fixed_total``: the most tree nodes where ``total_tokens`` is
-        "auto", sized by the caller instead (``eagle.decoding.batched``); ``host_trees``: ``ar``'s and
-        ``pld``'s trees (made from host values) on the host, for a caller that moves a round's trees to
-        the device at once."""
+        "auto", sized by the caller instead (``eagle.decoding.batched``); ``host_trees``: trees made from
+        host values (``ar``'s, ``pld``'s, a greedy drafter's) on the host, for a caller that moves a round's
+        trees to the device at once; ``draft_caches``: drafter -> a cache for it (a pool's slot), where a drafter's
+        cache comes from."""
         device = torch.device("cpu") if host_trees else self.target.device
         if method == "ar":
             return NoDraft(device)
@@ -418,8 +421,10 @@ class EagleModel:
             if fixed_total is not None and tree.total_tokens == "auto":
                 tree = dataclasses.replace(tree, total_tokens=fixed_total)
             sizing = self._cost_sizing("eagle", sampling) if tree.total_tokens == "auto" else None
-            return EagleDrafter(self._inference_copy(self._drafter, self.drafter_dtype, self.drafter_quant), self.target,
-                                tree, lookup=self.prompt_lookup, sampling=sampling, generator=generator, sizing=sizing)
+            drafter = self._inference_copy(self._drafter, self.drafter_dtype, self.drafter_quant)
+            return EagleDrafter(drafter, self.target, tree, lookup=self.prompt_lookup, sampling=sampling,
+                                generator=generator, sizing=sizing, host_trees=host_trees,
+                                new_cache=None if draft_caches is None else functools.partial(draft_caches, drafter))
         raise EagleError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
     def generate(self, prompt: Any, method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0,

@@ -29,6 +29,7 @@ from typing import Any, Hashable, Sequence
 import torch
 
 from eagle.config import SamplingConfig, check_int
+from eagle.decoding.draft_steps import run_together
 from eagle.decoding.loop import GenerationResult, accept_round, check_request, commit_round
 from eagle.decoding.proposers import Proposal, Proposer
 from eagle.decoding.sampling import make_generator
@@ -185,7 +186,9 @@ class BatchedEngine:
     (``pooled.pooled_forward``; None: where the target runs on CUDA, where per-sequence attention
     would launch a few kernels per sequence and layer, or where its forward is captured as graphs);
     on static shapes replayed as CUDA graphs (``pooled.PooledGraphs``) where the target's forward is
-    (``cuda_graphs``; on a CPU with ``EAGLE_FAKE_CAPTURE=1``, the stand-in capture: a rehearsal)."""
+    (``cuda_graphs``; on a CPU with ``EAGLE_FAKE_CAPTURE=1``, the stand-in capture: a rehearsal). With
+    pooled caches the drafters' caches are pooled too (a pool per drafter), so that each drafter call of
+    a round runs once for all sequences (``draft_steps``)."""
 
     def __init__(self, model: Any, max_batch: int = 8, load_sizing: bool = True, max_tree: int = MAX_TREE,
                  row_seconds: Sequence[float] | None = None, cache_pool: bool | None = None) -> None:
@@ -209,6 +212,7 @@ class BatchedEngine:
         self._draft_seconds: dict[str, float] = {}
         self._seconds: list[float] = list(row_seconds or [])
         self._fixed_seconds = row_seconds is not None
+        self._draft_pools: dict[int, tuple[Any, kv_cache.CachePool]] = {}  # id(drafter) -> (it, its caches' pool)
 
     @property
     def active(self) -> int:
@@ -242,7 +246,7 @@ class BatchedEngine:
         sampling = options.sampling
         generator = make_generator(options.seed)
         proposer = self.model._proposer(options.method, sampling, generator, fixed_total=self.max_tree,
-                                        host_trees=True)
+                                        host_trees=True, draft_caches=self._draft_cache)
         seq = _Sequence(request_id, options, sampling, generator, proposer, list(ids),
                         RequestStats(options.method, len(ids)), time.perf_counter())
         self._queue[request_id] = seq
@@ -267,9 +271,23 @@ class BatchedEngine:
         self._active.clear()
 
     def _free(self, seq: _Sequence) -> None:
-        """Give a leaving sequence's pool slot back."""
+        """Give a leaving sequence's pool slots back (its target cache's and its drafter cache's)."""
         if self._pool is not None:
             self._pool.release(seq.cache)
+        seq.proposer.close()
+
+    def _draft_cache(self, drafter: Any) -> kv_cache.StaticCache:
+        """A drafter cache for a sequence joining the batch: in a pooled batch a slot of that drafter's pool
+        (made at its first sequence), so that a drafter call attends for all sequences at once
+        (``pooled.pooled_drafter_forward``); else a cache of its own (never a drafter's shared static one:
+        a graphed drafter's ``new_cache`` is one cache for one sequence at a time)."""
+        if self._pool is None:
+            return kv_cache.StaticCache(drafter.config.num_layers)
+        if id(drafter) not in self._draft_pools:
+            cfg = drafter.config
+            self._draft_pools[id(drafter)] = drafter, kv_cache.CachePool(
+                cfg.num_layers, self.max_batch, cfg.num_key_value_heads, cfg.head_dim, drafter.dtype, drafter.device)
+        return self._draft_pools[id(drafter)][1].cache()
 
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
@@ -359,20 +377,22 @@ class BatchedEngine:
         return total if isinstance(total, int) else self.max_tree
 
     def _propose(self, live: list[_Sequence], sizes: list[int]) -> list[_Round]:
-        """Each sequence's draft tree (at most ``sizes`` nodes, no deeper than its room); each method's
-        drafting time is updated from its sequences that drafted, or fades once (``DRAFT_FADE``)
-        when none did."""
+        """Each sequence's draft tree (at most ``sizes`` nodes, no deeper than its room), all drafted
+        together (``draft_steps.run_together``: a drafter call's rows of every sequence at once); before
+        that, drafters that draft for the first time are prefilled together (not a round's drafting time).
+        Each method's drafting time is updated from its sequences that drafted (each one's own work and
+        its share of the calls it joined), or fades once (``DRAFT_FADE``) when none did."""
+        max_context = self.target.max_context
+        pasts = [len(seq.ids) - 1 for seq in live]
+        rooms = [seq.room(max_context) for seq in live]
+        run_together([seq.proposer.preparing() for seq, size, room in zip(live, sizes, rooms) if size > 1 and room > 1])
+        proposals, seconds = run_together([
+            seq.proposer.drafting(seq.ids, max_depth=room - 1, max_nodes=min(size, max_context - past))
+            for seq, size, room, past in zip(live, sizes, rooms, pasts)])
         rounds, start, drafted = [], 0, set()
-        for seq, size in zip(live, sizes):
-            past = len(seq.ids) - 1
-            if size > 1 and seq.room(self.target.max_context) > 1:
-                seq.proposer.prepare()  # once per sequence (a drafter's prefill): not a round's drafting time
-            began = time.perf_counter()
-            proposal = seq.proposer.propose(seq.ids, max_depth=seq.room(self.target.max_context) - 1,
-                                            max_nodes=min(size, self.target.max_context - past))
+        for seq, proposal, spent, past in zip(live, proposals, seconds, pasts):
             method = seq.options.method
             if proposal.tree.size > 1:  # what drafting costs this method, for sizing the next rounds
-                spent = time.perf_counter() - began
                 before = self._draft_seconds.get(method)
                 self._draft_seconds[method] = spent if before is None else before + AVERAGING * (spent - before)
                 drafted.add(method)

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import time
 from array import array
-from typing import Any
+from typing import Any, Callable, Generator
 
 import torch
 
@@ -23,10 +23,11 @@ from eagle.decoding.tree_sizing import CostCurve, Sizing, choose_tree_size, expa
 from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
 from eagle.drafting.drafter import LeanDrafter
 from eagle.errors import EagleError
+from eagle.decoding.draft_steps import DraftStep, StepResult, run_alone
 from eagle.decoding.sampling import logits_to_probs, sample
 from eagle.runtime.target import Target
 from eagle.decoding.tree import (DraftTree, best_frontier, chain_tree, graft_chains, kept_nodes, root_only, sampled_children,
-                        static_layout, subtree, topk_children)
+                        static_layout, subtree)
 from eagle.decoding.tree_mask import additive_bias
 
 
@@ -91,6 +92,22 @@ class Proposer:
 
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         raise NotImplementedError
+
+    def preparing(self) -> Generator[DraftStep, StepResult, None]:
+        """``prepare`` as a generator of drafter steps, so that many sequences' prefills run together
+        (``draft_steps.run_together``); a proposer without a feature drafter yields none."""
+        self.prepare()
+        return
+        yield  # unreachable: makes this a generator
+
+    def drafting(self, ids: list[int], max_depth: int, max_nodes: int) -> Generator[DraftStep, StepResult, Proposal]:
+        """``propose`` as a generator of drafter steps returning the proposal, so that many sequences
+        draft together (``draft_steps.run_together``); a proposer without a feature drafter yields none."""
+        return self.propose(ids, max_depth, max_nodes)
+        yield  # unreachable: makes this a generator
+
+    def close(self) -> None:
+        """Give back what the proposer holds beyond itself (a pooled cache's slot); ``start`` begins anew."""
 
     def commit(self, ids: list[int], path: list[int], features: torch.Tensor | None) -> None:
         """``ids`` now ends with the accepted drafts and the new root; ``path``: the accepted drafts'
@@ -256,14 +273,18 @@ class EagleDrafter(Proposer):
 
     def __init__(self, drafter: LeanDrafter, target: Target, cfg: TreeConfig, cost: CostCurve | None = None,
                  lookup: PromptLookupConfig | None = None, sampling: SamplingConfig | None = None,
-                 generator: torch.Generator | None = None, sizing: Sizing | None = None) -> None:
+                 generator: torch.Generator | None = None, sizing: Sizing | None = None,
+                 new_cache: Callable[[], kv_cache.StaticCache] | None = None, host_trees: bool = False) -> None:
         """``drafter``: the inference copy (its ``dtype`` is what it is fed the target's features
         and embeddings in); ``total_tokens`` "auto" sizes by ``sizing`` (what it learns as it
         decodes, updated in place, so that one kept across generations carries it) or, without one,
         by a new ``Sizing`` of ``cost``, the target's measured forward-time curve;
         ``lookup``: the n-gram sizes for ``cfg.lookup_tokens``;
         ``sampling``/``generator``: with temperature > 0 and ``cfg.sampled_tree`` (dynamic tree) the
-        children are drawn from the drafter (``sampled_children``) with ``generator``."""
+        children are drawn from the drafter (``sampled_children``) with ``generator``; ``new_cache``: where
+        ``start`` takes the drafter's cache from (default: a cache of its own; ``BatchedEngine``: a slot
+        of a pool, given back by ``close``); ``host_trees``: greedy trees made on the host (from the
+        host values they are drafted as), for a caller that moves a round's trees to the device at once."""
         vocab = drafter.config.draft_vocab_size or drafter.config.vocab_size
         widest = max((r + 1 for c in cfg.choices or () for r in c), default=cfg.top_k)
         if max(cfg.top_k, widest) > vocab:
@@ -271,6 +292,7 @@ class EagleDrafter(Proposer):
         self.drafter, self.target, self.cfg = drafter, target, cfg
         self.dtype = drafter.dtype
         self.aux_layers = tuple(drafter.config.aux_layers)
+        self.new_cache = new_cache or drafter.new_cache
         self.cache = drafter.new_cache()
         self.last_hidden: torch.Tensor | None = None  # drafter's prediction of the root's feature [H]
         self.device = target.device
@@ -281,6 +303,8 @@ class EagleDrafter(Proposer):
         if sampling is not None and not sampling.greedy and cfg.sampled_tree and not cfg.choices:
             self.draw_temperature = sampling.temperature * cfg.draw_temperature_scale
         self.generator = generator
+        # where trees are made: drawn children's trees stay with their distributions, on the device
+        self.tree_device = torch.device("cpu") if host_trees and not self.draw_temperature else self.device
         # pool node -> (the draft indices its children were drawn among, their log-probs)
         self.drawn_from: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.draft_ids = drafter.to_target_ids(torch.arange(vocab, device=self.device))  # draft index -> target id
@@ -296,29 +320,37 @@ class EagleDrafter(Proposer):
         costs = self.sizing.costs if self.sizing is not None else []
         self.next_size = max((n for n, c in enumerate(costs, start=1) if c <= 1.05 * costs[0]), default=0)
 
-    @torch.inference_mode()
-    def _extend(self, features: torch.Tensor, next_tokens: list[int]) -> None:
+    def _feed(self, features: torch.Tensor, next_tokens: list[int]) -> Generator[DraftStep, StepResult, None]:
         """Feed pairs (f_t, x_{t+1}) for the new committed positions; keep the last prediction."""
         if not next_tokens:
             return
         past = kv_cache.cache_length(self.cache)
-        tokens = torch.tensor([next_tokens], dtype=torch.long, device=self.device)
-        pos = torch.arange(past, past + len(next_tokens), device=self.device)[None]
-        out = self.drafter(features[None].to(self.dtype), self.target.embed(tokens).to(self.dtype), pos, self.cache)
-        self.last_hidden = out[0, -1]
+        out = yield DraftStep(self.drafter, self.target, self.cache, rows=features.to(self.dtype),
+                              tokens=torch.tensor(next_tokens, dtype=torch.long, device=self.device),
+                              positions=torch.arange(past, past + len(next_tokens), device=self.device), head=False)
+        self.last_hidden = out.hidden[-1]
 
     def start(self, ids: list[int], features: torch.Tensor | None) -> None:
         """Keeps the prompt's features: the drafter is prefilled when it first drafts (``prepare`` or
         ``propose``), so a sequence that never drafts (a batch's root-only rounds) costs it nothing."""
-        self.cache = self.drafter.new_cache()
+        self.close()
+        self.cache = self.new_cache()
         self.last_hidden = None
         self.pending = []
         self.prompt = (features, ids[1:]) if features is not None and len(ids) > 1 else None
 
+    def close(self) -> None:
+        if isinstance(self.cache, kv_cache.SlotCache):
+            self.cache.pool.release(self.cache)
+            self.cache = None
+
     def prepare(self) -> None:
+        run_alone(self.preparing())
+
+    def preparing(self) -> Generator[DraftStep, StepResult, None]:
         if self.prompt is not None:
             (features, tokens), self.prompt = self.prompt, None
-            self._extend(features, tokens)
+            yield from self._feed(features, tokens)
 
     def commit(self, ids: list[int], path: list[int], features: torch.Tensor | None) -> None:
         # features: target features of the root and the accepted drafts; tokens that follow them.
@@ -334,7 +366,7 @@ class EagleDrafter(Proposer):
                 self.lookup_rates.update(match, produced[len(drafts):])
         self.pending.append((features, produced))  # fed to the drafter when it next drafts (``_catch_up``)
 
-    def _catch_up(self) -> None:
+    def _catch_up(self) -> Generator[DraftStep, StepResult, None]:
         """Feed the drafter the prompt (if ``start`` kept it) and what was accepted since it last ran,
         in one call: ``commit`` defers it, so rounds that draft nothing (a batch's root-only rounds)
         cost the drafter nothing."""
@@ -343,18 +375,15 @@ class EagleDrafter(Proposer):
             features = torch.cat([f for f, _ in pending])
             tokens = [t for _, produced in pending for t in produced]
             self.prompt, self.pending = None, []
-            self._extend(features, tokens)
+            yield from self._feed(features, tokens)
 
-    def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Predicted features [F, H] -> draft log-probabilities [F, V_draft]."""
-        logits = self.drafter.draft_logits(hidden, lambda h: self.target.lm_head(h.to(self.target.dtype)))
-        return torch.log_softmax(logits.float(), dim=-1)
-
-    def _run_nodes(self, inputs: torch.Tensor, tokens: torch.Tensor, ancestors: list[list[int]], committed: int,
-                   position: int, cached: list[int]) -> torch.Tensor:
-        """One drafter call for F tree nodes of one depth: ``inputs`` [F, H] (their parents'
+    def _node_step(self, inputs: torch.Tensor, tokens: torch.Tensor, ancestors: list[list[int]], committed: int,
+                   position: int, cached: list[int], parent_scores: list[float], k: int | None) -> DraftStep:
+        """The drafter step of F tree nodes of one depth: ``inputs`` [F, H] (their parents'
         predicted features), ``tokens`` [F]; node f attends to the committed cache, its ancestors
-        already run this round and itself. ``cached`` (node ids in cache order) is extended."""
+        already run this round and itself; its ``k`` best children after ``parent_scores`` (0: the
+        head's log-probs alone, for drawn children; None: no head). ``cached`` (node ids in cache
+        order) is extended."""
         nodes = [a[-1] for a in ancestors]
         bias = None  # causal: a lone node below every node run so far this round (a chain) sees them all
         if len(nodes) > 1 or ancestors[0][:-1] != cached:
@@ -362,37 +391,40 @@ class EagleDrafter(Proposer):
             # built on the host and moved once: on a GPU each row's assignment would be a copy and a launch
             allowed = torch.zeros(len(nodes), committed + len(col), dtype=torch.bool)
             allowed[:, :committed] = True
-            for row, chain in enumerate(ancestors):
-                allowed[row, [committed + col[a] for a in chain]] = True
-            bias = additive_bias(allowed.to(self.device), self.dtype)
+            rows = [row for row, chain in enumerate(ancestors) for _ in chain]
+            allowed[rows, [committed + col[a] for chain in ancestors for a in chain]] = True
+            bias = additive_bias(allowed, self.dtype)  # on the host: moved by ``run_steps`` with the others
         cached.extend(nodes)
-        pos = torch.full((1, len(nodes)), position, device=self.device)
-        embeds = self.target.embed(tokens[None]).to(self.dtype)
-        return self.drafter(inputs[None], embeds, pos, self.cache, bias)[0]
+        return DraftStep(self.drafter, self.target, self.cache, rows=inputs, tokens=tokens,
+                         positions=torch.full((len(nodes),), position, device=self.device), bias=bias,
+                         head=k is not None, k=k or 0,
+                         parent_scores=torch.tensor(parent_scores, device=self.device) if k else None)
 
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
+        return run_alone(self.drafting(ids, max_depth, max_nodes))
+
+    def drafting(self, ids: list[int], max_depth: int, max_nodes: int) -> Generator[DraftStep, StepResult, Proposal]:
         if max_depth >= 1 and max_nodes >= 2:  # a round that may draft
-            self._catch_up()
-        proposal = self._propose(ids, max_depth, max_nodes)
+            yield from self._catch_up()
+        proposal = yield from self._propose(ids, max_depth, max_nodes)
         self.proposed = (proposal.tree, time.perf_counter())
         return proposal
 
-    @torch.inference_mode()
-    def _propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
+    def _propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Generator[DraftStep, StepResult, Proposal]:
         start = time.perf_counter()
         total = self.cfg.total_tokens if isinstance(self.cfg.total_tokens, int) else max_nodes
         total, levels = min(total, max_nodes), min(self.cfg.levels, max_depth)
         self.last_matches, self.drawn_from = [], {}
         if self.last_hidden is None or levels < 1 or total < 2:
-            return Proposal(root_only(ids[-1], self.device))
+            return Proposal(root_only(ids[-1], self.tree_device))
         committed = kv_cache.cache_length(self.cache)
         calibration = self.sizing.calibration if self.sizing is not None else []
         if self.draw_temperature and self.sizing is not None:
             total, levels = max(2, min(total, self.next_size)), min(levels, self.next_depth)
         if self.cfg.choices:
-            tree = self._static(ids[-1], min(levels, max(len(c) for c in self.cfg.choices)), committed)
+            tree = yield from self._static(ids[-1], min(levels, max(len(c) for c in self.cfg.choices)), committed)
         else:
-            tree = self._dynamic(ids[-1], levels, total, committed, start, calibration)
+            tree = yield from self._dynamic(ids[-1], levels, total, committed, start, calibration)
         kv_cache.roll_back(self.cache, committed)
         drafted = tree.size  # pool nodes from the drafter; grafts come after them, so they are tried after their siblings
         tree = self._graft_lookup(ids, tree, max_depth)
@@ -436,11 +468,9 @@ class EagleDrafter(Proposer):
 
     def _children(self, parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int,
                   nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k children of pool nodes ``nodes`` [F]: the drafter's top k, or k draws without
-        replacement when sampling, among its ``draw_support`` most likely tokens (those and their
-        log-probs are kept for ``DrawDistributions``)."""
-        if not self.draw_temperature:
-            return topk_children(parent_scores, logprobs, k)
+        """The k children of pool nodes ``nodes`` [F] drawn without replacement, among the drafter's
+        ``draw_support`` most likely tokens (those and their log-probs are kept for ``DrawDistributions``);
+        children by rank come from ``run_steps``."""
         width, support = logprobs.shape[-1], max(k, self.cfg.draw_support)
         if self.cfg.draw_support and support < width:
             among_lp, among = torch.topk(logprobs, support, dim=-1)
@@ -475,7 +505,7 @@ class EagleDrafter(Proposer):
         return graft_chains(pool, chains, share=not self.draw_temperature) if chains else pool
 
     def _dynamic(self, root: int, levels: int, total: int, committed: int, start: float,
-                 calibration: list[float]) -> DraftTree:
+                 calibration: list[float]) -> Generator[DraftStep, StepResult, DraftTree]:
         """EAGLE-2: the root's top_k children, then the top_k best frontier nodes expanded per depth
         down to ``levels`` draft tokens below the root; return the whole candidate pool.
         A frontier node outside the best ``total - 2`` nodes of the pool so far is not expanded: a
@@ -486,27 +516,28 @@ class EagleDrafter(Proposer):
         so a size or a stop chosen from them would make whether a drawn node is kept depend on its
         own token and bias it; with a fixed size only nodes that outrank a node (never its own
         subtree) decide whether it is kept."""
-        k, to_target = self.cfg.top_k, self.drafter.to_target_ids
+        k = self.cfg.top_k
         sized = self.sizing is not None and not self.draw_temperature
         # the pool in plain lists (node i: its target token, parent and score): a round's pool has a
         # few dozen nodes, where each tensor operation costs more than the Python it replaces
-        lp = self._logprobs(self.last_hidden[None])
-        child_tokens, child_scores = self._children(torch.zeros(1, device=self.device), lp, k, [0])
-        scores = [0.0] + child_scores[0].tolist()
-        tokens, parents = [root] + to_target(child_tokens[0]).tolist(), [-1] + [0] * k
+        out = yield DraftStep(self.drafter, self.target, hidden=self.last_hidden[None], k=self._ranked_k(k),
+                              parent_scores=torch.zeros(1, device=self.device))
+        child_tokens, child_scores = self._child_lists(out, [0.0], k, [0])
+        scores, tokens, parents = [0.0] + child_scores, [root] + child_tokens, [-1] + [0] * k
         frontier = self._to_expand(list(range(1, k + 1)), scores, levels > 1, total, sized, start, calibration)
         frontier_inputs = self.last_hidden[None].expand(len(frontier), -1)
         ancestors = {i: [i] for i in range(1, k + 1)}  # run-this-round ancestors of a node, itself last
         cached: list[int] = []
         for d in range(1, levels if frontier else 1):
             step_start = time.perf_counter()
-            hidden = self._run_nodes(frontier_inputs, torch.tensor([tokens[n] for n in frontier], device=self.device),
-                                     [ancestors[n] for n in frontier], committed, committed + d - 1, cached)
-            lp = self._logprobs(hidden)
-            child_tokens, child_scores = self._children(
-                torch.tensor([scores[n] for n in frontier], device=self.device), lp, k, frontier)  # [F, k]
-            size, flat_scores = len(scores), child_scores.reshape(-1).tolist()
-            tokens += to_target(child_tokens.reshape(-1)).tolist()
+            parent_scores = [scores[n] for n in frontier]
+            out = yield self._node_step(frontier_inputs, torch.tensor([tokens[n] for n in frontier], device=self.device),
+                                        [ancestors[n] for n in frontier], committed, committed + d - 1, cached,
+                                        parent_scores, self._ranked_k(k))
+            hidden = out.hidden
+            child_tokens, flat_scores = self._child_lists(out, parent_scores, k, frontier)  # F * k each
+            size = len(scores)
+            tokens += child_tokens
             parents += [n for n in frontier for _ in range(k)]
             scores += flat_scores
             if self.sizing is not None:  # this call's seconds, each expanded node's best child (ranked first)
@@ -519,8 +550,22 @@ class EagleDrafter(Proposer):
             for n in frontier:
                 ancestors[n] = ancestors[parents[n]] + [n]
             frontier_inputs = hidden[[(n - size) // k for n in frontier]]
-        return DraftTree(torch.tensor(tokens, device=self.device), torch.tensor(parents, device=self.device),
-                         torch.tensor(scores, device=self.device))
+        return DraftTree(torch.tensor(tokens, device=self.tree_device), torch.tensor(parents, device=self.tree_device),
+                         torch.tensor(scores, device=self.tree_device))
+
+    def _ranked_k(self, k: int) -> int:
+        """What a step asks ``run_steps`` for: ``k`` children by rank, or 0 (the log-probs alone) when they are drawn."""
+        return 0 if self.draw_temperature else k
+
+    def _child_lists(self, out: StepResult, parent_scores: list[float], k: int,
+                     nodes: list[int]) -> tuple[list[int], list[float]]:
+        """The k children of pool nodes ``nodes`` [F] as host lists (target ids, scores; F * k each): those
+        ``run_steps`` ranked, or drawn here (``_children``)."""
+        if out.child_tokens is not None:
+            return out.child_tokens, out.child_scores
+        child_tokens, child_scores = self._children(torch.tensor(parent_scores, device=self.device), out.logprobs,
+                                                    k, nodes)
+        return self.drafter.to_target_ids(child_tokens.reshape(-1)).tolist(), child_scores.reshape(-1).tolist()
 
     def _to_expand(self, candidates: list[int], scores: list[float], deeper: bool, total: int, sized: bool,
                    start: float, calibration: list[float]) -> list[int]:
@@ -541,7 +586,7 @@ class EagleDrafter(Proposer):
             floor = ranked[rank - 1] if rank > 0 else None
         return [n for n in candidates if floor is not None and scores[n] >= floor]
 
-    def _static(self, root: int, levels: int, committed: int) -> DraftTree:
+    def _static(self, root: int, levels: int, committed: int) -> Generator[DraftStep, StepResult, DraftTree]:
         """EAGLE-1: fill a fixed tree shape (``choices``) with the drafter's ranked children."""
         layout = static_layout(self.cfg.choices)
         n = int((layout.depths <= levels).sum())  # breadth-first order: shallow nodes come first
@@ -556,19 +601,18 @@ class EagleDrafter(Proposer):
             if not level:
                 break
             heads = sorted({parents[i] for i in level})
-            lp = self._logprobs(torch.stack([hidden_of[p] for p in heads]))
-            top_tokens, top_scores = topk_children(torch.tensor([scores[p] for p in heads], device=self.device), lp,
-                                                   max(ranks[i] for i in level) + 1)
-            top_tokens = self.drafter.to_target_ids(top_tokens)
+            width = max(ranks[i] for i in level) + 1
+            out = yield DraftStep(self.drafter, self.target, hidden=torch.stack([hidden_of[p] for p in heads]), k=width,
+                                  parent_scores=torch.tensor([scores[p] for p in heads], device=self.device))
             for i in level:
-                row = heads.index(parents[i])
-                tokens[i], scores[i] = int(top_tokens[row, ranks[i]]), float(top_scores[row, ranks[i]])
+                at = heads.index(parents[i]) * width + ranks[i]
+                tokens[i], scores[i] = out.child_tokens[at], out.child_scores[at]
                 ancestors[i] = ancestors[parents[i]] + [i]
             grow = [i for i in level if i in has_children]
             if grow and d < levels:
                 inputs = torch.stack([hidden_of[parents[i]] for i in grow])
-                hidden = self._run_nodes(inputs, torch.tensor([tokens[i] for i in grow], device=self.device),
-                                         [ancestors[i] for i in grow], committed, committed + d - 1, cached)
-                hidden_of.update(zip(grow, hidden))
-        return DraftTree(torch.tensor(tokens, device=self.device), torch.tensor(parents, device=self.device),
-                         torch.tensor(scores, device=self.device))
+                out = yield self._node_step(inputs, torch.tensor([tokens[i] for i in grow], device=self.device),
+                                            [ancestors[i] for i in grow], committed, committed + d - 1, cached, [], None)
+                hidden_of.update(zip(grow, out.hidden))
+        return DraftTree(torch.tensor(tokens, device=self.tree_device), torch.tensor(parents, device=self.tree_device),
+                         torch.tensor(scores, device=self.tree_device))

@@ -627,7 +627,7 @@ class LeanDrafter(nn.Module):
         head = self.lm_head if self.lm_head is not None else target_lm_head
         return head(hidden)
 
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, 1, T, d] for positions [B, T], from tables grown to the largest position seen."""
         need = int(positions.max()) + 1
         if need > self._cos.shape[0]:
@@ -645,7 +645,7 @@ class LeanDrafter(nn.Module):
         nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         x = fused_input(self.fc, features, token_embeds, cfg)
         b, t, _ = x.shape
-        cos, sin = self._rotary(positions)
+        cos, sin = self.rotary(positions)
         if self.stack is not None and cache is not None and b == 1 and t <= STREAM_MAX_ROWS:
             # the layers in one call of the compiled kernels, x updated in place
             like = x.new_empty(1, nkv, t, d)  # a layer's new keys, for the cache
@@ -656,15 +656,30 @@ class LeanDrafter(nn.Module):
         past = cache.get_seq_length() if cache is not None else 0
         if attention_bias is None:
             attention_bias = causal_bias(t, past, x.dtype, x.device)
-        for i, layer in enumerate(self.layers):
-            h = layer.attention_input(x, token_embeds)
-            qk, v = layer.qkv(h).view(b, t, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
-            q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)  # queries and keys rotated together
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if cache is not None:
                 k, v = cache.update(i, k, v)
             out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_bias.to(x.dtype),
                                                              enable_gqa=nkv != nh, scale=1.0 / math.sqrt(d))
-            x = x + layer.o(out.transpose(1, 2).reshape(b, t, nh * d))
+            return out.transpose(1, 2).reshape(b, t, nh * d)
+
+        return self.layers_with(x, token_embeds, cos, sin, attend)
+
+    def layers_with(self, x: torch.Tensor, token_embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The decoder layers over the fused inputs x [B, T, H] (``token_embeds`` [B, T, H]: what an EAGLE-3
+        layer's attention also reads; rotary tables [B, 1, T, d]); ``attend(i, q, k, v)`` (q [B, heads, T, d],
+        k and v [B, kv_heads, T, d], rotated) stores layer i's keys and values and returns its attention
+        output [B, T, heads d]. -> [B, T, H] (before the final norm, as ``forward``)."""
+        cfg = self.config
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        b, t, _ = x.shape
+        for i, layer in enumerate(self.layers):
+            h = layer.attention_input(x, token_embeds)
+            qk, v = layer.qkv(h).view(b, t, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
+            q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)  # queries and keys rotated together
+            x = x + layer.o(attend(i, q, k, v))
             gate, up = layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps)).split(cfg.intermediate_size, dim=-1)
             x = x + layer.down(nn.functional.silu(gate) * up)
         return x

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from eagle.decoding.batch import LayerPlan, each_layer, final_norm, gathered, keys_for, rotary_tables
 from eagle.decoding.tree_mask import additive_bias
+from eagle.drafting.drafter import fused_input
 from eagle.runtime import cuda_graphs
 from eagle.runtime.kv_cache import CachePool, SlotCache
 
@@ -273,3 +274,54 @@ class PooledGraphs:
         inputs["table"].copy_(segment_table(inputs["table"].shape[1], slots, sizes, pasts))
         tree_blocks(inputs["block"].shape[0], inputs["block"].shape[1], slots, pasts, sizes, masks,
                     inputs["block"].device, out=inputs["block"])
+
+
+def step_biases(group_rows: int, m: int, keys_len: int, places: Sequence[int], members: int, pasts: Sequence[int],
+                sizes: Sequence[int], masks: Sequence[torch.Tensor | None], dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """The additive mask [B, 1, group_rows M, keys_len] of one pooled drafter call, built on the host and
+    copied once: segment s (at place ``places[s]``, ``sizes[s]`` rows after ``pasts[s]`` cached) attends as
+    its own mask says (additive [1, 1, n, past + n]: a tree's rows see their ancestors among the round's
+    cached nodes, not every cached key; None: causal), each row repeated for the ``group_rows`` query heads
+    of a key head; padding rows and places without a segment see key 0 alone."""
+    allowed = torch.zeros(members, m, keys_len, dtype=torch.bool)
+    allowed[:, :, 0] = True
+    for place, past, n, mask in zip(places, pasts, sizes, masks):
+        if mask is None:
+            allowed[place, :n, :past + n] = torch.ones(n, past + n, dtype=torch.bool).tril(past)
+        else:
+            allowed[place, :n, :past + n] = mask[0, 0].cpu() == 0
+    return additive_bias(allowed, dtype).repeat(1, 1, group_rows, 1).to(device)
+
+
+@torch.inference_mode()
+def pooled_drafter_forward(drafter: Any, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
+                           caches: Sequence[SlotCache], sizes: Sequence[int],
+                           masks: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """A drafter (``LeanDrafter``) call for several sequences whose drafter caches are slots of one
+    ``CachePool``: ``features``/``token_embeds`` [R, H] and ``positions`` [R], the sequences' rows one after
+    another (``sizes``), sequence s's rows appended to ``caches[s]`` and attending to it under ``masks[s]``
+    (additive [1, 1, n, past + n]; None: causal) -> the predicted features [R, H]. ONE attention call per
+    layer for all sequences (``attention_step``); the products over all rows together."""
+    pool = caches[0].pool
+    if any(c.pool is not pool for c in caches):
+        raise ValueError("pooled_drafter_forward takes caches of one pool")
+    cfg = drafter.config
+    pasts = [c.get_seq_length() for c in caches]
+    for cache, n in zip(caches, sizes):
+        cache.take(n)
+    pool.flush()
+    device, m = features.device, max(sizes)
+    keys_len = min(pool.capacity, -(-max(p + n for p, n in zip(pasts, sizes)) // 16) * 16)
+    members = sorted(c.slot for c in caches)
+    where = {slot: b for b, slot in enumerate(members)}
+    places = [where[c.slot] for c in caches]
+    index = torch.tensor(row_index(caches, pasts, sizes, where.__getitem__), device=device).T
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    bias = step_biases(group, m, keys_len, places, len(members), pasts, sizes, masks, pool.kv.dtype, device)
+    attend = attention_step(pool, cfg.num_attention_heads, cfg.head_dim ** -0.5, index[0], index[1], index[2],
+                            index[3], torch.tensor(members, device=device), m, keys_len, {None: bias},
+                            [None] * cfg.num_layers)
+    x = fused_input(drafter.fc, features[None], token_embeds[None], cfg)
+    cos, sin = drafter.rotary(positions[None])
+    return drafter.layers_with(x, token_embeds[None], cos, sin, attend)[0]

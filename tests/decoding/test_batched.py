@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagle import EagleError, EagleModel
-from eagle.decoding import acceptance
+from eagle.decoding import acceptance, draft_steps
 from eagle.decoding.batched import BatchedEngine, RequestOptions, generate_together
 from eagle.decoding.tree_mask import attention_bias, tree_attention
 from eagle.decoding.tree_sizing import RankRates, batch_tree_sizes
@@ -230,16 +230,21 @@ def test_gemma_batch_runs_one_forward_a_round_and_equals_each_request_alone(monk
 def test_pooled_batch_equals_each_request_alone(family, monkeypatch):
     """Caches as slots of one pool (a GPU batch's layout), 7 requests through 3 slots (slots freed and
     handed out again, a cancelled one too): each round's trees verified by one pooled forward for all
-    sequences, and every request's tokens and rounds are its own decoding's (Gemma-3: past its window)."""
+    sequences, each drafter call run once for the sequences drafting (their drafters' caches pooled too),
+    and every request's tokens and rounds are its own decoding's (Gemma-3: past its window)."""
     target = tiny_target(eos=True, seed=10) if family == "llama" else tiny_gemma(seed=4, window=6)
     model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3,
                                        auto_length=False)  # pld alone: chains not sized by timing
-    calls = []
+    calls, drafter_calls = [], []
     pooled = segments.pooled_forward
     monkeypatch.setattr(segments, "pooled_forward",
                         lambda *args, **kw: calls.append(list(args[4])) or pooled(*args, **kw))
+    pooled_drafter = draft_steps.pooled_drafter_forward
+    monkeypatch.setattr(draft_steps, "pooled_drafter_forward",
+                        lambda *args: drafter_calls.append(len(args[4])) or pooled_drafter(*args))
     batch = prompts(7, seed=3)
-    options = [RequestOptions(method=("ar", "pld", "eagle-tree")[i % 3], max_new_tokens=12) for i in range(7)]
+    options = [RequestOptions(method=("eagle-tree", "ar", "eagle-tree", "pld")[i % 4], max_new_tokens=12)
+               for i in range(7)]
     engine = BatchedEngine(model, max_batch=3, load_sizing=False, cache_pool=True)
     engine.add("gone", batch[0], options[0])
     engine.step()
@@ -251,7 +256,8 @@ def test_pooled_batch_equals_each_request_alone(family, monkeypatch):
         assert result.accept_lengths == alone.accept_lengths
     assert any(len(sizes) == 3 and max(sizes) > 1 for sizes in calls)  # a round of three sequences, trees among them
     assert sum(len(r.accept_lengths) for r in results) < sum(len(r.token_ids) for r in results)  # drafts accepted
-    assert engine._pool.top == 0
+    assert max(drafter_calls) > 1  # the drafters' caches pooled too: one drafter call for several sequences
+    assert engine._pool.top == 0 and all(pool.top == 0 for _, pool in engine._draft_pools.values())
 
 
 def test_cancel_queue_counts_and_refusals(model):
@@ -514,6 +520,22 @@ def test_pooled_rounds_on_static_shapes_are_captured_and_equal_each_request_alon
     assert graphs.captured > len(graphs.shapes)  # grown mid-run: the shapes made for the old buffer made again
 
 
+def test_sequences_of_a_graphed_drafter_keep_caches_of_their_own(fake_capture):
+    """A target on static shapes gives its drafter static shapes too, with ONE cache for one sequence at a
+    time (``cuda_graphs.GraphedDrafter.new_cache``): a batch of per-sequence caches gives each sequence a
+    drafter cache of its own, so four eagle-tree requests together draft and accept what each does alone."""
+    target = tiny_target(eos=True, seed=10)
+    model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3,
+                                       cuda_graphs=True)
+    batch = prompts(4, seed=7)
+    engine = BatchedEngine(model, max_batch=4, load_sizing=False, cache_pool=False)
+    results = generate_together(engine, batch, RequestOptions(method="eagle-tree", max_new_tokens=10))
+    for ids, result in zip(batch, results):
+        alone = model.generate(ids, method="eagle-tree", max_new_tokens=10)
+        assert result.token_ids == alone.token_ids
+        assert result.accept_lengths == alone.accept_lengths
+
+
 class DeviceReads(TorchDispatchMode):
     """Counts what makes the host wait for a GPU: a value read or a data-dependent size of a device tensor
     (``fake_capture.syncs``), or a copy from the device to the host."""
@@ -549,3 +571,25 @@ def test_a_batched_greedy_round_reads_the_device_twice(monkeypatch):
             assert len(engine.step()) == 8
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     assert counter.count + sum(reads) <= 2 * 3
+
+
+@pytest.mark.skipif(device_under_test().type != "cuda", reason="counts reads of a GPU's tensors")
+def test_a_batched_eagle_round_reads_the_device_once_per_drafter_depth_for_all_sequences(monkeypatch):
+    """Eight greedy eagle-tree sequences in a pooled round (trees of 3 levels): the children of every
+    sequence come to the host in one copy per level, the argmaxes in one more; the trees are made on
+    the host, so nothing else is read, however many sequences draft."""
+    target = tiny_target(eos=False, seed=10)
+    model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3,
+                                       lookup_tokens=0)
+    engine = BatchedEngine(model, max_batch=8, load_sizing=False, cache_pool=True)
+    for i, ids in enumerate(prompts(8, seed=2)):
+        engine.add(i, ids, RequestOptions(method="eagle-tree", max_new_tokens=20))
+    engine.step()
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.device.type != "cpu") or tolist(self))
+    with DeviceReads() as counter:
+        for _ in range(3):
+            assert len(engine.step()) == 8
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    assert counter.count + sum(reads) <= (3 + 1) * 3

@@ -10,6 +10,7 @@ from eagle import EagleModel
 from eagle.config import SamplingConfig
 from eagle.decoding import batched
 from eagle.decoding.batched import BatchedEngine, RequestOptions
+from eagle.decoding.draft_steps import run_alone
 from eagle.decoding.proposers import EagleDrafter
 
 from tests.conftest import prompts, tiny_drafter, tiny_target
@@ -73,12 +74,12 @@ def test_prompts_admitted_together_are_prefilled_by_one_forward(model, monkeypat
 def test_root_only_sequences_never_run_their_drafter_and_catch_up_when_they_draft(model, monkeypatch):
     """Rows too dear to draft: eagle-tree sequences verify their roots alone for four rounds and
     their drafters never run (the features of the prompt and of each round are only kept). Once
-    rows are cheap they draft: each drafter is fed its prompt, then the four rounds, and every
+    rows are cheap they draft: each drafter is fed its prompt (all together), then the four rounds, and every
     output still equals its request decoded alone, with drafts accepted."""
     fed = []
-    extend = EagleDrafter._extend
-    monkeypatch.setattr(EagleDrafter, "_extend", lambda self, f, tokens: (fed.append(len(tokens)),
-                                                                          extend(self, f, tokens))[1])
+    feed = EagleDrafter._feed
+    monkeypatch.setattr(EagleDrafter, "_feed", lambda self, f, tokens: (fed.append(len(tokens)),
+                                                                        feed(self, f, tokens))[1])
     batch = [ids for ids in prompts(8, seed=6) if len(ids) > 2][:3]
     engine = BatchedEngine(model, max_batch=4, row_seconds=DEAR)
     for i, ids in enumerate(batch):
@@ -88,7 +89,7 @@ def test_root_only_sequences_never_run_their_drafter_and_catch_up_when_they_draf
     assert fed == []
     engine._seconds = list(CHEAP)
     final = decode(engine)
-    assert fed[:2 * len(batch)] == [n for ids in batch for n in (len(ids) - 1, 4)]
+    assert fed[:2 * len(batch)] == [len(ids) - 1 for ids in batch] + [4] * len(batch)  # prompts, then rounds
     for i, ids in enumerate(batch):
         assert final[i].result.token_ids == model.generate(ids, method="ar", max_new_tokens=16).token_ids
     assert sum(max(final[i].stats.accept_lengths) for i in final) > len(batch)
@@ -115,7 +116,7 @@ def test_a_drafter_prefilled_late_drafts_what_one_fed_at_once_drafts(model):
         context.append(token)
         for p in (lazy, eager):
             p.commit(context, [], features)
-        eager._catch_up()
+        run_alone(eager._catch_up())
     assert lazy.cache.get_seq_length() == 0
     want, got = (p.propose(context, max_depth=5, max_nodes=8).tree for p in (eager, lazy))
     assert lazy.cache.get_seq_length() == eager.cache.get_seq_length() == len(context) - 1

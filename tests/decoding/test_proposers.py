@@ -219,8 +219,8 @@ def test_dynamic_tree_equals_brute_force_eagle2_and_skips_nodes_that_cannot_be_k
     proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
     proposer.start(ids, prefill.features[0])
     rows = []
-    run_nodes = proposer._run_nodes
-    proposer._run_nodes = lambda inputs, *args: rows.append(inputs.shape[0]) or run_nodes(inputs, *args)
+    node_step = proposer._node_step
+    proposer._node_step = lambda inputs, *args: rows.append(inputs.shape[0]) or node_step(inputs, *args)
     tree = proposer.propose(ids, max_depth=10, max_nodes=100).tree
     paths, tokens, scores = {0: ()}, tree.tokens.tolist(), tree.scores.tolist()
     for i, parent in enumerate(tree.parents.tolist()[1:], start=1):
@@ -284,8 +284,8 @@ def test_greedy_auto_drafts_a_deeper_level_only_where_it_pays(target, drafter, m
         proposer.sizing.step_seconds = step_seconds  # a drafter call that takes 100 s never pays, whatever the curve
         proposer.start(ids, prefill.hidden[0])
         calls = []
-        run_nodes = proposer._run_nodes
-        monkeypatch.setattr(proposer, "_run_nodes", lambda *args: calls.append(args) or run_nodes(*args))
+        node_step = proposer._node_step
+        monkeypatch.setattr(proposer, "_node_step", lambda *args: calls.append(args) or node_step(*args))
         proposer.propose(ids, max_depth=10, max_nodes=100)
         assert bool(calls) == deeper
         assert (proposer.sizing.step_seconds != step_seconds) == deeper

@@ -1,0 +1,149 @@
+"""Drafter calls of many sequences at once, in lockstep.
+
+A tree proposer drafts as a generator (``Proposer.drafting``): it yields one ``DraftStep`` per
+drafter call (its rows through the drafter, then the head's children of their outputs) and is sent
+back that step's ``StepResult``; it returns its ``Proposal``. ``run_together`` drives the generators of
+all sequences drafting in a round together: each turn it answers every waiting step at once
+(``run_steps``): the drafter's rows of every sequence (each attends to its own cache: one call each, or ONE call for
+all where the drafter caches are slots of one pool, ``pooled.pooled_drafter_forward``), then ONE head and
+log-softmax over all their rows, ONE top-k for all children drawn by rank and ONE copy of them to the
+host. A sequence alone runs the same functions with a batch of one, so in a batch it drafts the tree
+it drafts alone wherever a product gives a row the same values whatever rows are beside it (the
+compiled CPU kernels do). On a GPU this turns a round's per-sequence launches and host reads of the
+head and the children into one set per tree depth."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from typing import Any, Generator, Sequence
+
+import torch
+
+from eagle.decoding.tree import topk_children
+from eagle.runtime.kv_cache import SlotCache
+from eagle.runtime.pooled import pooled_drafter_forward
+
+
+@dataclasses.dataclass
+class DraftStep:
+    """One sequence's share of a drafter call. ``rows`` [F, H] (drafter dtype): inputs of the drafter
+    with ``tokens`` [F] (target ids) at ``positions`` [F], appended to ``cache`` and attending to it
+    under ``bias`` (additive [1, 1, F, cached + F], on the host or the device; None: causal); None: no drafter rows, the head reads
+    ``hidden`` [F, H]. ``head``: run the head over the F outputs (log-probs over the draft vocabulary);
+    ``k`` > 0: and give each output its k most likely children after ``parent_scores`` [F]
+    (``tree.topk_children``). ``drafter``/``target``: whose forward, head and embeddings."""
+
+    drafter: Any
+    target: Any
+    cache: Any = None
+    rows: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    head: bool = True
+    k: int = 0
+    parent_scores: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class StepResult:
+    """A step's answer: ``hidden`` [F, H] (the drafter's outputs, or the step's ``hidden``),
+    ``logprobs`` [F, V_draft] (None without the head), and for ``k`` > 0 the children on the host:
+    ``child_tokens`` (target ids) and ``child_scores``, F * k each, parent by parent, best first."""
+
+    hidden: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    child_tokens: list[int] | None = None
+    child_scores: list[float] | None = None
+
+
+def run_steps(steps: Sequence[DraftStep]) -> list[StepResult]:
+    """Answer the steps of one drafter and target, as described in the module's docstring."""
+    drafter, target = steps[0].drafter, steps[0].target
+    hidden = [s.hidden for s in steps]
+    fed = [i for i, s in enumerate(steps) if s.rows is not None]
+    if fed:
+        tokens = torch.cat([steps[i].tokens for i in fed]) if len(fed) > 1 else steps[fed[0]].tokens
+        embeds = target.embed(tokens[None]).to(drafter.dtype)[0]
+        sizes = [len(steps[i].tokens) for i in fed]
+        if isinstance(steps[fed[0]].cache, SlotCache):  # caches of one pool: one call for all
+            out = pooled_drafter_forward(drafter, torch.cat([steps[i].rows for i in fed]), embeds,
+                                         torch.cat([steps[i].positions for i in fed]), [steps[i].cache for i in fed],
+                                         sizes, [steps[i].bias for i in fed])
+            hidden_fed = out.split(sizes)
+        else:
+            hidden_fed = [drafter(steps[i].rows[None], embed[None], steps[i].positions[None], steps[i].cache,
+                                  None if steps[i].bias is None else steps[i].bias.to(embed.device))[0]
+                          for i, embed in zip(fed, embeds.split(sizes))]
+        for i, h in zip(fed, hidden_fed):
+            hidden[i] = h
+    results = [StepResult(h) for h in hidden]
+    heads = [i for i, s in enumerate(steps) if s.head]
+    if not heads:
+        return results
+    rows = torch.cat([hidden[i] for i in heads]) if len(heads) > 1 else hidden[heads[0]]
+    logits = drafter.draft_logits(rows, lambda h: target.lm_head(h.to(target.dtype)))
+    for i, lp in zip(heads, torch.log_softmax(logits.float(), dim=-1).split([hidden[i].shape[0] for i in heads])):
+        results[i].logprobs = lp
+    by_k = defaultdict(list)
+    for i in heads:
+        if steps[i].k:
+            by_k[steps[i].k].append(i)
+    for k, group in by_k.items():
+        parents = torch.cat([steps[i].parent_scores for i in group])
+        child_tokens, child_scores = topk_children(parents, torch.cat([results[i].logprobs for i in group]), k)
+        ids, child_scores = drafter.to_target_ids(child_tokens).reshape(-1), child_scores.reshape(-1)
+        if ids.device.type == "cpu":
+            ids, child_scores = ids.tolist(), child_scores.tolist()
+        else:  # one copy from the device for the group: ids and float32 scores are exact in float64
+            both = torch.cat([ids.double(), child_scores.double()]).tolist()
+            ids, child_scores = [int(t) for t in both[:len(both) // 2]], both[len(both) // 2:]
+        start = 0
+        for i in group:
+            f = hidden[i].shape[0] * k
+            results[i].child_tokens, results[i].child_scores = ids[start:start + f], child_scores[start:start + f]
+            start += f
+    return results
+
+
+@torch.inference_mode()
+def run_together(runs: Sequence[Generator[DraftStep, StepResult, Any]]) -> tuple[list[Any], list[float]]:
+    """Drive step generators until each returns -> (their return values, the seconds each took: its own
+    work plus an equal share of each ``run_steps`` call it took part in). Steps of one drafter and
+    target are answered together (``run_steps``), one call per turn. The generators run in inference
+    mode (only inside this call: a generator must not enter a mode it would hold across its yields)."""
+    values: list[Any] = [None] * len(runs)
+    seconds = [0.0] * len(runs)
+    waiting: dict[int, DraftStep] = {}
+
+    def advance(i: int, answer: StepResult | None) -> None:
+        began = time.perf_counter()
+        try:
+            waiting[i] = runs[i].send(answer)
+        except StopIteration as stop:
+            values[i] = stop.value
+        seconds[i] += time.perf_counter() - began
+
+    for i in range(len(runs)):
+        advance(i, None)
+    while waiting:
+        groups = defaultdict(list)
+        for i, step in waiting.items():
+            groups[(id(step.drafter), id(step.target))].append(i)
+        turn, waiting = waiting, {}
+        for members in groups.values():
+            began = time.perf_counter()
+            answers = run_steps([turn[i] for i in members])
+            share = (time.perf_counter() - began) / len(members)
+            for i, answer in zip(members, answers):
+                seconds[i] += share
+                advance(i, answer)
+    return values, seconds
+
+
+def run_alone(run: Generator[DraftStep, StepResult, Any]) -> Any:
+    """One step generator driven to its return value."""
+    return run_together([run])[0][0]
