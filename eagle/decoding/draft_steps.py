@@ -4,10 +4,10 @@ A tree proposer drafts as a generator (``Proposer.drafting``): it yields one ``D
 drafter call (its rows through the drafter, then the head's children of their outputs) and is sent
 back that step's ``StepResult``; it returns its ``Proposal``. ``run_together`` drives the generators of
 all sequences drafting in a round together: each turn it answers every waiting step at once
-(``run_steps``): the drafter's rows of every sequence (each attends to its own cache: one call each, or ONE call for
-all where the drafter caches are slots of one pool, ``pooled.pooled_drafter_forward``), then ONE head and
-log-softmax over all their rows, ONE top-k for all children drawn by rank and ONE copy of them to the
-host. A sequence alone runs the same functions with a batch of one, so in a batch it drafts the tree
+(``run_steps``): the drafter's rows of every sequence (each attends to its own cache: one call each, or
+ONE call for all where the drafter caches are slots of one pool, ``pooled.pooled_drafter_forward``), then
+ONE head and log-softmax over all their rows, ONE top-k for all children chosen by rank and ONE copy of
+them to the host. A sequence alone runs the same functions with a batch of one, so in a batch it drafts the tree
 it drafts alone wherever a product gives a row the same values whatever rows are beside it (the
 compiled CPU kernels do). On a GPU this turns a round's per-sequence launches and host reads of the
 head and the children into one set per tree depth."""
@@ -28,12 +28,14 @@ from eagle.runtime.pooled import pooled_drafter_forward
 
 @dataclasses.dataclass
 class DraftStep:
-    """One sequence's share of a drafter call. ``rows`` [F, H] (drafter dtype): inputs of the drafter
-    with ``tokens`` [F] (target ids) at ``positions`` [F], appended to ``cache`` and attending to it
-    under ``bias`` (additive [1, 1, F, cached + F], on the host or the device; None: causal); None: no drafter rows, the head reads
-    ``hidden`` [F, H]. ``head``: run the head over the F outputs (log-probs over the draft vocabulary);
-    ``k`` > 0: and give each output its k most likely children after ``parent_scores`` [F]
-    (``tree.topk_children``). ``drafter``/``target``: whose forward, head and embeddings."""
+    """One sequence's share of a drafter call. ``rows`` [F, H] (drafter dtype, on the device): inputs of
+    the drafter with ``tokens`` [F] (target ids) at ``positions`` [F], appended to ``cache`` and attending
+    to it under ``bias`` (additive [1, 1, F, cached + F]; None: causal); None: no drafter rows, the head
+    reads ``hidden`` [F, H]. ``head``: run the head over the F outputs (log-probs over the draft
+    vocabulary); ``k`` > 0: and give each output its k most likely children after ``parent_scores`` [F]
+    (``tree.topk_children``). ``tokens``, ``positions``, ``bias`` and ``parent_scores`` are made on the
+    host: ``run_steps`` moves each kind to the device in one copy for all sequences (per-sequence caches:
+    one per sequence). ``drafter``/``target``: whose forward, head and embeddings."""
 
     drafter: Any
     target: Any
@@ -66,18 +68,20 @@ def run_steps(steps: Sequence[DraftStep]) -> list[StepResult]:
     hidden = [s.hidden for s in steps]
     fed = [i for i, s in enumerate(steps) if s.rows is not None]
     if fed:
-        tokens = torch.cat([steps[i].tokens for i in fed]) if len(fed) > 1 else steps[fed[0]].tokens
-        embeds = target.embed(tokens[None]).to(drafter.dtype)[0]
+        device = steps[fed[0]].rows.device
         sizes = [len(steps[i].tokens) for i in fed]
+        # tokens and positions of all sequences in one copy to the device
+        both = torch.cat([torch.cat([steps[i].tokens for i in fed]), torch.cat([steps[i].positions for i in fed])])
+        tokens, positions = both.to(device).split(len(both) // 2)
+        embeds = target.embed(tokens[None]).to(drafter.dtype)[0]
         if isinstance(steps[fed[0]].cache, SlotCache):  # caches of one pool: one call for all
-            out = pooled_drafter_forward(drafter, torch.cat([steps[i].rows for i in fed]), embeds,
-                                         torch.cat([steps[i].positions for i in fed]), [steps[i].cache for i in fed],
-                                         sizes, [steps[i].bias for i in fed])
+            out = pooled_drafter_forward(drafter, torch.cat([steps[i].rows for i in fed]), embeds, positions,
+                                         [steps[i].cache for i in fed], sizes, [steps[i].bias for i in fed])
             hidden_fed = out.split(sizes)
         else:
-            hidden_fed = [drafter(steps[i].rows[None], embed[None], steps[i].positions[None], steps[i].cache,
-                                  None if steps[i].bias is None else steps[i].bias.to(embed.device))[0]
-                          for i, embed in zip(fed, embeds.split(sizes))]
+            hidden_fed = [drafter(steps[i].rows[None], embed[None], pos[None], steps[i].cache,
+                                  None if steps[i].bias is None else steps[i].bias.to(device))[0]
+                          for i, embed, pos in zip(fed, embeds.split(sizes), positions.split(sizes))]
         for i, h in zip(fed, hidden_fed):
             hidden[i] = h
     results = [StepResult(h) for h in hidden]
@@ -93,7 +97,7 @@ def run_steps(steps: Sequence[DraftStep]) -> list[StepResult]:
         if steps[i].k:
             by_k[steps[i].k].append(i)
     for k, group in by_k.items():
-        parents = torch.cat([steps[i].parent_scores for i in group])
+        parents = torch.cat([steps[i].parent_scores for i in group]).to(results[group[0]].logprobs.device)
         child_tokens, child_scores = topk_children(parents, torch.cat([results[i].logprobs for i in group]), k)
         ids, child_scores = drafter.to_target_ids(child_tokens).reshape(-1), child_scores.reshape(-1)
         if ids.device.type == "cpu":

@@ -326,8 +326,8 @@ class EagleDrafter(Proposer):
             return
         past = kv_cache.cache_length(self.cache)
         out = yield DraftStep(self.drafter, self.target, self.cache, rows=features.to(self.dtype),
-                              tokens=torch.tensor(next_tokens, dtype=torch.long, device=self.device),
-                              positions=torch.arange(past, past + len(next_tokens), device=self.device), head=False)
+                              tokens=torch.tensor(next_tokens, dtype=torch.long),
+                              positions=torch.arange(past, past + len(next_tokens)), head=False)
         self.last_hidden = out.hidden[-1]
 
     def start(self, ids: list[int], features: torch.Tensor | None) -> None:
@@ -380,7 +380,7 @@ class EagleDrafter(Proposer):
     def _node_step(self, inputs: torch.Tensor, tokens: torch.Tensor, ancestors: list[list[int]], committed: int,
                    position: int, cached: list[int], parent_scores: list[float], k: int | None) -> DraftStep:
         """The drafter step of F tree nodes of one depth: ``inputs`` [F, H] (their parents'
-        predicted features), ``tokens`` [F]; node f attends to the committed cache, its ancestors
+        predicted features), ``tokens`` [F] (on the host); node f attends to the committed cache, its ancestors
         already run this round and itself; its ``k`` best children after ``parent_scores`` (0: the
         head's log-probs alone, for drawn children; None: no head). ``cached`` (node ids in cache
         order) is extended."""
@@ -396,9 +396,8 @@ class EagleDrafter(Proposer):
             bias = additive_bias(allowed, self.dtype)  # on the host: moved by ``run_steps`` with the others
         cached.extend(nodes)
         return DraftStep(self.drafter, self.target, self.cache, rows=inputs, tokens=tokens,
-                         positions=torch.full((len(nodes),), position, device=self.device), bias=bias,
-                         head=k is not None, k=k or 0,
-                         parent_scores=torch.tensor(parent_scores, device=self.device) if k else None)
+                         positions=torch.full((len(nodes),), position), bias=bias, head=k is not None, k=k or 0,
+                         parent_scores=torch.tensor(parent_scores) if k else None)
 
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         return run_alone(self.drafting(ids, max_depth, max_nodes))
@@ -521,7 +520,7 @@ class EagleDrafter(Proposer):
         # the pool in plain lists (node i: its target token, parent and score): a round's pool has a
         # few dozen nodes, where each tensor operation costs more than the Python it replaces
         out = yield DraftStep(self.drafter, self.target, hidden=self.last_hidden[None], k=self._ranked_k(k),
-                              parent_scores=torch.zeros(1, device=self.device))
+                              parent_scores=torch.zeros(1))
         child_tokens, child_scores = self._child_lists(out, [0.0], k, [0])
         scores, tokens, parents = [0.0] + child_scores, [root] + child_tokens, [-1] + [0] * k
         frontier = self._to_expand(list(range(1, k + 1)), scores, levels > 1, total, sized, start, calibration)
@@ -531,7 +530,7 @@ class EagleDrafter(Proposer):
         for d in range(1, levels if frontier else 1):
             step_start = time.perf_counter()
             parent_scores = [scores[n] for n in frontier]
-            out = yield self._node_step(frontier_inputs, torch.tensor([tokens[n] for n in frontier], device=self.device),
+            out = yield self._node_step(frontier_inputs, torch.tensor([tokens[n] for n in frontier]),
                                         [ancestors[n] for n in frontier], committed, committed + d - 1, cached,
                                         parent_scores, self._ranked_k(k))
             hidden = out.hidden
@@ -603,7 +602,7 @@ class EagleDrafter(Proposer):
             heads = sorted({parents[i] for i in level})
             width = max(ranks[i] for i in level) + 1
             out = yield DraftStep(self.drafter, self.target, hidden=torch.stack([hidden_of[p] for p in heads]), k=width,
-                                  parent_scores=torch.tensor([scores[p] for p in heads], device=self.device))
+                                  parent_scores=torch.tensor([scores[p] for p in heads]))
             for i in level:
                 at = heads.index(parents[i]) * width + ranks[i]
                 tokens[i], scores[i] = out.child_tokens[at], out.child_scores[at]
@@ -611,7 +610,7 @@ class EagleDrafter(Proposer):
             grow = [i for i in level if i in has_children]
             if grow and d < levels:
                 inputs = torch.stack([hidden_of[parents[i]] for i in grow])
-                out = yield self._node_step(inputs, torch.tensor([tokens[i] for i in grow], device=self.device),
+                out = yield self._node_step(inputs, torch.tensor([tokens[i] for i in grow]),
                                             [ancestors[i] for i in grow], committed, committed + d - 1, cached, [], None)
                 hidden_of.update(zip(grow, out.hidden))
         return DraftTree(torch.tensor(tokens, device=self.tree_device), torch.tensor(parents, device=self.tree_device),
