@@ -140,6 +140,31 @@ def pooled_layers(lean: Any, pool: CachePool, x: torch.Tensor, rope: dict, pos: 
     return torch.cat([final_norm(lean, x)] + [kept[i] for i in aux_layers], dim=-1)[0]
 
 
+def extended(caches: Sequence[SlotCache], sizes: Sequence[int]) -> tuple[CachePool, list[int]]:
+    """The pool of ``caches`` (slots of one ``CachePool``) and their lengths before a call: each cache is
+    extended by its ``sizes`` rows (counted as written: the attention writes them) and the pool's deferred
+    compactions are applied."""
+    pool = caches[0].pool
+    if any(c.pool is not pool for c in caches):
+        raise ValueError("a pooled call takes caches of one pool")
+    pasts = [c.get_seq_length() for c in caches]
+    for cache, n in zip(caches, sizes):
+        cache.take(n)
+    pool.flush()
+    return pool, pasts
+
+
+def attention_batch(caches: Sequence[SlotCache], pasts: Sequence[int], sizes: Sequence[int], members: Sequence[int],
+                    device: torch.device) -> tuple[list[int], torch.Tensor, int]:
+    """An eager call's layout over the attention's batch ``members`` (slots): each sequence's place in it,
+    ``row_index`` [4, R] on ``device``, and the keys read (the longest sequence's end rounded up to 16; keys
+    past a sequence's end are masked)."""
+    where = {slot: b for b, slot in enumerate(members)}
+    index = torch.tensor(row_index(caches, pasts, sizes, where.__getitem__), device=device).T
+    keys_len = min(caches[0].pool.capacity, -(-max(p + n for p, n in zip(pasts, sizes)) // 16) * 16)
+    return [where[c.slot] for c in caches], index, keys_len
+
+
 @torch.inference_mode()
 def pooled_forward(lean: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[SlotCache],
                    sizes: Sequence[int], masks: Sequence[torch.Tensor | None],
@@ -149,24 +174,15 @@ def pooled_forward(lean: Any, input_ids: torch.Tensor, position_ids: torch.Tenso
     has one and the call fits its buckets; else eagerly, the attention's batch being the pool's slots 0
     .. top - 1 read in place when these sequences are at least half of them (a round of the running
     batch), else these sequences' slots gathered (prompts joining a long batch)."""
-    pool = caches[0].pool
-    if any(c.pool is not pool for c in caches):
-        raise ValueError("pooled_forward takes caches of one pool")
-    pasts = [c.get_seq_length() for c in caches]
-    for cache, n in zip(caches, sizes):
-        cache.take(n)  # counted as written: the attention writes them
-    pool.flush()
+    pool, pasts = extended(caches, sizes)
     if pool.graphs is not None and pool.graphs.fits(sizes):
         return pool.graphs(input_ids, position_ids, caches, pasts, sizes, masks, tuple(aux_layers))
     device = input_ids.device
     m = max(sizes)
-    keys_len = min(pool.capacity, -(-max(p + n for p, n in zip(pasts, sizes)) // 16) * 16)  # masked past the end
     top = pool.top
     in_place = 2 * len(caches) >= top
     members = list(range(top)) if in_place else sorted(c.slot for c in caches)  # the attention's batch
-    where = {slot: b for b, slot in enumerate(members)}
-    places = [where[c.slot] for c in caches]
-    index = torch.tensor(row_index(caches, pasts, sizes, where.__getitem__), device=device).T
+    places, index, keys_len = attention_batch(caches, pasts, sizes, members, device)
     table = segment_table(len(members), places, sizes, pasts).to(device)
     block = tree_blocks(len(members), m, places, pasts, sizes, masks, device)
     x = lean.embed(input_ids)[None]  # [1, R, H]
@@ -303,20 +319,11 @@ def pooled_drafter_forward(drafter: Any, features: torch.Tensor, token_embeds: t
     another (``sizes``), sequence s's rows appended to ``caches[s]`` and attending to it under ``masks[s]``
     (additive [1, 1, n, past + n]; None: causal) -> the predicted features [R, H]. ONE attention call per
     layer for all sequences (``attention_step``); the products over all rows together."""
-    pool = caches[0].pool
-    if any(c.pool is not pool for c in caches):
-        raise ValueError("pooled_drafter_forward takes caches of one pool")
     cfg = drafter.config
-    pasts = [c.get_seq_length() for c in caches]
-    for cache, n in zip(caches, sizes):
-        cache.take(n)
-    pool.flush()
+    pool, pasts = extended(caches, sizes)
     device, m = features.device, max(sizes)
-    keys_len = min(pool.capacity, -(-max(p + n for p, n in zip(pasts, sizes)) // 16) * 16)
     members = sorted(c.slot for c in caches)
-    where = {slot: b for b, slot in enumerate(members)}
-    places = [where[c.slot] for c in caches]
-    index = torch.tensor(row_index(caches, pasts, sizes, where.__getitem__), device=device).T
+    places, index, keys_len = attention_batch(caches, pasts, sizes, members, device)
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     bias = step_biases(group, m, keys_len, places, len(members), pasts, sizes, masks, pool.kv.dtype, device)
     attend = attention_step(pool, cfg.num_attention_heads, cfg.head_dim ** -0.5, index[0], index[1], index[2],

@@ -554,6 +554,20 @@ class DeviceReads(TorchDispatchMode):
         return out
 
 
+def device_reads(engine: BatchedEngine, monkeypatch, rounds: int) -> int:
+    """The device reads (``DeviceReads``, and ``tolist`` of a device tensor) of ``rounds`` rounds of ``engine``'s
+    eight running sequences, after one uncounted round."""
+    engine.step()
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.device.type != "cpu") or tolist(self))
+    with DeviceReads() as counter:
+        for _ in range(rounds):
+            assert len(engine.step()) == 8
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    return counter.count + sum(reads)
+
+
 @pytest.mark.skipif(device_under_test().type != "cuda", reason="counts reads of a GPU's tensors")
 def test_a_batched_greedy_round_reads_the_device_twice(monkeypatch):
     """Eight greedy sequences (``ar``, ``pld``) in a pooled round: the trees come to the host in one copy,
@@ -563,15 +577,7 @@ def test_a_batched_greedy_round_reads_the_device_twice(monkeypatch):
     engine = BatchedEngine(model, max_batch=8, load_sizing=False, cache_pool=True)
     for i, ids in enumerate(prompts(8, seed=2)):
         engine.add(i, ids, RequestOptions(method=("ar", "pld")[i % 2], max_new_tokens=20))
-    engine.step()
-    reads = []
-    tolist = torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.device.type != "cpu") or tolist(self))
-    with DeviceReads() as counter:
-        for _ in range(3):
-            assert len(engine.step()) == 8
-    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
-    assert counter.count + sum(reads) <= 2 * 3
+    assert device_reads(engine, monkeypatch, rounds=3) <= 2 * 3
 
 
 @pytest.mark.skipif(device_under_test().type != "cuda", reason="counts reads of a GPU's tensors")
@@ -585,12 +591,4 @@ def test_a_batched_eagle_round_reads_the_device_once_per_drafter_depth_for_all_s
     engine = BatchedEngine(model, max_batch=8, load_sizing=False, cache_pool=True)
     for i, ids in enumerate(prompts(8, seed=2)):
         engine.add(i, ids, RequestOptions(method="eagle-tree", max_new_tokens=20))
-    engine.step()
-    reads = []
-    tolist = torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.device.type != "cpu") or tolist(self))
-    with DeviceReads() as counter:
-        for _ in range(3):
-            assert len(engine.step()) == 8
-    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
-    assert counter.count + sum(reads) <= (3 + 1) * 3
+    assert device_reads(engine, monkeypatch, rounds=3) <= (3 + 1) * 3
