@@ -54,7 +54,8 @@ def test_sequences_drafting_together_draft_their_trees_alone_with_one_head_call_
             want = p.propose(ids, max_depth=5, max_nodes=8).tree
             assert got.tree.size > 2
             assert torch.equal(got.tree.tokens, want.tokens) and torch.equal(got.tree.parents, want.parents)
-            assert torch.equal(got.tree.scores, want.scores)
+            # a row's bits beside other rows are promised by the compiled kernels only, not by oneDNN
+            torch.testing.assert_close(got.tree.scores, want.scores, rtol=1e-4, atol=1e-4)
         for p, q, ids, got in zip(together, alone, contexts, proposals):  # accept the first child, go on
             path = [1]
             ids.extend([int(got.tree.tokens[1]), 5])
