@@ -22,32 +22,38 @@ from typing import Any, Generator, Sequence
 import torch
 
 from eagle.decoding.tree import topk_children
+from eagle.decoding.tree_mask import attention_bias
+from eagle.runtime import kv_cache
 from eagle.runtime.kv_cache import SlotCache
 from eagle.runtime.pooled import pooled_drafter_forward
 
 
 @dataclasses.dataclass
 class DraftStep:
-    """One sequence's share of a drafter call. ``rows`` [F, H] (drafter dtype, on the device): inputs of
-    the drafter with ``tokens`` [F] (target ids) at ``positions`` [F], appended to ``cache`` and attending
-    to it under ``bias`` (additive [1, 1, F, cached + F]; None: causal); None: no drafter rows, the head
+    """One sequence's share of a drafter call. The drafter's F input rows: ``rows`` [F, H] on the device (or a
+    list of tensors, their rows one after another), or rows ``pick`` [F] of ``rows`` (a previous step's
+    outputs); with ``tokens`` [F] (target ids) at ``positions`` [F], appended to ``cache``; ``seen`` (bool
+    [F, S], S >= F): which of the step's last S keys each row attends to (the round's nodes cached before it,
+    then its own rows), every earlier key being seen; None: causal. ``rows`` None: no drafter rows, the head
     reads ``hidden`` [F, H]. ``head``: run the head over the F outputs (log-probs over the draft
     vocabulary); ``k`` > 0: and give each output its k most likely children after ``parent_scores`` [F]
-    (``tree.topk_children``). ``tokens``, ``positions``, ``bias`` and ``parent_scores`` are made on the
-    host: ``run_steps`` moves each kind to the device in one copy for all sequences (per-sequence caches:
-    one per sequence). ``drafter``/``target``: whose forward, head and embeddings."""
+    (``tree.topk_children``). ``tokens``, ``positions``, ``parent_scores`` (host lists) and ``seen`` (a host
+    tensor) are moved to the device by ``run_steps``, each kind in one copy for all sequences (``seen`` one
+    per sequence where the caches are not pooled), and all sequences' rows are gathered by one index.
+    ``drafter``/``target``: whose forward, head and embeddings."""
 
     drafter: Any
     target: Any
     cache: Any = None
-    rows: torch.Tensor | None = None
-    tokens: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
-    bias: torch.Tensor | None = None
+    rows: torch.Tensor | list[torch.Tensor] | None = None
+    pick: Sequence[int] | None = None
+    tokens: Sequence[int] | None = None
+    positions: Sequence[int] | None = None
+    seen: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     head: bool = True
     k: int = 0
-    parent_scores: torch.Tensor | None = None
+    parent_scores: Sequence[float] | None = None
 
 
 @dataclasses.dataclass
@@ -68,20 +74,22 @@ def run_steps(steps: Sequence[DraftStep]) -> list[StepResult]:
     hidden = [s.hidden for s in steps]
     fed = [i for i, s in enumerate(steps) if s.rows is not None]
     if fed:
-        device = steps[fed[0]].rows.device
         sizes = [len(steps[i].tokens) for i in fed]
         # tokens and positions of all sequences in one copy to the device
-        both = torch.cat([torch.cat([steps[i].tokens for i in fed]), torch.cat([steps[i].positions for i in fed])])
+        both = torch.tensor([t for i in fed for t in steps[i].tokens] + [p for i in fed for p in steps[i].positions])
+        inputs = drafter_inputs([steps[i] for i in fed], drafter.dtype)
+        device = inputs.device
         tokens, positions = both.to(device).split(len(both) // 2)
         embeds = target.embed(tokens[None]).to(drafter.dtype)[0]
         if isinstance(steps[fed[0]].cache, SlotCache):  # caches of one pool: one call for all
-            out = pooled_drafter_forward(drafter, torch.cat([steps[i].rows for i in fed]), embeds, positions,
-                                         [steps[i].cache for i in fed], sizes, [steps[i].bias for i in fed])
+            out = pooled_drafter_forward(drafter, inputs, embeds, positions, [steps[i].cache for i in fed], sizes,
+                                         [steps[i].seen for i in fed])
             hidden_fed = out.split(sizes)
         else:
-            hidden_fed = [drafter(steps[i].rows[None], embed[None], pos[None], steps[i].cache,
-                                  None if steps[i].bias is None else steps[i].bias.to(device))[0]
-                          for i, embed, pos in zip(fed, embeds.split(sizes), positions.split(sizes))]
+            hidden_fed = [drafter(x[None], embed[None], pos[None], steps[i].cache,
+                                  step_bias(steps[i], drafter.dtype, device))[0]
+                          for i, x, embed, pos in zip(fed, inputs.split(sizes), embeds.split(sizes),
+                                                      positions.split(sizes))]
         for i, h in zip(fed, hidden_fed):
             hidden[i] = h
     results = [StepResult(h) for h in hidden]
@@ -97,7 +105,8 @@ def run_steps(steps: Sequence[DraftStep]) -> list[StepResult]:
         if steps[i].k:
             by_k[steps[i].k].append(i)
     for k, group in by_k.items():
-        parents = torch.cat([steps[i].parent_scores for i in group]).to(results[group[0]].logprobs.device)
+        parents = torch.tensor([score for i in group for score in steps[i].parent_scores],
+                               device=results[group[0]].logprobs.device)
         child_tokens, child_scores = topk_children(parents, torch.cat([results[i].logprobs for i in group]), k)
         ids, child_scores = drafter.to_target_ids(child_tokens).reshape(-1), child_scores.reshape(-1)
         if ids.device.type == "cpu":
@@ -111,6 +120,31 @@ def run_steps(steps: Sequence[DraftStep]) -> list[StepResult]:
             results[i].child_tokens, results[i].child_scores = ids[start:start + f], child_scores[start:start + f]
             start += f
     return results
+
+
+def drafter_inputs(steps: Sequence[DraftStep], dtype: torch.dtype) -> torch.Tensor:
+    """The drafter's input rows of ``steps`` in ``dtype``, one after another [R, H]: each step's ``rows``, or its
+    rows ``pick``; one concatenation and at most one gather (one index) for all steps."""
+    parts, index, start, gather = [], [], 0, False
+    for s in steps:
+        pieces = s.rows if isinstance(s.rows, list) else [s.rows]
+        n = sum(piece.shape[0] for piece in pieces)
+        parts.extend(pieces)
+        if s.pick is None:
+            index.extend(range(start, start + n))
+        else:
+            index.extend(start + j for j in s.pick)
+            gather = True
+        start += n
+    source = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(dtype)
+    return source[torch.tensor(index).to(source.device)] if gather else source
+
+
+def step_bias(step: DraftStep, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """A step's additive mask [1, 1, F, cached + F] on ``device`` for its own cache (None: causal)."""
+    if step.seen is None:
+        return None
+    return attention_bias(step.seen, kv_cache.cache_length(step.cache), dtype).to(device)
 
 
 @torch.inference_mode()

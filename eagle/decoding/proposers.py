@@ -25,10 +25,10 @@ from eagle.drafting.drafter import LeanDrafter
 from eagle.errors import EagleError
 from eagle.decoding.draft_steps import DraftStep, StepResult, run_alone
 from eagle.decoding.sampling import logits_to_probs, sample
+from eagle.decoding.tree_mask import bool_rows
 from eagle.runtime.target import Target
-from eagle.decoding.tree import (DraftTree, best_frontier, chain_tree, graft_chains, kept_nodes, root_only, sampled_children,
-                        static_layout, subtree)
-from eagle.decoding.tree_mask import additive_bias
+from eagle.decoding.tree import (DraftTree, Pool, best_frontier, chain_tree, graft_chains, kept_indices, root_only,
+                                 sampled_children, static_layout)
 
 
 @dataclasses.dataclass
@@ -320,14 +320,14 @@ class EagleDrafter(Proposer):
         costs = self.sizing.costs if self.sizing is not None else []
         self.next_size = max((n for n, c in enumerate(costs, start=1) if c <= 1.05 * costs[0]), default=0)
 
-    def _feed(self, features: torch.Tensor, next_tokens: list[int]) -> Generator[DraftStep, StepResult, None]:
-        """Feed pairs (f_t, x_{t+1}) for the new committed positions; keep the last prediction."""
+    def _feed(self, features: list[torch.Tensor], next_tokens: list[int]) -> Generator[DraftStep, StepResult, None]:
+        """Feed pairs (f_t, x_{t+1}) for the new committed positions (``features``: their rows, in parts);
+        keep the last prediction."""
         if not next_tokens:
             return
         past = kv_cache.cache_length(self.cache)
-        out = yield DraftStep(self.drafter, self.target, self.cache, rows=features.to(self.dtype),
-                              tokens=torch.tensor(next_tokens, dtype=torch.long),
-                              positions=torch.arange(past, past + len(next_tokens)), head=False)
+        out = yield DraftStep(self.drafter, self.target, self.cache, rows=features, tokens=next_tokens,
+                              positions=range(past, past + len(next_tokens)), head=False)
         self.last_hidden = out.hidden[-1]
 
     def start(self, ids: list[int], features: torch.Tensor | None) -> None:
@@ -350,7 +350,7 @@ class EagleDrafter(Proposer):
     def preparing(self) -> Generator[DraftStep, StepResult, None]:
         if self.prompt is not None:
             (features, tokens), self.prompt = self.prompt, None
-            yield from self._feed(features, tokens)
+            yield from self._feed([features], tokens)
 
     def commit(self, ids: list[int], path: list[int], features: torch.Tensor | None) -> None:
         # features: target features of the root and the accepted drafts; tokens that follow them.
@@ -372,32 +372,26 @@ class EagleDrafter(Proposer):
         cost the drafter nothing."""
         pending = ([self.prompt] if self.prompt is not None else []) + self.pending
         if pending:
-            features = torch.cat([f for f, _ in pending])
             tokens = [t for _, produced in pending for t in produced]
             self.prompt, self.pending = None, []
-            yield from self._feed(features, tokens)
+            yield from self._feed([f for f, _ in pending], tokens)
 
-    def _node_step(self, inputs: torch.Tensor, tokens: torch.Tensor, ancestors: list[list[int]], committed: int,
+    def _node_step(self, inputs: torch.Tensor, pick: list[int] | None, tokens: list[int], ancestors: list[list[int]],
                    position: int, cached: list[int], parent_scores: list[float], k: int | None) -> DraftStep:
-        """The drafter step of F tree nodes of one depth: ``inputs`` [F, H] (their parents'
-        predicted features), ``tokens`` [F] (on the host); node f attends to the committed cache, its ancestors
+        """The drafter step of F tree nodes of one depth: rows ``pick`` [F] of ``inputs`` (None: all of them;
+        their parents' predicted features), ``tokens`` [F]; node f attends to the committed cache, its ancestors
         already run this round and itself; its ``k`` best children after ``parent_scores`` (0: the
         head's log-probs alone, for drawn children; None: no head). ``cached`` (node ids in cache
         order) is extended."""
         nodes = [a[-1] for a in ancestors]
-        bias = None  # causal: a lone node below every node run so far this round (a chain) sees them all
+        seen = None  # causal: a lone node below every node run so far this round (a chain) sees them all
         if len(nodes) > 1 or ancestors[0][:-1] != cached:
             col = {node: j for j, node in enumerate(cached + nodes)}
-            # built on the host and moved once: on a GPU each row's assignment would be a copy and a launch
-            allowed = torch.zeros(len(nodes), committed + len(col), dtype=torch.bool)
-            allowed[:, :committed] = True
-            rows = [row for row, chain in enumerate(ancestors) for _ in chain]
-            allowed[rows, [committed + col[a] for chain in ancestors for a in chain]] = True
-            bias = additive_bias(allowed, self.dtype)  # on the host: moved by ``run_steps`` with the others
+            seen = bool_rows([[col[a] for a in chain] for chain in ancestors], len(col))  # on the host
         cached.extend(nodes)
-        return DraftStep(self.drafter, self.target, self.cache, rows=inputs, tokens=tokens,
-                         positions=torch.full((len(nodes),), position), bias=bias, head=k is not None, k=k or 0,
-                         parent_scores=torch.tensor(parent_scores) if k else None)
+        return DraftStep(self.drafter, self.target, self.cache, rows=inputs, pick=pick, tokens=tokens,
+                         positions=[position] * len(nodes), seen=seen, head=k is not None, k=k or 0,
+                         parent_scores=parent_scores if k else None)
 
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         return run_alone(self.drafting(ids, max_depth, max_nodes))
@@ -421,34 +415,34 @@ class EagleDrafter(Proposer):
         if self.draw_temperature and self.sizing is not None:
             total, levels = max(2, min(total, self.next_size)), min(levels, self.next_depth)
         if self.cfg.choices:
-            tree = yield from self._static(ids[-1], min(levels, max(len(c) for c in self.cfg.choices)), committed)
+            pool = yield from self._static(ids[-1], min(levels, max(len(c) for c in self.cfg.choices)), committed)
         else:
-            tree = yield from self._dynamic(ids[-1], levels, total, committed, start, calibration)
+            pool = yield from self._dynamic(ids[-1], levels, total, committed, start, calibration)
         kv_cache.roll_back(self.cache, committed)
-        drafted = tree.size  # pool nodes from the drafter; grafts come after them, so they are tried after their siblings
-        tree = self._graft_lookup(ids, tree, max_depth)
+        drafted = pool.size  # pool nodes from the drafter; grafts come after them, so they are tried after their siblings
+        pool = self._graft_lookup(ids, pool, max_depth)
         if self.sizing is not None and not self.draw_temperature:  # "auto": the size with the most expected tokens/s
-            best_first = sorted(tree.scores[1:].tolist(), reverse=True)
+            best_first = sorted(pool.scores[1:], reverse=True)
             choice = choose_tree_size(best_first, self.sizing.costs, time.perf_counter() - start, calibration)
             total = min(total, choice.size)
         elif self.sizing is not None:  # drawn children: no size may depend on this round's draws, so they size the next
-            self._size_next_round(tree, drafted, time.perf_counter() - start, calibration)
-        kept = kept_nodes(tree.scores, total)
-        tree = subtree(tree.tokens, tree.parents, tree.scores, kept)
+            self._size_next_round(pool, drafted, time.perf_counter() - start, calibration)
+        kept = kept_indices(pool.scores, total)
+        tree = pool.subtree(kept).tree(self.tree_device)
         if not self.draw_temperature or tree.size < 2:
             return Proposal(tree)
-        drawn_from = {row: self.drawn_from[node] for row, node in enumerate(kept.tolist()) if node in self.drawn_from}
+        drawn_from = {row: self.drawn_from[node] for row, node in enumerate(kept) if node in self.drawn_from}
         return Proposal(tree, child_probs=DrawDistributions(drawn_from, self.draft_ids, self.target.vocab_size,
                                                             self.draw_temperature),
-                        drawn=(kept > 0) & (kept < drafted))
+                        drawn=torch.tensor([0 < node < drafted for node in kept], device=self.tree_device))
 
-    def _size_next_round(self, pool: DraftTree, drafted: int, elapsed: float, calibration: list[float]) -> None:
+    def _size_next_round(self, pool: Pool, drafted: int, elapsed: float, calibration: list[float]) -> None:
         """``next_size`` and ``next_depth`` (sampled "auto") from this round's pool, as if the next one
         drew the same: the size with the most expected tokens per second, a size paying a drafter
         call (``Sizing.step_seconds``) for each depth its nodes need past the first (grafted lookup nodes
         need their drafted ancestor's), and the depths those nodes need, one more where a deeper
         level would pay for its call (``expansion_floor``, as greedy "auto" decides each depth)."""
-        parents, scores = pool.parents.tolist(), pool.scores.tolist()
+        parents, scores = pool.parents, pool.scores
         depths = [0]
         for node, parent in enumerate(parents[1:], start=1):
             depths.append(depths[parent] + (node < drafted))
@@ -479,7 +473,7 @@ class EagleDrafter(Proposer):
         drawn, scores = sampled_children(parent_scores, among_lp, k, self.draw_temperature, self.generator)
         return among.gather(1, drawn), scores
 
-    def _graft_lookup(self, ids: list[int], pool: DraftTree, max_depth: int) -> DraftTree:
+    def _graft_lookup(self, ids: list[int], pool: Pool, max_depth: int) -> Pool:
         """The pool with prompt-lookup continuations grafted on: of the context itself (at the
         root) and of the context followed by the path to each of the ``LOOKUP_NODES`` best draft
         nodes (a copied span often starts at a token the drafter guessed). In a sampled tree
@@ -488,8 +482,8 @@ class EagleDrafter(Proposer):
         comes to depend on its own token, and siblings are tried in an order the rule allows."""
         if self.cfg.lookup_tokens < 1:
             return pool
-        tokens, parents = pool.tokens.tolist(), pool.parents.tolist()
-        best = best_frontier(pool.scores[1:].tolist(), LOOKUP_NODES)
+        tokens, parents = pool.tokens, pool.parents
+        best = best_frontier(pool.scores[1:], LOOKUP_NODES)
         context, chains = array("i", ids).tobytes(), []
         for node in [0] + [i + 1 for i in best]:
             path, i = [], node
@@ -504,7 +498,7 @@ class EagleDrafter(Proposer):
         return graft_chains(pool, chains, share=not self.draw_temperature) if chains else pool
 
     def _dynamic(self, root: int, levels: int, total: int, committed: int, start: float,
-                 calibration: list[float]) -> Generator[DraftStep, StepResult, DraftTree]:
+                 calibration: list[float]) -> Generator[DraftStep, StepResult, Pool]:
         """EAGLE-2: the root's top_k children, then the top_k best frontier nodes expanded per depth
         down to ``levels`` draft tokens below the root; return the whole candidate pool.
         A frontier node outside the best ``total - 2`` nodes of the pool so far is not expanded: a
@@ -520,19 +514,19 @@ class EagleDrafter(Proposer):
         # the pool in plain lists (node i: its target token, parent and score): a round's pool has a
         # few dozen nodes, where each tensor operation costs more than the Python it replaces
         out = yield DraftStep(self.drafter, self.target, hidden=self.last_hidden[None], k=self._ranked_k(k),
-                              parent_scores=torch.zeros(1))
+                              parent_scores=[0.0])
         child_tokens, child_scores = self._child_lists(out, [0.0], k, [0])
         scores, tokens, parents = [0.0] + child_scores, [root] + child_tokens, [-1] + [0] * k
         frontier = self._to_expand(list(range(1, k + 1)), scores, levels > 1, total, sized, start, calibration)
-        frontier_inputs = self.last_hidden[None].expand(len(frontier), -1)
+        frontier_inputs, pick = self.last_hidden[None], [0] * len(frontier)  # the drafter's rows: its inputs[pick]
         ancestors = {i: [i] for i in range(1, k + 1)}  # run-this-round ancestors of a node, itself last
         cached: list[int] = []
         for d in range(1, levels if frontier else 1):
             step_start = time.perf_counter()
             parent_scores = [scores[n] for n in frontier]
-            out = yield self._node_step(frontier_inputs, torch.tensor([tokens[n] for n in frontier]),
-                                        [ancestors[n] for n in frontier], committed, committed + d - 1, cached,
-                                        parent_scores, self._ranked_k(k))
+            out = yield self._node_step(frontier_inputs, pick, [tokens[n] for n in frontier],
+                                        [ancestors[n] for n in frontier], committed + d - 1, cached, parent_scores,
+                                        self._ranked_k(k))
             hidden = out.hidden
             child_tokens, flat_scores = self._child_lists(out, parent_scores, k, frontier)  # F * k each
             size = len(scores)
@@ -548,9 +542,8 @@ class EagleDrafter(Proposer):
                 break
             for n in frontier:
                 ancestors[n] = ancestors[parents[n]] + [n]
-            frontier_inputs = hidden[[(n - size) // k for n in frontier]]
-        return DraftTree(torch.tensor(tokens, device=self.tree_device), torch.tensor(parents, device=self.tree_device),
-                         torch.tensor(scores, device=self.tree_device))
+            frontier_inputs, pick = hidden, [(n - size) // k for n in frontier]
+        return Pool(tokens, parents, scores)
 
     def _ranked_k(self, k: int) -> int:
         """What a step asks ``run_steps`` for: ``k`` children by rank, or 0 (the log-probs alone) when they are drawn."""
@@ -585,7 +578,7 @@ class EagleDrafter(Proposer):
             floor = ranked[rank - 1] if rank > 0 else None
         return [n for n in candidates if floor is not None and scores[n] >= floor]
 
-    def _static(self, root: int, levels: int, committed: int) -> Generator[DraftStep, StepResult, DraftTree]:
+    def _static(self, root: int, levels: int, committed: int) -> Generator[DraftStep, StepResult, Pool]:
         """EAGLE-1: fill a fixed tree shape (``choices``) with the drafter's ranked children."""
         layout = static_layout(self.cfg.choices)
         n = int((layout.depths <= levels).sum())  # breadth-first order: shallow nodes come first
@@ -602,7 +595,7 @@ class EagleDrafter(Proposer):
             heads = sorted({parents[i] for i in level})
             width = max(ranks[i] for i in level) + 1
             out = yield DraftStep(self.drafter, self.target, hidden=torch.stack([hidden_of[p] for p in heads]), k=width,
-                                  parent_scores=torch.tensor([scores[p] for p in heads]))
+                                  parent_scores=[scores[p] for p in heads])
             for i in level:
                 at = heads.index(parents[i]) * width + ranks[i]
                 tokens[i], scores[i] = out.child_tokens[at], out.child_scores[at]
@@ -610,8 +603,7 @@ class EagleDrafter(Proposer):
             grow = [i for i in level if i in has_children]
             if grow and d < levels:
                 inputs = torch.stack([hidden_of[parents[i]] for i in grow])
-                out = yield self._node_step(inputs, torch.tensor([tokens[i] for i in grow]),
-                                            [ancestors[i] for i in grow], committed, committed + d - 1, cached, [], None)
+                out = yield self._node_step(inputs, None, [tokens[i] for i in grow],
+                                            [ancestors[i] for i in grow], committed + d - 1, cached, [], None)
                 hidden_of.update(zip(grow, out.hidden))
-        return DraftTree(torch.tensor(tokens, device=self.tree_device), torch.tensor(parents, device=self.tree_device),
-                         torch.tensor(scores, device=self.tree_device))
+        return Pool(tokens, parents, scores)

@@ -64,45 +64,62 @@ def sampled_children(parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int
 
 
 def best_frontier(scores: Sequence[float], k: int) -> list[int]:
-    """Indices of the k best of the candidate scores [M] (the first on ties)."""
-    return sorted(range(len(scores)), key=lambda i: -scores[i])[:k]
+    """Indices of the k best of the candidate scores [M], best first (the first on ties)."""
+    return sorted(range(len(scores)), key=scores.__getitem__, reverse=True)[:k]  # stable: the first on ties
 
 
-def kept_nodes(scores: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    """The root and the best ``total_tokens - 1`` nodes of a pool, in pool order: [n] long.
+def kept_indices(scores: Sequence[float], total_tokens: int) -> list[int]:
+    """The root and the best ``total_tokens - 1`` nodes of a pool, in pool order.
 
     Pool: ``scores`` [M], index 0 the root, parents[i] < i. A child never scores above its parent
     and ties go to the lower (shallower) index, so the kept set always contains each kept node's
     parent: it is a subtree."""
-    best = best_frontier(scores[1:].tolist(), total_tokens - 1)  # a few dozen nodes: plain Python is faster
-    return torch.tensor([0] + sorted(i + 1 for i in best), dtype=torch.long, device=scores.device)
+    return [0] + sorted(i + 1 for i in best_frontier(scores[1:], total_tokens - 1))
 
 
-def subtree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, kept: torch.Tensor) -> DraftTree:
-    """The pool nodes ``kept`` [n] (increasing, root first, closed under parents), re-indexed."""
-    nodes, pool_parents = kept.tolist(), parents.tolist()
-    new_index = {node: i for i, node in enumerate(nodes)}
-    new_parents = [-1 if pool_parents[node] < 0 else new_index[pool_parents[node]] for node in nodes]
-    return DraftTree(tokens=tokens[kept], parents=torch.tensor(new_parents, dtype=torch.long, device=parents.device),
-                     scores=scores[kept])
+@dataclasses.dataclass
+class Pool:
+    """A candidate pool or draft tree on the host, as ``DraftTree``'s fields in plain lists: the form a
+    tree is grown, grafted and cut in (a round's pool has a few dozen nodes, where each tensor operation
+    costs more than the Python it replaces)."""
+
+    tokens: list[int]
+    parents: list[int]
+    scores: list[float]
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def subtree(self, kept: Sequence[int]) -> "Pool":
+        """The nodes ``kept`` (increasing, root first, closed under parents: ``kept_indices``), re-indexed."""
+        new_index = {node: i for i, node in enumerate(kept)}
+        return Pool([self.tokens[n] for n in kept],
+                    [-1 if self.parents[n] < 0 else new_index[self.parents[n]] for n in kept],
+                    [self.scores[n] for n in kept])
+
+    def tree(self, device: torch.device | str = "cpu") -> DraftTree:
+        return DraftTree(tokens=torch.tensor(self.tokens, dtype=torch.long, device=device),
+                         parents=torch.tensor(self.parents, dtype=torch.long, device=device),
+                         scores=torch.tensor(self.scores, dtype=torch.float32, device=device))
 
 
-def graft_chains(tree: DraftTree, chains: Sequence[tuple[Sequence[int], Sequence[float], int]],
-                 share: bool = True) -> DraftTree:
+def graft_chains(pool: Pool, chains: Sequence[tuple[Sequence[int], Sequence[float], int]],
+                 share: bool = True) -> Pool:
     """Hang chains of draft tokens from nodes of a candidate pool (prompt-lookup drafts onto the
     drafter's tree), one after another, sharing the nodes they agree on.
 
-    ``tree``: a pool as ``kept_nodes`` takes it (index 0 the root, parents[i] < i, children score no
+    ``pool``: as ``kept_indices`` takes it (index 0 the root, parents[i] < i, children score no
     higher than parents); each chain ``(tokens [C], offsets [C], at)``: its token j is scored node
     ``at``'s score (as the chains before left it) plus ``offsets[j]``, offsets non-increasing and
     <= 0 (cumulative log-probabilities below ``at``). Walking down from ``at``, a chain token that
     is already a child of the current node reuses it (its score becomes the higher of the two),
     the rest are appended in order. The result is a pool of the same form holding every path of
-    ``tree`` plus the path to each ``at`` followed by every prefix of its chain, with no two
+    ``pool`` plus the path to each ``at`` followed by every prefix of its chain, with no two
     siblings sharing a token. With ``share=False`` every chain is appended as new nodes (no existing
     node's score changes; a chain token may repeat a sibling's: for drawn siblings, whose scores
-    must not depend on which tokens were drawn). One pass over plain lists for all chains."""
-    tokens, parents, scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
+    must not depend on which tokens were drawn). One pass for all chains; ``pool`` is not changed."""
+    tokens, parents, scores = list(pool.tokens), list(pool.parents), list(pool.scores)
     children: dict[tuple[int, int], int] = (
         {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if p >= 0} if share else {})
     for chain, offsets, at in chains:
@@ -119,10 +136,7 @@ def graft_chains(tree: DraftTree, chains: Sequence[tuple[Sequence[int], Sequence
             else:
                 scores[child] = max(scores[child], base + offset)
             node = child
-    device = tree.tokens.device
-    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
-                     parents=torch.tensor(parents, dtype=torch.long, device=device),
-                     scores=torch.tensor(scores, dtype=tree.scores.dtype, device=device))
+    return Pool(tokens, parents, scores)
 
 
 @dataclasses.dataclass

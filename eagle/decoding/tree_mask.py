@@ -30,13 +30,20 @@ def chains(parents: list[int]) -> list[list[int]]:
     return out
 
 
+def bool_rows(columns: list[list[int]], width: int) -> torch.Tensor:
+    """Row i True at ``columns[i]``, False elsewhere: [len(columns), width] bool on the host, made from bytes
+    (converting nested lists or indexing with them costs more than the rest of a small mask's making)."""
+    data = bytearray(len(columns) * width)
+    for i, cols in enumerate(columns):
+        for j in cols:
+            data[i * width + j] = 1
+    return torch.frombuffer(data, dtype=torch.bool).view(len(columns), width) if data else torch.zeros(
+        len(columns), width, dtype=torch.bool)
+
+
 def _mask(node_chains: list[list[int]], device: torch.device) -> torch.Tensor:
     """Each node's chain -> [N, N] bool ancestor-or-self mask."""
-    n = len(node_chains)
-    mask = torch.zeros(n, n, dtype=torch.bool, device=device)
-    rows = [i for i, chain in enumerate(node_chains) for _ in chain]
-    mask[rows, [j for chain in node_chains for j in chain]] = True
-    return mask
+    return bool_rows(node_chains, len(node_chains)).to(device)
 
 
 def tree_attention(parents: torch.Tensor) -> TreeAttention:
@@ -54,10 +61,11 @@ def tree_attention(parents: torch.Tensor) -> TreeAttention:
 def attention_bias(tree_mask: torch.Tensor, past_len: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive 4D mask [1, 1, N, past_len + N] for a forward over the tree after ``past_len``
     cached tokens: 0 where attention is allowed (the whole prefix, ancestors, self), else the
-    dtype's most negative value."""
-    n = tree_mask.shape[0]
+    dtype's most negative value. ``tree_mask`` [N, S] (S >= N) gives the last S columns: a tree
+    whose first S - N nodes are cached already, every key before them seen."""
+    n, s = tree_mask.shape
     allowed = torch.ones(n, past_len + n, dtype=torch.bool, device=tree_mask.device)
-    allowed[:, past_len:] = tree_mask
+    allowed[:, past_len + n - s:] = tree_mask
     return additive_bias(allowed, dtype)
 
 

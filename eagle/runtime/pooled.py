@@ -105,10 +105,11 @@ def attention_step(pool: CachePool, nh: int, scale: float, slots: torch.Tensor, 
 
 
 def row_index(caches: Sequence[SlotCache], pasts: Sequence[int], sizes: Sequence[int],
-              place: Callable[[int], int]) -> list[list[int]]:
-    """Each row's [its slot, its place in the attention's batch (``place(slot)``), its row in its segment,
-    its cache position], the sequences' rows one after another."""
-    return [[c.slot, place(c.slot), t, p + t] for c, p, n in zip(caches, pasts, sizes) for t in range(n)]
+              place: Callable[[int], int]) -> torch.Tensor:
+    """[4, R] on the host: each row's slot, its place in the attention's batch (``place(slot)``), its row in its
+    segment and its cache position, the sequences' rows one after another."""
+    flat = [v for c, p, n in zip(caches, pasts, sizes) for t in range(n) for v in (c.slot, place(c.slot), t, p + t)]
+    return torch.tensor(flat, dtype=torch.long).view(-1, 4).T
 
 
 def segment_table(members: int, places: Sequence[int], sizes: Sequence[int], pasts: Sequence[int]) -> torch.Tensor:
@@ -160,7 +161,7 @@ def attention_batch(caches: Sequence[SlotCache], pasts: Sequence[int], sizes: Se
     ``row_index`` [4, R] on ``device``, and the keys read (the longest sequence's end rounded up to 16; keys
     past a sequence's end are masked)."""
     where = {slot: b for b, slot in enumerate(members)}
-    index = torch.tensor(row_index(caches, pasts, sizes, where.__getitem__), device=device).T
+    index = row_index(caches, pasts, sizes, where.__getitem__).to(device)
     keys_len = min(caches[0].pool.capacity, -(-max(p + n for p, n in zip(pasts, sizes)) // 16) * 16)
     return [where[c.slot] for c in caches], index, keys_len
 
@@ -285,39 +286,42 @@ class PooledGraphs:
         tokens[0, :r], tokens[1, :r] = input_ids, position_ids
         tokens[:, r:] = 0
         slots = [c.slot for c in caches]
-        index = row_index(caches, pasts, sizes, lambda slot: slot) + [[scratch, scratch, 0, 0]] * (rows - r)
-        inputs["index"].copy_(torch.tensor(index).T)
+        index = torch.tensor([scratch, scratch, 0, 0])[:, None].repeat(1, rows)  # padding rows, then the real ones
+        index[:, :r] = row_index(caches, pasts, sizes, lambda slot: slot)
+        inputs["index"].copy_(index)
         inputs["table"].copy_(segment_table(inputs["table"].shape[1], slots, sizes, pasts))
         tree_blocks(inputs["block"].shape[0], inputs["block"].shape[1], slots, pasts, sizes, masks,
                     inputs["block"].device, out=inputs["block"])
 
 
 def step_biases(group_rows: int, m: int, keys_len: int, places: Sequence[int], members: int, pasts: Sequence[int],
-                sizes: Sequence[int], masks: Sequence[torch.Tensor | None], dtype: torch.dtype,
+                sizes: Sequence[int], seen: Sequence[torch.Tensor | None], dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
     """The additive mask [B, 1, group_rows M, keys_len] of one pooled drafter call, built on the host and
-    copied once: segment s (at place ``places[s]``, ``sizes[s]`` rows after ``pasts[s]`` cached) attends as
-    its own mask says (additive [1, 1, n, past + n]: a tree's rows see their ancestors among the round's
-    cached nodes, not every cached key; None: causal), each row repeated for the ``group_rows`` query heads
-    of a key head; padding rows and places without a segment see key 0 alone."""
+    copied once: segment s (at place ``places[s]``, ``sizes[s]`` rows after ``pasts[s]`` cached) sees every
+    key but its last S, and of those what ``seen[s]`` (bool [n, S], a ``DraftStep``'s: a tree's rows see
+    their ancestors among the round's cached nodes) allows; None: causal. Each row is repeated for the
+    ``group_rows`` query heads of a key head; padding rows and places without a segment see key 0 alone."""
     allowed = torch.zeros(members, m, keys_len, dtype=torch.bool)
     allowed[:, :, 0] = True
-    for place, past, n, mask in zip(places, pasts, sizes, masks):
+    for place, past, n, mask in zip(places, pasts, sizes, seen):
         if mask is None:
             allowed[place, :n, :past + n] = torch.ones(n, past + n, dtype=torch.bool).tril(past)
         else:
-            allowed[place, :n, :past + n] = mask[0, 0].cpu() == 0
+            end, s = past + n, mask.shape[1]
+            allowed[place, :n, :end - s] = True
+            allowed[place, :n, end - s:end] = mask
     return additive_bias(allowed, dtype).repeat(1, 1, group_rows, 1).to(device)
 
 
 @torch.inference_mode()
 def pooled_drafter_forward(drafter: Any, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
                            caches: Sequence[SlotCache], sizes: Sequence[int],
-                           masks: Sequence[torch.Tensor | None]) -> torch.Tensor:
+                           seen: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """A drafter (``LeanDrafter``) call for several sequences whose drafter caches are slots of one
     ``CachePool``: ``features``/``token_embeds`` [R, H] and ``positions`` [R], the sequences' rows one after
-    another (``sizes``), sequence s's rows appended to ``caches[s]`` and attending to it under ``masks[s]``
-    (additive [1, 1, n, past + n]; None: causal) -> the predicted features [R, H]. ONE attention call per
+    another (``sizes``), sequence s's rows appended to ``caches[s]`` and attending to it as ``seen[s]`` allows
+    (``step_biases``; None: causal) -> the predicted features [R, H]. ONE attention call per
     layer for all sequences (``attention_step``); the products over all rows together."""
     cfg = drafter.config
     pool, pasts = extended(caches, sizes)
@@ -325,7 +329,7 @@ def pooled_drafter_forward(drafter: Any, features: torch.Tensor, token_embeds: t
     members = sorted(c.slot for c in caches)
     places, index, keys_len = attention_batch(caches, pasts, sizes, members, device)
     group = cfg.num_attention_heads // cfg.num_key_value_heads
-    bias = step_biases(group, m, keys_len, places, len(members), pasts, sizes, masks, pool.kv.dtype, device)
+    bias = step_biases(group, m, keys_len, places, len(members), pasts, sizes, seen, pool.kv.dtype, device)
     attend = attention_step(pool, cfg.num_attention_heads, cfg.head_dim ** -0.5, index[0], index[1], index[2],
                             index[3], torch.tensor(members, device=device), m, keys_len, {None: bias},
                             [None] * cfg.num_layers)

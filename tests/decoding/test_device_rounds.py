@@ -16,7 +16,7 @@ from eagle.config import SamplingConfig, TreeConfig
 from eagle.decoding import acceptance
 from eagle.decoding.device_rounds import (DeviceDraws, DeviceTree, ancestor_matrix, device_rounds_apply, drawn_accept,
                                           drawn_children, greedy_accept, sampled_accept, select_tree)
-from eagle.decoding.tree import kept_nodes, sampled_children, subtree
+from eagle.decoding.tree import Pool, kept_indices, sampled_children
 from eagle.decoding.tree_mask import tree_attention
 from eagle.errors import EagleError
 from eagle.runtime.fake_capture import syncs
@@ -67,8 +67,7 @@ def test_select_tree_keeps_what_the_host_path_keeps_ties_included():
         total = rng.randrange(1, m + 1)
         got = select_tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores), torch.tensor(depths),
                           total, max(depths))
-        kept = kept_nodes(torch.tensor(scores), total)
-        want = subtree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores), kept)
+        want = Pool(tokens, parents, scores).subtree(kept_indices(scores, total)).tree()
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
         assert torch.equal(got.scores, want.scores)
         assert got.depths.tolist() == depth_of(want.parents.tolist())

@@ -11,7 +11,7 @@ from eagle import EagleModel
 from eagle.config import SamplingConfig
 from eagle.decoding import draft_steps
 from eagle.decoding.draft_steps import run_alone, run_together
-from eagle.decoding.tree_mask import additive_bias
+from eagle.decoding.tree_mask import attention_bias
 from eagle.drafting.drafter import LeanDrafter
 from eagle.runtime.kv_cache import CachePool
 from eagle.runtime.pooled import pooled_drafter_forward
@@ -99,15 +99,14 @@ def test_a_pooled_drafter_call_gives_each_sequence_what_its_own_cache_gives(kind
         positions = torch.cat([torch.arange(p, p + n) for p, n in zip(pasts, sizes)])
         embeds = target.embed(tokens[None])[0]
         got = pooled_drafter_forward(drafter, rows, embeds, positions, pooled, sizes, masks)
-        want = torch.cat([drafter(r[None], e[None], q[None], c, m)[0] for r, e, q, c, m in
-                          zip(rows.split(sizes), embeds.split(sizes), positions.split(sizes), own, masks)])
+        biases = [None if m is None else attention_bias(m, p, torch.float32) for m, p in zip(masks, pasts)]
+        want = torch.cat([drafter(r[None], e[None], q[None], c, b)[0] for r, e, q, c, b in
+                          zip(rows.split(sizes), embeds.split(sizes), positions.split(sizes), own, biases)])
         torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)  # the weights are scaled up: values of ~10
 
     call([5, 2, 20], [0, 0, 0], [None] * 3)  # prompts: causal (the third outgrows the pool: it grows)
     def tree_masks(pattern):  # each sequence's committed keys, then the round's nodes as ``pattern`` allows
-        rows = torch.tensor(pattern, dtype=torch.bool)
-        return [additive_bias(torch.cat([torch.ones(len(rows), past, dtype=torch.bool), rows], dim=1), torch.float32)
-                for past in (5, 2, 20)]
+        return [torch.tensor(pattern, dtype=torch.bool)] * 3
 
     # a, b, c: the root's child a, then b and c below it; then d below b and e below c, each seeing its branch
     call([3, 3, 3], [5, 2, 20], tree_masks([[1, 0, 0], [1, 1, 0], [1, 0, 1]]))

@@ -9,7 +9,7 @@ from eagle import EagleModel
 from eagle.config import PromptLookupConfig, SamplingConfig
 from eagle.drafting.drafter import Drafter
 from eagle.decoding.proposers import LOOKUP_NODES, DrawDistributions, LookupMatch, LookupRates, prompt_lookup
-from eagle.decoding.tree import DraftTree
+from eagle.decoding.tree import Pool
 
 from tests.conftest import prompts
 
@@ -107,12 +107,10 @@ def test_a_sampled_tree_grafts_lookup_chains_as_new_nodes_after_the_drawn_ones(t
     assert len(root_chain) == 1 and tokens[root_chain[0]] == 4  # "1 2 3" was followed by "4 5 9" before
     for node in set(tree.parents[proposal.drawn].tolist()):
         assert proposal.child_probs[node].sum().item() == pytest.approx(1.0, abs=1e-4)
-    dev = target.device
-    pool = DraftTree(torch.tensor([5, 6, 8], device=dev), torch.tensor([-1, 0, 0], device=dev),
-                     torch.tensor([0.0, -0.1, -2.0], device=dev))
+    pool = Pool([5, 6, 8], [-1, 0, 0], [0.0, -0.1, -2.0])
     grafted = proposer._graft_lookup([6, 11, 12, 5, 8, 13, 14, 5], pool, max_depth=10)  # root lookup: "8 13 14"
-    assert grafted.tokens[:3].tolist() == [5, 6, 8] and torch.equal(grafted.scores[:3], pool.scores)
-    assert grafted.tokens.tolist().count(8) >= 2 and grafted.parents.tolist().count(0) == 3  # a second root 8
+    assert grafted.tokens[:3] == [5, 6, 8] and grafted.scores[:3] == pool.scores
+    assert grafted.tokens.count(8) >= 2 and grafted.parents.count(0) == 3  # a second root 8
 
 
 def test_lookups_below_draft_nodes_are_grafted_and_judged_only_where_the_target_went(target, drafter):
@@ -121,11 +119,10 @@ def test_lookups_below_draft_nodes_are_grafted_and_judged_only_where_the_target_
     proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
     ids = [6, 11, 12, 5, 8, 13, 14, 5]
     dev = target.device
-    pool = DraftTree(torch.tensor([5, 6, 8], device=dev), torch.tensor([-1, 0, 0], device=dev),
-                     torch.tensor([0.0, -0.1, -2.0], device=dev))
+    pool = Pool([5, 6, 8], [-1, 0, 0], [0.0, -0.1, -2.0])
     tree = proposer._graft_lookup(ids, pool, max_depth=10)
-    paths, tokens = {0: ()}, tree.tokens.tolist()
-    for i, parent in enumerate(tree.parents.tolist()[1:], start=1):
+    paths, tokens = {0: ()}, tree.tokens
+    for i, parent in enumerate(tree.parents[1:], start=1):
         paths[i] = paths[parent] + (tokens[i],)
     # root: "5" was followed by "8 13 14"; after draft 6: "6" by "11 12 5"; after draft 8: "5 8" by "13 14 5"
     assert set(paths.values()) == {(), (6,), (6, 11), (6, 11, 12), (6, 11, 12, 5), (8,), (8, 13), (8, 13, 14),
@@ -220,7 +217,8 @@ def test_dynamic_tree_equals_brute_force_eagle2_and_skips_nodes_that_cannot_be_k
     proposer.start(ids, prefill.features[0])
     rows = []
     node_step = proposer._node_step
-    proposer._node_step = lambda inputs, *args: rows.append(inputs.shape[0]) or node_step(inputs, *args)
+    proposer._node_step = lambda inputs, pick, tokens, *rest: rows.append(len(tokens)) or node_step(
+        inputs, pick, tokens, *rest)
     tree = proposer.propose(ids, max_depth=10, max_nodes=100).tree
     paths, tokens, scores = {0: ()}, tree.tokens.tolist(), tree.scores.tolist()
     for i, parent in enumerate(tree.parents.tolist()[1:], start=1):

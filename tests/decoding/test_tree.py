@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from eagle.decoding.tree import DraftTree, best_frontier, chain_tree, graft_chains, kept_nodes, static_layout, subtree, topk_children
+from eagle.decoding.tree import Pool, best_frontier, chain_tree, graft_chains, kept_indices, static_layout, topk_children
 from eagle.decoding.tree_mask import tree_attention
 
 
@@ -22,7 +22,7 @@ def brute_force_rerank(parents, scores, keep):
     return [0] + sorted(order)
 
 
-def test_kept_nodes_are_the_best_nodes_and_form_a_subtree():
+def test_kept_indices_are_the_best_nodes_and_form_a_subtree():
     gen = torch.Generator().manual_seed(0)
     for trial in range(50):
         n = 2 + trial
@@ -31,9 +31,9 @@ def test_kept_nodes_are_the_best_nodes_and_form_a_subtree():
         for i in range(1, n):  # a child scores at most its parent (log-probabilities are <= 0)
             drop = 0.0 if trial % 5 == 0 else -float(torch.rand(1, generator=gen))
             scores.append(scores[parents[i]] + drop)
-        tokens = torch.arange(n) + 100
+        tokens = [100 + i for i in range(n)]
         keep = 1 + trial % 7
-        tree = subtree(tokens, torch.tensor(parents), torch.tensor(scores), kept_nodes(torch.tensor(scores), keep + 1))
+        tree = Pool(tokens, parents, scores).subtree(kept_indices(scores, keep + 1)).tree()
         expected = brute_force_rerank(parents, scores, keep)
         assert tree.tokens.tolist() == [100 + i for i in expected]
         assert tree.size <= keep + 1
@@ -66,28 +66,29 @@ def test_graft_chains_adds_exactly_the_chain_prefixes_below_its_node_and_keeps_a
         at = int(torch.randint(0, len(parents), (1,), generator=gen)) if trial % 2 else 0
         chain = torch.randint(0, 4, (1 + trial % 5,), generator=gen)
         chain_scores = scores[at] - torch.rand(chain.shape[0], generator=gen).cumsum(0)
-        pool = DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores))
+        pool = Pool(list(tokens), list(parents), list(scores))
         out = graft_chains(pool, [(chain.tolist(), (chain_scores - scores[at]).tolist(), at)])
         before = token_paths(tokens, parents)
-        after = token_paths(out.tokens.tolist(), out.parents.tolist())
+        after = token_paths(out.tokens, out.parents)
         prefixes = {before[at] + tuple(chain[:d].tolist()): float(chain_scores[d - 1])
                     for d in range(1, chain.shape[0] + 1)}
         assert set(after.values()) == set(before.values()) | set(prefixes) | {()}
         assert len(set(after.values())) == out.size  # no two siblings share a token
-        assert out.tokens[:len(tokens)].tolist() == tokens and out.parents[:len(parents)].tolist() == parents
-        assert all(0 <= p < i for i, p in enumerate(out.parents.tolist()) if i)
+        assert out.tokens[:len(tokens)] == tokens and out.parents[:len(parents)] == parents
+        assert pool.tokens == tokens and pool.scores == scores  # the pool itself is not changed
+        assert all(0 <= p < i for i, p in enumerate(out.parents) if i)
         old = {path: scores[i] for i, path in before.items()}
         for i, path in after.items():
             want = max(old.get(path, -float("inf")), prefixes.get(path, -float("inf"))) if i else 0.0
-            assert out.scores[i].item() == pytest.approx(want)
+            assert out.scores[i] == pytest.approx(want)
             if i:
-                assert out.scores[i] <= out.scores[out.parents[i]] + 1e-6  # kept_nodes' precondition still holds
+                assert out.scores[i] <= out.scores[out.parents[i]] + 1e-6  # kept_indices' precondition still holds
         # several chains in one call: as grafting them one after another (the second at a node the first made)
         second = (torch.randint(0, 4, (3,), generator=gen).tolist(), [-0.5, -0.7, -1.5], out.size - 1)
         both = graft_chains(pool, [(chain.tolist(), (chain_scores - scores[at]).tolist(), at), second])
         one_by_one = graft_chains(out, [second])
-        assert torch.equal(both.tokens, one_by_one.tokens) and torch.equal(both.parents, one_by_one.parents)
-        assert torch.allclose(both.scores, one_by_one.scores)
+        assert both.tokens == one_by_one.tokens and both.parents == one_by_one.parents
+        assert both.scores == pytest.approx(one_by_one.scores)
         apart = graft_chains(pool, [(chain.tolist(), [0.0] * chain.shape[0], 0)] * 2, share=False)
         assert apart.size == pool.size + 2 * chain.shape[0]  # share=False: always new nodes
 
