@@ -40,7 +40,7 @@ from eagle.errors import EagleError
 from eagle.inputs import METHODS
 from eagle.runtime import kv_cache
 from eagle.runtime.kernels import STREAM_MAX_ROWS
-from eagle.runtime.pooled import PooledGraphs
+from eagle.runtime.pooled import DrafterGraphs, PooledGraphs
 from eagle.runtime.segments import runs_segments, segment_forward
 
 # the most prompt tokens one step prefills (a longer prompt goes alone): the requests it admits are
@@ -279,14 +279,18 @@ class BatchedEngine:
     def _draft_cache(self, drafter: Any) -> kv_cache.StaticCache:
         """A drafter cache for a sequence joining the batch: in a pooled batch a slot of that drafter's pool
         (made at its first sequence), so that a drafter call attends for all sequences at once
-        (``pooled.pooled_drafter_forward``); else a cache of its own (never a drafter's shared static one:
+        (``pooled.pooled_drafter_forward``; on static shapes, ``pooled.DrafterGraphs``, where the target's pooled
+        forward runs on them); else a cache of its own (never a drafter's shared static one:
         a graphed drafter's ``new_cache`` is one cache for one sequence at a time)."""
         if self._pool is None:
             return kv_cache.StaticCache(drafter.config.num_layers)
         if id(drafter) not in self._draft_pools:
             cfg = drafter.config
-            self._draft_pools[id(drafter)] = drafter, kv_cache.CachePool(
-                cfg.num_layers, self.max_batch, cfg.num_key_value_heads, cfg.head_dim, drafter.dtype, drafter.device)
+            pool = kv_cache.CachePool(cfg.num_layers, self.max_batch, cfg.num_key_value_heads, cfg.head_dim,
+                                      drafter.dtype, drafter.device)
+            if self._pool.graphs is not None:  # static shapes where the target's pooled forward has them
+                pool.graphs = DrafterGraphs(drafter, pool, capture=self._pool.graphs.capture)
+            self._draft_pools[id(drafter)] = drafter, pool
         return self._draft_pools[id(drafter)][1].cache()
 
     @torch.inference_mode()

@@ -24,38 +24,41 @@ import torch.nn.functional as F
 
 from eagle.decoding.batch import LayerPlan, each_layer, final_norm, gathered, keys_for, rotary_tables
 from eagle.decoding.tree_mask import additive_bias
-from eagle.drafting.drafter import fused_input
+from eagle.drafting.drafter import fused_input, rotary_angles
 from eagle.runtime import cuda_graphs
 from eagle.runtime.kv_cache import CachePool, SlotCache
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # rows of a static call (all sequences' together)
 SEGMENT_BUCKETS = (1, 2, 4, 8, 16)  # one sequence's rows in a static call
+SPAN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the keys a drafter step's tree mask spans (the round's nodes and its rows)
 
 
 def batch_biases(windows: Sequence[int | None], group_rows: int, dtype: torch.dtype, sizes: torch.Tensor,
-                 pasts: torch.Tensor, block: torch.Tensor, positions: torch.Tensor,
-                 keys_len: int) -> dict[int | None, torch.Tensor]:
+                 pasts: torch.Tensor, block: torch.Tensor, positions: torch.Tensor | None, keys_len: int,
+                 spans: torch.Tensor | None = None) -> dict[int | None, torch.Tensor]:
     """The additive masks of a batch of B padded segments of M rows, one per window in ``windows``
     (None: full attention): [B, 1, group_rows M, keys_len], each row repeated for the ``group_rows``
-    query heads of a key head. Segment b has ``sizes[b]`` rows after ``pasts[b]`` cached ones (both
-    [B], on the device); ``block`` [B, M, M] bool: which of its own rows each row sees (a tree's
-    ancestors; causal for a chain); ``positions`` [B, M]: each row's position. A row sees its whole
-    cache and what ``block`` allows of its rows, within the window of a sliding layer (a cached key's
-    position is its slot; a row's key, its row's position); padding rows see key 0 alone. Device
-    operations only (capturable), the same whatever the batch."""
-    members, m = block.shape[:2]
+    query heads of a key head. Segment b has ``sizes[b]`` rows; every key before ``pasts[b]`` is seen,
+    and of the ``spans[b]`` keys from there (default: its own rows) what ``block`` [B, M, S] (bool)
+    allows (a tree's ancestors; causal for a chain); ``positions`` [B, M] (S = M; only for windows):
+    each row's position. Within the window of a sliding layer (a cached key's position is its slot;
+    a row's key, its row's position); padding rows see key 0 alone. Device operations only
+    (capturable), the same whatever the batch."""
+    members, m, span = block.shape
     device = block.device
-    rel = torch.arange(keys_len, device=device)[None] - pasts[:, None]  # [B, Lk]: key j's row in its segment
-    at = rel.clamp(0, m - 1)
-    mine = (rel >= 0) & (rel < sizes[:, None])
+    rel = torch.arange(keys_len, device=device)[None] - pasts[:, None]  # [B, Lk]: key j's place after the past
+    at = rel.clamp(0, span - 1)
+    mine = (rel >= 0) & (rel < (sizes if spans is None else spans)[:, None])
     allowed = (rel < 0)[:, None] | mine[:, None] & block.gather(2, at[:, None].expand(members, m, keys_len))
     valid = torch.arange(m, device=device)[None] < sizes[:, None]  # [B, M]
     allowed = allowed & valid[:, :, None]  # [B, M, Lk]
-    key_pos = torch.where(rel < 0, rel + pasts[:, None], positions.gather(1, at))  # [B, Lk]
     padding = (~valid)[:, :, None] & (torch.arange(keys_len, device=device) == 0)  # key 0 for padding rows
     out = {}
     for window in set(windows):
-        seen = allowed if window is None else allowed & (positions[:, :, None] - key_pos[:, None] < window)
+        seen = allowed
+        if window is not None:
+            key_pos = torch.where(rel < 0, rel + pasts[:, None], positions.gather(1, at))  # [B, Lk]
+            seen = allowed & (positions[:, :, None] - key_pos[:, None] < window)
         out[window] = additive_bias(seen | padding, dtype).repeat(1, 1, group_rows, 1)
     return out
 
@@ -206,17 +209,14 @@ class _Shape:
     eager: bool = False  # its capture failed (counted in ``cuda_graphs.capture_stats``): it runs eagerly
 
 
-class PooledGraphs:
-    """``pooled_forward`` on static shapes, one CUDA graph per shape replayed each round. A call of R rows
-    in segments of at most M rows attending to at most Lk keys runs the static function of (the row
-    bucket >= R, the segment bucket >= M, Lk a power of two >= 64: ``batch.keys_for``, the aux layers): its
-    attention's batch is every slot of the pool, scratch included; padding rows (token 0 at position
-    0) write to the scratch slot. Inputs are filled by two copies and one copy per tree. A pool that
-    grows (a new buffer) drops its graphs. ``capture``: capture (on CUDA, or with a capture installed
-    by ``cuda_graphs.capture_with``); else the same static function runs eagerly."""
+class _Static:
+    """Static shapes over a ``CachePool``, one CUDA graph per shape (``capture``: captured on CUDA, or with a
+    capture installed by ``cuda_graphs.capture_with``; else the same static functions run eagerly). A pool
+    that grows (a new buffer) drops its shapes; ``rope``: the rotary tables for the pool's positions,
+    made again with them (``tables``)."""
 
-    def __init__(self, lean: Any, pool: CachePool, capture: bool = True) -> None:
-        self.lean, self.pool = lean, pool
+    def __init__(self, pool: CachePool, capture: bool = True) -> None:
+        self.pool = pool
         device = pool.kv.device
         self.capturer = cuda_graphs.capturer_for(device)
         self.capture = capture and self.capturer is not None
@@ -226,39 +226,62 @@ class PooledGraphs:
         self.rope: dict = {}
         self.captured = self.fallbacks = 0
 
-    def fits(self, sizes: Sequence[int]) -> bool:
-        """Whether a call of segments of ``sizes`` rows runs on a static shape."""
-        return max(sizes) <= SEGMENT_BUCKETS[-1] and sum(sizes) <= ROW_BUCKETS[-1]
+    def tables(self) -> dict:
+        raise NotImplementedError
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[SlotCache],
-                 pasts: Sequence[int], sizes: Sequence[int], masks: Sequence[torch.Tensor | None],
-                 aux_layers: tuple[int, ...]) -> torch.Tensor:
-        """``pooled_forward``'s result [R, (1 + n) H] for caches already extended (``take``) from ``pasts``."""
-        pool, r = self.pool, len(input_ids)
+    def run(self, key: tuple, make: Callable[[], _Shape], fill: Callable[[_Shape], None]) -> torch.Tensor:
+        """The output of shape ``key`` (made by ``make`` at its first call) after ``fill`` set its inputs:
+        replayed, captured at its first call, or run eagerly."""
+        pool = self.pool
         if self.buffer is not pool.kv:  # a new buffer: the graphs read the old one
             self.shapes.clear()
             self.buffer = pool.kv
             with torch.inference_mode():
-                self.rope = rotary_tables(self.lean, pool.capacity, pool.kv.device, pool.kv.dtype)
-        rows = cuda_graphs.bucket_for(r, ROW_BUCKETS)
-        m = cuda_graphs.bucket_for(max(sizes), SEGMENT_BUCKETS)
-        keys_len = keys_for(max(p + n for p, n in zip(pasts, sizes)), pool.capacity)
-        key = (rows, m, keys_len, aux_layers)
+                self.rope = self.tables()
         shape = self.shapes.get(key)
         if shape is None:
-            shape = self.shapes[key] = self._make(rows, m, keys_len, aux_layers)
-        self._fill(shape, input_ids, position_ids, caches, pasts, sizes, masks)
+            shape = self.shapes[key] = make()
+        fill(shape)
         if shape.graph is not None:
             shape.graph.replay()
         elif self.capture and not shape.eager:
-            graph, shape.output = cuda_graphs.capture_graph(shape.run, pool.kv.device, self.graph_pool,
-                                                            key=("pooled",) + key, capturer=self.capturer)
+            graph, shape.output = cuda_graphs.capture_graph(shape.run, pool.kv.device, self.graph_pool, key=key,
+                                                            capturer=self.capturer)
             shape.graph, shape.eager = graph, graph is None
             self.captured += graph is not None
             self.fallbacks += graph is None
         else:
             shape.output = shape.run()
-        return shape.output[:r]
+        return shape.output
+
+
+class PooledGraphs(_Static):
+    """``pooled_forward`` on static shapes, one CUDA graph per shape replayed each round. A call of R rows
+    in segments of at most M rows attending to at most Lk keys runs the static function of (the row
+    bucket >= R, the segment bucket >= M, Lk a power of two >= 64: ``batch.keys_for``, the aux layers): its
+    attention's batch is every slot of the pool, scratch included; padding rows (token 0 at position
+    0) write to the scratch slot. Inputs are filled by two copies and one copy per tree."""
+
+    def __init__(self, lean: Any, pool: CachePool, capture: bool = True) -> None:
+        super().__init__(pool, capture)
+        self.lean = lean
+
+    def fits(self, sizes: Sequence[int]) -> bool:
+        """Whether a call of segments of ``sizes`` rows runs on a static shape."""
+        return max(sizes) <= SEGMENT_BUCKETS[-1] and sum(sizes) <= ROW_BUCKETS[-1]
+
+    def tables(self) -> dict:
+        return rotary_tables(self.lean, self.pool.capacity, self.pool.kv.device, self.pool.kv.dtype)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[SlotCache],
+                 pasts: Sequence[int], sizes: Sequence[int], masks: Sequence[torch.Tensor | None],
+                 aux_layers: tuple[int, ...]) -> torch.Tensor:
+        """``pooled_forward``'s result [R, (1 + n) H] for caches already extended (``take``) from ``pasts``."""
+        r = len(input_ids)
+        key = (cuda_graphs.bucket_for(r, ROW_BUCKETS), cuda_graphs.bucket_for(max(sizes), SEGMENT_BUCKETS),
+               keys_for(max(p + n for p, n in zip(pasts, sizes)), self.pool.capacity), aux_layers)
+        return self.run(("pooled",) + key, lambda: self._make(*key),
+                        lambda shape: self._fill(shape, input_ids, position_ids, caches, pasts, sizes, masks))[:r]
 
     def _make(self, rows: int, m: int, keys_len: int, aux_layers: tuple[int, ...]) -> _Shape:
         lean, pool = self.lean, self.pool
@@ -294,24 +317,35 @@ class PooledGraphs:
                     inputs["block"].device, out=inputs["block"])
 
 
-def step_biases(group_rows: int, m: int, keys_len: int, places: Sequence[int], members: int, pasts: Sequence[int],
-                sizes: Sequence[int], seen: Sequence[torch.Tensor | None], dtype: torch.dtype,
-                device: torch.device) -> torch.Tensor:
-    """The additive mask [B, 1, group_rows M, keys_len] of one pooled drafter call, built on the host and
-    copied once: segment s (at place ``places[s]``, ``sizes[s]`` rows after ``pasts[s]`` cached) sees every
-    key but its last S, and of those what ``seen[s]`` (bool [n, S], a ``DraftStep``'s: a tree's rows see
-    their ancestors among the round's cached nodes) allows; None: causal. Each row is repeated for the
-    ``group_rows`` query heads of a key head; padding rows and places without a segment see key 0 alone."""
-    allowed = torch.zeros(members, m, keys_len, dtype=torch.bool)
-    allowed[:, :, 0] = True
+def step_blocks(members: int, m: int, span: int, places: Sequence[int], pasts: Sequence[int], sizes: Sequence[int],
+                seen: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pooled drafter call's masks in ``batch_biases``' terms, on the host: [3, B] (each place's keys seen
+    whole, its rows, its span: 0 where no sequence sits) and ``block`` [B, M, span]. Segment s (at place
+    ``places[s]``, ``sizes[s]`` rows after ``pasts[s]`` cached) sees every key but its last S and of those
+    what ``seen[s]`` (bool [n, S], a ``DraftStep``'s) allows; None: causal (S = n)."""
+    table = torch.zeros(3, members, dtype=torch.long)
+    block = torch.zeros(members, m, span, dtype=torch.bool)
     for place, past, n, mask in zip(places, pasts, sizes, seen):
-        if mask is None:
-            allowed[place, :n, :past + n] = torch.ones(n, past + n, dtype=torch.bool).tril(past)
-        else:
-            end, s = past + n, mask.shape[1]
-            allowed[place, :n, :end - s] = True
-            allowed[place, :n, end - s:end] = mask
-    return additive_bias(allowed, dtype).repeat(1, 1, group_rows, 1).to(device)
+        width = n if mask is None else mask.shape[1]
+        table[:, place] = torch.tensor([past + n - width, n, width])
+        block[place, :n, :width] = torch.ones(n, n, dtype=torch.bool).tril() if mask is None else mask
+    return table, block
+
+
+def step_spans(sizes: Sequence[int], seen: Sequence[torch.Tensor | None]) -> list[int]:
+    """Each segment's span of keys its ``seen`` mask covers (its rows where causal)."""
+    return [n if mask is None else mask.shape[1] for n, mask in zip(sizes, seen)]
+
+
+def drafter_attention(drafter: Any, pool: CachePool, index: torch.Tensor, table: torch.Tensor, block: torch.Tensor,
+                      members: torch.Tensor | int, keys_len: int) -> Callable:
+    """``LeanDrafter.layers_with``'s ``attend`` over the drafter's pool for a call laid out by ``row_index``
+    (``index`` [4, R]) and ``step_blocks`` (``table``, ``block``, on the device). Device operations only."""
+    cfg = drafter.config
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    bias = batch_biases([None], group, pool.kv.dtype, table[1], table[0], block, None, keys_len, spans=table[2])
+    return attention_step(pool, cfg.num_attention_heads, cfg.head_dim ** -0.5, index[0], index[1], index[2],
+                          index[3], members, block.shape[1], keys_len, bias, [None] * cfg.num_layers)
 
 
 @torch.inference_mode()
@@ -321,18 +355,87 @@ def pooled_drafter_forward(drafter: Any, features: torch.Tensor, token_embeds: t
     """A drafter (``LeanDrafter``) call for several sequences whose drafter caches are slots of one
     ``CachePool``: ``features``/``token_embeds`` [R, H] and ``positions`` [R], the sequences' rows one after
     another (``sizes``), sequence s's rows appended to ``caches[s]`` and attending to it as ``seen[s]`` allows
-    (``step_biases``; None: causal) -> the predicted features [R, H]. ONE attention call per
-    layer for all sequences (``attention_step``); the products over all rows together."""
-    cfg = drafter.config
+    (``step_blocks``; None: causal) -> the predicted features [R, H]. ONE attention call per layer for all
+    sequences (``attention_step``), the products over all rows together; on the pool's ``DrafterGraphs``
+    where it has them and the call fits."""
     pool, pasts = extended(caches, sizes)
+    if pool.graphs is not None and pool.graphs.fits(sizes, step_spans(sizes, seen)):
+        return pool.graphs(features, token_embeds, positions, caches, pasts, sizes, seen)
     device, m = features.device, max(sizes)
     members = sorted(c.slot for c in caches)
     places, index, keys_len = attention_batch(caches, pasts, sizes, members, device)
-    group = cfg.num_attention_heads // cfg.num_key_value_heads
-    bias = step_biases(group, m, keys_len, places, len(members), pasts, sizes, seen, pool.kv.dtype, device)
-    attend = attention_step(pool, cfg.num_attention_heads, cfg.head_dim ** -0.5, index[0], index[1], index[2],
-                            index[3], torch.tensor(members, device=device), m, keys_len, {None: bias},
-                            [None] * cfg.num_layers)
-    x = fused_input(drafter.fc, features[None], token_embeds[None], cfg)
+    table, block = step_blocks(len(members), m, max(step_spans(sizes, seen)), places, pasts, sizes, seen)
+    attend = drafter_attention(drafter, pool, index, table.to(device), block.to(device),
+                               torch.tensor(members, device=device), keys_len)
+    x = fused_input(drafter.fc, features[None], token_embeds[None], drafter.config)
     cos, sin = drafter.rotary(positions[None])
     return drafter.layers_with(x, token_embeds[None], cos, sin, attend)[0]
+
+
+class DrafterGraphs(_Static):
+    """``pooled_drafter_forward`` on static shapes, one CUDA graph per shape replayed at each call (a tree
+    depth of a round): a call of R rows in segments of at most M rows whose masks span at most S keys,
+    attending to at most Lk keys, runs the static function of (the row bucket >= R, the segment bucket >= M,
+    the span bucket >= S, Lk as ``PooledGraphs``', the input width); its attention's batch is every slot of
+    the pool, scratch included; padding rows write to the scratch slot. Inputs are filled by two copies on
+    the device (features, embeddings) and one from the host per kind. A pool that grows drops its graphs."""
+
+    def __init__(self, drafter: Any, pool: CachePool, capture: bool = True) -> None:
+        super().__init__(pool, capture)
+        self.drafter = drafter
+
+    def fits(self, sizes: Sequence[int], spans: Sequence[int]) -> bool:
+        """Whether a call of segments of ``sizes`` rows spanning ``spans`` keys runs on a static shape."""
+        return max(sizes) <= SEGMENT_BUCKETS[-1] and sum(sizes) <= ROW_BUCKETS[-1] and max(spans) <= SPAN_BUCKETS[-1]
+
+    def tables(self) -> dict:
+        angles = rotary_angles(torch.arange(self.pool.capacity, device=self.pool.kv.device),
+                               self.drafter.config.head_dim, self.drafter.config.rope_theta)
+        return {None: (angles.cos().to(self.drafter.dtype), angles.sin().to(self.drafter.dtype))}
+
+    def __call__(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
+                 caches: Sequence[SlotCache], pasts: Sequence[int], sizes: Sequence[int],
+                 seen: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """``pooled_drafter_forward``'s result [R, H] for caches already extended (``take``) from ``pasts``."""
+        r, spans = len(positions), step_spans(sizes, seen)
+        key = (cuda_graphs.bucket_for(r, ROW_BUCKETS), cuda_graphs.bucket_for(max(sizes), SEGMENT_BUCKETS),
+               cuda_graphs.bucket_for(max(spans), SPAN_BUCKETS),
+               keys_for(max(p + n for p, n in zip(pasts, sizes)), self.pool.capacity), features.shape[1])
+
+        def fill(shape: _Shape) -> None:
+            inputs, rows = shape.inputs, key[0]
+            inputs["features"][:r] = features
+            inputs["embeds"][:r] = token_embeds
+            inputs["positions"][:r] = positions
+            if r < rows:
+                inputs["positions"][r:] = 0
+            index = torch.tensor([self.pool.scratch, self.pool.scratch, 0, 0])[:, None].repeat(1, rows)
+            index[:, :r] = row_index(caches, pasts, sizes, lambda slot: slot)  # padding rows: the scratch slot
+            table, block = step_blocks(self.pool.kv.shape[2], key[1], key[2], [c.slot for c in caches], pasts,
+                                       sizes, seen)
+            inputs["index"].copy_(index)
+            inputs["table"].copy_(table)
+            inputs["block"].copy_(block)
+
+        return self.run(("drafter",) + key, lambda: self._make(*key), fill)[:r]
+
+    def _make(self, rows: int, m: int, span: int, keys_len: int, width: int) -> _Shape:
+        drafter, pool = self.drafter, self.pool
+        device, slots = pool.kv.device, pool.kv.shape[2]
+        h = drafter.config.hidden_size
+        inputs = dict(features=torch.zeros(rows, width, dtype=drafter.dtype, device=device),
+                      embeds=torch.zeros(rows, h, dtype=drafter.dtype, device=device),
+                      positions=torch.zeros(rows, dtype=torch.long, device=device),
+                      index=torch.zeros(4, rows, dtype=torch.long, device=device),  # ``row_index``
+                      table=torch.zeros(3, slots, dtype=torch.long, device=device),  # ``step_blocks``
+                      block=torch.zeros(slots, m, span, dtype=torch.bool, device=device))
+
+        def run() -> torch.Tensor:
+            cos, sin = gathered(self.rope, inputs["positions"], (1, 1, rows))[None]
+            attend = drafter_attention(drafter, pool, inputs["index"], inputs["table"], inputs["block"], slots,
+                                       keys_len)
+            embeds = inputs["embeds"][None]
+            x = fused_input(drafter.fc, inputs["features"][None], embeds, drafter.config)
+            return drafter.layers_with(x, embeds, cos, sin, attend)[0]
+
+        return _Shape(inputs, run)

@@ -19,7 +19,7 @@ from eagle.runtime import segments
 from eagle.runtime.fake_capture import syncs
 from eagle.runtime.gemma import GemmaDecoder
 from eagle.runtime.kv_cache import CachePool
-from eagle.runtime.pooled import PooledGraphs
+from eagle.runtime.pooled import DrafterGraphs, PooledGraphs
 from eagle.runtime.segments import runs_segments, segment_forward
 
 from tests.conftest import prompts, tiny_drafter, tiny_gemma, tiny_target
@@ -482,10 +482,11 @@ def test_batched_sampling_keeps_the_target_distribution_and_the_check_has_teeth(
 @pytest.mark.parametrize("family", ["llama", "gemma"])
 def test_pooled_rounds_on_static_shapes_are_captured_and_equal_each_request_alone(family, fake_capture, monkeypatch):
     """A pooled batch's rounds on static shapes (``PooledGraphs``, which the engine gives a pool where
-    the target runs on them: ``cuda_graphs``): every shape is captured (by the CPU stand-in for CUDA
-    capture where there is no GPU: a host tensor, a host read or a data-dependent shape inside fails
-    the test) and replayed in later rounds, and each request's tokens and rounds are its own
-    decoding's (Gemma-3: past its window of 6), across a growth of the pool (its graphs made again)."""
+    the target runs on them: ``cuda_graphs``; its drafter's pool then gets ``DrafterGraphs``): every shape
+    is captured (by the CPU stand-in for CUDA capture where there is no GPU: a host tensor, a host read or
+    a data-dependent shape inside fails the test) and replayed in later rounds, and each request's tokens
+    and rounds are its own decoding's (Gemma-3: past its window of 6), across a growth of the pool (its
+    graphs made again)."""
     # built here, after fake_capture turned the compiled CPU kernels off (a recording cannot replay them)
     target = tiny_target(eos=True, seed=10) if family == "llama" else tiny_gemma(seed=4, window=6)
     model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3,
@@ -495,7 +496,7 @@ def test_pooled_rounds_on_static_shapes_are_captured_and_equal_each_request_alon
         assert BatchedEngine(static, cache_pool=True)._pool.graphs is not None
         assert BatchedEngine(model, cache_pool=True)._pool.graphs is None
     batch = prompts(7, seed=3)
-    options = [RequestOptions(method=("ar", "pld", "eagle-tree")[i % 3], max_new_tokens=12) for i in range(7)]
+    options = [RequestOptions(method=("eagle-tree", "ar", "eagle-tree", "pld")[i % 4], max_new_tokens=12) for i in range(7)]
     engine = BatchedEngine(model, max_batch=3, load_sizing=False, cache_pool=True)
     lean = target.lean
     # a pool of 16 positions a slot: sequences outgrow it mid-run (a new buffer: the graphs made again)
@@ -505,13 +506,12 @@ def test_pooled_rounds_on_static_shapes_are_captured_and_equal_each_request_alon
     buffers = set()
     grow = CachePool.grow
     monkeypatch.setattr(CachePool, "grow", lambda self, end: grow(self, end) or buffers.add(self.kv.data_ptr()))
-    calls = []
-    run = PooledGraphs.__call__
-    PooledGraphs.__call__ = lambda self, *a: calls.append(len(a[0])) or run(self, *a)
-    try:
-        results = generate_together(engine, batch, options)
-    finally:
-        PooledGraphs.__call__ = run
+    calls, drafter_calls = [], []
+    monkeypatch.setattr(PooledGraphs, "__call__",
+                        lambda self, *a, run=PooledGraphs.__call__: calls.append(len(a[0])) or run(self, *a))
+    monkeypatch.setattr(DrafterGraphs, "__call__",
+                        lambda self, *a, run=DrafterGraphs.__call__: drafter_calls.append(len(a[3])) or run(self, *a))
+    results = generate_together(engine, batch, options)
     for ids, opts, result in zip(batch, options, results):
         alone = model.generate(ids, method=opts.method, max_new_tokens=12)
         assert result.token_ids == alone.token_ids, opts.method
@@ -519,6 +519,9 @@ def test_pooled_rounds_on_static_shapes_are_captured_and_equal_each_request_alon
     assert len(calls) > len(graphs.shapes) and any(n > 3 for n in calls)  # shapes replayed; trees among the rows
     assert graphs.fallbacks == 0 and engine._pool.capacity > 16 and len(buffers) > 1
     assert graphs.captured > len(graphs.shapes)  # grown mid-run: the shapes made for the old buffer made again
+    (_, draft_pool), = engine._draft_pools.values()  # the drafter's calls on static shapes too, sequences together
+    assert draft_pool.graphs.fallbacks == 0 and draft_pool.graphs.captured > 0 and max(drafter_calls) > 1
+    assert len(drafter_calls) > draft_pool.graphs.captured  # shapes replayed
 
 
 def test_sequences_of_a_graphed_drafter_keep_caches_of_their_own(fake_capture):

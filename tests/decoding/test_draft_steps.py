@@ -14,7 +14,7 @@ from eagle.decoding.draft_steps import run_alone, run_together
 from eagle.decoding.tree_mask import attention_bias
 from eagle.drafting.drafter import LeanDrafter
 from eagle.runtime.kv_cache import CachePool
-from eagle.runtime.pooled import pooled_drafter_forward
+from eagle.runtime.pooled import DrafterGraphs, pooled_drafter_forward
 
 from tests.conftest import prompts, tiny_drafter, tiny_target
 
@@ -76,19 +76,24 @@ def test_sampled_trees_draw_alone_what_they_draw_together(model):
         assert torch.equal(got.drawn, want.drawn)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_a_pooled_drafter_call_gives_each_sequence_what_its_own_cache_gives(kind):
+def test_a_pooled_drafter_call_gives_each_sequence_what_its_own_cache_gives(kind, static, request):
     """Three sequences' drafter caches as slots of one pool (one in use by nobody in between): a causal
     feed of different lengths, then a tree step whose rows see only their ancestors among the round's
     cached nodes, run by one pooled call each: the outputs and cache entries equal each sequence's own
     drafter calls on its own cache, up to rounding (EAGLE-3: three fused target layers in, the token's
-    embedding beside the hidden state in attention)."""
+    embedding beside the hidden state in attention). ``static``: the pool's ``DrafterGraphs`` (captured by the
+    CPU stand-in for CUDA capture where there is no GPU), each shape replayed by a later call."""
+    if static:
+        request.getfixturevalue("fake_capture")  # before the models: the compiled CPU kernels off
     target = tiny_target(seed=3, layers=8 if kind == "eagle3" else 2)
     extra = {"kind": "eagle3", "draft_vocab_size": 20} if kind == "eagle3" else {}
     drafter = LeanDrafter(tiny_drafter(target, **extra), torch.float32)
     cfg, h = drafter.config, target.hidden_size * (1 + len(drafter.config.aux_layers))
     gen = torch.Generator().manual_seed(0)
     pool = CachePool(cfg.num_layers, 4, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu", capacity=16)
+    graphs = pool.graphs = DrafterGraphs(drafter, pool) if static else None
     spare = pool.cache()  # slot 0 taken: the sequences sit in slots 1-3, gathered
     pooled, own = [pool.cache() for _ in range(3)], [drafter.new_cache() for _ in range(3)]
     pool.release(spare)
@@ -111,6 +116,9 @@ def test_a_pooled_drafter_call_gives_each_sequence_what_its_own_cache_gives(kind
     # a, b, c: the root's child a, then b and c below it; then d below b and e below c, each seeing its branch
     call([3, 3, 3], [5, 2, 20], tree_masks([[1, 0, 0], [1, 1, 0], [1, 0, 1]]))
     call([2, 2, 2], [8, 5, 23], tree_masks([[1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]))
+    call([2, 2, 1], [10, 7, 25], tree_masks([[1, 0, 0, 1, 1, 1, 0], [1, 0, 1, 1, 0, 0, 1]])[:2] + [None])
+    if static:  # the prompts (rows of 20) ran eagerly; the two tree steps' shapes were captured, the last replayed
+        assert graphs.captured == len(graphs.shapes) == 2 and graphs.fallbacks == 0
     for p, c in zip(pooled, own):
         assert p.get_seq_length() == c.get_seq_length()
         for i in range(cfg.num_layers):
