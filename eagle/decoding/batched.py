@@ -416,15 +416,17 @@ class BatchedEngine:
         forward cannot run several (``runs_segments``)."""
         target = self.target
         aux = next((r.seq.proposer.aux_layers for r in rounds if r.seq.proposer.aux_layers), ())
-        # on the host for a pooled forward (which copies all trees' masks at once), else on the device
-        at = torch.device("cpu") if self._pool is not None else target.device
-        masks = [attention_bias(r.attn.mask, r.past, target.dtype).to(at) if r.proposal.tree.size > 1 else None
-                 for r in rounds]
+        together = len(rounds) > 1 and runs_segments(target.lean, self._pool is not None) and all(
+            isinstance(r.seq.cache, kv_cache.StaticCache) for r in rounds)
+        # a pooled forward reads each tree's own columns alone (each sequence sees its whole cache), on the host
+        # (it copies all trees' masks at once); else the whole mask, on the device
+        short = together and self._pool is not None
+        masks = [None if r.proposal.tree.size < 2 else attention_bias(r.attn.mask, 0, target.dtype) if short
+                 else attention_bias(r.attn.mask, r.past, target.dtype).to(target.device) for r in rounds]
         for r in rounds:
             r.seq.stats.tree_size = r.proposal.tree.size
             r.seq.stats.target_forwards += 1
-        if len(rounds) > 1 and runs_segments(target.lean, self._pool is not None) and all(
-                isinstance(r.seq.cache, kv_cache.StaticCache) for r in rounds):
+        if together:
             tokens = torch.cat([r.host.tokens for r in rounds]).to(target.device)
             positions = torch.cat([r.past + r.attn.depths for r in rounds]).to(target.device)
             return segment_forward(target.lean, tokens, positions, [r.seq.cache for r in rounds],

@@ -63,19 +63,18 @@ def batch_biases(windows: Sequence[int | None], group_rows: int, dtype: torch.dt
     return out
 
 
-def tree_blocks(members: int, m: int, places: Sequence[int], pasts: Sequence[int], sizes: Sequence[int],
-                masks: Sequence[torch.Tensor | None], device: torch.device,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def tree_blocks(members: int, m: int, places: Sequence[int], sizes: Sequence[int], masks: Sequence[torch.Tensor | None],
+                device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
     """``batch_biases``' ``block`` [B, M, M] on ``device``: causal, then segment s's rows at place
-    ``places[s]`` as its additive mask [1, 1, n, past + n] allows among them (its last n columns; None:
+    ``places[s]`` as its additive mask [1, 1, n, K] allows among them (its last n columns, K >= n; None:
     causal); written into ``out`` when given. Built on the host and copied once when the masks are
     there, else one copy per tree on the device."""
     host = all(mask is None or mask.device.type == "cpu" for mask in masks)
     causal = torch.ones(m, m, dtype=torch.bool, device="cpu" if host else device).tril()
     block = causal.expand(members, m, m).clone()
-    for place, past, n, mask in zip(places, pasts, sizes, masks):
+    for place, n, mask in zip(places, sizes, masks):
         if mask is not None:
-            block[place, :n, :n] = mask[0, 0, :, past:] == 0
+            block[place, :n, :n] = mask[0, 0, :, mask.shape[-1] - n:] == 0
     return block.to(device) if out is None else out.copy_(block)
 
 
@@ -188,7 +187,7 @@ def pooled_forward(lean: Any, input_ids: torch.Tensor, position_ids: torch.Tenso
     members = list(range(top)) if in_place else sorted(c.slot for c in caches)  # the attention's batch
     places, index, keys_len = attention_batch(caches, pasts, sizes, members, device)
     table = segment_table(len(members), places, sizes, pasts).to(device)
-    block = tree_blocks(len(members), m, places, pasts, sizes, masks, device)
+    block = tree_blocks(len(members), m, places, sizes, masks, device)
     x = lean.embed(input_ids)[None]  # [1, R, H]
     if hasattr(lean, "layer_types"):  # Gemma-3: a rotary table per layer type
         rope = {t: tuple(c[:, None] for c in lean.rotary(x, position_ids[None], t)) for t in lean.layer_types}
@@ -313,8 +312,8 @@ class PooledGraphs(_Static):
         index[:, :r] = row_index(caches, pasts, sizes, lambda slot: slot)
         inputs["index"].copy_(index)
         inputs["table"].copy_(segment_table(inputs["table"].shape[1], slots, sizes, pasts))
-        tree_blocks(inputs["block"].shape[0], inputs["block"].shape[1], slots, pasts, sizes, masks,
-                    inputs["block"].device, out=inputs["block"])
+        tree_blocks(inputs["block"].shape[0], inputs["block"].shape[1], slots, sizes, masks, inputs["block"].device,
+                    out=inputs["block"])
 
 
 def step_blocks(members: int, m: int, span: int, places: Sequence[int], pasts: Sequence[int], sizes: Sequence[int],
