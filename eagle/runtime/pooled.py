@@ -322,13 +322,13 @@ def step_blocks(members: int, m: int, span: int, places: Sequence[int], pasts: S
     whole, its rows, its span: 0 where no sequence sits) and ``block`` [B, M, span]. Segment s (at place
     ``places[s]``, ``sizes[s]`` rows after ``pasts[s]`` cached) sees every key but its last S and of those
     what ``seen[s]`` (bool [n, S], a ``DraftStep``'s) allows; None: causal (S = n)."""
-    table = torch.zeros(3, members, dtype=torch.long)
+    table = [[0] * members for _ in range(3)]
     block = torch.zeros(members, m, span, dtype=torch.bool)
     for place, past, n, mask in zip(places, pasts, sizes, seen):
         width = n if mask is None else mask.shape[1]
-        table[:, place] = torch.tensor([past + n - width, n, width])
+        table[0][place], table[1][place], table[2][place] = past + n - width, n, width
         block[place, :n, :width] = torch.ones(n, n, dtype=torch.bool).tril() if mask is None else mask
-    return table, block
+    return torch.tensor(table), block
 
 
 def step_spans(sizes: Sequence[int], seen: Sequence[torch.Tensor | None]) -> list[int]:
