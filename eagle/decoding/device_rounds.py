@@ -275,7 +275,7 @@ class DeviceTreeDrafter:
         support = max(top_k, draw_support)
         self.support = support if draw_support and support < vocab else vocab  # the S tokens children are drawn among
         self.temperature = torch.tensor(draw_temperature, device=self.device)  # [] made here, outside any capture
-        self.cache = drafter.new_cache()
+        self.cache: kv_cache.StaticCache | None = None  # from ``start`` (a graphed drafter has one)
         self.last_hidden: torch.Tensor | None = None  # the drafter's prediction at the root [H]
         self._layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 

@@ -293,7 +293,7 @@ class EagleDrafter(Proposer):
         self.dtype = drafter.dtype
         self.aux_layers = tuple(drafter.config.aux_layers)
         self.new_cache = new_cache or drafter.new_cache
-        self.cache = drafter.new_cache()
+        self.cache: kv_cache.StaticCache | None = None  # from ``new_cache`` at ``start`` (a graphed drafter has one)
         self.last_hidden: torch.Tensor | None = None  # drafter's prediction of the root's feature [H]
         self.device = target.device
         self.lookup = lookup or PromptLookupConfig()

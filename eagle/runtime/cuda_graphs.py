@@ -124,10 +124,10 @@ def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-def keys_for(end: int, capacity: int) -> int:
+def keys_for(end: int, capacity: int, floor: int = MIN_KEYS) -> int:
     """How many cache positions a call whose writes end at ``end`` attends over: the smallest power
-    of two >= max(end, ``MIN_KEYS``), at most ``capacity``."""
-    return min(capacity, max(MIN_KEYS, 1 << max(0, end - 1).bit_length()))
+    of two >= max(end, ``floor``), at most ``capacity``."""
+    return min(capacity, max(floor, 1 << max(0, end - 1).bit_length()))
 
 
 class GraphCache(StaticCache):
