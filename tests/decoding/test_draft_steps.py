@@ -30,7 +30,9 @@ def started(model, ids, **kw):
     """An eagle-tree proposer started on ``ids`` (the target's prefill of ``ids[:-1]``)."""
     target = model.target
     proposer = model._proposer("eagle-tree", SamplingConfig(**kw), torch.Generator().manual_seed(len(ids)))
-    prefill = target.forward(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1)[None], target.new_cache())
+    dev = target.device
+    prefill = target.forward(torch.tensor([ids[:-1]], device=dev), torch.arange(len(ids) - 1, device=dev)[None],
+                             target.new_cache())
     proposer.start(ids, prefill.features[0])
     return proposer
 
@@ -59,7 +61,8 @@ def test_sequences_drafting_together_draft_their_trees_alone_with_one_head_call_
         for p, q, ids, got in zip(together, alone, contexts, proposals):  # accept the first child, go on
             path = [1]
             ids.extend([int(got.tree.tokens[1]), 5])
-            features = torch.randn(2, model.target.hidden_size, generator=torch.Generator().manual_seed(round_))
+            features = torch.randn(2, model.target.hidden_size, generator=torch.Generator().manual_seed(round_)).to(
+                model.target.device)
             p.commit(ids, path, features)
             q.commit(ids, path, features)
 
@@ -92,19 +95,20 @@ def test_a_pooled_drafter_call_gives_each_sequence_what_its_own_cache_gives(kind
     drafter = LeanDrafter(tiny_drafter(target, **extra), torch.float32)
     cfg, h = drafter.config, target.hidden_size * (1 + len(drafter.config.aux_layers))
     gen = torch.Generator().manual_seed(0)
-    pool = CachePool(cfg.num_layers, 4, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu", capacity=16)
+    dev = target.device
+    pool = CachePool(cfg.num_layers, 4, cfg.num_key_value_heads, cfg.head_dim, torch.float32, dev, capacity=16)
     graphs = pool.graphs = DrafterGraphs(drafter, pool) if static else None
     spare = pool.cache()  # slot 0 taken: the sequences sit in slots 1-3, gathered
     pooled, own = [pool.cache() for _ in range(3)], [drafter.new_cache() for _ in range(3)]
     pool.release(spare)
 
     def call(sizes, pasts, masks):
-        rows = torch.randn(sum(sizes), h, generator=gen)
-        tokens = torch.randint(0, 32, (sum(sizes),), generator=gen)
-        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(pasts, sizes)])
+        rows = torch.randn(sum(sizes), h, generator=gen).to(dev)
+        tokens = torch.randint(0, 32, (sum(sizes),), generator=gen).to(dev)
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(pasts, sizes)]).to(dev)
         embeds = target.embed(tokens[None])[0]
         got = pooled_drafter_forward(drafter, rows, embeds, positions, pooled, sizes, masks)
-        biases = [None if m is None else attention_bias(m, p, torch.float32) for m, p in zip(masks, pasts)]
+        biases = [None if m is None else attention_bias(m, p, torch.float32).to(dev) for m, p in zip(masks, pasts)]
         want = torch.cat([drafter(r[None], e[None], q[None], c, b)[0] for r, e, q, c, b in
                           zip(rows.split(sizes), embeds.split(sizes), positions.split(sizes), own, biases)])
         torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)  # the weights are scaled up: values of ~10
