@@ -544,6 +544,24 @@ def test_a_prompt_longer_than_the_context_is_refused_with_the_numbers(server):
         assert found and int(found[1]) >= MAX_POSITIONS and int(found[2]) == MAX_POSITIONS
 
 
+def test_the_server_takes_what_it_loaded_out_of_the_cycle_collector(tmp_path, monkeypatch):
+    """``eagle-serve`` freezes what is loaded before serving (``gc.freeze``): a full collection no longer scans
+    the model's objects on every later run, which stalled every stream of the batch."""
+    import gc
+
+    from tests.conftest import save_tiny_model
+
+    target, drafter = save_tiny_model(tmp_path)
+    frozen = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: frozen.append(gc.get_freeze_count()))
+    gc.unfreeze()
+    try:
+        main(["--target", target, "--drafter", drafter, "--no-warmup", "--port", "0"])
+    finally:
+        gc.unfreeze()
+    assert frozen and frozen[0] > 1000
+
+
 def test_the_time_limit_ends_a_request_with_the_text_so_far(limited):
     """A request past ``--request-timeout-s`` ends with what it generated (finish_reason "length",
     ``eagle.timed_out``), streamed or not; one that never started gets 504."""
