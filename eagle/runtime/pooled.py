@@ -12,7 +12,11 @@ rounding.
 
 ``PooledGraphs`` runs the same function on static shapes, captured as CUDA graphs (one replay a
 round): every slot of the pool is in the attention's batch, calls are bucketed by rows, segment
-length and attended keys, and padding rows write to the pool's scratch slot."""
+length and attended keys, and padding rows write to the pool's scratch slot.
+
+``pooled_drafter_forward`` is the same for a drafter's call (a tree depth of every drafting
+sequence), each sequence's rows seeing its committed cache and, of the round's nodes, what its
+step's mask allows (``step_blocks``); ``DrafterGraphs`` runs it on static shapes."""
 
 from __future__ import annotations
 
