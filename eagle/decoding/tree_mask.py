@@ -41,11 +41,6 @@ def bool_rows(columns: list[list[int]], width: int) -> torch.Tensor:
         len(columns), width, dtype=torch.bool)
 
 
-def _mask(node_chains: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Each node's chain -> [N, N] bool ancestor-or-self mask."""
-    return bool_rows(node_chains, len(node_chains)).to(device)
-
-
 def tree_attention(parents: torch.Tensor) -> TreeAttention:
     parent_list = parents.tolist()
     node_chains = chains(parent_list)
@@ -53,7 +48,7 @@ def tree_attention(parents: torch.Tensor) -> TreeAttention:
     leaves = [chain for i, chain in enumerate(node_chains) if i not in has_children]  # in index order
     width = max(len(chain) for chain in node_chains)
     device = parents.device
-    return TreeAttention(mask=_mask(node_chains, device),
+    return TreeAttention(mask=bool_rows(node_chains, len(node_chains)).to(device),  # ancestors and self
                          depths=torch.tensor([len(chain) - 1 for chain in node_chains], device=device),
                          paths=torch.tensor([chain + [-1] * (width - len(chain)) for chain in leaves], device=device))
 

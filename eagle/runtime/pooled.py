@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from eagle.decoding.batch import LayerPlan, each_layer, final_norm, gathered, keys_for, rotary_tables
 from eagle.decoding.tree_mask import additive_bias
-from eagle.drafting.drafter import fused_input, rotary_angles
+from eagle.drafting.drafter import fused_input
 from eagle.runtime import cuda_graphs
 from eagle.runtime.kv_cache import CachePool, SlotCache
 
@@ -232,6 +232,20 @@ class _Static:
     def tables(self) -> dict:
         raise NotImplementedError
 
+    def shape_of(self, rows: int, pasts: Sequence[int], sizes: Sequence[int]) -> tuple[int, int, int]:
+        """A call's (row bucket, segment bucket, keys read: ``batch.keys_for``)."""
+        return (cuda_graphs.bucket_for(rows, ROW_BUCKETS), cuda_graphs.bucket_for(max(sizes), SEGMENT_BUCKETS),
+                keys_for(max(p + n for p, n in zip(pasts, sizes)), self.pool.capacity))
+
+    def index_of(self, caches: Sequence[SlotCache], pasts: Sequence[int], sizes: Sequence[int],
+                 rows: int) -> torch.Tensor:
+        """``row_index`` [4, rows] on the host for a static call (places are slots), the real rows first, then
+        padding rows: position 0 of the scratch slot, segment row 0."""
+        scratch = self.pool.scratch
+        index = torch.tensor([scratch, scratch, 0, 0])[:, None].repeat(1, rows)
+        index[:, :sum(sizes)] = row_index(caches, pasts, sizes, lambda slot: slot)
+        return index
+
     def run(self, key: tuple, make: Callable[[], _Shape], fill: Callable[[_Shape], None]) -> torch.Tensor:
         """The output of shape ``key`` (made by ``make`` at its first call) after ``fill`` set its inputs:
         replayed, captured at its first call, or run eagerly."""
@@ -281,8 +295,7 @@ class PooledGraphs(_Static):
                  aux_layers: tuple[int, ...]) -> torch.Tensor:
         """``pooled_forward``'s result [R, (1 + n) H] for caches already extended (``take``) from ``pasts``."""
         r = len(input_ids)
-        key = (cuda_graphs.bucket_for(r, ROW_BUCKETS), cuda_graphs.bucket_for(max(sizes), SEGMENT_BUCKETS),
-               keys_for(max(p + n for p, n in zip(pasts, sizes)), self.pool.capacity), aux_layers)
+        key = self.shape_of(r, pasts, sizes) + (aux_layers,)
         return self.run(("pooled",) + key, lambda: self._make(*key),
                         lambda shape: self._fill(shape, input_ids, position_ids, caches, pasts, sizes, masks))[:r]
 
@@ -307,14 +320,11 @@ class PooledGraphs(_Static):
         position 0 of the scratch slot, its segment row 0) after; segment sizes and pasts per slot (0 for
         slots not in the call); each tree's block."""
         inputs, r = shape.inputs, len(input_ids)
-        rows, scratch = inputs["tokens"].shape[1], self.pool.scratch
         tokens = inputs["tokens"]
         tokens[0, :r], tokens[1, :r] = input_ids, position_ids
         tokens[:, r:] = 0
         slots = [c.slot for c in caches]
-        index = torch.tensor([scratch, scratch, 0, 0])[:, None].repeat(1, rows)  # padding rows, then the real ones
-        index[:, :r] = row_index(caches, pasts, sizes, lambda slot: slot)
-        inputs["index"].copy_(index)
+        inputs["index"].copy_(self.index_of(caches, pasts, sizes, tokens.shape[1]))
         inputs["table"].copy_(segment_table(inputs["table"].shape[1], slots, sizes, pasts))
         tree_blocks(inputs["block"].shape[0], inputs["block"].shape[1], slots, sizes, masks, inputs["block"].device,
                     out=inputs["block"])
@@ -392,31 +402,26 @@ class DrafterGraphs(_Static):
         return max(sizes) <= SEGMENT_BUCKETS[-1] and sum(sizes) <= ROW_BUCKETS[-1] and max(spans) <= SPAN_BUCKETS[-1]
 
     def tables(self) -> dict:
-        angles = rotary_angles(torch.arange(self.pool.capacity, device=self.pool.kv.device),
-                               self.drafter.config.head_dim, self.drafter.config.rope_theta)
-        return {None: (angles.cos().to(self.drafter.dtype), angles.sin().to(self.drafter.dtype))}
+        cos, sin = self.drafter.rotary(torch.arange(self.pool.capacity, device=self.pool.kv.device)[None])
+        return {None: (cos[0, 0], sin[0, 0])}  # the drafter's own tables [capacity, d]
 
     def __call__(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
                  caches: Sequence[SlotCache], pasts: Sequence[int], sizes: Sequence[int],
                  seen: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """``pooled_drafter_forward``'s result [R, H] for caches already extended (``take``) from ``pasts``."""
-        r, spans = len(positions), step_spans(sizes, seen)
-        key = (cuda_graphs.bucket_for(r, ROW_BUCKETS), cuda_graphs.bucket_for(max(sizes), SEGMENT_BUCKETS),
-               cuda_graphs.bucket_for(max(spans), SPAN_BUCKETS),
-               keys_for(max(p + n for p, n in zip(pasts, sizes)), self.pool.capacity), features.shape[1])
+        r = len(positions)
+        rows, m, keys_len = self.shape_of(r, pasts, sizes)
+        key = (rows, m, cuda_graphs.bucket_for(max(step_spans(sizes, seen)), SPAN_BUCKETS), keys_len, features.shape[1])
 
         def fill(shape: _Shape) -> None:
-            inputs, rows = shape.inputs, key[0]
+            inputs = shape.inputs
             inputs["features"][:r] = features
             inputs["embeds"][:r] = token_embeds
             inputs["positions"][:r] = positions
             if r < rows:
                 inputs["positions"][r:] = 0
-            index = torch.tensor([self.pool.scratch, self.pool.scratch, 0, 0])[:, None].repeat(1, rows)
-            index[:, :r] = row_index(caches, pasts, sizes, lambda slot: slot)  # padding rows: the scratch slot
-            table, block = step_blocks(self.pool.kv.shape[2], key[1], key[2], [c.slot for c in caches], pasts,
-                                       sizes, seen)
-            inputs["index"].copy_(index)
+            table, block = step_blocks(self.pool.kv.shape[2], m, key[2], [c.slot for c in caches], pasts, sizes, seen)
+            inputs["index"].copy_(self.index_of(caches, pasts, sizes, rows))
             inputs["table"].copy_(table)
             inputs["block"].copy_(block)
 
