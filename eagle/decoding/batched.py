@@ -29,6 +29,7 @@ from typing import Any, Hashable, Sequence
 import torch
 
 from eagle.config import SamplingConfig, check_int
+from eagle.decoding.batch_trees import draft_together, grows_together
 from eagle.decoding.draft_steps import run_together
 from eagle.decoding.loop import GenerationResult, accept_round, check_request, commit_round
 from eagle.decoding.proposers import Proposal, Proposer
@@ -389,10 +390,26 @@ class BatchedEngine:
         max_context = self.target.max_context
         pasts = [len(seq.ids) - 1 for seq in live]
         rooms = [seq.room(max_context) for seq in live]
+        nodes = [min(size, max_context - past) for size, past in zip(sizes, pasts)]
         run_together([seq.proposer.preparing() for seq, size, room in zip(live, sizes, rooms) if size > 1 and room > 1])
+        # greedy trees of pooled drafters grow together on the device (``batch_trees``); the rest one by one
+        grouped = defaultdict(list)
+        for i, (seq, n, room) in enumerate(zip(live, nodes, rooms)):
+            if n > 1 and room > 1 and grows_together(seq.proposer):
+                grouped[(id(seq.proposer.drafter), seq.proposer.cfg)].append(i)
+        together = {i for group in grouped.values() for i in group}
         proposals, seconds = run_together([
-            seq.proposer.drafting(seq.ids, max_depth=room - 1, max_nodes=min(size, max_context - past))
-            for seq, size, room, past in zip(live, sizes, rooms, pasts)])
+            seq.proposer.catching_up() if i in together else
+            seq.proposer.drafting(seq.ids, max_depth=room - 1, max_nodes=n)
+            for i, (seq, n, room) in enumerate(zip(live, nodes, rooms))])
+        for group in grouped.values():
+            began = time.perf_counter()
+            made = draft_together([live[i].proposer for i in group], [live[i].ids for i in group],
+                                  [rooms[i] - 1 for i in group], [nodes[i] for i in group])
+            share = (time.perf_counter() - began) / len(group)
+            for i, proposal in zip(group, made):
+                proposals[i] = proposal
+                seconds[i] += share
         rounds, start, drafted = [], 0, set()
         for seq, proposal, spent, past in zip(live, proposals, seconds, pasts):
             method = seq.options.method

@@ -265,7 +265,7 @@ LOOKUP_NODES = 3  # draft nodes (besides the root) whose paths are looked up in 
 
 class EagleDrafter(Proposer):
     """EAGLE-2 dynamic tree from the feature-level drafter; ``top_k = 1`` gives a chain. With
-    ``cfg.lookup_tokens`` > 0 prompt-lookup chains join the candidate pool (``_graft_lookup``),
+    ``cfg.lookup_tokens`` > 0 prompt-lookup chains join the candidate pool (``graft_lookup``),
     scored by how often the target has agreed with such drafts so far (``LookupRates``), and
     compete with the drafter's nodes for the ``total_tokens`` slots."""
 
@@ -311,7 +311,7 @@ class EagleDrafter(Proposer):
         self.next_depth = cfg.levels  # a sampled tree's draft levels with "auto" (see ``_size_next_round``)
         self.sizing = sizing if sizing is not None or cost is None else Sizing(cost)  # None: a fixed total_tokens
         self.proposed: tuple[DraftTree, float] | None = None  # the last proposal's tree and when it was made
-        # (features, tokens) of rounds accepted since the drafter last ran (``_catch_up``), and of the
+        # (features, tokens) of rounds accepted since the drafter last ran (``catching_up``), and of the
         # prompt until the drafter first runs (``start``)
         self.pending: list[tuple[torch.Tensor, list[int]]] = []
         self.prompt: tuple[torch.Tensor, list[int]] | None = None
@@ -364,9 +364,9 @@ class EagleDrafter(Proposer):
         for drafts, match in self.last_matches:  # judge each lookup whose node the target reached
             if produced[:len(drafts)] == drafts:
                 self.lookup_rates.update(match, produced[len(drafts):])
-        self.pending.append((features, produced))  # fed to the drafter when it next drafts (``_catch_up``)
+        self.pending.append((features, produced))  # fed to the drafter when it next drafts (``catching_up``)
 
-    def _catch_up(self) -> Generator[DraftStep, StepResult, None]:
+    def catching_up(self) -> Generator[DraftStep, StepResult, None]:
         """Feed the drafter the prompt (if ``start`` kept it) and what was accepted since it last ran,
         in one call: ``commit`` defers it, so rounds that draft nothing (a batch's root-only rounds)
         cost the drafter nothing."""
@@ -398,7 +398,7 @@ class EagleDrafter(Proposer):
 
     def drafting(self, ids: list[int], max_depth: int, max_nodes: int) -> Generator[DraftStep, StepResult, Proposal]:
         if max_depth >= 1 and max_nodes >= 2:  # a round that may draft
-            yield from self._catch_up()
+            yield from self.catching_up()
         proposal = yield from self._propose(ids, max_depth, max_nodes)
         self.proposed = (proposal.tree, time.perf_counter())
         return proposal
@@ -420,7 +420,7 @@ class EagleDrafter(Proposer):
             pool = yield from self._dynamic(ids[-1], levels, total, committed, start, calibration)
         kv_cache.roll_back(self.cache, committed)
         drafted = pool.size  # pool nodes from the drafter; grafts come after them, so they are tried after their siblings
-        pool = self._graft_lookup(ids, pool, max_depth)
+        pool = self.graft_lookup(ids, pool, max_depth)
         if self.sizing is not None and not self.draw_temperature:  # "auto": the size with the most expected tokens/s
             best_first = sorted(pool.scores[1:], reverse=True)
             choice = choose_tree_size(best_first, self.sizing.costs, time.perf_counter() - start, calibration)
@@ -473,7 +473,7 @@ class EagleDrafter(Proposer):
         drawn, scores = sampled_children(parent_scores, among_lp, k, self.draw_temperature, self.generator)
         return among.gather(1, drawn), scores
 
-    def _graft_lookup(self, ids: list[int], pool: Pool, max_depth: int) -> Pool:
+    def graft_lookup(self, ids: list[int], pool: Pool, max_depth: int) -> Pool:
         """The pool with prompt-lookup continuations grafted on: of the context itself (at the
         root) and of the context followed by the path to each of the ``LOOKUP_NODES`` best draft
         nodes (a copied span often starts at a token the drafter guessed). In a sampled tree

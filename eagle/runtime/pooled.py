@@ -32,7 +32,7 @@ from eagle.drafting.drafter import fused_input
 from eagle.runtime import cuda_graphs
 from eagle.runtime.kv_cache import CachePool, SlotCache
 
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # rows of a static call (all sequences' together)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # rows of a static call (all sequences' together)
 SEGMENT_BUCKETS = (1, 2, 4, 8, 16)  # one sequence's rows in a static call
 SPAN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the keys a drafter step's tree mask spans (the round's nodes and its rows)
 
@@ -331,12 +331,20 @@ class PooledGraphs(_Static):
 
 
 def step_blocks(members: int, m: int, span: int, places: Sequence[int], pasts: Sequence[int], sizes: Sequence[int],
-                seen: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pooled drafter call's masks in ``batch_biases``' terms, on the host: [3, B] (each place's keys seen
+                seen: Sequence[torch.Tensor | None] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pooled drafter call's masks in ``batch_biases``' terms: [3, B] on the host (each place's keys seen
     whole, its rows, its span: 0 where no sequence sits) and ``block`` [B, M, span]. Segment s (at place
     ``places[s]``, ``sizes[s]`` rows after ``pasts[s]`` cached) sees every key but its last S and of those
-    what ``seen[s]`` (bool [n, S], a ``DraftStep``'s) allows; None: causal (S = n)."""
+    what ``seen[s]`` (bool [n, S], a ``DraftStep``'s) allows; None: causal (S = n). ``seen`` one tensor
+    [B, n, S] (every segment n rows: ``batch_trees``' calls): ``block`` made where it is, in one write."""
     table = [[0] * members for _ in range(3)]
+    if isinstance(seen, torch.Tensor):
+        n, width = seen.shape[1:]
+        for place, past in zip(places, pasts):
+            table[0][place], table[1][place], table[2][place] = past + n - width, n, width
+        block = torch.zeros(members, m, span, dtype=torch.bool, device=seen.device)
+        block[torch.tensor(places, device=seen.device), :n, :width] = seen
+        return torch.tensor(table), block
     block = torch.zeros(members, m, span, dtype=torch.bool)
     for place, past, n, mask in zip(places, pasts, sizes, seen):
         width = n if mask is None else mask.shape[1]
@@ -345,8 +353,10 @@ def step_blocks(members: int, m: int, span: int, places: Sequence[int], pasts: S
     return torch.tensor(table), block
 
 
-def step_spans(sizes: Sequence[int], seen: Sequence[torch.Tensor | None]) -> list[int]:
+def step_spans(sizes: Sequence[int], seen: Sequence[torch.Tensor | None] | torch.Tensor) -> list[int]:
     """Each segment's span of keys its ``seen`` mask covers (its rows where causal)."""
+    if isinstance(seen, torch.Tensor):
+        return [seen.shape[2]] * len(sizes)
     return [n if mask is None else mask.shape[1] for n, mask in zip(sizes, seen)]
 
 
@@ -364,13 +374,13 @@ def drafter_attention(drafter: Any, pool: CachePool, index: torch.Tensor, table:
 @torch.inference_mode()
 def pooled_drafter_forward(drafter: Any, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
                            caches: Sequence[SlotCache], sizes: Sequence[int],
-                           seen: Sequence[torch.Tensor | None]) -> torch.Tensor:
+                           seen: Sequence[torch.Tensor | None] | torch.Tensor) -> torch.Tensor:
     """A drafter (``LeanDrafter``) call for several sequences whose drafter caches are slots of one
     ``CachePool``: ``features``/``token_embeds`` [R, H] and ``positions`` [R], the sequences' rows one after
     another (``sizes``), sequence s's rows appended to ``caches[s]`` and attending to it as ``seen[s]`` allows
-    (``step_blocks``; None: causal) -> the predicted features [R, H]. ONE attention call per layer for all
-    sequences (``attention_step``), the products over all rows together; on the pool's ``DrafterGraphs``
-    where it has them and the call fits."""
+    (``step_blocks``; None: causal; or one tensor for all) -> the predicted features [R, H]. ONE attention call
+    per layer for all sequences (``attention_step``), the products over all rows together; on the pool's
+    ``DrafterGraphs`` where it has them and the call fits."""
     pool, pasts = extended(caches, sizes)
     if pool.graphs is not None and pool.graphs.fits(sizes, step_spans(sizes, seen)):
         return pool.graphs(features, token_embeds, positions, caches, pasts, sizes, seen)
@@ -407,7 +417,7 @@ class DrafterGraphs(_Static):
 
     def __call__(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
                  caches: Sequence[SlotCache], pasts: Sequence[int], sizes: Sequence[int],
-                 seen: Sequence[torch.Tensor | None]) -> torch.Tensor:
+                 seen: Sequence[torch.Tensor | None] | torch.Tensor) -> torch.Tensor:
         """``pooled_drafter_forward``'s result [R, H] for caches already extended (``take``) from ``pasts``."""
         r = len(positions)
         rows, m, keys_len = self.shape_of(r, pasts, sizes)

@@ -116,7 +116,7 @@ def test_a_drafter_prefilled_late_drafts_what_one_fed_at_once_drafts(model):
         context.append(token)
         for p in (lazy, eager):
             p.commit(context, [], features)
-        run_alone(eager._catch_up())
+        run_alone(eager.catching_up())
     assert lazy.cache.get_seq_length() == 0
     want, got = (p.propose(context, max_depth=5, max_nodes=8).tree for p in (eager, lazy))
     assert lazy.cache.get_seq_length() == eager.cache.get_seq_length() == len(context) - 1

@@ -108,7 +108,7 @@ def test_a_sampled_tree_grafts_lookup_chains_as_new_nodes_after_the_drawn_ones(t
     for node in set(tree.parents[proposal.drawn].tolist()):
         assert proposal.child_probs[node].sum().item() == pytest.approx(1.0, abs=1e-4)
     pool = Pool([5, 6, 8], [-1, 0, 0], [0.0, -0.1, -2.0])
-    grafted = proposer._graft_lookup([6, 11, 12, 5, 8, 13, 14, 5], pool, max_depth=10)  # root lookup: "8 13 14"
+    grafted = proposer.graft_lookup([6, 11, 12, 5, 8, 13, 14, 5], pool, max_depth=10)  # root lookup: "8 13 14"
     assert grafted.tokens[:3] == [5, 6, 8] and grafted.scores[:3] == pool.scores
     assert grafted.tokens.count(8) >= 2 and grafted.parents.count(0) == 3  # a second root 8
 
@@ -120,7 +120,7 @@ def test_lookups_below_draft_nodes_are_grafted_and_judged_only_where_the_target_
     ids = [6, 11, 12, 5, 8, 13, 14, 5]
     dev = target.device
     pool = Pool([5, 6, 8], [-1, 0, 0], [0.0, -0.1, -2.0])
-    tree = proposer._graft_lookup(ids, pool, max_depth=10)
+    tree = proposer.graft_lookup(ids, pool, max_depth=10)
     paths, tokens = {0: ()}, tree.tokens
     for i, parent in enumerate(tree.parents[1:], start=1):
         paths[i] = paths[parent] + (tokens[i],)

@@ -1,0 +1,157 @@
+"""EAGLE-2 trees of many sequences grown together on the device: the batched engine's greedy drafting
+where the drafters' caches are slots of one pool (``kv_cache.CachePool``).
+
+``EagleDrafter.drafting`` grows one sequence's tree on the host: each depth's children come back to
+the host and Python decides, sequence by sequence, which nodes to expand. In a batch of 64 that is
+most of a round's host time. ``draft_together`` grows the trees of all sequences of one drafter at
+once, in ``device_rounds.DeviceTreeDrafter``'s shapes: the root's top_k children, then ``calls`` times
+each sequence's top_k best newest nodes expanded by ONE pooled drafter call for all sequences (each row
+attends to its sequence's cache and to its ancestors among the round's rows), their top_k children each;
+then each sequence's best nodes are kept on the device and read to the host in one copy.
+
+The pool is EAGLE-2's (at each depth the best top_k children expanded). The host path expands only the
+nodes of it that can still be kept, in the same order, so both keep the same best nodes: a sequence
+gets the tree it drafts alone. Prompt-lookup chains are grafted on the host afterwards, as alone
+(``EagleDrafter.graft_lookup``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from eagle.decoding.proposers import EagleDrafter, Proposal
+from eagle.decoding.tree import Pool, kept_indices, root_only
+from eagle.runtime import kv_cache
+from eagle.runtime.kv_cache import SlotCache
+from eagle.runtime.pooled import pooled_drafter_forward
+
+
+def grows_together(proposer: object) -> bool:
+    """Whether ``draft_together`` takes ``proposer``: an ``EagleDrafter`` with a dynamic tree of a fixed
+    size (not sized by its own timing), children by rank (not drawn), its cache a slot of a pool."""
+    return (isinstance(proposer, EagleDrafter) and not proposer.draw_temperature and not proposer.cfg.choices
+            and proposer.sizing is None and isinstance(proposer.cfg.total_tokens, int)
+            and isinstance(proposer.cache, SlotCache))
+
+
+def pool_depths(k: int, calls: int) -> list[int]:
+    """The depth of each node of a pool grown by ``calls`` expansions of k nodes with k children each:
+    the root, its k children, then k^2 nodes per call [1 + k + calls k^2]."""
+    return [0] + [1] * k + [d + 1 for d in range(1, calls + 1) for _ in range(k * k)]
+
+
+def grow(proposers: Sequence[EagleDrafter], roots: Sequence[int], calls: int) -> tuple[torch.Tensor, ...]:
+    """The EAGLE-2 candidate pools of B sequences of one drafter (each proposer's ``last_hidden`` and
+    cache), below ``roots`` [B] (target ids), with ``calls`` drafter calls after the root's children ->
+    (tokens [B, M] target ids, parents [B, M] (root -1, parents < index), scores [B, M] cumulative draft
+    log-probabilities, root 0), M = 1 + k + calls k^2, on the device. Leaves every cache ``calls`` k rows
+    longer (the caller rolls them back)."""
+    first = proposers[0]
+    drafter, target, k, draft_ids = first.drafter, first.target, first.cfg.top_k, first.draft_ids
+    caches = [p.cache for p in proposers]
+    hidden = torch.stack([p.last_hidden for p in proposers])  # [B, H]
+    b, dev = hidden.shape[0], hidden.device
+    committed = torch.tensor([kv_cache.cache_length(c) for c in caches], device=dev)
+
+    def children(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely children (draft indices) of each row's prediction and their log-probs."""
+        logits = drafter.draft_logits(rows, lambda h: target.lm_head(h.to(target.dtype)))
+        child_lp, picks = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
+        return picks, child_lp
+
+    picks, frontier_scores = children(hidden)  # [B, k]: the root's children, scored 0 + log-prob
+    frontier_tokens = draft_ids[picks]
+    frontier = torch.arange(1, k + 1, device=dev).expand(b, k)  # pool indices of the nodes the next call runs
+    tokens = [torch.tensor(list(roots), device=dev)[:, None], frontier_tokens]
+    parents = [torch.full((b, 1), -1, device=dev), torch.zeros(b, k, dtype=torch.long, device=dev)]
+    scores = [torch.zeros(b, 1, device=dev), frontier_scores]
+    inputs = hidden[:, None].expand(b, k, hidden.shape[1])
+    earlier = torch.zeros(b, k, calls * k, dtype=torch.bool, device=dev)  # ancestors among earlier calls' rows
+    itself = torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k)
+    size = 1 + k
+    for d in range(1, calls + 1):
+        seen = torch.cat([earlier[:, :, :(d - 1) * k], itself], dim=2)  # [B, k, d k]: the round's rows it sees
+        positions = (committed + d - 1).repeat_interleave(k)
+        embeds = target.embed(frontier_tokens.reshape(1, -1)).to(drafter.dtype)[0]
+        out = pooled_drafter_forward(drafter, inputs.reshape(b * k, -1).to(drafter.dtype), embeds, positions,
+                                     caches, [k] * b, seen)
+        picks, child_lp = children(out)  # [B k, k]
+        flat_scores = (frontier_scores[:, :, None] + child_lp.view(b, k, k)).reshape(b, k * k)
+        flat_tokens = draft_ids[picks].view(b, k * k)
+        tokens.append(flat_tokens)
+        parents.append(frontier.repeat_interleave(k, dim=1))
+        scores.append(flat_scores)
+        if d < calls:  # the next call runs each sequence's k best children (the first on ties, as the host path)
+            best = torch.sort(flat_scores, dim=1, descending=True, stable=True).indices[:, :k]
+            rows = torch.div(best, k, rounding_mode="floor")  # [B, k]: the row of this call each one's parent ran in
+            frontier, frontier_scores, frontier_tokens = size + best, flat_scores.gather(1, best), flat_tokens.gather(1, best)
+            out = out.view(b, k, -1)
+            inputs = out.gather(1, rows[:, :, None].expand(-1, -1, out.shape[2]))
+            earlier = earlier.gather(1, rows[:, :, None].expand(-1, -1, calls * k)).scatter(
+                2, ((d - 1) * k + rows)[:, :, None], True)
+        size += k * k
+    return torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
+
+
+def best_nodes(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, keep: int,
+               levels: torch.Tensor, depths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each pool's root and its ``keep`` best nodes no deeper than its ``levels`` [B], in pool order,
+    re-indexed: (tokens, parents, scores) [B, 1 + keep] (a node deeper than its sequence's levels scores
+    -inf, and so do its descendants: read up to the first -inf). Ties go to the lower index, as
+    ``tree.kept_indices``: a kept node's parent is kept."""
+    b, m = scores.shape
+    scores = scores.masked_fill(depths[None, :] > levels[:, None], -torch.inf)
+    best = torch.sort(scores[:, 1:], dim=1, descending=True, stable=True).indices[:, :keep] + 1
+    kept = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=scores.device), torch.sort(best, dim=1).values], 1)
+    new_index = torch.full((b, m), -1, dtype=torch.long, device=scores.device).scatter(
+        1, kept, torch.arange(kept.shape[1], device=scores.device).expand(b, -1))
+    pool_parents = parents.gather(1, kept)
+    new_parents = torch.where(pool_parents >= 0, new_index.gather(1, pool_parents.clamp(min=0)), pool_parents)
+    return tokens.gather(1, kept), new_parents, scores.gather(1, kept)
+
+
+@torch.inference_mode()
+def draft_together(proposers: Sequence[EagleDrafter], ids: Sequence[list[int]], max_depths: Sequence[int],
+                   max_nodes: Sequence[int]) -> list[Proposal]:
+    """``EagleDrafter.drafting``'s proposals for sequences of one drafter and tree configuration whose
+    proposers ``grows_together`` takes (``ids``: each one's tokens, the last one the root; ``max_depths``,
+    ``max_nodes``: as ``drafting`` takes them), after each one's catch-up (``EagleDrafter.catching_up``):
+    the trees grown together (``grow``), each one's best nodes read in one copy for all, then grafted and
+    cut on the host as alone."""
+    cfg = proposers[0].cfg
+    totals = [min(cfg.total_tokens, n) for n in max_nodes]
+    levels = [min(cfg.levels, depth) for depth in max_depths]
+    proposals: list[Proposal | None] = [None] * len(proposers)
+    grown = []
+    for i, p in enumerate(proposers):
+        p.last_matches, p.drawn_from = [], {}
+        if p.last_hidden is None or levels[i] < 1 or totals[i] < 2:
+            proposals[i] = Proposal(root_only(ids[i][-1], p.tree_device))
+        else:
+            grown.append(i)
+    if grown:
+        members = [proposers[i] for i in grown]
+        committed = [kv_cache.cache_length(p.cache) for p in members]
+        calls = max(levels[i] for i in grown) - 1
+        pools = grow(members, [ids[i][-1] for i in grown], calls)
+        for p, length in zip(members, committed):
+            kv_cache.roll_back(p.cache, length)
+        k, device = cfg.top_k, pools[0].device
+        depths = torch.tensor(pool_depths(k, calls), device=device)
+        keep = min(max(totals[i] for i in grown) - 1, pools[0].shape[1] - 1)
+        kept = best_nodes(*pools, keep, torch.tensor([levels[i] for i in grown], device=device), depths)
+        both = torch.cat([kept[0], kept[1], kept[2].double()], 1).tolist()  # one copy: ids and float32 scores exact
+        width = keep + 1
+        for i, p, row in zip(grown, members, both):
+            scores = row[2 * width:]
+            n = next((j for j, s in enumerate(scores) if s == -float("inf")), width)
+            pool = Pool([int(t) for t in row[:n]], [int(q) for q in row[width:width + n]], scores[:n])
+            pool = p.graft_lookup(ids[i], pool, max_depths[i])
+            tree = pool.subtree(kept_indices(pool.scores, totals[i])).tree(p.tree_device)
+            proposals[i] = Proposal(tree)
+    now = time.perf_counter()
+    for p, proposal in zip(proposers, proposals):
+        p.proposed = (proposal.tree, now)
+    return proposals

@@ -1,0 +1,102 @@
+"""Trees of many sequences grown together (``batch_trees``) against each sequence's own drafting (the host
+path, ``EagleDrafter.drafting``), on tiny random models with pooled drafter caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle import EagleModel
+from eagle.decoding import batch_trees
+from eagle.decoding.batch_trees import draft_together, grows_together, pool_depths
+from eagle.decoding.batched import BatchedEngine, RequestOptions
+from eagle.decoding.draft_steps import run_alone, run_together
+
+from tests.conftest import prompts, tiny_drafter, tiny_target
+
+
+def flat_drafter(target):
+    """A tiny drafter whose children are not nearly certain: which node each row expands shows in the tree."""
+    drafter = tiny_drafter(target)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.mul_(0.4)
+    return drafter
+
+
+def paths(tree) -> dict[tuple[int, ...], float]:
+    """A tree's nodes as {the tokens of the path to it: its score}, whatever their order."""
+    tokens, parents, scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
+    out, path = {}, {-1: ()}
+    for i, (token, parent) in enumerate(zip(tokens, parents)):
+        path[i] = path[parent] + (token,)
+        out[path[i]] = scores[i]
+    return out
+
+
+def running(model: EagleModel, n: int, rounds: int, seed: int) -> BatchedEngine:
+    """An engine of ``n`` greedy eagle-tree sequences in pooled caches after ``rounds`` rounds."""
+    engine = BatchedEngine(model, max_batch=n, load_sizing=False, cache_pool=True)
+    for i, ids in enumerate(prompts(n, seed=seed)):
+        engine.add(i, ids * 3, RequestOptions(method="eagle-tree", max_new_tokens=60))
+    for _ in range(rounds):
+        engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("lookup_tokens", [0, 10])
+def test_trees_grown_together_are_each_sequences_own(lookup_tokens, monkeypatch):
+    """Eight sequences at different lengths, each with its own depth and size limits (a sequence near its
+    end, a tree of two nodes): the trees grown together, with one pooled drafter call per depth for all,
+    are the trees each sequence drafts alone: the same paths with the same scores, grafted lookup chains
+    included, and node for node without them."""
+    target = tiny_target(eos=False, seed=10)
+    model = EagleModel.from_pretrained(target, drafter=flat_drafter(target), total_tokens=16, depth=3, top_k=3,
+                                       lookup_tokens=lookup_tokens, auto_length=False)
+    engine = running(model, 8, rounds=3, seed=4)
+    live = list(engine._active.values())
+    proposers = [seq.proposer for seq in live]
+    assert len(proposers) == 8 and all(grows_together(p) for p in proposers)
+    run_together([p.catching_up() for p in proposers])  # what each drafting would feed first
+    ids = [seq.ids for seq in live]
+    depths = [4, 1, 2, 4, 3, 4, 4, 2]
+    nodes = [16, 16, 16, 2, 5, 16, 11, 16]
+    alone = [run_alone(p.drafting(i, d, n)).tree for p, i, d, n in zip(proposers, ids, depths, nodes)]
+    calls = []
+    forward = batch_trees.pooled_drafter_forward
+    monkeypatch.setattr(batch_trees, "pooled_drafter_forward", lambda *a: calls.append(len(a[4])) or forward(*a))
+    together = [p.tree for p in draft_together(proposers, ids, depths, nodes)]
+    assert calls == [8] * 3  # levels 4: three calls after the root's children, each for all eight sequences
+    for a, t in zip(alone, together):
+        assert paths(t).keys() == paths(a).keys()
+        torch.testing.assert_close(torch.tensor([paths(t)[p] for p in paths(a)]), torch.tensor(list(paths(a).values())),
+                                   rtol=1e-5, atol=1e-6)  # to the last bits a product over other rows may change
+        if not lookup_tokens:  # node for node; a grafted chain may reach a node alone that was not among the best
+            assert t.tokens.tolist() == a.tokens.tolist() and t.parents.tolist() == a.parents.tolist()
+    assert together[1].size == 4 and together[3].size == 2  # depth 1: the root's 3 children; two nodes
+    assert max(int((t.parents >= 4).sum()) for t in together) > 0  # nodes of the third level
+
+
+def test_a_batched_round_of_trees_grown_together_equals_each_request_alone():
+    """Greedy eagle-tree requests of one pooled batch (their trees grown together) give each request's
+    own tokens and accepted lengths, as decoded alone."""
+    target = tiny_target(eos=True, seed=10)
+    model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3,
+                                       lookup_tokens=0)  # alone on CUDA: device rounds, which graft no lookups
+    batch = prompts(6, seed=7)
+    engine = BatchedEngine(model, max_batch=6, load_sizing=False, cache_pool=True)
+    for i, ids in enumerate(batch):
+        engine.add(i, ids, RequestOptions(method="eagle-tree", max_new_tokens=16))
+    tokens, lengths = {i: [] for i in range(6)}, {i: [] for i in range(6)}
+    while engine.active or engine.queued:
+        for event in engine.step():
+            tokens[event.request_id].extend(event.new_token_ids)
+            lengths[event.request_id].append(len(event.new_token_ids))
+    for i, ids in enumerate(batch):
+        alone = model.generate(ids, method="eagle-tree", max_new_tokens=16)
+        assert tokens[i] == alone.token_ids and lengths[i] == alone.accept_lengths
+    assert sum(map(len, lengths.values())) < sum(map(len, tokens.values()))  # drafts accepted
+
+
+def test_pool_depths():
+    assert pool_depths(2, 2) == [0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
