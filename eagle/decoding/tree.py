@@ -27,7 +27,9 @@ class DraftTree:
 
 
 def root_only(root_token: int, device: torch.device | str = "cpu") -> DraftTree:
-    return chain_tree(root_token, torch.empty(0, dtype=torch.long, device=device))
+    """The root alone (``chain_tree`` of no drafts)."""
+    return DraftTree(tokens=torch.tensor([root_token], device=device), parents=torch.full((1,), -1, device=device),
+                     scores=torch.zeros(1, device=device))
 
 
 def chain_tree(root_token: int, draft_tokens: torch.Tensor, scores: torch.Tensor | None = None) -> DraftTree:

@@ -113,6 +113,7 @@ class CachePool:
         self._free = list(range(slots))
         self._used: set[int] = set()
         self._moves: list[tuple[int, int, torch.Tensor]] = []  # (slot, start, kept positions)
+        self._moved: set[int] = set()  # the slots of ``_moves``
         self._views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     @property
@@ -138,6 +139,7 @@ class CachePool:
             self._used.remove(cache.slot)
             heapq.heappush(self._free, cache.slot)
             self._moves = [m for m in self._moves if m[0] != cache.slot]
+            self._moved.discard(cache.slot)
 
     def grow(self, end: int) -> None:
         """Make room for ``end`` positions in every slot (capacity doubled until it fits)."""
@@ -158,10 +160,14 @@ class CachePool:
         return self._views[slot]
 
     def defer_compact(self, slot: int, start: int, keep: torch.Tensor) -> None:
-        """Queue a compaction of ``slot`` (``StaticCache.compact``'s), applied by the next ``flush``."""
-        if any(m[0] == slot for m in self._moves):  # a second move reads what the first wrote
+        """Queue a compaction of ``slot`` (``StaticCache.compact``'s), applied by the next ``flush``; none
+        where it moves nothing (a host ``keep`` of one position, ``start``: a round that kept its root alone)."""
+        if keep.device.type == "cpu" and keep.shape[0] == 1 and int(keep[0]) == start:
+            return
+        if slot in self._moved:  # a second move reads what the first wrote
             self.flush()
         self._moves.append((slot, start, keep))
+        self._moved.add(slot)
 
     def flush(self) -> None:
         """Apply the deferred compactions: in every slot and layer, the entries at a move's kept
@@ -169,6 +175,7 @@ class CachePool:
         if not self._moves:
             return
         moves, self._moves = self._moves, []
+        self._moved.clear()
         device = self.kv.device
         if all(keep.device.type == "cpu" for _, _, keep in moves):  # one copy to the device for all moves
             index = torch.tensor([[slot, start + j, src] for slot, start, keep in moves

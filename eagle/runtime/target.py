@@ -64,12 +64,14 @@ class Target:
         """Whether the lean forward's products from codes take int8 activations (``load_target``)."""
         return self.lean is not None and self.lean.int8_activations
 
-    @property
+    @functools.cached_property
     def max_context(self) -> int:
+        """The most positions a sequence may hold (read once: a batched round asks per sequence)."""
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
 
-    @property
+    @functools.cached_property
     def eos_token_ids(self) -> frozenset[int]:
+        """The ids that end a generation: the config's, the generation config's and the tokenizer's (read once)."""
         ids: set[int] = set()
         for source in (self.model.config.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None),
                        self.tokenizer.eos_token_id):

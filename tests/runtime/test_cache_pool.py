@@ -44,7 +44,8 @@ def assert_same_entries(mine: StaticCache, ref: StaticCache, exact: bool = True)
 
 
 def test_slot_caches_compact_and_grow_as_static_caches_do():
-    """Compactions are deferred to the pool and applied together (two in a row on one slot in order);
+    """Compactions are deferred to the pool and applied together (two in a row on one slot in order; one
+    that moves nothing is not queued);
     growing past the capacity keeps every slot's entries; a released slot is the next one handed out;
     a full pool refuses."""
     pool = CachePool(3, 3, 2, 4, torch.float32, device_under_test(), capacity=8)
@@ -58,6 +59,10 @@ def test_slot_caches_compact_and_grow_as_static_caches_do():
         cache.compact(2, keep)
     for cache in (mine[2], refs[2]):  # a second move on slot 2 reads what the first wrote
         cache.compact(1, torch.tensor([2, 3], device=device_under_test()))
+    moves = len(pool._moves)
+    for cache in (mine[1], refs[1]):  # a round that kept its root alone (host positions): nothing to move
+        cache.compact(5, torch.tensor([5]))
+    assert len(pool._moves) == moves
     for a, b in zip(mine, refs):
         assert_same_entries(a, b)
     for i in range(3):  # slot 1 outgrows the capacity: every slot keeps its entries
