@@ -7,7 +7,9 @@ most of a round's host time. ``draft_together`` grows the trees of all sequences
 once, in ``device_rounds.DeviceTreeDrafter``'s shapes: the root's top_k children, then ``calls`` times
 each sequence's top_k best newest nodes expanded by ONE pooled drafter call for all sequences (each row
 attends to its sequence's cache and to its ancestors among the round's rows), their top_k children each;
-then each sequence's best nodes are kept on the device and read to the host in one copy.
+then each sequence's best nodes are kept on the device and read to the host in one copy. Where the
+drafter's pool runs on static shapes (``pooled.DrafterGraphs``) the whole phase is one static function,
+replayed as one CUDA graph (``grown_trees``).
 
 The pool is EAGLE-2's (at each depth the best top_k children expanded). The host path expands only the
 nodes of it that can still be kept, in the same order, so both keep the same best nodes: a sequence
@@ -17,15 +19,17 @@ gets the tree it drafts alone. Prompt-lookup chains are grafted on the host afte
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from eagle.decoding.batch import keys_for
 from eagle.decoding.proposers import EagleDrafter, Proposal
 from eagle.decoding.tree import Pool, kept_indices, root_only
-from eagle.runtime import kv_cache
+from eagle.runtime import cuda_graphs, kv_cache
 from eagle.runtime.kv_cache import SlotCache
-from eagle.runtime.pooled import pooled_drafter_forward
+from eagle.runtime.pooled import (ROW_BUCKETS, SEGMENT_BUCKETS, SPAN_BUCKETS, DrafterGraphs, StaticShape, extended,
+                                  pooled_drafter_forward)
 
 
 def grows_together(proposer: object) -> bool:
@@ -42,18 +46,17 @@ def pool_depths(k: int, calls: int) -> list[int]:
     return [0] + [1] * k + [d + 1 for d in range(1, calls + 1) for _ in range(k * k)]
 
 
-def grow(proposers: Sequence[EagleDrafter], roots: Sequence[int], calls: int) -> tuple[torch.Tensor, ...]:
-    """The EAGLE-2 candidate pools of B sequences of one drafter (each proposer's ``last_hidden`` and
-    cache), below ``roots`` [B] (target ids), with ``calls`` drafter calls after the root's children ->
-    (tokens [B, M] target ids, parents [B, M] (root -1, parents < index), scores [B, M] cumulative draft
-    log-probabilities, root 0), M = 1 + k + calls k^2, on the device. Leaves every cache ``calls`` k rows
-    longer (the caller rolls them back)."""
-    first = proposers[0]
+def grow(first: EagleDrafter, hidden: torch.Tensor, roots: torch.Tensor, committed: torch.Tensor, calls: int,
+         call: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The EAGLE-2 candidate pools of B sequences of ``first``'s drafter and tree: below ``roots`` [B] (target
+    ids), from the root's predictions ``hidden`` [B, H], ``committed`` [B] positions cached, with ``calls``
+    drafter calls after the root's children, each ``call(features [B k, W], embeds [B k, H], positions [B k],
+    starts [B], seen [B, k, d k]) -> [B k, H]`` (sequence b's k rows written at ``starts[b]`` on, seeing every
+    key before its last d k and of those what ``seen`` allows) -> (tokens [B, M] target ids, parents [B, M] (root -1, parents
+    < index), scores [B, M] cumulative draft log-probabilities, root 0), M = 1 + k + calls k^2. Device
+    operations only: the whole phase can be one static function."""
     drafter, target, k, draft_ids = first.drafter, first.target, first.cfg.top_k, first.draft_ids
-    caches = [p.cache for p in proposers]
-    hidden = torch.stack([p.last_hidden for p in proposers])  # [B, H]
     b, dev = hidden.shape[0], hidden.device
-    committed = torch.tensor([kv_cache.cache_length(c) for c in caches], device=dev)
 
     def children(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most likely children (draft indices) of each row's prediction and their log-probs."""
@@ -64,7 +67,7 @@ def grow(proposers: Sequence[EagleDrafter], roots: Sequence[int], calls: int) ->
     picks, frontier_scores = children(hidden)  # [B, k]: the root's children, scored 0 + log-prob
     frontier_tokens = draft_ids[picks]
     frontier = torch.arange(1, k + 1, device=dev).expand(b, k)  # pool indices of the nodes the next call runs
-    tokens = [torch.tensor(list(roots), device=dev)[:, None], frontier_tokens]
+    tokens = [roots[:, None], frontier_tokens]
     parents = [torch.full((b, 1), -1, device=dev), torch.zeros(b, k, dtype=torch.long, device=dev)]
     scores = [torch.zeros(b, 1, device=dev), frontier_scores]
     inputs = hidden[:, None].expand(b, k, hidden.shape[1])
@@ -73,10 +76,9 @@ def grow(proposers: Sequence[EagleDrafter], roots: Sequence[int], calls: int) ->
     size = 1 + k
     for d in range(1, calls + 1):
         seen = torch.cat([earlier[:, :, :(d - 1) * k], itself], dim=2)  # [B, k, d k]: the round's rows it sees
-        positions = (committed + d - 1).repeat_interleave(k)
         embeds = target.embed(frontier_tokens.reshape(1, -1)).to(drafter.dtype)[0]
-        out = pooled_drafter_forward(drafter, inputs.reshape(b * k, -1).to(drafter.dtype), embeds, positions,
-                                     caches, [k] * b, seen)
+        out = call(inputs.reshape(b * k, -1).to(drafter.dtype), embeds, (committed + d - 1).repeat_interleave(k),
+                   committed + (d - 1) * k, seen)
         picks, child_lp = children(out)  # [B k, k]
         flat_scores = (frontier_scores[:, :, None] + child_lp.view(b, k, k)).reshape(b, k * k)
         flat_tokens = draft_ids[picks].view(b, k * k)
@@ -112,6 +114,65 @@ def best_nodes(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor
     return tokens.gather(1, kept), new_parents, scores.gather(1, kept)
 
 
+def grown_trees(members: Sequence[EagleDrafter], roots: Sequence[int], levels: Sequence[int], calls: int,
+                keep: int) -> tuple[torch.Tensor, ...]:
+    """``grow`` then ``best_nodes`` for B sequences of one drafter (their ``last_hidden`` and pooled caches,
+    left as they were) -> (tokens, parents, scores) [B, 1 + keep] on the device. On the pool's
+    ``DrafterGraphs`` where it has them: the whole phase one static function of (the batch bucket, top_k,
+    ``calls``, ``keep``, the keys read, the span of the masks), replayed as one CUDA graph, the sequences'
+    inputs filled by one copy from the host and one on the device; else each drafter call pooled eagerly."""
+    first = members[0]
+    k, device, b = first.cfg.top_k, first.device, len(members)
+    caches = [p.cache for p in members]
+    committed = [kv_cache.cache_length(c) for c in caches]
+    graphs = caches[0].pool.graphs
+    if isinstance(graphs, DrafterGraphs) and calls * k <= SPAN_BUCKETS[-1] and k <= SEGMENT_BUCKETS[-1]:
+        pool, _ = extended(caches, [calls * k] * b)  # the rows the phase writes counted, deferred moves applied
+        rows = cuda_graphs.bucket_for(b, ROW_BUCKETS)
+        span = cuda_graphs.bucket_for(calls * k, SPAN_BUCKETS)
+        keys_len = keys_for(max(committed) + calls * k, pool.capacity)
+        width = first.last_hidden.shape[0]
+
+        def make() -> StaticShape:
+            inputs = dict(hidden=torch.zeros(rows, width, dtype=first.last_hidden.dtype, device=device),
+                          ints=torch.zeros(4, rows, dtype=torch.long, device=device))  # roots, committed, levels, slots
+            depths = torch.tensor(pool_depths(k, calls), device=device)
+
+            def run() -> tuple[torch.Tensor, ...]:
+                roots_, committed_, levels_, slots = inputs["ints"]
+
+                def call(features, embeds, positions, starts, seen):  # noqa: ANN001, ANN202 - grow's call
+                    return graphs.step_rows(features, embeds, positions, slots, starts, seen, span, keys_len)
+
+                pools = grow(first, inputs["hidden"], roots_, committed_, calls, call)
+                return best_nodes(*pools, keep, levels_, depths)
+
+            return StaticShape(inputs, run)
+
+        def fill(shape: StaticShape) -> None:
+            pad = rows - b
+            shape.inputs["hidden"][:b] = torch.stack([p.last_hidden for p in members])
+            shape.inputs["hidden"][b:] = 0
+            shape.inputs["ints"].copy_(torch.tensor([list(roots) + [0] * pad, committed + [0] * pad,
+                                                     list(levels) + [0] * pad,
+                                                     [c.slot for c in caches] + [pool.scratch] * pad]))
+
+        kept = graphs.run(("trees", rows, k, calls, keep, keys_len, span, width), make, fill)
+        kept = tuple(t[:b] for t in kept)
+    else:
+        def call(features, embeds, positions, starts, seen):  # noqa: ANN001, ANN202 - grow's call
+            return pooled_drafter_forward(first.drafter, features, embeds, positions, caches, [k] * b, seen)
+
+        hidden = torch.stack([p.last_hidden for p in members])
+        pools = grow(first, hidden, torch.tensor(list(roots), device=device), torch.tensor(committed, device=device),
+                     calls, call)
+        kept = best_nodes(*pools, keep, torch.tensor(list(levels), device=device),
+                          torch.tensor(pool_depths(k, calls), device=device))
+    for cache, length in zip(caches, committed):
+        kv_cache.roll_back(cache, length)
+    return kept
+
+
 @torch.inference_mode()
 def draft_together(proposers: Sequence[EagleDrafter], ids: Sequence[list[int]], max_depths: Sequence[int],
                    max_nodes: Sequence[int]) -> list[Proposal]:
@@ -133,15 +194,10 @@ def draft_together(proposers: Sequence[EagleDrafter], ids: Sequence[list[int]], 
             grown.append(i)
     if grown:
         members = [proposers[i] for i in grown]
-        committed = [kv_cache.cache_length(p.cache) for p in members]
         calls = max(levels[i] for i in grown) - 1
-        pools = grow(members, [ids[i][-1] for i in grown], calls)
-        for p, length in zip(members, committed):
-            kv_cache.roll_back(p.cache, length)
-        k, device = cfg.top_k, pools[0].device
-        depths = torch.tensor(pool_depths(k, calls), device=device)
-        keep = min(max(totals[i] for i in grown) - 1, pools[0].shape[1] - 1)
-        kept = best_nodes(*pools, keep, torch.tensor([levels[i] for i in grown], device=device), depths)
+        pool_size = 1 + cfg.top_k + calls * cfg.top_k ** 2
+        keep = min(max(totals[i] for i in grown) - 1, pool_size - 1)
+        kept = grown_trees(members, [ids[i][-1] for i in grown], [levels[i] for i in grown], calls, keep)
         both = torch.cat([kept[0], kept[1], kept[2].double()], 1).tolist()  # one copy: ids and float32 scores exact
         width = keep + 1
         for i, p, row in zip(grown, members, both):

@@ -202,7 +202,7 @@ def pooled_forward(lean: Any, input_ids: torch.Tensor, position_ids: torch.Tenso
 
 
 @dataclasses.dataclass
-class _Shape:
+class StaticShape:
     """One static call: its inputs, the function over them, its graph and output."""
 
     inputs: dict[str, torch.Tensor]
@@ -224,7 +224,7 @@ class _Static:
         self.capturer = cuda_graphs.capturer_for(device)
         self.capture = capture and self.capturer is not None
         self.graph_pool = torch.cuda.graph_pool_handle() if self.capture and device.type == "cuda" else None
-        self.shapes: dict[tuple, _Shape] = {}
+        self.shapes: dict[tuple, StaticShape] = {}
         self.buffer: torch.Tensor | None = None  # the pool's buffer the shapes were made for
         self.rope: dict = {}
         self.captured = self.fallbacks = 0
@@ -246,7 +246,7 @@ class _Static:
         index[:, :sum(sizes)] = row_index(caches, pasts, sizes, lambda slot: slot)
         return index
 
-    def run(self, key: tuple, make: Callable[[], _Shape], fill: Callable[[_Shape], None]) -> torch.Tensor:
+    def run(self, key: tuple, make: Callable[[], StaticShape], fill: Callable[[StaticShape], None]) -> torch.Tensor:
         """The output of shape ``key`` (made by ``make`` at its first call) after ``fill`` set its inputs:
         replayed, captured at its first call, or run eagerly."""
         pool = self.pool
@@ -299,7 +299,7 @@ class PooledGraphs(_Static):
         return self.run(("pooled",) + key, lambda: self._make(*key),
                         lambda shape: self._fill(shape, input_ids, position_ids, caches, pasts, sizes, masks))[:r]
 
-    def _make(self, rows: int, m: int, keys_len: int, aux_layers: tuple[int, ...]) -> _Shape:
+    def _make(self, rows: int, m: int, keys_len: int, aux_layers: tuple[int, ...]) -> StaticShape:
         lean, pool = self.lean, self.pool
         device, slots = pool.kv.device, pool.kv.shape[2]
         inputs = dict(tokens=torch.zeros(2, rows, dtype=torch.long, device=device),  # ids, positions
@@ -312,9 +312,9 @@ class PooledGraphs(_Static):
             return pooled_layers(lean, pool, lean.embed(ids)[None], gathered(self.rope, pos, (1, 1, rows)), pos,
                                  inputs["index"], inputs["table"], inputs["block"], slots, keys_len, aux_layers)
 
-        return _Shape(inputs, run)
+        return StaticShape(inputs, run)
 
-    def _fill(self, shape: _Shape, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[SlotCache],
+    def _fill(self, shape: StaticShape, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[SlotCache],
               pasts: Sequence[int], sizes: Sequence[int], masks: Sequence[torch.Tensor | None]) -> None:
         """The static inputs of this call: real rows first, padding rows (token 0 at position 0, cache
         position 0 of the scratch slot, its segment row 0) after; segment sizes and pasts per slot (0 for
@@ -423,7 +423,7 @@ class DrafterGraphs(_Static):
         rows, m, keys_len = self.shape_of(r, pasts, sizes)
         key = (rows, m, cuda_graphs.bucket_for(max(step_spans(sizes, seen)), SPAN_BUCKETS), keys_len, features.shape[1])
 
-        def fill(shape: _Shape) -> None:
+        def fill(shape: StaticShape) -> None:
             inputs = shape.inputs
             inputs["features"][:r] = features
             inputs["embeds"][:r] = token_embeds
@@ -437,7 +437,7 @@ class DrafterGraphs(_Static):
 
         return self.run(("drafter",) + key, lambda: self._make(*key), fill)[:r]
 
-    def _make(self, rows: int, m: int, span: int, keys_len: int, width: int) -> _Shape:
+    def _make(self, rows: int, m: int, span: int, keys_len: int, width: int) -> StaticShape:
         drafter, pool = self.drafter, self.pool
         device, slots = pool.kv.device, pool.kv.shape[2]
         h = drafter.config.hidden_size
@@ -449,11 +449,36 @@ class DrafterGraphs(_Static):
                       block=torch.zeros(slots, m, span, dtype=torch.bool, device=device))
 
         def run() -> torch.Tensor:
-            cos, sin = gathered(self.rope, inputs["positions"], (1, 1, rows))[None]
-            attend = drafter_attention(drafter, pool, inputs["index"], inputs["table"], inputs["block"], slots,
-                                       keys_len)
-            embeds = inputs["embeds"][None]
-            x = fused_input(drafter.fc, inputs["features"][None], embeds, drafter.config)
-            return drafter.layers_with(x, embeds, cos, sin, attend)[0]
+            return self.call_rows(inputs["features"], inputs["embeds"], inputs["positions"], inputs["index"],
+                             inputs["table"], inputs["block"], keys_len)
 
-        return _Shape(inputs, run)
+        return StaticShape(inputs, run)
+
+    def call_rows(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, index: torch.Tensor,
+                  table: torch.Tensor, block: torch.Tensor, keys_len: int) -> torch.Tensor:
+        """The drafter over rows ``features`` [R, W], ``embeds`` [R, H] at ``positions`` [R], laid out by
+        ``index`` (``row_index``, places being slots), ``table`` and ``block`` (``step_blocks``'), attending
+        to the first ``keys_len`` keys of the pool's slots -> [R, H]. Device operations only."""
+        drafter = self.drafter
+        cos, sin = gathered(self.rope, positions, (1, 1, positions.shape[0]))[None]
+        attend = drafter_attention(drafter, self.pool, index, table, block, self.pool.kv.shape[2], keys_len)
+        x = fused_input(drafter.fc, features[None], embeds[None], drafter.config)
+        return drafter.layers_with(x, embeds[None], cos, sin, attend)[0]
+
+    def step_rows(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                  starts: torch.Tensor, seen: torch.Tensor, span: int, keys_len: int) -> torch.Tensor:
+        """A drafter call inside a static function, its layout made on the device: each of B sequences (slot
+        ``slots`` [B]; a padding one at the scratch slot) writes n rows (``features``/``embeds`` [B n, .] at
+        ``positions`` [B n], by sequence) at cache positions ``starts`` [B] on, and sees every key before its
+        last S and of those what ``seen`` [B, n, S] allows (S <= ``span``, the block's width) -> [B n, H]."""
+        b, n, width = seen.shape
+        device = seen.device
+        row = torch.arange(n, device=device)
+        row_slots = slots.repeat_interleave(n)
+        index = torch.stack([row_slots, row_slots, row.repeat(b), (starts[:, None] + row).reshape(-1)])
+        table = torch.zeros(3, self.pool.kv.shape[2], dtype=torch.long, device=device)
+        table[:, slots] = torch.stack([starts + n - width, torch.full_like(starts, n), torch.full_like(starts, width)])
+        block = torch.zeros(self.pool.kv.shape[2], cuda_graphs.bucket_for(n, SEGMENT_BUCKETS), span, dtype=torch.bool,
+                            device=device)
+        block[slots, :n, :width] = seen
+        return self.call_rows(features, embeds, positions, index, table, block, keys_len)

@@ -11,6 +11,7 @@ from eagle.decoding import batch_trees
 from eagle.decoding.batch_trees import draft_together, grows_together, pool_depths
 from eagle.decoding.batched import BatchedEngine, RequestOptions
 from eagle.decoding.draft_steps import run_alone, run_together
+from eagle.runtime.pooled import PooledGraphs
 
 from tests.conftest import prompts, tiny_drafter, tiny_target
 
@@ -34,9 +35,12 @@ def paths(tree) -> dict[tuple[int, ...], float]:
     return out
 
 
-def running(model: EagleModel, n: int, rounds: int, seed: int) -> BatchedEngine:
-    """An engine of ``n`` greedy eagle-tree sequences in pooled caches after ``rounds`` rounds."""
+def running(model: EagleModel, n: int, rounds: int, seed: int, static: bool = False) -> BatchedEngine:
+    """An engine of ``n`` greedy eagle-tree sequences in pooled caches after ``rounds`` rounds; ``static``: on
+    static shapes (``PooledGraphs``, so the drafter's pool gets ``DrafterGraphs``)."""
     engine = BatchedEngine(model, max_batch=n, load_sizing=False, cache_pool=True)
+    if static:
+        engine._pool.graphs = PooledGraphs(model.target.lean, engine._pool)
     for i, ids in enumerate(prompts(n, seed=seed)):
         engine.add(i, ids * 3, RequestOptions(method="eagle-tree", max_new_tokens=60))
     for _ in range(rounds):
@@ -44,16 +48,18 @@ def running(model: EagleModel, n: int, rounds: int, seed: int) -> BatchedEngine:
     return engine
 
 
-@pytest.mark.parametrize("lookup_tokens", [0, 10])
-def test_trees_grown_together_are_each_sequences_own(lookup_tokens, monkeypatch):
+@pytest.mark.parametrize("lookup_tokens,static", [(0, False), (10, False), (0, True)])
+def test_trees_grown_together_are_each_sequences_own(lookup_tokens, static, monkeypatch, request):
     """Eight sequences at different lengths, each with its own depth and size limits (a sequence near its
     end, a tree of two nodes): the trees grown together, with one pooled drafter call per depth for all,
     are the trees each sequence drafts alone: the same paths with the same scores, grafted lookup chains
-    included, and node for node without them."""
-    target = tiny_target(eos=False, seed=10)
+    included, and node for node without them. On static shapes the whole phase is one captured function
+    (the CPU stand-in for CUDA capture where there is no GPU), replayed for a second batch."""
+    capture = request.getfixturevalue("fake_capture") if static else None
+    target = tiny_target(eos=False, seed=10)  # made after fake_capture turned the compiled CPU kernels off
     model = EagleModel.from_pretrained(target, drafter=flat_drafter(target), total_tokens=16, depth=3, top_k=3,
                                        lookup_tokens=lookup_tokens, auto_length=False)
-    engine = running(model, 8, rounds=3, seed=4)
+    engine = running(model, 8, rounds=3, seed=4, static=static)
     live = list(engine._active.values())
     proposers = [seq.proposer for seq in live]
     assert len(proposers) == 8 and all(grows_together(p) for p in proposers)
@@ -66,7 +72,16 @@ def test_trees_grown_together_are_each_sequences_own(lookup_tokens, monkeypatch)
     forward = batch_trees.pooled_drafter_forward
     monkeypatch.setattr(batch_trees, "pooled_drafter_forward", lambda *a: calls.append(len(a[4])) or forward(*a))
     together = [p.tree for p in draft_together(proposers, ids, depths, nodes)]
-    assert calls == [8] * 3  # levels 4: three calls after the root's children, each for all eight sequences
+    if static:  # one captured function for the whole phase
+        graphs = proposers[0].cache.pool.graphs
+        assert not calls and [key[0] for key in graphs.shapes].count("trees") == 1 and graphs.fallbacks == 0
+        assert capture is None or graphs.captured >= 1
+        again = [p.tree for p in draft_together(proposers, ids, depths, nodes)]  # replayed
+        assert all(torch.equal(a.tokens, t.tokens) and torch.equal(a.scores, t.scores) for a, t in zip(again, together))
+        five = [p.tree for p in draft_together(proposers[:5], ids[:5], depths[:5], nodes[:5])]  # 3 padding rows
+        assert [paths(t).keys() for t in five] == [paths(a).keys() for a in alone[:5]]
+    else:
+        assert calls == [8] * 3  # levels 4: three calls after the root's children, each for all eight sequences
     for a, t in zip(alone, together):
         assert paths(t).keys() == paths(a).keys()
         torch.testing.assert_close(torch.tensor([paths(t)[p] for p in paths(a)]), torch.tensor(list(paths(a).values())),
