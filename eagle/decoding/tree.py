@@ -7,6 +7,7 @@ index 0 followed by draft nodes in topological order."""
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from typing import Sequence
 
 import torch
@@ -65,6 +66,14 @@ def sampled_children(parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int
     return tokens, parent_scores[:, None] + torch.topk(logprobs, k, dim=-1).values
 
 
+def host_tensor(values: Sequence[int] | Sequence[float], dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``values`` as a host tensor [N] of ``dtype`` (long or float32) made from an array's bytes: a few times
+    cheaper than ``torch.tensor`` of a list, which each sequence of a batched round pays for its tree."""
+    if not values:
+        return torch.zeros(0, dtype=dtype)
+    return torch.frombuffer(array("q" if dtype == torch.long else "f", values), dtype=dtype)
+
+
 def best_frontier(scores: Sequence[float], k: int) -> list[int]:
     """Indices of the k best of the candidate scores [M], best first (the first on ties)."""
     return sorted(range(len(scores)), key=scores.__getitem__, reverse=True)[:k]  # stable: the first on ties
@@ -101,6 +110,9 @@ class Pool:
                     [self.scores[n] for n in kept])
 
     def tree(self, device: torch.device | str = "cpu") -> DraftTree:
+        if torch.device(device).type == "cpu":
+            return DraftTree(tokens=host_tensor(self.tokens), parents=host_tensor(self.parents),
+                             scores=host_tensor(self.scores, torch.float32))
         return DraftTree(tokens=torch.tensor(self.tokens, dtype=torch.long, device=device),
                          parents=torch.tensor(self.parents, dtype=torch.long, device=device),
                          scores=torch.tensor(self.scores, dtype=torch.float32, device=device))

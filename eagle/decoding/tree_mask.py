@@ -9,6 +9,8 @@ import dataclasses
 
 import torch
 
+from eagle.decoding.tree import host_tensor
+
 
 @dataclasses.dataclass
 class TreeAttention:
@@ -48,9 +50,10 @@ def tree_attention(parents: torch.Tensor) -> TreeAttention:
     leaves = [chain for i, chain in enumerate(node_chains) if i not in has_children]  # in index order
     width = max(len(chain) for chain in node_chains)
     device = parents.device
+    depths = host_tensor([len(chain) - 1 for chain in node_chains])
+    paths = host_tensor([n for chain in leaves for n in chain + [-1] * (width - len(chain))]).view(len(leaves), width)
     return TreeAttention(mask=bool_rows(node_chains, len(node_chains)).to(device),  # ancestors and self
-                         depths=torch.tensor([len(chain) - 1 for chain in node_chains], device=device),
-                         paths=torch.tensor([chain + [-1] * (width - len(chain)) for chain in leaves], device=device))
+                         depths=depths.to(device), paths=paths.to(device))
 
 
 def attention_bias(tree_mask: torch.Tensor, past_len: int, dtype: torch.dtype) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle.decoding.batch import LayerPlan, each_layer, final_norm, gathered, keys_for, rotary_tables
+from eagle.decoding.tree import host_tensor
 from eagle.decoding.tree_mask import additive_bias
 from eagle.drafting.drafter import fused_input
 from eagle.runtime import cuda_graphs
@@ -114,8 +115,16 @@ def row_index(caches: Sequence[SlotCache], pasts: Sequence[int], sizes: Sequence
               place: Callable[[int], int]) -> torch.Tensor:
     """[4, R] on the host: each row's slot, its place in the attention's batch (``place(slot)``), its row in its
     segment and its cache position, the sequences' rows one after another."""
-    flat = [v for c, p, n in zip(caches, pasts, sizes) for t in range(n) for v in (c.slot, place(c.slot), t, p + t)]
-    return torch.tensor(flat, dtype=torch.long).view(-1, 4).T
+    slots: list[int] = []
+    places: list[int] = []
+    rows: list[int] = []
+    positions: list[int] = []
+    for cache, past, n in zip(caches, pasts, sizes):  # whole runs at a time: a batch of 64 trees has ~1000 rows
+        slots += [cache.slot] * n
+        places += [place(cache.slot)] * n
+        rows += range(n)
+        positions += range(past, past + n)
+    return host_tensor(slots + places + rows + positions).view(4, -1)
 
 
 def segment_table(members: int, places: Sequence[int], sizes: Sequence[int], pasts: Sequence[int]) -> torch.Tensor:

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from eagle.decoding.tree import Pool, best_frontier, chain_tree, graft_chains, kept_indices, static_layout, topk_children
+from eagle.decoding.tree import (Pool, best_frontier, chain_tree, graft_chains, host_tensor, kept_indices, static_layout,
+                                 topk_children)
 from eagle.decoding.tree_mask import tree_attention
 
 
@@ -288,3 +289,10 @@ def test_sampled_children_are_draws_without_replacement_scored_by_rank():
     cold = torch.softmax(q.log() / 0.5, -1)  # temperature 0.5 sharpens the draws
     tokens, _ = sampled_children(torch.zeros(20000), lp, 1, 0.5, gen)
     assert (torch.bincount(tokens[:, 0], minlength=4) / 20000.0 - cold).abs().max() < 0.015
+
+
+def test_host_tensor_is_torch_tensor_of_the_list():
+    for values, dtype in [([3, -1, 2 ** 40], torch.long), ([0.0, -1.5, -3.25e-3], torch.float32), ([], torch.long)]:
+        made = host_tensor(values, dtype)
+        assert made.dtype == dtype and made.device.type == "cpu"
+        assert torch.equal(made, torch.tensor(values, dtype=dtype))
