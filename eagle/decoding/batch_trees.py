@@ -196,7 +196,10 @@ def draft_together(proposers: Sequence[EagleDrafter], ids: Sequence[list[int]], 
         members = [proposers[i] for i in grown]
         calls = max(levels[i] for i in grown) - 1
         pool_size = 1 + cfg.top_k + calls * cfg.top_k ** 2
-        keep = min(max(totals[i] for i in grown) - 1, pool_size - 1)
+        # the best nodes read back: the most any sequence keeps, rounded up to a bucket (one static shape for
+        # the sizes the load hands out; the host keeps each sequence's own number of them)
+        needed = max(totals[i] for i in grown) - 1
+        keep = min(cuda_graphs.bucket_for(needed, cuda_graphs.BUCKETS) or needed, pool_size - 1)
         kept = grown_trees(members, [ids[i][-1] for i in grown], [levels[i] for i in grown], calls, keep)
         both = torch.cat([kept[0], kept[1], kept[2].double()], 1).tolist()  # one copy: ids and float32 scores exact
         width = keep + 1
