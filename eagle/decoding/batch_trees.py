@@ -52,9 +52,9 @@ def grow(first: EagleDrafter, hidden: torch.Tensor, roots: torch.Tensor, committ
     ids), from the root's predictions ``hidden`` [B, H], ``committed`` [B] positions cached, with ``calls``
     drafter calls after the root's children, each ``call(features [B k, W], embeds [B k, H], positions [B k],
     starts [B], seen [B, k, d k]) -> [B k, H]`` (sequence b's k rows written at ``starts[b]`` on, seeing every
-    key before its last d k and of those what ``seen`` allows) -> (tokens [B, M] target ids, parents [B, M] (root -1, parents
-    < index), scores [B, M] cumulative draft log-probabilities, root 0), M = 1 + k + calls k^2. Device
-    operations only: the whole phase can be one static function."""
+    key before its last d k and of those what ``seen`` allows) -> (tokens [B, M] target ids, parents [B, M]
+    (root -1, parents < index), scores [B, M] cumulative draft log-probabilities, root 0), M = 1 + k + calls
+    k^2. Device operations only: the whole phase can be one static function."""
     drafter, target, k, draft_ids = first.drafter, first.target, first.cfg.top_k, first.draft_ids
     b, dev = hidden.shape[0], hidden.device
 
@@ -88,7 +88,8 @@ def grow(first: EagleDrafter, hidden: torch.Tensor, roots: torch.Tensor, committ
         if d < calls:  # the next call runs each sequence's k best children (the first on ties, as the host path)
             best = torch.sort(flat_scores, dim=1, descending=True, stable=True).indices[:, :k]
             rows = torch.div(best, k, rounding_mode="floor")  # [B, k]: the row of this call each one's parent ran in
-            frontier, frontier_scores, frontier_tokens = size + best, flat_scores.gather(1, best), flat_tokens.gather(1, best)
+            frontier = size + best
+            frontier_scores, frontier_tokens = flat_scores.gather(1, best), flat_tokens.gather(1, best)
             out = out.view(b, k, -1)
             inputs = out.gather(1, rows[:, :, None].expand(-1, -1, out.shape[2]))
             earlier = earlier.gather(1, rows[:, :, None].expand(-1, -1, calls * k)).scatter(

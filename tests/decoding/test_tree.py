@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from eagle.decoding.tree import (Pool, best_frontier, chain_tree, graft_chains, host_tensor, kept_indices, static_layout,
-                                 topk_children)
+from eagle.decoding.tree import (Pool, best_frontier, chain_tree, graft_chains, host_tensor, kept_indices,
+                                 static_layout, topk_children)
 from eagle.decoding.tree_mask import tree_attention
 
 
@@ -292,7 +292,8 @@ def test_sampled_children_are_draws_without_replacement_scored_by_rank():
 
 
 def test_host_tensor_is_torch_tensor_of_the_list():
-    for values, dtype in [([3, -1, 2 ** 40], torch.long), ([0.0, -1.5, -3.25e-3], torch.float32), ([], torch.long)]:
+    cases = [([3, -1, 2 ** 40], torch.long), ([0.0, -1.5, -3.25e-3], torch.float32), ([], torch.long)]
+    for values, dtype in cases:
         made = host_tensor(values, dtype)
         assert made.dtype == dtype and made.device.type == "cpu"
         assert torch.equal(made, torch.tensor(values, dtype=dtype))
