@@ -18,6 +18,7 @@ gets the tree it drafts alone. Prompt-lookup chains are grafted on the host afte
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Sequence
 
@@ -174,9 +175,20 @@ def grown_trees(members: Sequence[EagleDrafter], roots: Sequence[int], levels: S
     return kept
 
 
+@dataclasses.dataclass
+class Together:
+    """``draft_together``'s result: each sequence's ``proposals``; ``phase_seconds``, what the trees grown
+    together took (the phase and its read, paid once however many sequences join); ``host_seconds``, what
+    each sequence's grafts and cut took after it (each one's share)."""
+
+    proposals: list[Proposal]
+    phase_seconds: float = 0.0
+    host_seconds: float = 0.0
+
+
 @torch.inference_mode()
 def draft_together(proposers: Sequence[EagleDrafter], ids: Sequence[list[int]], max_depths: Sequence[int],
-                   max_nodes: Sequence[int]) -> list[Proposal]:
+                   max_nodes: Sequence[int]) -> Together:
     """``EagleDrafter.drafting``'s proposals for sequences of one drafter and tree configuration whose
     proposers ``grows_together`` takes (``ids``: each one's tokens, the last one the root; ``max_depths``,
     ``max_nodes``: as ``drafting`` takes them), after each one's catch-up (``EagleDrafter.catching_up``):
@@ -186,6 +198,7 @@ def draft_together(proposers: Sequence[EagleDrafter], ids: Sequence[list[int]], 
     totals = [min(cfg.total_tokens, n) for n in max_nodes]
     levels = [min(cfg.levels, depth) for depth in max_depths]
     proposals: list[Proposal | None] = [None] * len(proposers)
+    phase_seconds = host_seconds = 0.0
     grown = []
     for i, p in enumerate(proposers):
         p.last_matches, p.drawn_from = [], {}
@@ -201,8 +214,11 @@ def draft_together(proposers: Sequence[EagleDrafter], ids: Sequence[list[int]], 
         # the sizes the load hands out; the host keeps each sequence's own number of them)
         needed = max(totals[i] for i in grown) - 1
         keep = min(cuda_graphs.bucket_for(needed, cuda_graphs.BUCKETS) or needed, pool_size - 1)
+        began = time.perf_counter()
         kept = grown_trees(members, [ids[i][-1] for i in grown], [levels[i] for i in grown], calls, keep)
         both = torch.cat([kept[0], kept[1], kept[2].double()], 1).tolist()  # one copy: ids and float32 scores exact
+        read = time.perf_counter()
+        phase_seconds = read - began
         width = keep + 1
         for i, p, row in zip(grown, members, both):
             scores = row[2 * width:]
@@ -211,7 +227,8 @@ def draft_together(proposers: Sequence[EagleDrafter], ids: Sequence[list[int]], 
             pool = p.graft_lookup(ids[i], pool, max_depths[i])
             tree = pool.subtree(kept_indices(pool.scores, totals[i])).tree(p.tree_device)
             proposals[i] = Proposal(tree)
+        host_seconds = (time.perf_counter() - read) / len(grown)
     now = time.perf_counter()
     for p, proposal in zip(proposers, proposals):
         p.proposed = (proposal.tree, now)
-    return proposals
+    return Together(proposals, phase_seconds, host_seconds)

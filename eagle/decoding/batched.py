@@ -211,6 +211,7 @@ class BatchedEngine:
         self._active: OrderedDict[Hashable, _Sequence] = OrderedDict()
         self._rates: dict[str, RankRates] = defaultdict(RankRates)
         self._draft_seconds: dict[str, float] = {}
+        self._phase_seconds: dict[str, float] = {}  # a method's trees grown together: once a round (``batch_trees``)
         self._seconds: list[float] = list(row_seconds or [])
         self._fixed_seconds = row_seconds is not None
         self._draft_pools: dict[int, tuple[Any, kv_cache.CachePool]] = {}  # id(drafter) -> (it, its caches' pool)
@@ -366,8 +367,10 @@ class BatchedEngine:
         if len(self._seconds) < rows and not self._fixed_seconds:
             curve = cost_curve(self.target, greedy=True)
             self._seconds = [curve.at(n) for n in range(1, max(rows, 2 * len(self._seconds)) + 1)]
+        groups = [s.options.method if grows_together(s.proposer) else None for s in live]  # trees grown together
         return batch_tree_sizes(self._seconds, gains,
-                                [self._draft_seconds.get(s.options.method, 0.0) for s in live], fixed)
+                                [self._draft_seconds.get(s.options.method, 0.0) for s in live], fixed, groups,
+                                self._phase_seconds)
 
     def _most_nodes(self, seq: _Sequence) -> int:
         """The largest tree (root included) the sequence's method proposes."""
@@ -402,14 +405,21 @@ class BatchedEngine:
             seq.proposer.catching_up() if i in together else
             seq.proposer.drafting(seq.ids, max_depth=room - 1, max_nodes=n)
             for i, (seq, n, room) in enumerate(zip(live, nodes, rooms))])
+        phased = set()
         for group in grouped.values():
-            began = time.perf_counter()
             made = draft_together([live[i].proposer for i in group], [live[i].ids for i in group],
                                   [rooms[i] - 1 for i in group], [nodes[i] for i in group])
-            share = (time.perf_counter() - began) / len(group)
-            for i, proposal in zip(group, made):
+            for i, proposal in zip(group, made.proposals):
                 proposals[i] = proposal
-                seconds[i] += share
+                seconds[i] += made.host_seconds  # its own share; the phase is the group's, paid once a round
+            if made.phase_seconds:
+                method = live[group[0]].options.method
+                before = self._phase_seconds.get(method)
+                self._phase_seconds[method] = (made.phase_seconds if before is None else
+                                               before + AVERAGING * (made.phase_seconds - before))
+                phased.add(method)
+        for method in set(self._phase_seconds) - phased:  # fades as a sequence's drafting time does
+            self._phase_seconds[method] *= DRAFT_FADE
         rounds, start, drafted = [], 0, set()
         for seq, proposal, spent, past in zip(live, proposals, seconds, pasts):
             method = seq.options.method

@@ -15,7 +15,7 @@ import json
 import math
 import statistics
 import time
-from typing import Sequence
+from typing import Hashable, Mapping, Sequence
 
 import torch
 
@@ -298,7 +298,9 @@ def cost_curve(target: Target, greedy: bool = False) -> CostCurve:
 
 
 def batch_tree_sizes(seconds: Sequence[float], gains: Sequence[Sequence[float]],
-                     draft_seconds: Sequence[float], fixed: Sequence[int | None] | None = None) -> list[int]:
+                     draft_seconds: Sequence[float], fixed: Sequence[int | None] | None = None,
+                     groups: Sequence[Hashable | None] | None = None,
+                     group_seconds: Mapping[Hashable, float] | None = None) -> list[int]:
     """Each sequence's tree size (root included) for one round of a batch verified in one target
     forward: draft rows handed out best gain first across the batch, as many as give the most
     expected tokens per second, (B + kept gains) / (drafting + seconds[B + kept rows - 1]).
@@ -306,11 +308,13 @@ def batch_tree_sizes(seconds: Sequence[float], gains: Sequence[Sequence[float]],
     ``seconds`` [S]: a target forward's cost for 1 .. S rows (``CostCurve.at``); ``gains[b]`` [M_b]:
     the expected accepted tokens of sequence b's best, second best, ... draft (non-increasing;
     empty: it cannot draft); ``draft_seconds`` [B]: what drafting costs sequence b, paid only
-    when its tree has a draft; ``fixed`` [B] (None: none): a size sequence b must have (a seeded
-    sampled request, whose draws must not depend on the load), or None to size it here. A fixed
-    tree's rows, drafting and gains (its first ``fixed[b] - 1``) are the round's from the start, so
-    the other sequences get rows only where they pay on top of it. Rows past S are never handed
-    out. Returns [B] sizes >= 1; the sized ones all ones (batched ``ar`` beside the fixed trees)
+    when its tree has a draft; ``groups`` [B] (None: none): sequences of one group (not None) draft
+    together and pay ``group_seconds[group]`` once a round, with the first of them to get a draft
+    (trees grown together: one phase however many join); ``fixed`` [B] (None: none): a size
+    sequence b must have (a seeded sampled request, whose draws must not depend on the load), or
+    None to size it here. A fixed tree's rows, drafting and gains (its first ``fixed[b] - 1``) are
+    the round's from the start, so the other sequences get rows only where they pay on top of it.
+    Rows past S are never handed out. Returns [B] sizes >= 1; the sized ones all ones (batched ``ar`` beside the fixed trees)
     when no draft pays for its rows, so the expected rate is never below that. The larger the
     batch, the dearer its rows (a forward stops being bound by reading the weights once it
     computes enough rows): trees shrink as it grows."""
@@ -319,12 +323,26 @@ def batch_tree_sizes(seconds: Sequence[float], gains: Sequence[Sequence[float]],
     if len(fixed) != batch or len(draft_seconds) != batch:
         raise ValueError(f"gains, draft_seconds and fixed must have one entry per sequence, got "
                          f"{batch}, {len(draft_seconds)}, {len(fixed)}")
+    groups = list(groups) if groups is not None else [None] * batch
+    if len(groups) != batch:
+        raise ValueError(f"groups must have one entry per sequence, got {len(groups)} for {batch}")
     sizes = [1 if n is None else max(1, n) for n in fixed]
     base = sum(sizes)
     if base > len(seconds):
         return sizes
+    paid: set[Hashable] = set()
+
+    def starts_drafting(b: int) -> float:
+        """What sequence b's first draft adds to the round's drafting: its own share, and its group's phase
+        if it is the group's first."""
+        cost, group = draft_seconds[b], groups[b]
+        if group is not None and group not in paid:
+            paid.add(group)
+            cost += (group_seconds or {}).get(group, 0.0)
+        return cost
+
     expected = batch + sum(sum(gains[b][:n - 1]) for b, n in enumerate(sizes))
-    drafting = sum(draft_seconds[b] for b, n in enumerate(sizes) if n > 1)
+    drafting = sum(starts_drafting(b) for b, n in enumerate(sizes) if n > 1)
     order = sorted(((g, b) for b, row in enumerate(gains) if fixed[b] is None for g in row),
                    key=lambda gb: (-gb[0], gb[1]))
     best_sizes, best = list(sizes), expected / (drafting + seconds[base - 1])
@@ -332,7 +350,7 @@ def batch_tree_sizes(seconds: Sequence[float], gains: Sequence[Sequence[float]],
         if rows > len(seconds):
             break
         if sizes[b] == 1:
-            drafting += draft_seconds[b]
+            drafting += starts_drafting(b)
         sizes[b] += 1
         expected += gain
         rate = expected / (drafting + seconds[rows - 1])

@@ -11,6 +11,7 @@ from eagle.decoding import batch_trees
 from eagle.decoding.batch_trees import draft_together, grows_together, pool_depths
 from eagle.decoding.batched import BatchedEngine, RequestOptions
 from eagle.decoding.draft_steps import run_alone, run_together
+from eagle.decoding.tree_sizing import batch_tree_sizes
 from eagle.runtime.pooled import PooledGraphs
 
 from tests.conftest import prompts, tiny_drafter, tiny_target
@@ -71,14 +72,14 @@ def test_trees_grown_together_are_each_sequences_own(lookup_tokens, static, monk
     calls = []
     forward = batch_trees.pooled_drafter_forward
     monkeypatch.setattr(batch_trees, "pooled_drafter_forward", lambda *a: calls.append(len(a[4])) or forward(*a))
-    together = [p.tree for p in draft_together(proposers, ids, depths, nodes)]
+    together = [p.tree for p in draft_together(proposers, ids, depths, nodes).proposals]
     if static:  # one captured function for the whole phase
         graphs = proposers[0].cache.pool.graphs
         assert not calls and [key[0] for key in graphs.shapes].count("trees") == 1 and graphs.fallbacks == 0
         assert capture is None or graphs.captured >= 1
-        again = [p.tree for p in draft_together(proposers, ids, depths, nodes)]  # replayed
+        again = [p.tree for p in draft_together(proposers, ids, depths, nodes).proposals]  # replayed
         assert all(torch.equal(a.tokens, t.tokens) and torch.equal(a.scores, t.scores) for a, t in zip(again, together))
-        five = [p.tree for p in draft_together(proposers[:5], ids[:5], depths[:5], nodes[:5])]  # 3 padding rows
+        five = [p.tree for p in draft_together(proposers[:5], ids[:5], depths[:5], nodes[:5]).proposals]  # 3 padding
         assert [paths(t).keys() for t in five] == [paths(a).keys() for a in alone[:5]]
     else:
         assert calls == [8] * 3  # levels 4: three calls after the root's children, each for all eight sequences
@@ -115,3 +116,44 @@ def test_a_batched_round_of_trees_grown_together_equals_each_request_alone():
 
 def test_pool_depths():
     assert pool_depths(2, 2) == [0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
+
+
+def test_trees_grown_together_pay_their_phase_once_a_round():
+    """``batch_tree_sizes`` with a group: its phase is paid once, with the first member that drafts. One good
+    draft among eight sequences does not pay for a whole phase (all ones), though it pays for its share of
+    one (the same cost split per sequence); eight do; whatever the choice, never below batched ``ar``."""
+    flat = [1.0] * 64
+    one_good = [[0.5]] + [[0.0]] * 7
+    assert batch_tree_sizes(flat, one_good, [0.0] * 8, groups=["t"] * 8, group_seconds={"t": 0.2}) == [1] * 8
+    assert batch_tree_sizes(flat, one_good, [0.2 / 8] * 8) == [2] + [1] * 7
+    assert batch_tree_sizes(flat, [[0.3]] * 8, [0.0] * 8, groups=["t"] * 8, group_seconds={"t": 0.2}) == [2] * 8
+    assert batch_tree_sizes(flat, [[0.3]] * 8, [0.0] * 8, groups=["t"] * 8, group_seconds={"t": 1.0}) == [1] * 8
+    # two groups and a sequence of its own: each group's phase counted once, in the rate the choice is made by
+    gains = [[0.4, 0.2]] * 3 + [[0.6, 0.1]] * 2 + [[0.3]]
+    groups, phases = ["a"] * 3 + ["b"] * 2 + [None], {"a": 0.3, "b": 0.05}
+    seconds = [1.0 + 0.02 * n for n in range(64)]
+    sizes = batch_tree_sizes(seconds, gains, [0.01] * 6, groups=groups, group_seconds=phases)
+    drafting = sum(phases[g] for g in {g for g, n in zip(groups, sizes) if n > 1 and g is not None})
+    drafting += 0.01 * sum(n > 1 for n in sizes)
+    kept = sum(sum(g[:n - 1]) for g, n in zip(gains, sizes))
+    assert (6 + kept) / (drafting + seconds[sum(sizes) - 1]) >= 6 / seconds[5]
+    assert max(sizes[3:5]) > 1  # the cheap group drafts
+
+
+def test_the_engine_learns_a_groups_phase_and_lets_it_fade():
+    """A batched engine of pooled greedy eagle-tree sequences records what its trees grown together took, once
+    a round (``_phase_seconds``), sizes by it, and fades it in rounds without a tree."""
+    from eagle.decoding.batched import DRAFT_FADE
+
+    target = tiny_target(eos=False, seed=10)
+    model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3)
+    engine = BatchedEngine(model, max_batch=4, load_sizing=True, cache_pool=True, row_seconds=[1.0] * 64)
+    for i, ids in enumerate(prompts(4, seed=2)):
+        engine.add(i, ids, RequestOptions(method="eagle-tree", max_new_tokens=30))
+    engine.step()
+    engine.step()
+    assert engine._phase_seconds["eagle-tree"] > 0  # cheap rows: trees drafted together
+    engine._phase_seconds["eagle-tree"] = 1e6  # a phase dearer than any gain: no trees
+    for rounds in range(1, 3):
+        assert all(e.stats.tree_size == 1 for e in engine.step())
+        assert engine._phase_seconds["eagle-tree"] == pytest.approx(1e6 * DRAFT_FADE ** rounds)
