@@ -459,7 +459,7 @@ class DrafterGraphs(_Static):
 
         def run() -> torch.Tensor:
             return self.call_rows(inputs["features"], inputs["embeds"], inputs["positions"], inputs["index"],
-                             inputs["table"], inputs["block"], keys_len)
+                                  inputs["table"], inputs["block"], keys_len)
 
         return StaticShape(inputs, run)
 
