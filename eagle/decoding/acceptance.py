@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from eagle.decoding.sampling import sample
+from eagle.decoding.tree import host_tensor
 
 
 @dataclasses.dataclass
@@ -45,7 +46,8 @@ def greedy_tree(tokens: torch.Tensor, parents: torch.Tensor, paths: torch.Tensor
             nodes.append(node)
         if len(nodes) > len(best):
             best = nodes
-    return Acceptance(nodes=torch.tensor(best, device=tokens.device), next_token=argmax[best[-1]])
+    nodes = host_tensor(best) if tokens.device.type == "cpu" else torch.tensor(best, device=tokens.device)
+    return Acceptance(nodes=nodes, next_token=argmax[best[-1]])
 
 
 def children_of(parents: torch.Tensor) -> list[list[int]]:
