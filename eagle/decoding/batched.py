@@ -445,10 +445,10 @@ class BatchedEngine:
         aux = next((r.seq.proposer.aux_layers for r in rounds if r.seq.proposer.aux_layers), ())
         together = len(rounds) > 1 and runs_segments(target.lean, self._pool is not None) and all(
             isinstance(r.seq.cache, kv_cache.StaticCache) for r in rounds)
-        # a pooled forward reads each tree's own columns alone (each sequence sees its whole cache), on the host
-        # (it copies all trees' masks at once); else the whole mask, on the device
+        # a pooled forward reads each tree's own ancestors alone (each sequence sees its whole cache): its bool
+        # mask on the host (all trees' copied at once); else the whole additive mask, on the device
         short = together and self._pool is not None
-        masks = [None if r.proposal.tree.size < 2 else attention_bias(r.attn.mask, 0, target.dtype) if short
+        masks = [None if r.proposal.tree.size < 2 else r.attn.mask if short
                  else attention_bias(r.attn.mask, r.past, target.dtype).to(target.device) for r in rounds]
         for r in rounds:
             r.seq.stats.tree_size = r.proposal.tree.size

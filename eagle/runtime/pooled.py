@@ -71,15 +71,16 @@ def batch_biases(windows: Sequence[int | None], group_rows: int, dtype: torch.dt
 def tree_blocks(members: int, m: int, places: Sequence[int], sizes: Sequence[int], masks: Sequence[torch.Tensor | None],
                 device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
     """``batch_biases``' ``block`` [B, M, M] on ``device``: causal, then segment s's rows at place
-    ``places[s]`` as its additive mask [1, 1, n, K] allows among them (its last n columns, K >= n; None:
-    causal); written into ``out`` when given. Built on the host and copied once when the masks are
-    there, else one copy per tree on the device."""
+    ``places[s]`` as its mask allows among them: an additive mask [1, 1, n, K] (its last n columns, K >= n),
+    or a bool one [n, n] (True: seen; a tree's ``TreeAttention.mask`` as it is); None: causal. Written into
+    ``out`` when given. Built on the host and copied once when the masks are there, else one copy per
+    tree on the device."""
     host = all(mask is None or mask.device.type == "cpu" for mask in masks)
     causal = torch.ones(m, m, dtype=torch.bool, device="cpu" if host else device).tril()
     block = causal.expand(members, m, m).clone()
     for place, n, mask in zip(places, sizes, masks):
         if mask is not None:
-            block[place, :n, :n] = mask[0, 0, :, mask.shape[-1] - n:] == 0
+            block[place, :n, :n] = mask if mask.dtype == torch.bool else mask[0, 0, :, mask.shape[-1] - n:] == 0
     return block.to(device) if out is None else out.copy_(block)
 
 
@@ -186,7 +187,8 @@ def pooled_forward(lean: Any, input_ids: torch.Tensor, position_ids: torch.Tenso
                    sizes: Sequence[int], masks: Sequence[torch.Tensor | None],
                    aux_layers: Sequence[int] = ()) -> torch.Tensor:
     """``segment_forward`` over caches that are slots of one ``CachePool`` (``masks``: each sequence
-    sees its whole cache; their last n columns are used). Runs on the pool's ``PooledGraphs`` when it
+    sees its whole cache; their last n columns are used, or bool [n, n] masks as ``tree_blocks`` takes
+    them). Runs on the pool's ``PooledGraphs`` when it
     has one and the call fits its buckets; else eagerly, the attention's batch being the pool's slots 0
     .. top - 1 read in place when these sequences are at least half of them (a round of the running
     batch), else these sequences' slots gathered (prompts joining a long batch)."""
