@@ -9,7 +9,7 @@ import torch
 from eagle import EagleModel
 from eagle.decoding import batch_trees
 from eagle.decoding.batch_trees import draft_together, grows_together, pool_depths
-from eagle.decoding.batched import BatchedEngine, RequestOptions
+from eagle.decoding.batched import BatchedEngine, RequestOptions, generate_together
 from eagle.decoding.draft_steps import run_alone, run_together
 from eagle.decoding.tree_sizing import batch_tree_sizes
 from eagle.runtime.pooled import PooledGraphs
@@ -157,3 +157,30 @@ def test_the_engine_learns_a_groups_phase_and_lets_it_fade():
     for rounds in range(1, 3):
         assert all(e.stats.tree_size == 1 for e in engine.step())
         assert engine._phase_seconds["eagle-tree"] == pytest.approx(1e6 * DRAFT_FADE ** rounds)
+
+
+def test_trees_grown_together_beside_sequences_drafting_alone(monkeypatch):
+    """One pooled round holds greedy eagle-tree sequences (trees grown together), a sampled one (its drawn
+    tree grown alone on the host path, with the same drafter pool), a chain (another group) and ``ar``: each
+    greedy request's tokens and rounds are its own decoding's, and the sampled one finishes."""
+    target = tiny_target(eos=True, seed=10)
+    model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3,
+                                       auto_length=False)
+    batch = prompts(5, seed=11)
+    options = [RequestOptions(method="eagle-tree", max_new_tokens=14), RequestOptions(method="ar", max_new_tokens=14),
+               RequestOptions(method="eagle-tree", max_new_tokens=14, temperature=0.8, seed=3),
+               RequestOptions(method="eagle-chain", max_new_tokens=14),
+               RequestOptions(method="eagle-tree", max_new_tokens=14)]
+    engine = BatchedEngine(model, max_batch=5, load_sizing=False, cache_pool=True)
+    groups = []
+    together = batch_trees.draft_together
+    monkeypatch.setattr("eagle.decoding.batched.draft_together",
+                        lambda proposers, *a: groups.append(len(proposers)) or together(proposers, *a))
+    results = generate_together(engine, batch, options)
+    for ids, opts, result in zip(batch, options, results):
+        if opts.temperature:
+            assert 0 < len(result.token_ids) <= 14
+            continue
+        alone = model.generate(ids, method=opts.method, max_new_tokens=14)
+        assert result.token_ids == alone.token_ids and result.accept_lengths == alone.accept_lengths, opts.method
+    assert 2 in groups and 1 in groups  # the two greedy trees together; the chain, a group of its own
