@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import torch
 
 from eagle.decoding.batch import keys_for
+from eagle.decoding.device_rounds import kept_parents, kept_pool, pool_depths
 from eagle.decoding.proposers import EagleDrafter, Proposal
 from eagle.decoding.tree import Pool, kept_indices, root_only
 from eagle.runtime import cuda_graphs, kv_cache
@@ -39,12 +40,6 @@ def grows_together(proposer: object) -> bool:
     return (isinstance(proposer, EagleDrafter) and not proposer.draw_temperature and not proposer.cfg.choices
             and proposer.sizing is None and isinstance(proposer.cfg.total_tokens, int)
             and isinstance(proposer.cache, SlotCache))
-
-
-def pool_depths(k: int, calls: int) -> list[int]:
-    """The depth of each node of a pool grown by ``calls`` expansions of k nodes with k children each:
-    the root, its k children, then k^2 nodes per call [1 + k + calls k^2]."""
-    return [0] + [1] * k + [d + 1 for d in range(1, calls + 1) for _ in range(k * k)]
 
 
 def grow(first: EagleDrafter, hidden: torch.Tensor, roots: torch.Tensor, committed: torch.Tensor, calls: int,
@@ -102,18 +97,12 @@ def grow(first: EagleDrafter, hidden: torch.Tensor, roots: torch.Tensor, committ
 def best_nodes(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, keep: int,
                levels: torch.Tensor, depths: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Each pool's root and its ``keep`` best nodes no deeper than its ``levels`` [B], in pool order,
-    re-indexed: (tokens, parents, scores) [B, 1 + keep] (a node deeper than its sequence's levels scores
-    -inf, and so do its descendants: read up to the first -inf). Ties go to the lower index, as
-    ``tree.kept_indices``: a kept node's parent is kept."""
-    b, m = scores.shape
+    re-indexed (``device_rounds.kept_pool`` and ``kept_parents`` per pool): (tokens, parents, scores)
+    [B, 1 + keep] (a node deeper than its sequence's levels scores -inf, and so do its descendants: read up
+    to the first -inf). Ties go to the lower index, as ``tree.kept_indices``: a kept node's parent is kept."""
     scores = scores.masked_fill(depths[None, :] > levels[:, None], -torch.inf)
-    best = torch.sort(scores[:, 1:], dim=1, descending=True, stable=True).indices[:, :keep] + 1
-    kept = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=scores.device), torch.sort(best, dim=1).values], 1)
-    new_index = torch.full((b, m), -1, dtype=torch.long, device=scores.device).scatter(
-        1, kept, torch.arange(kept.shape[1], device=scores.device).expand(b, -1))
-    pool_parents = parents.gather(1, kept)
-    new_parents = torch.where(pool_parents >= 0, new_index.gather(1, pool_parents.clamp(min=0)), pool_parents)
-    return tokens.gather(1, kept), new_parents, scores.gather(1, kept)
+    kept = kept_pool(scores, keep + 1)
+    return tokens.gather(1, kept), kept_parents(parents, kept), scores.gather(1, kept)
 
 
 def grown_trees(members: Sequence[EagleDrafter], roots: Sequence[int], levels: Sequence[int], calls: int,

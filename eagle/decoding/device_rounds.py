@@ -90,22 +90,34 @@ def select_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tenso
 
 
 def kept_pool(scores: torch.Tensor, total: int) -> torch.Tensor:
-    """``select_tree``'s choice: the pool indices [total] of the root and the ``total - 1`` best
-    nodes of ``scores`` [M], increasing."""
-    best = torch.sort(scores[1:], descending=True, stable=True).indices[:total - 1] + 1
-    return torch.cat([torch.zeros(1, dtype=torch.long, device=scores.device), torch.sort(best).values])
+    """``select_tree``'s choice: the pool indices [..., total] of the root and the ``total - 1`` best
+    nodes of ``scores`` [..., M] (each pool of a batch along the last dimension), increasing."""
+    best = torch.sort(scores[..., 1:], dim=-1, descending=True, stable=True).indices[..., :total - 1] + 1
+    root = torch.zeros(best.shape[:-1] + (1,), dtype=torch.long, device=scores.device)
+    return torch.cat([root, torch.sort(best, dim=-1).values], dim=-1)
+
+
+def kept_parents(parents: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """The parents [..., n] of a pool's nodes ``kept`` [..., n] (``kept_pool``'s: increasing, root first,
+    closed under parents), as indices among the kept (root -1); ``parents`` [..., M] the pool's."""
+    index = torch.arange(kept.shape[-1], device=kept.device).expand(kept.shape)
+    new_index = torch.full(parents.shape, -1, dtype=torch.long, device=parents.device).scatter(-1, kept, index)
+    pool_parents = parents.gather(-1, kept)
+    return torch.where(pool_parents >= 0, new_index.gather(-1, pool_parents.clamp(min=0)), pool_parents)
 
 
 def kept_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, depths: torch.Tensor,
               kept: torch.Tensor, max_depth: int) -> DeviceTree:
     """The pool nodes ``kept`` [n] (``kept_pool``: increasing, root first, closed under parents), re-indexed."""
-    m = tokens.shape[0]
-    new_index = torch.full((m,), -1, dtype=torch.long, device=tokens.device)
-    new_index[kept] = torch.arange(kept.shape[0], device=tokens.device)
-    pool_parents = parents[kept]
-    new_parents = torch.where(pool_parents >= 0, new_index[pool_parents.clamp(min=0)], pool_parents)
+    new_parents = kept_parents(parents, kept)
     return DeviceTree(tokens[kept], new_parents, scores[kept], depths[kept], ancestor_matrix(new_parents, max_depth),
                       max_depth)
+
+
+def pool_depths(k: int, calls: int) -> list[int]:
+    """The depth of each node of a pool grown by ``calls`` expansions of k nodes with k children each:
+    the root, its k children, then k^2 nodes per call [1 + k + calls k^2]."""
+    return [0] + [1] * k + [d + 1 for d in range(1, calls + 1) for _ in range(k * k)]
 
 
 @dataclasses.dataclass
@@ -315,8 +327,8 @@ class DeviceTreeDrafter:
         layout = self._layouts.get(calls)
         if layout is None:
             k, dev = self.top_k, self.device
-            depths = [0] + [1] * k + [d + 1 for d in range(1, calls + 1) for _ in range(k * k)]
-            layout = self._layouts[calls] = (torch.tensor([-1] + [0] * k, device=dev), torch.tensor(depths, device=dev))
+            layout = self._layouts[calls] = (torch.tensor([-1] + [0] * k, device=dev),
+                                             torch.tensor(pool_depths(k, calls), device=dev))
         return layout
 
     @torch.inference_mode()
@@ -417,7 +429,7 @@ class DeviceTreeDrafter:
         themselves (a static function's output stays in the graph's memory), then when drawing the
         draws' rows [T], ids [R, S] and log-probs [R, S] (``DeviceDraws``)."""
         k, dev = self.top_k, self.device
-        first_parents, pool_depths = self._layout(calls)
+        first_parents, depths = self._layout(calls)
         expanded, supports, support_lps = [torch.zeros(1, dtype=torch.long, device=dev)], [], []
 
         def children(parent_scores: torch.Tensor, logprobs: torch.Tensor, row: int) -> tuple[torch.Tensor, ...]:
@@ -456,7 +468,7 @@ class DeviceTreeDrafter:
             size += k * k
         pool_scores = torch.cat(pool_scores)
         kept = kept_pool(pool_scores, min(self.total, size))
-        tree = kept_tree(torch.cat(tokens).long(), torch.cat(parents), pool_scores, pool_depths, kept, calls + 1)
+        tree = kept_tree(torch.cat(tokens).long(), torch.cat(parents), pool_scores, depths, kept, calls + 1)
         fields = tuple(getattr(tree, f.name) for f in dataclasses.fields(tree))  # not astuple: it deep-copies
         if noise is None:
             return fields

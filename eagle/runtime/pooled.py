@@ -325,8 +325,9 @@ class PooledGraphs(_Static):
 
         return StaticShape(inputs, run)
 
-    def _fill(self, shape: StaticShape, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[SlotCache],
-              pasts: Sequence[int], sizes: Sequence[int], masks: Sequence[torch.Tensor | None]) -> None:
+    def _fill(self, shape: StaticShape, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              caches: Sequence[SlotCache], pasts: Sequence[int], sizes: Sequence[int],
+              masks: Sequence[torch.Tensor | None]) -> None:
         """The static inputs of this call: real rows first, padding rows (token 0 at position 0, cache
         position 0 of the scratch slot, its segment row 0) after; segment sizes and pasts per slot (0 for
         slots not in the call); each tree's block."""
@@ -347,21 +348,31 @@ def step_blocks(members: int, m: int, span: int, places: Sequence[int], pasts: S
     whole, its rows, its span: 0 where no sequence sits) and ``block`` [B, M, span]. Segment s (at place
     ``places[s]``, ``sizes[s]`` rows after ``pasts[s]`` cached) sees every key but its last S and of those
     what ``seen[s]`` (bool [n, S], a ``DraftStep``'s) allows; None: causal (S = n). ``seen`` one tensor
-    [B, n, S] (every segment n rows: ``batch_trees``' calls): ``block`` made where it is, in one write."""
-    table = [[0] * members for _ in range(3)]
+    [B, n, S] (every segment n rows: ``batch_trees``' calls): both made where it is (``uniform_blocks``)."""
     if isinstance(seen, torch.Tensor):
-        n, width = seen.shape[1:]
-        for place, past in zip(places, pasts):
-            table[0][place], table[1][place], table[2][place] = past + n - width, n, width
-        block = torch.zeros(members, m, span, dtype=torch.bool, device=seen.device)
-        block[torch.tensor(places, device=seen.device), :n, :width] = seen
-        return torch.tensor(table), block
+        return uniform_blocks(members, m, span, torch.tensor(list(places), device=seen.device),
+                              torch.tensor(list(pasts), device=seen.device), seen)
+    table = [[0] * members for _ in range(3)]
     block = torch.zeros(members, m, span, dtype=torch.bool)
     for place, past, n, mask in zip(places, pasts, sizes, seen):
         width = n if mask is None else mask.shape[1]
         table[0][place], table[1][place], table[2][place] = past + n - width, n, width
         block[place, :n, :width] = torch.ones(n, n, dtype=torch.bool).tril() if mask is None else mask
     return torch.tensor(table), block
+
+
+def uniform_blocks(members: int, m: int, span: int, places: torch.Tensor, pasts: torch.Tensor,
+                   seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``step_blocks``' table [3, members] and block [members, m, span] where every segment has n rows, on
+    ``seen``'s device: segment b at place ``places[b]``, its rows written after ``pasts[b]`` cached keys, sees
+    every key but its last S and of those what ``seen`` [B, n, S] allows. Device operations only
+    (capturable)."""
+    n, width = seen.shape[1:]
+    table = torch.zeros(3, members, dtype=torch.long, device=seen.device)
+    table[:, places] = torch.stack([pasts + n - width, torch.full_like(pasts, n), torch.full_like(pasts, width)])
+    block = torch.zeros(members, m, span, dtype=torch.bool, device=seen.device)
+    block[places, :n, :width] = seen
+    return table, block
 
 
 def step_spans(sizes: Sequence[int], seen: Sequence[torch.Tensor | None] | torch.Tensor) -> list[int]:
@@ -482,14 +493,10 @@ class DrafterGraphs(_Static):
         ``slots`` [B]; a padding one at the scratch slot) writes n rows (``features``/``embeds`` [B n, .] at
         ``positions`` [B n], by sequence) at cache positions ``starts`` [B] on, and sees every key before its
         last S and of those what ``seen`` [B, n, S] allows (S <= ``span``, the block's width) -> [B n, H]."""
-        b, n, width = seen.shape
-        device = seen.device
-        row = torch.arange(n, device=device)
+        b, n = seen.shape[:2]
+        row = torch.arange(n, device=seen.device)
         row_slots = slots.repeat_interleave(n)
         index = torch.stack([row_slots, row_slots, row.repeat(b), (starts[:, None] + row).reshape(-1)])
-        table = torch.zeros(3, self.pool.kv.shape[2], dtype=torch.long, device=device)
-        table[:, slots] = torch.stack([starts + n - width, torch.full_like(starts, n), torch.full_like(starts, width)])
-        block = torch.zeros(self.pool.kv.shape[2], cuda_graphs.bucket_for(n, SEGMENT_BUCKETS), span, dtype=torch.bool,
-                            device=device)
-        block[slots, :n, :width] = seen
+        table, block = uniform_blocks(self.pool.kv.shape[2], cuda_graphs.bucket_for(n, SEGMENT_BUCKETS), span, slots,
+                                      starts, seen)
         return self.call_rows(features, embeds, positions, index, table, block, keys_len)
