@@ -156,7 +156,8 @@ class PackedLinear(nn.Module):
             if rows == 0:
                 return flat.new_empty(*x.shape[:-1], self.encoded.codes.shape[0])
             parts = flat.split(cpu_kernels().stream_rows_q)  # the weight is None only where codes are streamed
-            return torch.cat([self.stream(part) for part in parts]).view(*x.shape[:-1], -1)
+            out = self.stream(parts[0]) if len(parts) == 1 else torch.cat([self.stream(part) for part in parts])
+            return out.view(*x.shape[:-1], -1)  # one part not copied: a large vocabulary's logits are megabytes a row
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         if rows in self.plain_rows:
@@ -334,7 +335,7 @@ class CodesGreedyHead:
 
     def whole(self, x: torch.Tensor) -> torch.Tensor:
         """The argmax of the whole head's fp32 logits [N] for rows x [N, K], unscreened."""
-        return argmax(self.head(x), self.compiled.argmax_rows)
+        return head_argmax(self.head, x, self.compiled.argmax_rows)
 
     def radius(self, x: torch.Tensor) -> torch.Tensor:
         """c [N] (float64) for fp32 rows x [N, K]: each int8 logit is within c |w_j| of the fp32 one (with a margin),
@@ -716,7 +717,23 @@ class HeadAndCache:
         ``head(hidden).argmax(-1)`` gives (``GreedyHead`` where it runs)."""
         if self.greedy_head is not None:
             return self.greedy_head(hidden)
-        return argmax(self.head(hidden), self.argmax_op)
+        return head_argmax(self.head, hidden, self.argmax_op)
+
+
+ARGMAX_LOGITS_BYTES = 16 << 20  # the most logits head_argmax makes at once: 16 rows of a 262144-token head
+
+
+def head_argmax(head: Any, hidden: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    """``argmax(head(hidden), op)`` for features [N, H]. A head streamed from its codes in fp32 (each row's logits the
+    same whatever rows come with it) meets many rows a group at a time, each group's logits (at most
+    ``ARGMAX_LOGITS_BYTES``, and at least ``STREAM_MAX_ROWS`` rows) reduced before the next are made: a large
+    vocabulary's logits of many rows (64 x 262144 are 67 MB) are never all in memory, for the same tokens
+    (docs/performance.md)."""
+    if isinstance(head, PackedLinear) and head.weight is None and head.encoded is not None and not head.int8:
+        group = max(STREAM_MAX_ROWS, ARGMAX_LOGITS_BYTES // (4 * head.encoded.codes.shape[0]))
+        if hidden.shape[0] > group:
+            return torch.cat([argmax(head(part), op) for part in hidden.split(group)])
+    return argmax(head(hidden), op)
 
 
 def argmax(logits: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:

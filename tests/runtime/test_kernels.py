@@ -698,6 +698,36 @@ def test_codes_greedy_head_argmax_is_the_fp32_heads_even_on_near_ties(isa, monke
     assert (want[:100] < 1000).any() and (want[:100] >= 1000).any() and not (want[:100] >= 2000).any()
 
 
+def test_a_codes_heads_argmax_of_many_rows_is_made_a_group_of_rows_at_a_time(isa, monkeypatch):
+    """``head_argmax``: a head streamed from its codes meets many rows a group at a time, at most
+    ``ARGMAX_LOGITS_BYTES`` of logits (at least 16 rows), and gives the argmax of all the rows' logits at once; a head
+    whose logits of all the rows fit, or one with an fp32 weight, takes every row in one product."""
+    from eagle.runtime import decoder
+    from eagle.runtime.block_codes import block_quantize
+    from eagle.runtime.decoder import head_argmax
+
+    op_or_skip()
+    gen = torch.Generator().manual_seed(8)
+    vocab = 3000
+    codes = block_quantize(torch.randn(vocab, 64, generator=gen), 8)
+    x = torch.randn(37, 64, generator=gen)
+    op = kernels.cpu_kernels().argmax_rows
+    cases = ((PackedLinear.from_codes(codes), 4 * vocab * 16, [16, 16, 5]),
+             (PackedLinear.from_codes(codes), 4 * vocab * 20, [20, 17]),
+             (PackedLinear.from_codes(codes), decoder.ARGMAX_LOGITS_BYTES, [37]),  # 37 rows' logits: 444 KB
+             (PackedLinear(torch.randn(vocab, 64)), 4 * vocab * 16, [37]))
+    for head, most, groups in cases:
+        calls = []
+        monkeypatch.setattr(decoder, "ARGMAX_LOGITS_BYTES", most)
+        with torch.inference_mode():
+            want = head(x).argmax(-1)
+            monkeypatch.setattr(head, "forward", lambda rows, head=head: calls.append(rows.shape[0]) or
+                                PackedLinear.forward(head, rows))
+            assert torch.equal(head_argmax(head, x, op), want) and torch.equal(head_argmax(head, x[:3], op), want[:3])
+        assert calls == groups + [3], (most, calls)
+        monkeypatch.undo()
+
+
 def test_codes_greedy_head_screens_only_the_row_counts_it_measured_faster_at(isa, monkeypatch, tmp_path):
     """``codes_greedy_head`` times the screen against the whole head's product and argmax at 1, 4 and 16 rows:
     it screens up to the last row count it won (ascending, to the first loss), and is None where it loses at one
