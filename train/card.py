@@ -180,11 +180,21 @@ prompts, greedy:
 """
 
 
-def _fixed_tree_text(bench: dict) -> str:
+def _tree_of(bench: dict, drafter_dir: Path) -> dict:
+    """The bench's ``eagle-tree`` figures of this drafter: the method ``eagle-tree`` or ``eagle-tree@DIR`` with DIR
+    this folder (several drafters compared in one process); {} where it has none."""
+    for name, stats in bench["methods"].items():
+        method, at, folder = name.partition("@")
+        if method == "eagle-tree" and (not at or Path(folder).resolve() == drafter_dir.resolve()):
+            return stats
+    return {}
+
+
+def _fixed_tree_text(bench: dict, drafter_dir: Path) -> str:
     """One line per fixed-tree bench; benches from before prompt-lookup grafting record no ``tree``."""
     lookup = bench["config"].get("tree", {}).get("lookup_tokens", 0)
     how = f"prompt-lookup chains of up to {lookup} tokens grafted on" if lookup else "the drafter's tree alone"
-    tree = bench["methods"]["eagle-tree"]
+    tree = _tree_of(bench, drafter_dir)
     return f"""
 With a fixed tree (`{bench['config']['command']}`, {bench['prompts']} prompts; {how}): mean accepted length
 **{tree['mean_accept_length']:.2f}**, {tree['tokens_per_second']:.2f} tokens/s.
@@ -194,7 +204,7 @@ With a fixed tree (`{bench['config']['command']}`, {bench['prompts']} prompts; {
 def render(drafter_dir: Path, data: dict, features: dict | None, summary: dict, bench: dict, train_yaml: str,
            fixed_trees: Sequence[dict] = (), earlier: list[dict] | None = None) -> str:
     cfg = json.loads((drafter_dir / "config.json").read_text())
-    tree = bench["methods"].get("eagle-tree", {})
+    tree = _tree_of(bench, drafter_dir)
     return f"""# EAGLE drafter for {cfg['target']['name']}
 
 An EAGLE-1/2 feature-level drafter ({cfg['num_layers']} decoder layer, hidden {cfg['hidden_size']}, {_fc_text(cfg)},
@@ -212,7 +222,7 @@ Wall time {summary.get('wall_s', 0) / 60:.0f} minutes.{_speed_text(summary)}{_re
 ## Measured on the dev prompt set (`benchmarks/prompts/dev.jsonl`)
 {_bench_table(bench)}
 Mean accepted length of `eagle-tree`: **{tree.get('mean_accept_length', 0):.2f}** tokens per target forward.
-""" + "".join(_fixed_tree_text(b) for b in fixed_trees)
+""" + "".join(_fixed_tree_text(b, drafter_dir) for b in fixed_trees)
 
 
 def _loading_text(drafter_dir: Path, cfg: dict) -> str:

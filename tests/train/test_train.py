@@ -466,8 +466,13 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
     online = {**records["summary.json"], "config": {**records["summary.json"]["config"], "online": True,
                                                     "data": ["data/a.jsonl.gz", "data/b.jsonl.gz"]}}
     (tmp_path / "online.json").write_text(json.dumps(online))
+    compared = {**records["bench.json"], "methods": {  # drafters compared in one process: this one's figures
+        "ar": records["bench.json"]["methods"]["ar"],
+        "eagle-tree@elsewhere": {"tokens_per_second": 20.0, "mean_accept_length": 3.5},
+        f"eagle-tree@{tmp_path / 'drafter'}": {"tokens_per_second": 14.0, "mean_accept_length": 2.25}}}
+    (tmp_path / "compared.json").write_text(json.dumps(compared))
     assert card_main(["--drafter", str(tmp_path / "drafter"), "--selfdistill", str(tmp_path / "sd-other.json"),
-                      "--summary", str(tmp_path / "online.json"), "--bench", str(tmp_path / "bench.json"),
+                      "--summary", str(tmp_path / "online.json"), "--bench", str(tmp_path / "compared.json"),
                       "--train-config", "run.yaml"]) == 0
     other = (tmp_path / "drafter" / "README.md").read_text()
     name = json.loads((tmp_path / "drafter" / "config.json").read_text())["target"]["name"]
@@ -475,6 +480,7 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
     assert "(self-distillation, no outside data):\n`another-model` wrote the user questions itself" in other
     assert "`another-model` answered them greedily" in other and "The target" not in other.split("## Training")[0]
     assert "computed on the fly by the target in the training process (`online: true`), from `data/a.jsonl.gz`" in other
+    assert "Mean accepted length of `eagle-tree`: **2.25** tokens per target forward." in other
     # a draft LM's card, from the same kind of records
     from eagle.drafting import draft_lm
 
