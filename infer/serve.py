@@ -502,8 +502,9 @@ def build_parser() -> Any:
     parser.add_argument("--max-queue", type=int, default=16,
                         help="requests that may wait for a place in the running batch; more get 429 (default 16)")
     parser.add_argument("--max-batch", type=int, default=1,
-                        help="requests decoded together in the running batch; others wait in the queue (default 1; "
-                             "more interleave their rounds, one target forward each)")
+                        help="requests decoded together in the running batch; others wait in the queue (default 1: one "
+                             "at a time on the fastest single-stream path; more: one target forward a round "
+                             "verifies every running request's draft tree)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (401 otherwise; default: none)")
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                         help=f"larger request bodies get 413 (default {MAX_BODY_BYTES})")

@@ -38,7 +38,7 @@ from eagle.config import SamplingConfig
 from eagle.decoding.sampling import logits_to_probs
 from eagle.decoding.tree_mask import additive_bias
 from eagle.errors import EagleError
-from eagle.runtime.cuda_graphs import keys_for as graph_keys
+from eagle.runtime.cuda_graphs import bucket_for, keys_for as graph_keys
 from eagle.runtime.decoder import rms_norm, rotate, silu_mul
 from eagle.runtime.gemma import GemmaDecoder, gemma_norm
 from eagle.runtime.target import Target
@@ -144,11 +144,6 @@ def keys_for(end: int, capacity: int) -> int:
     """Cache positions a step attends over when its rows write below ``end`` (``cuda_graphs.keys_for``
     with the floor ``MIN_KEYS``)."""
     return graph_keys(end, capacity, MIN_KEYS)
-
-
-def bucket_for(n: int, buckets: Sequence[int]) -> int:
-    """The smallest of the increasing ``buckets`` >= n."""
-    return next(b for b in buckets if b >= n)
 
 
 def prefill_groups(lengths: Sequence[int], budget: int) -> list[list[int]]:
