@@ -352,13 +352,36 @@ class EagleModel:
         view._packed = self._packed
         return view
 
+    def with_prompt_lookup(self, prompt_lookup: PromptLookupConfig) -> "EagleModel":
+        """This model with other prompt-lookup options (``pld``'s, and the lookups of trees), sharing its
+        weights and their inference copies as ``with_tree`` does."""
+        view = self._with(self._drafter, self.tree, prompt_lookup)
+        view._packed = self._packed
+        return view
+
+    def with_round_size(self, method: str, size: int | str | None) -> "EagleModel":
+        """This model, or a view of it whose ``method`` rounds verify at most ``size`` tokens, root included:
+        ``eagle-tree``'s trees of ``size`` nodes (``with_tree``; "auto": sized as it decodes), ``pld``'s
+        chains of ``size - 1`` drafts, not shortened by ``auto_length`` (``with_prompt_lookup``). The model
+        itself for other methods, for ``size`` None and for its own size."""
+        lookup = self.prompt_lookup
+        if method == "eagle-tree" and size is not None and size != self.tree.total_tokens:
+            return self.with_tree(dataclasses.replace(self.tree, total_tokens=size))
+        if method == "pld" and size is not None and (lookup.auto_length or size != lookup.num_draft_tokens + 1):
+            if not isinstance(size, int) or isinstance(size, bool) or size < 2:
+                raise EagleError(f"a pld round's size is its drafts + 1, at least 2; got {size!r}")
+            return self.with_prompt_lookup(dataclasses.replace(lookup, auto_length=False, num_draft_tokens=size - 1))
+        return self
+
     def with_drafter(self, drafter: Drafter | DrafterFile | None) -> "EagleModel":
         """This model with another drafter (``open_drafter``'s): the same target, draft model and options."""
         return self._with(drafter, self.tree)
 
-    def _with(self, drafter: Drafter | DrafterFile | None, tree: TreeConfig) -> "EagleModel":
-        return EagleModel(self.target, drafter, self.draft_model, tree, self.speculative, self.prompt_lookup,
-                          self.drafter_dtype, self.drafter_quant or "none", self.device_rounds)
+    def _with(self, drafter: Drafter | DrafterFile | None, tree: TreeConfig,
+              prompt_lookup: PromptLookupConfig | None = None) -> "EagleModel":
+        return EagleModel(self.target, drafter, self.draft_model, tree, self.speculative,
+                          prompt_lookup or self.prompt_lookup, self.drafter_dtype, self.drafter_quant or "none",
+                          self.device_rounds)
 
     def _cost_sizing(self, kind: str, sampling: SamplingConfig) -> Sizing:
         """What sizing ``kind``'s rounds ("eagle" trees, "pld" chains) by cost has learned in this model's

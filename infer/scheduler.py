@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 from eagle.errors import EagleError
 from eagle.runtime.cuda_graphs import capture_stats
 
-VIEWS = 4  # models with another tree size kept at once
+VIEWS = 4  # models with another round size kept at once
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)  # seconds, for the histogram
 
 
@@ -63,8 +63,8 @@ class Job:
 @dataclasses.dataclass(frozen=True)
 class Admission:
     """A sequence as a backend decodes it: ``ids`` the prompt's token ids, at most ``max_new_tokens``
-    new ones (the prompt leaves room for at least one); ``total_tokens`` the tree size of an
-    eagle-tree sequence (None: the model's own)."""
+    new ones (the prompt leaves room for at least one); ``total_tokens`` the most tokens an eagle-tree
+    or pld round verifies, root included (None: the model's own sizing)."""
 
     key: int
     ids: list[int]
@@ -123,16 +123,15 @@ class SerialBackend:
                              "(CUDA graphs, device rounds) keeps one generation's state in shared buffers")
         self.model, self.capacity = model, capacity
         self.streams: dict[int, Any] = {}
-        self.views: dict[int | str, Any] = {}  # total_tokens -> the model with trees of that size
+        self.views: dict[tuple[str, int | str], Any] = {}  # (method, size) -> the model whose rounds have that size
 
-    def model_for(self, size: int | str | None) -> Any:
-        """The model, or one sharing its weights whose trees have ``size`` nodes."""
-        if size is None or size == self.model.tree.total_tokens:
+    def model_for(self, method: str, size: int | str | None) -> Any:
+        """The model, or a view sharing its weights whose ``method`` rounds verify ``size`` tokens
+        (``EagleModel.with_round_size``), kept for the next request of that size."""
+        view = self.views.pop((method, size), None) or self.model.with_round_size(method, size)
+        if (view.tree, view.prompt_lookup) == (self.model.tree, self.model.prompt_lookup):  # its own size
             return self.model
-        view = self.views.pop(size, None)
-        if view is None:
-            view = self.model.with_tree(dataclasses.replace(self.model.tree, total_tokens=size))
-        self.views[size] = view  # the most recently used last
+        self.views[method, size] = view  # the most recently used last
         while len(self.views) > VIEWS:
             del self.views[next(iter(self.views))]
         return view
@@ -141,7 +140,7 @@ class SerialBackend:
         if len(self.streams) >= self.capacity:
             raise EagleError(f"the batch is full ({self.capacity} sequences)")
         a = admission
-        self.streams[a.key] = self.model_for(a.total_tokens).generate(
+        self.streams[a.key] = self.model_for(a.method, a.total_tokens).generate(
             a.ids, method=a.method, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
             top_k=a.top_k, seed=a.seed, stream=True)
 
@@ -173,8 +172,8 @@ class SerialBackend:
 class BatchedBackend:
     """``eagle.decoding.batched.BatchedEngine`` behind ``Backend``: every sequence of the batch
     drafts its own tree and ONE target forward verifies all of them each step; tree sizes come from
-    the measured cost of the batch's rows (``load_sizing``), so an admission's ``total_tokens`` is
-    not used. Stop strings stay the scheduler's."""
+    the measured cost of the batch's rows (``load_sizing``), within an admission's ``total_tokens``
+    (a seeded sampled request always gets all of it). Stop strings stay the scheduler's."""
 
     def __init__(self, model: Any, capacity: int) -> None:
         from eagle.decoding.batched import BatchedEngine
@@ -189,7 +188,7 @@ class BatchedBackend:
         a = admission
         self.engine.add(a.key, list(a.ids), RequestOptions(
             method=a.method, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-            top_k=a.top_k, seed=a.seed))
+            top_k=a.top_k, seed=a.seed, total_tokens=a.total_tokens))
 
     def step(self) -> list[Progress]:
         return [Progress(e.request_id, list(e.new_token_ids), (e.stop_reason or "eos") if e.finished else None)

@@ -40,6 +40,9 @@ ROLES = ("system", "developer", "user", "assistant")
 # sizing adapts to timings measured while decoding, and the draws depend on the tree, so such a
 # request would not repeat; a fixed size makes it repeat (as the library does with that size)
 SEEDED_TOTAL_TOKENS = 8
+# the same for pld's chain (root included: 3 drafts) where auto_length would size it by timings: nearly as
+# fast as auto_length on sampled chat, where the whole chain is far slower (docs/serving.md, Reproducibility)
+SEEDED_PLD_TOKENS = 4
 MAX_BODY_BYTES = 1 << 20  # the default --max-body-bytes
 
 
@@ -201,8 +204,17 @@ def encode(model: Any, job: Job) -> list[int]:
     return ids
 
 
-def tree_size(model: Any, job: Job) -> int | str | None:
-    """The tree size ``job`` decodes with (None: not a tree method or not a tree model)."""
+def round_size(model: Any, job: Job) -> int | str | None:
+    """The most tokens a round of ``job`` verifies, root included: an ``eagle-tree`` request's tree size, a
+    seeded sampled ``pld`` request's chain (None: the model's own sizing, or neither method). Sizes measured
+    while decoding would make a seeded sampled request's draws differ from one run to the next (the draws
+    depend on the drafts), so such a request gets a fixed size: ``SEEDED_TOTAL_TOKENS`` tree nodes, or
+    a ``pld`` chain of ``SEEDED_PLD_TOKENS`` (at most the model's) where ``auto_length`` would size it."""
+    if job.method == "pld":
+        lookup = getattr(model, "prompt_lookup", None)
+        if job.seed is None or job.temperature == 0 or lookup is None or not lookup.auto_length:
+            return None
+        return min(SEEDED_PLD_TOKENS, lookup.num_draft_tokens + 1)
     tree = getattr(model, "tree", None)
     if job.method != "eagle-tree" or tree is None or tree.choices is not None:
         return None
@@ -302,7 +314,7 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
             if request_timeout_s is not None:
                 job.deadline = job.arrived + request_timeout_s
             ids = await asyncio.get_running_loop().run_in_executor(None, encode, model, job)
-            job.total_tokens = tree_size(model, job)
+            job.total_tokens = round_size(model, job)
         except ApiError as exc:
             return error(exc)
         loop = asyncio.get_running_loop()

@@ -60,7 +60,9 @@ DRAFT_FADE = 0.98
 class RequestOptions:
     """How one request is decoded: ``method`` (one of ``eagle.inputs.METHODS``), ``max_new_tokens``,
     ``temperature`` (0: greedy), ``top_p``, ``top_k``, ``seed`` (None: a random one), ``stop``
-    (strings that end the generation once the decoded text contains one)."""
+    (strings that end the generation once the decoded text contains one), ``total_tokens`` (the most
+    tokens an ``eagle-tree`` or ``pld`` round verifies, root included, as ``EagleModel.with_round_size``
+    takes it; None: the model's own)."""
 
     method: str = "ar"
     max_new_tokens: int = 128
@@ -69,11 +71,14 @@ class RequestOptions:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    total_tokens: int | str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or self.method not in METHODS:
             raise EagleError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
         check_int("max_new_tokens", self.max_new_tokens, 1)
+        if self.total_tokens is not None and self.total_tokens != "auto":
+            check_int("total_tokens", self.total_tokens, 1)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not all(isinstance(s, str) and s for s in stop):
             raise EagleError(f"stop must be non-empty strings, got {self.stop!r}")
@@ -129,6 +134,7 @@ class _Sequence:
     options: RequestOptions
     sampling: SamplingConfig
     generator: torch.Generator
+    model: Any  # the engine's model, or its view with the request's ``total_tokens``
     proposer: Proposer
     ids: list[int]
     stats: RequestStats
@@ -247,9 +253,10 @@ class BatchedEngine:
         check_request(self.target, ids, options.max_new_tokens)
         sampling = options.sampling
         generator = make_generator(options.seed)
-        proposer = self.model._proposer(options.method, sampling, generator, fixed_total=self.max_tree,
-                                        host_trees=True, draft_caches=self._draft_cache)
-        seq = _Sequence(request_id, options, sampling, generator, proposer, list(ids),
+        model = self.model.with_round_size(options.method, options.total_tokens)
+        proposer = model._proposer(options.method, sampling, generator, fixed_total=self.max_tree, host_trees=True,
+                                   draft_caches=self._draft_cache)
+        seq = _Sequence(request_id, options, sampling, generator, model, proposer, list(ids),
                         RequestStats(options.method, len(ids)), time.perf_counter())
         self._queue[request_id] = seq
 
@@ -374,7 +381,7 @@ class BatchedEngine:
 
     def _most_nodes(self, seq: _Sequence) -> int:
         """The largest tree (root included) the sequence's method proposes."""
-        method, model = seq.options.method, self.model
+        method, model = seq.options.method, seq.model
         if method == "ar":
             return 1
         if method == "pld":

@@ -108,6 +108,31 @@ def test_seeded_sampled_requests_draw_what_they_draw_alone(model):
         assert result.token_ids == alone.token_ids, opts.method
 
 
+def test_a_requests_total_tokens_sizes_its_rounds_as_the_library_view_does(model):
+    """``RequestOptions.total_tokens`` decodes a request as ``model.with_round_size(method, size)`` does
+    alone: eagle-tree trees of that many nodes at most, pld chains of that many drafts + 1; the others
+    in the batch keep the model's own sizes."""
+    batch = prompts(4, seed=9)
+    options = [RequestOptions(method="eagle-tree", max_new_tokens=10, total_tokens=4),
+               RequestOptions(method="pld", max_new_tokens=10, total_tokens=3, temperature=1.0, seed=2),
+               RequestOptions(method="eagle-tree", max_new_tokens=10),
+               RequestOptions(method="eagle-tree", max_new_tokens=10, total_tokens=5, temperature=1.0, seed=3)]
+    trees = []
+    joins = {0: [(i, ids, opts) for i, (ids, opts) in enumerate(zip(batch, options))]}
+    tokens, _ = run(BatchedEngine(model, max_batch=4, load_sizing=False), joins, trees)
+    for i, (ids, opts) in enumerate(zip(batch, options)):
+        view = model.with_round_size(opts.method, opts.total_tokens)
+        alone = view.generate(ids, method=opts.method, max_new_tokens=10, temperature=opts.temperature,
+                              seed=opts.seed)
+        assert tokens[i] == alone.token_ids, i
+    assert max(size for method, size in trees if method == "pld") <= 3
+    assert {size for method, size in trees if method == "eagle-tree"} >= {8}  # the model's own, request 2
+    assert model.with_round_size("eagle-tree", 8) is model and model.with_round_size("ar", 3) is model
+    assert model.with_round_size("pld", 4).prompt_lookup.num_draft_tokens == 3
+    with pytest.raises(EagleError, match="total_tokens"):
+        RequestOptions(method="eagle-tree", total_tokens=0)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_segment_forward_equals_each_sequence_alone(family):
     """Three sequences of different cache lengths, a tree, a chain and a single row in one forward:

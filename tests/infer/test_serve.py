@@ -192,9 +192,11 @@ def test_seeded_sampling_is_reproducible(server):
         assert any(ask(seed, method) != first for seed in (12, 13, 14))  # the seed matters: it samples
 
 
-def test_seeded_sampling_repeats_with_auto_trees(server):
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_seeded_sampling_repeats_with_auto_trees(server, max_batch):
     """Auto tree sizing adapts to timings, so a seeded sampled eagle-tree request runs with a fixed tree
-    size (``SEEDED_TOTAL_TOKENS``): it repeats, and equals the library's output with that size."""
+    size (``SEEDED_TOTAL_TOKENS``): it repeats, and equals the library's output with that size, one
+    request at a time or in the batched engine."""
     from starlette.testclient import TestClient
 
     from infer.serve import SEEDED_TOTAL_TOKENS
@@ -204,13 +206,40 @@ def test_seeded_sampling_repeats_with_auto_trees(server):
     fixed = EagleModel(model.target, model.drafter,
                        tree=dataclasses.replace(model.tree, total_tokens=SEEDED_TOTAL_TOKENS))
     body = {"messages": chat("t3 t4 t5"), "max_tokens": 24, "temperature": 1.0, "seed": 5}
-    with TestClient(create_app(auto)) as client:
+    with TestClient(create_app(auto, max_batch=max_batch)) as client:
         answers = [client.post("/v1/chat/completions", json=body).json() for _ in range(2)]
         greedy = client.post("/v1/chat/completions", json={**body, "temperature": 0}).json()
     ref = fixed.generate(chat("t3 t4 t5"), method="eagle-tree", max_new_tokens=24, temperature=1.0, seed=5)
     assert [a["choices"][0]["message"]["content"] for a in answers] == [ref.text] * 2
     assert answers[0]["eagle"]["total_tokens"] == SEEDED_TOTAL_TOKENS
     assert greedy["eagle"]["total_tokens"] == "auto"  # only seeded sampling leaves auto sizing
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_seeded_sampled_pld_runs_a_fixed_chain(server, monkeypatch, max_batch):
+    """pld's ``auto_length`` shortens chains by timings measured while decoding, and the draws depend on
+    the chain, so a seeded sampled pld request runs a fixed chain (``SEEDED_PLD_TOKENS``): it repeats, and
+    equals the library's output with that chain, one request at a time or in the batched engine. Here
+    the cost curve makes every verified row dear, so ``auto_length`` drafts nothing: the same seed then
+    draws other tokens."""
+    from starlette.testclient import TestClient
+
+    from eagle.decoding import tree_sizing
+    from infer.serve import SEEDED_PLD_TOKENS
+
+    steep = tree_sizing.CostCurve(sizes=list(range(1, 65)), seconds=[float(n) for n in range(1, 65)])
+    monkeypatch.setattr(tree_sizing, "cost_curve", lambda target, greedy=False: steep)
+    model = EagleModel(server.model.target, server.model.drafter, tree=server.model.tree)
+    whole = model.with_round_size("pld", SEEDED_PLD_TOKENS)
+    prompt = chat(PROMPTS[1] + " " + PROMPTS[1])
+    body = {"messages": prompt, "max_tokens": 32, "temperature": 1.0, "seed": 5, "method": "pld"}
+    with TestClient(create_app(model, max_batch=max_batch)) as client:
+        answers = [client.post("/v1/chat/completions", json=body).json() for _ in range(2)]
+    ref = whole.generate(prompt, method="pld", max_new_tokens=32, temperature=1.0, seed=5)
+    sized = model.generate(prompt, method="pld", max_new_tokens=32, temperature=1.0, seed=5)
+    assert [a["choices"][0]["message"]["content"] for a in answers] == [ref.text] * 2
+    assert answers[0]["eagle"]["total_tokens"] == SEEDED_PLD_TOKENS < model.prompt_lookup.num_draft_tokens + 1
+    assert sized.target_forwards == len(sized.token_ids) and sized.text != ref.text
 
 
 def test_stop_strings_cut_the_text(server):
