@@ -348,14 +348,15 @@ class EagleModel:
     def with_tree(self, tree: TreeConfig) -> "EagleModel":
         """This model with other tree options: the same target, drafter and draft model, and the same
         inference copies of their weights (made once, whichever of the two uses them first)."""
-        view = self._with(self._drafter, tree)
-        view._packed = self._packed
-        return view
+        return self._view(tree, self.prompt_lookup)
 
     def with_prompt_lookup(self, prompt_lookup: PromptLookupConfig) -> "EagleModel":
         """This model with other prompt-lookup options (``pld``'s, and the lookups of trees), sharing its
         weights and their inference copies as ``with_tree`` does."""
-        view = self._with(self._drafter, self.tree, prompt_lookup)
+        return self._view(self.tree, prompt_lookup)
+
+    def _view(self, tree: TreeConfig, prompt_lookup: PromptLookupConfig) -> "EagleModel":
+        view = self._with(self._drafter, tree, prompt_lookup)
         view._packed = self._packed
         return view
 

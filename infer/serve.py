@@ -210,9 +210,10 @@ def round_size(model: Any, job: Job) -> int | str | None:
     while decoding would make a seeded sampled request's draws differ from one run to the next (the draws
     depend on the drafts), so such a request gets a fixed size: ``SEEDED_TOTAL_TOKENS`` tree nodes, or
     a ``pld`` chain of ``SEEDED_PLD_TOKENS`` (at most the model's) where ``auto_length`` would size it."""
+    seeded = job.seed is not None and job.temperature > 0
     if job.method == "pld":
         lookup = getattr(model, "prompt_lookup", None)
-        if job.seed is None or job.temperature == 0 or lookup is None or not lookup.auto_length:
+        if not seeded or lookup is None or not lookup.auto_length:
             return None
         return min(SEEDED_PLD_TOKENS, lookup.num_draft_tokens + 1)
     tree = getattr(model, "tree", None)
@@ -220,7 +221,7 @@ def round_size(model: Any, job: Job) -> int | str | None:
         return None
     if job.total_tokens is not None:
         return job.total_tokens
-    if tree.total_tokens == "auto" and job.seed is not None and job.temperature > 0:
+    if tree.total_tokens == "auto" and seeded:
         return SEEDED_TOTAL_TOKENS
     return tree.total_tokens
 
