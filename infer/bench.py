@@ -31,7 +31,7 @@ from typing import Any, Iterable
 
 from eagle.decoding.loop import STEPS
 from eagle.errors import EagleError, Parser, check_writable, command, given_flags, note_ignored
-from eagle.inputs import METHODS, check_spec
+from eagle.inputs import INT8, METHODS, check_spec, split_method
 from eagle.prompts import NO_CATEGORY, read_prompts
 from infer import llama_cpp
 from infer.cli import (add_model_args, add_sampling_args, check_method, check_model_args, check_sampling, load_model,
@@ -46,15 +46,6 @@ PARTS = ("prefill",) + STEPS  # the time breakdown, as fractions of total time
 
 # ---- input ---------------------------------------------------------------------------------
 DRAFTER_METHODS = ("eagle-tree", "eagle-chain")
-INT8 = "+int8"  # a method's suffix: run on the target loaded with int8 activations (compared in one process)
-
-
-def split_method(name: str) -> tuple[str, str | None]:
-    """``"eagle-tree@DIR"`` -> ("eagle-tree", "DIR"): an EAGLE method with another drafter folder than
-    ``--drafter`` (to compare drafters in one process; ``@eagle3``: the EAGLE-3 drafter shipped for the
-    target); a plain name -> (name, None). A ``+int8`` suffix (``ar+int8``) is not part of either."""
-    method, at, drafter = name.removesuffix(INT8).partition("@")
-    return method, (drafter if at else None)
 
 
 def parse_methods(text: str) -> list[str]:

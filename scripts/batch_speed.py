@@ -27,7 +27,7 @@ import torch
 from eagle.config import SamplingConfig
 from eagle.decoding.batch import ATTENTION, BatchDecoder, BatchStats, Request, request_seed
 from eagle.prompts import read_prompts
-from eagle.runtime.decoder import lean_decoder
+from eagle.runtime.architectures import lean_decoder
 from eagle.runtime.target import DEFAULT_TARGET, Target, default_device_dtype, load_target
 
 SMOLLM2 = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eagle.drafting.drafter import Drafter
-from eagle.runtime.decoder import lean_decoder
+from eagle.runtime.architectures import lean_decoder
 from eagle.runtime.block_codes import block_quantize, decode
 from eagle.runtime.target import Target
 

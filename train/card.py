@@ -10,7 +10,7 @@ from typing import Sequence
 
 from eagle.engine import SHIPPED_BY_KIND, shipped_drafter
 from eagle.errors import EagleError, Parser, command, given_flags, note_ignored
-from infer.bench import INT8, split_method
+from eagle.inputs import INT8, split_method
 
 PROG = "eagle-card"
 

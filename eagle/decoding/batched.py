@@ -35,7 +35,8 @@ from eagle.decoding.loop import GenerationResult, accept_round, check_request, c
 from eagle.decoding.proposers import Proposal, Proposer
 from eagle.decoding.sampling import make_generator
 from eagle.decoding.tree import DraftTree
-from eagle.decoding.tree_mask import TreeAttention, attention_bias, tree_attention
+from eagle.decoding.tree_mask import TreeAttention, tree_attention
+from eagle.runtime.masks import attention_bias
 from eagle.decoding.tree_sizing import AVERAGING, RankRates, batch_tree_sizes, cost_curve
 from eagle.errors import EagleError
 from eagle.inputs import METHODS

@@ -25,7 +25,7 @@ from eagle.drafting.drafter import LeanDrafter
 from eagle.errors import EagleError
 from eagle.decoding.draft_steps import DraftStep, StepResult, run_alone
 from eagle.decoding.sampling import logits_to_probs, sample
-from eagle.decoding.tree_mask import bool_rows
+from eagle.runtime.masks import bool_rows
 from eagle.runtime.target import Target
 from eagle.decoding.tree import (DraftTree, Pool, best_frontier, chain_tree, graft_chains, kept_indices, root_only,
                                  sampled_children, static_layout)

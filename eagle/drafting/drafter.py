@@ -32,7 +32,7 @@ from eagle.runtime.kv_cache import StaticCache
 from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels
 from eagle.runtime.decoder import LayerWeights, PackedLinear, decoder_stack, rms_norm, rotate, to_huge_pages
 from eagle.runtime.block_codes import BLOCK, CODES, FORMATS, SCALES, BlockCodes, decode, unpack_state
-from eagle.decoding.tree_mask import causal_bias
+from eagle.runtime.masks import causal_bias
 from eagle.drafting import checkpoint_formats
 from eagle.drafting.drafter_config import FORMAT, DrafterConfig, TargetInfo, default_eagle3_layers
 from eagle.drafting.weights import SafetensorsRows, check_state, read_safetensors

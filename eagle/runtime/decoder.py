@@ -37,7 +37,7 @@ from eagle.runtime.huge_pages import huge_page_copies
 from eagle.runtime.block_codes import BlockCodes, block_encode, block_quantize, decode
 from eagle.runtime.gguf_file import LLAMA_FAMILY
 from eagle.runtime.gguf_weights import GGUFLinear, GGUFMatrix, GGUFModel, GGUFProjection, joined_rows
-from eagle.decoding.tree_mask import causal_bias
+from eagle.runtime.masks import causal_bias
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -592,18 +592,6 @@ def unsupported_reason(model: Any) -> str | None:
     if not hasattr(getattr(model, "model", None), "rotary_emb"):
         return "no rotary embedding module at model.model.rotary_emb"
     return None
-
-
-def lean_decoder(model: Any, int8_activations: bool = False) -> Any:
-    """A lean forward for ``model`` when its architecture is supported, else None: a ``LeanDecoder``
-    (Llama, Qwen2, Qwen3) or an ``eagle.runtime.gemma.GemmaDecoder`` (Gemma-3). ``int8_activations``: see
-    ``LeanDecoder``."""
-    from eagle.runtime import gemma
-
-    if getattr(model.config, "model_type", None) in gemma.GEMMA_MODEL_TYPES:
-        return gemma.GemmaDecoder(model, int8_activations=int8_activations) if gemma.unsupported_reason(
-            model) is None else None
-    return LeanDecoder(model, int8_activations=int8_activations) if unsupported_reason(model) is None else None
 
 
 def product(linears: Sequence[Any], stream: bool, encode: bool, int8: bool = False) -> "PackedLinear | GGUFLinear":

@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from eagle import EagleError, EagleModel
 from eagle.decoding import acceptance, draft_steps
 from eagle.decoding.batched import BatchedEngine, RequestOptions, generate_together
-from eagle.decoding.tree_mask import attention_bias, tree_attention
+from eagle.decoding.tree_mask import tree_attention
+from eagle.runtime.masks import attention_bias
 from eagle.decoding.tree_sizing import RankRates, batch_tree_sizes
 from eagle.runtime import segments
 from eagle.runtime.fake_capture import syncs

@@ -6,7 +6,8 @@ from transformers import DynamicCache
 
 from eagle import Drafter, EagleError, EagleModel
 from eagle.drafting.drafter import LeanDrafter
-from eagle.decoding.tree_mask import attention_bias, tree_attention
+from eagle.decoding.tree_mask import tree_attention
+from eagle.runtime.masks import attention_bias
 
 from tests.conftest import block_quantized, prompts, tiny_drafter, tiny_target
 

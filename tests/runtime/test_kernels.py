@@ -214,7 +214,7 @@ def test_rope_cache_rotates_as_torch_and_writes_the_cache_rows(d):
 
 @pytest.mark.parametrize("nh,nkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
 def test_attention_matches_a_float64_reference(nh, nkv, d):
-    from eagle.decoding.tree_mask import additive_bias
+    from eagle.runtime.masks import additive_bias
 
     module = module_or_skip()
     gen = torch.Generator().manual_seed(nh * d)
@@ -238,7 +238,7 @@ def test_an_attention_row_does_not_depend_on_other_rows_or_masked_keys():
     """Bit for bit: a row among 8 whose keys have masked keys between them (a tree node
     verified after its ancestors' siblings) equals that row alone over just its own keys in
     order (the same token in a plain decoding step)."""
-    from eagle.decoding.tree_mask import additive_bias
+    from eagle.runtime.masks import additive_bias
 
     module = module_or_skip()
     gen = torch.Generator().manual_seed(3)
@@ -341,7 +341,8 @@ def test_lean_decoder_attention_kernel_matches_the_model_and_keeps_rows_independ
     with the transformers model, and a tree's rows are bit-identical to the same tokens decoded
     one at a time."""
     from eagle.runtime.decoder import LeanDecoder
-    from eagle.decoding.tree_mask import attention_bias, tree_attention
+    from eagle.decoding.tree_mask import tree_attention
+    from eagle.runtime.masks import attention_bias
     from tests.conftest import tiny_target
 
     module_or_skip()
@@ -377,7 +378,8 @@ def test_lean_drafter_compiled_layers_match_the_drafter_on_a_tree():
     of the plain ``Drafter`` on each node's own path; greedy eagle-tree drafted that way is ar."""
     from eagle import EagleModel
     from eagle.drafting.drafter import LeanDrafter
-    from eagle.decoding.tree_mask import attention_bias, tree_attention
+    from eagle.decoding.tree_mask import tree_attention
+    from eagle.runtime.masks import attention_bias
     from tests.conftest import prompts, tiny_drafter, tiny_target
 
     module_or_skip()
@@ -469,7 +471,8 @@ def test_lean_decoder_streams_block_coded_weights_with_the_same_bits():
     """A target whose weights are dequantized Q4_1 (layers) and Q8_0 (head), as the default GGUF
     target's: the forward from the codes equals the fp32 one bit for bit (decoding, a tree, the argmax)."""
     from eagle.runtime.decoder import LeanDecoder
-    from eagle.decoding.tree_mask import attention_bias, tree_attention
+    from eagle.decoding.tree_mask import tree_attention
+    from eagle.runtime.masks import attention_bias
     from tests.conftest import block_quantized, tiny_target
 
     module_or_skip()
