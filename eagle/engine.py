@@ -24,7 +24,7 @@ from eagle.drafting import draft_lm
 from eagle.drafting.drafter import Drafter, DrafterConfig, DrafterFile, LeanDrafter
 from eagle.errors import EagleError
 from eagle.inputs import METHODS
-from eagle.runtime.block_codes import FORMATS
+from eagle.runtime.quant_blocks import FORMATS
 from eagle.runtime.decoder import cpu_has_fast_bf16, packed_copy
 from eagle.runtime.kernels import stream_linear_op
 from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
@@ -231,7 +231,7 @@ class EagleModel:
                  drafter_quant: str | None = None, device_rounds: bool | None = None) -> None:
         """``drafter_dtype``: what the drafter and the draft model compute in (default
         ``default_drafter_dtype``). ``drafter_quant``: the EAGLE drafter's weights rounded to a block
-        format of ``eagle.runtime.block_codes.FORMATS`` and computed in fp32, or "none" (default
+        format of ``eagle.runtime.quant_blocks.FORMATS`` and computed in fp32, or "none" (default
         ``default_drafter_quant``, unless ``drafter_dtype`` is given). They only propose; every token
         is still the target's, whatever their precision (``sd`` accepts against the draft
         probabilities it really sampled from). ``device_rounds``: ``eagle-tree``/``eagle-chain`` rounds
@@ -422,7 +422,7 @@ class EagleModel:
                   fixed_total: int | None = None, host_trees: bool = False,
                   draft_caches: Callable[[Any], Any] | None = None) -> Proposer:
         """The proposer of ``method``; ``fixed_total``: the most tree nodes where ``total_tokens`` is
-        "auto", sized by the caller instead (``eagle.decoding.batched``); ``host_trees``: trees made from
+        "auto", sized by the caller instead (``eagle.decoding.serving``); ``host_trees``: trees made from
         host values (``ar``'s, ``pld``'s, a greedy drafter's) on the host, for a caller that moves a round's
         trees to the device at once; ``draft_caches``: drafter -> a cache for it (a pool's slot), where a drafter's
         cache comes from."""

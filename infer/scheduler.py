@@ -170,20 +170,20 @@ class SerialBackend:
 
 
 class BatchedBackend:
-    """``eagle.decoding.batched.BatchedEngine`` behind ``Backend``: every sequence of the batch
+    """``eagle.decoding.serving.ServingEngine`` behind ``Backend``: every sequence of the batch
     drafts its own tree and ONE target forward verifies all of them each step; tree sizes come from
     the measured cost of the batch's rows (``load_sizing``), within an admission's ``total_tokens``
     (a seeded sampled request always gets all of it). Stop strings stay the scheduler's."""
 
     def __init__(self, model: Any, capacity: int) -> None:
-        from eagle.decoding.batched import BatchedEngine
+        from eagle.decoding.serving import ServingEngine
 
         if capacity < 1:
             raise EagleError(f"max_batch must be >= 1, got {capacity}")
-        self.engine, self.capacity = BatchedEngine(model, max_batch=capacity), capacity
+        self.engine, self.capacity = ServingEngine(model, max_batch=capacity), capacity
 
     def add(self, admission: Admission) -> None:
-        from eagle.decoding.batched import RequestOptions
+        from eagle.decoding.serving import RequestOptions
 
         a = admission
         self.engine.add(a.key, list(a.ids), RequestOptions(

@@ -106,7 +106,7 @@ say "target: $TARGET"
 PROMPTS=benchmarks/prompts/dev.jsonl
 BENCH_ENV=()
 TESTS=(tests/runtime/test_cuda_graphs.py tests/runtime/test_fake_capture.py tests/decoding/test_device_rounds.py tests/test_engine.py tests/decoding/test_tree_mask.py
-       tests/decoding/test_acceptance.py tests/runtime/test_cache_pool.py tests/decoding/test_batched.py
+       tests/decoding/test_acceptance.py tests/runtime/test_cache_pool.py tests/decoding/test_serving.py
        tests/decoding/test_draft_steps.py::test_a_pooled_drafter_call_gives_each_sequence_what_its_own_cache_gives
        tests/decoding/test_batch_trees.py)
 if [ "$DEVICE" = cuda ]; then

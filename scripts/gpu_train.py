@@ -198,11 +198,11 @@ def train_config(args, kind: str, data: list[str], work: Path, wall_s: float) ->
 
 def pack_drafter(folder: Path, tar_path: Path) -> int:
     """A trained drafter folder -> a tar of its config and its weights as 8-bit block codes (as
-    shipped, ``eagle.runtime.block_codes.pack_state``); -> bytes written."""
+    shipped, ``eagle.runtime.quant_blocks.pack_state``); -> bytes written."""
     from safetensors.torch import load_file, save
 
     from eagle.drafting.drafter import FORMAT
-    from eagle.runtime.block_codes import pack_state
+    from eagle.runtime.quant_blocks import pack_state
 
     weights = save(pack_state(load_file(str(folder / "model.safetensors"))), metadata={"format": FORMAT})
     with tarfile.open(tar_path, "w") as tar:

@@ -325,7 +325,7 @@ def test_bench_compares_int8_activations_in_one_process(saved, tmp_path):
 
     import torch
 
-    from eagle.runtime.block_codes import block_quantize, decode
+    from eagle.runtime.quant_blocks import block_quantize, decode
 
     target_dir, drafter_dir = saved
     coded = tmp_path / "coded"

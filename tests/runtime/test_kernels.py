@@ -442,7 +442,7 @@ def test_greedy_head_argmax_is_the_fp32_heads_even_on_near_ties():
 
 @pytest.mark.parametrize("bits,out_features,in_features", [(4, 53, 96), (8, 41, 64), (4, 7, 1536)])
 def test_stream_linear_q_gives_the_bits_of_the_fp32_kernel_on_the_decoded_weight(bits, out_features, in_features):
-    from eagle.runtime.block_codes import block_encode
+    from eagle.runtime.quant_blocks import block_encode
     from tests.conftest import block_quantized
 
     module = module_or_skip()
@@ -596,7 +596,7 @@ def int8_rows_reference(x: torch.Tensor) -> torch.Tensor:
 def int8_products(module, name: str):
     """(product(x) with int8 activations, product(x) without, the de-quantized weight) for GGUF type ``name`` or
     block codes (``block4``/``block8``, fp32 or ``-half`` scales) of a random 37 x 512 weight."""
-    from eagle.runtime.block_codes import block_quantize, decode
+    from eagle.runtime.quant_blocks import block_quantize, decode
 
     if name in GGML_BLOCKS:
         raw, type_id, weight = random_gguf_rows(name, 37, 512, seed=len(name))
@@ -659,7 +659,7 @@ def test_codes_greedy_head_argmax_is_the_fp32_heads_even_on_near_ties(isa, monke
     the wrong token), exact ties (duplicate rows: the first index), crowds, 1-21 rows, with a bias; x that is not
     finite gets the whole head's answer. With the bound taken away it fails (the negative control)."""
     from eagle.runtime import decoder
-    from eagle.runtime.block_codes import block_quantize
+    from eagle.runtime.quant_blocks import block_quantize
     from eagle.runtime.decoder import CodesGreedyHead, codes_greedy_head
 
     op_or_skip()
@@ -706,7 +706,7 @@ def test_a_codes_heads_argmax_of_many_rows_is_made_a_group_of_rows_at_a_time(isa
     ``ARGMAX_LOGITS_BYTES`` of logits (at least 16 rows), and gives the argmax of all the rows' logits at once; a head
     whose logits of all the rows fit, or one with an fp32 weight, takes every row in one product."""
     from eagle.runtime import decoder
-    from eagle.runtime.block_codes import block_quantize
+    from eagle.runtime.quant_blocks import block_quantize
     from eagle.runtime.decoder import head_argmax
 
     op_or_skip()
@@ -737,7 +737,7 @@ def test_codes_greedy_head_screens_only_the_row_counts_it_measured_faster_at(isa
     row (a CPU without fast int8 dot products); the choice is kept in the cache, not measured again. Above
     ``max_rows`` the whole head answers."""
     from eagle.runtime import decoder
-    from eagle.runtime.block_codes import block_quantize
+    from eagle.runtime.quant_blocks import block_quantize
     from eagle.runtime.decoder import CodesGreedyHead, codes_greedy_head
 
     op_or_skip()

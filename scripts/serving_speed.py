@@ -1,7 +1,7 @@
-"""Aggregate new tokens/s of ``BatchedEngine`` (continuous batching with draft trees) per method and
+"""Aggregate new tokens/s of ``ServingEngine`` (continuous batching with draft trees) per method and
 batch size, on one target.
 
-    python scripts/batched_speed.py --methods ar,eagle-tree --batch 1,4,8 --prompts 8 --max-new-tokens 64
+    python scripts/serving_speed.py --methods ar,eagle-tree --batch 1,4,8 --prompts 8 --max-new-tokens 64
 
 Prompts: the chat-templated dev prompts, cycled; all are queued at once and decoded ``--batch`` at a
 time, greedy. The process's CPU time is reported beside the wall time (on a machine shared with
@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagle import EagleModel
-from eagle.decoding.batched import BatchedEngine, RequestOptions
+from eagle.decoding.serving import ServingEngine, RequestOptions
 from eagle.prompts import read_prompts
 from eagle.runtime.target import DEFAULT_TARGET
 
@@ -56,7 +56,7 @@ def count_ops(model: EagleModel, prompts: list[list[int]], method: str, batch: i
     """The torch operations of ``rounds`` rounds of ``batch`` running sequences (after two rounds
     uncounted), per round and by phase: propose (drafting), verify (the target forward), finish
     (acceptance, compaction, the proposer's update, the greedy head)."""
-    engine = BatchedEngine(model, max_batch=batch, load_sizing=False, cache_pool=cache_pool)
+    engine = ServingEngine(model, max_batch=batch, load_sizing=False, cache_pool=cache_pool)
     for i, ids in enumerate(prompts[:batch]):
         engine.add(i, ids, RequestOptions(method=method, max_new_tokens=rounds + 8))
     engine.step()
@@ -82,7 +82,7 @@ def count_ops(model: EagleModel, prompts: list[list[int]], method: str, batch: i
 def run(model: EagleModel, prompts: list[list[int]], method: str, batch: int, max_new_tokens: int,
         load_sizing: bool, cache_pool: bool | None = None) -> dict:
     """Decode ``prompts`` ``batch`` at a time -> tokens per prompt, seconds, rounds' accepted lengths and tree sizes."""
-    engine = BatchedEngine(model, max_batch=batch, load_sizing=load_sizing, cache_pool=cache_pool)
+    engine = ServingEngine(model, max_batch=batch, load_sizing=load_sizing, cache_pool=cache_pool)
     for i, ids in enumerate(prompts):
         engine.add(i, ids, RequestOptions(method=method, max_new_tokens=max_new_tokens))
     tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}

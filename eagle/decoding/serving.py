@@ -1,4 +1,4 @@
-"""Continuous batching with draft trees: ``BatchedEngine``.
+"""Continuous batching with draft trees: ``ServingEngine``.
 
 Requests join (``add``) and leave (finished or ``cancel``) between rounds. Each ``step`` is one
 round for every running sequence: each proposes its own draft tree (``ar``: the root alone),
@@ -180,7 +180,7 @@ def on_host(trees: list[DraftTree]) -> list[DraftTree]:
     return out
 
 
-class BatchedEngine:
+class ServingEngine:
     """Decode many requests together, one round per ``step``, with the methods of ``model``
     (an ``eagle.engine.EagleModel``).
 
@@ -535,7 +535,7 @@ class BatchedEngine:
         return bool(found)
 
 
-def generate_together(engine: BatchedEngine, prompts: Sequence[Any],
+def generate_together(engine: ServingEngine, prompts: Sequence[Any],
                       options: RequestOptions | Sequence[RequestOptions] | None = None) -> list[GenerationResult]:
     """Decode ``prompts`` through ``engine`` until all are done -> their results, in order
     (``options``: one for all or one per prompt)."""
