@@ -14,7 +14,7 @@ import torch
 
 from eagle.config import (PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig, check_bool, check_int,
                           option_configs)
-from eagle.decoding.device_rounds import (MAX_TREE, DeviceTreeDrafter, auto_total, device_decode_loop,
+from eagle.decoding.device_rounds import (MAX_TREE, DeviceTreeDrafter, device_decode_loop,
                                           device_rounds_apply, draw_temperature)
 from eagle.decoding.loop import GenerationResult, decode_loop, static_greedy_loop
 from eagle.decoding.proposers import DraftModel, EagleDrafter, NoDraft, PromptLookup, Proposer
@@ -236,7 +236,8 @@ class EagleModel:
         is still the target's, whatever their precision (``sd`` accepts against the draft
         probabilities it really sampled from). ``device_rounds``: ``eagle-tree``/``eagle-chain`` rounds
         drafted, verified and accepted on the device with one host read each
-        (``eagle.decoding.device_rounds``; default: on CUDA), where the tree options allow it. ``drafter``: a
+        (``eagle.decoding.device_rounds``; default: on CUDA, where the tree options allow it: ``host_only``;
+        ``True`` where they do not is an error when such a round is asked for). ``drafter``: a
         module, or a ``DrafterFile`` (what ``from_pretrained`` opens for an fp32 target on a CPU): the inference
         copy is then read from the file and the fp32 module only when ``drafter`` is asked for."""
         self.target, self._drafter, self.draft_model = target, drafter, draft_model
@@ -251,6 +252,7 @@ class EagleModel:
         self.drafter_dtype = drafter_dtype or default_drafter_dtype(target)
         if device_rounds is not None:
             check_bool("device_rounds", device_rounds)
+        self.device_rounds_given = device_rounds
         self.device_rounds = target.device.type == "cuda" if device_rounds is None else device_rounds
         self._packed: dict[tuple[int, torch.dtype, str | None], tuple[Any, Any]] = {}
         # what sizing by cost has learned in this model's decoding so far, per kind of round, greedy and sampled
@@ -382,7 +384,7 @@ class EagleModel:
               prompt_lookup: PromptLookupConfig | None = None) -> "EagleModel":
         return EagleModel(self.target, drafter, self.draft_model, tree, self.speculative,
                           prompt_lookup or self.prompt_lookup, self.drafter_dtype, self.drafter_quant or "none",
-                          self.device_rounds)
+                          self.device_rounds_given)
 
     def _cost_sizing(self, kind: str, sampling: SamplingConfig) -> Sizing:
         """What sizing ``kind``'s rounds ("eagle" trees, "pld" chains) by cost has learned in this model's
@@ -410,13 +412,14 @@ class EagleModel:
         tree = self._method_tree(method)
         if not device_rounds_apply(tree, sampling):
             return None
-        k = tree.top_k
-        pool = 1 + k + tree.depth * k * k
-        total = tree.total_tokens if isinstance(tree.total_tokens, int) else auto_total(self.target, pool,
-                                                                                         sampling.greedy)
+        reason = host_only(tree)
+        if reason is not None:
+            if self.device_rounds_given:
+                raise EagleError(f"device_rounds: {reason}")
+            return None
         return DeviceTreeDrafter(self._inference_copy(self._drafter, self.drafter_dtype, self.drafter_quant),
-                                 self.target, k, tree.depth, min(total, MAX_TREE), draw_temperature(tree, sampling),
-                                 tree.draw_support)
+                                 self.target, tree.top_k, tree.depth, min(tree.total_tokens, MAX_TREE),
+                                 draw_temperature(tree, sampling), tree.draw_support)
 
     def _proposer(self, method: str, sampling: SamplingConfig, generator: torch.Generator,
                   fixed_total: int | None = None, host_trees: bool = False,
@@ -476,6 +479,17 @@ class EagleModel:
             return Stream(events, self.target.tokenizer)
         *_, result = events
         return result
+
+
+def host_only(tree: TreeConfig) -> str | None:
+    """Why a dynamic tree's options need the host path, or None: device rounds graft no prompt-lookup drafts
+    (``lookup_tokens`` > 0) and run one fixed tree size, where ``total_tokens="auto"`` sizes every round from
+    the measured cost curve (``eagle.decoding.tree_sizing``), as the host path and the serving engine do."""
+    if tree.lookup_tokens > 0:
+        return f"device rounds graft no prompt-lookup drafts: set lookup_tokens=0 (it is {tree.lookup_tokens})"
+    if not isinstance(tree.total_tokens, int):
+        return "device rounds run one fixed tree size: give total_tokens an integer ('auto' sizes each round)"
+    return None
 
 
 def check_same_tokenizer(target: Target, draft: Target) -> None:

@@ -4,7 +4,7 @@
 #   (b) eagle-bench on the default target, CUDA graphs and device rounds (eagle.decoding.device_rounds):
 #       hf,ar,eagle-tree fp32 greedy; ar,eagle-tree at temperature 1 (default options: drawn children);
 #       ar,eagle-tree bf16 greedy (share of prompts identical to bf16 ar); ar,eagle-tree with host rounds
-#       (--no-device-rounds, 5 prompts: what device rounds gain); the load test of eagle-serve (continuous
+#       (--set device_rounds=false, 5 prompts: what device rounds gain); the load test of eagle-serve (continuous
 #       batching, pooled caches: 1, 4, 16 and 64 concurrent clients, ar and eagle-tree, fp32 greedy, each answer
 #       checked against its request alone);
 #   (c) the training smoke run (scripts/train_smoke.py: DeepSpeed ZeRO-2 in bf16, resume, CPU load).
@@ -111,19 +111,20 @@ TESTS=(tests/runtime/test_cuda_graphs.py tests/runtime/test_fake_capture.py test
        tests/decoding/test_batch_trees.py)
 if [ "$DEVICE" = cuda ]; then
   export EAGLE_CPU_KERNELS=0  # the CPU side (the trained drafter's check) runs torch's operations: nothing compiled
-  NEW=128; LIMIT=(); FEW=(--limit 5); TESTDEV=cuda; TEST_LIMIT=120; BENCH_LIMIT=200; SHORT=120; TRAIN_LIMIT=150; DEV_ARGS=(--device cuda --warmup 1)
-  LOAD=(--concurrency 1,4,16,64 --requests-per-client 1 --max-batch 64)
+  NEW=128; LIMIT=(); FEW=(--limit 5); TESTDEV=cuda; TEST_LIMIT=120; BENCH_LIMIT=200; SHORT=120; TRAIN_LIMIT=150; DEV_ARGS=(--device cuda --set warmup=1 --total-tokens 32)
+  LOAD=(--concurrency 1,4,16,64 --set requests_per_client=1 --max-batch 64 --set cache_pool=true)
 else
   # the rehearsal: 16 new tokens for 2 prompts, fixed trees (no cost curve to measure), no warm-up; the bench's
   # static functions captured by the CPU stand-in for CUDA capture (eagle.runtime.fake_capture): a fallback fails
   BENCH_ENV=(env EAGLE_FAKE_CAPTURE=1 EAGLE_CPU_KERNELS=0)  # the stand-in records torch's operations only
   NEW=16; LIMIT=(--limit 2); FEW=(--limit 1); TESTDEV=cpu; TEST_LIMIT=900; BENCH_LIMIT=900; SHORT=900; TRAIN_LIMIT=900; BUDGET=${EAGLE_GPU_CHECK_BUDGET:-7200}
-  TESTS=(tests/runtime/test_cuda_graphs.py tests/decoding/test_device_rounds.py); DEV_ARGS=(--device cpu --warmup 0 --total-tokens 12)
-  LOAD=(--concurrency 1,2 --requests-per-client 1 --max-batch 2)
+  TESTS=(tests/runtime/test_cuda_graphs.py tests/decoding/test_device_rounds.py); DEV_ARGS=(--device cpu --set warmup=0 --total-tokens 12)
+  LOAD=(--concurrency 1,2 --set requests_per_client=1 --max-batch 2 --set cache_pool=true)
 fi
 [ -n "${EAGLE_GPU_CHECK_TESTS:-}" ] && read -r -a TESTS <<< "$EAGLE_GPU_CHECK_TESTS"  # another test selection
 BENCH=("${BENCH_ENV[@]}" $PY -m infer.bench --target "$TARGET" --prompts $PROMPTS --max-new-tokens $NEW "${DEV_ARGS[@]}")
-GRAPHS=(--cuda-graphs --device-rounds)  # the defaults on CUDA; on a CPU the same static path without graphs
+# device rounds need a fixed tree size and no prompt-lookup grafts; on a CPU the same static path without graphs
+GRAPHS=(--set cuda_graphs=true --set device_rounds=true --set lookup_tokens=0)
 
 # (a) tests on the device (the static/graph path, decoding, trees, acceptance, lean forward)
 part tests $TEST_LIMIT env EAGLE_TEST_DEVICE=$TESTDEV $PY -m pytest -q -m "not slow and not integration" \
@@ -137,8 +138,8 @@ part bench-fp32-t1 $SHORT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods a
   --json "$OUT/bench-fp32-t1.json"
 part bench-bf16-greedy $SHORT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype bfloat16 \
   --title "One GPU, bf16, greedy (CUDA graphs, device rounds)" --json "$OUT/bench-bf16-greedy.json"
-part bench-fp32-host-rounds $SHORT "${BENCH[@]}" "${FEW[@]}" --methods ar,eagle-tree --dtype float32 --cuda-graphs \
-  --no-device-rounds --title "One GPU, fp32, greedy, host rounds (CUDA graphs, 5 prompts)" \
+part bench-fp32-host-rounds $SHORT "${BENCH[@]}" "${FEW[@]}" --methods ar,eagle-tree --dtype float32 --set cuda_graphs=true \
+  --set device_rounds=false --title "One GPU, fp32, greedy, host rounds (CUDA graphs, 5 prompts)" \
   --json "$OUT/bench-fp32-host-rounds.json"
 
 part serving-load $SHORT "${BENCH[@]}" "${LIMIT[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype float32 "${LOAD[@]}" \

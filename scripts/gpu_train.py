@@ -245,8 +245,9 @@ def bench(args, drafters: dict[str, Path], work: Path, logf: Path, limit: float)
     report = work / "bench.json"
     cmd = [sys.executable, "-m", "infer.bench", "--target", args.target, "--prompts", args.bench_prompts,
            "--methods", ",".join(methods), "--limit", str(args.bench_limit), "--max-new-tokens",
-           str(args.bench_new_tokens), "--total-tokens", "60", "--depth", "6", "--tree-top-k", "10",
-           "--lookup-tokens", "0", "--temperature", "0", "--device", args.device, "--dtype", "float32", "--warmup", "0",
+           str(args.bench_new_tokens), "--total-tokens", "60", "--set", "depth=6", "--set", "top_k=10",
+           "--set", "lookup_tokens=0", "--temperature", "0", "--device", args.device, "--dtype", "float32", "--set",
+           "warmup=0",
            "--json", str(report)]
     log(f"bench: {' '.join(cmd[2:])}", logf)
     with (work / "bench.txt").open("w") as out:

@@ -9,8 +9,8 @@ other work, wall time measures the others too; with OMP_NUM_THREADS=1 CPU time i
 An untimed warm-up first (the cost curve is measured there if it is not cached). With ``--check``
 each output is compared with the same prompt decoded alone (``ar``). Prints one JSON line per
 (method, batch): new tokens, seconds, tokens/s, mean accepted length and tree size, identical
-outputs. ``--cache-pool on|off`` chooses the engine's cache layout (default: its own choice, pooled
-on CUDA). ``--count-ops N`` also counts the torch operations (each at least one kernel launch on a
+outputs. ``--cache-pool on|off`` chooses the engine's cache layout (default off: per-sequence caches;
+on: pooled, the GPU layout). ``--count-ops N`` also counts the torch operations (each at least one kernel launch on a
 GPU) of N rounds of a full batch, by phase of the round, with torch's dispatch mode: a machine-independent
 measure of what launching costs on a GPU, where a 135M target's round is launch-bound."""
 
@@ -30,7 +30,7 @@ from eagle.prompts import read_prompts
 from eagle.runtime.target import DEFAULT_TARGET
 
 
-POOL = {"auto": None, "on": True, "off": False}
+POOL = {"on": True, "off": False}
 
 
 class OpCounter(TorchDispatchMode):
@@ -52,7 +52,7 @@ METADATA = {torch.ops.aten.detach, torch.ops.aten.lift_fresh, torch.ops.aten._lo
 
 
 def count_ops(model: EagleModel, prompts: list[list[int]], method: str, batch: int, rounds: int,
-              cache_pool: bool | None) -> dict:
+              cache_pool: bool) -> dict:
     """The torch operations of ``rounds`` rounds of ``batch`` running sequences (after two rounds
     uncounted), per round and by phase: propose (drafting), verify (the target forward), finish
     (acceptance, compaction, the proposer's update, the greedy head)."""
@@ -80,7 +80,7 @@ def count_ops(model: EagleModel, prompts: list[list[int]], method: str, batch: i
 
 
 def run(model: EagleModel, prompts: list[list[int]], method: str, batch: int, max_new_tokens: int,
-        load_sizing: bool, cache_pool: bool | None = None) -> dict:
+        load_sizing: bool, cache_pool: bool = False) -> dict:
     """Decode ``prompts`` ``batch`` at a time -> tokens per prompt, seconds, rounds' accepted lengths and tree sizes."""
     engine = ServingEngine(model, max_batch=batch, load_sizing=load_sizing, cache_pool=cache_pool)
     for i, ids in enumerate(prompts):
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="compare each output with the prompt decoded alone")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    parser.add_argument("--cache-pool", choices=sorted(POOL), default="auto")
+    parser.add_argument("--cache-pool", choices=sorted(POOL), default="off")
     parser.add_argument("--count-ops", type=int, default=0, metavar="ROUNDS",
                         help="count the torch operations of this many rounds of a full batch, not timed")
     args = parser.parse_args()
