@@ -234,3 +234,9 @@ def test_generate_bench_and_serve_take_tuning_options_as_config_keys(tmp_path):
     with pytest.raises(EagleError, match="--warmup is a config key: --set warmup=VALUE"):
         cli.parse_command(bench.build_parser(), ["--prompts", "p", "--warmup", "0"], bench.BenchOptions)
     assert cli.main(["--set", "depth=x", "hi"]) == 2  # one line through the command too
+
+
+def test_the_options_page_holds_the_generated_config_key_table():
+    from infer.config_keys import config_key_table
+
+    assert config_key_table() in (ROOT / "docs" / "options.md").read_text()
