@@ -2,6 +2,8 @@
 draft runs by its own lean forward with its own cache (a GGUF draft's codes kept, never copied), greedy output
 is ``ar``'s in the API and in ``eagle-generate``, and a draft with another vocabulary is refused in one line."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -58,20 +60,28 @@ def write_llama_gguf(path, model: torch.nn.Module, seed: int, tokens: list[str] 
         return write_model_gguf(path, model, Q8, seed=seed)
 
 
+@contextlib.contextmanager
+def private_cache(root, shared):
+    """``EAGLE_CACHE`` set to a new cache under ``root`` for the block (what is derived from a test's GGUF files goes
+    there, not to the cache of converted targets), its compiled kernels those of ``shared``."""
+    cache = root / "cache"
+    cache.mkdir()
+    (cache / "extensions").symlink_to(shared / "extensions", target_is_directory=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EAGLE_CACHE", str(cache))
+        yield cache
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, private_cost_curves):
     """{"target": a tiny Llama GGUF file with a vocabulary, "same": a copy of it, "near": a model folder of the
     target's weights, a few of them changed (a draft agreeing with the target most of the time), "other": a
     GGUF file of another random model with the same vocabulary}, in a cache of their own (what is derived from a
-    GGUF file goes there, while the module runs; the compiled kernels are the shared ones)."""
+    GGUF file goes there while the module runs: ``private_cache``)."""
     kernels_or_skip()
     root = tmp_path_factory.mktemp("draft-models")
-    cache = root / "cache"
-    cache.mkdir()
-    (cache / "extensions").symlink_to(private_cost_curves / "extensions", target_is_directory=True)
     tokens, types = tiny_vocabulary()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EAGLE_CACHE", str(cache))
+    with private_cache(root, private_cost_curves):
         model = tiny_llama(len(tokens), seed=0)
         target = write_llama_gguf(root / "target.gguf", model, 0, tokens, types, size=0.3)
         same = root / "same.gguf"
@@ -94,9 +104,6 @@ def test_sd_with_a_model_spec_as_draft_model_is_ar(files, draft):
     draft is loaded as a ``Target`` (a GGUF file's codes kept) and run as it is, greedy ``sd`` gives ``ar``'s
     tokens, and a draft that agrees with the target has its drafts accepted (its cache holds the accepted text)."""
     model = EagleModel.from_pretrained(files["target"], draft_model=files[draft], gamma=4)
-    assert isinstance(model.draft_model, Target) and model.draft_model.lean is not None
-    assert isinstance(model.draft_model.model, GGUFModel) == (draft != "near")
-    assert model._proposer("sd", SamplingConfig(), torch.Generator()).model is model.draft_model  # no copy
     accepted = []
     for text in TEXTS:
         ar = model.generate(text, method="ar", max_new_tokens=24)
@@ -105,6 +112,9 @@ def test_sd_with_a_model_spec_as_draft_model_is_ar(files, draft):
         accepted.append(sd.mean_accept_length)
         assert model.generate(text, method="sd", max_new_tokens=24, temperature=1.0, seed=3).token_ids
     mean = sum(accepted) / len(accepted)
+    assert isinstance(model.draft_model, Target) and model.draft_model.lean is not None
+    assert isinstance(model.draft_model.model, GGUFModel) == (draft != "near")
+    assert model._proposer("sd", SamplingConfig(), torch.Generator()).model is model.draft_model  # no copy
     if draft == "same":
         assert mean > 4  # gamma grows while every draft is accepted
     elif draft == "near":
