@@ -24,6 +24,7 @@ from eagle.drafting import draft_lm
 from eagle.drafting.drafter import Drafter, DrafterConfig, DrafterFile, LeanDrafter
 from eagle.errors import EagleError
 from eagle.inputs import METHODS
+from eagle.runtime import kv_cache
 from eagle.runtime.quant_blocks import FORMATS
 from eagle.runtime.decoder import cpu_has_fast_bf16, packed_copy
 from eagle.runtime.kernels import stream_linear_op
@@ -278,7 +279,7 @@ class EagleModel:
     def _inference_copy(self, module: Any, dtype: torch.dtype, quant: str | None = None) -> Any:
         """An inference copy in ``dtype`` (a drafter: or quantized to ``quant``), made on first use
         (the weights are read then; build a new ``EagleModel`` after changing them): for the drafter
-        a ``LeanDrafter``, for a draft model its ``eagle.runtime.decoder.packed_copy``."""
+        a ``LeanDrafter``, for a draft model module its ``module_draft``."""
         key = (id(module), dtype, quant)
         entry = self._packed.get(key)
         if entry is None or entry[0] is not module:
@@ -289,7 +290,7 @@ class EagleModel:
 
                     copy = GraphedDrafter(copy, self.target.graphs.cache.capacity, self.target.graphs.capture)
             else:
-                copy = packed_copy(module, dtype)
+                copy = module_draft(module, dtype, self.target.tokenizer)
             entry = self._packed[key] = (module, copy)
         return entry[1]
 
@@ -305,9 +306,11 @@ class EagleModel:
                         cuda_graphs: bool | None = None, device_rounds: bool | None = None,
                         int8_activations: bool = False, **prompt_lookup: Any) -> "EagleModel":
         """``drafter``: a drafter folder or ``Drafter`` (default: the one shipped for the target,
-        if any; "eagle3": the EAGLE-3 drafter shipped for it). ``draft_model``: a model spec (as for targets), a draft LM folder
-        (``eagle.drafting.draft_lm``) or a loaded model for ``sd`` (default: the draft LM shipped for the
-        target, if any, read when ``sd`` first runs: ``DeferredDraftLM``).
+        if any; "eagle3": the EAGLE-3 drafter shipped for it). ``draft_model`` for ``sd``: a model spec (as for
+        targets: loaded by ``load_target``, run by its lean forward with its own cache, a GGUF file's codes kept) or
+        a loaded ``Target``, either refused unless its vocabulary and tokenizer are the target's; a draft LM folder
+        (``eagle.drafting.draft_lm``) or a transformers module, computed in ``drafter_dtype`` (default: the
+        draft LM shipped for the target, if any, read when ``sd`` first runs: ``DeferredDraftLM``).
         Tree options: ``total_tokens`` (int or "auto"), ``depth``, ``top_k``, ``choices`` (an
         EAGLE-1 static tree instead of the dynamic one), ``lookup_tokens`` (prompt-lookup drafts
         grafted onto the tree; 0 turns it off), ``sampled_tree`` (when sampling, draw the children
@@ -339,12 +342,11 @@ class EagleModel:
             shipped = shipped_draft_lm(target)
             draft_model = None if shipped is None else DeferredDraftLM(shipped, tgt)
         if draft_model is not None and not isinstance(draft_model, (torch.nn.Module, DeferredDraftLM)):
-            if draft_lm.is_draft_lm(draft_model):
+            if not isinstance(draft_model, Target) and draft_lm.is_draft_lm(draft_model):
                 draft_model = draft_lm.load(draft_model, tgt)
-            else:
-                draft = load_target(draft_model, device=tgt.device, dtype=tgt.dtype)
-                check_same_tokenizer(tgt, draft)
-                draft_model = draft.model
+            else:  # its own cache: never the target's static-shape runner
+                draft_model = load_target(draft_model, device=tgt.device, dtype=tgt.dtype, cuda_graphs=False)
+                check_same_tokenizer(tgt, draft_model)
         return cls(tgt, drafter, draft_model, tree, spec, pl, drafter_dtype, drafter_quant, device_rounds)
 
     def with_tree(self, tree: TreeConfig) -> "EagleModel":
@@ -439,8 +441,9 @@ class EagleModel:
             if self.draft_model is None:
                 raise EagleError("method 'sd' needs a draft model: pass draft_model=... (--draft-model)")
             draft = self.draft_model.load() if isinstance(self.draft_model, DeferredDraftLM) else self.draft_model
-            return DraftModel(self._inference_copy(draft, self.drafter_dtype), self.speculative, sampling,
-                              generator)
+            if not isinstance(draft, Target):  # a module: its inference copy; a loaded model spec runs as it is
+                draft = self._inference_copy(draft, self.drafter_dtype)
+            return DraftModel(draft, self.speculative, sampling, generator)
         if method in ("eagle-tree", "eagle-chain"):
             if self._drafter is None:
                 raise EagleError(f"method {method!r} needs a drafter: pass drafter=... (--drafter)")
@@ -492,7 +495,18 @@ def host_only(tree: TreeConfig) -> str | None:
     return None
 
 
+def module_draft(module: torch.nn.Module, dtype: torch.dtype, tokenizer: Any) -> Target:
+    """A transformers causal LM (a draft LM, a module passed as draft model) as the ``Target`` whose forward
+    ``DraftModel`` runs: its ``packed_copy`` in ``dtype``, by the module's own forward with a ``DynamicCache``.
+    A model with sliding-window attention is refused (its cache could not be rolled back)."""
+    kv_cache.new_cache(module, "draft model")
+    copy = packed_copy(module, dtype)
+    return Target(model=copy, tokenizer=tokenizer, name="draft model", device=next(copy.parameters()).device,
+                  dtype=dtype)
+
+
 def check_same_tokenizer(target: Target, draft: Target) -> None:
+    """Refuse a draft model whose vocabulary or tokenizer is not the target's."""
     if draft.vocab_size != target.vocab_size or draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
         raise EagleError(f"draft model {draft.name} has another vocabulary or tokenizer than the target "
                          f"{target.name} (vocab {draft.vocab_size} vs {target.vocab_size})")

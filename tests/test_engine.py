@@ -272,7 +272,7 @@ def test_the_drafters_precision_never_changes_the_output(target, drafter, dtype)
     h = torch.zeros(1, 1, target.hidden_size, dtype=dtype, device=target.device)
     pos = torch.zeros(1, 1, dtype=torch.long, device=target.device)
     assert proposer.dtype == dtype and proposer.drafter(h, h, pos).dtype == dtype
-    draft_lm = model._proposer("sd", SamplingConfig(), torch.Generator()).model
+    draft_lm = model._proposer("sd", SamplingConfig(), torch.Generator()).model.model  # the module's inference copy
     assert {p.dtype for p in draft_lm.parameters()} == {dtype} and draft_lm is not model.draft_model
     for ids in prompts(10, seed=3):
         expected = model.generate(ids, method="ar", max_new_tokens=24).token_ids

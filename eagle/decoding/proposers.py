@@ -216,24 +216,31 @@ class PromptLookup(Proposer):
 
 class DraftModel(Proposer):
     """A separate small causal LM (same tokenizer) drafting ``gamma`` tokens autoregressively,
-    with its own cache rolled back to the accepted prefix after each round."""
+    with its own cache rolled back to the accepted prefix after each round. ``model``: the draft's
+    forward, as a ``Target`` offers it (``new_cache()``, ``forward(input_ids, position_ids, cache,
+    logits_from=...)``, ``greedy_tokens(hidden)``, ``device``): a model spec loaded by ``load_target`` (its
+    lean forward, codes kept), or a transformers module wrapped as one (``eagle.engine.module_draft``)."""
 
-    def __init__(self, model: Any, cfg: SpeculativeConfig, sampling: SamplingConfig,
+    def __init__(self, model: Target, cfg: SpeculativeConfig, sampling: SamplingConfig,
                  generator: torch.Generator) -> None:
         self.model, self.cfg, self.sampling, self.generator = model, cfg, sampling, generator
-        self.cache = kv_cache.new_cache(model, "draft model")
+        self.cache = model.new_cache()
         self.gamma = cfg.gamma
         self.drafted = 0
-        self.device = next(model.parameters()).device
+        self.device = model.device
 
     @torch.inference_mode()
     def _step(self, tokens: list[int]) -> torch.Tensor:
+        """Feed ``tokens`` after the cached ones; greedy: the next token's id [] (the draft's argmax, its
+        logits not all made where its forward screens them), else its probabilities q [V]."""
         past = kv_cache.cache_length(self.cache)
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         pos = torch.arange(past, past + len(tokens), device=self.device)[None]
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1,
-                         **kv_cache.cache_argument(self.model, self.cache))
-        return out.logits[0, -1].float()
+        greedy = self.sampling.greedy
+        out = self.model.forward(ids, pos, self.cache, logits_from=len(tokens) if greedy else len(tokens) - 1)
+        if greedy:
+            return self.model.greedy_tokens(out.hidden[0, -1:])[0]
+        return logits_to_probs(out.logits[0, -1], self.sampling)
 
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         k = self.drafted = min(self.gamma, max_depth, max_nodes - 1)
@@ -242,13 +249,16 @@ class DraftModel(Proposer):
         pending = ids[kv_cache.cache_length(self.cache):]
         drafts, probs = [], []
         for _ in range(k):
-            q = logits_to_probs(self._step(pending), self.sampling)
-            token = int(q.argmax()) if self.sampling.greedy else int(sample(q, self.generator))
+            q = self._step(pending)
+            if self.sampling.greedy:  # greedy acceptance reads the tokens alone
+                token = int(q)
+            else:
+                token = int(sample(q, self.generator))
+                probs.append(q)
             drafts.append(token)
-            probs.append(q)
             pending = [token]
         tree = chain_tree(ids[-1], torch.tensor(drafts, dtype=torch.long, device=self.device))
-        return Proposal(tree, draft_probs=torch.stack(probs))
+        return Proposal(tree, draft_probs=torch.stack(probs) if probs else None)
 
     def commit(self, ids: list[int], path: list[int], features: torch.Tensor | None) -> None:
         accepted = len(path)
