@@ -86,16 +86,15 @@ def converter(folder: Path) -> Path:
 
 
 def target_gguf(spec: str) -> Path:
-    """The GGUF file of a target spec (the default target's, or a .gguf path); others are refused."""
+    """The GGUF file of a target spec (the default target's, a named target's, or a .gguf path); others are
+    refused."""
     from eagle.inputs import check_spec
+    from eagle.runtime.target import spec_gguf
 
+    path = spec_gguf(spec)
+    if path is not None:
+        return path
     kind = check_spec(spec)
-    if kind == "default":
-        from eagle.runtime.target import smollm2_gguf_path
-
-        return smollm2_gguf_path()
-    if kind == "gguf":
-        return Path(spec).expanduser()
     raise EagleError(f"the llama.cpp methods run llama-server on the target's GGUF file; --target {spec} is a "
                      f"{'model folder' if kind == 'folder' else 'hub id'}, not a .gguf file")
 

@@ -18,6 +18,7 @@ from eagle.runtime import kv_cache
 from eagle.cache_dir import cache_root
 from eagle.errors import EagleError
 from eagle.inputs import DEFAULT_TARGET, check_prompt_text, check_spec  # noqa: F401 (names of this module too)
+from eagle.named_targets import named_gguf
 from eagle.prompts import has_chat_template
 from eagle.runtime.architectures import lean_decoder
 from eagle.runtime.decoder import LeanDecoder
@@ -319,36 +320,38 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
 
 def _resolve(spec: str) -> tuple[str, dict]:
     """Map a target spec to (path or hub id, extra from_pretrained kwargs)."""
-    kind = check_spec(spec)
-    if kind == "default":
-        return str(converted_gguf_dir(smollm2_gguf_path())), {}
-    if kind == "gguf":
+    gguf_path = spec_gguf(spec)
+    if gguf_path is not None:
         try:
-            return str(converted_gguf_dir(Path(spec).expanduser())), {}
+            return str(converted_gguf_dir(gguf_path)), {}
         except EagleError:
             raise
         except Exception as exc:  # noqa: BLE001 - the GGUF reader raises ValueError, KeyError, struct.error, ...
             raise EagleError(f"cannot read GGUF file {spec}: {type(exc).__name__}: {exc}") from None
-    if kind == "folder":
+    if check_spec(spec) == "folder":
         return str(Path(spec).expanduser()), {}
     return spec, {"local_files_only": True}
 
 
-def _gguf_file(spec: str) -> Path | None:
-    """The GGUF file a target spec names (the default target's included), or None."""
+def spec_gguf(spec: str) -> Path | None:
+    """The GGUF file a target spec names: the default target's, a named target's (assembled from its
+    installed PyPI parts into the cache on first use: ``eagle.named_targets``) or a ``.gguf`` path; else None."""
     kind = check_spec(spec)
     if kind == "default":
         return smollm2_gguf_path()
+    if kind == "named":
+        return named_gguf(spec)
     return Path(spec).expanduser() if kind == "gguf" else None
 
 
 def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device | None = None,
                 dtype: torch.dtype | None = None, lean: bool = True, cuda_graphs: bool | None = None,
                 int8_activations: bool = False) -> Target:
-    """Load a target from a local folder, a cached hub id (never the network), a ``.gguf`` file,
-    or the name ``smollm2-135m-instruct``. ``lean``: decode with ``eagle.runtime.decoder.LeanDecoder`` (Llama,
-    Qwen2) or ``eagle.runtime.gemma.GemmaDecoder`` (Gemma-3) when the architecture is supported, else
-    with the model's own forward. A GGUF file with the lean forward on the CPU in fp32 keeps its quantized
+    """Load a target from a local folder, a cached hub id (never the network), a ``.gguf`` file, the
+    name ``smollm2-135m-instruct`` or a named target assembled from PyPI parts (``eagle.named_targets``).
+    ``lean``: decode with ``eagle.runtime.decoder.LeanDecoder`` (Llama, Qwen2) or
+    ``eagle.runtime.gemma.GemmaDecoder`` (Gemma-3) when the architecture is supported, else with the model's
+    own forward. A GGUF file with the lean forward on the CPU in fp32 keeps its quantized
     matrices as their codes (``load_gguf_target``: ``Target.model`` is then a ``GGUFModel``, without a
     transformers forward); otherwise it is converted once to an fp32 transformers model (``lean=False``
     for what needs one: training, feature capture).
@@ -364,7 +367,7 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
     if int8_activations and not lean:
         raise EagleError("int8 activations are an option of the lean forward (lean=True)")
     dev, dt = default_device_dtype(device, dtype)
-    gguf_path = _gguf_file(str(spec))
+    gguf_path = spec_gguf(str(spec))
     if gguf_path is not None and lean and not cuda_graphs and dev.type == "cpu" and dt == torch.float32:
         try:
             return load_gguf_target(gguf_path, str(spec), int8_activations=int8_activations)
