@@ -105,8 +105,11 @@ def named_gguf(spec: str) -> Path:
 
 def assemble(target: PartsTarget, parts: list[Path], dest: Path) -> Path:
     """Concatenate ``parts`` into ``dest`` through a temporary file beside it, hashing while copying (each
-    byte read once, at most ``CHUNK`` bytes in memory); the temporary file is renamed to ``dest`` only when
-    size and sha256 are ``target``'s, else removed and the mismatch refused in one line."""
+    byte read once, at most ``CHUNK`` bytes in memory; a chunk is hashed on a second thread while it is
+    written); the temporary file is renamed to ``dest`` only when size and sha256 are ``target``'s, else
+    removed and the mismatch refused in one line."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from eagle.atomic import fsync_path
 
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -120,12 +123,13 @@ def assemble(target: PartsTarget, parts: list[Path], dest: Path) -> Path:
     buffer = bytearray(CHUNK)
     view = memoryview(buffer)
     try:
-        with open(tmp, "wb") as out:
+        with open(tmp, "wb") as out, ThreadPoolExecutor(1) as hasher:
             for part in parts:
                 with open(part, "rb", buffering=0) as src:
                     while n := src.readinto(buffer):
-                        digest.update(view[:n])
+                        hashed = hasher.submit(digest.update, view[:n])  # hashlib and writes release the GIL
                         out.write(view[:n])
+                        hashed.result()
                         size += n
             out.flush()
             if size == target.size and digest.hexdigest() == target.sha256:
