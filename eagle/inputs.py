@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from eagle.errors import EagleError
+from eagle.named_targets import NAMED_TARGETS, named_target
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 METHODS = ("ar", "pld", "sd", "eagle-chain", "eagle-tree")
@@ -25,13 +26,16 @@ def split_method(name: str) -> tuple[str, str | None]:
 
 
 def check_spec(spec: str) -> str:
-    """What a model spec names, checked without loading anything: ``"default"``, ``"gguf"`` (a
-    file that starts like a GGUF file), ``"folder"`` (with a config.json) or ``"hub"`` (an id
-    ``owner/name`` that is not a local path); anything else is an ``EagleError`` saying why."""
+    """What a model spec names, checked without loading anything: ``"default"``, ``"named"`` (a target
+    assembled from PyPI parts, ``eagle.named_targets``), ``"gguf"`` (a file that starts like a GGUF file),
+    ``"folder"`` (with a config.json) or ``"hub"`` (an id ``owner/name`` that is not a local path);
+    anything else is an ``EagleError`` saying why."""
     if not isinstance(spec, str) or not spec.strip():
         raise EagleError(f"a model spec must be a non-empty string, got {spec!r}")
     if spec.lower() == DEFAULT_TARGET:
         return "default"
+    if named_target(spec) is not None:
+        return "named"
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -51,7 +55,8 @@ def check_spec(spec: str) -> str:
     if "/" in spec or os.sep in spec:
         raise EagleError(f"model folder not found: {spec}")
     raise EagleError(f"unknown model spec {spec!r}: no such folder or file; give a model folder, a .gguf file, "
-                     f"a hub id (owner/name) in the local cache, or {DEFAULT_TARGET!r}")
+                     f"a hub id (owner/name) in the local cache, or a named target: "
+                     f"{', '.join([DEFAULT_TARGET, *NAMED_TARGETS])}")
 
 
 def is_draft_lm(path: str | Path) -> bool:

@@ -390,7 +390,7 @@ def build_parser() -> Parser:
     add_sampling_args(parser, max_new_tokens=128, temperature=0.0)
     add_model_args(parser)
     add_config_args(parser, "; eagle-bench's own: warmup, requests_per_client, api_key, cache_pool, llama_cpp, "
-                            "llama_cpp_draft")
+                            "llama_cpp_draft, llama_cpp_draft_max")
     return parser
 
 
@@ -402,13 +402,16 @@ class BenchOptions:
     ``--url``), ``cache_pool`` (the in-process server's, ``infer.serve.ServeOptions``). llama.cpp methods: ``llama_cpp``, its build folder (scripts/llama_cpp.sh build makes
     .llama.cpp; default $EAGLE_LLAMA_CPP); ``llama_cpp_draft``, the draft for llama.cpp-eagle3: a .gguf file,
     or an EAGLE-3 checkpoint folder (SpecForge layout) converted with the build's convert_hf_to_gguf.py
-    (default: --drafter, an eagle3 drafter, exported and converted)."""
+    (default: --drafter, an eagle3 drafter, exported and converted); ``llama_cpp_draft_max``, the most tokens
+    llama-server drafts a step in llama.cpp-draft and llama.cpp-eagle3 (its ``--spec-draft-n-max``; default:
+    llama.cpp's)."""
 
     warmup: int = 1
     requests_per_client: Optional[int] = None
     api_key: Optional[str] = None
     llama_cpp: Optional[str] = None
     llama_cpp_draft: Optional[str] = None
+    llama_cpp_draft_max: Optional[int] = None
     cache_pool: bool = False
 
     def __post_init__(self) -> None:
@@ -416,6 +419,8 @@ class BenchOptions:
         check_bool("cache_pool", self.cache_pool)
         if self.requests_per_client is not None:
             check_int("requests_per_client", self.requests_per_client, 1)
+        if self.llama_cpp_draft_max is not None:
+            check_int("llama_cpp_draft_max", self.llama_cpp_draft_max, 1)
         for name in ("api_key", "llama_cpp", "llama_cpp_draft"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise EagleError(f"{name} must be a string, got {getattr(self, name)!r}")
@@ -462,11 +467,19 @@ def check_llama_cpp(args: Any, methods: list[str]) -> dict | None:
     wanted = [m for m in methods if m in llama_cpp.METHODS]
     if args.llama_cpp_draft is not None and "llama.cpp-eagle3" not in wanted:
         raise EagleError("llama_cpp_draft is for method llama.cpp-eagle3, which is not in --methods")
+    if args.llama_cpp_draft_max is not None and not set(wanted) & set(llama_cpp.DRAFT_METHODS):
+        raise EagleError(f"llama_cpp_draft_max is for methods {' and '.join(llama_cpp.DRAFT_METHODS)}, neither of "
+                         f"which is in --methods")
+    if "llama.cpp-draft" in wanted and args.draft_model is None:
+        raise EagleError("method llama.cpp-draft needs --draft-model: a .gguf file or a named target "
+                         "(e.g. qwen2.5-coder-0.5b-instruct)")
     if not wanted:
         return None
     folder = llama_cpp.build_folder(args.llama_cpp)
     setup = dict(folder=folder, binary=llama_cpp.server_binary(folder), gguf=llama_cpp.target_gguf(args.target),
                  methods=wanted)
+    if "llama.cpp-draft" in wanted:
+        setup["draft_gguf"] = llama_cpp.target_gguf(args.draft_model, "--draft-model")
     draft = args.llama_cpp_draft
     if "llama.cpp-eagle3" in wanted:
         if draft is None:
@@ -508,11 +521,13 @@ def llama_cpp_draft(setup: dict, args: Any, model: Any, work: Path) -> Path:
 def start_servers(setup: dict, args: Any, model: Any, stack: contextlib.ExitStack, threads: int) -> dict:
     """One running llama-server per llama.cpp method (closed by ``stack``), logs in a temporary folder."""
     work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="eagle-llama-cpp-")))
-    draft = llama_cpp_draft(setup, args, model, work) if "llama.cpp-eagle3" in setup["methods"] else None
+    drafts = {"llama.cpp-draft": setup.get("draft_gguf"),
+              "llama.cpp-eagle3": llama_cpp_draft(setup, args, model, work) if "llama.cpp-eagle3" in setup["methods"]
+              else None}
     servers = {}
     for method in setup["methods"]:
-        server = llama_cpp.LlamaServer(setup["binary"], setup["gguf"], threads, method, draft,
-                                       log=work / f"{method}.log")
+        server = llama_cpp.LlamaServer(setup["binary"], setup["gguf"], threads, method, drafts.get(method),
+                                       log=work / f"{method}.log", draft_max=args.llama_cpp_draft_max)
         stack.callback(server.close)
         servers[method] = server.start()
     return servers
@@ -566,8 +581,11 @@ def main(argv: list[str] | None = None) -> None:
     note_ignored_flags(PROG, build_parser(), args, reading, f"with --methods {args.methods}", [
         (("llama_cpp",), setup is None, f"with --methods {args.methods}"),
         (("--title",), not args.json, "without --json (it titles the JSON report)")])
-    model = load_model(args)
-    int8 = load_model(argparse.Namespace(**{**vars(args), "int8_activations": True})) if any(
+    # the draft model is loaded here for sd only (llama.cpp-draft's runs in llama-server)
+    sd = "sd" in (split_method(m)[0] for m in methods)
+    loading = args if sd else argparse.Namespace(**{**vars(args), "draft_model": None})
+    model = load_model(loading)
+    int8 = load_model(argparse.Namespace(**{**vars(loading), "int8_activations": True})) if any(
         m.endswith(INT8) for m in methods) else None
 
     def model_of(method: str) -> Any:
@@ -594,7 +612,7 @@ def load_test(args: Any, argv: list[str], methods: list[str], prompts: list[dict
     if served != methods:
         raise EagleError(f"the load test runs methods eagle-serve serves ({', '.join(METHODS)}), not "
                          f"{', '.join(m for m in methods if m not in served)}")
-    for key in ("llama_cpp", "llama_cpp_draft"):
+    for key in ("llama_cpp", "llama_cpp_draft", "llama_cpp_draft_max"):
         if key in args.config_keys:
             raise EagleError(f"{key} is for llama.cpp methods, which the load test does not run")
     if args.max_batch < 1:

@@ -16,6 +16,7 @@ from eagle.config import (DTYPE_NAMES, LoadOptions, SamplingConfig, check_int, o
                           read_configs)
 from eagle.errors import EagleError, Parser, command, given_flags, note_ignored
 from eagle.inputs import DEFAULT_TARGET, FORMATS, METHODS, check_prompt_text, check_spec, is_draft_lm
+from eagle.named_targets import NAMED_TARGETS
 from eagle.drafting.drafter_config import KINDS as DRAFTER_KINDS
 
 PROG = "eagle-generate"
@@ -41,7 +42,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     tree's size; the tuning options are config keys (``add_config_args``)."""
     g = parser.add_argument_group("model")
     g.add_argument("--target", default=DEFAULT_TARGET,
-                   help=f"model folder, .gguf file, cached hub id, or {DEFAULT_TARGET!r} (default)")
+                   help=f"model folder, .gguf file, cached hub id, {DEFAULT_TARGET!r} (default), or a target "
+                        f"assembled from PyPI parts: {', '.join(NAMED_TARGETS)} (docs/targets.md)")
     g.add_argument("--drafter", help="drafter folder (default: the one shipped for the target, if any; 'eagle3': "
                                      "the EAGLE-3 drafter shipped for it)")
     g.add_argument("--draft-model", help="draft model for method 'sd': a model spec or a draft LM folder, same "
@@ -105,7 +107,7 @@ def parse_command(parser: argparse.ArgumentParser, argv: list[str] | None, *clas
 
 # the methods that read each model flag and config key (eagle-bench's hf and llama.cpp methods read none of them)
 FLAG_METHODS = {
-    "--drafter": ("eagle-tree", "eagle-chain", "llama.cpp-eagle3"), "--draft-model": ("sd",), "cuda_graphs": METHODS,
+    "--drafter": ("eagle-tree", "eagle-chain", "llama.cpp-eagle3"), "--draft-model": ("sd", "llama.cpp-draft"), "cuda_graphs": METHODS,
     "int8_activations": METHODS,
     "device_rounds": ("eagle-tree", "eagle-chain"), "--total-tokens": ("eagle-tree",),
     "depth": ("eagle-tree", "eagle-chain"), "top_k": ("eagle-tree",), "lookup_tokens": ("eagle-tree",),

@@ -29,6 +29,8 @@ KEY_HELP = {  # one line per config key for docs/options.md (the full contracts:
     "api_key": "bench: the Bearer token of the server at --url; serve: require it on /v1",
     "llama_cpp": "llama.cpp build folder for the llama.cpp methods (default $EAGLE_LLAMA_CPP)",
     "llama_cpp_draft": "the draft of llama.cpp-eagle3: a .gguf file or an EAGLE-3 folder (default: --drafter's)",
+    "llama_cpp_draft_max": "the most tokens llama-server drafts a step in llama.cpp-draft and llama.cpp-eagle3 "
+                           "(default: llama.cpp's)",
     "cache_pool": "with --max-batch above 1: the batch's caches as slots of one pool, the GPU layout (default false)",
     "max_queue": "requests that may wait for a place in the running batch; more get 429",
     "max_body_bytes": "larger request bodies get 413",
