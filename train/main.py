@@ -33,6 +33,7 @@ from eagle.drafting import draft_lm
 from eagle.config import add_set_argument, changed_keys, from_dict, load_config_file
 from eagle.drafting.drafter import Drafter, most_frequent
 from eagle.errors import EagleError, Parser, command, note_ignored
+from eagle.runtime.gguf_file import LLAMA_FAMILY
 from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
 from train import checkpoint
 from train.features import FeatureShards, OnlineFeatures, feature_target, iter_batches, target_identity
@@ -68,6 +69,8 @@ class TrainConfig:
     aux_layers: tuple[int, ...] = ()  # drafter: also fuse these target layers' outputs (EAGLE-3 style; the features
                                    # must hold them: eagle-features aux_layers). With init_from, layers it lacks are
                                    # added with zero fc columns (it predicts as before until trained)
+    layer_from_target: int | None = None  # drafter (new, EAGLE-1/2): start its first decoder layer as this target layer
+                                   # (negative: from the last; train.main.copy_target_layer); None: random
     num_layers: int = 0            # drafter: decoder layers (0 = as the architecture JSON says, or as the warm-start
                                    # drafter has); with init_from, layers it lacks are appended with zero output
                                    # projections (it predicts as before until trained)
@@ -130,6 +133,9 @@ class TrainConfig:
                              f"(a row holds whole conversations)")
         if self.pack_tokens and self.student != "drafter":
             raise EagleError("pack_tokens packs a drafter's micro-batches: student draft-lm trains padded")
+        if self.layer_from_target is not None and (isinstance(self.layer_from_target, bool)
+                                                   or not isinstance(self.layer_from_target, int)):
+            raise EagleError(f"layer_from_target must be a target layer index, got {self.layer_from_target!r}")
         if self.examples_from < 0 or self.replay_fraction < 0:
             raise EagleError(f"examples_from and replay_fraction must be >= 0, got {self.examples_from} and "
                              f"{self.replay_fraction}")
@@ -386,6 +392,8 @@ def build_student(cfg: TrainConfig, target: Target, dataset, lm_head: torch.nn.M
             counts = (vocab_counts(cfg, target, dataset)
                       if overrides.get("draft_vocab_size") and (cfg.draft_vocab_data or not cfg.online) else None)
             drafter = Drafter.from_target(target, token_counts=counts, **overrides).float()
+            if cfg.layer_from_target is not None:
+                copy_target_layer(drafter, target, cfg.layer_from_target)
         drafter.check_target(target)
         head = lm_head if lm_head is not None else frozen_head(target)
         architecture = {k: v for k, v in dataclasses.asdict(drafter.config).items() if k != "target"}
@@ -410,6 +418,32 @@ def build_student(cfg: TrainConfig, target: Target, dataset, lm_head: torch.nn.M
     raise EagleError(f"unknown student {cfg.student!r}: choose drafter or draft-lm")
 
 
+LAYER_MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                  "mlp.up_proj", "mlp.down_proj")
+
+
+@torch.no_grad()
+def copy_target_layer(drafter: Drafter, target: Target, index: int) -> None:
+    """Start the drafter's first decoder layer as target layer ``index`` (negative: from the last): its
+    attention and MLP matrices and its post-attention norm, de-quantized from a GGUF target's codes. For
+    an EAGLE-1/2 drafter of a Llama-family target (Llama, Qwen2, Qwen3), whose layer has the target's
+    shapes; what the drafter's layer has no place for (a Qwen2's q/k/v biases, a Qwen3's per-head norms)
+    is not carried."""
+    layers = target.model.config.num_hidden_layers
+    if drafter.config.kind != "eagle" or target.model.config.model_type not in LLAMA_FAMILY:
+        raise EagleError(f"layer_from_target starts an EAGLE-1/2 drafter from a Llama-family target's layer "
+                         f"({', '.join(LLAMA_FAMILY)}); this is a {drafter.config.kind} drafter of a "
+                         f"{target.model.config.model_type} target")
+    if not -layers <= index < layers:
+        raise EagleError(f"layer_from_target {index} out of range: {target.name} has {layers} layers")
+    source, layer = target.model.model.layers[index], drafter.layers[0]
+    for name in LAYER_MATRICES:
+        weight = source.get_submodule(name).weight if isinstance(source, torch.nn.Module) else \
+            getattr(getattr(source, name.split(".")[0]), name.split(".")[1]).weight
+        layer.get_submodule(name).weight.copy_(weight)
+    layer.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight)
+
+
 def ignored_rules(cfg: TrainConfig, kind: str) -> list[tuple[tuple[str, ...], bool, str]]:
     """Which keys a run of ``cfg`` does not read, and when (rules of ``eagle.errors.note_ignored``);
     ``kind``: the drafter's kind ("" for a draft LM)."""
@@ -417,10 +451,11 @@ def ignored_rules(cfg: TrainConfig, kind: str) -> list[tuple[tuple[str, ...], bo
     return [
         (("features",), cfg.online, "with online: true (features are computed during training)"),
         (("data",), not cfg.online, "without online: true (the stored features are read)"),
-        (("drafter_config", "draft_vocab_size", "draft_vocab_data", "aux_layers", "num_layers", "unroll_steps",
-          "unroll_decay"), draft_lm_mode, "with student: draft-lm"),
+        (("drafter_config", "draft_vocab_size", "draft_vocab_data", "aux_layers", "num_layers", "layer_from_target",
+          "unroll_steps", "unroll_decay"), draft_lm_mode, "with student: draft-lm"),
         (("noise",), draft_lm_mode and cfg.noise != 0, "with student: draft-lm"),
         (("draft_lm_config", "lm_ce_positions"), not draft_lm_mode, "with student: drafter"),
+        (("layer_from_target",), bool(cfg.init_from), "with init_from (the warm start's weights are kept)"),
         (("drafter_config", "draft_lm_config"), bool(cfg.init_from),
          "with init_from (the warm start's architecture is kept)"),
         (("unroll_decay",), cfg.unroll_steps == 1, "with unroll_steps: 1"),

@@ -100,3 +100,21 @@ def test_a_drafter_trains_on_a_gguf_target_from_its_codes(pair, tmp_path):
         assert torch.isfinite(loss.total) and student.module.fc.weight.grad.abs().sum() > 0
     assert weights_digest(streamed.model) == weights_digest(streamed.model) != weights_digest(reference.model)
 
+
+
+def test_a_drafter_layer_starts_as_the_targets_last_layer(pair, tmp_path):
+    """``layer_from_target: -1``: the drafter's layer holds the last target layer's matrices and
+    post-attention norm (de-quantized from the codes: the reference model's weights); an eagle3 drafter is
+    refused in one line."""
+    streamed, reference = pair
+    cfg = TrainConfig(online=True, data="unused.jsonl", report_to="none", layer_from_target=-1)
+    layer = build_student(cfg, streamed, None).module.layers[0]
+    source = reference.model.model.layers[LAYERS - 1]
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm"):
+        assert torch.equal(layer.get_submodule(name).weight, source.get_submodule(name).weight), name
+    arch = tmp_path / "eagle3.json"
+    arch.write_text(json.dumps({"kind": "eagle3"}))
+    with pytest.raises(Exception, match="layer_from_target starts an EAGLE-1/2 drafter"):
+        build_student(TrainConfig(online=True, data="x", drafter_config=str(arch), layer_from_target=0), streamed,
+                      None)
