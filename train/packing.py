@@ -84,10 +84,10 @@ def packed_features(target: Target, input_ids: torch.Tensor, positions: torch.Te
                     aux_layers: Sequence[int] = ()) -> torch.Tensor:
     """The target's features of a packed batch, on its device, in its dtype: input_ids, positions,
     segment [B, T] -> [B, T, (1 + n) H] (last hidden state, then the outputs of the n ``aux_layers``),
-    each segment seeing only itself (a [B, 1, T, T] additive mask and per-segment positions).
-    With a lean forward (a GGUF target: ``train.features.feature_target``) all B x T rows go through it
-    in one call (its matrices multiplied from their codes by the compiled kernels), else through the
-    transformers model's forward."""
+    each segment seeing only itself (a [B, 1, T, T] additive mask and per-segment positions; Gemma-3's
+    sliding windows count those positions). With a lean forward (a GGUF target:
+    ``train.features.feature_target``) all B x T rows go through it in one call (its matrices multiplied
+    from their codes by the compiled kernels), else through the transformers model's forward."""
     device = target.device
     mask = additive_bias(block_causal(segment.to(device)), target.dtype)
     ids, positions = input_ids.to(device), positions.to(device)

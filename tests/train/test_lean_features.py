@@ -14,7 +14,7 @@ from train.main import TrainConfig, build_student, frozen_head
 from train.packing import collate_packed, packed_features
 from eagle.runtime.target import model_features
 
-from tests.runtime.test_gguf_weights import LLAMA_TYPES, kernels_or_skip, streamed_and_reference
+from tests.runtime.test_gguf_weights import LLAMA_TYPES, gemma_pair, kernels_or_skip, streamed_and_reference  # noqa: F401
 
 VOCAB, LAYERS = 48, 4
 
@@ -118,3 +118,19 @@ def test_a_drafter_layer_starts_as_the_targets_last_layer(pair, tmp_path):
     with pytest.raises(Exception, match="layer_from_target starts an EAGLE-1/2 drafter"):
         build_student(TrainConfig(online=True, data="x", drafter_config=str(arch), layer_from_target=0), streamed,
                       None)
+
+
+def test_packed_rows_of_a_gemma_gguf_target_respect_its_sliding_windows(gemma_pair):
+    """Gemma-3 (sliding window 8): conversations longer than the window packed into one row give what each
+    gives alone through transformers' forward (its sliding layers count positions within the conversation)."""
+    streamed, reference = gemma_pair
+    exs = [{"input_ids": ids, "loss_mask": [1] * len(ids)}
+           for ids in ([random.Random(i).randrange(2, 40) for _ in range(n)] for i, n in enumerate((13, 21, 5)))]
+    batch = collate_packed([[{k: torch.tensor(v) for k, v in ex.items()} for ex in exs]])
+    feats = packed_features(streamed, batch["input_ids"], batch["positions"], batch["segment"], [0])
+    start = 0
+    for ex in exs:
+        n = len(ex["input_ids"])
+        torch.testing.assert_close(feats[0, start:start + n], reference_features(reference, ex["input_ids"], [0]),
+                                   rtol=1e-4, atol=1e-4)
+        start += n
