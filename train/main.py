@@ -705,8 +705,9 @@ def train(cfg: TrainConfig, start_over: bool = False) -> dict:
                 tag = f"step{step}"
                 if rank == 0:  # before the barrier DeepSpeed's save begins with
                     shutil.rmtree(ckpt_dir / checkpoint.partial_tag(tag), ignore_errors=True)
-                engine.save_checkpoint(str(ckpt_dir), tag=checkpoint.partial_tag(tag), client_state={**state, "noise_rng": generator.get_state()},
-                                       save_latest=False)  # returns once every rank has written its files
+                engine.save_checkpoint(str(ckpt_dir), tag=checkpoint.partial_tag(tag), save_latest=False,
+                                       client_state={**state, "noise_rng": generator.get_state()})
+                # (returns once every rank has written its files)
                 if rank == 0:
                     checkpoint.publish(ckpt_dir, tag, cfg.keep_last)
                     student.save(out / student.name)

@@ -135,8 +135,9 @@ def benchmark_prompts(spec: str) -> dict[str, frozenset[str]]:
 
 
 # words that make a request a coding one (whole words, any case), besides a fenced code block
-CODING_WORDS = frozenset("""python javascript typescript java c++ c# golang rust kotlin swift php ruby perl scala bash shell
-powershell sql mysql postgresql sqlite regex html css json yaml xml react vue angular django flask node.js nodejs npm pip
+CODING_WORDS = frozenset("""python javascript typescript java c++ c# golang rust kotlin swift php ruby perl scala bash
+shell powershell sql mysql postgresql sqlite regex html css json yaml xml react vue angular django flask node.js nodejs
+npm pip
 pandas numpy pytorch tensorflow api function functions method class classes variable variables compile compiler
 compiling debug bug exception traceback stacktrace script scripts code coding program programming algorithm
 implement refactor snippet syntax library framework repository git docker kubernetes dockerfile endpoint query

@@ -14,7 +14,8 @@ from train.main import TrainConfig, build_student, frozen_head
 from train.packing import collate_packed, packed_features
 from eagle.runtime.target import model_features
 
-from tests.runtime.test_gguf_weights import LLAMA_TYPES, gemma_pair, kernels_or_skip, streamed_and_reference  # noqa: F401
+from tests.runtime.test_gguf_weights import (LLAMA_TYPES, gemma_pair,  # noqa: F401 (a fixture)
+                                             kernels_or_skip, streamed_and_reference)
 
 VOCAB, LAYERS = 48, 4
 
