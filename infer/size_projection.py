@@ -129,7 +129,8 @@ def measure(name: str, shape: dict[str, Any], device: str | None, dtype: torch.d
     start, before = time.perf_counter(), capture_stats()
     target = random_target(shape, name, device, dtype)
     vocab = shape["vocab_size"]
-    drafter = Drafter.from_target(target, draft_vocab_size=max(TREE["top_k"], round(vocab * DRAFT_VOCAB_SHARE)))
+    with torch.device(target.device):  # initialized where it runs
+        drafter = Drafter.from_target(target, draft_vocab_size=max(TREE["top_k"], round(vocab * DRAFT_VOCAB_SHARE)))
     # CUDA's defaults, named so that a CPU rehearsal runs the same path: static shapes (captured), device rounds
     model = EagleModel.from_pretrained(target, drafter=drafter, lookup_tokens=0, cuda_graphs=True, device_rounds=True,
                                        **TREE)
@@ -241,8 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", help="default: CUDA when present")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: bf16 on CUDA, fp32 on a CPU")
     parser.add_argument("--context", type=int, help="prompt tokens before the measured rounds (default 256; tiny 48)")
-    parser.add_argument("--new-tokens", type=int, help="tokens of the longer timed run (default 48; tiny 12)")
-    parser.add_argument("--repeats", type=int, help="timings per row count of the verify curve (default 5; tiny 1)")
+    parser.add_argument("--new-tokens", type=int, help="tokens of the longer timed run (default 32; tiny 12)")
+    parser.add_argument("--repeats", type=int, help="timings per row count of the verify curve (default 3; tiny 1)")
     parser.add_argument("--json", help="write the report here (rewritten after each shape)")
     parser.add_argument("--markdown", help="write the results page's section here")
     parser.add_argument("--title", help="the section's title")
@@ -258,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown size {unknown[0]!r}; choose from {', '.join(SHAPES)}")
     small = args.scale == "tiny"
     context = args.context or (48 if small else 256)
-    new_tokens = args.new_tokens or (12 if small else 48)
-    repeats = args.repeats or (1 if small else 5)
+    new_tokens = args.new_tokens or (12 if small else 32)
+    repeats = args.repeats or (1 if small else 3)
     report: dict[str, Any] = {"kind": "size-projection", "title": args.title, "scale": args.scale,
                               "command": "python -m infer.size_projection " + " ".join(argv), "context": context,
                               "new_tokens": new_tokens, "tree": TREE, "accepted": ACCEPTED, "published": PUBLISHED,
