@@ -37,14 +37,69 @@
 #   PYTHON                  the interpreter (default python3)
 # Wheels of packages the GPU machine lacks are installed into /tmp/site when missing: .gpu/whl (gguf, for the
 # .gguf target) and .gpu/whl-train (deepspeed and its needs, for train-smoke).
+#
+# The target (98 MB) and the drafter cannot travel in one call of at most 64 MiB, so on a lent GPU the check is two
+# calls, the second sent within 30 s of the first (docs/gpu.md has the exact calls):
+#   scripts/gpu_check.sh stage     here: the target cut in two (.gpu/target), the gguf wheel (.gpu/whl), the drafter's
+#                                  weights in .gpu/weights, the shipped weights and bench reports out of the index
+#                                  (scripts/gpu_window.sh unindex); prints both calls' carry lists and sizes
+#   scripts/gpu_check.sh first     device call 1: keeps what it carries in /tmp/carry (EAGLE_GPU_CHECK_CARRY), then
+#                                  runs the parts that need neither target nor drafter (tests, size-projection;
+#                                  budget 250 s)
+#   scripts/gpu_check.sh           device call 2: joins the target, puts the drafter back, runs the other parts and
+#                                  summarises both calls (the work folder stays on the machine while it is warm)
+#   scripts/gpu_check.sh restore   here: the weights and reports back into the index
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+TARGET_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+DRAFTER=eagle/shipped/drafters/smollm2-135m-instruct
+FIRST_PARTS="tests size-projection"
+CARRY=${EAGLE_GPU_CHECK_CARRY:-/tmp/carry}  # where the first call keeps what it carried, while the machine is warm
+case "${1:-}" in
+  stage)
+    py=${PYTHON:-python3}
+    mkdir -p .gpu/target .gpu/whl .gpu/weights
+    if [ ! -f ".gpu/target/$TARGET_NAME.part-ab" ]; then
+      src=$($py -c "from eagle.runtime.target import smollm2_gguf_path; print(smollm2_gguf_path())") || exit 2
+      head -c 43500000 "$src" > ".gpu/target/$TARGET_NAME.part-aa"
+      tail -c +43500001 "$src" > ".gpu/target/$TARGET_NAME.part-ab"
+    fi
+    ls .gpu/whl/gguf-*.whl > /dev/null 2>&1 || $py -m pip download -q --no-deps --only-binary=:all: -d .gpu/whl \
+      "gguf==$($py -c 'from importlib.metadata import version; print(version("gguf"))')" || exit 2
+    cp "$DRAFTER/model.safetensors" .gpu/weights/model.safetensors || exit 2
+    bash scripts/gpu_window.sh unindex || exit 2
+    tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+    one=(".gpu/target/$TARGET_NAME.part-aa" .gpu/whl .gpu/weights)
+    two=(".gpu/target/$TARGET_NAME.part-ab" .gpu/whl)
+    for call in one two; do
+      declare -n paths=$call
+      size=$(du -cb "${paths[@]}" | tail -1 | cut -f1)
+      awk -v c="$call" -v p="${paths[*]}" -v s="$size" -v t="$tree" \
+        'BEGIN { printf "call %s carries %s: %.1f MB with the tree (at most 67.1)\n", c, p, (s + t) / 1e6 }'
+    done
+    echo "afterwards: scripts/gpu_check.sh restore"
+    exit 0 ;;
+  restore)
+    exec bash scripts/gpu_window.sh restore ;;
+  first)
+    mkdir -p "$CARRY" && cp -r .gpu/target .gpu/weights "$CARRY/" || exit 2
+    export EAGLE_GPU_CHECK_PARTS=${EAGLE_GPU_CHECK_PARTS:-$FIRST_PARTS} EAGLE_GPU_CHECK_BUDGET=${EAGLE_GPU_CHECK_BUDGET:-250}
+    FIRST=1 ;;
+  "") FIRST=0 ;;
+  *) sed -n '2,52p' "$0"; exit 2 ;;
+esac
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=${EAGLE_GPU_CHECK_WORK:-/tmp/gpu-check-work}
-rm -rf "$WORK"; mkdir -p "$WORK"
+CONTINUE=0  # the second call after ``first``: its parts' records and reports stay in $WORK and join the summary
+if [ "$FIRST" = 0 ] && [ -f "$WORK/first.done" ] && [ -z "${EAGLE_GPU_CHECK_PARTS:-}" ]; then
+  CONTINUE=1
+else
+  rm -rf "$WORK"
+fi
+mkdir -p "$WORK"
 PY=${PYTHON:-python3}
 DEVICE=${EAGLE_GPU_CHECK_DEVICE:-cuda}
 DRY=${EAGLE_GPU_CHECK_DRY:-0}
@@ -52,7 +107,7 @@ CAP=${EAGLE_GPU_CHECK_LIMIT:-0}
 LOG=$OUT/gpu-check.log
 : > "$LOG"
 STATUS=$WORK/parts.jsonl
-: > "$STATUS"
+[ "$CONTINUE" = 1 ] || : > "$STATUS"
 export EAGLE_CACHE=${EAGLE_CACHE:-/tmp/eagle-cache}  # the converted target stays out of $OUT
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
@@ -129,6 +184,16 @@ EOF
   [ "$DEVICE" = cuda ] && { nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$LOG" 2>&1 || true; }
 fi
 
+# what the first call kept in $CARRY: the target's first part, the drafter's weights (out of the tree)
+if [ -z "${EAGLE_GPU_TARGET:-}" ] && [ -f "$CARRY/target/$TARGET_NAME.part-aa" ] \
+   && [ -f ".gpu/target/$TARGET_NAME.part-ab" ]; then
+  cat "$CARRY/target/$TARGET_NAME.part-aa" ".gpu/target/$TARGET_NAME.part-ab" > "$CARRY/$TARGET_NAME"
+  export EAGLE_GPU_TARGET=$CARRY/$TARGET_NAME
+  say "joined the target: $(stat -c %s "$EAGLE_GPU_TARGET") bytes"
+fi
+if [ ! -f "$DRAFTER/model.safetensors" ] && [ -f "$CARRY/weights/model.safetensors" ]; then
+  cp "$CARRY/weights/model.safetensors" "$DRAFTER/model.safetensors" && say "the drafter's weights put back"
+fi
 TARGET=${EAGLE_GPU_TARGET:-}
 if [ -z "$TARGET" ]; then
   TARGET=$($PY -c "from eagle.runtime.target import smollm2_gguf_path; print(smollm2_gguf_path())" 2>/dev/null \
@@ -168,7 +233,13 @@ fi
 [ -n "${EAGLE_GPU_CHECK_TESTS:-}" ] && read -r -a TESTS <<< "$EAGLE_GPU_CHECK_TESTS"  # another test selection
 BENCH=("${RUN_ENV[@]}" $PY -m infer.bench --target "$TARGET" --prompts $PROMPTS --max-new-tokens $NEW "${DEV_ARGS[@]}")
 DEFAULT_PARTS="tests bench-fp32-greedy bench-fp32-t1 bench-bf16-greedy serving-load batched size-projection"
-read -r -a PARTS <<< "${EAGLE_GPU_CHECK_PARTS:-$DEFAULT_PARTS}"
+SECOND_PARTS="bench-fp32-greedy bench-fp32-t1 bench-bf16-greedy serving-load batched"
+if [ "$CONTINUE" = 1 ]; then
+  read -r -a PARTS <<< "$SECOND_PARTS"
+  say "continuing the first call's check: $(cat "$WORK/first.done")"
+else
+  read -r -a PARTS <<< "${EAGLE_GPU_CHECK_PARTS:-$DEFAULT_PARTS}"
+fi
 
 for name in "${PARTS[@]}"; do
   case $name in
@@ -195,7 +266,8 @@ for name in "${PARTS[@]}"; do
     size-projection)
       part $name $L_PROJECTION "${RUN_ENV[@]}" $PY -m infer.size_projection "${PROJECTION[@]}" \
         --title "Projection: eagle-tree at 1.5B-8B shapes on one GPU (random weights, bf16)" \
-        --json "$OUT/$name.json" --markdown "$WORK/$name.md" ;;
+        --json "$WORK/$name.json" --markdown "$WORK/$name.md"
+      cp "$WORK/$name.json" "$OUT/" 2>/dev/null ;;
     host-rounds)
       part $name $L_SHORT "${BENCH[@]}" "${FEW[@]}" --methods ar,eagle-tree --dtype float32 --cuda-graphs \
         --no-device-rounds --title "One GPU, fp32, greedy, host rounds (CUDA graphs, 5 prompts)" \
@@ -217,5 +289,6 @@ done
 
 summary 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
+[ "$FIRST" = 1 ] && echo "${PARTS[*]} at $(date -u +%H:%M:%S)" > "$WORK/first.done"
 say "gpu-check done (rc=$rc, ${SECONDS}s): $OUT/gpu-check.json"
 exit $rc

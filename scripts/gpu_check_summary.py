@@ -2,8 +2,8 @@
 
 Reads ``WORK/parts.jsonl`` (one line per part: rc, seconds, limit, command; skipped or planned),
 ``WORK/pytest.xml``, ``WORK/batched.txt`` (``scripts/batched_speed.py``'s JSON lines) and the reports in
-``OUT`` (eagle-bench JSONs, the load test's, the size projection's, the training smoke run's); a part that
-left nothing is reported as such. Writes ``OUT/gpu-check.json`` with ``parts``, each report's figures,
+``OUT`` (eagle-bench JSONs, the load test's, the size projection's or its copy in ``WORK`` from a first call,
+the training smoke run's); a part that left nothing is reported as such. Writes ``OUT/gpu-check.json`` with ``parts``, each report's figures,
 ``headline``, ``goals`` (the GPU goals: value, target, met) and ``failed`` (a part that failed or ran out
 of time, a failed test, a capture that fell back, no test report): exit 1 when any, else 0.
 
@@ -146,7 +146,7 @@ def summarize(out: Path, work: Path, device: str, target: str) -> dict:
     rows = batched(work)
     if rows is not None:
         summary["batched"] = rows
-    data = read_json(out / "size-projection.json")
+    data = read_json(out / "size-projection.json") or read_json(work / "size-projection.json")  # a first call's
     if data is not None:
         summary["size-projection"] = projection(data)
     smoke = read_json(out / "train-smoke.json")

@@ -155,3 +155,58 @@ def test_summary_of_a_projection_and_a_missing_test_report(tmp_path):
     assert goals["llama-3.1-8b shape: verify of 60 rows / 1 row"]["met"] is True
     assert summary["headline"]["graph_captures"] == 12
     assert summary["failed"] == ["part tests rc=2", "no test report"]
+
+
+def test_two_calls_carry_the_target_in_parts_and_summarise_both(tmp_path):
+    """``first`` keeps the carried target part and drafter weights and runs its parts; the second call joins the
+    target from both parts, puts the drafter back, runs the other parts and summarises both calls. In a copy of the
+    scripts with an interpreter that answers every part at once."""
+    checkout = tmp_path / "checkout"
+    (checkout / "scripts").mkdir(parents=True)
+    for name in ("gpu_check.sh", "gpu_check_summary.py"):
+        (checkout / "scripts" / name).write_text((ROOT / "scripts" / name).read_text())
+    target = checkout / ".gpu" / "target"
+    target.mkdir(parents=True)
+    (target / "SmolLM2-135M-Instruct.Q4_1.gguf.part-aa").write_bytes(b"first half ")
+    (checkout / ".gpu" / "weights").mkdir()
+    (checkout / ".gpu" / "weights" / "model.safetensors").write_bytes(b"drafter")
+    drafter = checkout / "eagle" / "shipped" / "drafters" / "smollm2-135m-instruct"
+    drafter.mkdir(parents=True)
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"""#!/bin/bash
+case "$1 $2" in
+  "-m infer.bench")
+    while [ $# -gt 0 ]; do
+      [ "$1" = --json ] && echo '{{"prompts": 1, "machine": {{"graph_captures": 2}}, "methods": {{}}}}' > "$2"; shift
+    done; exit 0 ;;
+  "-m infer.size_projection")
+    while [ $# -gt 0 ]; do [ "$1" = --json ] && echo '{{"sizes": {{}}, "failed": {{}}}}' > "$2"; shift; done; exit 0 ;;
+  "scripts/batched_speed.py --target") echo '{{"method": "ar", "batch": 1, "tokens_per_s": 10.0}}'; exit 0 ;;
+esac
+exec {sys.executable} "$@"
+""")
+    wrapper.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(wrapper), EAGLE_GPU_CHECK_DEVICE="cpu", EAGLE_CACHE=str(tmp_path / "cache"),
+               EAGLE_GPU_CHECK_WORK=str(tmp_path / "work"), EAGLE_GPU_CHECK_CARRY=str(tmp_path / "carry"))
+    env.pop("EAGLE_GPU_TARGET", None)
+    script = str(checkout / "scripts" / "gpu_check.sh")
+    first = subprocess.run(["bash", script, "first"], env=dict(env, OUT=str(tmp_path / "out1"),
+                                                               EAGLE_GPU_CHECK_PARTS="size-projection"),
+                           capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stdout + first.stderr
+    # the second call carries the other part; what the first carried is gone from the checkout
+    (target / "SmolLM2-135M-Instruct.Q4_1.gguf.part-aa").unlink()
+    (target / "SmolLM2-135M-Instruct.Q4_1.gguf.part-ab").write_bytes(b"second half")
+    second = subprocess.run(["bash", script], env=dict(env, OUT=str(tmp_path / "out2")), capture_output=True,
+                            text=True, timeout=120)
+    assert second.returncode == 0, second.stdout + second.stderr
+    joined = tmp_path / "carry" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert joined.read_bytes() == b"first half second half"
+    assert (drafter / "model.safetensors").read_bytes() == b"drafter"
+    summary = json.loads((tmp_path / "out2" / "gpu-check.json").read_text())
+    assert list(summary["parts"]) == ["size-projection"] + DEFAULT_PARTS[1:6]
+    assert summary["size-projection"] == {"failed": {}, "sizes": {}}  # the first call's report, kept in the work folder
+    assert summary["batched"] == [{"method": "ar", "batch": 1, "tokens_per_s": 10.0}]
+    assert summary["target"] == str(joined) and "--target " + str(joined) in " ".join(
+        summary["parts"]["bench-fp32-greedy"]["command"])
+    assert summary["headline"]["graph_captures"] == 2 * 4 and summary["failed"] == []
