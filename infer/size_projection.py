@@ -134,6 +134,7 @@ def measure(name: str, shape: dict[str, Any], device: str | None, dtype: torch.d
     # CUDA's defaults, named so that a CPU rehearsal runs the same path: static shapes (captured), device rounds
     model = EagleModel.from_pretrained(target, drafter=drafter, lookup_tokens=0, cuda_graphs=True, device_rounds=True,
                                        **TREE)
+    target = model.target  # the one on static shapes
     built_s = time.perf_counter() - start
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
