@@ -120,6 +120,7 @@ def measure(name: str, shape: dict[str, Any], device: str | None, dtype: torch.d
             depths: tuple[int, ...] = DEPTHS) -> dict[str, Any]:
     """One shape's measurements and projection (module docstring); the model is freed before returning."""
     from eagle import EagleModel
+    from eagle.decoding.device_rounds import AUTO_COST, MAX_TREE
     from eagle.decoding.tree_sizing import measure_cost_curve
     from eagle.drafting.drafter import Drafter
     from eagle.runtime.cuda_graphs import capture_stats
@@ -155,6 +156,8 @@ def measure(name: str, shape: dict[str, Any], device: str | None, dtype: torch.d
         "context": context, "new_tokens": new_tokens, "build_seconds": round(built_s, 2),
         "verify_seconds": verify,
         "verify_vs_one_row": {n: s / verify[rows[0]] for n, s in verify.items()},
+        # what total_tokens="auto" would verify on this curve (device rounds: the largest tree within AUTO_COST rows)
+        "auto_tree_size": max((n for n in range(2, MAX_TREE + 1) if curve.at(n) <= AUTO_COST * curve.at(1)), default=2),
         "ar_seconds_per_token": ar_s,
         "round_seconds_by_depth": by_depth,
         "draft_seconds_by_depth": {d: r.get("draft", 0.0) for d, r in by_depth.items()},
@@ -183,10 +186,10 @@ def markdown(report: dict[str, Any]) -> str:
     """A ``size-projection`` report -> the results page's tables (after its heading and machine line)."""
     sizes = report["sizes"]
     tau = ACCEPTED[0]["tau"]
-    lines = ["| shape | parameters | verify 1 row (ms) | 60 rows / 1 row | 128 rows / 1 row | ar (ms/token) | "
-             "draft, depth 6 (ms) | round overhead (ms) | round (ms) | break-even tau | "
+    lines = ["| shape | parameters | verify 1 row (ms) | 60 rows / 1 row | 128 rows / 1 row | auto tree size | "
+             "ar (ms/token) | draft, depth 6 (ms) | round overhead (ms) | round (ms) | break-even tau | "
              f"projected speedup, tau {tau} | published tau: projected speedup |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     nan = float("nan")
     for name, s in sizes.items():
         verify, ratio = _by_int(s["verify_seconds"]), _by_int(s["verify_vs_one_row"])
@@ -195,7 +198,7 @@ def markdown(report: dict[str, Any]) -> str:
         ours, *published = s["projected_speedup"]
         lines.append(
             f"| {name} | {s['parameters'] / 1e9:.2f}B | {1e3 * verify[min(verify)]:.2f} | {ratio.get(60, nan):.2f}x | "
-            f"{ratio.get(128, nan):.2f}x | {1e3 * s['ar_seconds_per_token']:.2f} | "
+            f"{ratio.get(128, nan):.2f}x | {s.get('auto_tree_size', '-')} | {1e3 * s['ar_seconds_per_token']:.2f} | "
             f"{1e3 * full.get('draft', 0.0):.2f} | {1e3 * s['round_overhead_seconds']:.2f} | "
             f"{1e3 * full['round']:.2f} | {s['break_even_tau']:.2f} | {ours['speedup']:.2f}x | "
             + (f"{published[0]['tau']}: {published[0]['speedup']:.2f}x |" if published else "- |"))
@@ -216,7 +219,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", f"Inputs: tau {a['tau']} is the accepted length of {a['drafter']} ({a['where']}); the published "
               "tau are " + "; ".join(f"{p['drafter']} {p['tau']}" for p in PUBLISHED.values()) + " (greedy, mean of "
               "4 sets). Projected speedup = tau x ar's seconds per token / the 60/6/10 round's seconds; break-even "
-              "tau = round / ar. The random drafter's own accepted lengths are not a result.", ""]
+              "tau = round / ar; auto tree size: the largest tree whose verify costs at most 1.3 one-row forwards "
+              "(what total_tokens=\"auto\" verifies). The random drafter's own accepted lengths are not a result.",
+              ""]
     return "\n".join(lines)
 
 

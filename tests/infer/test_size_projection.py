@@ -53,6 +53,7 @@ def test_tiny_run_measures_projects_and_renders(tmp_path, fake_capture):
     assert [int(d) for d in s["draft_seconds_by_depth"]] == list(size_projection.DEPTHS)
     assert all(v > 0 for v in s["draft_seconds_by_depth"].values())
     assert s["graph_captures"] > 0 and s["graph_fallbacks"] == 0
+    assert 2 <= s["auto_tree_size"] <= 64
     full = s["round_seconds_by_depth"][str(max(size_projection.DEPTHS))]
     assert s["break_even_tau"] == pytest.approx(full["round"] / s["ar_seconds_per_token"])
     ours, published = s["projected_speedup"]
