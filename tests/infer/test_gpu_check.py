@@ -69,17 +69,21 @@ def test_the_cuda_plan_runs_every_part_within_one_call_with_flags_that_exist(tmp
                 assert not function or f"def {function}(" in (ROOT / path).read_text()
 
 
-def test_a_part_that_hangs_runs_out_of_its_time_and_the_others_still_report(tmp_path):
-    """The interpreter given runs eagle-bench as a hang and the batched run as one JSON line: the bench part is
-    stopped at its limit, the batched part's figures are still summarised, and the check fails naming the part."""
-    wrapper = tmp_path / "python"
-    wrapper.write_text(f"""#!/bin/bash
+# an interpreter for the check under which eagle-bench hangs and the batched run prints one JSON line at once
+HANGING_BENCH = f"""#!/bin/bash
 case "$1 $2" in
   "-m infer.bench") exec sleep 120 ;;
   "scripts/batched_speed.py --target") echo '{{"method": "ar", "batch": 1, "tokens_per_s": 10.0}}'; exit 0 ;;
 esac
 exec {sys.executable} "$@"
-""")
+"""
+
+
+def test_a_part_that_hangs_runs_out_of_its_time_and_the_others_still_report(tmp_path):
+    """The interpreter given runs eagle-bench as a hang and the batched run as one JSON line: the bench part is
+    stopped at its limit, the batched part's figures are still summarised, and the check fails naming the part."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(HANGING_BENCH)
     wrapper.chmod(0o755)
     start = time.monotonic()
     proc, summary = run_check(tmp_path, PYTHON=str(wrapper), EAGLE_GPU_CHECK_DEVICE="cpu",
@@ -90,6 +94,41 @@ exec {sys.executable} "$@"
     assert summary["batched"] == [{"method": "ar", "batch": 1, "tokens_per_s": 10.0}]
     assert summary["failed"] == ["part bench-fp32-greedy ran out of time (3 s)"]
     assert "bench-fp32-greedy" not in summary  # it wrote no report
+
+
+def test_a_check_stopped_from_outside_leaves_the_summary_of_the_parts_done(tmp_path):
+    """The device tool stops a command at its time limit: what ran before is summarised already."""
+    import signal
+
+    wrapper = tmp_path / "python"
+    wrapper.write_text(HANGING_BENCH)
+    wrapper.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), EAGLE_GPU_CHECK_WORK=str(tmp_path / "work"), PYTHON=str(wrapper),
+               EAGLE_GPU_CHECK_DEVICE="cpu", EAGLE_GPU_CHECK_PARTS="batched bench-fp32-greedy",
+               EAGLE_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while "== bench-fp32-greedy (limit" not in (out / "gpu-check.log").read_text() if (
+                out / "gpu-check.log").is_file() else True:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.5)
+    finally:  # the whole session: ``timeout`` runs each part in a process group of its own
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == proc.pid:  # the session id
+                try:
+                    os.kill(int(stat.parent.name), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        proc.wait()
+    summary = json.loads((out / "gpu-check.json").read_text())
+    assert list(summary["parts"]) == ["batched"] and summary["batched"][0]["tokens_per_s"] == 10.0
 
 
 def write_parts(work: Path, rows: list[dict]) -> None:
