@@ -84,7 +84,8 @@ case "${1:-}" in
     exec bash scripts/gpu_window.sh restore ;;
   first)
     mkdir -p "$CARRY" && cp -r .gpu/target .gpu/weights "$CARRY/" || exit 2
-    export EAGLE_GPU_CHECK_PARTS=${EAGLE_GPU_CHECK_PARTS:-$FIRST_PARTS} EAGLE_GPU_CHECK_BUDGET=${EAGLE_GPU_CHECK_BUDGET:-250}
+    export EAGLE_GPU_CHECK_PARTS=${EAGLE_GPU_CHECK_PARTS:-$FIRST_PARTS}
+    [ "${EAGLE_GPU_CHECK_DEVICE:-cuda}" = cuda ] && export EAGLE_GPU_CHECK_BUDGET=${EAGLE_GPU_CHECK_BUDGET:-250}
     FIRST=1 ;;
   "") FIRST=0 ;;
   *) sed -n '2,52p' "$0"; exit 2 ;;
@@ -157,7 +158,9 @@ say "gpu-check: device $DEVICE, out $OUT, budget ${BUDGET}s, python $($PY -c 'im
 if [ "$DRY" != 1 ]; then
   wheels=()
   $PY -c "import gguf" > /dev/null 2>&1 || wheels+=(.gpu/whl/*.whl)
-  $PY -c "import deepspeed" > /dev/null 2>&1 || wheels+=(.gpu/whl-train/*.whl)
+  case " ${EAGLE_GPU_CHECK_PARTS:-} " in  # deepspeed only for the training part (its import alone takes seconds)
+    *" train-smoke "*) $PY -c "import deepspeed" > /dev/null 2>&1 || wheels+=(.gpu/whl-train/*.whl) ;;
+  esac
   if [ ${#wheels[@]} -gt 0 ]; then
     present=()
     for w in "${wheels[@]}"; do [ -f "$w" ] && present+=("$w"); done
