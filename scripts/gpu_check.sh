@@ -20,7 +20,7 @@
 # skipped), so a part that hangs costs its limit and the others still report. gpu-check.json is rewritten after
 # every part, so even a run stopped from outside leaves the summary of the parts done.
 # It fails (exit 1) when a test fails, a part fails or runs out of time, or any CUDA graph capture fell back to
-# eager running; the goals are reported in gpu-check.json's "goals" (met or not) without failing it.
+# eager running; the GPU goals are reported in gpu-check.json's "goals" (met or not) without failing it.
 # $OUT (default ./gpu-out) gets at most 8 files: gpu-check.json (the summary), gpu-check.log (progress with
 # timestamps and the end of each part's output), bench-fp32-greedy.json, bench-fp32-t1.json, bench-bf16-greedy.json,
 # serving-load.json (eagle-bench reports with titles: copied into docs/results/ they replace the GPU sections of the
