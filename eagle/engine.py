@@ -14,7 +14,7 @@ import torch
 
 from eagle.config import (PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig, check_bool, check_int,
                           option_configs)
-from eagle.decoding.device_rounds import (MAX_TREE, DeviceTreeDrafter, auto_total, device_decode_loop,
+from eagle.decoding.device_rounds import (MAX_TREE, DeviceTreeDrafter, device_decode_loop,
                                           device_rounds_apply, draw_temperature)
 from eagle.decoding.loop import GenerationResult, decode_loop, static_greedy_loop
 from eagle.decoding.proposers import DraftModel, EagleDrafter, NoDraft, PromptLookup, Proposer
@@ -24,7 +24,7 @@ from eagle.drafting import draft_lm
 from eagle.drafting.drafter import Drafter, DrafterConfig, DrafterFile, LeanDrafter
 from eagle.errors import EagleError
 from eagle.inputs import METHODS
-from eagle.runtime.block_codes import FORMATS
+from eagle.runtime.quant_blocks import FORMATS
 from eagle.runtime.decoder import cpu_has_fast_bf16, packed_copy
 from eagle.runtime.kernels import stream_linear_op
 from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
@@ -231,12 +231,13 @@ class EagleModel:
                  drafter_quant: str | None = None, device_rounds: bool | None = None) -> None:
         """``drafter_dtype``: what the drafter and the draft model compute in (default
         ``default_drafter_dtype``). ``drafter_quant``: the EAGLE drafter's weights rounded to a block
-        format of ``eagle.runtime.block_codes.FORMATS`` and computed in fp32, or "none" (default
+        format of ``eagle.runtime.quant_blocks.FORMATS`` and computed in fp32, or "none" (default
         ``default_drafter_quant``, unless ``drafter_dtype`` is given). They only propose; every token
         is still the target's, whatever their precision (``sd`` accepts against the draft
         probabilities it really sampled from). ``device_rounds``: ``eagle-tree``/``eagle-chain`` rounds
         drafted, verified and accepted on the device with one host read each
-        (``eagle.decoding.device_rounds``; default: on CUDA), where the tree options allow it. ``drafter``: a
+        (``eagle.decoding.device_rounds``; default: on CUDA, where the tree options allow it: ``host_only``;
+        ``True`` where they do not is an error when such a round is asked for). ``drafter``: a
         module, or a ``DrafterFile`` (what ``from_pretrained`` opens for an fp32 target on a CPU): the inference
         copy is then read from the file and the fp32 module only when ``drafter`` is asked for."""
         self.target, self._drafter, self.draft_model = target, drafter, draft_model
@@ -251,6 +252,7 @@ class EagleModel:
         self.drafter_dtype = drafter_dtype or default_drafter_dtype(target)
         if device_rounds is not None:
             check_bool("device_rounds", device_rounds)
+        self.device_rounds_given = device_rounds
         self.device_rounds = target.device.type == "cuda" if device_rounds is None else device_rounds
         self._packed: dict[tuple[int, torch.dtype, str | None], tuple[Any, Any]] = {}
         # what sizing by cost has learned in this model's decoding so far, per kind of round, greedy and sampled
@@ -382,7 +384,7 @@ class EagleModel:
               prompt_lookup: PromptLookupConfig | None = None) -> "EagleModel":
         return EagleModel(self.target, drafter, self.draft_model, tree, self.speculative,
                           prompt_lookup or self.prompt_lookup, self.drafter_dtype, self.drafter_quant or "none",
-                          self.device_rounds)
+                          self.device_rounds_given)
 
     def _cost_sizing(self, kind: str, sampling: SamplingConfig) -> Sizing:
         """What sizing ``kind``'s rounds ("eagle" trees, "pld" chains) by cost has learned in this model's
@@ -410,19 +412,20 @@ class EagleModel:
         tree = self._method_tree(method)
         if not device_rounds_apply(tree, sampling):
             return None
-        k = tree.top_k
-        pool = 1 + k + tree.depth * k * k
-        total = tree.total_tokens if isinstance(tree.total_tokens, int) else auto_total(self.target, pool,
-                                                                                         sampling.greedy)
+        reason = host_only(tree)
+        if reason is not None:
+            if self.device_rounds_given:
+                raise EagleError(f"device_rounds: {reason}")
+            return None
         return DeviceTreeDrafter(self._inference_copy(self._drafter, self.drafter_dtype, self.drafter_quant),
-                                 self.target, k, tree.depth, min(total, MAX_TREE), draw_temperature(tree, sampling),
-                                 tree.draw_support)
+                                 self.target, tree.top_k, tree.depth, min(tree.total_tokens, MAX_TREE),
+                                 draw_temperature(tree, sampling), tree.draw_support)
 
     def _proposer(self, method: str, sampling: SamplingConfig, generator: torch.Generator,
                   fixed_total: int | None = None, host_trees: bool = False,
                   draft_caches: Callable[[Any], Any] | None = None) -> Proposer:
         """The proposer of ``method``; ``fixed_total``: the most tree nodes where ``total_tokens`` is
-        "auto", sized by the caller instead (``eagle.decoding.batched``); ``host_trees``: trees made from
+        "auto", sized by the caller instead (``eagle.decoding.serving``); ``host_trees``: trees made from
         host values (``ar``'s, ``pld``'s, a greedy drafter's) on the host, for a caller that moves a round's
         trees to the device at once; ``draft_caches``: drafter -> a cache for it (a pool's slot), where a drafter's
         cache comes from."""
@@ -476,6 +479,17 @@ class EagleModel:
             return Stream(events, self.target.tokenizer)
         *_, result = events
         return result
+
+
+def host_only(tree: TreeConfig) -> str | None:
+    """Why a dynamic tree's options need the host path, or None: device rounds graft no prompt-lookup drafts
+    (``lookup_tokens`` > 0) and run one fixed tree size, where ``total_tokens="auto"`` sizes every round from
+    the measured cost curve (``eagle.decoding.tree_sizing``), as the host path and the serving engine do."""
+    if tree.lookup_tokens > 0:
+        return f"device rounds graft no prompt-lookup drafts: set lookup_tokens=0 (it is {tree.lookup_tokens})"
+    if not isinstance(tree.total_tokens, int):
+        return "device rounds run one fixed tree size: give total_tokens an integer ('auto' sizes each round)"
+    return None
 
 
 def check_same_tokenizer(target: Target, draft: Target) -> None:

@@ -13,6 +13,16 @@ METHODS = ("ar", "pld", "sd", "eagle-chain", "eagle-tree")
 FORMATS = {"q8_0": 8, "q4_1": 4}  # the drafter's block formats by their GGUF names -> bits
 DRAFT_LM_MARKER = "draft_lm.json"  # the file that makes a folder a draft LM (``eagle.drafting.draft_lm``)
 
+INT8 = "+int8"  # a method's suffix: run on the target loaded with int8 activations (compared in one process)
+
+
+def split_method(name: str) -> tuple[str, str | None]:
+    """``"eagle-tree@DIR"`` -> ("eagle-tree", "DIR"): an EAGLE method with another drafter folder than
+    ``--drafter`` (to compare drafters in one process; ``@eagle3``: the EAGLE-3 drafter shipped for the
+    target); a plain name -> (name, None). A ``+int8`` suffix (``ar+int8``) is not part of either."""
+    method, at, drafter = name.removesuffix(INT8).partition("@")
+    return method, (drafter if at else None)
+
 
 def check_spec(spec: str) -> str:
     """What a model spec names, checked without loading anything: ``"default"``, ``"gguf"`` (a

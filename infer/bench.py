@@ -2,8 +2,8 @@
 numbers and a per-step time breakdown for several decoding methods, in one process with one
 model load.
 
-The ``llama.cpp*`` methods run llama.cpp's ``llama-server`` (a build folder from ``--llama-cpp`` or
-``$EAGLE_LLAMA_CPP``) on the target's GGUF file with as many threads as torch uses, on the same
+The ``llama.cpp*`` methods run llama.cpp's ``llama-server`` (a build folder from config key ``llama_cpp``
+or ``$EAGLE_LLAMA_CPP``) on the target's GGUF file with as many threads as torch uses, on the same
 chat-templated token ids, timed the same way (wall time of the whole request); see ``infer.llama_cpp``.
 
 Methods run interleaved per prompt (every method on prompt 1, then every method on prompt 2,
@@ -27,15 +27,16 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
+from eagle.config import LoadOptions, check_bool, check_int
 from eagle.decoding.loop import STEPS
 from eagle.errors import EagleError, Parser, check_writable, command, given_flags, note_ignored
-from eagle.inputs import METHODS, check_spec
+from eagle.inputs import INT8, METHODS, check_spec, split_method
 from eagle.prompts import NO_CATEGORY, read_prompts
 from infer import llama_cpp
-from infer.cli import (add_model_args, add_sampling_args, check_method, check_model_args, check_sampling, load_model,
-                       note_ignored_flags)
+from infer.cli import (add_config_args, add_model_args, add_sampling_args, check_method, check_model_args,
+                       check_sampling, load_model, note_ignored_flags, parse_command)
 
 PROG = "eagle-bench"
 RUN_ENV = ("EAGLE_CPU_ISA", "EAGLE_CPU_KERNELS", "EAGLE_FAKE_CAPTURE")  # recorded in the report's command
@@ -46,15 +47,6 @@ PARTS = ("prefill",) + STEPS  # the time breakdown, as fractions of total time
 
 # ---- input ---------------------------------------------------------------------------------
 DRAFTER_METHODS = ("eagle-tree", "eagle-chain")
-INT8 = "+int8"  # a method's suffix: run on the target loaded with int8 activations (compared in one process)
-
-
-def split_method(name: str) -> tuple[str, str | None]:
-    """``"eagle-tree@DIR"`` -> ("eagle-tree", "DIR"): an EAGLE method with another drafter folder than
-    ``--drafter`` (to compare drafters in one process; ``@eagle3``: the EAGLE-3 drafter shipped for the
-    target); a plain name -> (name, None). A ``+int8`` suffix (``ar+int8``) is not part of either."""
-    method, at, drafter = name.removesuffix(INT8).partition("@")
-    return method, (drafter if at else None)
 
 
 def parse_methods(text: str) -> list[str]:
@@ -380,12 +372,10 @@ def build_parser() -> Parser:
                         help=f"comma list from {', '.join(BENCH_METHODS)} (default {DEFAULT_METHODS}); "
                              f"eagle-tree@DIR (or eagle-chain@DIR) runs with the drafter in DIR instead of --drafter; "
                              f"a method with the suffix {INT8} (ar+int8, eagle-tree+int8) runs on the target loaded "
-                             f"again with --int8-activations")
+                             f"again with int8_activations")
     parser.add_argument("--limit", type=int, help="only the first N prompts")
     parser.add_argument("--per-category", type=int,
                         help="only the first N prompts of each category (every category stays represented)")
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="run every method on the first N prompts first, not counted (default 1)")
     parser.add_argument("--json", help="write the results to this JSON file")
     parser.add_argument("--title", help="a title stored in the --json report (eagle-results uses it)")
     parser.add_argument("--plot", help="draw accepted lengths and speedups to this PNG file")
@@ -394,25 +384,54 @@ def build_parser() -> Parser:
                    help="run the load test instead: streamed chat requests over the prompts from N concurrent clients "
                         "per level (e.g. 1,4,16), every answer checked against the request decoded alone (--methods "
                         "default: ar,pld,eagle-tree)")
-    g.add_argument("--requests-per-client", type=int, metavar="K",
-                   help="each level of N clients sends N * K requests, taking the prompts in turn (again from the "
-                        "first when they run out); the one-client reference sends each prompt used once (default: "
-                        "every level sends every prompt once)")
     g.add_argument("--url", help="the eagle-serve to load (default: one started in this process with the model options)")
-    g.add_argument("--api-key", help="the Bearer token of the server at --url")
     g.add_argument("--max-batch", type=int, default=1,
                    help="the in-process server's --max-batch (default 1)")
-    g = parser.add_argument_group("llama.cpp (methods llama.cpp, llama.cpp-eagle3, llama.cpp-ngram)")
-    g.add_argument("--llama-cpp", metavar="DIR",
-                   help=f"llama.cpp build folder (scripts/llama_cpp.sh build makes .llama.cpp; default "
-                        f"${llama_cpp.ENV})")
-    g.add_argument("--llama-cpp-draft", metavar="PATH",
-                   help="the draft for llama.cpp-eagle3: a .gguf file, or an EAGLE-3 checkpoint folder (SpecForge "
-                        "layout) converted with the build's convert_hf_to_gguf.py (default: --drafter, an eagle3 "
-                        "drafter, exported and converted)")
     add_sampling_args(parser, max_new_tokens=128, temperature=0.0)
     add_model_args(parser)
+    add_config_args(parser, "; eagle-bench's own: warmup, requests_per_client, api_key, cache_pool, llama_cpp, "
+                            "llama_cpp_draft")
     return parser
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:
+    """eagle-bench's own config keys. ``warmup``: run every method on the first N prompts first, not counted.
+    Load test: ``requests_per_client`` K (each level of N clients sends N * K requests, taking the prompts in
+    turn; default: every level sends every prompt once), ``api_key`` (the Bearer token of the server at
+    ``--url``), ``cache_pool`` (the in-process server's, ``infer.serve.ServeOptions``). llama.cpp methods: ``llama_cpp``, its build folder (scripts/llama_cpp.sh build makes
+    .llama.cpp; default $EAGLE_LLAMA_CPP); ``llama_cpp_draft``, the draft for llama.cpp-eagle3: a .gguf file,
+    or an EAGLE-3 checkpoint folder (SpecForge layout) converted with the build's convert_hf_to_gguf.py
+    (default: --drafter, an eagle3 drafter, exported and converted)."""
+
+    warmup: int = 1
+    requests_per_client: Optional[int] = None
+    api_key: Optional[str] = None
+    llama_cpp: Optional[str] = None
+    llama_cpp_draft: Optional[str] = None
+    cache_pool: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("warmup", self.warmup, 0)
+        check_bool("cache_pool", self.cache_pool)
+        if self.requests_per_client is not None:
+            check_int("requests_per_client", self.requests_per_client, 1)
+        for name in ("api_key", "llama_cpp", "llama_cpp_draft"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise EagleError(f"{name} must be a string, got {getattr(self, name)!r}")
+
+
+def redacted(arg: str) -> str:
+    """A command-line word with a ``api_key=KEY`` pair's key hidden."""
+    return "api_key=***" if arg.startswith("api_key=") else arg
+
+
+def report_options(args: argparse.Namespace) -> dict:
+    """The command's options for a JSON report: the flags and config keys, ``api_key`` left out."""
+    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "config_keys")}
+    config["set"] = [redacted(item) for item in args.set]
+    config["config_keys"] = sorted(args.config_keys)
+    return config
 
 
 def cpu_name() -> str:
@@ -442,7 +461,7 @@ def check_llama_cpp(args: Any, methods: list[str]) -> dict | None:
     given draft. None when no llama.cpp method runs."""
     wanted = [m for m in methods if m in llama_cpp.METHODS]
     if args.llama_cpp_draft is not None and "llama.cpp-eagle3" not in wanted:
-        raise EagleError("--llama-cpp-draft is for method llama.cpp-eagle3, which is not in --methods")
+        raise EagleError("llama_cpp_draft is for method llama.cpp-eagle3, which is not in --methods")
     if not wanted:
         return None
     folder = llama_cpp.build_folder(args.llama_cpp)
@@ -457,9 +476,9 @@ def check_llama_cpp(args: Any, methods: list[str]) -> dict | None:
             if path.suffix == ".gguf":
                 check_spec(str(path))  # exists and starts like a GGUF file
             elif not path.is_dir():
-                raise EagleError(f"--llama-cpp-draft {draft}: no such .gguf file or folder")
+                raise EagleError(f"llama_cpp_draft {draft}: no such .gguf file or folder")
             elif not llama_cpp.is_eagle3_folder(path):
-                raise EagleError(f"--llama-cpp-draft {draft}: not an EAGLE-3 checkpoint (its config.json needs "
+                raise EagleError(f"llama_cpp_draft {draft}: not an EAGLE-3 checkpoint (its config.json needs "
                                  f"num_hidden_layers 1 and draft_vocab_size)")
             else:
                 llama_cpp.converter(folder)
@@ -519,20 +538,19 @@ def machine(model: Any) -> dict:
 @command(PROG)
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = parse_command(build_parser(), argv, BenchOptions)
     methods = parse_methods(args.methods)
     check_sampling(args)
     for flag, value in (("--limit", args.limit), ("--per-category", args.per_category)):
         if value is not None and value < 1:
             raise EagleError(f"{flag} must be >= 1, got {value}")
-    if args.warmup < 0:
-        raise EagleError(f"--warmup must be >= 0, got {args.warmup}")
     prompts = first_per_category(read_prompts(args.prompts), args.per_category)[: args.limit]
     if args.concurrency is not None:
         return load_test(args, argv, methods, prompts)
-    for flag in ("--url", "--api-key", "--max-batch", "--requests-per-client"):
-        if flag in given_flags(build_parser(), args, [flag]):
-            raise EagleError(f"{flag} is an option of the load test: give --concurrency too")
+    load_test_only = given_flags(build_parser(), args, ["--url", "--max-batch"]) | (
+        args.config_keys & {"api_key", "requests_per_client"})
+    for name in sorted(load_test_only):
+        raise EagleError(f"{name} is an option of the load test: give --concurrency too")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             check_writable(path, flag)
@@ -546,7 +564,7 @@ def main(argv: list[str] | None = None) -> None:
     # what each method reads (llama.cpp-eagle3 with a draft of its own: not --drafter; a +int8 method: its own's)
     reading = [m.removesuffix(INT8) for m in methods if not (m == "llama.cpp-eagle3" and args.llama_cpp_draft)]
     note_ignored_flags(PROG, build_parser(), args, reading, f"with --methods {args.methods}", [
-        (("--llama-cpp",), setup is None, f"with --methods {args.methods}"),
+        (("llama_cpp",), setup is None, f"with --methods {args.methods}"),
         (("--title",), not args.json, "without --json (it titles the JSON report)")])
     model = load_model(args)
     int8 = load_model(argparse.Namespace(**{**vars(args), "int8_activations": True})) if any(
@@ -576,27 +594,27 @@ def load_test(args: Any, argv: list[str], methods: list[str], prompts: list[dict
     if served != methods:
         raise EagleError(f"the load test runs methods eagle-serve serves ({', '.join(METHODS)}), not "
                          f"{', '.join(m for m in methods if m not in served)}")
-    for flag in ("--llama-cpp", "--llama-cpp-draft"):
-        if flag in given_flags(build_parser(), args, [flag]):
-            raise EagleError(f"{flag} is for llama.cpp methods, which the load test does not run")
+    for key in ("llama_cpp", "llama_cpp_draft"):
+        if key in args.config_keys:
+            raise EagleError(f"{key} is for llama.cpp methods, which the load test does not run")
     if args.max_batch < 1:
         raise EagleError(f"--max-batch must be >= 1, got {args.max_batch}")
-    if args.requests_per_client is not None and args.requests_per_client < 1:
-        raise EagleError(f"--requests-per-client must be >= 1, got {args.requests_per_client}")
     if args.json:
         check_writable(args.json, "--json")
     parser = build_parser()
     model_flags = [a.option_strings[0] for g in parser._action_groups if g.title == "model" for a in g._group_actions
                    if getattr(args, a.dest) != parser.get_default(a.dest)]  # the model options given
-    note_ignored(PROG, given_flags(parser, args, ["--plot", "--max-batch", "--api-key", "--title"]) | set(model_flags), [
+    model_flags += sorted(args.config_keys & {f.name for f in dataclasses.fields(LoadOptions)})
+    note_ignored(PROG, given_flags(parser, args, ["--plot", "--max-batch", "--title"]) | set(model_flags) | (
+        args.config_keys & {"api_key"}), [
         (("--plot",), True, "by the load test"),
         (("--max-batch", *model_flags), args.url is not None, "with --url (the server there has its own)"),
-        (("--api-key",), args.url is None, "without --url (the in-process server has no key)"),
+        (("api_key",), args.url is None, "without --url (the in-process server has no key)"),
         (("--title",), not args.json, "without --json (it titles the JSON report)")])
     if args.url is None:
         note_ignored_flags(PROG, parser, args, methods, f"with --methods {args.methods}")
     env = [f"{k}={os.environ[k]}" for k in RUN_ENV if os.environ.get(k)]
-    command = shlex.join(env + [PROG] + argv)
+    command = shlex.join(env + [PROG] + [redacted(arg) for arg in argv])
     print(f"$ {command}")
     with contextlib.ExitStack() as stack:
         if args.url is None:
@@ -607,9 +625,10 @@ def load_test(args: Any, argv: list[str], methods: list[str], prompts: list[dict
             from infer.serve import create_app
 
             info = machine(model)
-            app = create_app(model, method=methods[0], max_queue=max(levels), max_batch=args.max_batch)
+            app = create_app(model, method=methods[0], max_queue=max(levels), max_batch=args.max_batch,
+                             cache_pool=args.cache_pool)
             base = stack.enter_context(lt.LocalServer(app)).base
-            info["server"] = f"in-process, max_batch {args.max_batch}"
+            info["server"] = f"in-process, max_batch {args.max_batch}" + (", cache_pool" if args.cache_pool else "")
         else:
             base = args.url
             info = dict(server=base, client_cpu=cpu_name(), platform=platform.platform(),
@@ -636,7 +655,7 @@ def load_test(args: Any, argv: list[str], methods: list[str], prompts: list[dict
         print(f"{r['method']} at {r['concurrency']} clients: {r['errors']} errors, {r['mismatches']} answers lost, "
               f"cut or mixed: {r['mismatched'][:3]}", flush=True)
     if args.json:
-        config = {k: v for k, v in vars(args).items() if k != "api_key"}
+        config = report_options(args)
         config.update(methods=methods, concurrency=levels, command=command)
         report = dict(title=args.title, kind="load-test", config=config, machine=info, prompts=len(prompts),
                       results=rows)
@@ -659,7 +678,7 @@ def run_all(args: Any, argv: list[str], methods: list[str], prompts: list[dict],
     ids = [model.target.encode_prompt(p["prompt"]) for p in prompts]
     # the environment variables that change what runs, as the command line a rerun needs
     env = [f"{k}={os.environ[k]}" for k in RUN_ENV if os.environ.get(k)]
-    command = shlex.join(env + [PROG] + argv)
+    command = shlex.join(env + [PROG] + [redacted(arg) for arg in argv])
     info = machine(model)
     int8 = next((models[m] for m in methods if m.endswith(INT8)), None)
     if int8 is not None and int8.target.lean is not None:
@@ -695,7 +714,7 @@ def run_all(args: Any, argv: list[str], methods: list[str], prompts: list[dict],
         print(loud, flush=True)
         print(loud, file=sys.stderr, flush=True)
     if args.json:
-        config = {k: v for k, v in vars(args).items()}
+        config = report_options(args)
         config.update(methods=methods, command=command, tree=dataclasses.asdict(model.tree),
                       prompt_lookup=dataclasses.asdict(model.prompt_lookup),
                       drafter_dtype=str(model.drafter_dtype).replace("torch.", ""),

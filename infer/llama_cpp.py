@@ -43,10 +43,10 @@ STARTUP_S = 120.0  # how long a server may take to load and answer /health
 
 # ---- locating the build --------------------------------------------------------------------
 def build_folder(given: str | None) -> Path:
-    """The llama.cpp build folder from ``--llama-cpp`` or else ``$EAGLE_LLAMA_CPP``."""
+    """The llama.cpp build folder from config key ``llama_cpp`` or else ``$EAGLE_LLAMA_CPP``."""
     value = given or os.environ.get(ENV)
     if not value:
-        raise EagleError(f"the llama.cpp methods need a llama.cpp build: pass --llama-cpp DIR or set {ENV} "
+        raise EagleError(f"the llama.cpp methods need a llama.cpp build: pass --set llama_cpp=DIR or set {ENV} "
                          f"({BUILD_HINT})")
     path = Path(value).expanduser()
     if not path.is_dir():
@@ -82,7 +82,7 @@ def converter(folder: Path) -> Path:
         if path.is_file():
             return path
     raise EagleError(f"no convert_hf_to_gguf.py in {folder} (nor in {folder / 'src'}): give the draft as a .gguf "
-                     f"file with --llama-cpp-draft, or use a folder made by scripts/llama_cpp.sh build")
+                     f"file with llama_cpp_draft, or use a folder made by scripts/llama_cpp.sh build")
 
 
 def target_gguf(spec: str) -> Path:
@@ -129,10 +129,10 @@ def export_eagle3(drafter: Any, out_dir: Path) -> Path:
         kind = getattr(getattr(drafter, "config", None), "kind", None)
         raise EagleError(f"method 'llama.cpp-eagle3' needs an EAGLE-3 drafter (kind 'eagle3'), got "
                          f"{'none' if kind is None else repr(kind)}: pass --drafter an eagle3 drafter or "
-                         f"--llama-cpp-draft FILE.gguf")
+                         f"--set llama_cpp_draft=FILE.gguf")
     if "eagle3" not in checkpoint_formats.EXPORT_FORMATS:
         raise EagleError("this version cannot export an EAGLE-3 drafter for llama.cpp (no eagle-export --format "
-                         "eagle3): pass --llama-cpp-draft (a .gguf, or a folder in the SpecForge EAGLE-3 layout)")
+                         "eagle3): pass --set llama_cpp_draft=PATH (a .gguf, or a folder in the SpecForge EAGLE-3 layout)")
     return checkpoint_formats.export_drafter(drafter, out_dir, "eagle3")
 
 

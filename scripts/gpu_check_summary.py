@@ -1,7 +1,7 @@
 """gpu-check.json, the summary of ``scripts/gpu_check.sh``, from what its parts left behind.
 
 Reads ``WORK/parts.jsonl`` (one line per part: rc, seconds, limit, command; skipped or planned),
-``WORK/pytest.xml``, ``WORK/batched.txt`` (``scripts/batched_speed.py``'s JSON lines) and the reports in
+``WORK/pytest.xml``, ``WORK/batched.txt`` (``scripts/serving_speed.py``'s JSON lines) and the reports in
 ``OUT`` (eagle-bench JSONs, the load test's, the size projection's or its copy in ``WORK`` from a first call,
 the training smoke run's); a part that left nothing is reported as such. Writes ``OUT/gpu-check.json`` with ``parts``, each report's figures,
 ``headline``, ``goals`` (the GPU goals: value, target, met) and ``failed`` (a part that failed or ran out
@@ -18,7 +18,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-BENCHES = ("bench-fp32-greedy", "bench-fp32-t1", "bench-bf16-greedy", "bench-fp32-host-rounds")
+BENCHES = ("bench-fp32-greedy", "bench-fp32-t1", "bench-bf16-greedy", "bench-fp32-device-rounds")
 BENCH_KEYS = ("tokens_per_second", "mean_accept_length", "speedup_vs_ar", "speedup_vs_hf", "identical_to_ar",
               "identical_share", "step_fractions", "graph_captures", "graph_fallbacks")
 LOAD_KEYS = ("method", "concurrency", "tokens_per_second", "mean_accepted_length", "errors", "mismatches")
@@ -68,7 +68,7 @@ def bench(data: dict) -> dict:
 
 
 def batched(work: Path) -> list[dict] | None:
-    """``scripts/batched_speed.py``'s JSON lines (one per method and batch size), or None without any."""
+    """``scripts/serving_speed.py``'s JSON lines (one per method and batch size), or None without any."""
     path = work / "batched.txt"
     if not path.is_file():
         return None
@@ -155,6 +155,7 @@ def summarize(out: Path, work: Path, device: str, target: str) -> dict:
     g = summary.get("bench-fp32-greedy", {}).get("methods", {})
     t1 = summary.get("bench-fp32-t1", {}).get("methods", {})
     b16 = summary.get("bench-bf16-greedy", {}).get("methods", {})
+    rounds = summary.get("bench-fp32-device-rounds", {}).get("methods", {})
     counted = [summary[n]["machine"] for n in BENCHES + ("serving-load",) if n in summary]
     sizes = summary.get("size-projection", {}).get("sizes", {}).values()
     summary["headline"] = {
@@ -163,6 +164,7 @@ def summarize(out: Path, work: Path, device: str, target: str) -> dict:
         "tree_vs_ar_fp32_t1": t1.get("eagle-tree", {}).get("speedup_vs_ar"),
         "tree_vs_ar_bf16_greedy": b16.get("eagle-tree", {}).get("speedup_vs_ar"),
         "tree_identical_share_bf16": b16.get("eagle-tree", {}).get("identical_share"),
+        "tree_vs_ar_fp32_device_rounds": rounds.get("eagle-tree", {}).get("speedup_vs_ar"),
         "train_smoke_ok": summary.get("train-smoke", {}).get("ok"),
         "graph_captures": sum(m.get("graph_captures", 0) for m in counted) + sum(s["graph_captures"] for s in sizes),
         "graph_fallbacks": sum(m.get("graph_fallbacks", 0) for m in counted) + sum(s["graph_fallbacks"] for s in sizes),

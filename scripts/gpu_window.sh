@@ -79,7 +79,7 @@ first)
     > "$OUT/tests-batch.txt" 2>&1
   echo "batch tests rc $? at $(( $(date +%s) - t0 ))s"
   grep -hE "FAILED|ERROR|passed|failed" "$OUT"/tests-*.txt | tail -20
-  timeout 60 python3 scripts/batch_speed.py --random-weights --prompt-lengths 64:1536 --rows 512 --prompts 1024 \
+  timeout 60 python3 scripts/data_generation_speed.py --random-weights --prompt-lengths 64:1536 --rows 512 --prompts 1024 \
     --max-new-tokens 128 --profile 15 > "$OUT/speed.txt" 2>&1
   echo "timing rc $? at $(( $(date +%s) - t0 ))s"; head -c 3000 "$OUT/speed.txt"
   ls /tmp/carry/*

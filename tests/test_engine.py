@@ -125,7 +125,8 @@ def test_compacted_cache_equals_recomputed_cache(target):
     # a tree: root 0 -> 1 -> 3, and a sibling branch 2
     tokens = torch.tensor([[4, 9, 11, 12]], device=dev)
     parents = torch.tensor([-1, 0, 0, 1])
-    from eagle.decoding.tree_mask import attention_bias, tree_attention
+    from eagle.decoding.tree_mask import tree_attention
+    from eagle.runtime.masks import attention_bias
     attn = tree_attention(parents)
     bias = attention_bias(attn.mask, 6, torch.float32).to(dev)
     target.forward(tokens, (6 + attn.depths)[None].to(dev), cache, bias)

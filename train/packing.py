@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from eagle.decoding.tree_mask import additive_bias
+from eagle.runtime.masks import additive_bias
 from eagle.runtime.target import Target, model_features
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from eagle.config import SamplingConfig
 from eagle.decoding.sampling import logits_to_probs
-from eagle.decoding.tree_mask import additive_bias
+from eagle.runtime.masks import additive_bias
 from eagle.errors import EagleError
 from eagle.runtime.cuda_graphs import bucket_for, keys_for as graph_keys
 from eagle.runtime.decoder import rms_norm, rotate, silu_mul

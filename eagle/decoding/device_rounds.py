@@ -39,7 +39,7 @@ from eagle.config import SamplingConfig, TreeConfig
 from eagle.decoding.loop import Clock, GenerationResult, check_request, chunk_and_stop, finish
 from eagle.decoding.sampling import invert_cdf, logits_to_probs
 from eagle.decoding.tree import topk_children
-from eagle.decoding.tree_mask import additive_bias
+from eagle.runtime.masks import additive_bias
 from eagle.errors import EagleError
 from eagle.runtime import kv_cache
 from eagle.runtime.target import Target

@@ -18,7 +18,8 @@ from eagle.decoding.proposers import Proposal, Proposer
 from eagle.decoding.sampling import logits_to_probs, sample
 from eagle.runtime.target import Target
 from eagle.decoding.tree import DraftTree
-from eagle.decoding.tree_mask import attention_bias, tree_attention
+from eagle.decoding.tree_mask import tree_attention
+from eagle.runtime.masks import attention_bias
 
 STEPS = ("draft", "verify", "accept", "cache", "other")
 

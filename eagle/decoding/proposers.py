@@ -25,7 +25,7 @@ from eagle.drafting.drafter import LeanDrafter
 from eagle.errors import EagleError
 from eagle.decoding.draft_steps import DraftStep, StepResult, run_alone
 from eagle.decoding.sampling import logits_to_probs, sample
-from eagle.decoding.tree_mask import bool_rows
+from eagle.runtime.masks import bool_rows
 from eagle.runtime.target import Target
 from eagle.decoding.tree import (DraftTree, Pool, best_frontier, chain_tree, graft_chains, kept_indices, root_only,
                                  sampled_children, static_layout)
@@ -282,7 +282,7 @@ class EagleDrafter(Proposer):
         ``lookup``: the n-gram sizes for ``cfg.lookup_tokens``;
         ``sampling``/``generator``: with temperature > 0 and ``cfg.sampled_tree`` (dynamic tree) the
         children are drawn from the drafter (``sampled_children``) with ``generator``; ``new_cache``: where
-        ``start`` takes the drafter's cache from (default: a cache of its own; ``BatchedEngine``: a slot
+        ``start`` takes the drafter's cache from (default: a cache of its own; ``ServingEngine``: a slot
         of a pool, given back by ``close``); ``host_trees``: greedy trees made on the host (from the
         host values they are drafted as), for a caller that moves a round's trees to the device at once."""
         vocab = drafter.config.draft_vocab_size or drafter.config.vocab_size

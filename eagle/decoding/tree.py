@@ -7,10 +7,11 @@ index 0 followed by draft nodes in topological order."""
 from __future__ import annotations
 
 import dataclasses
-from array import array
 from typing import Sequence
 
 import torch
+
+from eagle.runtime.masks import host_tensor
 
 
 @dataclasses.dataclass
@@ -64,14 +65,6 @@ def sampled_children(parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int
     gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20)))
     tokens = torch.topk(logprobs / temperature + gumbel, k, dim=-1).indices
     return tokens, parent_scores[:, None] + torch.topk(logprobs, k, dim=-1).values
-
-
-def host_tensor(values: Sequence[int] | Sequence[float], dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """``values`` as a host tensor [N] of ``dtype`` (long or float32) made from an array's bytes: a few times
-    cheaper than ``torch.tensor`` of a list, which each sequence of a batched round pays for its tree."""
-    if not values:
-        return torch.zeros(0, dtype=dtype)
-    return torch.frombuffer(array("q" if dtype == torch.long else "f", values), dtype=dtype)
 
 
 def best_frontier(scores: Sequence[float], k: int) -> list[int]:

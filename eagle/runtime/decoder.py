@@ -8,7 +8,7 @@ stays usable (its own forward is the reference in the tests). In fp32 on AVX-512
 of 1-16 tokens (decoding, tree verification) runs each decoder layer as one compiled call
 (``eagle.runtime.kernels``) whose rows do not depend on each other, so a tree node gets the plain
 step's bits; weights that are exact block encodings (a dequantized GGUF target's) are streamed
-from their codes (``eagle.runtime.block_codes``). Greedy decoding takes the head's argmax from a bf16
+from their codes (``eagle.runtime.quant_blocks``). Greedy decoding takes the head's argmax from a bf16
 copy with an exact fp32 recheck (``GreedyHead``), or, for a large head of 8-bit codes, from the int8 products of
 the same codes with that recheck (``CodesGreedyHead``).
 
@@ -34,10 +34,10 @@ from eagle.errors import EagleError
 from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels, source_digest, stream_linear_op
 from eagle.runtime.kv_cache import StaticCache
 from eagle.runtime.huge_pages import huge_page_copies
-from eagle.runtime.block_codes import BlockCodes, block_encode, block_quantize, decode
+from eagle.runtime.quant_blocks import BlockCodes, block_encode, block_quantize, decode
 from eagle.runtime.gguf_file import LLAMA_FAMILY
 from eagle.runtime.gguf_weights import GGUFLinear, GGUFMatrix, GGUFModel, GGUFProjection, joined_rows
-from eagle.decoding.tree_mask import causal_bias
+from eagle.runtime.masks import causal_bias
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -91,7 +91,7 @@ class PackedLinear(nn.Module):
         self.stream_op = stream_linear_op() if stream and weight.dtype == torch.float32 and (
             weight.device.type == "cpu") else None
         # a weight that is an exact block encoding (a dequantized GGUF target's) is streamed from its
-        # codes: the same bits for a sixth (4-bit) or 28% (8-bit) of the memory traffic (``eagle.runtime.block_codes``)
+        # codes: the same bits for a sixth (4-bit) or 28% (8-bit) of the memory traffic (``eagle.runtime.quant_blocks``)
         self.encoded = block_encode(weight) if self.stream_op is not None and encode else None
         self.pad_rows: tuple[int, ...] = ()
         # the unpacked weight, for the streamed kernel or the row counts ``F.linear`` computes faster
@@ -114,7 +114,7 @@ class PackedLinear(nn.Module):
 
     @classmethod
     def quantized(cls, weight: Any, bias: torch.Tensor | None, bits: int) -> "PackedLinear":
-        """``weight`` [out, in] rounded to its nearest block encoding (``eagle.runtime.block_codes.block_quantize``,
+        """``weight`` [out, in] rounded to its nearest block encoding (``eagle.runtime.quant_blocks.block_quantize``,
         lossy: for a drafter, whose precision never changes the output), in fp32: the product of the
         quantized weight, streamed from its codes where the compiled kernels run (1.125 or 0.625
         bytes a weight against bf16's 2; no fp32 copy is kept, so more than 16 rows are computed 16 at a time),
@@ -594,18 +594,6 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
-def lean_decoder(model: Any, int8_activations: bool = False) -> Any:
-    """A lean forward for ``model`` when its architecture is supported, else None: a ``LeanDecoder``
-    (Llama, Qwen2, Qwen3) or an ``eagle.runtime.gemma.GemmaDecoder`` (Gemma-3). ``int8_activations``: see
-    ``LeanDecoder``."""
-    from eagle.runtime import gemma
-
-    if getattr(model.config, "model_type", None) in gemma.GEMMA_MODEL_TYPES:
-        return gemma.GemmaDecoder(model, int8_activations=int8_activations) if gemma.unsupported_reason(
-            model) is None else None
-    return LeanDecoder(model, int8_activations=int8_activations) if unsupported_reason(model) is None else None
-
-
 def product(linears: Sequence[Any], stream: bool, encode: bool, int8: bool = False) -> "PackedLinear | GGUFLinear":
     """One product for a lean forward's layer from a model's linears reading the same input (outputs
     side by side): ``nn.Linear`` modules -> a ``PackedLinear``; a GGUF target's projections
@@ -751,7 +739,7 @@ class LeanDecoder(HeadAndCache):
     def __init__(self, model: Any, kernels: bool = True, encode: bool = True, int8_activations: bool = False) -> None:
         """``kernels``: in fp32 on CPU, the compiled kernels where they run (``eagle.runtime.kernels``: 1-16
         rows streamed, RMSNorm in one pass); ``encode``: with them, weights that are exact block
-        encodings (a dequantized GGUF target's) are streamed from their codes (``eagle.runtime.block_codes``);
+        encodings (a dequantized GGUF target's) are streamed from their codes (``eagle.runtime.quant_blocks``);
         ``int8_activations``: those products take x quantized to int8 per block of 32, as llama.cpp's do
         (faster; not the fp32 products' bits, so greedy output can differ from the fp32 forward's)."""
         reason = unsupported_reason(model)

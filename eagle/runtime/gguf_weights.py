@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from eagle.runtime.block_codes import BlockCodes, decode
+from eagle.runtime.quant_blocks import BlockCodes, decode
 from eagle.runtime.gguf_file import GGUFHeader, LLAMA_FAMILY, TensorInfo, check_gguf, tensor_storage, KEEP_BLOCKS
 from eagle.runtime.huge_pages import Arena
 from eagle.runtime.kernels import cpu_kernels
@@ -90,7 +90,7 @@ CHUNK_BYTES = 8 << 20  # a block-coded tensor is read this much at a time (no wh
 
 
 def codes_into(raw: torch.Tensor, ggml_type: str, codes: torch.Tensor, scales: torch.Tensor) -> None:
-    """Q4_0, Q4_1 or Q8_0 rows (uint8 [n, row bytes]) written as ``eagle.runtime.block_codes.BlockCodes``
+    """Q4_0, Q4_1 or Q8_0 rows (uint8 [n, row bytes]) written as ``eagle.runtime.quant_blocks.BlockCodes``
     into ``codes`` and ``scales`` (the layout ``stream_linear_q`` decodes in registers, faster than
     ``stream_linear_gguf``'s buffer), standing for the very weights gguf-py de-quantizes: Q4_1's codes and
     (d, m) as stored; Q4_0's d (c - 8) as d c + m with m = -8 d (exact in float16); Q8_0's codes with d

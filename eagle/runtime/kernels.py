@@ -1,6 +1,6 @@
 """Compiled CPU kernels for decoding in fp32 (``eagle/runtime/csrc/cpu_kernels.cpp``): the few-row matrix
 products (``stream_linear``; ``stream_linear_q`` reads a weight from its exact block encoding,
-``eagle.runtime.block_codes``, with the same bits), Llama's RMSNorm (``rms_norm``), the gated MLP's activation
+``eagle.runtime.quant_blocks``, with the same bits), Llama's RMSNorm (``rms_norm``), the gated MLP's activation
 (``silu_mul``), and attention over the cache for a few rows (``rope_cache``: rotary queries and
 keys, keys and values written into the cache buffers; ``attention``: grouped-query, masked or
 causal, each row summed over its own keys in order so its result does not depend on the other rows

@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle.decoding.batch import LayerPlan, each_layer, final_norm, gathered, keys_for, rotary_tables
-from eagle.decoding.tree import host_tensor
-from eagle.decoding.tree_mask import additive_bias
+from eagle.runtime.masks import additive_bias, host_tensor
 from eagle.drafting.drafter import fused_input
 from eagle.runtime import cuda_graphs
 from eagle.runtime.kv_cache import CachePool, SlotCache

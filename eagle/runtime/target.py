@@ -19,7 +19,8 @@ from eagle.cache_dir import cache_root
 from eagle.errors import EagleError
 from eagle.inputs import DEFAULT_TARGET, check_prompt_text, check_spec  # noqa: F401 (names of this module too)
 from eagle.prompts import has_chat_template
-from eagle.runtime.decoder import LeanDecoder, lean_decoder
+from eagle.runtime.architectures import lean_decoder
+from eagle.runtime.decoder import LeanDecoder
 from eagle.runtime.gguf_file import LLAMA_FAMILY, GGUFHeader, check_gguf, config_overrides, read_header
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_check_summary  # noqa: E402
 
-DEFAULT_PARTS = ["tests", "bench-fp32-greedy", "bench-fp32-t1", "bench-bf16-greedy", "serving-load", "batched",
-                 "size-projection"]
+DEFAULT_PARTS = ["tests", "bench-fp32-greedy", "bench-fp32-t1", "bench-bf16-greedy", "bench-fp32-device-rounds",
+                 "serving-load", "batched", "size-projection"]
 
 
 def run_check(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -58,8 +58,8 @@ def test_the_cuda_plan_runs_every_part_within_one_call_with_flags_that_exist(tmp
             args = size_projection.build_parser().parse_args(after(command, ["-m", "infer.size_projection"]))
             assert set(args.sizes.split(",")) == set(size_projection.SHAPES) and args.dtype == "bfloat16"
         elif name == "batched":
-            source = (ROOT / "scripts" / "batched_speed.py").read_text()
-            flags = [a for a in after(command, ["scripts/batched_speed.py"]) if a.startswith("--")]
+            source = (ROOT / "scripts" / "serving_speed.py").read_text()
+            flags = [a for a in after(command, ["scripts/serving_speed.py"]) if a.startswith("--")]
             assert flags and all(f'"{flag}"' in source for flag in flags)
         elif name == "tests":
             assert "EAGLE_TEST_DEVICE=cuda" in command
@@ -73,7 +73,7 @@ def test_the_cuda_plan_runs_every_part_within_one_call_with_flags_that_exist(tmp
 HANGING_BENCH = f"""#!/bin/bash
 case "$1 $2" in
   "-m infer.bench") exec sleep 120 ;;
-  "scripts/batched_speed.py --target") echo '{{"method": "ar", "batch": 1, "tokens_per_s": 10.0}}'; exit 0 ;;
+  "scripts/serving_speed.py --target") echo '{{"method": "ar", "batch": 1, "tokens_per_s": 10.0}}'; exit 0 ;;
 esac
 exec {sys.executable} "$@"
 """
@@ -220,7 +220,7 @@ case "$1 $2" in
     done; exit 0 ;;
   "-m infer.size_projection")
     while [ $# -gt 0 ]; do [ "$1" = --json ] && echo '{{"sizes": {{}}, "failed": {{}}}}' > "$2"; shift; done; exit 0 ;;
-  "scripts/batched_speed.py --target") echo '{{"method": "ar", "batch": 1, "tokens_per_s": 10.0}}'; exit 0 ;;
+  "scripts/serving_speed.py --target") echo '{{"method": "ar", "batch": 1, "tokens_per_s": 10.0}}'; exit 0 ;;
 esac
 exec {sys.executable} "$@"
 """)
@@ -243,9 +243,9 @@ exec {sys.executable} "$@"
     assert joined.read_bytes() == b"first half second half"
     assert (drafter / "model.safetensors").read_bytes() == b"drafter"
     summary = json.loads((tmp_path / "out2" / "gpu-check.json").read_text())
-    assert list(summary["parts"]) == ["size-projection"] + DEFAULT_PARTS[1:6]
+    assert list(summary["parts"]) == ["size-projection"] + DEFAULT_PARTS[1:7]
     assert summary["size-projection"] == {"failed": {}, "sizes": {}}  # the first call's report, kept in the work folder
     assert summary["batched"] == [{"method": "ar", "batch": 1, "tokens_per_s": 10.0}]
     assert summary["target"] == str(joined) and "--target " + str(joined) in " ".join(
         summary["parts"]["bench-fp32-greedy"]["command"])
-    assert summary["headline"]["graph_captures"] == 2 * 4 and summary["failed"] == []
+    assert summary["headline"]["graph_captures"] == 2 * 5 and summary["failed"] == []

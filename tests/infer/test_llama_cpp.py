@@ -166,7 +166,7 @@ def test_random_eagle3_checkpoint_has_the_specforge_layout(tmp_path):
 # ---- locating the build and starting the server --------------------------------------------------
 def test_build_folder_and_binary_errors(tmp_path, monkeypatch):
     monkeypatch.delenv(llama_cpp.ENV, raising=False)
-    with pytest.raises(EagleError, match="pass --llama-cpp DIR or set EAGLE_LLAMA_CPP"):
+    with pytest.raises(EagleError, match="pass --set llama_cpp=DIR or set EAGLE_LLAMA_CPP"):
         llama_cpp.build_folder(None)
     with pytest.raises(EagleError, match="no llama.cpp build at .*no such folder"):
         llama_cpp.build_folder(str(tmp_path / "none"))
@@ -244,7 +244,7 @@ def test_bench_runs_llama_cpp_methods_beside_ours(saved, fake_build, tmp_path, m
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     report = tmp_path / "r.json"
     assert bench.main(["--target", target, "--prompts", str(tmp_path / "p.jsonl"), "--methods",
-                       "llama.cpp,ar,llama.cpp-ngram", "--max-new-tokens", "6", "--llama-cpp", str(folder),
+                       "llama.cpp,ar,llama.cpp-ngram", "--max-new-tokens", "6", "--set", f"llama_cpp={folder}",
                        "--json", str(report)]) == 0
     out, _ = capsys.readouterr()
     assert "speedup vs llama.cpp" in out and "llama_cpp version: 1 (fake)" in out
@@ -269,9 +269,9 @@ def test_bench_eagle3_method_takes_a_draft_gguf(saved, fake_build, tmp_path, mon
     draft.write_bytes(b"GGUF")
     monkeypatch.setattr(llama_cpp, "target_gguf", lambda spec: draft)
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "t3 t4"}) + "\n")
-    base = ["--target", target, "--prompts", str(tmp_path / "p.jsonl"), "--max-new-tokens", "4", "--llama-cpp",
-            str(folder), "--warmup", "0"]
-    assert bench.main(base + ["--methods", "llama.cpp-eagle3", "--llama-cpp-draft", str(draft)]) == 0
+    base = ["--target", target, "--prompts", str(tmp_path / "p.jsonl"), "--max-new-tokens", "4", "--set",
+            f"llama_cpp={folder}", "--set", "warmup=0"]
+    assert bench.main(base + ["--methods", "llama.cpp-eagle3", "--set", f"llama_cpp_draft={draft}"]) == 0
     argv = logged(log)[0]["argv"]
     assert argv[argv.index("-md") + 1] == str(draft) and argv[argv.index("--spec-type") + 1] == "draft-eagle3"
     # without --llama-cpp-draft our drafter is exported: an EAGLE-1/2 drafter cannot be
@@ -279,12 +279,12 @@ def test_bench_eagle3_method_takes_a_draft_gguf(saved, fake_build, tmp_path, mon
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--methods", "llama.cpp"], "the llama.cpp methods need a llama.cpp build: pass --llama-cpp DIR"),
-    (["--methods", "llama.cpp", "--llama-cpp", "{tmp}/none"], "no llama.cpp build at {tmp}/none: no such folder"),
-    (["--methods", "llama.cpp", "--llama-cpp", "{tmp}"], "no llama-server in {tmp}"),
-    (["--methods", "llama.cpp", "--llama-cpp", "{build}"], "is a model folder, not a .gguf file"),
-    (["--methods", "ar", "--llama-cpp-draft", "x.gguf"], "is not in --methods"),
-    (["--methods", "llama.cpp-eagle3", "--llama-cpp", "{build}", "--llama-cpp-draft", "{tmp}"],
+    (["--methods", "llama.cpp"], "the llama.cpp methods need a llama.cpp build: pass --set llama_cpp=DIR"),
+    (["--methods", "llama.cpp", "--set", "llama_cpp={tmp}/none"], "no llama.cpp build at {tmp}/none: no such folder"),
+    (["--methods", "llama.cpp", "--set", "llama_cpp={tmp}"], "no llama-server in {tmp}"),
+    (["--methods", "llama.cpp", "--set", "llama_cpp={build}"], "is a model folder, not a .gguf file"),
+    (["--methods", "ar", "--set", "llama_cpp_draft=x.gguf"], "is not in --methods"),
+    (["--methods", "llama.cpp-eagle3", "--set", "llama_cpp={build}", "--set", "llama_cpp_draft={tmp}"],
      "not an EAGLE-3 checkpoint"),
 ])
 def test_bench_refuses_llama_cpp_problems_before_loading(saved, fake_build, tmp_path, monkeypatch, capsys, args,
@@ -326,8 +326,8 @@ def test_real_llama_cpp_matches_ar_with_a_random_eagle3_drafter(tmp_path):
     draft = llama_cpp.random_eagle3(cfg, tmp_path / "e3")
     report = tmp_path / "r.json"
     assert bench.main(["--prompts", str(ROOT / "benchmarks/prompts/dev.jsonl"), "--limit", "2", "--methods",
-                       "ar,llama.cpp,llama.cpp-eagle3,llama.cpp-ngram", "--max-new-tokens", "32", "--llama-cpp",
-                       str(REAL), "--llama-cpp-draft", str(draft), "--json", str(report)]) == 0
+                       "ar,llama.cpp,llama.cpp-eagle3,llama.cpp-ngram", "--max-new-tokens", "32", "--set",
+                       f"llama_cpp={REAL}", "--set", f"llama_cpp_draft={draft}", "--json", str(report)]) == 0
     methods = json.loads(report.read_text())["methods"]
     # llama.cpp's numerics differ from ours (activations rounded to 8 bits for the Q4_1 products): a near tie
     # can go the other way, so its tokens need not equal ar's; its speculative methods must equal its own

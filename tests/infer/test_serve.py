@@ -452,15 +452,15 @@ def test_models_health_and_metrics(server):
 
 
 def test_command_line_errors_exit_2(capsys):
-    assert main(["--max-queue", "-1"]) == 2
-    assert "eagle-serve: error: --max-queue must be >= 0" in capsys.readouterr().err
+    assert main(["--set", "max_queue=-1"]) == 2
+    assert "eagle-serve: error: max_queue must be >= 0" in capsys.readouterr().err
     assert main(["--method", "beam"]) == 2
     for argv, message in [(["--max-batch", "0"], "--max-batch must be >= 1"),
-                          (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1"),
-                          (["--request-timeout-s", "0"], "--request-timeout-s must be > 0"),
-                          (["--request-timeout-s", "nan"], "--request-timeout-s must be > 0"),
-                          (["--api-key", ""], "--api-key must be a non-empty token"),
-                          (["--api-key", "a", "--api-key", "b"], "--api-key is given twice")]:
+                          (["--set", "max_body_bytes=0"], "max_body_bytes must be >= 1"),
+                          (["--set", "request_timeout_s=0"], "request_timeout_s must be > 0"),
+                          (["--set", "request_timeout_s=.nan"], "request_timeout_s must be a finite number"),
+                          (["--set", "api_key=''"], "api_key must be a non-empty token"),
+                          (["--set", "api_key=a", "--set", "api_key=b"], "api_key is set twice")]:
         assert main(argv) == 2
         assert message in capsys.readouterr().err
 
@@ -585,7 +585,7 @@ def test_the_server_takes_what_it_loaded_out_of_the_cycle_collector(tmp_path, mo
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: frozen.append(gc.get_freeze_count()))
     gc.unfreeze()
     try:
-        main(["--target", target, "--drafter", drafter, "--no-warmup", "--port", "0"])
+        main(["--target", target, "--drafter", drafter, "--set", "warmup=false", "--port", "0"])
     finally:
         gc.unfreeze()
     assert frozen and frozen[0] > 1000

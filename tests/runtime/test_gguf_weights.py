@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from eagle import EagleModel
-from eagle.decoding.tree_mask import attention_bias, tree_attention
+from eagle.decoding.tree_mask import tree_attention
+from eagle.runtime.masks import attention_bias
 from eagle.runtime import kernels
-from eagle.runtime.decoder import LeanDecoder, lean_decoder
+from eagle.runtime.architectures import lean_decoder
+from eagle.runtime.decoder import LeanDecoder
 from eagle.runtime.gemma import GemmaDecoder
 from eagle.runtime.gguf_weights import GGUFLinear, GGUFMatrix, llama_row_order, load_gguf_model
 from eagle.runtime.target import Target

@@ -214,7 +214,7 @@ def test_rope_cache_rotates_as_torch_and_writes_the_cache_rows(d):
 
 @pytest.mark.parametrize("nh,nkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
 def test_attention_matches_a_float64_reference(nh, nkv, d):
-    from eagle.decoding.tree_mask import additive_bias
+    from eagle.runtime.masks import additive_bias
 
     module = module_or_skip()
     gen = torch.Generator().manual_seed(nh * d)
@@ -238,7 +238,7 @@ def test_an_attention_row_does_not_depend_on_other_rows_or_masked_keys():
     """Bit for bit: a row among 8 whose keys have masked keys between them (a tree node
     verified after its ancestors' siblings) equals that row alone over just its own keys in
     order (the same token in a plain decoding step)."""
-    from eagle.decoding.tree_mask import additive_bias
+    from eagle.runtime.masks import additive_bias
 
     module = module_or_skip()
     gen = torch.Generator().manual_seed(3)
@@ -341,7 +341,8 @@ def test_lean_decoder_attention_kernel_matches_the_model_and_keeps_rows_independ
     with the transformers model, and a tree's rows are bit-identical to the same tokens decoded
     one at a time."""
     from eagle.runtime.decoder import LeanDecoder
-    from eagle.decoding.tree_mask import attention_bias, tree_attention
+    from eagle.decoding.tree_mask import tree_attention
+    from eagle.runtime.masks import attention_bias
     from tests.conftest import tiny_target
 
     module_or_skip()
@@ -377,7 +378,8 @@ def test_lean_drafter_compiled_layers_match_the_drafter_on_a_tree():
     of the plain ``Drafter`` on each node's own path; greedy eagle-tree drafted that way is ar."""
     from eagle import EagleModel
     from eagle.drafting.drafter import LeanDrafter
-    from eagle.decoding.tree_mask import attention_bias, tree_attention
+    from eagle.decoding.tree_mask import tree_attention
+    from eagle.runtime.masks import attention_bias
     from tests.conftest import prompts, tiny_drafter, tiny_target
 
     module_or_skip()
@@ -440,7 +442,7 @@ def test_greedy_head_argmax_is_the_fp32_heads_even_on_near_ties():
 
 @pytest.mark.parametrize("bits,out_features,in_features", [(4, 53, 96), (8, 41, 64), (4, 7, 1536)])
 def test_stream_linear_q_gives_the_bits_of_the_fp32_kernel_on_the_decoded_weight(bits, out_features, in_features):
-    from eagle.runtime.block_codes import block_encode
+    from eagle.runtime.quant_blocks import block_encode
     from tests.conftest import block_quantized
 
     module = module_or_skip()
@@ -469,7 +471,8 @@ def test_lean_decoder_streams_block_coded_weights_with_the_same_bits():
     """A target whose weights are dequantized Q4_1 (layers) and Q8_0 (head), as the default GGUF
     target's: the forward from the codes equals the fp32 one bit for bit (decoding, a tree, the argmax)."""
     from eagle.runtime.decoder import LeanDecoder
-    from eagle.decoding.tree_mask import attention_bias, tree_attention
+    from eagle.decoding.tree_mask import tree_attention
+    from eagle.runtime.masks import attention_bias
     from tests.conftest import block_quantized, tiny_target
 
     module_or_skip()
@@ -593,7 +596,7 @@ def int8_rows_reference(x: torch.Tensor) -> torch.Tensor:
 def int8_products(module, name: str):
     """(product(x) with int8 activations, product(x) without, the de-quantized weight) for GGUF type ``name`` or
     block codes (``block4``/``block8``, fp32 or ``-half`` scales) of a random 37 x 512 weight."""
-    from eagle.runtime.block_codes import block_quantize, decode
+    from eagle.runtime.quant_blocks import block_quantize, decode
 
     if name in GGML_BLOCKS:
         raw, type_id, weight = random_gguf_rows(name, 37, 512, seed=len(name))
@@ -656,7 +659,7 @@ def test_codes_greedy_head_argmax_is_the_fp32_heads_even_on_near_ties(isa, monke
     the wrong token), exact ties (duplicate rows: the first index), crowds, 1-21 rows, with a bias; x that is not
     finite gets the whole head's answer. With the bound taken away it fails (the negative control)."""
     from eagle.runtime import decoder
-    from eagle.runtime.block_codes import block_quantize
+    from eagle.runtime.quant_blocks import block_quantize
     from eagle.runtime.decoder import CodesGreedyHead, codes_greedy_head
 
     op_or_skip()
@@ -703,7 +706,7 @@ def test_a_codes_heads_argmax_of_many_rows_is_made_a_group_of_rows_at_a_time(isa
     ``ARGMAX_LOGITS_BYTES`` of logits (at least 16 rows), and gives the argmax of all the rows' logits at once; a head
     whose logits of all the rows fit, or one with an fp32 weight, takes every row in one product."""
     from eagle.runtime import decoder
-    from eagle.runtime.block_codes import block_quantize
+    from eagle.runtime.quant_blocks import block_quantize
     from eagle.runtime.decoder import head_argmax
 
     op_or_skip()
@@ -734,7 +737,7 @@ def test_codes_greedy_head_screens_only_the_row_counts_it_measured_faster_at(isa
     row (a CPU without fast int8 dot products); the choice is kept in the cache, not measured again. Above
     ``max_rows`` the whole head answers."""
     from eagle.runtime import decoder
-    from eagle.runtime.block_codes import block_quantize
+    from eagle.runtime.quant_blocks import block_quantize
     from eagle.runtime.decoder import CodesGreedyHead, codes_greedy_head
 
     op_or_skip()

@@ -1,8 +1,9 @@
-"""New tokens/s of batched plain decoding (``eagle.decoding.batch.BatchDecoder``) on one target.
+"""New tokens/s of batched plain decoding (``eagle.decoding.batch.BatchDecoder``, what training-data
+generation runs) on one target.
 
-    python scripts/batch_speed.py --rows 256 --prompts 1024 --max-new-tokens 256   # a GPU
-    python scripts/batch_speed.py --rows 8 --prompts 8 --max-new-tokens 64          # a CPU
-    python scripts/batch_speed.py --random-weights --prompt-lengths 64:1536 --rows 256 --prompts 512
+    python scripts/data_generation_speed.py --rows 256 --prompts 1024 --max-new-tokens 256   # a GPU
+    python scripts/data_generation_speed.py --rows 8 --prompts 8 --max-new-tokens 64          # a CPU
+    python scripts/data_generation_speed.py --random-weights --prompt-lengths 64:1536 --rows 256 --prompts 512
 
 ``--random-weights``: no target file, random weights in SmolLM2-135M's architecture and prompts of
 random ids (lengths drawn from ``--prompt-lengths``): speed only (rows rarely end early), e.g. to
