@@ -417,10 +417,50 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
     except Exception as exc:  # noqa: BLE001 - a damaged folder: SafetensorError, ValueError, KeyError, ...
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise EagleError(f"cannot load model {spec!r} (damaged files?): {type(exc).__name__}: {message}") from exc
-    model.to(dev).eval()
+    return target_from_model(model, tokenizer, str(spec), dev, dt, lean, cuda_graphs, int8_activations)
+
+
+def target_from_model(model: Any, tokenizer: Any, name: str, device: torch.device, dtype: torch.dtype,
+                      lean: bool = True, cuda_graphs: bool | None = None, int8_activations: bool = False) -> Target:
+    """A transformers causal LM (in ``dtype``) -> a ``Target`` on ``device`` for inference, with the lean forward
+    (``lean``) and static shapes (``cuda_graphs``) as ``load_target`` gives them."""
+    model.to(device).eval()
     model.requires_grad_(False)
-    return use_cuda_graphs(Target(model=model, tokenizer=tokenizer, name=str(spec), device=dev, dtype=dt,
+    return use_cuda_graphs(Target(model=model, tokenizer=tokenizer, name=name, device=device, dtype=dtype,
                                   lean=lean_decoder(model, int8_activations) if lean else None), cuda_graphs)
+
+
+class IdsOnly:
+    """The tokenizer of a target without one (``random_target``): prompts are token ids, text is not made."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def get_vocab(self) -> dict:
+        return {}
+
+    def decode(self, ids: Any, **kwargs: Any) -> str:
+        return ""
+
+    def __call__(self, text: str) -> dict:
+        raise EagleError("a target with random weights has no tokenizer: pass token ids")
+
+
+def random_target(config: dict, name: str, device: str | torch.device | None = None,
+                  dtype: torch.dtype | None = None, seed: int = 0, cuda_graphs: bool | None = None) -> Target:
+    """A target with random weights (transformers' initialization, ``seed``) in the architecture ``config`` (a
+    config.json's fields, ``model_type`` among them), built on the device in ``dtype`` (default: the device's) and
+    run as ``load_target`` runs a loaded one (``target_from_model``): for speed and shape checks where weights
+    cannot travel. Its tokenizer is ``IdsOnly``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(config)
+    dev, dt = default_device_dtype(device, dtype)
+    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(seed)
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dt)
+    return target_from_model(model, IdsOnly(), name, dev, dt, cuda_graphs=cuda_graphs)
 
 
 def use_cuda_graphs(target: Target, cuda_graphs: bool | None) -> Target:
