@@ -3,6 +3,7 @@
 # call on a lent GPU), nothing downloaded. Parts, in order (EAGLE_GPU_CHECK_PARTS chooses and orders them):
 #   tests              the CUDA test subset (EAGLE_TEST_DEVICE=cuda: static path, graphs, device rounds, pooled
 #                      caches, batched decoding, batched trees, the size projection at tiny scale)
+#   convert            the target converted once into $EAGLE_CACHE (what the first eagle-bench would do), timed apart
 #   bench-fp32-greedy  eagle-bench ar,eagle-tree, default options (on CUDA: CUDA graphs; trees sized by cost with
 #                      prompt-lookup grafts, so host rounds), fp32, greedy, 50 dev prompts
 #   bench-fp32-t1      the same at temperature 1 (drawn children), 16 dev prompts
@@ -221,7 +222,8 @@ if [ "$DEVICE" = cuda ]; then
   BATCHED=(--batch 1,4,16,64 --prompts 64 --max-new-tokens 64 --device cuda --dtype float32 --cache-pool on)
   PROJECTION=(--sizes llama-3.1-8b,llama-3.2-3b,qwen2.5-1.5b --device cuda --dtype bfloat16)
   # each part's limit; the default parts' add up to the budget, so one that hangs leaves the others their time
-  L_TESTS=90; L_BENCH=80; L_SHORT=55; L_ROUNDS=45; L_LOAD=75; L_BATCHED=50; L_PROJECTION=120; L_TRAIN=150
+  L_TESTS=85; L_CONVERT=40; L_BENCH=70; L_SHORT=50; L_ROUNDS=45; L_LOAD=70; L_BATCHED=45; L_PROJECTION=115
+  L_TRAIN=150
 else
   # the rehearsal: 16 new tokens for 2 prompts, fixed trees (no cost curve to measure), no warm-up; the static
   # functions captured by the CPU stand-in for CUDA capture (eagle.runtime.fake_capture): a fallback fails
@@ -234,12 +236,13 @@ else
   LOAD=(--concurrency 1,2 --set requests_per_client=1 --max-batch 2 --set cache_pool=true)
   BATCHED=(--batch 1,2 --prompts 2 --max-new-tokens 8 --device cpu --dtype float32 --cache-pool on)
   PROJECTION=(--scale tiny --device cpu)
-  L_TESTS=900; L_BENCH=900; L_SHORT=900; L_LOAD=900; L_BATCHED=900; L_PROJECTION=900; L_TRAIN=900; L_ROUNDS=900
+  L_TESTS=900; L_CONVERT=900; L_BENCH=900; L_SHORT=900; L_LOAD=900; L_BATCHED=900; L_PROJECTION=900; L_TRAIN=900
+  L_ROUNDS=900
 fi
 [ -n "${EAGLE_GPU_CHECK_TESTS:-}" ] && read -r -a TESTS <<< "$EAGLE_GPU_CHECK_TESTS"  # another test selection
 BENCH=("${RUN_ENV[@]}" $PY -m infer.bench --target "$TARGET" --prompts $PROMPTS --max-new-tokens $NEW "${DEV_ARGS[@]}")
-DEFAULT_PARTS="tests bench-fp32-greedy bench-fp32-t1 bench-bf16-greedy bench-fp32-device-rounds serving-load batched size-projection"
-SECOND_PARTS="bench-fp32-greedy bench-fp32-t1 bench-bf16-greedy bench-fp32-device-rounds serving-load batched"
+DEFAULT_PARTS="tests convert bench-fp32-greedy bench-fp32-t1 bench-bf16-greedy bench-fp32-device-rounds serving-load batched size-projection"
+SECOND_PARTS="convert bench-fp32-greedy bench-fp32-t1 bench-bf16-greedy bench-fp32-device-rounds serving-load batched"
 if [ "$CONTINUE" = 1 ]; then
   read -r -a PARTS <<< "$SECOND_PARTS"
   say "continuing the first call's check: $(cat "$WORK/first.done")"
@@ -252,7 +255,10 @@ for name in "${PARTS[@]}"; do
     tests)
       part tests $L_TESTS env EAGLE_TEST_DEVICE=$TESTDEV $PY -m pytest -q -m "not slow and not integration" \
         -p no:cacheprovider --junitxml="$WORK/pytest.xml" "${TESTS[@]}" ;;
-    bench-fp32-greedy)  # the first load converts the .gguf once into $EAGLE_CACHE
+    convert)  # what any load of the .gguf on a GPU (or on the static path) reads from $EAGLE_CACHE
+      part $name $L_CONVERT $PY -c "import sys; from pathlib import Path; from eagle.runtime.target import \
+converted_gguf_dir; print(converted_gguf_dir(Path(sys.argv[1]).expanduser()))" "$TARGET" ;;
+    bench-fp32-greedy)
       part $name $L_BENCH "${BENCH[@]}" "${ALL[@]}" "${GRAPHS[@]}" --methods ar,eagle-tree --dtype float32 \
         --title "One GPU, fp32, greedy, default options (CUDA graphs)" --json "$OUT/$name.json" ;;
     bench-fp32-t1)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_check_summary  # noqa: E402
 
-DEFAULT_PARTS = ["tests", "bench-fp32-greedy", "bench-fp32-t1", "bench-bf16-greedy", "bench-fp32-device-rounds",
+DEFAULT_PARTS = ["tests", "convert", "bench-fp32-greedy", "bench-fp32-t1", "bench-bf16-greedy", "bench-fp32-device-rounds",
                  "serving-load", "batched", "size-projection"]
 
 
@@ -61,6 +61,8 @@ def test_the_cuda_plan_runs_every_part_within_one_call_with_flags_that_exist(tmp
             source = (ROOT / "scripts" / "serving_speed.py").read_text()
             flags = [a for a in after(command, ["scripts/serving_speed.py"]) if a.startswith("--")]
             assert flags and all(f'"{flag}"' in source for flag in flags)
+        elif name == "convert":
+            assert command[-1] == summary["target"] and "converted_gguf_dir" in command[-2]
         elif name == "tests":
             assert "EAGLE_TEST_DEVICE=cuda" in command
             for test in [a for a in command if a.startswith("tests/")]:
@@ -243,7 +245,7 @@ exec {sys.executable} "$@"
     assert joined.read_bytes() == b"first half second half"
     assert (drafter / "model.safetensors").read_bytes() == b"drafter"
     summary = json.loads((tmp_path / "out2" / "gpu-check.json").read_text())
-    assert list(summary["parts"]) == ["size-projection"] + DEFAULT_PARTS[1:7]
+    assert list(summary["parts"]) == ["size-projection"] + DEFAULT_PARTS[1:8]
     assert summary["size-projection"] == {"failed": {}, "sizes": {}}  # the first call's report, kept in the work folder
     assert summary["batched"] == [{"method": "ar", "batch": 1, "tokens_per_s": 10.0}]
     assert summary["target"] == str(joined) and "--target " + str(joined) in " ".join(
