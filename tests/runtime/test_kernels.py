@@ -581,10 +581,18 @@ def test_stream_linear_gguf_gives_the_bits_of_the_fp32_kernel_on_the_dequantized
         module.stream_linear_gguf(torch.randn(1, in_features), raw, 16, None)  # IQ2_XXS
 
 
-def int8_rows_reference(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the int8 products see it: each block of 32 quantized to codes -127..127 with scale
+SUPER_BLOCKED = ("Q4_K", "Q5_K", "Q6_K")  # their int8 products quantize x per super-block of 256 (ggml's Q8_K)
+
+
+def int8_block(name: str) -> int:
+    """How many of x's values share a scale in the int8 products with code type ``name``."""
+    return 256 if name in SUPER_BLOCKED else 32
+
+
+def int8_rows_reference(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [M, K] as the int8 products see it: each block of ``block`` quantized to codes -127..127 with scale
     max |x| / 127 (codes rounded to the nearest, ties to even), de-quantized (float64)."""
-    blocks = x.view(x.shape[0], -1, 32)
+    blocks = x.view(x.shape[0], -1, block)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     return (torch.round(blocks * inv).double() * (amax / 127.0).double()).view_as(x)
@@ -607,10 +615,11 @@ def int8_products(module, name: str):
 
 
 @pytest.mark.parametrize("name", [*GGML_BLOCKS, "block4", "block4-half", "block8", "block8-half"])
-def test_int8_activations_multiply_the_codes_by_x_quantized_per_block_of_32(name, isa):
+def test_int8_activations_multiply_the_codes_by_x_quantized_per_block(name, isa):
     """Every code type with int8 activations: the float64 product of the de-quantized weight and x as quantized
-    (fp32 rounding only), any number of rows, each row's bits those of that row alone (a tree row gets a plain
-    step's); the fp32 product differs by far more (x's quantization error), so the comparison is not vacuous."""
+    (per block of 32, per super-block of 256 for Q4_K, Q5_K and Q6_K, as llama.cpp does; fp32 rounding only), any
+    number of rows, each row's bits those of that row alone (a tree row gets a plain step's); the fp32 product
+    differs by far more (x's quantization error), so the comparison is not vacuous."""
     module = module_or_skip()
     int8, exact, weight = int8_products(module, name)
     if isa == "portable":
@@ -620,8 +629,9 @@ def test_int8_activations_multiply_the_codes_by_x_quantized_per_block_of_32(name
     gen = torch.Generator().manual_seed(len(name))
     x = torch.randn(21, 512, generator=gen) * torch.rand(21, 512, generator=gen) * 3
     got = int8(x)
-    want = int8_rows_reference(x) @ weight.double().T
-    scale = (int8_rows_reference(x).abs() @ weight.double().abs().T)  # the size of each sum's terms
+    seen = int8_rows_reference(x, int8_block(name))
+    want = seen @ weight.double().T
+    scale = seen.abs() @ weight.double().abs().T  # the size of each sum's terms
     assert ((got.double() - want).abs() / scale).max() < 1e-5, name
     fp32 = torch.cat([exact(x[i:i + 16]) for i in range(0, 21, 16)])  # 16 rows a call: AVX-512 stream_linear_q's most
     assert ((fp32.double() - want).abs() / scale).max() > 1e-4, name  # int8's error is measurable

@@ -1346,6 +1346,226 @@ void check_int8(bool int8, const char* who) {
   TORCH_CHECK(!int8 || kInt8, who, ": int8 activations need the AVX2 or AVX-512 kernels (these are ", kIsa, ")");
 }
 
+// ---- int8 activations for the K-quants: x quantized per super-block of 256 (ggml's Q8_K) ----------------------
+// Q4_K, Q5_K and Q6_K rows meet x quantized per super-block of 256 (d = max |x| / 127, codes x / d rounded to the
+// nearest, ties to even; every 16 codes' sum kept), as llama.cpp's dot products of these types do. Each super-block
+// of a weight row is an unsigned code c (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63) and an integer scale per 16 or 32
+// weights, w = d (sc c) - dm mn: Q4_K and Q5_K dm = dmin and mn their 6-bit minimum; Q6_K (w = d sc (c - 32))
+// dm = d and mn = 32 sc. So a row's super-block product is d dx sum(sc c q) - dm dx sum(mn q), two exact integer
+// sums (the second from the 16-code sums), then each scaled in fp32: the scale part in 8 lanes (lane l: bytes
+// 4l..4l+3 of every 32 codes), one multiply-add a super-block, summed over the lanes at the end; the minimum part as
+// one fp32 sum. A row's operations do not depend on the other rows in the call: the same bits alone or in a tree.
+// The AVX2/AVX-512 builds sum the bytes with vpmaddubsw/vpmaddwd; the portable one with plain loops (the same
+// integers; its fp32 roundings may differ, as its other products' do).
+constexpr int64_t kSuper = 256;
+
+template <int64_t Type>
+constexpr bool kSuperInt8 = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;
+
+// x [M, K] quantized per super-block: codes q [M, K]; d [M, K / 256]; sums [M, K / 16] of every 16 codes.
+struct SuperRows {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> sums;
+};
+
+// Plain loops on every build (the same codes everywhere): max and the product x (127 / max) are exact operations
+// of IEEE fp32, rounded to the nearest (ties to even) by nearbyint in the default rounding mode.
+SuperRows quantize_super(const float* x, int64_t M, int64_t K) {
+  const int64_t blocks = M * K / kSuper;
+  SuperRows r{std::vector<int8_t>(M * K), std::vector<float>(blocks), std::vector<int16_t>(M * K / 16)};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* p = x + kSuper * b;
+    float amax = 0.0f;
+    for (int64_t k = 0; k < kSuper; ++k) amax = std::max(amax, std::fabs(p[k]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    r.d[b] = amax / 127.0f;
+    int8_t* q = r.q.data() + kSuper * b;
+    for (int64_t k = 0; k < kSuper; ++k) q[k] = static_cast<int8_t>(std::nearbyint(p[k] * inv));
+    for (int64_t g = 0; g < kSuper / 16; ++g) {
+      int sum = 0;
+      for (int k = 0; k < 16; ++k) sum += q[16 * g + k];
+      r.sums[b * (kSuper / 16) + g] = static_cast<int16_t>(sum);
+    }
+  }
+  return r;
+}
+
+// A K-quant super-block's integer scales: sc[g] and mn[g] for each 16 weights g (0..15), d and dm.
+struct SuperScales {
+  int16_t sc[16], mn[16];
+  float d, dm;
+};
+
+template <int64_t Type>
+inline SuperScales super_scales(const uint8_t* p) {
+  SuperScales s;
+  if constexpr (Type == kQ6_K) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+    for (int g = 0; g < 16; ++g) {
+      s.sc[g] = sc[g];
+      s.mn[g] = static_cast<int16_t>(32 * sc[g]);
+    }
+    s.d = s.dm = half_at(p + 208);
+  } else {
+    for (int j = 0; j < 8; ++j) {
+      int sc, mn;
+      scale_min_k4(j, p + 4, sc, mn);
+      s.sc[2 * j] = s.sc[2 * j + 1] = static_cast<int16_t>(sc);
+      s.mn[2 * j] = s.mn[2 * j + 1] = static_cast<int16_t>(mn);
+    }
+    s.d = half_at(p);
+    s.dm = half_at(p + 2);
+  }
+  return s;
+}
+
+// The unsigned code of weight 32 s + l (l 0..31) of the super-block at p.
+template <int64_t Type>
+inline int super_code(const uint8_t* p, int s, int l) {
+  if constexpr (Type == kQ6_K) {
+    const int n = s / 4, r = s % 4;
+    return ((p[64 * n + 32 * (r % 2) + l] >> (4 * (r / 2))) & 15) | (((p[128 + 32 * n + l] >> (2 * r)) & 3) << 4);
+  } else {
+    const int low = (p[(Type == kQ4_K ? 16 : 48) + 32 * (s / 2) + l] >> (4 * (s % 2))) & 15;
+    return Type == kQ5_K ? low | (((p[16 + l] >> s) & 1) << 4) : low;
+  }
+}
+
+// The minimum part's integer of one super-block: sum over g of mn[g] times the sum of x's codes g.
+inline int32_t super_min_sum(const SuperScales& s, const int16_t* sums) {
+  int32_t total = 0;
+  for (int g = 0; g < 16; ++g) total += static_cast<int32_t>(s.mn[g]) * sums[g];
+  return total;
+}
+
+#if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)
+// The 32 unsigned codes of chunk s (weights 32 s .. 32 s + 31) of the super-block at p, as bytes.
+template <int64_t Type>
+inline __m256i super_chunk(const uint8_t* p, int s) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  if constexpr (Type == kQ6_K) {
+    const int n = s / 4, r = s % 4;
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(load32(p + 64 * n + 32 * (r % 2)), 4 * (r / 2)), low4);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(load32(p + 128 + 32 * n), 2 * r), _mm256_set1_epi8(3));
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+  } else {
+    const __m256i q = load32(p + (Type == kQ4_K ? 16 : 48) + 32 * (s / 2));
+    __m256i c = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
+    if constexpr (Type == kQ5_K) {
+      const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << s));
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(load32(p + 16), bit), bit);
+      c = _mm256_or_si256(c, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
+    return c;
+  }
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1)));
+}
+
+// out[i * ldo + j] for rows row0..row0+M-1 of x (quantized: xq) and W's rows j0..j1 (GGUF rows of Type).
+template <int64_t Type, int M>
+void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int64_t K, int64_t row0,
+                 const float* bias, float* out, int64_t ldo, int64_t j0, int64_t j1) {
+  constexpr int64_t unit = Type == kQ6_K ? 210 : (Type == kQ5_K ? 176 : 144);
+  const int64_t supers = K / kSuper;
+  for (int64_t j = j0; j < j1; ++j) {
+    __m256 acc[M];
+    float mins[M];
+    for (int i = 0; i < M; ++i) {
+      acc[i] = _mm256_setzero_ps();
+      mins[i] = 0.0f;
+    }
+    const uint8_t* rp = raw + j * row_bytes;
+    for (int64_t u = 0; u < supers; ++u, rp += unit) {
+      for (int64_t b = 0; b < unit; b += 64) prefetch(rp + kPrefetchRows * row_bytes + b, true);
+      const SuperScales sc = super_scales<Type>(rp);
+      __m256i isum[M];
+      for (int i = 0; i < M; ++i) isum[i] = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s) {
+        const __m256i c = super_chunk<Type>(rp, s);
+        const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc.sc[2 * s + 1]), _mm_set1_epi16(sc.sc[2 * s]));
+        for (int i = 0; i < M; ++i) {
+          const __m256i xv = load32(reinterpret_cast<const uint8_t*>(xq.q.data()) + (row0 + i) * K + u * kSuper + 32 * s);
+          isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(c, xv), scale));
+        }
+      }
+      const __m256i mn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc.mn));
+      for (int i = 0; i < M; ++i) {
+        const int64_t xb = (row0 + i) * supers + u;
+        const float dx = xq.d[xb];
+        acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(sc.d * dx), _mm256_cvtepi32_ps(isum[i]), acc[i]);
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.sums.data() + 16 * xb));
+        mins[i] = mins[i] + (sc.dm * dx) * static_cast<float>(hsum_epi32(_mm256_madd_epi16(mn, sums)));
+      }
+    }
+    for (int i = 0; i < M; ++i) out[i * ldo + j] = (hsum8(acc[i]) - mins[i]) + (bias ? bias[j] : 0.0f);
+  }
+}
+#else
+// Portable: the same integers by plain loops; lane l of the scale part as the vector builds define it.
+template <int64_t Type, int M>
+void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int64_t K, int64_t row0,
+                 const float* bias, float* out, int64_t ldo, int64_t j0, int64_t j1) {
+  constexpr int64_t unit = Type == kQ6_K ? 210 : (Type == kQ5_K ? 176 : 144);
+  const int64_t supers = K / kSuper;
+  for (int64_t j = j0; j < j1; ++j) {
+    for (int i = 0; i < M; ++i) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, mins = 0.0f;
+      const uint8_t* rp = raw + j * row_bytes;
+      for (int64_t u = 0; u < supers; ++u, rp += unit) {
+        const SuperScales sc = super_scales<Type>(rp);
+        const int64_t xb = (row0 + i) * supers + u;
+        const int8_t* q = xq.q.data() + (row0 + i) * K + u * kSuper;
+        int32_t lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int s = 0; s < 8; ++s)
+          for (int l = 0; l < 32; ++l)
+            lanes[l / 4] += sc.sc[2 * s + l / 16] * super_code<Type>(rp, s, l) * q[32 * s + l];
+        const float dx = xq.d[xb], scale = sc.d * dx;
+        for (int l = 0; l < 8; ++l) acc[l] = acc[l] + scale * static_cast<float>(lanes[l]);
+        mins = mins + (sc.dm * dx) * static_cast<float>(super_min_sum(sc, xq.sums.data() + 16 * xb));
+      }
+      // hsum8's order: (l + (l + 4)), then (0 + 2) + (1 + 3)
+      float h[4];
+      for (int l = 0; l < 4; ++l) h[l] = acc[l] + acc[l + 4];
+      const float sum = (h[0] + h[2]) + (h[1] + h[3]);
+      out[i * ldo + j] = (sum - mins) + (bias ? bias[j] : 0.0f);
+    }
+  }
+}
+#endif
+
+constexpr int kSuperRows = 8;  // rows of x one pass over W serves
+constexpr int64_t kSuperTile = 16;  // rows of W met by every pass before the next ones
+
+// out [M, N] (rows ldo apart) = x W^T (+ bias), W GGUF rows of K-quant Type, x quantized per super-block.
+template <int64_t Type>
+void super_rows(const SuperRows& xq, int64_t M, int64_t K, const uint8_t* raw, int64_t row_bytes, int64_t N,
+                const float* bias, float* out, int64_t ldo) {
+  at::parallel_for(0, N, 16, [&](int64_t j0, int64_t j1) {
+    for (int64_t t = j0; t < j1; t += kSuperTile) {
+      const int64_t t1 = std::min(j1, t + kSuperTile);
+      for (int64_t r = 0; r < M; r += kSuperRows) {
+        float* o = out + r * ldo;
+        switch (std::min<int64_t>(kSuperRows, M - r)) {
+          case 1: super_block<Type, 1>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+          case 2: super_block<Type, 2>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+          case 3: super_block<Type, 3>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+          case 4: super_block<Type, 4>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+          case 5: super_block<Type, 5>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+          case 6: super_block<Type, 6>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+          case 7: super_block<Type, 7>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+          default: super_block<Type, 8>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // stream_linear_gguf: y = x W^T (+ b) for the rows of x [M, K] with W given as GGUF rows of one or more parts
@@ -1375,7 +1595,11 @@ torch::Tensor stream_linear_gguf_parts(const torch::Tensor& x, const std::vector
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   check_int8(int8, "stream_linear_gguf");
-  const QuantizedRows xq = int8 ? quantize_rows(xp, M, K) : QuantizedRows{};  // once for every part
+  // x quantized once for every part: per block of 32, and per super-block of 256 for the K-quants that take it
+  bool blocks32 = false, supers = false;
+  for (const int64_t t : types) (t == kQ4_K || t == kQ5_K || t == kQ6_K ? supers : blocks32) = true;
+  const QuantizedRows xq = int8 && blocks32 ? quantize_rows(xp, M, K) : QuantizedRows{};
+  const SuperRows xs = int8 && supers ? quantize_super(xp, M, K) : SuperRows{};
   int64_t col = 0;
   for (size_t i = 0; i < raws.size(); ++i) {
     const uint8_t* rp = raws[i].data_ptr<uint8_t>();
@@ -1384,6 +1608,12 @@ torch::Tensor stream_linear_gguf_parts(const torch::Tensor& x, const std::vector
     switch (types[i]) {
 #define EAGLE_GGML(t) \
   case t:             \
+    if constexpr (kSuperInt8<t>) {                                      \
+      if (int8) {                                                        \
+        super_rows<t>(xs, M, K, rp, rb, N, bp, op + col, total);         \
+        break;                                                           \
+      }                                                                  \
+    }                                                                    \
     if (int8) int8_gguf<t>(xq, M, K, rp, rb, N, bp, op + col, total); \
     else gguf_rows<t>(xp, M, K, rp, rb, N, bp, op + col, total); \
     break;
