@@ -785,7 +785,78 @@ def bound_holds_and_is_not_vacuous(greedy, head, x: torch.Tensor) -> None:
     """Every int8 logit within ``radius(x) |w_j|`` of the fp32 one; the largest gap over a twentieth of that."""
     with torch.inference_mode():
         gap = (greedy._approx(x).double() - head(x).double()).abs()
-        bound = greedy.radius(x)[:, None] * greedy.norms.double()[None]
+        bound = (greedy.radius(x)[:, :, None] * greedy.norms.double()[None]).sum(dim=1)
     assert (gap <= bound).all()
     assert (gap > bound / 20).any()
 
+
+
+@pytest.mark.parametrize("name", ["Q6_K", "Q4_K", "Q5_K", "Q8_0", "Q5_0"])
+def test_a_gguf_heads_screened_argmax_is_the_fp32_heads(name, isa, monkeypatch):
+    """``CodesGreedyHead`` on a head of GGUF rows (Qwen's Q6_K output head; K-quants meet x quantized per
+    super-block of 256, with minimums summed apart): exactly the fp32 head's argmax on exact twins (the first
+    index), near-twins (one code apart), twins that int8 orders the other way round, 1-21 rows, with a bias; the
+    bound holds and is not vacuous; with the bound taken away it fails (the negative control)."""
+    from eagle.runtime import decoder
+    from eagle.runtime.decoder import CodesGreedyHead
+    from eagle.runtime.gguf_weights import GGUFLinear, GGUFMatrix, split_norms
+
+    op_or_skip()
+    if not kernels.cpu_kernels().int8_activations:
+        pytest.skip("no int8 products on this CPU build")
+    vocab, k = 2400, 512
+    raw, _, _ = random_gguf_rows(name, vocab, k, seed=11)
+    raw[800:900] = raw[:100]  # exact twins
+    raw[1600:1700] = raw[:100]
+    block_bytes, first = {"Q6_K": (210, 0), "Q4_K": (144, 16), "Q5_K": (176, 48), "Q8_0": (34, 2),
+                          "Q5_0": (22, 6)}[name]  # a block's size, where its codes start
+    raw[1600:1700, first] ^= 1  # near-twins: one code one apart
+    few = torch.arange(k) % 16 == 0  # x's support for rows base and 1700 (small logits: wide gaps beside them)
+    base = 100 + int(GGUFMatrix(raw[100:800], name).dequantize()[:, few].norm(dim=1).argmax())  # beats the others
+    raw[1700] = raw[base]
+    raw[1700, [first, raw.shape[1] - block_bytes + first]] ^= 1  # its twin but for one code in each half
+    gen = torch.Generator().manual_seed(12)
+    bias = 1e-3 * torch.randn(vocab, generator=gen)
+    bias[800:900] = bias[:100]
+    bias[1600:1700] = bias[:100]
+    bias[1700] = bias[base]
+    matrix = GGUFMatrix(raw, name)
+    head = GGUFLinear([matrix], bias)
+    w = matrix.dequantize()
+    w64 = w.double()
+    norms = split_norms(matrix).double()
+    assert torch.allclose(norms[0], w64.norm(dim=1)) and (norms[1] >= norms[0] * (1 - 1e-6)).all()
+    monkeypatch.setattr(decoder, "SCREENED_HEAD_WEIGHTS", vocab * k)
+    greedy = CodesGreedyHead(head)
+    scale = w.abs().mean()
+    x = torch.cat([w[:100] / scale + 0.01 * torch.randn(100, k, generator=gen),  # best logit among twins
+                   (w[base] / scale + 0.01 * torch.randn(60, k, generator=gen)) * few,  # base or its twin 1700
+                   torch.randn(40, k, generator=gen)])
+    # rows base and 1700 apart in fp32 and in int8, the other way round: where the twins differ, x at n + 0.49
+    # quantization steps (quantized to n) and at -(m + 0.51) (to -(m + 1)), the larger weight difference at the first
+    block = int8_block(name)
+    (k1, k2), delta = (w[1700] - w[base]).nonzero()[:, 0].tolist(), (w[1700] - w[base]).abs()
+    for row in x[100:160]:
+        row[[k1, k2]] = 0.0
+        step = row.view(-1, block).abs().amax(-1) / 127
+        size = {j: float(delta[j] * step[j // block]) for j in (k1, k2)}
+        big, small = sorted((k1, k2), key=size.get, reverse=True)
+        ratio = size[big] / size[small]
+        n, m = next((n, m) for n in range(40) for m in range(40)
+                    if (n + 0.49) * ratio > (m + 0.51) * 1.001 and n * ratio < (m + 1) * 0.999)
+        row[big] = (n + 0.49) * step[big // block] * torch.sign(w[1700, big] - w[base, big])
+        row[small] = -(m + 0.51) * step[small // block] * torch.sign(w[1700, small] - w[base, small])
+    with torch.inference_mode():
+        want = head(x).argmax(-1)
+        for rows in (x[:1], x[:4], x[:16], x[:21], x):
+            assert torch.equal(greedy(rows), want[:rows.shape[0]]), name
+        nan = x[100:103].clone()
+        nan[1, 4] = torch.nan
+        assert torch.equal(greedy(nan), head(nan).argmax(-1))
+        bound_holds_and_is_not_vacuous(greedy, head, torch.cat([x, x[:30] ** 3]))
+        blind = CodesGreedyHead(head)
+        blind.norms = torch.zeros_like(blind.norms)  # no bound: the int8 logits' best alone
+        approx = greedy._approx(x)
+        assert not torch.equal(blind(x), want), name
+    assert (approx.argmax(-1) != want).any()  # the int8 logits alone are not enough here
+    assert (want[:100] < 800).any() and (want[:100] >= 1600).any() and (want[100:160] == 1700).any()

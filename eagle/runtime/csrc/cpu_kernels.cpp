@@ -2090,36 +2090,51 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
-// int8_radius: for fp32 rows x [N, K], c [N] such that each logit of the int8 products (x quantized by quantize_rows,
-// x' its codes times their block scales) is within c |w_j| of the fp32 one: c = |x - x'| + gamma (|x'| + |x|)
-// (CodesGreedyHead), summed in double, times 1.001 plus 1e-12 for the roundings of these sums. NaN where x is not
-// finite. Float64 [N].
-torch::Tensor int8_radius(const torch::Tensor& x, double gamma) {
-  check_int8(true, "int8_radius");
+// int8_radius: for fp32 rows x [N, K], the two terms of how far each logit of the int8 products can be from the fp32
+// one (CodesGreedyHead): x quantized as those products quantize it (per block of `block`: 32, or 256 as the K-quants'
+// super-blocks), x' its codes times their scales, c [N, 2] = (|x - x'|, gamma (|x'| + |x|)), each summed in double,
+// times 1.001 plus 1e-12 for the roundings of these sums: logit j is within c0 |w_j| + c1 (|a_j| + |b_j|) of the
+// fp32 one, where the int8 product sums w_j = a_j - b_j as two parts (b_j: the minimums; 0 for codes without). NaN
+// where x is not finite. Float64 [N, 2].
+torch::Tensor int8_radius(const torch::Tensor& x, double gamma, int64_t block) {
+  TORCH_CHECK(block == 32 || block == kSuper, "int8_radius: blocks of 32 or 256");
+  if (block == 32) check_int8(true, "int8_radius");
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.device().is_cpu() &&
-              x.size(1) % 32 == 0, "int8_radius: contiguous fp32 CPU x [N, K], K a multiple of 32");
+              x.size(1) % block == 0, "int8_radius: contiguous fp32 CPU x [N, K], K a multiple of the block");
   const int64_t N = x.size(0), K = x.size(1);
-  auto out = torch::empty({N}, torch::kFloat64);
+  auto out = torch::empty({N, 2}, torch::kFloat64);
   double* op = out.data_ptr<double>();
-#if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)  // the builds with int8 products (check_int8 above)
   const float* xp = x.data_ptr<float>();
-  const QuantizedRows xq = quantize_rows(xp, N, K);
+  std::vector<int8_t> codes;
+  std::vector<float> scales;
+  if (block == kSuper) {
+    SuperRows xs = quantize_super(xp, N, K);
+    codes.swap(xs.q);
+    scales.swap(xs.d);
+  } else {
+#if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)  // the builds with int8 products (check_int8 above)
+    QuantizedRows xq = quantize_rows(xp, N, K);
+    codes.swap(xq.q);
+    scales.swap(xq.d);
+#endif
+  }
   for (int64_t i = 0; i < N; ++i) {
     double err = 0.0, seen = 0.0, own = 0.0;
     for (int64_t k = 0; k < K; ++k) {
-      const double v = xp[i * K + k], q = static_cast<double>(xq.q[i * K + k]) * xq.d[(i * K + k) / 32];
+      const double v = xp[i * K + k], q = static_cast<double>(codes[i * K + k]) * scales[(i * K + k) / block];
       err += (v - q) * (v - q);
       seen += q * q;
       own += v * v;
     }
-    op[i] = (std::sqrt(err) + gamma * (std::sqrt(seen) + std::sqrt(own))) * 1.001 + 1e-12;
+    op[2 * i] = std::sqrt(err) * 1.001 + 1e-12;
+    op[2 * i + 1] = gamma * (std::sqrt(seen) + std::sqrt(own)) * 1.001 + 1e-12;
   }
-#endif
   return out;
 }
 
 // screen_candidates: the tokens whose fp32 logit may be a row's largest, from approximate logits approx fp32 [N, V]
-// each within radius[i] * norms[j] of the fp32 one (CodesGreedyHead's bound). Per row, with c_j = radius * norms[j]:
+// each within c_j of the fp32 one (CodesGreedyHead's bound): c_j = radius[i] * norms[j] for radius [N] and norms [V],
+// or radius[i, 0] * norms[0, j] + radius[i, 1] * norms[1, j] for radius [N, 2] and norms [2, V]. Per row:
 // lowest = max_j (A_j - c_j) (no row's best is below it), and token j is a candidate where A_j + c_j >= lowest -
 // slack * max(max_j |A_j + c_j|, |lowest|) (the fp32 roundings of those sums), the arithmetic of the torch expressions
 // it replaces, in two passes over the row. Returns (the union of the rows' candidates in increasing order, int64 [T];
@@ -2130,30 +2145,38 @@ std::tuple<torch::Tensor, torch::Tensor> screen_candidates(const torch::Tensor& 
   TORCH_CHECK(approx.dtype() == torch::kFloat32 && approx.is_contiguous() && approx.dim() == 2 && approx.device().is_cpu(),
               "screen_candidates: contiguous fp32 CPU approx [N, V]");
   const int64_t N = approx.size(0), W = approx.size(1), whole = W / 16 * 16;
-  TORCH_CHECK(radius.dtype() == torch::kFloat32 && radius.is_contiguous() && radius.numel() == N &&
-              norms.dtype() == torch::kFloat32 && norms.is_contiguous() && norms.numel() == W,
-              "screen_candidates: fp32 radius [N] and norms [V]");
+  const int64_t terms = radius.dim() == 2 ? 2 : 1;
+  TORCH_CHECK(radius.dtype() == torch::kFloat32 && radius.is_contiguous() && radius.numel() == N * terms &&
+              norms.dtype() == torch::kFloat32 && norms.is_contiguous() && norms.numel() == W * terms &&
+              norms.dim() == radius.dim() && (terms == 1 || (radius.size(1) == 2 && norms.size(0) == 2)),
+              "screen_candidates: fp32 radius [N] and norms [V], or radius [N, 2] and norms [2, V]");
   const float* ap = approx.data_ptr<float>();
   const float* rp = radius.data_ptr<float>();
   const float* np = norms.data_ptr<float>();
+  const float* np1 = terms == 2 ? np + W : nullptr;
   std::vector<std::vector<int64_t>> rows(N);
   std::vector<char> usable(N, 1);
   at::parallel_for(0, N, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float* a = ap + i * W;
-      const float r = rp[i];
-      const V vr = vset1(r);
+      const float r = rp[terms * i], r1 = terms == 2 ? rp[2 * i + 1] : 0.0f;
+      const V vr = vset1(r), vr1 = vset1(r1);
+      // c_j as the torch expressions compute it: one product, or two products and their sum
+      auto reach = [&](int64_t k) {
+        return np1 ? vadd(vmul(vr, vload(np + k)), vmul(vr1, vload(np1 + k))) : vmul(vr, vload(np + k));
+      };
+      auto reach1 = [&](int64_t k) { return np1 ? r * np[k] + r1 * np1[k] : r * np[k]; };
       V lo = vset1(-INFINITY), top = vzero(), odd = vzero();  // odd: 0 while every value is finite
       for (int64_t k = 0; k < whole; k += 16) {
-        const V v = vload(a + k), c = vmul(vr, vload(np + k)), s = vadd(v, c);
+        const V v = vload(a + k), c = reach(k), s = vadd(v, c);
         lo = vmax(lo, vsub(v, c));
         top = vmax(top, vmax(s, vsub(vzero(), s)));
         odd = vadd(odd, vmul(s, vzero()));
       }
       float lowest = vmaxall(lo), high = vmaxall(top);
-      bool finite = std::isfinite(vsum(odd)) && std::isfinite(r);
+      bool finite = std::isfinite(vsum(odd)) && std::isfinite(r) && std::isfinite(r1);
       for (int64_t k = whole; k < W; ++k) {
-        const float c = r * np[k], s = a[k] + c;
+        const float c = reach1(k), s = a[k] + c;
         finite = finite && std::isfinite(s);
         lowest = std::max(lowest, a[k] - c);
         high = std::max(high, std::fabs(s));
@@ -2166,9 +2189,9 @@ std::tuple<torch::Tensor, torch::Tensor> screen_candidates(const torch::Tensor& 
       std::vector<int64_t>& kept = rows[i];
       for (int64_t k = 0; k < W; k += 16) {
         const int64_t n = std::min<int64_t>(16, W - k);
-        if (n == 16 && vmaxall(vadd(vload(a + k), vmul(vr, vload(np + k)))) < t) continue;  // none of the 16
+        if (n == 16 && vmaxall(vadd(vload(a + k), reach(k))) < t) continue;  // none of the 16
         for (int64_t j = k; j < k + n; ++j)
-          if (a[j] + r * np[j] >= t) kept.push_back(j);
+          if (a[j] + reach1(j) >= t) kept.push_back(j);
         if (static_cast<int64_t>(kept.size()) > most) break;
       }
       if (kept.empty() || static_cast<int64_t>(kept.size()) > most) usable[i] = 0;
@@ -2361,7 +2384,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "grouped-query attention of a few rows over the cache, fp32, row-independent");
   m.def("silu_mul", &silu_mul, "silu(gate) * up, fp32");
   m.def("int8_radius", &int8_radius, "how far each int8-product logit of rows x can be from the fp32 one, per unit "
-        "of the weight row's norm (float64)", py::arg("x"), py::arg("gamma"));
+        "of the weight row's norms (float64 [N, 2])", py::arg("x"), py::arg("gamma"), py::arg("block") = 32);
   m.def("screen_candidates", &screen_candidates, "the tokens an approximate head's bound leaves within reach of each "
         "row's best: (their union, which each row keeps), or empty ones where the whole head must decide",
         py::arg("approx"), py::arg("radius"), py::arg("norms"), py::arg("slack"), py::arg("most"));
