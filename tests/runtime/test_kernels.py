@@ -622,7 +622,7 @@ def test_int8_activations_multiply_the_codes_by_x_quantized_per_block(name, isa)
     differs by far more (x's quantization error), so the comparison is not vacuous."""
     module = module_or_skip()
     int8, exact, weight = int8_products(module, name)
-    if isa == "portable":
+    if isa == "portable" and name not in SUPER_BLOCKED:  # the K-quants' int8 products run there by plain loops
         with pytest.raises(RuntimeError, match="int8 activations need the AVX2"):
             int8(torch.randn(1, 512))
         return

@@ -1352,9 +1352,10 @@ void check_int8(bool int8, const char* who) {
 // of a weight row is an unsigned code c (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63) and an integer scale per 16 or 32
 // weights, w = d (sc c) - dm mn: Q4_K and Q5_K dm = dmin and mn their 6-bit minimum; Q6_K (w = d sc (c - 32))
 // dm = d and mn = 32 sc. So a row's super-block product is d dx sum(sc c q) - dm dx sum(mn q), two exact integer
-// sums (the second from the 16-code sums), then each scaled in fp32: the scale part in 8 lanes (lane l: bytes
-// 4l..4l+3 of every 32 codes), one multiply-add a super-block, summed over the lanes at the end; the minimum part as
-// one fp32 sum. A row's operations do not depend on the other rows in the call: the same bits alone or in a tree.
+// sums (the second from the 16-code sums) in 8 lanes (lane l: bytes 4l..4l+3 of every 32 codes; minimums 2l and
+// 2l + 1), each lane scaled in fp32 by one multiply-add a part (Q6_K: one, the parts subtracted in integers as their
+// scales are equal) into 8 fp32 lanes, summed at the end. A row's operations do not depend on the other rows in the
+// call: the same bits alone or in a tree.
 // The AVX2/AVX-512 builds sum the bytes with vpmaddubsw/vpmaddwd; the portable one with plain loops (the same
 // integers; its fp32 roundings may differ, as its other products' do).
 constexpr int64_t kSuper = 256;
@@ -1432,13 +1433,6 @@ inline int super_code(const uint8_t* p, int s, int l) {
   }
 }
 
-// The minimum part's integer of one super-block: sum over g of mn[g] times the sum of x's codes g.
-inline int32_t super_min_sum(const SuperScales& s, const int16_t* sums) {
-  int32_t total = 0;
-  for (int g = 0; g < 16; ++g) total += static_cast<int32_t>(s.mn[g]) * sums[g];
-  return total;
-}
-
 #if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)
 // The 32 unsigned codes of chunk s (weights 32 s .. 32 s + 31) of the super-block at p, as bytes.
 template <int64_t Type>
@@ -1467,47 +1461,87 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1)));
 }
 
+// A super-block's integer scales as vectors: sc8[s], the scale of chunk s (Q4_K, Q5_K) or of its two halves
+// (Q6_K: sc16 per 16 weights); mn, the minimums' multipliers per 16 weights (16 int16); d and dm.
+struct SuperVectors {
+  __m256i mn;
+  alignas(16) uint8_t sc8[8];
+  alignas(32) int16_t sc16[16];
+  float d, dm;
+};
+
+template <int64_t Type>
+inline SuperVectors super_vectors(const uint8_t* p) {
+  SuperVectors v;
+  if constexpr (Type == kQ6_K) {
+    const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(v.sc16), sc);
+    v.mn = _mm256_slli_epi16(sc, 5);  // 32 sc
+    v.d = v.dm = half_at(p + 208);
+  } else {  // the 12 bytes of 6-bit scales and minimums unpacked to 8 + 8 bytes (ggml's trick)
+    uint32_t u[4];
+    std::memcpy(u, p + 4, 12);
+    constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t mins_low = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = mins_low;
+    u[0] &= k1;
+    std::memcpy(v.sc8, u, 8);
+    const __m128i mins = _mm_shuffle_epi8(_mm_set_epi32(0, 0, static_cast<int>(u[3]), static_cast<int>(u[2])),
+                                          _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+    v.mn = _mm256_cvtepu8_epi16(mins);
+    v.d = half_at(p);
+    v.dm = half_at(p + 2);
+  }
+  return v;
+}
+
 // out[i * ldo + j] for rows row0..row0+M-1 of x (quantized: xq) and W's rows j0..j1 (GGUF rows of Type).
 template <int64_t Type, int M>
 void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int64_t K, int64_t row0,
                  const float* bias, float* out, int64_t ldo, int64_t j0, int64_t j1) {
   constexpr int64_t unit = Type == kQ6_K ? 210 : (Type == kQ5_K ? 176 : 144);
   const int64_t supers = K / kSuper;
+  const uint8_t* xq8 = reinterpret_cast<const uint8_t*>(xq.q.data()) + row0 * K;
   for (int64_t j = j0; j < j1; ++j) {
     __m256 acc[M];
-    float mins[M];
-    for (int i = 0; i < M; ++i) {
-      acc[i] = _mm256_setzero_ps();
-      mins[i] = 0.0f;
-    }
+    for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
     const uint8_t* rp = raw + j * row_bytes;
     for (int64_t u = 0; u < supers; ++u, rp += unit) {
       for (int64_t b = 0; b < unit; b += 64) prefetch(rp + kPrefetchRows * row_bytes + b, true);
-      const SuperScales sc = super_scales<Type>(rp);
+      const SuperVectors sv = super_vectors<Type>(rp);
       __m256i isum[M];
       for (int i = 0; i < M; ++i) isum[i] = _mm256_setzero_si256();
       for (int s = 0; s < 8; ++s) {
         const __m256i c = super_chunk<Type>(rp, s);
-        const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc.sc[2 * s + 1]), _mm_set1_epi16(sc.sc[2 * s]));
+        const __m256i scale = Type == kQ6_K
+            ? _mm256_set_m128i(_mm_set1_epi16(sv.sc16[2 * s + 1]), _mm_set1_epi16(sv.sc16[2 * s]))
+            : _mm256_set1_epi16(sv.sc8[s]);
         for (int i = 0; i < M; ++i) {
-          const __m256i xv = load32(reinterpret_cast<const uint8_t*>(xq.q.data()) + (row0 + i) * K + u * kSuper + 32 * s);
+          const __m256i xv = load32(xq8 + i * K + u * kSuper + 32 * s);
           isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(c, xv), scale));
         }
       }
-      const __m256i mn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc.mn));
       for (int i = 0; i < M; ++i) {
         const int64_t xb = (row0 + i) * supers + u;
         const float dx = xq.d[xb];
-        acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(sc.d * dx), _mm256_cvtepi32_ps(isum[i]), acc[i]);
         const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.sums.data() + 16 * xb));
-        mins[i] = mins[i] + (sc.dm * dx) * static_cast<float>(hsum_epi32(_mm256_madd_epi16(mn, sums)));
+        const __m256i msum = _mm256_madd_epi16(sv.mn, sums);  // lane l: minimums 2l and 2l + 1
+        if constexpr (Type == kQ6_K) {  // the same scale d: subtracted in integers
+          acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(sv.d * dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i], msum)),
+                                   acc[i]);
+        } else {
+          acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(sv.d * dx), _mm256_cvtepi32_ps(isum[i]), acc[i]);
+          acc[i] = _mm256_fnmadd_ps(_mm256_set1_ps(sv.dm * dx), _mm256_cvtepi32_ps(msum), acc[i]);
+        }
       }
     }
-    for (int i = 0; i < M; ++i) out[i * ldo + j] = (hsum8(acc[i]) - mins[i]) + (bias ? bias[j] : 0.0f);
+    for (int i = 0; i < M; ++i) out[i * ldo + j] = hsum8(acc[i]) + (bias ? bias[j] : 0.0f);
   }
 }
 #else
-// Portable: the same integers by plain loops; lane l of the scale part as the vector builds define it.
+// Portable: the same integers by plain loops, in the vector builds' lanes (multiply and add rounded apart).
 template <int64_t Type, int M>
 void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int64_t K, int64_t row0,
                  const float* bias, float* out, int64_t ldo, int64_t j0, int64_t j1) {
@@ -1515,25 +1549,31 @@ void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int
   const int64_t supers = K / kSuper;
   for (int64_t j = j0; j < j1; ++j) {
     for (int i = 0; i < M; ++i) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, mins = 0.0f;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       const uint8_t* rp = raw + j * row_bytes;
       for (int64_t u = 0; u < supers; ++u, rp += unit) {
         const SuperScales sc = super_scales<Type>(rp);
         const int64_t xb = (row0 + i) * supers + u;
         const int8_t* q = xq.q.data() + (row0 + i) * K + u * kSuper;
-        int32_t lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        const int16_t* sums = xq.sums.data() + 16 * xb;
+        int32_t lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0}, mins[8];
         for (int s = 0; s < 8; ++s)
-          for (int l = 0; l < 32; ++l)
-            lanes[l / 4] += sc.sc[2 * s + l / 16] * super_code<Type>(rp, s, l) * q[32 * s + l];
-        const float dx = xq.d[xb], scale = sc.d * dx;
-        for (int l = 0; l < 8; ++l) acc[l] = acc[l] + scale * static_cast<float>(lanes[l]);
-        mins = mins + (sc.dm * dx) * static_cast<float>(super_min_sum(sc, xq.sums.data() + 16 * xb));
+          for (int l = 0; l < 32; ++l) lanes[l / 4] += sc.sc[2 * s + l / 16] * super_code<Type>(rp, s, l) * q[32 * s + l];
+        for (int l = 0; l < 8; ++l) mins[l] = sc.mn[2 * l] * sums[2 * l] + sc.mn[2 * l + 1] * sums[2 * l + 1];
+        const float dx = xq.d[xb], scale = sc.d * dx, mscale = sc.dm * dx;
+        for (int l = 0; l < 8; ++l) {
+          if constexpr (Type == kQ6_K) {
+            acc[l] = acc[l] + scale * static_cast<float>(lanes[l] - mins[l]);
+          } else {
+            acc[l] = acc[l] + scale * static_cast<float>(lanes[l]);
+            acc[l] = acc[l] - mscale * static_cast<float>(mins[l]);
+          }
+        }
       }
       // hsum8's order: (l + (l + 4)), then (0 + 2) + (1 + 3)
       float h[4];
       for (int l = 0; l < 4; ++l) h[l] = acc[l] + acc[l + 4];
-      const float sum = (h[0] + h[2]) + (h[1] + h[3]);
-      out[i * ldo + j] = (sum - mins) + (bias ? bias[j] : 0.0f);
+      out[i * ldo + j] = ((h[0] + h[2]) + (h[1] + h[3])) + (bias ? bias[j] : 0.0f);
     }
   }
 }
@@ -1594,10 +1634,11 @@ torch::Tensor stream_linear_gguf_parts(const torch::Tensor& x, const std::vector
   auto out = torch::empty({M, total}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  check_int8(int8, "stream_linear_gguf");
   // x quantized once for every part: per block of 32, and per super-block of 256 for the K-quants that take it
+  // (those on every build: the portable one sums their integers by plain loops)
   bool blocks32 = false, supers = false;
   for (const int64_t t : types) (t == kQ4_K || t == kQ5_K || t == kQ6_K ? supers : blocks32) = true;
+  check_int8(int8 && blocks32, "stream_linear_gguf");
   const QuantizedRows xq = int8 && blocks32 ? quantize_rows(xp, M, K) : QuantizedRows{};
   const SuperRows xs = int8 && supers ? quantize_super(xp, M, K) : SuperRows{};
   int64_t col = 0;
