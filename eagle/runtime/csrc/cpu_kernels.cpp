@@ -23,8 +23,9 @@
 // stream_linear_gguf: the same products with W in its GGUF block layouts; 1-4 rows decode each block of codes in
 // registers (the fused path), more rows decode a few rows of W at a time into a buffer that every row meets.
 // With int8 (an option of stream_linear_q and stream_linear_gguf; AVX2 and AVX-512 builds): x quantized to int8 per
-// block of 32 meets the codes in integers, as llama.cpp's dot products do: not the fp32 product's bits, but still
-// a row's bits whatever rows come with it.
+// block of 32 (per super-block of 256 for Q4_K, Q5_K and Q6_K, as ggml's Q8_K; those on every build) meets the codes
+// in integers, as llama.cpp's dot products do: not the fp32 product's bits, but still a row's bits whatever rows come
+// with it.
 //
 // DecoderStack, GemmaStack: a Llama/Qwen2/Qwen3 or a Gemma-3 target's decoder layers run by one call a forward.
 //
@@ -727,6 +728,10 @@ constexpr int64_t layout_weights(int64_t type) {
                                                                                                               : 32;
 }
 
+// the K-quants whose int8 products take x per super-block of 256, and whose fp32 scales fused_block hoists
+template <int64_t Type>
+constexpr bool kSuperInt8 = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;
+
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, sizeof bits);
@@ -1028,6 +1033,46 @@ inline void fused_weights(const uint8_t* p, int s, V& lo, V& hi) {
   }
 }
 
+// The 32 unsigned codes of chunk s (weights 32 s .. 32 s + 31) of the super-block at p, as bytes.
+template <int64_t Type>
+inline __m256i super_chunk(const uint8_t* p, int s) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  if constexpr (Type == kQ6_K) {
+    const int n = s / 4, r = s % 4;
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(load32(p + 64 * n + 32 * (r % 2)), 4 * (r / 2)), low4);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(load32(p + 128 + 32 * n), 2 * r), _mm256_set1_epi8(3));
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+  } else {
+    const __m256i q = load32(p + (Type == kQ4_K ? 16 : 48) + 32 * (s / 2));
+    __m256i c = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
+    if constexpr (Type == kQ5_K) {
+      const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << s));
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(load32(p + 16), bit), bit);
+      c = _mm256_or_si256(c, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
+    return c;
+  }
+}
+
+// A K-quant super-block's fp32 scales for fused_block, once for its 8 chunks: Q4_K and Q5_K dl[s] = d sc_s and
+// ml[s] = -(dmin mn_s) per 32 weights, Q6_K dl[g] = d sc_g per 16 (fused_codes' values: each product exact).
+template <int64_t Type>
+inline void super_fp32_scales(const uint8_t* p, float* dl, float* ml) {
+  if constexpr (Type == kQ6_K) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+    const float d = half_at(p + 208);
+    for (int g = 0; g < 16; ++g) dl[g] = d * static_cast<float>(sc[g]);
+  } else {
+    const float d = half_at(p), dmin = half_at(p + 2);
+    for (int j = 0; j < 8; ++j) {
+      int sc, mn;
+      scale_min_k4(j, p + 4, sc, mn);
+      dl[j] = d * static_cast<float>(sc);
+      ml[j] = -(dmin * static_cast<float>(mn));
+    }
+  }
+}
+
 // Outputs j0..j1 of the M rows of x [M, K] (rows K apart; out's ldo apart), W's rows raw + j row_bytes in GGUF
 // type Type, one row of W at a time (faster than 2 or 4 at a time on AVX2: docs/performance.md), each block of 32
 // weights decoded once for the M rows.
@@ -1043,9 +1088,21 @@ void fused_block(const float* x, int64_t K, const uint8_t* raw, int64_t row_byte
     const uint8_t* rp = raw + j * row_bytes;
     for (int64_t u = 0; u < units; ++u, rp += layout.bytes) {
       prefetch(rp + kPrefetchRows * row_bytes, true);
+      [[maybe_unused]] float dl[16], ml[8];
+      if constexpr (kSuperInt8<Type>) super_fp32_scales<Type>(rp, dl, ml);  // once for the super-block's 8 chunks
       for (int s = 0; s < kSub; ++s) {
         V lo, hi;
-        fused_weights<Type>(rp, s, lo, hi);
+        if constexpr (Type == kQ6_K) {
+          bytes_to_floats(_mm256_sub_epi8(super_chunk<Type>(rp, s), _mm256_set1_epi8(32)), lo, hi);
+          lo = scaled(dl[2 * s], lo);
+          hi = scaled(dl[2 * s + 1], hi);
+        } else if constexpr (kSuperInt8<Type>) {
+          bytes_to_floats(super_chunk<Type>(rp, s), lo, hi);
+          lo = scaled(dl[s], lo, ml[s]);
+          hi = scaled(dl[s], hi, ml[s]);
+        } else {
+          fused_weights<Type>(rp, s, lo, hi);
+        }
         const float* xp = x + u * layout.weights + 32 * s;
         for (int i = 0; i < M; ++i) acc[i] = vfma(vload(xp + i * K), lo, acc[i]);
         for (int i = 0; i < M; ++i) acc[i] = vfma(vload(xp + i * K + 16), hi, acc[i]);
@@ -1360,8 +1417,6 @@ void check_int8(bool int8, const char* who) {
 // integers; its fp32 roundings may differ, as its other products' do).
 constexpr int64_t kSuper = 256;
 
-template <int64_t Type>
-constexpr bool kSuperInt8 = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;
 
 // x [M, K] quantized per super-block: codes q [M, K]; d [M, K / 256]; sums [M, K / 16] of every 16 codes.
 struct SuperRows {
@@ -1434,27 +1489,6 @@ inline int super_code(const uint8_t* p, int s, int l) {
 }
 
 #if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)
-// The 32 unsigned codes of chunk s (weights 32 s .. 32 s + 31) of the super-block at p, as bytes.
-template <int64_t Type>
-inline __m256i super_chunk(const uint8_t* p, int s) {
-  const __m256i low4 = _mm256_set1_epi8(15);
-  if constexpr (Type == kQ6_K) {
-    const int n = s / 4, r = s % 4;
-    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(load32(p + 64 * n + 32 * (r % 2)), 4 * (r / 2)), low4);
-    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(load32(p + 128 + 32 * n), 2 * r), _mm256_set1_epi8(3));
-    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
-  } else {
-    const __m256i q = load32(p + (Type == kQ4_K ? 16 : 48) + 32 * (s / 2));
-    __m256i c = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
-    if constexpr (Type == kQ5_K) {
-      const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << s));
-      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(load32(p + 16), bit), bit);
-      c = _mm256_or_si256(c, _mm256_and_si256(set, _mm256_set1_epi8(16)));
-    }
-    return c;
-  }
-}
-
 inline int32_t hsum_epi32(__m256i v) {
   __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
