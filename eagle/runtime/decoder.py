@@ -319,7 +319,8 @@ class CodesGreedyHead:
                              f"{', '.join(SPLIT_TYPES)}, and the int8 products")
         self.head, self.compiled, self.max_rows = head, compiled, max_rows
         gguf = isinstance(head, GGUFLinear)
-        norms = split_norms(head.parts[0]) if gguf else row_norms(head.encoded).expand(2, -1)
+        # [2, V]; for block codes, whose two norms are one (no minimums), [V] with the radius' terms summed
+        norms = split_norms(head.parts[0]) if gguf else row_norms(head.encoded)
         self.norms = (norms * (1 + 2.0 ** -10)).contiguous()  # fp32 sums of K squares: within K u of the exact ones
         self.gamma = twice_sum_rounding(head.in_features)
         self.block = int8_block(head.parts[0].ggml_type) if gguf else 32
@@ -350,8 +351,15 @@ class CodesGreedyHead:
 
     def radius(self, x: torch.Tensor) -> torch.Tensor:
         """c [N, 2] (float64) for fp32 rows x [N, K]: each int8 logit is within c0 n0_j + c1 n1_j of the fp32 one
-        (with a margin; n: ``norms``), x' taken as the int8 products quantize it."""
-        return self.compiled.int8_radius(x, self.gamma, self.block)
+        (with a margin; n: ``norms`` [2, V]), x' taken as the int8 products quantize it; with ``norms`` [V] (block
+        codes) c [N], the two terms summed."""
+        c = self.compiled.int8_radius(x, self.gamma, self.block)
+        return c if self.norms.dim() == 2 else c.sum(dim=1)
+
+    def bound(self, x: torch.Tensor) -> torch.Tensor:
+        """How far each int8 logit of rows x [N, K] can be from the fp32 one: float64 [N, V]."""
+        c, n = self.radius(x), self.norms.double()
+        return c @ n if n.dim() == 2 else torch.outer(c, n)
 
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:

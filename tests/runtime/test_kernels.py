@@ -785,7 +785,7 @@ def bound_holds_and_is_not_vacuous(greedy, head, x: torch.Tensor) -> None:
     """Every int8 logit within ``radius(x) |w_j|`` of the fp32 one; the largest gap over a twentieth of that."""
     with torch.inference_mode():
         gap = (greedy._approx(x).double() - head(x).double()).abs()
-        bound = (greedy.radius(x)[:, :, None] * greedy.norms.double()[None]).sum(dim=1)
+        bound = greedy.bound(x)
     assert (gap <= bound).all()
     assert (gap > bound / 20).any()
 
