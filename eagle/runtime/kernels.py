@@ -21,7 +21,8 @@ CPU runs as a CPU without AVX-512 would); both are read once per process (to com
 kernels out when debugging). AVX2 computes AVX-512's bits; the portable path rounds a multiply-add
 twice, so its bits differ from theirs, but on every path a row's result does not depend on the rows
 computed with it. ``stream_linear_q`` and ``stream_linear_gguf_parts`` take ``int8=True`` (the AVX builds; the
-module's ``int8_activations`` says whether it has them): x quantized to int8 per block of 32 meets the codes in
+module's ``int8_activations`` says whether it has them): x quantized to int8 per block of 32 (per super-block of
+256 for Q4_K, Q5_K and Q6_K, ggml's Q8_K; those also on the portable build, by plain loops) meets the codes in
 integers, as llama.cpp's products do, with other bits than the fp32 product but still row-independent
 (``load_target(..., int8_activations=True)``). ``eagle.runtime.decoder.PackedLinear`` uses ``stream_linear`` for
 1-16 rows, ``eagle.runtime.decoder.LeanDecoder`` and ``eagle.drafting.drafter.LeanDrafter`` a ``DecoderStack`` (for

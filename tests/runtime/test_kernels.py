@@ -584,10 +584,18 @@ def test_stream_linear_gguf_gives_the_bits_of_the_fp32_kernel_on_the_dequantized
         module.stream_linear_gguf(torch.randn(1, in_features), raw, 16, None)  # IQ2_XXS
 
 
-def int8_rows_reference(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the int8 products see it: each block of 32 quantized to codes -127..127 with scale
+SUPER_BLOCKED = ("Q4_K", "Q5_K", "Q6_K")  # their int8 products quantize x per super-block of 256 (ggml's Q8_K)
+
+
+def int8_block(name: str) -> int:
+    """How many of x's values share a scale in the int8 products with code type ``name``."""
+    return 256 if name in SUPER_BLOCKED else 32
+
+
+def int8_rows_reference(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [M, K] as the int8 products see it: each block of ``block`` quantized to codes -127..127 with scale
     max |x| / 127 (codes rounded to the nearest, ties to even), de-quantized (float64)."""
-    blocks = x.view(x.shape[0], -1, 32)
+    blocks = x.view(x.shape[0], -1, block)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     return (torch.round(blocks * inv).double() * (amax / 127.0).double()).view_as(x)
@@ -610,21 +618,23 @@ def int8_products(module, name: str):
 
 
 @pytest.mark.parametrize("name", [*GGML_BLOCKS, "block4", "block4-half", "block8", "block8-half"])
-def test_int8_activations_multiply_the_codes_by_x_quantized_per_block_of_32(name, isa):
+def test_int8_activations_multiply_the_codes_by_x_quantized_per_block(name, isa):
     """Every code type with int8 activations: the float64 product of the de-quantized weight and x as quantized
-    (fp32 rounding only), any number of rows, each row's bits those of that row alone (a tree row gets a plain
-    step's); the fp32 product differs by far more (x's quantization error), so the comparison is not vacuous."""
+    (per block of 32, per super-block of 256 for Q4_K, Q5_K and Q6_K, as llama.cpp does; fp32 rounding only), any
+    number of rows, each row's bits those of that row alone (a tree row gets a plain step's); the fp32 product
+    differs by far more (x's quantization error), so the comparison is not vacuous."""
     module = module_or_skip()
     int8, exact, weight = int8_products(module, name)
-    if isa == "portable":
+    if isa == "portable" and name not in SUPER_BLOCKED:  # the K-quants' int8 products run there by plain loops
         with pytest.raises(RuntimeError, match="int8 activations need the AVX2"):
             int8(torch.randn(1, 512))
         return
     gen = torch.Generator().manual_seed(len(name))
     x = torch.randn(21, 512, generator=gen) * torch.rand(21, 512, generator=gen) * 3
     got = int8(x)
-    want = int8_rows_reference(x) @ weight.double().T
-    scale = (int8_rows_reference(x).abs() @ weight.double().abs().T)  # the size of each sum's terms
+    seen = int8_rows_reference(x, int8_block(name))
+    want = seen @ weight.double().T
+    scale = seen.abs() @ weight.double().abs().T  # the size of each sum's terms
     assert ((got.double() - want).abs() / scale).max() < 1e-5, name
     fp32 = torch.cat([exact(x[i:i + 16]) for i in range(0, 21, 16)])  # 16 rows a call: AVX-512 stream_linear_q's most
     assert ((fp32.double() - want).abs() / scale).max() > 1e-4, name  # int8's error is measurable
@@ -778,7 +788,78 @@ def bound_holds_and_is_not_vacuous(greedy, head, x: torch.Tensor) -> None:
     """Every int8 logit within ``radius(x) |w_j|`` of the fp32 one; the largest gap over a twentieth of that."""
     with torch.inference_mode():
         gap = (greedy._approx(x).double() - head(x).double()).abs()
-        bound = greedy.radius(x)[:, None] * greedy.norms.double()[None]
+        bound = greedy.bound(x)
     assert (gap <= bound).all()
     assert (gap > bound / 20).any()
 
+
+
+@pytest.mark.parametrize("name", ["Q6_K", "Q4_K", "Q5_K", "Q8_0", "Q5_0"])
+def test_a_gguf_heads_screened_argmax_is_the_fp32_heads(name, isa, monkeypatch):
+    """``CodesGreedyHead`` on a head of GGUF rows (Qwen's Q6_K output head; K-quants meet x quantized per
+    super-block of 256, with minimums summed apart): exactly the fp32 head's argmax on exact twins (the first
+    index), near-twins (one code apart), twins that int8 orders the other way round, 1-21 rows, with a bias; the
+    bound holds and is not vacuous; with the bound taken away it fails (the negative control)."""
+    from eagle.runtime import decoder
+    from eagle.runtime.decoder import CodesGreedyHead
+    from eagle.runtime.gguf_weights import GGUFLinear, GGUFMatrix, split_norms
+
+    op_or_skip()
+    if not kernels.cpu_kernels().int8_activations:
+        pytest.skip("no int8 products on this CPU build")
+    vocab, k = 2400, 512
+    raw, _, _ = random_gguf_rows(name, vocab, k, seed=11)
+    raw[800:900] = raw[:100]  # exact twins
+    raw[1600:1700] = raw[:100]
+    block_bytes, first = {"Q6_K": (210, 0), "Q4_K": (144, 16), "Q5_K": (176, 48), "Q8_0": (34, 2),
+                          "Q5_0": (22, 6)}[name]  # a block's size, where its codes start
+    raw[1600:1700, first] ^= 1  # near-twins: one code one apart
+    few = torch.arange(k) % 16 == 0  # x's support for rows base and 1700 (small logits: wide gaps beside them)
+    base = 100 + int(GGUFMatrix(raw[100:800], name).dequantize()[:, few].norm(dim=1).argmax())  # beats the others
+    raw[1700] = raw[base]
+    raw[1700, [first, raw.shape[1] - block_bytes + first]] ^= 1  # its twin but for one code in each half
+    gen = torch.Generator().manual_seed(12)
+    bias = 1e-3 * torch.randn(vocab, generator=gen)
+    bias[800:900] = bias[:100]
+    bias[1600:1700] = bias[:100]
+    bias[1700] = bias[base]
+    matrix = GGUFMatrix(raw, name)
+    head = GGUFLinear([matrix], bias)
+    w = matrix.dequantize()
+    w64 = w.double()
+    norms = split_norms(matrix).double()
+    assert torch.allclose(norms[0], w64.norm(dim=1)) and (norms[1] >= norms[0] * (1 - 1e-6)).all()
+    monkeypatch.setattr(decoder, "SCREENED_HEAD_WEIGHTS", vocab * k)
+    greedy = CodesGreedyHead(head)
+    scale = w.abs().mean()
+    x = torch.cat([w[:100] / scale + 0.01 * torch.randn(100, k, generator=gen),  # best logit among twins
+                   (w[base] / scale + 0.01 * torch.randn(60, k, generator=gen)) * few,  # base or its twin 1700
+                   torch.randn(40, k, generator=gen)])
+    # rows base and 1700 apart in fp32 and in int8, the other way round: where the twins differ, x at n + 0.49
+    # quantization steps (quantized to n) and at -(m + 0.51) (to -(m + 1)), the larger weight difference at the first
+    block = int8_block(name)
+    (k1, k2), delta = (w[1700] - w[base]).nonzero()[:, 0].tolist(), (w[1700] - w[base]).abs()
+    for row in x[100:160]:
+        row[[k1, k2]] = 0.0
+        step = row.view(-1, block).abs().amax(-1) / 127
+        size = {j: float(delta[j] * step[j // block]) for j in (k1, k2)}
+        big, small = sorted((k1, k2), key=size.get, reverse=True)
+        ratio = size[big] / size[small]
+        n, m = next((n, m) for n in range(40) for m in range(40)
+                    if (n + 0.49) * ratio > (m + 0.51) * 1.001 and n * ratio < (m + 1) * 0.999)
+        row[big] = (n + 0.49) * step[big // block] * torch.sign(w[1700, big] - w[base, big])
+        row[small] = -(m + 0.51) * step[small // block] * torch.sign(w[1700, small] - w[base, small])
+    with torch.inference_mode():
+        want = head(x).argmax(-1)
+        for rows in (x[:1], x[:4], x[:16], x[:21], x):
+            assert torch.equal(greedy(rows), want[:rows.shape[0]]), name
+        nan = x[100:103].clone()
+        nan[1, 4] = torch.nan
+        assert torch.equal(greedy(nan), head(nan).argmax(-1))
+        bound_holds_and_is_not_vacuous(greedy, head, torch.cat([x, x[:30] ** 3]))
+        blind = CodesGreedyHead(head)
+        blind.norms = torch.zeros_like(blind.norms)  # no bound: the int8 logits' best alone
+        approx = greedy._approx(x)
+        assert not torch.equal(blind(x), want), name
+    assert (approx.argmax(-1) != want).any()  # the int8 logits alone are not enough here
+    assert (want[:100] < 800).any() and (want[:100] >= 1600).any() and (want[100:160] == 1700).any()
