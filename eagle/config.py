@@ -285,7 +285,7 @@ class SuffixConfig:
     probability is how often its path followed the match: count / (occurrences + ``prior``),
     so a pattern seen once proposes with 1 / (1 + prior); ``max_nodes`` per source and round."""
 
-    history_tokens: int = 2_000_000
+    history_tokens: int = 1_000_000
     corpus_tokens: int = 10_000_000
     max_pattern: int = 32
     max_depth: int = 16

@@ -9,7 +9,7 @@ from pathlib import Path
 from eagle.errors import EagleError
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
-METHODS = ("ar", "pld", "sd", "eagle-chain", "eagle-tree")
+METHODS = ("ar", "pld", "sd", "eagle-chain", "eagle-tree", "suffix")
 FORMATS = {"q8_0": 8, "q4_1": 4}  # the drafter's block formats by their GGUF names -> bits
 DRAFT_LM_MARKER = "draft_lm.json"  # the file that makes a folder a draft LM (``eagle.drafting.draft_lm``)
 

@@ -275,7 +275,16 @@ class SuffixStore:
 
     def __init__(self, cfg: "SuffixConfig", corpus: SuffixIndex | None = None) -> None:
         self.cfg, self.corpus = cfg, corpus
-        self.history = new_index(cfg.history_tokens, cfg)
+        self._history: SuffixIndex | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def history(self) -> SuffixIndex:
+        """Earlier outputs (its arrays made on first use)."""
+        with self._lock:
+            if self._history is None:
+                self._history = new_index(self.cfg.history_tokens, self.cfg)
+            return self._history
 
     def sources(self) -> list[tuple[str, SuffixIndex]]:
         return [("history", self.history)] + ([("corpus", self.corpus)] if self.corpus is not None else [])
