@@ -286,6 +286,14 @@ class SuffixStore:
                 self._history = new_index(self.cfg.history_tokens, self.cfg)
             return self._history
 
+    def fresh(self) -> "SuffixStore":
+        """A store with this one's corpus and no earlier outputs."""
+        return SuffixStore(self.cfg, self.corpus)
+
+    def clear_history(self) -> None:
+        with self._lock:
+            self._history = None
+
     def sources(self) -> list[tuple[str, SuffixIndex]]:
         return [("history", self.history)] + ([("corpus", self.corpus)] if self.corpus is not None else [])
 
