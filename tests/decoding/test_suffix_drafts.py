@@ -107,3 +107,72 @@ def test_corpus_over_the_bound_is_refused_before_tokenizing(tmp_path):
     with pytest.raises(EagleError, match="over the corpus bound of 100 tokens") as err:
         read_corpus(str(tmp_path), Refuses(), "x", SuffixConfig(corpus_tokens=100))
     assert "\n" not in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def six():
+    from tests.decoding.test_losslessness import VOCAB
+
+    target = tiny_target(vocab_size=VOCAB, hidden=16, layers=1, init_std=0.5)
+    return EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=6, depth=3, top_k=2)
+
+
+def sampled_with_sources(model, method, sampling, n, prompt):
+    """``sampled_triples`` and the accepted drafts by source over the n generations."""
+    from tests.decoding.test_losslessness import VOCAB
+
+    counts, sources = torch.zeros(VOCAB, VOCAB, VOCAB), {}
+    for seed in range(n):
+        out = model.generate(prompt, method=method, max_new_tokens=3, temperature=sampling.temperature, seed=seed)
+        counts[tuple(out.token_ids)] += 1
+        for k, v in out.accepted_by_source.items():
+            sources[k] = sources.get(k, 0) + v
+    return counts, sources
+
+
+@pytest.mark.slow
+def test_suffix_sampling_is_lossless_and_the_check_has_teeth(six, monkeypatch):
+    """Method ``suffix`` at temperature 1: drafts from the prompt and from the earlier generations'
+    outputs, judged as point masses. The control (a draft accepted with sqrt(p)) must be rejected."""
+    from eagle.config import SamplingConfig
+    from eagle.decoding import acceptance
+    from tests.decoding.test_losslessness import ALPHA, SAMPLES, chi_square_p, exact_triples, over_accepting
+
+    sampling, prompt = SamplingConfig(temperature=1.0), [1, 2, 3, 1, 2]
+    exact = exact_triples(six, sampling, prompt)
+    counts, sources = sampled_with_sources(six.with_suffix(SuffixStore(SuffixConfig())), "suffix", sampling,
+                                           SAMPLES, prompt)
+    assert sources.get("request", 0) > 100 and sources.get("history", 0) > 100
+    assert chi_square_p(counts, exact) > ALPHA
+    monkeypatch.setattr(acceptance, "recursive_rejection_tree", over_accepting)
+    counts, _ = sampled_with_sources(six.with_suffix(SuffixStore(SuffixConfig())), "suffix", sampling,
+                                     SAMPLES // 2, prompt)
+    assert chi_square_p(counts, exact) < ALPHA
+
+
+@pytest.mark.slow
+def test_suffix_drafts_beside_drawn_nodes_are_lossless(six, monkeypatch):
+    """Suffix drafts grafted onto a sampled tree (children drawn from a spread-out drafter), after the
+    drawn nodes, never merged with them; the same control must be rejected."""
+    import dataclasses
+
+    from eagle.config import SamplingConfig
+    from eagle.decoding import acceptance
+    from eagle.drafting.drafter import Drafter
+    from tests.decoding.test_losslessness import ALPHA, SAMPLES, chi_square_p, exact_triples, over_accepting
+
+    torch.manual_seed(1)
+    spread = Drafter.from_target(six.target).eval()
+    sampling, prompt = SamplingConfig(temperature=1.0), [1, 2, 3, 1, 2]
+    tree = dataclasses.replace(six.tree, lookup_tokens=0)
+
+    def mixed():
+        return EagleModel(six.target, spread, tree=tree, suffix=SuffixStore(SuffixConfig()), suffix_grafts=True)
+
+    exact = exact_triples(six, sampling, prompt)
+    counts, sources = sampled_with_sources(mixed(), "eagle-tree", sampling, SAMPLES, prompt)
+    assert sources.get("drafter", 0) > 100 and sources.get("request", 0) + sources.get("history", 0) > 100
+    assert chi_square_p(counts, exact) > ALPHA
+    monkeypatch.setattr(acceptance, "recursive_rejection_tree", over_accepting)
+    counts, _ = sampled_with_sources(mixed(), "eagle-tree", sampling, SAMPLES // 2, prompt)
+    assert chi_square_p(counts, exact) < ALPHA
