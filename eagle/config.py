@@ -274,6 +274,39 @@ class PromptLookupConfig:
             raise EagleError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
 
 
+@dataclasses.dataclass(frozen=True)
+class SuffixConfig:
+    """Suffix drafts (method ``suffix``; ``+suffix`` adds them to another method's trees): the
+    continuations of the context's longest suffix found in the current request, in earlier
+    outputs (at most ``history_tokens`` kept, the oldest evicted) and in a corpus (at most
+    ``corpus_tokens``; a bigger one is refused), matched on at most ``max_pattern`` tokens, each
+    continuation at most ``max_depth`` tokens and ``max_spec_factor`` times the match long; a
+    token followed less than ``min_token_prob`` of the time is left out. A draft node's
+    probability is how often its path followed the match: count / (occurrences + ``prior``),
+    so a pattern seen once proposes with 1 / (1 + prior); ``max_nodes`` per source and round."""
+
+    history_tokens: int = 1_000_000
+    corpus_tokens: int = 10_000_000
+    max_pattern: int = 32
+    max_depth: int = 16
+    max_spec_factor: float = 2.0
+    min_token_prob: float = 0.1
+    prior: float = 1.0
+    max_nodes: int = 24
+
+    def __post_init__(self) -> None:
+        for name in ("history_tokens", "corpus_tokens", "max_pattern", "max_depth", "max_nodes"):
+            check_int(name, getattr(self, name), 1)
+        for name in ("max_spec_factor", "min_token_prob", "prior"):
+            check_float(name, getattr(self, name))
+        if self.max_pattern < 2:
+            raise EagleError(f"max_pattern must be >= 2, got {self.max_pattern}")
+        if not 0.0 <= self.min_token_prob < 1.0:
+            raise EagleError(f"min_token_prob must be in [0, 1), got {self.min_token_prob}")
+        if self.max_spec_factor <= 0 or self.prior < 0:
+            raise EagleError("max_spec_factor must be > 0 and prior >= 0")
+
+
 def option_configs(total_tokens: int | str | None = None, depth: int | None = None, top_k: int | None = None,
                    choices: list[list[int]] | None = None, lookup_tokens: int | None = None,
                    sampled_tree: bool | None = None, draw_temperature_scale: float | None = None,

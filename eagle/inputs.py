@@ -10,18 +10,30 @@ from eagle.errors import EagleError
 from eagle.named_targets import NAMED_TARGETS, named_target
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
-METHODS = ("ar", "pld", "sd", "eagle-chain", "eagle-tree")
+METHODS = ("ar", "pld", "sd", "eagle-chain", "eagle-tree", "suffix")
 FORMATS = {"q8_0": 8, "q4_1": 4}  # the drafter's block formats by their GGUF names -> bits
 DRAFT_LM_MARKER = "draft_lm.json"  # the file that makes a folder a draft LM (``eagle.drafting.draft_lm``)
 
 INT8 = "+int8"  # a method's suffix: run on the target loaded with int8 activations (compared in one process)
+SUFFIX = "+suffix"  # a method's suffix: suffix drafts grafted onto its trees (eagle.decoding.proposers.SuffixDrafts)
+MODIFIERS = (INT8, SUFFIX)
+
+
+def modifiers(name: str) -> tuple[str, set[str]]:
+    """``"eagle-tree+suffix+int8"`` -> ("eagle-tree", {"+suffix", "+int8"}): the method and its suffixes."""
+    found: set[str] = set()
+    while any(name.endswith(m) and m not in found for m in MODIFIERS):
+        m = next(m for m in MODIFIERS if name.endswith(m))
+        found.add(m)
+        name = name.removesuffix(m)
+    return name, found
 
 
 def split_method(name: str) -> tuple[str, str | None]:
     """``"eagle-tree@DIR"`` -> ("eagle-tree", "DIR"): an EAGLE method with another drafter folder than
     ``--drafter`` (to compare drafters in one process; ``@eagle3``: the EAGLE-3 drafter shipped for the
-    target); a plain name -> (name, None). A ``+int8`` suffix (``ar+int8``) is not part of either."""
-    method, at, drafter = name.removesuffix(INT8).partition("@")
+    target); a plain name -> (name, None). ``+int8`` and ``+suffix`` suffixes are not part of either."""
+    method, at, drafter = modifiers(name)[0].partition("@")
     return method, (drafter if at else None)
 
 

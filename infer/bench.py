@@ -32,7 +32,7 @@ from typing import Any, Iterable, Optional
 from eagle.config import LoadOptions, check_bool, check_int
 from eagle.decoding.loop import STEPS
 from eagle.errors import EagleError, Parser, check_writable, command, given_flags, note_ignored
-from eagle.inputs import INT8, METHODS, check_spec, split_method
+from eagle.inputs import INT8, METHODS, SUFFIX, check_spec, modifiers, split_method
 from eagle.prompts import NO_CATEGORY, read_prompts
 from infer import llama_cpp
 from infer.cli import (add_config_args, add_model_args, add_sampling_args, check_method, check_model_args,
@@ -59,8 +59,10 @@ def parse_methods(text: str) -> list[str]:
         method, drafter = split_method(m)
         if drafter is not None and (method not in DRAFTER_METHODS or not drafter):
             raise EagleError(f"{m!r}: only {' and '.join(DRAFTER_METHODS)} take a drafter folder after '@'")
-        if m.endswith(INT8) and method not in METHODS:
+        if INT8 in modifiers(m)[1] and method not in METHODS:
             raise EagleError(f"{m!r}: only eagle's own methods ({', '.join(METHODS)}) run with int8 activations")
+        if SUFFIX in modifiers(m)[1] and method not in METHODS:
+            raise EagleError(f"{m!r}: only eagle's own methods ({', '.join(METHODS)}) take suffix drafts")
     unknown = [m for m in methods if split_method(m)[0] not in BENCH_METHODS]
     if unknown:
         raise EagleError(f"unknown method(s) {', '.join(map(repr, unknown))}; choose from {', '.join(BENCH_METHODS)}")
@@ -148,7 +150,7 @@ def run_eagle(model: Any, ids: list[int], method: str, max_new_tokens: int, temp
     return dict(new_tokens=len(result.token_ids), seconds=seconds, accept_lengths=list(result.accept_lengths),
                 target_forwards=result.target_forwards, token_ids=list(result.token_ids),
                 step_seconds=dict(result.step_seconds), prefill_s=result.prefill_s,
-                decode_seconds=seconds - result.prefill_s)
+                decode_seconds=seconds - result.prefill_s, accepted_by_source=dict(result.accepted_by_source))
 
 
 def run_one(model: Any, ids: list[int], method: str, args: Any, servers: dict | None = None) -> dict:
@@ -261,6 +263,11 @@ def summarize(records: Iterable[dict], greedy: bool = True) -> dict:
         stats["step_fractions"] = step_fractions(mine)
         for key in ("graph_captures", "graph_fallbacks"):  # in the measured runs (captures are made in warm-up)
             stats[key] = sum(r.get(key) or 0 for r in mine)
+        sources = Counter()
+        for r in mine:
+            sources.update(r.get("accepted_by_source") or {})
+        steps = sum(_steps(r) for r in mine)
+        stats["accepted_by_source"] = {k: sources[k] / steps for k in sorted(sources)} if sources and steps else None
         histogram = Counter(n for r in mine for n in (r["accept_lengths"] or []))
         stats["accept_length_histogram"] = {str(n): histogram[n] for n in sorted(histogram)}
         out[method] = stats
@@ -322,7 +329,13 @@ def markdown(summary: dict) -> str:
         ["method"] + list(PARTS),
         [[m] + ([f"{100 * (s['step_fractions'].get(p, 0.0)):.1f}%" for p in PARTS] if s["step_fractions"]
                 else ["-"] * len(PARTS)) for m, s in summary.items()])
-    return (f"{main}\n\nPer category: tokens/s (mean accepted length)\n\n{per_cat}\n\n{graphs}"
+    by_source = ""
+    if any(s.get("accepted_by_source") for s in summary.values()):
+        names = sorted({k for s in summary.values() for k in (s.get("accepted_by_source") or {})})
+        by_source = "Accepted drafts per target forward, by source\n\n" + _table(
+            ["method"] + names, [[m] + [f"{(s.get('accepted_by_source') or {}).get(k, 0.0):.2f}" for k in names]
+                                 for m, s in summary.items() if s.get("accepted_by_source")]) + "\n\n"
+    return (f"{main}\n\nPer category: tokens/s (mean accepted length)\n\n{per_cat}\n\n{graphs}{by_source}"
             f"Time per step, fraction of total time\n\n{breakdown}\n")
 
 
@@ -372,7 +385,8 @@ def build_parser() -> Parser:
                         help=f"comma list from {', '.join(BENCH_METHODS)} (default {DEFAULT_METHODS}); "
                              f"eagle-tree@DIR (or eagle-chain@DIR) runs with the drafter in DIR instead of --drafter; "
                              f"a method with the suffix {INT8} (ar+int8, eagle-tree+int8) runs on the target loaded "
-                             f"again with int8_activations")
+                             f"again with int8_activations; with the suffix {SUFFIX} (eagle-tree+suffix) suffix drafts "
+                             f"(the request, its own earlier answers, --suffix-corpus) join its trees")
     parser.add_argument("--limit", type=int, help="only the first N prompts")
     parser.add_argument("--per-category", type=int,
                         help="only the first N prompts of each category (every category stays represented)")
@@ -577,7 +591,8 @@ def main(argv: list[str] | None = None) -> None:
     check_model_args(args)
     setup = check_llama_cpp(args, methods)
     # what each method reads (llama.cpp-eagle3 with a draft of its own: not --drafter; a +int8 method: its own's)
-    reading = [m.removesuffix(INT8) for m in methods if not (m == "llama.cpp-eagle3" and args.llama_cpp_draft)]
+    reading = [modifiers(m)[0] for m in methods if not (m == "llama.cpp-eagle3" and args.llama_cpp_draft)]
+    reading += ["suffix"] * any(SUFFIX in modifiers(m)[1] for m in methods)
     note_ignored_flags(PROG, build_parser(), args, reading, f"with --methods {args.methods}", [
         (("llama_cpp",), setup is None, f"with --methods {args.methods}"),
         (("--title",), not args.json, "without --json (it titles the JSON report)")])
@@ -586,11 +601,14 @@ def main(argv: list[str] | None = None) -> None:
     loading = args if sd else argparse.Namespace(**{**vars(args), "draft_model": None})
     model = load_model(loading)
     int8 = load_model(argparse.Namespace(**{**vars(loading), "int8_activations": True})) if any(
-        m.endswith(INT8) for m in methods) else None
+        INT8 in modifiers(m)[1] for m in methods) else None
 
     def model_of(method: str) -> Any:
-        base = int8 if method.endswith(INT8) else model
-        return with_drafter(base, split_method(method)[1]) if split_method(method)[1] else base
+        base = int8 if INT8 in modifiers(method)[1] else model
+        base = with_drafter(base, split_method(method)[1]) if split_method(method)[1] else base
+        if SUFFIX in modifiers(method)[1] or split_method(method)[0] == "suffix":  # earlier outputs of its own
+            base = base.with_suffix(base.suffix_store.fresh())
+        return base
 
     models = {m: model_of(m) for m in methods}
     for method in methods:
@@ -608,7 +626,7 @@ def load_test(args: Any, argv: list[str], methods: list[str], prompts: list[dict
     levels = lt.parse_levels(args.concurrency)
     if args.methods == DEFAULT_METHODS:  # not given: the default's methods that eagle-serve serves
         methods = [m for m in methods if m != "hf"]
-    served = [m for m in methods if m not in ("hf",) + llama_cpp.METHODS and "@" not in m and INT8 not in m]
+    served = [m for m in methods if m not in ("hf",) + llama_cpp.METHODS and "@" not in m and not modifiers(m)[1]]
     if served != methods:
         raise EagleError(f"the load test runs methods eagle-serve serves ({', '.join(METHODS)}), not "
                          f"{', '.join(m for m in methods if m not in served)}")
@@ -698,7 +716,7 @@ def run_all(args: Any, argv: list[str], methods: list[str], prompts: list[dict],
     env = [f"{k}={os.environ[k]}" for k in RUN_ENV if os.environ.get(k)]
     command = shlex.join(env + [PROG] + [redacted(arg) for arg in argv])
     info = machine(model)
-    int8 = next((models[m] for m in methods if m.endswith(INT8)), None)
+    int8 = next((models[m] for m in methods if INT8 in modifiers(m)[1]), None)
     if int8 is not None and int8.target.lean is not None:
         info["kernels" + INT8] = int8.target.lean.kernel_choice()
     if setup:
@@ -710,6 +728,9 @@ def run_all(args: Any, argv: list[str], methods: list[str], prompts: list[dict],
     for i in range(min(args.warmup, len(prompts))):
         for method in methods:
             run_one(models[method], ids[i], method, args, servers)
+    for m in methods:  # suffix drafts start from no earlier outputs: none of the warm-up's
+        if models[m].suffix_grafts:
+            models[m].suffix_store.clear_history()
     records = []
     for i in tqdm(range(len(prompts)), desc="prompts", unit="prompt", file=sys.stderr):
         for method in methods:

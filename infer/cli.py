@@ -59,6 +59,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--total-tokens", type=total_tokens_arg,
                    help="draft tree nodes verified per step, an integer or 'auto' (default: sized by the target's "
                         "measured forward cost)")
+    g.add_argument("--suffix-corpus", metavar="PATH",
+                   help="a file or folder of text or code whose continuations method suffix (and +suffix in "
+                        "eagle-bench) drafts from, beside the request and earlier answers; tokenized once, cached")
 
 
 def add_config_args(parser: argparse.ArgumentParser, extra: str = "") -> None:
@@ -114,7 +117,7 @@ FLAG_METHODS = {
     "sampled_tree": ("eagle-tree", "eagle-chain"), "draw_temperature_scale": ("eagle-tree", "eagle-chain"),
     "draw_support": ("eagle-tree", "eagle-chain"), "drafter_dtype": ("eagle-tree", "eagle-chain", "sd"),
     "drafter_quant": ("eagle-tree", "eagle-chain"), "gamma": ("sd",), "lenience": ("sd",),
-    "adaptive_gamma": ("sd",),
+    "adaptive_gamma": ("sd",), "--suffix-corpus": ("suffix",),
 }
 SAMPLING_ONLY = ("--top-p", "--top-k", "--seed", "lenience", "sampled_tree", "draw_temperature_scale",
                  "draw_support")
@@ -199,6 +202,8 @@ def check_model_args(args: argparse.Namespace) -> None:
         check_spec(args.draft_model)
     check_device(args.device)
     check_threads(args.threads)
+    if getattr(args, "suffix_corpus", None) is not None and not Path(args.suffix_corpus).expanduser().exists():
+        raise EagleError(f"--suffix-corpus {args.suffix_corpus}: no such file or folder")
 
 
 def check_threads(threads: int | None) -> None:
@@ -226,7 +231,7 @@ def load_model(args: argparse.Namespace) -> Any:
         args.target, drafter=args.drafter, draft_model=args.draft_model, device=args.device, dtype=dtype,
         drafter_dtype=drafter_dtype, drafter_quant=None if args.drafter_quant == "auto" else args.drafter_quant,
         cuda_graphs=args.cuda_graphs, device_rounds=args.device_rounds, int8_activations=args.int8_activations,
-        **option_args(args))
+        suffix_corpus=getattr(args, "suffix_corpus", None), **option_args(args))
 
 
 def check_method(model: Any, method: str) -> None:

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import hmac
 import json
 import math
@@ -33,7 +34,8 @@ from eagle.config import check_bool, check_float, check_int
 from eagle.errors import EagleError, command
 from eagle.engine import METHODS
 from eagle.runtime.openmp import release_workers
-from infer.scheduler import ApiError, BatchedBackend, Job, Metrics, Scheduler, SerialBackend
+from infer.scheduler import (SUFFIX_SCOPES, ApiError, BatchedBackend, Job, Metrics, Scheduler, SerialBackend,
+                             SuffixScopes)
 
 PROG = "eagle-serve"
 PAGE = Path(__file__).parent / "static" / "chat.html"
@@ -233,7 +235,7 @@ def round_size(model: Any, job: Job) -> int | str | None:
 def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_tokens: int | None = None,
                model_name: str | None = None, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                request_timeout_s: float | None = None, max_batch: int = 1, backend: Any = None,
-               cache_pool: bool = False) -> Any:
+               cache_pool: bool = False, suffix_scope: str = "key") -> Any:
     """The ASGI app serving an already-built ``EagleModel`` (or anything with its ``generate``,
     ``target``, ``drafter`` and ``draft_model``). ``method``: the default decoding method
     (eagle-tree when the model has a drafter, else ar); ``max_queue``: requests that may wait for a
@@ -243,7 +245,9 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
     bodies get 413; ``request_timeout_s``: a request's time limit from its arrival (None: none);
     ``backend``: the ``infer.scheduler.Backend`` that decodes (default: ``SerialBackend(model)`` for
     ``max_batch`` 1, else ``BatchedBackend(model, max_batch, cache_pool)``; ``cache_pool``: the batch's caches as
-    slots of one pool, the GPU layout, off by default: ``eagle.decoding.serving.ServingEngine``)."""
+    slots of one pool, the GPU layout, off by default: ``eagle.decoding.serving.ServingEngine``); ``suffix_scope``:
+    whose earlier answers the suffix drafts of methods suffix, eagle-tree and eagle-chain come from
+    (``SuffixScopes``: "request", "key" (the request's API key's), "server"; with ``max_batch`` 1)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import Request
@@ -256,8 +260,13 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
                   max_batch=max_batch, api_key=api_key)
     name = model_name or model.target.name
     metrics = Metrics()
+    from eagle.engine import EagleModel
+
+    # suffix drafts for an EagleModel (a wrapper of one decodes as it decodes)
+    scopes = SuffixScopes(model, suffix_scope) if isinstance(model, EagleModel) else None
     if backend is None:  # one request at a time on the fast single-stream path, else one batch
-        backend = SerialBackend(model) if max_batch == 1 else BatchedBackend(model, max_batch, cache_pool)
+        backend = (SerialBackend(model, suffix=scopes) if max_batch == 1
+                   else BatchedBackend(model, max_batch, cache_pool))
     engine = Scheduler(backend, model.target.tokenizer, model.target.max_context, max_queue, metrics)
     release_workers()  # this thread hands decoding to the scheduler's: its idle OpenMP workers would slow it
     created = int(time.time())
@@ -273,6 +282,11 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
             return True
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)
+
+    def tenant(request: Request) -> str:
+        """Who sent the request, for ``--suffix-scope key``: a digest of its Bearer token ("" without one)."""
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return hashlib.sha256(token.strip().encode()).hexdigest()[:16] if scheme.lower() == "bearer" else ""
 
     def unauthorized() -> Response:
         return error(ApiError("a valid API key is required: send the header 'Authorization: Bearer <key>' with "
@@ -316,6 +330,7 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
             except (ValueError, UnicodeDecodeError) as exc:
                 raise ApiError(f"the request body is not valid JSON: {exc}") from None
             job = parse_request(body, chat, model, method, max_tokens)
+            job.tenant = tenant(request)
             if request_timeout_s is not None:
                 job.deadline = job.arrived + request_timeout_s
             ids = await asyncio.get_running_loop().run_in_executor(None, encode, model, job)
@@ -520,6 +535,9 @@ def build_parser() -> Any:
                         help="requests decoded together in the running batch; others wait in the queue (default 1: one "
                              "at a time on the fastest single-stream path; more: one target forward a round "
                              "verifies every running request's draft tree)")
+    parser.add_argument("--suffix-scope", choices=SUFFIX_SCOPES, default="key",
+                        help="whose earlier answers suffix drafts (methods suffix, eagle-tree, eagle-chain) may come "
+                             "from: the request alone, the same API key's requests (default), or every request")
     add_model_args(parser)
     add_config_args(parser, "; eagle-serve's own: max_queue, api_key, max_body_bytes, request_timeout_s, max_tokens, "
                             "warmup, served_model_name, cache_pool")
@@ -584,7 +602,8 @@ def main(argv: list[str] | None = None) -> None:
         warm_up(model, method)
     app = create_app(model, method=method, max_queue=args.max_queue, max_tokens=args.max_tokens,
                      model_name=args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     request_timeout_s=args.request_timeout_s, max_batch=args.max_batch, cache_pool=args.cache_pool)
+                     request_timeout_s=args.request_timeout_s, max_batch=args.max_batch, cache_pool=args.cache_pool,
+                     suffix_scope=args.suffix_scope)
     print(f"{PROG}: {model.target.name}, method {method}, on http://{args.host}:{args.port}/ "
           f"(chat page at /, API at /v1)", file=sys.stderr, flush=True)
     # what is loaded now lives as long as the server: out of the cycle collector's view, whose full collections

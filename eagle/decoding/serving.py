@@ -513,13 +513,14 @@ class ServingEngine:
         event = StepEvent(seq.request_id, chunk, bool(stop), stats, stop)
         if stop:
             del self._active[seq.request_id]
+            seq.proposer.finish(seq.ids)
             self._free(seq)
             text = target.tokenizer.decode(seq.new, skip_special_tokens=True)
             event.result = GenerationResult(
                 text=text[:seq.text_cut] if seq.text_cut >= 0 else text, token_ids=list(seq.new),
                 accept_lengths=list(stats.accept_lengths), target_forwards=stats.target_forwards,
                 elapsed_s=stats.elapsed_s, method=seq.options.method, prompt_tokens=stats.prompt_tokens,
-                stop_reason=stop)
+                stop_reason=stop, accepted_by_source=seq.proposer.accepted_by_source())
         return event
 
     def _stopped(self, seq: _Sequence) -> bool:

@@ -170,3 +170,31 @@ def static_layout(choices: Sequence[Sequence[int]]) -> StaticLayout:
         ranks.append(path[-1])
         depths.append(len(path))
     return StaticLayout(parents=torch.tensor(parents), ranks=torch.tensor(ranks), depths=torch.tensor(depths))
+
+
+def graft_tree(pool: Pool, at: int, tokens: Sequence[int], parents: Sequence[int], offsets: Sequence[float],
+               share_from: int = 0) -> tuple[Pool, list[int]]:
+    """Hang a tree of draft tokens below node ``at`` of a candidate pool (suffix drafts onto the
+    drafter's tree): node j has token ``tokens[j]``, parent ``parents[j]`` (-1: ``at``; parents
+    come first) and score ``at``'s plus ``offsets[j]`` (<= 0, no higher than its parent's). A node
+    whose token is already a child of its parent's place reuses that child if its index is at least
+    ``share_from`` (its score becomes the higher of the two), as ``graft_chains`` does; else it is
+    new (``share_from=pool.size``: no node is merged with a drawn one, whose score must not depend
+    on which token was drawn).
+    Returns the pool (``pool`` is not changed) and the pool index of each grafted node [len(tokens)]."""
+    out = Pool(list(pool.tokens), list(pool.parents), list(pool.scores))
+    children = {(p, t): i for i, (p, t) in enumerate(zip(out.parents, out.tokens)) if p >= 0 and i >= share_from}
+    base, places = out.scores[at], []
+    for token, parent, offset in zip(tokens, parents, offsets):
+        above = at if parent < 0 else places[parent]
+        node = children.get((above, token))
+        if node is None:
+            node = len(out.tokens)
+            children[(above, token)] = node
+            out.tokens.append(token)
+            out.parents.append(above)
+            out.scores.append(base + offset)
+        else:
+            out.scores[node] = max(out.scores[node], base + offset)
+        places.append(node)
+    return out, places

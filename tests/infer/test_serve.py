@@ -777,3 +777,29 @@ def test_chat_page_streams_in_headless_chromium(server, tmp_path):
     assert int(page["chunks"]) > 1
     assert sum(len(d.split()) for d in page["drafted"]) == drafted
     assert "tokens/s" in page["stats"] and f"mean accepted length {ref.mean_accept_length:.2f}" in page["stats"]
+
+
+@pytest.mark.parametrize("scope", ["key", "server", "request"])
+def test_suffix_scope_decides_whose_answers_draft(scope):
+    """Two API keys ask the same: an earlier answer drafts for its own key (scope "key"), for anyone
+    ("server") or for no one ("request"); answers equal plain decoding; /metrics counts by source."""
+    target = tiny_target(max_positions=MAX_POSITIONS)
+    model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=12, depth=4, top_k=3)
+    srv = Server(create_app(model, method="suffix", max_queue=8, suffix_scope=scope), Paced(model))
+    try:
+        def ask(key: str) -> str:
+            response = srv.http.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                     json=dict(messages=chat("t3 t4 t5"), max_tokens=24, temperature=0))
+            return response.json()["choices"][0]["message"]["content"]
+
+        plain = model.generate(chat("t3 t4 t5"), method="ar", max_new_tokens=24).text
+        assert ask("alice") == plain
+        before = srv.metric('eagle_accepted_drafts_total{source="history"}')
+        assert ask("bob") == plain
+        other = srv.metric('eagle_accepted_drafts_total{source="history"}') - before
+        assert ask("alice") == plain
+        same = srv.metric('eagle_accepted_drafts_total{source="history"}') - before - other
+        assert (other > 0, same > 0) == {"key": (False, True), "server": (True, True), "request": (False, False)}[scope]
+        assert "eagle_accepted_drafts_share" in srv.http.get("/metrics").text
+    finally:
+        srv.close()
