@@ -126,8 +126,12 @@ class SuffixScopes:
                 self.stores.popitem(last=False)
             return store
 
-    def model_for(self, model: Any, method: str, tenant: str) -> Any:
-        """``model``, for method ``suffix`` and the drafting methods a view drafting from ``tenant``'s store."""
+    def model_for(self, model: Any, method: str, tenant: str, seeded: bool = False) -> Any:
+        """``model``, for method ``suffix`` and the drafting methods a view drafting from ``tenant``'s store.
+        A ``seeded`` sampled request draws from its drafts, so it takes none from earlier answers (which
+        change from run to run): its tokens repeat, and equal the library's for the same seed."""
+        if seeded:
+            return model.with_suffix(self.model.suffix_store.fresh()) if method == "suffix" else model
         if method in ("suffix", "eagle-tree", "eagle-chain"):
             return model.with_suffix(self.store(tenant))
         return model
@@ -188,7 +192,7 @@ class SerialBackend:
         a = admission
         model = self.model_for(a.method, a.total_tokens)
         if self.suffix is not None:
-            model = self.suffix.model_for(model, a.method, a.tenant)
+            model = self.suffix.model_for(model, a.method, a.tenant, a.seed is not None and a.temperature > 0)
         self.streams[a.key] = model.generate(
             a.ids, method=a.method, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
             top_k=a.top_k, seed=a.seed, stream=True)
