@@ -1,4 +1,4 @@
-"""New tokens/s of batched plain decoding (``eagle.decoding.batch.BatchDecoder``) on one target.
+"""New tokens/s of batched plain decoding (``train.generation.BatchDecoder``) on one target.
 
     python scripts/batch_speed.py --rows 256 --prompts 1024 --max-new-tokens 256   # a GPU
     python scripts/batch_speed.py --rows 8 --prompts 8 --max-new-tokens 64          # a CPU
@@ -25,7 +25,7 @@ import types
 import torch
 
 from eagle.config import SamplingConfig
-from eagle.decoding.batch import ATTENTION, BatchDecoder, BatchStats, Request, request_seed
+from train.generation import ATTENTION, BatchDecoder, BatchStats, Request, request_seed
 from eagle.prompts import read_prompts
 from eagle.runtime.decoder import lean_decoder
 from eagle.runtime.target import DEFAULT_TARGET, Target, default_device_dtype, load_target

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 
 from eagle.errors import EagleError
 from eagle.runtime.kv_cache import StaticCache
-from eagle.runtime.decoder import LayerWeights, rms_norm, rotate, silu_mul
+from eagle.runtime.decoder import LayerWeights
+from eagle.runtime.layers import llama_layer, rms_norm, rotated
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_KEYS = 256  # the shortest attended cache length; longer ones double up to the capacity
@@ -173,7 +174,7 @@ def layer_stack(layers: Sequence[LayerWeights], x: torch.Tensor, cos: torch.Tens
     ``mask`` additive [1, 1, B, Lk] over the first Lk positions. Returns x after the layers and the
     outputs of ``aux_layers``. ``embeds`` [1, B, H]: the token embeddings an EAGLE-3 drafter layer's
     attention reads too (``LayerWeights.attention_input``). The arithmetic of
-    ``eagle.runtime.decoder.LeanDecoder``'s torch layer."""
+    ``eagle.runtime.layers.llama_layer`` (torch's RMSNorm and activation: what a capture records)."""
     b, q_len = x.shape[:2]
     nh, nkv, d = num_heads, num_kv_heads, head_dim
     keys_len, group = mask.shape[-1], nh // nkv
@@ -182,17 +183,15 @@ def layer_stack(layers: Sequence[LayerWeights], x: torch.Tensor, cos: torch.Tens
     rows_mask = mask.repeat(1, 1, group, 1) if group > 1 else mask
     kept = []
     for i, layer in enumerate(layers):
-        h = layer.attention_input(x, embeds)
-        qkv = layer.normed_heads(layer.qkv(h), nh, nkv)
-        qk, v = qkv.view(b, q_len, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
-        q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)
-        keys, values = kv[0, i], kv[1, i]
-        keys.index_copy_(2, write, k)
-        values.index_copy_(2, write, v)
-        out = F.scaled_dot_product_attention(q.reshape(b, nkv, group * q_len, d), keys[:, :, :keys_len],
-                                             values[:, :, :keys_len], attn_mask=rows_mask, scale=d ** -0.5)
-        x = x + layer.o(out.reshape(b, nh, q_len, d).transpose(1, 2).reshape(b, q_len, nh * d))
-        x = x + layer.down(silu_mul(layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps))))
+        def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
+            keys, values = kv[0, i], kv[1, i]
+            keys.index_copy_(2, write, k)
+            values.index_copy_(2, write, v)
+            out = F.scaled_dot_product_attention(q.reshape(b, nkv, group * q_len, d), keys[:, :, :keys_len],
+                                                 values[:, :, :keys_len], attn_mask=rows_mask, scale=d ** -0.5)
+            return out.reshape(b, nh, q_len, d).transpose(1, 2).reshape(b, q_len, nh * d)
+
+        x = llama_layer(layer, x, rotated(core, cos, sin, nh, nkv, d), nh, nkv, embeds=embeds)
         if i in aux_layers:
             kept.append(x)
     return x, kept

@@ -26,7 +26,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from eagle.decoding.batch import LayerPlan, each_layer, final_norm, gathered, keys_for, rotary_tables
+from eagle.runtime.layers import each_layer
+from eagle.runtime.rows import LayerPlan, gathered, keys_for, rotary_tables
 from eagle.decoding.tree import host_tensor
 from eagle.decoding.tree_mask import additive_bias
 from eagle.drafting.drafter import fused_input
@@ -154,7 +155,7 @@ def pooled_layers(lean: Any, pool: CachePool, x: torch.Tensor, rope: dict, pos: 
     for i, x in enumerate(each_layer(lean, x, rope, attend)):
         if i in aux_layers:
             kept[i] = x
-    return torch.cat([final_norm(lean, x)] + [kept[i] for i in aux_layers], dim=-1)[0]
+    return torch.cat([lean.final_norm(x)] + [kept[i] for i in aux_layers], dim=-1)[0]
 
 
 def extended(caches: Sequence[SlotCache], sizes: Sequence[int]) -> tuple[CachePool, list[int]]:
