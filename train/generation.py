@@ -36,9 +36,8 @@ import torch
 from eagle.config import SamplingConfig
 from eagle.decoding.sampling import logits_to_probs
 from eagle.errors import EagleError
-from eagle.runtime.cuda_graphs import bucket_for
-from eagle.runtime.rows import (ATTENTION, MIN_KEYS, LayerPlan, decode_rows, extend_rows, keys_for,  # noqa: F401
-                                prefill_rows, rotary_tables, varlen_works)
+from eagle.runtime.rows import ATTENTION, LayerPlan, decode_rows, extend_rows, prefill_rows, rotary_tables, varlen_works
+from eagle.runtime.shapes import MIN_KEYS, StaticRunner, StaticShape, bucket_for, keys_for
 from eagle.runtime.target import Target
 
 MASK31 = (1 << 31) - 1
@@ -196,8 +195,7 @@ class BatchDecoder:
                                                            for _ in range(4))
         self.buckets = tuple(sorted({rows, *(1 << k for k in range(rows.bit_length()) if 1 << k < rows)}))
         self.capture = (device.type == "cuda") if capture is None else capture and device.type == "cuda"
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self.runner = StaticRunner(device, self.capture)  # each step's shape (rows, attended keys)
         self.reuse = reuse
         self.held: dict[int, list[int]] = {}  # free row -> the tokens its cache holds at positions 0, 1, ...
         self.held_by_key: dict[tuple[int, ...], set[int]] = collections.defaultdict(set)  # first HELD_KEY -> rows
@@ -362,21 +360,12 @@ class BatchDecoder:
 
         if not self.capture:
             return run()
-        entry = self.graphs.get((size, keys_len))
-        if entry is None:
-            from eagle.runtime.cuda_graphs import capture_graph
-
-            start = time.perf_counter()
-            graph, output = capture_graph(run, self.kv.device, self.pool, key=("batch", size, keys_len))
-            self.graphs[(size, keys_len)] = (graph, output) if graph is not None else (None, None)
-            self.stats.captures += graph is not None
-            self.stats.capture_s += time.perf_counter() - start
-            return output
-        graph, output = entry
-        if graph is None:  # could not be captured: eager
-            return run()
-        graph.replay()
-        return output
+        runner = self.runner
+        captured, seconds = runner.captured, runner.capture_seconds
+        out = runner.run(("batch", size, keys_len), lambda: StaticShape({}, run), lambda shape: None)
+        self.stats.captures += runner.captured - captured
+        self.stats.capture_s += runner.capture_seconds - seconds
+        return out
 
     def _accept(self, s: int, token: int, slots: list[_Row | None]) -> Iterator[Result]:
         """Row ``s`` drew ``token``: keep it, or end the row (EOS or its cap) and free it."""

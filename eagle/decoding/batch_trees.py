@@ -24,13 +24,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from eagle.runtime.rows import keys_for
 from eagle.decoding.proposers import EagleDrafter, Proposal
 from eagle.decoding.tree import (Pool, grow_pools, kept_indices, kept_parents, kept_pool, pool_depths, root_only,
                                  topk_children)
 from eagle.runtime import cuda_graphs, kv_cache
 from eagle.runtime.kv_cache import SlotCache
-from eagle.runtime.pooled import (ROW_BUCKETS, SEGMENT_BUCKETS, SPAN_BUCKETS, DrafterGraphs, StaticShape, extended,
+from eagle.runtime.shapes import ROW_BUCKETS, SEGMENT_BUCKETS, SPAN_BUCKETS, StaticShape, keys_for
+from eagle.runtime.pooled import (DrafterGraphs, extended,
                                   pooled_drafter_forward)
 
 

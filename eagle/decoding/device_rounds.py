@@ -43,9 +43,9 @@ from eagle.decoding.tree import (drawn_children, grow_pools, kept_parents, kept_
 from eagle.decoding.tree_mask import additive_bias
 from eagle.errors import EagleError
 from eagle.runtime import kv_cache
+from eagle.runtime.shapes import MAX_TREE  # noqa: F401 - the most tree tokens a round verifies
 from eagle.runtime.target import Target
 
-MAX_TREE = 64  # the most tree tokens a round verifies: the largest static bucket (``cuda_graphs.BUCKETS``)
 AUTO_COST = 1.3  # "auto": the largest tree whose verify costs at most this many one-token forwards
 
 
@@ -308,21 +308,21 @@ class DeviceTreeDrafter:
             out = self._grow(self.last_hidden, root, calls, self._cached_step(committed), self.temperature, noise)
             kv_cache.roll_back(self.cache, committed)
             return self._unpack(out, drawing)
-        from eagle.runtime.cuda_graphs import _Entry, keys_for
+        from eagle.runtime.shapes import StaticShape, keys_for
 
         keys_len = keys_for(committed + calls * self.top_k, runner.cache.capacity)
 
-        def make() -> _Entry:
+        def make() -> StaticShape:
             inputs = dict(hidden=torch.zeros_like(self.last_hidden), root=torch.zeros_like(root),
                           committed=torch.zeros((), dtype=torch.long, device=self.device),
                           temperature=torch.ones((), device=self.device))
             if drawing:
                 inputs["noise"] = torch.zeros(noise_shape, device=self.device)
             step = self._static_step(inputs["committed"], calls, keys_len)
-            return _Entry(inputs, lambda: self._grow(inputs["hidden"], inputs["root"], calls, step,
+            return StaticShape(inputs, lambda: self._grow(inputs["hidden"], inputs["root"], calls, step,
                                                      inputs["temperature"], inputs.get("noise")))
 
-        def fill(entry: _Entry) -> None:
+        def fill(entry: StaticShape) -> None:
             entry.inputs["hidden"].copy_(self.last_hidden)
             entry.inputs["root"].copy_(root)
             entry.inputs["committed"].fill_(committed)
@@ -332,7 +332,7 @@ class DeviceTreeDrafter:
 
         # every shape the phase depends on: tree and chain (k, total) share one drafter and its runner
         key = ("draft phase", self.top_k, self.total, calls, keys_len, self.support if drawing else 0)
-        return self._unpack(runner.run_static(key, make, fill), drawing)
+        return self._unpack(runner.run(key, make, fill), drawing)
 
     def _unpack(self, out: tuple, drawing: bool) -> tuple[DeviceTree, DeviceDraws | None]:
         """``_grow``'s output (a flat tuple of tensors) -> the tree and, when drawing, its draws."""

@@ -533,7 +533,8 @@ class LayerWeights:
         return torch.cat([norm(q.contiguous(), self.q_norm, self.input_eps),
                           norm(k.contiguous(), self.k_norm, self.input_eps), v], dim=-2).flatten(-2)
 
-    def attention_input(self, x: torch.Tensor, embeds: torch.Tensor | None, norm: Callable | None = None) -> torch.Tensor:
+    def attention_input(self, x: torch.Tensor, embeds: torch.Tensor | None,
+                        norm: Callable | None = None) -> torch.Tensor:
         """What q/k/v read: x normed by ``input_norm`` (if any), after the normed token embeddings
         when ``embed_norm`` is set (``norm``: ``rms_norm`` or the compiled one). [..., H] -> [..., H or 2H]."""
         norm = norm or rms_norm

@@ -15,18 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from eagle.decoding.tree_mask import additive_bias
-from eagle.runtime.cuda_graphs import keys_for as graph_keys
 from eagle.runtime.gemma import GemmaDecoder
 from eagle.runtime.layers import run_layers
 
-MIN_KEYS = 64  # the shortest attended cache length; longer ones double up to the capacity
 ATTENTION = ("auto", "sdpa", "varlen")  # a batched step's attention: ``varlen`` where ``varlen_works``
-
-
-def keys_for(end: int, capacity: int) -> int:
-    """Cache positions a step attends over when its rows write below ``end`` (``cuda_graphs.keys_for``
-    with the floor ``MIN_KEYS``)."""
-    return graph_keys(end, capacity, MIN_KEYS)
 
 
 @dataclasses.dataclass(frozen=True)

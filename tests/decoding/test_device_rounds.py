@@ -116,7 +116,7 @@ def test_device_draft_is_brute_force_eagle2(request, kind, total, graphs):
     assert drafter.cache.get_seq_length() == len(ids) - 1  # the round's nodes are gone from the drafter's cache
     runner = getattr(drafter.drafter, "runner", None)
     assert (runner is not None) == graphs
-    assert not graphs or any(key[0] == "draft phase" for key in runner.entries)
+    assert not graphs or any(key[0] == "draft phase" for key in runner.shapes)
     paths, tokens, scores = {0: ()}, tree.tokens.tolist(), tree.scores.tolist()
     for i, parent in enumerate(tree.parents.tolist()[1:], start=1):
         paths[i] = paths[parent] + (tokens[i],)
@@ -425,11 +425,11 @@ def test_device_rounds_capture(fake_capture, kind, method):
         got = model.generate(ids, method=method, max_new_tokens=16)
         assert got.token_ids == model.generate(ids, method="ar", max_new_tokens=16).token_ids
     runner = model._device_drafter(method, SamplingConfig()).drafter.runner
-    assert any(key[0] == "draft phase" and entry.graph is not None for key, entry in runner.entries.items())
+    assert any(key[0] == "draft phase" and entry.graph is not None for key, entry in runner.shapes.items())
     assert runner.fallbacks == 0 and model.target.graphs.fallbacks == 0
     # drawn children: the phase with its noise buffer captured too; each replay draws anew, seeded
     sampled = [model.generate(prompts(3, seed=4)[2], method=method, max_new_tokens=16, temperature=1.0, seed=seed)
                for seed in (0, 1, 0)]
     assert sampled[0].token_ids == sampled[2].token_ids != sampled[1].token_ids
-    drawn = [key for key, entry in runner.entries.items() if key[0] == "draft phase" and key[-1] and entry.graph]
+    drawn = [key for key, entry in runner.shapes.items() if key[0] == "draft phase" and key[-1] and entry.graph]
     assert drawn and runner.fallbacks == 0 and model.target.graphs.fallbacks == 0
