@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from eagle.runtime.layers import each_layer
+from eagle.runtime.layers import with_aux
 from eagle.runtime.rows import LayerPlan, gathered, rotary_tables
 from eagle.runtime.shapes import (ROW_BUCKETS, SEGMENT_BUCKETS, SPAN_BUCKETS, StaticRunner, StaticShape,  # noqa: F401
                                   bucket_for, keys_for)
@@ -148,11 +148,7 @@ def pooled_layers(lean: Any, pool: CachePool, x: torch.Tensor, rope: dict, pos: 
                           block, positions, keys_len)
     attend = attention_step(pool, lean.num_heads, plan.scale, index[0], index[1], index[2], index[3], members, m,
                             keys_len, biases, plan.windows)
-    kept = {}
-    for i, x in enumerate(each_layer(lean, x, rope, attend)):
-        if i in aux_layers:
-            kept[i] = x
-    return torch.cat([lean.final_norm(x)] + [kept[i] for i in aux_layers], dim=-1)[0]
+    return with_aux(lean, x, rope, attend, aux_layers)[0]
 
 
 def extended(caches: Sequence[SlotCache], sizes: Sequence[int]) -> tuple[CachePool, list[int]]:
