@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import hashlib
 import os
 import time

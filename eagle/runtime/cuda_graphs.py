@@ -29,7 +29,7 @@ without graphs: the graph-free path the tests compare with the plain forward. Ca
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F

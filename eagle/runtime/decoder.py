@@ -37,7 +37,7 @@ from eagle.runtime.huge_pages import huge_page_copies
 from eagle.runtime.block_codes import BlockCodes, block_encode, block_quantize, decode
 from eagle.runtime.gguf_file import LLAMA_FAMILY
 from eagle.runtime.gguf_weights import GGUFLinear, GGUFMatrix, GGUFModel, GGUFProjection, joined_rows
-from eagle.runtime.layers import llama_layer, rms_norm, rotate, rotated, silu_mul, with_aux  # noqa: F401 - re-exported
+from eagle.runtime.layers import llama_layer, rms_norm, rotate, silu_mul, with_aux  # noqa: F401 - re-exported
 from eagle.decoding.tree_mask import causal_bias
 
 
