@@ -42,7 +42,7 @@ bench: setup
 results: setup  # the results page, regenerated whole from the kept eagle-bench reports
 	$(VENV)/bin/eagle-results --header docs/results-header.md docs/results/*.json --out docs/results.md
 
-# on a GPU machine with the packages installed (see scripts/gpu_check.sh; results in $$OUT, default ./gpu-out)
+# on a GPU machine (docs/gpu.md: two device calls, scripts/gpu_check.sh stage|first; results in $$OUT, default ./gpu-out)
 gpu-check:
 	bash scripts/gpu_check.sh
 

@@ -274,6 +274,39 @@ class PromptLookupConfig:
             raise EagleError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
 
 
+@dataclasses.dataclass(frozen=True)
+class SuffixConfig:
+    """Suffix drafts (method ``suffix``; ``+suffix`` adds them to another method's trees): the
+    continuations of the context's longest suffix found in the current request, in earlier
+    outputs (at most ``history_tokens`` kept, the oldest evicted) and in a corpus (at most
+    ``corpus_tokens``; a bigger one is refused), matched on at most ``max_pattern`` tokens, each
+    continuation at most ``max_depth`` tokens and ``max_spec_factor`` times the match long; a
+    token followed less than ``min_token_prob`` of the time is left out. A draft node's
+    probability is how often its path followed the match: count / (occurrences + ``prior``),
+    so a pattern seen once proposes with 1 / (1 + prior); ``max_nodes`` per source and round."""
+
+    history_tokens: int = 1_000_000
+    corpus_tokens: int = 10_000_000
+    max_pattern: int = 32
+    max_depth: int = 16
+    max_spec_factor: float = 2.0
+    min_token_prob: float = 0.1
+    prior: float = 1.0
+    max_nodes: int = 24
+
+    def __post_init__(self) -> None:
+        for name in ("history_tokens", "corpus_tokens", "max_pattern", "max_depth", "max_nodes"):
+            check_int(name, getattr(self, name), 1)
+        for name in ("max_spec_factor", "min_token_prob", "prior"):
+            check_float(name, getattr(self, name))
+        if self.max_pattern < 2:
+            raise EagleError(f"max_pattern must be >= 2, got {self.max_pattern}")
+        if not 0.0 <= self.min_token_prob < 1.0:
+            raise EagleError(f"min_token_prob must be in [0, 1), got {self.min_token_prob}")
+        if self.max_spec_factor <= 0 or self.prior < 0:
+            raise EagleError("max_spec_factor must be > 0 and prior >= 0")
+
+
 def option_configs(total_tokens: int | str | None = None, depth: int | None = None, top_k: int | None = None,
                    choices: list[list[int]] | None = None, lookup_tokens: int | None = None,
                    sampled_tree: bool | None = None, draw_temperature_scale: float | None = None,
@@ -293,3 +326,74 @@ def option_configs(total_tokens: int | str | None = None, depth: int | None = No
     except TypeError as exc:
         raise EagleError(f"unknown option: {exc}") from exc
     return TreeConfig(**tree), SpeculativeConfig(**spec), pl
+
+
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+
+
+def check_optional(check: Any, name: str, value: Any) -> Any:
+    """``value`` checked by ``check(name, value)``, or None."""
+    return None if value is None else check(name, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """``EagleModel.from_pretrained``'s tuning options under their API names, as the config keys of
+    eagle-generate, eagle-bench and eagle-serve (``--config FILE``, ``--set KEY=VALUE``); None: the
+    default. ``top_k`` is the tree's (``TreeConfig.top_k``), not sampling's ``--top-k``;
+    ``drafter_dtype``: one of ``DTYPE_NAMES``; ``drafter_quant``: "auto", "none" or a block format."""
+
+    depth: Optional[int] = None
+    top_k: Optional[int] = None
+    lookup_tokens: Optional[int] = None
+    sampled_tree: Optional[bool] = None
+    draw_temperature_scale: Optional[float] = None
+    draw_support: Optional[int] = None
+    gamma: Optional[int] = None
+    lenience: Optional[float] = None
+    adaptive_gamma: Optional[bool] = None
+    drafter_dtype: str = "auto"
+    drafter_quant: str = "auto"
+    cuda_graphs: Optional[bool] = None
+    device_rounds: Optional[bool] = None
+    int8_activations: bool = False
+
+    def __post_init__(self) -> None:
+        from eagle.inputs import FORMATS
+
+        for name in ("sampled_tree", "adaptive_gamma", "cuda_graphs", "device_rounds", "int8_activations"):
+            check_optional(check_bool, name, getattr(self, name))
+        for name in ("depth", "top_k", "lookup_tokens", "draw_support", "gamma"):
+            check_optional(check_int, name, getattr(self, name))
+        for name in ("draw_temperature_scale", "lenience"):
+            check_optional(check_float, name, getattr(self, name))
+        if self.drafter_dtype not in DTYPE_NAMES:
+            raise EagleError(f"drafter_dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.drafter_dtype!r}")
+        quants = ("auto", "none") + tuple(FORMATS)
+        if self.drafter_quant not in quants:
+            raise EagleError(f"drafter_quant must be one of {', '.join(quants)}, got {self.drafter_quant!r}")
+
+
+def read_configs(path: str | None, overrides: Sequence[str], classes: Sequence[type]) -> tuple[list[Any], set[str]]:
+    """A command's config: the YAML or JSON file ``path`` (optional) with ``KEY=VALUE`` overrides
+    (``parse_overrides``), split among the dataclasses ``classes`` (their field names are disjoint) ->
+    (one instance per class, the keys given). An unknown key is one error naming every allowed key."""
+    import yaml
+
+    if path and not Path(path).is_file():
+        raise EagleError(f"config file not found: {path}")
+    try:
+        data = (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
+    except yaml.YAMLError as exc:
+        raise EagleError(f"config file {path} is not YAML or JSON: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, Mapping):
+        raise EagleError(f"config file {path} must hold a mapping of config keys, got {type(data).__name__}")
+    data = {**data, **parse_overrides(overrides)}
+    fields = [{f.name for f in dataclasses.fields(cls)} for cls in classes]
+    allowed = set().union(*fields)
+    unknown = sorted(set(data) - allowed, key=str)
+    if unknown:
+        raise EagleError(f"unknown config key(s) {', '.join(repr(k) for k in unknown)}; "
+                         f"allowed: {', '.join(sorted(allowed))}")
+    return [from_dict(cls, {k: v for k, v in data.items() if k in names}, where=path or "--set")
+            for cls, names in zip(classes, fields)], set(data)

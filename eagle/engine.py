@@ -12,19 +12,21 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from eagle.config import (PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig, check_bool, check_int,
-                          option_configs)
-from eagle.decoding.device_rounds import (MAX_TREE, DeviceTreeDrafter, auto_total, device_decode_loop,
+from eagle.config import (PromptLookupConfig, SamplingConfig, SpeculativeConfig, SuffixConfig, TreeConfig, check_bool,
+                          check_int, from_dict, option_configs)
+from eagle.decoding.device_rounds import (MAX_TREE, DeviceTreeDrafter, device_decode_loop,
                                           device_rounds_apply, draw_temperature)
 from eagle.decoding.loop import GenerationResult, decode_loop, static_greedy_loop
-from eagle.decoding.proposers import DraftModel, EagleDrafter, NoDraft, PromptLookup, Proposer
+from eagle.decoding.proposers import DraftModel, EagleDrafter, NoDraft, PromptLookup, Proposer, SuffixDrafts, SuffixLookup
 from eagle.decoding.sampling import make_generator
 from eagle.decoding.tree_sizing import Sizing
 from eagle.drafting import draft_lm
 from eagle.drafting.drafter import Drafter, DrafterConfig, DrafterFile, LeanDrafter
+from eagle.drafting.suffix import SuffixStore, read_corpus
 from eagle.errors import EagleError
 from eagle.inputs import METHODS
-from eagle.runtime.block_codes import FORMATS
+from eagle.runtime import kv_cache
+from eagle.runtime.quant_blocks import FORMATS
 from eagle.runtime.decoder import cpu_has_fast_bf16, packed_copy
 from eagle.runtime.kernels import stream_linear_op
 from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
@@ -228,17 +230,22 @@ class EagleModel:
     def __init__(self, target: Target, drafter: Drafter | DrafterFile | None = None, draft_model: Any = None,
                  tree: TreeConfig | None = None, speculative: SpeculativeConfig | None = None,
                  prompt_lookup: PromptLookupConfig | None = None, drafter_dtype: torch.dtype | None = None,
-                 drafter_quant: str | None = None, device_rounds: bool | None = None) -> None:
+                 drafter_quant: str | None = None, device_rounds: bool | None = None,
+                 suffix: SuffixStore | SuffixConfig | None = None, suffix_grafts: bool = False) -> None:
         """``drafter_dtype``: what the drafter and the draft model compute in (default
         ``default_drafter_dtype``). ``drafter_quant``: the EAGLE drafter's weights rounded to a block
-        format of ``eagle.runtime.block_codes.FORMATS`` and computed in fp32, or "none" (default
+        format of ``eagle.runtime.quant_blocks.FORMATS`` and computed in fp32, or "none" (default
         ``default_drafter_quant``, unless ``drafter_dtype`` is given). They only propose; every token
         is still the target's, whatever their precision (``sd`` accepts against the draft
         probabilities it really sampled from). ``device_rounds``: ``eagle-tree``/``eagle-chain`` rounds
         drafted, verified and accepted on the device with one host read each
-        (``eagle.decoding.device_rounds``; default: on CUDA), where the tree options allow it. ``drafter``: a
+        (``eagle.decoding.device_rounds``; default: on CUDA, where the tree options allow it: ``host_only``;
+        ``True`` where they do not is an error when such a round is asked for). ``drafter``: a
         module, or a ``DrafterFile`` (what ``from_pretrained`` opens for an fp32 target on a CPU): the inference
-        copy is then read from the file and the fp32 module only when ``drafter`` is asked for."""
+        copy is then read from the file and the fp32 module only when ``drafter`` is asked for.
+        ``suffix``: where method ``suffix`` (and, with ``suffix_grafts``, every drafting method's trees)
+        takes suffix drafts from beyond the request: a ``SuffixStore`` (earlier outputs, a corpus), or the
+        ``SuffixConfig`` of one made on first use (default: ``SuffixConfig()``)."""
         self.target, self._drafter, self.draft_model = target, drafter, draft_model
         self.tree = tree or TreeConfig()
         self.speculative = speculative or SpeculativeConfig()
@@ -251,10 +258,27 @@ class EagleModel:
         self.drafter_dtype = drafter_dtype or default_drafter_dtype(target)
         if device_rounds is not None:
             check_bool("device_rounds", device_rounds)
+        self.device_rounds_given = device_rounds
         self.device_rounds = target.device.type == "cuda" if device_rounds is None else device_rounds
         self._packed: dict[tuple[int, torch.dtype, str | None], tuple[Any, Any]] = {}
+        self._suffix = suffix if suffix is not None else SuffixConfig()
+        self.suffix_grafts = check_bool("suffix_grafts", suffix_grafts)
         # what sizing by cost has learned in this model's decoding so far, per kind of round, greedy and sampled
         self._sizing: dict[tuple[str, bool], Sizing] = {}
+
+    @property
+    def suffix_store(self) -> SuffixStore:
+        """The suffix drafts' earlier outputs and corpus (made on first use from a ``SuffixConfig``)."""
+        if isinstance(self._suffix, SuffixConfig):
+            self._suffix = SuffixStore(self._suffix)
+        return self._suffix
+
+    def with_suffix(self, store: SuffixStore | None = None) -> "EagleModel":
+        """This model with suffix drafts grafted onto its drafting methods' trees (``+suffix`` in
+        ``eagle-bench``), from ``store`` (default: this model's), sharing weights as ``with_tree`` does."""
+        view = self._view(self.tree, self.prompt_lookup)
+        view._suffix, view.suffix_grafts = store or self.suffix_store, True
+        return view
 
     @property
     def drafter(self) -> Drafter | None:
@@ -276,7 +300,7 @@ class EagleModel:
     def _inference_copy(self, module: Any, dtype: torch.dtype, quant: str | None = None) -> Any:
         """An inference copy in ``dtype`` (a drafter: or quantized to ``quant``), made on first use
         (the weights are read then; build a new ``EagleModel`` after changing them): for the drafter
-        a ``LeanDrafter``, for a draft model its ``eagle.runtime.decoder.packed_copy``."""
+        a ``LeanDrafter``, for a draft model module its ``module_draft``."""
         key = (id(module), dtype, quant)
         entry = self._packed.get(key)
         if entry is None or entry[0] is not module:
@@ -287,7 +311,7 @@ class EagleModel:
 
                     copy = GraphedDrafter(copy, self.target.graphs.cache.capacity, self.target.graphs.capture)
             else:
-                copy = packed_copy(module, dtype)
+                copy = module_draft(module, dtype, self.target.tokenizer)
             entry = self._packed[key] = (module, copy)
         return entry[1]
 
@@ -301,11 +325,14 @@ class EagleModel:
                         adaptive_gamma: bool | None = None,
                         drafter_dtype: torch.dtype | None = None, drafter_quant: str | None = None,
                         cuda_graphs: bool | None = None, device_rounds: bool | None = None,
-                        int8_activations: bool = False, **prompt_lookup: Any) -> "EagleModel":
+                        int8_activations: bool = False, suffix: SuffixConfig | dict | None = None,
+                        suffix_corpus: str | None = None, **prompt_lookup: Any) -> "EagleModel":
         """``drafter``: a drafter folder or ``Drafter`` (default: the one shipped for the target,
-        if any; "eagle3": the EAGLE-3 drafter shipped for it). ``draft_model``: a model spec (as for targets), a draft LM folder
-        (``eagle.drafting.draft_lm``) or a loaded model for ``sd`` (default: the draft LM shipped for the
-        target, if any, read when ``sd`` first runs: ``DeferredDraftLM``).
+        if any; "eagle3": the EAGLE-3 drafter shipped for it). ``draft_model`` for ``sd``: a model spec (as for
+        targets: loaded by ``load_target``, run by its lean forward with its own cache, a GGUF file's codes kept) or
+        a loaded ``Target``, either refused unless its vocabulary and tokenizer are the target's; a draft LM folder
+        (``eagle.drafting.draft_lm``) or a transformers module, computed in ``drafter_dtype`` (default: the
+        draft LM shipped for the target, if any, read when ``sd`` first runs: ``DeferredDraftLM``).
         Tree options: ``total_tokens`` (int or "auto"), ``depth``, ``top_k``, ``choices`` (an
         EAGLE-1 static tree instead of the dynamic one), ``lookup_tokens`` (prompt-lookup drafts
         grafted onto the tree; 0 turns it off), ``sampled_tree`` (when sampling, draw the children
@@ -317,7 +344,11 @@ class EagleModel:
         drafter on static shapes replayed as CUDA graphs (``eagle.runtime.cuda_graphs``; default: on CUDA;
         ``True`` on a CPU runs that static path without graphs). ``device_rounds``: see ``EagleModel``.
         ``int8_activations``: the target's products from codes take activations quantized to int8, as llama.cpp's
-        do (``eagle.runtime.target.load_target``)."""
+        do (``eagle.runtime.target.load_target``). ``suffix``: ``SuffixConfig`` (or its keys) of method
+        ``suffix``'s drafts; ``suffix_corpus``: a file or folder of text whose continuations they draft too
+        (``eagle.drafting.suffix.read_corpus``: tokenized once, cached)."""
+        if not isinstance(suffix, SuffixConfig):
+            suffix = from_dict(SuffixConfig, suffix, "suffix")
         tree, spec, pl = option_configs(
             total_tokens=total_tokens, depth=depth, top_k=top_k, choices=choices,
             lookup_tokens=lookup_tokens, sampled_tree=sampled_tree, draw_temperature_scale=draw_temperature_scale,
@@ -337,13 +368,16 @@ class EagleModel:
             shipped = shipped_draft_lm(target)
             draft_model = None if shipped is None else DeferredDraftLM(shipped, tgt)
         if draft_model is not None and not isinstance(draft_model, (torch.nn.Module, DeferredDraftLM)):
-            if draft_lm.is_draft_lm(draft_model):
+            if not isinstance(draft_model, Target) and draft_lm.is_draft_lm(draft_model):
                 draft_model = draft_lm.load(draft_model, tgt)
-            else:
-                draft = load_target(draft_model, device=tgt.device, dtype=tgt.dtype)
-                check_same_tokenizer(tgt, draft)
-                draft_model = draft.model
-        return cls(tgt, drafter, draft_model, tree, spec, pl, drafter_dtype, drafter_quant, device_rounds)
+            else:  # its own cache: never the target's static-shape runner
+                draft_model = load_target(draft_model, device=tgt.device, dtype=tgt.dtype, cuda_graphs=False)
+                check_same_tokenizer(tgt, draft_model)
+        store: SuffixStore | SuffixConfig = suffix
+        if suffix_corpus is not None:
+            corpus, _ = read_corpus(suffix_corpus, tgt.tokenizer, tgt.tokenizer_fingerprint, suffix)
+            store = SuffixStore(suffix, corpus)
+        return cls(tgt, drafter, draft_model, tree, spec, pl, drafter_dtype, drafter_quant, device_rounds, store)
 
     def with_tree(self, tree: TreeConfig) -> "EagleModel":
         """This model with other tree options: the same target, drafter and draft model, and the same
@@ -382,7 +416,7 @@ class EagleModel:
               prompt_lookup: PromptLookupConfig | None = None) -> "EagleModel":
         return EagleModel(self.target, drafter, self.draft_model, tree, self.speculative,
                           prompt_lookup or self.prompt_lookup, self.drafter_dtype, self.drafter_quant or "none",
-                          self.device_rounds)
+                          self.device_rounds_given, self.suffix_store, self.suffix_grafts)
 
     def _cost_sizing(self, kind: str, sampling: SamplingConfig) -> Sizing:
         """What sizing ``kind``'s rounds ("eagle" trees, "pld" chains) by cost has learned in this model's
@@ -405,24 +439,26 @@ class EagleModel:
     def _device_drafter(self, method: str, sampling: SamplingConfig) -> DeviceTreeDrafter | None:
         """The drafter of ``method``'s device rounds, or None where they do not apply (off, another
         method, no drafter, or tree options only the host path has)."""
-        if not self.device_rounds or method not in ("eagle-tree", "eagle-chain") or self._drafter is None:
+        if (not self.device_rounds or method not in ("eagle-tree", "eagle-chain") or self._drafter is None
+                or self.suffix_grafts):
             return None
         tree = self._method_tree(method)
         if not device_rounds_apply(tree, sampling):
             return None
-        k = tree.top_k
-        pool = 1 + k + tree.depth * k * k
-        total = tree.total_tokens if isinstance(tree.total_tokens, int) else auto_total(self.target, pool,
-                                                                                         sampling.greedy)
+        reason = host_only(tree)
+        if reason is not None:
+            if self.device_rounds_given:
+                raise EagleError(f"device_rounds: {reason}")
+            return None
         return DeviceTreeDrafter(self._inference_copy(self._drafter, self.drafter_dtype, self.drafter_quant),
-                                 self.target, k, tree.depth, min(total, MAX_TREE), draw_temperature(tree, sampling),
-                                 tree.draw_support)
+                                 self.target, tree.top_k, tree.depth, min(tree.total_tokens, MAX_TREE),
+                                 draw_temperature(tree, sampling), tree.draw_support)
 
     def _proposer(self, method: str, sampling: SamplingConfig, generator: torch.Generator,
                   fixed_total: int | None = None, host_trees: bool = False,
                   draft_caches: Callable[[Any], Any] | None = None) -> Proposer:
         """The proposer of ``method``; ``fixed_total``: the most tree nodes where ``total_tokens`` is
-        "auto", sized by the caller instead (``eagle.decoding.batched``); ``host_trees``: trees made from
+        "auto", sized by the caller instead (``eagle.decoding.serving``); ``host_trees``: trees made from
         host values (``ar``'s, ``pld``'s, a greedy drafter's) on the host, for a caller that moves a round's
         trees to the device at once; ``draft_caches``: drafter -> a cache for it (a pool's slot), where a drafter's
         cache comes from."""
@@ -432,12 +468,16 @@ class EagleModel:
         if method == "pld":
             sized = self.prompt_lookup.auto_length and fixed_total is None
             return PromptLookup(self.prompt_lookup, device, self._cost_sizing(method, sampling) if sized else None)
+        if method == "suffix":
+            sized = fixed_total is None
+            return SuffixLookup(self._suffix_drafts(), device, self._cost_sizing(method, sampling) if sized else None)
         if method == "sd":
             if self.draft_model is None:
                 raise EagleError("method 'sd' needs a draft model: pass draft_model=... (--draft-model)")
             draft = self.draft_model.load() if isinstance(self.draft_model, DeferredDraftLM) else self.draft_model
-            return DraftModel(self._inference_copy(draft, self.drafter_dtype), self.speculative, sampling,
-                              generator)
+            if not isinstance(draft, Target):  # a module: its inference copy; a loaded model spec runs as it is
+                draft = self._inference_copy(draft, self.drafter_dtype)
+            return DraftModel(draft, self.speculative, sampling, generator)
         if method in ("eagle-tree", "eagle-chain"):
             if self._drafter is None:
                 raise EagleError(f"method {method!r} needs a drafter: pass drafter=... (--drafter)")
@@ -448,8 +488,12 @@ class EagleModel:
             drafter = self._inference_copy(self._drafter, self.drafter_dtype, self.drafter_quant)
             return EagleDrafter(drafter, self.target, tree, lookup=self.prompt_lookup, sampling=sampling,
                                 generator=generator, sizing=sizing, host_trees=host_trees,
-                                new_cache=None if draft_caches is None else functools.partial(draft_caches, drafter))
+                                new_cache=None if draft_caches is None else functools.partial(draft_caches, drafter),
+                                suffix=self._suffix_drafts() if self.suffix_grafts else None)
         raise EagleError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+    def _suffix_drafts(self) -> SuffixDrafts:
+        return SuffixDrafts(self.suffix_store, self.target.max_context + 1)
 
     def generate(self, prompt: Any, method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
@@ -478,7 +522,29 @@ class EagleModel:
         return result
 
 
+def host_only(tree: TreeConfig) -> str | None:
+    """Why a dynamic tree's options need the host path, or None: device rounds graft no prompt-lookup drafts
+    (``lookup_tokens`` > 0) and run one fixed tree size, where ``total_tokens="auto"`` sizes every round from
+    the measured cost curve (``eagle.decoding.tree_sizing``), as the host path and the serving engine do."""
+    if tree.lookup_tokens > 0:
+        return f"device rounds graft no prompt-lookup drafts: set lookup_tokens=0 (it is {tree.lookup_tokens})"
+    if not isinstance(tree.total_tokens, int):
+        return "device rounds run one fixed tree size: give total_tokens an integer ('auto' sizes each round)"
+    return None
+
+
+def module_draft(module: torch.nn.Module, dtype: torch.dtype, tokenizer: Any) -> Target:
+    """A transformers causal LM (a draft LM, a module passed as draft model) as the ``Target`` whose forward
+    ``DraftModel`` runs: its ``packed_copy`` in ``dtype``, by the module's own forward with a ``DynamicCache``.
+    A model with sliding-window attention is refused (its cache could not be rolled back)."""
+    kv_cache.new_cache(module, "draft model")
+    copy = packed_copy(module, dtype)
+    return Target(model=copy, tokenizer=tokenizer, name="draft model", device=next(copy.parameters()).device,
+                  dtype=dtype)
+
+
 def check_same_tokenizer(target: Target, draft: Target) -> None:
+    """Refuse a draft model whose vocabulary or tokenizer is not the target's."""
     if draft.vocab_size != target.vocab_size or draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
         raise EagleError(f"draft model {draft.name} has another vocabulary or tokenizer than the target "
                          f"{target.name} (vocab {draft.vocab_size} vs {target.vocab_size})")

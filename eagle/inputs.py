@@ -7,21 +7,47 @@ import os
 from pathlib import Path
 
 from eagle.errors import EagleError
+from eagle.named_targets import NAMED_TARGETS, named_target
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
-METHODS = ("ar", "pld", "sd", "eagle-chain", "eagle-tree")
+METHODS = ("ar", "pld", "sd", "eagle-chain", "eagle-tree", "suffix")
 FORMATS = {"q8_0": 8, "q4_1": 4}  # the drafter's block formats by their GGUF names -> bits
 DRAFT_LM_MARKER = "draft_lm.json"  # the file that makes a folder a draft LM (``eagle.drafting.draft_lm``)
 
+INT8 = "+int8"  # a method's suffix: run on the target loaded with int8 activations (compared in one process)
+SUFFIX = "+suffix"  # a method's suffix: suffix drafts grafted onto its trees (eagle.decoding.proposers.SuffixDrafts)
+MODIFIERS = (INT8, SUFFIX)
+
+
+def modifiers(name: str) -> tuple[str, set[str]]:
+    """``"eagle-tree+suffix+int8"`` -> ("eagle-tree", {"+suffix", "+int8"}): the method and its suffixes."""
+    found: set[str] = set()
+    while any(name.endswith(m) and m not in found for m in MODIFIERS):
+        m = next(m for m in MODIFIERS if name.endswith(m))
+        found.add(m)
+        name = name.removesuffix(m)
+    return name, found
+
+
+def split_method(name: str) -> tuple[str, str | None]:
+    """``"eagle-tree@DIR"`` -> ("eagle-tree", "DIR"): an EAGLE method with another drafter folder than
+    ``--drafter`` (to compare drafters in one process; ``@eagle3``: the EAGLE-3 drafter shipped for the
+    target); a plain name -> (name, None). ``+int8`` and ``+suffix`` suffixes are not part of either."""
+    method, at, drafter = modifiers(name)[0].partition("@")
+    return method, (drafter if at else None)
+
 
 def check_spec(spec: str) -> str:
-    """What a model spec names, checked without loading anything: ``"default"``, ``"gguf"`` (a
-    file that starts like a GGUF file), ``"folder"`` (with a config.json) or ``"hub"`` (an id
-    ``owner/name`` that is not a local path); anything else is an ``EagleError`` saying why."""
+    """What a model spec names, checked without loading anything: ``"default"``, ``"named"`` (a target
+    assembled from PyPI parts, ``eagle.named_targets``), ``"gguf"`` (a file that starts like a GGUF file),
+    ``"folder"`` (with a config.json) or ``"hub"`` (an id ``owner/name`` that is not a local path);
+    anything else is an ``EagleError`` saying why."""
     if not isinstance(spec, str) or not spec.strip():
         raise EagleError(f"a model spec must be a non-empty string, got {spec!r}")
     if spec.lower() == DEFAULT_TARGET:
         return "default"
+    if named_target(spec) is not None:
+        return "named"
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -41,7 +67,8 @@ def check_spec(spec: str) -> str:
     if "/" in spec or os.sep in spec:
         raise EagleError(f"model folder not found: {spec}")
     raise EagleError(f"unknown model spec {spec!r}: no such folder or file; give a model folder, a .gguf file, "
-                     f"a hub id (owner/name) in the local cache, or {DEFAULT_TARGET!r}")
+                     f"a hub id (owner/name) in the local cache, or a named target: "
+                     f"{', '.join([DEFAULT_TARGET, *NAMED_TARGETS])}")
 
 
 def is_draft_lm(path: str | Path) -> bool:

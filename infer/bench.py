@@ -2,8 +2,8 @@
 numbers and a per-step time breakdown for several decoding methods, in one process with one
 model load.
 
-The ``llama.cpp*`` methods run llama.cpp's ``llama-server`` (a build folder from ``--llama-cpp`` or
-``$EAGLE_LLAMA_CPP``) on the target's GGUF file with as many threads as torch uses, on the same
+The ``llama.cpp*`` methods run llama.cpp's ``llama-server`` (a build folder from config key ``llama_cpp``
+or ``$EAGLE_LLAMA_CPP``) on the target's GGUF file with as many threads as torch uses, on the same
 chat-templated token ids, timed the same way (wall time of the whole request); see ``infer.llama_cpp``.
 
 Methods run interleaved per prompt (every method on prompt 1, then every method on prompt 2,
@@ -27,15 +27,16 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
+from eagle.config import LoadOptions, check_bool, check_int
 from eagle.decoding.loop import STEPS
 from eagle.errors import EagleError, Parser, check_writable, command, given_flags, note_ignored
-from eagle.inputs import METHODS, check_spec
+from eagle.inputs import INT8, METHODS, SUFFIX, check_spec, modifiers, split_method
 from eagle.prompts import NO_CATEGORY, read_prompts
 from infer import llama_cpp
-from infer.cli import (add_model_args, add_sampling_args, check_method, check_model_args, check_sampling, load_model,
-                       note_ignored_flags)
+from infer.cli import (add_config_args, add_model_args, add_sampling_args, check_method, check_model_args,
+                       check_sampling, load_model, note_ignored_flags, parse_command)
 
 PROG = "eagle-bench"
 RUN_ENV = ("EAGLE_CPU_ISA", "EAGLE_CPU_KERNELS", "EAGLE_FAKE_CAPTURE")  # recorded in the report's command
@@ -46,15 +47,6 @@ PARTS = ("prefill",) + STEPS  # the time breakdown, as fractions of total time
 
 # ---- input ---------------------------------------------------------------------------------
 DRAFTER_METHODS = ("eagle-tree", "eagle-chain")
-INT8 = "+int8"  # a method's suffix: run on the target loaded with int8 activations (compared in one process)
-
-
-def split_method(name: str) -> tuple[str, str | None]:
-    """``"eagle-tree@DIR"`` -> ("eagle-tree", "DIR"): an EAGLE method with another drafter folder than
-    ``--drafter`` (to compare drafters in one process; ``@eagle3``: the EAGLE-3 drafter shipped for the
-    target); a plain name -> (name, None). A ``+int8`` suffix (``ar+int8``) is not part of either."""
-    method, at, drafter = name.removesuffix(INT8).partition("@")
-    return method, (drafter if at else None)
 
 
 def parse_methods(text: str) -> list[str]:
@@ -67,8 +59,10 @@ def parse_methods(text: str) -> list[str]:
         method, drafter = split_method(m)
         if drafter is not None and (method not in DRAFTER_METHODS or not drafter):
             raise EagleError(f"{m!r}: only {' and '.join(DRAFTER_METHODS)} take a drafter folder after '@'")
-        if m.endswith(INT8) and method not in METHODS:
+        if INT8 in modifiers(m)[1] and method not in METHODS:
             raise EagleError(f"{m!r}: only eagle's own methods ({', '.join(METHODS)}) run with int8 activations")
+        if SUFFIX in modifiers(m)[1] and method not in METHODS:
+            raise EagleError(f"{m!r}: only eagle's own methods ({', '.join(METHODS)}) take suffix drafts")
     unknown = [m for m in methods if split_method(m)[0] not in BENCH_METHODS]
     if unknown:
         raise EagleError(f"unknown method(s) {', '.join(map(repr, unknown))}; choose from {', '.join(BENCH_METHODS)}")
@@ -156,7 +150,7 @@ def run_eagle(model: Any, ids: list[int], method: str, max_new_tokens: int, temp
     return dict(new_tokens=len(result.token_ids), seconds=seconds, accept_lengths=list(result.accept_lengths),
                 target_forwards=result.target_forwards, token_ids=list(result.token_ids),
                 step_seconds=dict(result.step_seconds), prefill_s=result.prefill_s,
-                decode_seconds=seconds - result.prefill_s)
+                decode_seconds=seconds - result.prefill_s, accepted_by_source=dict(result.accepted_by_source))
 
 
 def run_one(model: Any, ids: list[int], method: str, args: Any, servers: dict | None = None) -> dict:
@@ -269,6 +263,11 @@ def summarize(records: Iterable[dict], greedy: bool = True) -> dict:
         stats["step_fractions"] = step_fractions(mine)
         for key in ("graph_captures", "graph_fallbacks"):  # in the measured runs (captures are made in warm-up)
             stats[key] = sum(r.get(key) or 0 for r in mine)
+        sources = Counter()
+        for r in mine:
+            sources.update(r.get("accepted_by_source") or {})
+        steps = sum(_steps(r) for r in mine)
+        stats["accepted_by_source"] = {k: sources[k] / steps for k in sorted(sources)} if sources and steps else None
         histogram = Counter(n for r in mine for n in (r["accept_lengths"] or []))
         stats["accept_length_histogram"] = {str(n): histogram[n] for n in sorted(histogram)}
         out[method] = stats
@@ -330,7 +329,13 @@ def markdown(summary: dict) -> str:
         ["method"] + list(PARTS),
         [[m] + ([f"{100 * (s['step_fractions'].get(p, 0.0)):.1f}%" for p in PARTS] if s["step_fractions"]
                 else ["-"] * len(PARTS)) for m, s in summary.items()])
-    return (f"{main}\n\nPer category: tokens/s (mean accepted length)\n\n{per_cat}\n\n{graphs}"
+    by_source = ""
+    if any(s.get("accepted_by_source") for s in summary.values()):
+        names = sorted({k for s in summary.values() for k in (s.get("accepted_by_source") or {})})
+        by_source = "Accepted drafts per target forward, by source\n\n" + _table(
+            ["method"] + names, [[m] + [f"{(s.get('accepted_by_source') or {}).get(k, 0.0):.2f}" for k in names]
+                                 for m, s in summary.items() if s.get("accepted_by_source")]) + "\n\n"
+    return (f"{main}\n\nPer category: tokens/s (mean accepted length)\n\n{per_cat}\n\n{graphs}{by_source}"
             f"Time per step, fraction of total time\n\n{breakdown}\n")
 
 
@@ -380,12 +385,11 @@ def build_parser() -> Parser:
                         help=f"comma list from {', '.join(BENCH_METHODS)} (default {DEFAULT_METHODS}); "
                              f"eagle-tree@DIR (or eagle-chain@DIR) runs with the drafter in DIR instead of --drafter; "
                              f"a method with the suffix {INT8} (ar+int8, eagle-tree+int8) runs on the target loaded "
-                             f"again with --int8-activations")
+                             f"again with int8_activations; with the suffix {SUFFIX} (eagle-tree+suffix) suffix drafts "
+                             f"(the request, its own earlier answers, --suffix-corpus) join its trees")
     parser.add_argument("--limit", type=int, help="only the first N prompts")
     parser.add_argument("--per-category", type=int,
                         help="only the first N prompts of each category (every category stays represented)")
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="run every method on the first N prompts first, not counted (default 1)")
     parser.add_argument("--json", help="write the results to this JSON file")
     parser.add_argument("--title", help="a title stored in the --json report (eagle-results uses it)")
     parser.add_argument("--plot", help="draw accepted lengths and speedups to this PNG file")
@@ -394,25 +398,59 @@ def build_parser() -> Parser:
                    help="run the load test instead: streamed chat requests over the prompts from N concurrent clients "
                         "per level (e.g. 1,4,16), every answer checked against the request decoded alone (--methods "
                         "default: ar,pld,eagle-tree)")
-    g.add_argument("--requests-per-client", type=int, metavar="K",
-                   help="each level of N clients sends N * K requests, taking the prompts in turn (again from the "
-                        "first when they run out); the one-client reference sends each prompt used once (default: "
-                        "every level sends every prompt once)")
     g.add_argument("--url", help="the eagle-serve to load (default: one started in this process with the model options)")
-    g.add_argument("--api-key", help="the Bearer token of the server at --url")
     g.add_argument("--max-batch", type=int, default=1,
                    help="the in-process server's --max-batch (default 1)")
-    g = parser.add_argument_group("llama.cpp (methods llama.cpp, llama.cpp-eagle3, llama.cpp-ngram)")
-    g.add_argument("--llama-cpp", metavar="DIR",
-                   help=f"llama.cpp build folder (scripts/llama_cpp.sh build makes .llama.cpp; default "
-                        f"${llama_cpp.ENV})")
-    g.add_argument("--llama-cpp-draft", metavar="PATH",
-                   help="the draft for llama.cpp-eagle3: a .gguf file, or an EAGLE-3 checkpoint folder (SpecForge "
-                        "layout) converted with the build's convert_hf_to_gguf.py (default: --drafter, an eagle3 "
-                        "drafter, exported and converted)")
     add_sampling_args(parser, max_new_tokens=128, temperature=0.0)
     add_model_args(parser)
+    add_config_args(parser, "; eagle-bench's own: warmup, requests_per_client, api_key, cache_pool, llama_cpp, "
+                            "llama_cpp_draft, llama_cpp_draft_max")
     return parser
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:
+    """eagle-bench's own config keys. ``warmup``: run every method on the first N prompts first, not counted.
+    Load test: ``requests_per_client`` K (each level of N clients sends N * K requests, taking the prompts in
+    turn; default: every level sends every prompt once), ``api_key`` (the Bearer token of the server at
+    ``--url``), ``cache_pool`` (the in-process server's, ``infer.serve.ServeOptions``). llama.cpp methods: ``llama_cpp``, its build folder (scripts/llama_cpp.sh build makes
+    .llama.cpp; default $EAGLE_LLAMA_CPP); ``llama_cpp_draft``, the draft for llama.cpp-eagle3: a .gguf file,
+    or an EAGLE-3 checkpoint folder (SpecForge layout) converted with the build's convert_hf_to_gguf.py
+    (default: --drafter, an eagle3 drafter, exported and converted); ``llama_cpp_draft_max``, the most tokens
+    llama-server drafts a step in llama.cpp-draft and llama.cpp-eagle3 (its ``--spec-draft-n-max``; default:
+    llama.cpp's)."""
+
+    warmup: int = 1
+    requests_per_client: Optional[int] = None
+    api_key: Optional[str] = None
+    llama_cpp: Optional[str] = None
+    llama_cpp_draft: Optional[str] = None
+    llama_cpp_draft_max: Optional[int] = None
+    cache_pool: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("warmup", self.warmup, 0)
+        check_bool("cache_pool", self.cache_pool)
+        if self.requests_per_client is not None:
+            check_int("requests_per_client", self.requests_per_client, 1)
+        if self.llama_cpp_draft_max is not None:
+            check_int("llama_cpp_draft_max", self.llama_cpp_draft_max, 1)
+        for name in ("api_key", "llama_cpp", "llama_cpp_draft"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise EagleError(f"{name} must be a string, got {getattr(self, name)!r}")
+
+
+def redacted(arg: str) -> str:
+    """A command-line word with a ``api_key=KEY`` pair's key hidden."""
+    return "api_key=***" if arg.startswith("api_key=") else arg
+
+
+def report_options(args: argparse.Namespace) -> dict:
+    """The command's options for a JSON report: the flags and config keys, ``api_key`` left out."""
+    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "config_keys")}
+    config["set"] = [redacted(item) for item in args.set]
+    config["config_keys"] = sorted(args.config_keys)
+    return config
 
 
 def cpu_name() -> str:
@@ -442,12 +480,20 @@ def check_llama_cpp(args: Any, methods: list[str]) -> dict | None:
     given draft. None when no llama.cpp method runs."""
     wanted = [m for m in methods if m in llama_cpp.METHODS]
     if args.llama_cpp_draft is not None and "llama.cpp-eagle3" not in wanted:
-        raise EagleError("--llama-cpp-draft is for method llama.cpp-eagle3, which is not in --methods")
+        raise EagleError("llama_cpp_draft is for method llama.cpp-eagle3, which is not in --methods")
+    if args.llama_cpp_draft_max is not None and not set(wanted) & set(llama_cpp.DRAFT_METHODS):
+        raise EagleError(f"llama_cpp_draft_max is for methods {' and '.join(llama_cpp.DRAFT_METHODS)}, neither of "
+                         f"which is in --methods")
+    if "llama.cpp-draft" in wanted and args.draft_model is None:
+        raise EagleError("method llama.cpp-draft needs --draft-model: a .gguf file or a named target "
+                         "(e.g. qwen2.5-coder-0.5b-instruct)")
     if not wanted:
         return None
     folder = llama_cpp.build_folder(args.llama_cpp)
     setup = dict(folder=folder, binary=llama_cpp.server_binary(folder), gguf=llama_cpp.target_gguf(args.target),
                  methods=wanted)
+    if "llama.cpp-draft" in wanted:
+        setup["draft_gguf"] = llama_cpp.target_gguf(args.draft_model, "--draft-model")
     draft = args.llama_cpp_draft
     if "llama.cpp-eagle3" in wanted:
         if draft is None:
@@ -457,9 +503,9 @@ def check_llama_cpp(args: Any, methods: list[str]) -> dict | None:
             if path.suffix == ".gguf":
                 check_spec(str(path))  # exists and starts like a GGUF file
             elif not path.is_dir():
-                raise EagleError(f"--llama-cpp-draft {draft}: no such .gguf file or folder")
+                raise EagleError(f"llama_cpp_draft {draft}: no such .gguf file or folder")
             elif not llama_cpp.is_eagle3_folder(path):
-                raise EagleError(f"--llama-cpp-draft {draft}: not an EAGLE-3 checkpoint (its config.json needs "
+                raise EagleError(f"llama_cpp_draft {draft}: not an EAGLE-3 checkpoint (its config.json needs "
                                  f"num_hidden_layers 1 and draft_vocab_size)")
             else:
                 llama_cpp.converter(folder)
@@ -489,11 +535,13 @@ def llama_cpp_draft(setup: dict, args: Any, model: Any, work: Path) -> Path:
 def start_servers(setup: dict, args: Any, model: Any, stack: contextlib.ExitStack, threads: int) -> dict:
     """One running llama-server per llama.cpp method (closed by ``stack``), logs in a temporary folder."""
     work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="eagle-llama-cpp-")))
-    draft = llama_cpp_draft(setup, args, model, work) if "llama.cpp-eagle3" in setup["methods"] else None
+    drafts = {"llama.cpp-draft": setup.get("draft_gguf"),
+              "llama.cpp-eagle3": llama_cpp_draft(setup, args, model, work) if "llama.cpp-eagle3" in setup["methods"]
+              else None}
     servers = {}
     for method in setup["methods"]:
-        server = llama_cpp.LlamaServer(setup["binary"], setup["gguf"], threads, method, draft,
-                                       log=work / f"{method}.log")
+        server = llama_cpp.LlamaServer(setup["binary"], setup["gguf"], threads, method, drafts.get(method),
+                                       log=work / f"{method}.log", draft_max=args.llama_cpp_draft_max)
         stack.callback(server.close)
         servers[method] = server.start()
     return servers
@@ -519,20 +567,19 @@ def machine(model: Any) -> dict:
 @command(PROG)
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = parse_command(build_parser(), argv, BenchOptions)
     methods = parse_methods(args.methods)
     check_sampling(args)
     for flag, value in (("--limit", args.limit), ("--per-category", args.per_category)):
         if value is not None and value < 1:
             raise EagleError(f"{flag} must be >= 1, got {value}")
-    if args.warmup < 0:
-        raise EagleError(f"--warmup must be >= 0, got {args.warmup}")
     prompts = first_per_category(read_prompts(args.prompts), args.per_category)[: args.limit]
     if args.concurrency is not None:
         return load_test(args, argv, methods, prompts)
-    for flag in ("--url", "--api-key", "--max-batch", "--requests-per-client"):
-        if flag in given_flags(build_parser(), args, [flag]):
-            raise EagleError(f"{flag} is an option of the load test: give --concurrency too")
+    load_test_only = given_flags(build_parser(), args, ["--url", "--max-batch"]) | (
+        args.config_keys & {"api_key", "requests_per_client"})
+    for name in sorted(load_test_only):
+        raise EagleError(f"{name} is an option of the load test: give --concurrency too")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             check_writable(path, flag)
@@ -544,17 +591,24 @@ def main(argv: list[str] | None = None) -> None:
     check_model_args(args)
     setup = check_llama_cpp(args, methods)
     # what each method reads (llama.cpp-eagle3 with a draft of its own: not --drafter; a +int8 method: its own's)
-    reading = [m.removesuffix(INT8) for m in methods if not (m == "llama.cpp-eagle3" and args.llama_cpp_draft)]
+    reading = [modifiers(m)[0] for m in methods if not (m == "llama.cpp-eagle3" and args.llama_cpp_draft)]
+    reading += ["suffix"] * any(SUFFIX in modifiers(m)[1] for m in methods)
     note_ignored_flags(PROG, build_parser(), args, reading, f"with --methods {args.methods}", [
-        (("--llama-cpp",), setup is None, f"with --methods {args.methods}"),
+        (("llama_cpp",), setup is None, f"with --methods {args.methods}"),
         (("--title",), not args.json, "without --json (it titles the JSON report)")])
-    model = load_model(args)
-    int8 = load_model(argparse.Namespace(**{**vars(args), "int8_activations": True})) if any(
-        m.endswith(INT8) for m in methods) else None
+    # the draft model is loaded here for sd only (llama.cpp-draft's runs in llama-server)
+    sd = "sd" in (split_method(m)[0] for m in methods)
+    loading = args if sd else argparse.Namespace(**{**vars(args), "draft_model": None})
+    model = load_model(loading)
+    int8 = load_model(argparse.Namespace(**{**vars(loading), "int8_activations": True})) if any(
+        INT8 in modifiers(m)[1] for m in methods) else None
 
     def model_of(method: str) -> Any:
-        base = int8 if method.endswith(INT8) else model
-        return with_drafter(base, split_method(method)[1]) if split_method(method)[1] else base
+        base = int8 if INT8 in modifiers(method)[1] else model
+        base = with_drafter(base, split_method(method)[1]) if split_method(method)[1] else base
+        if SUFFIX in modifiers(method)[1] or split_method(method)[0] == "suffix":  # earlier outputs of its own
+            base = base.with_suffix(base.suffix_store.fresh())
+        return base
 
     models = {m: model_of(m) for m in methods}
     for method in methods:
@@ -572,31 +626,31 @@ def load_test(args: Any, argv: list[str], methods: list[str], prompts: list[dict
     levels = lt.parse_levels(args.concurrency)
     if args.methods == DEFAULT_METHODS:  # not given: the default's methods that eagle-serve serves
         methods = [m for m in methods if m != "hf"]
-    served = [m for m in methods if m not in ("hf",) + llama_cpp.METHODS and "@" not in m and INT8 not in m]
+    served = [m for m in methods if m not in ("hf",) + llama_cpp.METHODS and "@" not in m and not modifiers(m)[1]]
     if served != methods:
         raise EagleError(f"the load test runs methods eagle-serve serves ({', '.join(METHODS)}), not "
                          f"{', '.join(m for m in methods if m not in served)}")
-    for flag in ("--llama-cpp", "--llama-cpp-draft"):
-        if flag in given_flags(build_parser(), args, [flag]):
-            raise EagleError(f"{flag} is for llama.cpp methods, which the load test does not run")
+    for key in ("llama_cpp", "llama_cpp_draft", "llama_cpp_draft_max"):
+        if key in args.config_keys:
+            raise EagleError(f"{key} is for llama.cpp methods, which the load test does not run")
     if args.max_batch < 1:
         raise EagleError(f"--max-batch must be >= 1, got {args.max_batch}")
-    if args.requests_per_client is not None and args.requests_per_client < 1:
-        raise EagleError(f"--requests-per-client must be >= 1, got {args.requests_per_client}")
     if args.json:
         check_writable(args.json, "--json")
     parser = build_parser()
     model_flags = [a.option_strings[0] for g in parser._action_groups if g.title == "model" for a in g._group_actions
                    if getattr(args, a.dest) != parser.get_default(a.dest)]  # the model options given
-    note_ignored(PROG, given_flags(parser, args, ["--plot", "--max-batch", "--api-key", "--title"]) | set(model_flags), [
+    model_flags += sorted(args.config_keys & {f.name for f in dataclasses.fields(LoadOptions)})
+    note_ignored(PROG, given_flags(parser, args, ["--plot", "--max-batch", "--title"]) | set(model_flags) | (
+        args.config_keys & {"api_key"}), [
         (("--plot",), True, "by the load test"),
         (("--max-batch", *model_flags), args.url is not None, "with --url (the server there has its own)"),
-        (("--api-key",), args.url is None, "without --url (the in-process server has no key)"),
+        (("api_key",), args.url is None, "without --url (the in-process server has no key)"),
         (("--title",), not args.json, "without --json (it titles the JSON report)")])
     if args.url is None:
         note_ignored_flags(PROG, parser, args, methods, f"with --methods {args.methods}")
     env = [f"{k}={os.environ[k]}" for k in RUN_ENV if os.environ.get(k)]
-    command = shlex.join(env + [PROG] + argv)
+    command = shlex.join(env + [PROG] + [redacted(arg) for arg in argv])
     print(f"$ {command}")
     with contextlib.ExitStack() as stack:
         if args.url is None:
@@ -607,9 +661,10 @@ def load_test(args: Any, argv: list[str], methods: list[str], prompts: list[dict
             from infer.serve import create_app
 
             info = machine(model)
-            app = create_app(model, method=methods[0], max_queue=max(levels), max_batch=args.max_batch)
+            app = create_app(model, method=methods[0], max_queue=max(levels), max_batch=args.max_batch,
+                             cache_pool=args.cache_pool)
             base = stack.enter_context(lt.LocalServer(app)).base
-            info["server"] = f"in-process, max_batch {args.max_batch}"
+            info["server"] = f"in-process, max_batch {args.max_batch}" + (", cache_pool" if args.cache_pool else "")
         else:
             base = args.url
             info = dict(server=base, client_cpu=cpu_name(), platform=platform.platform(),
@@ -636,7 +691,7 @@ def load_test(args: Any, argv: list[str], methods: list[str], prompts: list[dict
         print(f"{r['method']} at {r['concurrency']} clients: {r['errors']} errors, {r['mismatches']} answers lost, "
               f"cut or mixed: {r['mismatched'][:3]}", flush=True)
     if args.json:
-        config = {k: v for k, v in vars(args).items() if k != "api_key"}
+        config = report_options(args)
         config.update(methods=methods, concurrency=levels, command=command)
         report = dict(title=args.title, kind="load-test", config=config, machine=info, prompts=len(prompts),
                       results=rows)
@@ -659,9 +714,9 @@ def run_all(args: Any, argv: list[str], methods: list[str], prompts: list[dict],
     ids = [model.target.encode_prompt(p["prompt"]) for p in prompts]
     # the environment variables that change what runs, as the command line a rerun needs
     env = [f"{k}={os.environ[k]}" for k in RUN_ENV if os.environ.get(k)]
-    command = shlex.join(env + [PROG] + argv)
+    command = shlex.join(env + [PROG] + [redacted(arg) for arg in argv])
     info = machine(model)
-    int8 = next((models[m] for m in methods if m.endswith(INT8)), None)
+    int8 = next((models[m] for m in methods if INT8 in modifiers(m)[1]), None)
     if int8 is not None and int8.target.lean is not None:
         info["kernels" + INT8] = int8.target.lean.kernel_choice()
     if setup:
@@ -673,6 +728,9 @@ def run_all(args: Any, argv: list[str], methods: list[str], prompts: list[dict],
     for i in range(min(args.warmup, len(prompts))):
         for method in methods:
             run_one(models[method], ids[i], method, args, servers)
+    for m in methods:  # suffix drafts start from no earlier outputs: none of the warm-up's
+        if models[m].suffix_grafts:
+            models[m].suffix_store.clear_history()
     records = []
     for i in tqdm(range(len(prompts)), desc="prompts", unit="prompt", file=sys.stderr):
         for method in methods:
@@ -695,7 +753,7 @@ def run_all(args: Any, argv: list[str], methods: list[str], prompts: list[dict],
         print(loud, flush=True)
         print(loud, file=sys.stderr, flush=True)
     if args.json:
-        config = {k: v for k, v in vars(args).items()}
+        config = report_options(args)
         config.update(methods=methods, command=command, tree=dataclasses.asdict(model.tree),
                       prompt_lookup=dataclasses.asdict(model.prompt_lookup),
                       drafter_dtype=str(model.drafter_dtype).replace("torch.", ""),

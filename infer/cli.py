@@ -7,19 +7,22 @@ Any ``EagleError`` (bad option, missing drafter, prompt too long, ...) is one li
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any, Iterable, TextIO
 
-from eagle.config import SamplingConfig, check_int, option_configs
+from eagle.config import (DTYPE_NAMES, LoadOptions, SamplingConfig, check_int, option_configs,
+                          read_configs)
 from eagle.errors import EagleError, Parser, command, given_flags, note_ignored
 from eagle.inputs import DEFAULT_TARGET, FORMATS, METHODS, check_prompt_text, check_spec, is_draft_lm
+from eagle.named_targets import NAMED_TARGETS
 from eagle.drafting.drafter_config import KINDS as DRAFTER_KINDS
 
 PROG = "eagle-generate"
 
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = DTYPE_NAMES
 
 
 def total_tokens_arg(value: str) -> int | str:
@@ -35,10 +38,12 @@ def total_tokens_arg(value: str) -> int | str:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by ``eagle-generate`` and ``eagle-bench``: what to load and how to draft."""
+    """Flags shared by ``eagle-generate``, ``eagle-bench`` and ``eagle-serve``: what to load, where, and the
+    tree's size; the tuning options are config keys (``add_config_args``)."""
     g = parser.add_argument_group("model")
     g.add_argument("--target", default=DEFAULT_TARGET,
-                   help=f"model folder, .gguf file, cached hub id, or {DEFAULT_TARGET!r} (default)")
+                   help=f"model folder, .gguf file, cached hub id, {DEFAULT_TARGET!r} (default), or a target "
+                        f"assembled from PyPI parts: {', '.join(NAMED_TARGETS)} (docs/targets.md)")
     g.add_argument("--drafter", help="drafter folder (default: the one shipped for the target, if any; 'eagle3': "
                                      "the EAGLE-3 drafter shipped for it)")
     g.add_argument("--draft-model", help="draft model for method 'sd': a model spec or a draft LM folder, same "
@@ -51,82 +56,98 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="what the target computes in (default auto: bfloat16 on CUDA, float32 on a CPU); greedy "
                         "output equals plain decoding's token for token in float32, while in 16-bit formats a "
                         "forward of several tokens can round differently from one of a single token")
-    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the target and drafter on static shapes replayed as CUDA graphs (default: on CUDA; "
-                        "on a CPU the same static path runs without graphs)")
-    g.add_argument("--int8-activations", action="store_true",
-                   help="multiply the target's quantized weights by activations quantized to int8 per block of 32, "
-                        "as llama.cpp does (CPU, float32; faster; greedy output then equals plain decoding's with "
-                        "the same option, not always the float32 products')")
-    g.add_argument("--device-rounds", action=argparse.BooleanOptionalAction, default=None,
-                   help="eagle-tree/eagle-chain rounds drafted, verified and accepted on the device with one host read "
-                        "each: fixed-shape EAGLE-2 trees, no prompt-lookup grafts, children drawn (or top-k) when "
-                        "sampling (default: on CUDA, where the tree options allow it)")
-    t = parser.add_argument_group("draft tree (eagle-tree, eagle-chain)")
-    t.add_argument("--total-tokens", type=total_tokens_arg, help="tree nodes verified per step (int or 'auto')")
-    t.add_argument("--depth", type=int,
-                   help="expansion steps after the root's children (EAGLE-2's depth: paths of up to depth + 1 drafts)")
-    t.add_argument("--tree-top-k", type=int, help="frontier nodes expanded per step")
-    t.add_argument("--lookup-tokens", type=int, help="prompt-lookup draft tokens grafted onto each tree (0: off)")
-    t.add_argument("--sampled-tree", action=argparse.BooleanOptionalAction, default=None,
-                   help="when sampling, draw the tree's children from the drafter (recursive speculative decoding, "
-                        "the default); --no-sampled-tree takes its top-k children (EAGLE-2)")
-    t.add_argument("--draw-temperature-scale", type=float,
-                   help="when sampling, draw the tree's children at the temperature times this (default 0.85)")
-    t.add_argument("--draw-support", type=int,
-                   help="when sampling, draw the tree's children among the drafter's this many most likely tokens "
-                        "(default 64; 0: its whole vocabulary); exact either way")
-    t.add_argument("--drafter-dtype", choices=DTYPES, default="auto",
-                   help="what the drafter and sd's draft LM compute in (default auto: bf16 on a CPU with native "
-                        "bf16 for an fp32 target, else the target's dtype); output is the target's either way")
-    t.add_argument("--drafter-quant", choices=("auto", "none") + tuple(FORMATS), default="auto",
-                   help="the EAGLE drafter's weights rounded to 8-bit (q8_0) or 4-bit (q4_1) blocks, computed in fp32 "
-                        "(default auto: q8_0 for an fp32 target on a CPU where the compiled kernels run, unless "
-                        "--drafter-dtype is given); output is the target's either way")
-    s = parser.add_argument_group("speculative sampling (sd)")
-    s.add_argument("--gamma", type=int, help="draft tokens per step")
-    s.add_argument("--lenience", type=float, help="< 1 accepts more drafts (lossy); 1 is exact")
-    s.add_argument("--adaptive-gamma", action="store_true", default=None, help="adapt gamma to the acceptance rate")
+    g.add_argument("--total-tokens", type=total_tokens_arg,
+                   help="draft tree nodes verified per step, an integer or 'auto' (default: sized by the target's "
+                        "measured forward cost)")
+    g.add_argument("--suffix-corpus", metavar="PATH",
+                   help="a file or folder of text or code whose continuations method suffix (and +suffix in "
+                        "eagle-bench) drafts from, beside the request and earlier answers; tokenized once, cached")
 
 
-# the methods that read each model flag (eagle-bench's hf and llama.cpp methods read none of them)
+def add_config_args(parser: argparse.ArgumentParser, extra: str = "") -> None:
+    """``--config FILE`` and ``--set KEY=VALUE``: the tuning options (``LoadOptions`` and the command's own,
+    ``extra`` names them), as training's commands take theirs (docs/options.md lists the keys)."""
+    g = parser.add_argument_group("tuning (config keys: docs/options.md)")
+    g.add_argument("--config", metavar="FILE",
+                   help="YAML or JSON file of config keys: the tree (depth, top_k, lookup_tokens, sampled_tree, ...), "
+                        "sd (gamma, lenience, ...), the drafter (drafter_dtype, drafter_quant), the runtime "
+                        f"(cuda_graphs, device_rounds, int8_activations){extra}")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one config key (the value parsed as YAML), over --config's; repeat it for more")
+
+
+def read_config_args(args: argparse.Namespace, *classes: type) -> list[Any]:
+    """Read ``--config`` and ``--set`` into ``LoadOptions`` and ``classes`` (a command's own options), set
+    every key on ``args`` under its own name (``top_k``: ``tree_top_k``, sampling's ``top_k`` being a flag)
+    and the keys given on ``args.config_keys``; returns the instances."""
+    configs, given = read_configs(args.config, args.set, (LoadOptions, *classes))
+    for cfg in configs:
+        for name, value in dataclasses.asdict(cfg).items():
+            setattr(args, CONFIG_ARGS.get(name, name), value)
+    args.config_keys = given
+    return configs
+
+
+CONFIG_ARGS = {"top_k": "tree_top_k"}  # a config key kept on args under another name
+
+
+def parse_command(parser: argparse.ArgumentParser, argv: list[str] | None, *classes: type) -> argparse.Namespace:
+    """``argv`` parsed by ``parser``, then its ``--config``/``--set`` keys (``read_config_args``). A flag that
+    names a config key (``--depth 3``, ``--no-cuda-graphs``) is refused with the ``--set`` that says it."""
+    keys = {f.name for cls in (LoadOptions, *classes) for f in dataclasses.fields(cls)}
+    flags = {s for action in parser._actions for s in action.option_strings}
+    for arg in sys.argv[1:] if argv is None else argv:
+        flag = arg.partition("=")[0]
+        key = {"tree_top_k": "top_k"}.get(flag[2:].replace("-", "_"), flag[2:].replace("-", "_"))
+        negated = key.startswith("no_") and key[3:] in keys
+        if flag.startswith("--") and flag not in flags and (key in keys or negated):
+            example = f"{key[3:]}=false" if negated else f"{key}=VALUE"
+            raise EagleError(f"{flag} is a config key: --set {example} (or in a --config file)")
+    args = parser.parse_args(argv)
+    read_config_args(args, *classes)
+    return args
+
+
+# the methods that read each model flag and config key (eagle-bench's hf and llama.cpp methods read none of them)
 FLAG_METHODS = {
-    "--drafter": ("eagle-tree", "eagle-chain", "llama.cpp-eagle3"), "--draft-model": ("sd",), "--cuda-graphs": METHODS,
-    "--int8-activations": METHODS,
-    "--device-rounds": ("eagle-tree", "eagle-chain"), "--total-tokens": ("eagle-tree",),
-    "--depth": ("eagle-tree", "eagle-chain"), "--tree-top-k": ("eagle-tree",), "--lookup-tokens": ("eagle-tree",),
-    "--sampled-tree": ("eagle-tree", "eagle-chain"), "--draw-temperature-scale": ("eagle-tree", "eagle-chain"),
-    "--draw-support": ("eagle-tree", "eagle-chain"), "--drafter-dtype": ("eagle-tree", "eagle-chain", "sd"),
-    "--drafter-quant": ("eagle-tree", "eagle-chain"), "--gamma": ("sd",), "--lenience": ("sd",),
-    "--adaptive-gamma": ("sd",),
+    "--drafter": ("eagle-tree", "eagle-chain", "llama.cpp-eagle3"), "--draft-model": ("sd", "llama.cpp-draft"), "cuda_graphs": METHODS,
+    "int8_activations": METHODS,
+    "device_rounds": ("eagle-tree", "eagle-chain"), "--total-tokens": ("eagle-tree",),
+    "depth": ("eagle-tree", "eagle-chain"), "top_k": ("eagle-tree",), "lookup_tokens": ("eagle-tree",),
+    "sampled_tree": ("eagle-tree", "eagle-chain"), "draw_temperature_scale": ("eagle-tree", "eagle-chain"),
+    "draw_support": ("eagle-tree", "eagle-chain"), "drafter_dtype": ("eagle-tree", "eagle-chain", "sd"),
+    "drafter_quant": ("eagle-tree", "eagle-chain"), "gamma": ("sd",), "lenience": ("sd",),
+    "adaptive_gamma": ("sd",), "--suffix-corpus": ("suffix",),
 }
-SAMPLING_ONLY = ("--top-p", "--top-k", "--seed", "--lenience", "--sampled-tree", "--draw-temperature-scale",
-                 "--draw-support")
-DRAW_FLAGS = ("--draw-temperature-scale", "--draw-support")
+SAMPLING_ONLY = ("--top-p", "--top-k", "--seed", "lenience", "sampled_tree", "draw_temperature_scale",
+                 "draw_support")
+DRAW_FLAGS = ("draw_temperature_scale", "draw_support")
 
 
 def note_ignored_flags(prog: str, parser: argparse.ArgumentParser, args: argparse.Namespace, methods: list[str],
                        label: str, extra: Iterable[tuple] = ()) -> list[str]:
-    """Name once on stderr the model and sampling flags given that no run of ``methods`` reads
-    (``ignored_flag_rules``), and what ``extra`` rules say of a command's own flags; returns the lines."""
+    """Name once on stderr the model and sampling flags and config keys given that no run of ``methods`` reads
+    (``ignored_flag_rules``), and what ``extra`` rules say of a command's own; returns the lines."""
     extra = list(extra)
-    flags = {*FLAG_METHODS, *SAMPLING_ONLY, *(flag for rule in extra for flag in rule[0])}
-    return note_ignored(prog, given_flags(parser, args, flags), ignored_flag_rules(args, methods, label) + extra)
+    names = {*FLAG_METHODS, *SAMPLING_ONLY, *(name for rule in extra for name in rule[0])}
+    given = given_flags(parser, args, [n for n in names if n.startswith("--")]) | (
+        getattr(args, "config_keys", set()) & names)
+    return note_ignored(prog, given, ignored_flag_rules(args, methods, label) + extra)
 
 
 def ignored_flag_rules(args: argparse.Namespace, methods: list[str], label: str) -> list[tuple]:
-    """The rules of ``eagle.errors.note_ignored`` for the model and sampling flags when ``methods`` run
-    (``label``: how the command line chose them, e.g. "with method ar"; ``llama.cpp-eagle3`` reads
-    ``--drafter`` when it is given no draft of its own)."""
+    """The rules of ``eagle.errors.note_ignored`` for the model and sampling flags and config keys when
+    ``methods`` run (``label``: how the command line chose them, e.g. "with method ar"; ``llama.cpp-eagle3``
+    reads ``--drafter`` when it is given no draft of its own)."""
     ran = {m.partition("@")[0] for m in methods}  # eagle-tree@DIR reads what eagle-tree reads, but not --drafter
     greedy = args.temperature == 0
     return [
         *(((flag,), not (set(methods) if flag == "--drafter" else ran) & set(users), label)
           for flag, users in FLAG_METHODS.items()),
         (SAMPLING_ONLY, greedy, "at temperature 0 (greedy decoding)"),
-        (DRAW_FLAGS, args.sampled_tree is False, "with --no-sampled-tree"),
-        (("--drafter-dtype",), args.drafter_quant in FORMATS and "sd" not in ran,
-         f"with --drafter-quant {args.drafter_quant} (the quantized drafter computes in float32)"),
+        (DRAW_FLAGS, args.sampled_tree is False, "with sampled_tree false"),
+        (("drafter_dtype",), args.drafter_quant in FORMATS and "sd" not in ran,
+         f"with drafter_quant {args.drafter_quant} (the quantized drafter computes in float32)"),
     ]
 
 
@@ -181,6 +202,8 @@ def check_model_args(args: argparse.Namespace) -> None:
         check_spec(args.draft_model)
     check_device(args.device)
     check_threads(args.threads)
+    if getattr(args, "suffix_corpus", None) is not None and not Path(args.suffix_corpus).expanduser().exists():
+        raise EagleError(f"--suffix-corpus {args.suffix_corpus}: no such file or folder")
 
 
 def check_threads(threads: int | None) -> None:
@@ -208,7 +231,7 @@ def load_model(args: argparse.Namespace) -> Any:
         args.target, drafter=args.drafter, draft_model=args.draft_model, device=args.device, dtype=dtype,
         drafter_dtype=drafter_dtype, drafter_quant=None if args.drafter_quant == "auto" else args.drafter_quant,
         cuda_graphs=args.cuda_graphs, device_rounds=args.device_rounds, int8_activations=args.int8_activations,
-        **option_args(args))
+        suffix_corpus=getattr(args, "suffix_corpus", None), **option_args(args))
 
 
 def check_method(model: Any, method: str) -> None:
@@ -231,6 +254,7 @@ def build_parser() -> Parser:
                         help="decoding method (default: eagle-tree when a drafter is available, else ar)")
     add_sampling_args(parser, max_new_tokens=256, temperature=0.0)
     add_model_args(parser)
+    add_config_args(parser)
     return parser
 
 
@@ -281,7 +305,7 @@ def chat(model: Any, args: argparse.Namespace, inp: TextIO, out: TextIO, err: Te
 
 @command(PROG)
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_command(build_parser(), argv)
     if not args.interactive and args.prompt is None:
         raise EagleError("give a prompt, or --interactive")
     if args.prompt is not None:

@@ -1,6 +1,7 @@
 """llama.cpp's ``llama-server`` as decoding methods beside ours: ``llama.cpp`` (plain decoding),
-``llama.cpp-eagle3`` (an EAGLE-3 drafter converted to GGUF, ``--spec-type draft-eagle3``) and
-``llama.cpp-ngram`` (``--spec-type ngram-simple``), all on the target's own GGUF file.
+``llama.cpp-draft`` (a draft model's GGUF file, ``--spec-type draft-simple``), ``llama.cpp-eagle3`` (an
+EAGLE-3 drafter converted to GGUF, ``--spec-type draft-eagle3``) and ``llama.cpp-ngram``
+(``--spec-type ngram-simple``), all on the target's own GGUF file.
 
 The build folder is what ``scripts/llama_cpp.sh build`` makes: ``build/bin/llama-server`` (its
 libraries beside it), the sources in ``src/`` (``convert_hf_to_gguf.py``) and ``pylib/`` (sentencepiece
@@ -32,9 +33,10 @@ from typing import Any
 
 from eagle.errors import EagleError
 
-METHODS = ("llama.cpp", "llama.cpp-eagle3", "llama.cpp-ngram")
-SPEC_ARGS = {"llama.cpp": [], "llama.cpp-eagle3": ["--spec-type", "draft-eagle3"],
-             "llama.cpp-ngram": ["--spec-type", "ngram-simple"]}
+METHODS = ("llama.cpp", "llama.cpp-draft", "llama.cpp-eagle3", "llama.cpp-ngram")
+SPEC_ARGS = {"llama.cpp": [], "llama.cpp-draft": ["--spec-type", "draft-simple"],
+             "llama.cpp-eagle3": ["--spec-type", "draft-eagle3"], "llama.cpp-ngram": ["--spec-type", "ngram-simple"]}
+DRAFT_METHODS = ("llama.cpp-draft", "llama.cpp-eagle3")  # the methods with a draft GGUF (``-md``)
 ENV = "EAGLE_LLAMA_CPP"
 BUILD_HINT = "scripts/llama_cpp.sh build makes one in .llama.cpp"
 CONTEXT = 4096  # tokens of KV cache per server: a bench prompt plus its new tokens fit
@@ -43,10 +45,10 @@ STARTUP_S = 120.0  # how long a server may take to load and answer /health
 
 # ---- locating the build --------------------------------------------------------------------
 def build_folder(given: str | None) -> Path:
-    """The llama.cpp build folder from ``--llama-cpp`` or else ``$EAGLE_LLAMA_CPP``."""
+    """The llama.cpp build folder from config key ``llama_cpp`` or else ``$EAGLE_LLAMA_CPP``."""
     value = given or os.environ.get(ENV)
     if not value:
-        raise EagleError(f"the llama.cpp methods need a llama.cpp build: pass --llama-cpp DIR or set {ENV} "
+        raise EagleError(f"the llama.cpp methods need a llama.cpp build: pass --set llama_cpp=DIR or set {ENV} "
                          f"({BUILD_HINT})")
     path = Path(value).expanduser()
     if not path.is_dir():
@@ -82,21 +84,21 @@ def converter(folder: Path) -> Path:
         if path.is_file():
             return path
     raise EagleError(f"no convert_hf_to_gguf.py in {folder} (nor in {folder / 'src'}): give the draft as a .gguf "
-                     f"file with --llama-cpp-draft, or use a folder made by scripts/llama_cpp.sh build")
+                     f"file with llama_cpp_draft, or use a folder made by scripts/llama_cpp.sh build")
 
 
-def target_gguf(spec: str) -> Path:
-    """The GGUF file of a target spec (the default target's, or a .gguf path); others are refused."""
+def target_gguf(spec: str, flag: str = "--target") -> Path:
+    """The GGUF file of a model spec given as ``flag`` (the default target's, a named target's, or a .gguf
+    path); others are refused."""
     from eagle.inputs import check_spec
+    from eagle.runtime.target import spec_gguf
 
+    path = spec_gguf(spec)
+    if path is not None:
+        return path
     kind = check_spec(spec)
-    if kind == "default":
-        from eagle.runtime.target import smollm2_gguf_path
-
-        return smollm2_gguf_path()
-    if kind == "gguf":
-        return Path(spec).expanduser()
-    raise EagleError(f"the llama.cpp methods run llama-server on the target's GGUF file; --target {spec} is a "
+    what = "the target's" if flag == "--target" else "the draft model's"
+    raise EagleError(f"the llama.cpp methods run llama-server on {what} GGUF file; {flag} {spec} is a "
                      f"{'model folder' if kind == 'folder' else 'hub id'}, not a .gguf file")
 
 
@@ -129,10 +131,10 @@ def export_eagle3(drafter: Any, out_dir: Path) -> Path:
         kind = getattr(getattr(drafter, "config", None), "kind", None)
         raise EagleError(f"method 'llama.cpp-eagle3' needs an EAGLE-3 drafter (kind 'eagle3'), got "
                          f"{'none' if kind is None else repr(kind)}: pass --drafter an eagle3 drafter or "
-                         f"--llama-cpp-draft FILE.gguf")
+                         f"--set llama_cpp_draft=FILE.gguf")
     if "eagle3" not in checkpoint_formats.EXPORT_FORMATS:
         raise EagleError("this version cannot export an EAGLE-3 drafter for llama.cpp (no eagle-export --format "
-                         "eagle3): pass --llama-cpp-draft (a .gguf, or a folder in the SpecForge EAGLE-3 layout)")
+                         "eagle3): pass --set llama_cpp_draft=PATH (a .gguf, or a folder in the SpecForge EAGLE-3 layout)")
     return checkpoint_formats.export_drafter(drafter, out_dir, "eagle3")
 
 
@@ -202,15 +204,17 @@ def free_port() -> int:
 
 
 def server_args(binary: Path, model: Path, port: int, threads: int, method: str = "llama.cpp",
-                draft: Path | None = None, context: int = CONTEXT) -> list[str]:
+                draft: Path | None = None, context: int = CONTEXT, draft_max: int | None = None) -> list[str]:
     """The ``llama-server`` command line for one method: one slot, no prompt cache, ``threads`` for
-    prompt and generation (the draft model takes the same), no web UI."""
+    prompt and generation (the draft model takes the same), no web UI. A ``DRAFT_METHODS`` method drafts
+    with the GGUF ``draft``, at most ``draft_max`` tokens a step (``--spec-draft-n-max``; None: llama.cpp's
+    default), its other draft settings llama.cpp's defaults."""
     args = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
             "-tb", str(threads), "-c", str(context), "-np", "1", "--cache-ram", "0", "--no-webui"]
-    if method == "llama.cpp-eagle3":
+    if method in DRAFT_METHODS:
         if draft is None:
-            raise EagleError("method 'llama.cpp-eagle3' needs a draft model")
-        args += ["-md", str(draft)]
+            raise EagleError(f"method {method!r} needs a draft model")
+        args += ["-md", str(draft)] + ([] if draft_max is None else ["--spec-draft-n-max", str(draft_max)])
     return args + SPEC_ARGS[method]
 
 
@@ -219,10 +223,11 @@ class LlamaServer:
     once ``/health`` answers 200, or raises an ``EagleError`` with the end of the log."""
 
     def __init__(self, binary: Path, model: Path, threads: int, method: str = "llama.cpp",
-                 draft: Path | None = None, log: Path | None = None, startup_s: float | None = None) -> None:
+                 draft: Path | None = None, log: Path | None = None, startup_s: float | None = None,
+                 draft_max: int | None = None) -> None:
         self.port = free_port()
         self.method = method
-        self.args = server_args(binary, model, self.port, threads, method, draft)
+        self.args = server_args(binary, model, self.port, threads, method, draft, draft_max=draft_max)
         self.log = log or Path(os.devnull)
         self.startup_s = STARTUP_S if startup_s is None else startup_s
         self.proc: subprocess.Popen | None = None

@@ -2,7 +2,8 @@
 
 Each report becomes one section: its title (from a ``title`` key beside the JSON's ``config``, else
 the file name), the exact command, the machine and date, and ``eagle-bench``'s own tables (a load
-test's, ``eagle-bench --concurrency``, for a report of ``kind`` "load-test"). The page
+test's, ``eagle-bench --concurrency``, for a report of ``kind`` "load-test"; the projection's of
+``infer.size_projection`` for ``kind`` "size-projection"). The page
 is regenerated whole from the JSON files, never edited by hand: ``make results``."""
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ PROG = "eagle-results"
 
 def section(report: dict, source: str) -> str:
     """One bench report -> a Markdown section."""
+    if isinstance(report, dict) and report.get("kind") == "size-projection":  # python -m infer.size_projection
+        from infer.size_projection import section as projection_section
+
+        return projection_section(report, source)
     load = isinstance(report, dict) and report.get("kind") == "load-test"  # eagle-bench --concurrency
     try:
         cfg, mach, summary = report["config"], report["machine"], report["results" if load else "methods"]

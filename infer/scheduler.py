@@ -53,6 +53,7 @@ class Job:
     stream: bool
     total_tokens: int | str | None = None
     include_usage: bool = False
+    tenant: str = ""  # a digest of the request's API key ("" without one)
     arrived: float = dataclasses.field(default_factory=time.monotonic)
     deadline: float | None = None
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -75,6 +76,7 @@ class Admission:
     top_k: int = 0
     seed: int | None = None
     total_tokens: int | str | None = None
+    tenant: str = ""  # whose earlier answers suffix drafts may come from (``SuffixScopes``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,49 @@ class Progress:
     key: int
     tokens: list[int]
     stop_reason: str | None = None
+    sources: dict[str, int] | None = None  # once it ended: its accepted drafts by source, where known
+
+
+SUFFIX_SCOPES = ("request", "key", "server")
+KEY_STORES = 8  # tenants whose earlier answers are kept at once (scope "key"), the least recently served dropped
+
+
+class SuffixScopes:
+    """Which earlier answers a request's suffix drafts may come from (``eagle-serve --suffix-scope``):
+    "request", none (its own prompt and output, and the corpus); "key", those of its API key's earlier
+    requests; "server", every earlier request's. With "key" at most ``KEY_STORES`` tenants' answers
+    are kept, each within ``history_tokens / KEY_STORES`` tokens, so the bound holds over all of them."""
+
+    def __init__(self, model: Any, scope: str = "key") -> None:
+        if scope not in SUFFIX_SCOPES:
+            raise EagleError(f"unknown suffix scope {scope!r}; choose from {', '.join(SUFFIX_SCOPES)}")
+        self.model, self.scope = model, scope
+        self.stores: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self.lock = threading.Lock()
+
+    def store(self, tenant: str) -> Any:
+        from eagle.drafting.suffix import SuffixStore
+
+        shared = self.model.suffix_store
+        if self.scope == "server":
+            return shared
+        if self.scope == "request":
+            return shared.fresh()
+        with self.lock:
+            store = self.stores.pop(tenant, None)
+            if store is None:
+                cfg = dataclasses.replace(shared.cfg, history_tokens=max(2, shared.cfg.history_tokens // KEY_STORES))
+                store = SuffixStore(cfg, shared.corpus)
+            self.stores[tenant] = store
+            while len(self.stores) > KEY_STORES:
+                self.stores.popitem(last=False)
+            return store
+
+    def model_for(self, model: Any, method: str, tenant: str) -> Any:
+        """``model``, for method ``suffix`` and the drafting methods a view drafting from ``tenant``'s store."""
+        if method in ("suffix", "eagle-tree", "eagle-chain"):
+            return model.with_suffix(self.store(tenant))
+        return model
 
 
 class Backend(Protocol):
@@ -115,9 +160,10 @@ class SerialBackend:
     turns, no throughput gain). Sequences of another tree size run on views of the model sharing its
     weights."""
 
-    def __init__(self, model: Any, capacity: int = 1) -> None:
+    def __init__(self, model: Any, capacity: int = 1, suffix: SuffixScopes | None = None) -> None:
         if capacity < 1:
             raise EagleError(f"max_batch must be >= 1, got {capacity}")
+        self.suffix = suffix
         if capacity > 1 and (getattr(model.target, "graphs", None) is not None or getattr(model, "device_rounds", False)):
             raise EagleError("interleaving generations (max_batch > 1) needs the dynamic path: the static path "
                              "(CUDA graphs, device rounds) keeps one generation's state in shared buffers")
@@ -140,7 +186,10 @@ class SerialBackend:
         if len(self.streams) >= self.capacity:
             raise EagleError(f"the batch is full ({self.capacity} sequences)")
         a = admission
-        self.streams[a.key] = self.model_for(a.method, a.total_tokens).generate(
+        model = self.model_for(a.method, a.total_tokens)
+        if self.suffix is not None:
+            model = self.suffix.model_for(model, a.method, a.tenant)
+        self.streams[a.key] = model.generate(
             a.ids, method=a.method, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
             top_k=a.top_k, seed=a.seed, stream=True)
 
@@ -156,7 +205,7 @@ class SerialBackend:
                 out.append(Progress(key, event))
             else:  # the GenerationResult: it ended
                 self.cancel(key)
-                out.append(Progress(key, [], event.stop_reason))
+                out.append(Progress(key, [], event.stop_reason, dict(event.accepted_by_source)))
         return out
 
     def cancel(self, key: int) -> None:
@@ -170,20 +219,21 @@ class SerialBackend:
 
 
 class BatchedBackend:
-    """``eagle.decoding.batched.BatchedEngine`` behind ``Backend``: every sequence of the batch
+    """``eagle.decoding.serving.ServingEngine`` behind ``Backend``: every sequence of the batch
     drafts its own tree and ONE target forward verifies all of them each step; tree sizes come from
     the measured cost of the batch's rows (``load_sizing``), within an admission's ``total_tokens``
-    (a seeded sampled request always gets all of it). Stop strings stay the scheduler's."""
+    (a seeded sampled request always gets all of it); ``cache_pool``: ``ServingEngine``'s (off by default).
+    Stop strings stay the scheduler's."""
 
-    def __init__(self, model: Any, capacity: int) -> None:
-        from eagle.decoding.batched import BatchedEngine
+    def __init__(self, model: Any, capacity: int, cache_pool: bool = False) -> None:
+        from eagle.decoding.serving import ServingEngine
 
         if capacity < 1:
             raise EagleError(f"max_batch must be >= 1, got {capacity}")
-        self.engine, self.capacity = BatchedEngine(model, max_batch=capacity), capacity
+        self.engine, self.capacity = ServingEngine(model, max_batch=capacity, cache_pool=cache_pool), capacity
 
     def add(self, admission: Admission) -> None:
-        from eagle.decoding.batched import RequestOptions
+        from eagle.decoding.serving import RequestOptions
 
         a = admission
         self.engine.add(a.key, list(a.ids), RequestOptions(
@@ -215,6 +265,7 @@ class Metrics:
         self.decode_seconds = 0.0
         self.last_tokens_per_second = 0.0
         self.by_method: dict[str, list[int]] = {}  # method -> [tokens, rounds]
+        self.by_source: dict[str, int] = {}  # accepted draft tokens by where they were drafted from
         self.steps = 0
         self.step_rows = 0  # sequences summed over steps
         self.step_seconds = 0.0
@@ -236,6 +287,11 @@ class Metrics:
             counts = self.by_method.setdefault(method, [0, 0])
             counts[0] += tokens
             counts[1] += rounds
+
+    def sources(self, counts: dict[str, int]) -> None:
+        with self.lock:
+            for source, n in counts.items():
+                self.by_source[source] = self.by_source.get(source, 0) + n
 
     def step(self, rows: int, seconds: float) -> None:
         with self.lock:
@@ -296,6 +352,12 @@ class Metrics:
                            [(f'{{method="{m}"}}', c[1]) for m, c in methods])
             lines += block("eagle_accepted_length", "gauge", "Tokens gained per decoding round, by decoding method.",
                            [(f'{{method="{m}"}}', round(c[0] / c[1], 4) if c[1] else 0.0) for m, c in methods])
+            total = sum(self.by_source.values())
+            lines += block("eagle_accepted_drafts_total", "counter",
+                           "Accepted draft tokens by source (drafter, lookup; suffix: request, history, corpus).",
+                           [(f'{{source="{k}"}}', n) for k, n in sorted(self.by_source.items())])
+            lines += block("eagle_accepted_drafts_share", "gauge", "Share of the accepted draft tokens by source.",
+                           [(f'{{source="{k}"}}', round(n / total, 4)) for k, n in sorted(self.by_source.items())])
             ttft = [(f'_bucket{{le="{b:g}"}}', n) for b, n in zip(TTFT_BUCKETS, self.ttft_buckets)]
             ttft += [('_bucket{le="+Inf"}', self.ttft_count), ("_sum", round(self.ttft_sum, 6)),
                      ("_count", self.ttft_count)]
@@ -395,7 +457,7 @@ class Scheduler:
             if self.closed.is_set():
                 raise ApiError("the server is shutting down", status=503, type="server_error")
             if len(self.queue) >= self.max_queue and len(self.active) + len(self.queue) >= self.backend.capacity:
-                raise ApiError(f"the server is busy: {len(self.queue)} requests are waiting (--max-queue "
+                raise ApiError(f"the server is busy: {len(self.queue)} requests are waiting (max_queue "
                                f"{self.max_queue}); retry later", status=429, type="rate_limit_error",
                                code="queue_full")
             self.queue.append(_Pending(job, ids, emit))
@@ -465,7 +527,7 @@ class Scheduler:
                 self.active[key] = active = _Active(pending, self.tokenizer)
             max_tokens = job.max_tokens or max(1, self.max_context - len(pending.ids))
             admission = Admission(key, pending.ids, job.method, max_tokens, job.temperature, job.top_p, job.top_k,
-                                  job.seed, job.total_tokens)
+                                  job.seed, job.total_tokens, job.tenant)
             try:
                 self.backend.add(admission)
             except EagleError as exc:
@@ -534,6 +596,8 @@ class Scheduler:
             if end > a.sent:
                 a.emit("delta", (text_spans(a.text, a.flags, a.sent, end), a.stats()))
                 a.sent = end
+        if p.sources:
+            self.metrics.sources(p.sources)
         if finish:
             if p.stop_reason is None:
                 self.backend.cancel(p.key)

@@ -3,11 +3,11 @@
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as server-sent
 events or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text) and the
 chat page at ``/``. Generation runs on the scheduler thread of ``infer.scheduler``: requests wait
-in a bounded queue (``--max-queue``; a full queue answers 429) and join the running batch
+in a bounded queue (config key ``max_queue``; a full queue answers 429) and join the running batch
 (``--max-batch``) between decoding rounds; each round's new text streams to its client. A client
 that goes away leaves the batch at the next round. Bad requests get 400 with an OpenAI-style error
-body ``{"error": {"message", "type", "param", "code"}}``; ``--api-key``, ``--max-body-bytes`` and
-``--request-timeout-s`` add 401, 413 and the time limit.
+body ``{"error": {"message", "type", "param", "code"}}``; the config keys ``api_key``, ``max_body_bytes`` and
+``request_timeout_s`` (``ServeOptions``) add 401, 413 and the time limit.
 
 Besides OpenAI's fields a request may give ``method`` (one of ``eagle.engine.METHODS``) and
 ``top_k``; answers carry an ``eagle`` field with the decoding stats, and stream chunks carry the
@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
+import hashlib
 import hmac
 import json
 import math
@@ -26,12 +28,14 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from eagle.config import check_bool, check_float, check_int
 from eagle.errors import EagleError, command
 from eagle.engine import METHODS
 from eagle.runtime.openmp import release_workers
-from infer.scheduler import ApiError, BatchedBackend, Job, Metrics, Scheduler, SerialBackend
+from infer.scheduler import (SUFFIX_SCOPES, ApiError, BatchedBackend, Job, Metrics, Scheduler, SerialBackend,
+                             SuffixScopes)
 
 PROG = "eagle-serve"
 PAGE = Path(__file__).parent / "static" / "chat.html"
@@ -230,7 +234,8 @@ def round_size(model: Any, job: Job) -> int | str | None:
 
 def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_tokens: int | None = None,
                model_name: str | None = None, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               request_timeout_s: float | None = None, max_batch: int = 1, backend: Any = None) -> Any:
+               request_timeout_s: float | None = None, max_batch: int = 1, backend: Any = None,
+               cache_pool: bool = False, suffix_scope: str = "key") -> Any:
     """The ASGI app serving an already-built ``EagleModel`` (or anything with its ``generate``,
     ``target``, ``drafter`` and ``draft_model``). ``method``: the default decoding method
     (eagle-tree when the model has a drafter, else ar); ``max_queue``: requests that may wait for a
@@ -239,7 +244,10 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
     ``api_key``: the Bearer token ``/v1`` requires (None: none); ``max_body_bytes``: larger request
     bodies get 413; ``request_timeout_s``: a request's time limit from its arrival (None: none);
     ``backend``: the ``infer.scheduler.Backend`` that decodes (default: ``SerialBackend(model)`` for
-    ``max_batch`` 1, else ``BatchedBackend(model, max_batch)``)."""
+    ``max_batch`` 1, else ``BatchedBackend(model, max_batch, cache_pool)``; ``cache_pool``: the batch's caches as
+    slots of one pool, the GPU layout, off by default: ``eagle.decoding.serving.ServingEngine``); ``suffix_scope``:
+    whose earlier answers the suffix drafts of methods suffix, eagle-tree and eagle-chain come from
+    (``SuffixScopes``: "request", "key" (the request's API key's), "server"; with ``max_batch`` 1)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import Request
@@ -252,8 +260,13 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
                   max_batch=max_batch, api_key=api_key)
     name = model_name or model.target.name
     metrics = Metrics()
+    from eagle.engine import EagleModel
+
+    # suffix drafts for an EagleModel (a wrapper of one decodes as it decodes)
+    scopes = SuffixScopes(model, suffix_scope) if isinstance(model, EagleModel) else None
     if backend is None:  # one request at a time on the fast single-stream path, else one batch
-        backend = SerialBackend(model) if max_batch == 1 else BatchedBackend(model, max_batch)
+        backend = (SerialBackend(model, suffix=scopes) if max_batch == 1
+                   else BatchedBackend(model, max_batch, cache_pool))
     engine = Scheduler(backend, model.target.tokenizer, model.target.max_context, max_queue, metrics)
     release_workers()  # this thread hands decoding to the scheduler's: its idle OpenMP workers would slow it
     created = int(time.time())
@@ -270,15 +283,20 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)
 
+    def tenant(request: Request) -> str:
+        """Who sent the request, for ``--suffix-scope key``: a digest of its Bearer token ("" without one)."""
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return hashlib.sha256(token.strip().encode()).hexdigest()[:16] if scheme.lower() == "bearer" else ""
+
     def unauthorized() -> Response:
         return error(ApiError("a valid API key is required: send the header 'Authorization: Bearer <key>' with "
-                              "the key given to eagle-serve --api-key", status=401, code="invalid_api_key"),
+                              "the key given to eagle-serve (api_key)", status=401, code="invalid_api_key"),
                      headers={"WWW-Authenticate": "Bearer"})
 
     async def read_body(request: Request) -> bytes:
         """The request body, or ``ApiError`` 413 as soon as it is known to pass ``max_body_bytes``."""
         too_large = ApiError(f"the request body is larger than {max_body_bytes} bytes (eagle-serve "
-                             f"--max-body-bytes)", status=413, code="request_too_large")
+                             f"max_body_bytes)", status=413, code="request_too_large")
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
             raise too_large
@@ -312,6 +330,7 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
             except (ValueError, UnicodeDecodeError) as exc:
                 raise ApiError(f"the request body is not valid JSON: {exc}") from None
             job = parse_request(body, chat, model, method, max_tokens)
+            job.tenant = tenant(request)
             if request_timeout_s is not None:
                 job.deadline = job.arrived + request_timeout_s
             ids = await asyncio.get_running_loop().run_in_executor(None, encode, model, job)
@@ -490,20 +509,20 @@ def check_serving(max_queue: int, max_body_bytes: int, request_timeout_s: float 
                   api_key: str | None) -> None:
     """Refuse serving options out of range (``EagleError`` naming the option)."""
     if max_queue < 0:
-        raise EagleError(f"--max-queue must be >= 0, got {max_queue}")
+        raise EagleError(f"max_queue must be >= 0, got {max_queue}")
     if max_body_bytes < 1:
-        raise EagleError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
+        raise EagleError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if request_timeout_s is not None and not (math.isfinite(request_timeout_s) and request_timeout_s > 0):
-        raise EagleError(f"--request-timeout-s must be > 0, got {request_timeout_s}")
+        raise EagleError(f"request_timeout_s must be > 0, got {request_timeout_s}")
     if max_batch < 1:
         raise EagleError(f"--max-batch must be >= 1, got {max_batch}")
     if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
-        raise EagleError("--api-key must be a non-empty token without surrounding spaces")
+        raise EagleError("api_key must be a non-empty token without surrounding spaces")
 
 
 def build_parser() -> Any:
     from eagle.errors import Parser
-    from infer.cli import add_model_args
+    from infer.cli import add_config_args, add_model_args
 
     parser = Parser(prog=PROG, description="Serve an OpenAI-compatible API (and a chat page at /) with "
                                            "EAGLE-style speculative decoding.")
@@ -512,38 +531,63 @@ def build_parser() -> Any:
     parser.add_argument("--method", choices=METHODS,
                         help="default decoding method; a request may pick another with its 'method' field "
                              "(default: eagle-tree when a drafter is available, else ar)")
-    parser.add_argument("--max-queue", type=int, default=16,
-                        help="requests that may wait for a place in the running batch; more get 429 (default 16)")
     parser.add_argument("--max-batch", type=int, default=1,
                         help="requests decoded together in the running batch; others wait in the queue (default 1: one "
                              "at a time on the fastest single-stream path; more: one target forward a round "
                              "verifies every running request's draft tree)")
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (401 otherwise; default: none)")
-    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
-                        help=f"larger request bodies get 413 (default {MAX_BODY_BYTES})")
-    parser.add_argument("--request-timeout-s", type=float,
-                        help="a request's time limit in seconds from its arrival: then it ends with the text so far "
-                             "(finish_reason \"length\", eagle.timed_out true), or gets 504 if it had not started "
-                             "(default: none)")
-    parser.add_argument("--max-tokens", type=int,
-                        help="max_tokens of a request that gives none (default: up to the context)")
-    parser.add_argument("--no-warmup", action="store_true",
-                        help="serve at once, without first decoding a few tokens greedily and sampled (the first "
-                             "request then pays for compiling kernels and measuring the tree-size cost curves)")
-    parser.add_argument("--served-model-name", help="the model id /v1/models lists (default: the target's name)")
+    parser.add_argument("--suffix-scope", choices=SUFFIX_SCOPES, default="key",
+                        help="whose earlier answers suffix drafts (methods suffix, eagle-tree, eagle-chain) may come "
+                             "from: the request alone, the same API key's requests (default), or every request")
     add_model_args(parser)
+    add_config_args(parser, "; eagle-serve's own: max_queue, api_key, max_body_bytes, request_timeout_s, max_tokens, "
+                            "warmup, served_model_name, cache_pool")
     return parser
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    """eagle-serve's own config keys. ``max_queue``: requests that may wait for a place in the running batch;
+    more get 429. ``api_key``: require 'Authorization: Bearer KEY' on /v1 (401 otherwise). ``max_body_bytes``:
+    larger request bodies get 413. ``request_timeout_s``: a request's time limit in seconds from its arrival;
+    then it ends with the text so far (finish_reason "length", eagle.timed_out true), or gets 504 if it had not
+    started. ``max_tokens``: max_tokens of a request that gives none (default: up to the context).
+    ``warmup``: first decode a few tokens greedily and sampled (false: the first request pays for compiling
+    kernels and measuring the tree-size cost curves). ``served_model_name``: the model id /v1/models lists
+    (default: the target's name). ``cache_pool``: with max_batch above 1, the batch's caches as slots of one pool
+    and, where the target runs on CUDA graphs, its rounds captured too (the GPU layout; off by default)."""
+
+    max_queue: int = 16
+    api_key: Optional[str] = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    request_timeout_s: Optional[float] = None
+    max_tokens: Optional[int] = None
+    warmup: bool = True
+    served_model_name: Optional[str] = None
+    cache_pool: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("max_queue", self.max_queue)
+        check_int("max_body_bytes", self.max_body_bytes)
+        if self.request_timeout_s is not None:
+            check_float("request_timeout_s", self.request_timeout_s)
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens, 1)
+        check_bool("warmup", self.warmup)
+        check_bool("cache_pool", self.cache_pool)
+        for name in ("api_key", "served_model_name"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise EagleError(f"{name} must be a string, got {getattr(self, name)!r}")
 
 
 @command(PROG)
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    from infer.cli import parse_command
+
+    args = parse_command(build_parser(), argv, ServeOptions)
     if not 0 <= args.port <= 65535:
         raise EagleError(f"--port must be in 0..65535, got {args.port}")
     check_serving(max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                   request_timeout_s=args.request_timeout_s, max_batch=args.max_batch, api_key=args.api_key)
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise EagleError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     try:
         import starlette  # noqa: F401
         import uvicorn
@@ -554,11 +598,12 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(args)
     method = args.method or ("eagle-tree" if model.drafter_config is not None else "ar")
     check_method(model, method)
-    if not args.no_warmup:
+    if args.warmup:
         warm_up(model, method)
     app = create_app(model, method=method, max_queue=args.max_queue, max_tokens=args.max_tokens,
                      model_name=args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     request_timeout_s=args.request_timeout_s, max_batch=args.max_batch)
+                     request_timeout_s=args.request_timeout_s, max_batch=args.max_batch, cache_pool=args.cache_pool,
+                     suffix_scope=args.suffix_scope)
     print(f"{PROG}: {model.target.name}, method {method}, on http://{args.host}:{args.port}/ "
           f"(chat page at /, API at /v1)", file=sys.stderr, flush=True)
     # what is loaded now lives as long as the server: out of the cycle collector's view, whose full collections

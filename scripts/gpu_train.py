@@ -198,11 +198,11 @@ def train_config(args, kind: str, data: list[str], work: Path, wall_s: float) ->
 
 def pack_drafter(folder: Path, tar_path: Path) -> int:
     """A trained drafter folder -> a tar of its config and its weights as 8-bit block codes (as
-    shipped, ``eagle.runtime.block_codes.pack_state``); -> bytes written."""
+    shipped, ``eagle.runtime.quant_blocks.pack_state``); -> bytes written."""
     from safetensors.torch import load_file, save
 
     from eagle.drafting.drafter import FORMAT
-    from eagle.runtime.block_codes import pack_state
+    from eagle.runtime.quant_blocks import pack_state
 
     weights = save(pack_state(load_file(str(folder / "model.safetensors"))), metadata={"format": FORMAT})
     with tarfile.open(tar_path, "w") as tar:
@@ -245,8 +245,9 @@ def bench(args, drafters: dict[str, Path], work: Path, logf: Path, limit: float)
     report = work / "bench.json"
     cmd = [sys.executable, "-m", "infer.bench", "--target", args.target, "--prompts", args.bench_prompts,
            "--methods", ",".join(methods), "--limit", str(args.bench_limit), "--max-new-tokens",
-           str(args.bench_new_tokens), "--total-tokens", "60", "--depth", "6", "--tree-top-k", "10",
-           "--lookup-tokens", "0", "--temperature", "0", "--device", args.device, "--dtype", "float32", "--warmup", "0",
+           str(args.bench_new_tokens), "--total-tokens", "60", "--set", "depth=6", "--set", "top_k=10",
+           "--set", "lookup_tokens=0", "--temperature", "0", "--device", args.device, "--dtype", "float32", "--set",
+           "warmup=0",
            "--json", str(report)]
     log(f"bench: {' '.join(cmd[2:])}", logf)
     with (work / "bench.txt").open("w") as out:

@@ -13,6 +13,7 @@
 #                                         target, puts KIND's weights back, runs scripts/gpu_train.sh --kinds KIND
 #                                         warm-started from them, continuing .gpu/data, with ARGS
 #   scripts/gpu_window.sh restore         here: the weights and reports back into the index
+#   scripts/gpu_window.sh unindex         here: only the weights and reports out of the index (stage does it)
 #
 # What each call leaves in $OUT comes back (at most 8 files).
 set -u
@@ -39,9 +40,7 @@ stage)
   ${PYTHON:-python3} scripts/gpu_train.py --out /tmp/gpu-window-stage --source "$source" \
     --prepare-sharegpt .gpu/sharegpt-todo/conversations.jsonl.gz --prepare-limit "${TODO:-6000}" \
     $( [ -d .gpu/data ] && echo --resume-data .gpu/data ) || exit 1
-  git rm -q --cached "${WEIGHTS[@]}" docs/results/*.json
-  for f in "${WEIGHTS[@]}"; do echo "/$f" >> .git/info/exclude; done
-  echo "/docs/results/*.json" >> .git/info/exclude
+  bash "$0" unindex
   tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
   one=(".gpu/target/$TARGET_NAME.part-aa" .gpu/whl .gpu/whl-train .gpu/weights)
   two=(".gpu/target/$TARGET_NAME.part-ab" .gpu/sharegpt-todo)
@@ -53,6 +52,11 @@ stage)
       'BEGIN { printf "call %s carries %s: %.1f MB with the tree (at most 67.1)\n", c, p, (s + t) / 1e6 }'
   done
   echo "afterwards: scripts/gpu_window.sh restore"
+  ;;
+unindex)  # here: the shipped weights and the bench reports out of the index (and ignored) for the calls
+  git rm -q --cached "${WEIGHTS[@]}" docs/results/*.json
+  for f in "${WEIGHTS[@]}"; do echo "/$f" >> .git/info/exclude; done
+  echo "/docs/results/*.json" >> .git/info/exclude
   ;;
 restore)
   git reset -q -- eagle/shipped docs/results
@@ -75,7 +79,7 @@ first)
     > "$OUT/tests-batch.txt" 2>&1
   echo "batch tests rc $? at $(( $(date +%s) - t0 ))s"
   grep -hE "FAILED|ERROR|passed|failed" "$OUT"/tests-*.txt | tail -20
-  timeout 60 python3 scripts/batch_speed.py --random-weights --prompt-lengths 64:1536 --rows 512 --prompts 1024 \
+  timeout 60 python3 scripts/data_generation_speed.py --random-weights --prompt-lengths 64:1536 --rows 512 --prompts 1024 \
     --max-new-tokens 128 --profile 15 > "$OUT/speed.txt" 2>&1
   echo "timing rc $? at $(( $(date +%s) - t0 ))s"; head -c 3000 "$OUT/speed.txt"
   ls /tmp/carry/*
@@ -97,6 +101,6 @@ second)
   echo "window rc $? at $(( $(date +%s) - t0 ))s"
   ;;
 *)
-  sed -n '2,19p' "$0"; exit 2
+  sed -n '2,20p' "$0"; exit 2
   ;;
 esac

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from eagle.drafting.drafter import Drafter
-from eagle.runtime.decoder import lean_decoder
-from eagle.runtime.block_codes import block_quantize, decode
+from eagle.runtime.architectures import lean_decoder
+from eagle.runtime.quant_blocks import block_quantize, decode
 from eagle.runtime.target import Target
 
 
@@ -190,7 +190,7 @@ def prompts(n: int, vocab_size: int = 32, seed: int = 0, low: int = 1) -> list[l
 
 def block_quantized(weight: torch.Tensor, bits: int) -> torch.Tensor:
     """``weight`` [N, K] (K a multiple of 32) rounded as llama.cpp quantizes and gguf dequantizes it
-    (Q4_1 for bits 4, Q8_0 for bits 8: ``eagle.runtime.block_codes.block_quantize``); the fp32 dequantized values."""
+    (Q4_1 for bits 4, Q8_0 for bits 8: ``eagle.runtime.quant_blocks.block_quantize``); the fp32 dequantized values."""
     return decode(block_quantize(weight.detach().float().cpu(), bits)).to(weight.device)
 
 

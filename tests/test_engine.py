@@ -125,7 +125,8 @@ def test_compacted_cache_equals_recomputed_cache(target):
     # a tree: root 0 -> 1 -> 3, and a sibling branch 2
     tokens = torch.tensor([[4, 9, 11, 12]], device=dev)
     parents = torch.tensor([-1, 0, 0, 1])
-    from eagle.decoding.tree_mask import attention_bias, tree_attention
+    from eagle.decoding.tree_mask import tree_attention
+    from eagle.runtime.masks import attention_bias
     attn = tree_attention(parents)
     bias = attention_bias(attn.mask, 6, torch.float32).to(dev)
     target.forward(tokens, (6 + attn.depths)[None].to(dev), cache, bias)
@@ -271,7 +272,7 @@ def test_the_drafters_precision_never_changes_the_output(target, drafter, dtype)
     h = torch.zeros(1, 1, target.hidden_size, dtype=dtype, device=target.device)
     pos = torch.zeros(1, 1, dtype=torch.long, device=target.device)
     assert proposer.dtype == dtype and proposer.drafter(h, h, pos).dtype == dtype
-    draft_lm = model._proposer("sd", SamplingConfig(), torch.Generator()).model
+    draft_lm = model._proposer("sd", SamplingConfig(), torch.Generator()).model.model  # the module's inference copy
     assert {p.dtype for p in draft_lm.parameters()} == {dtype} and draft_lm is not model.draft_model
     for ids in prompts(10, seed=3):
         expected = model.generate(ids, method="ar", max_new_tokens=24).token_ids

@@ -94,7 +94,7 @@ def test_the_command_line_refuses_bad_input_in_one_line_before_loading(files, tm
         (["--target", str(files / "x.gguf"), "Hi"],
          f"{files / 'x.gguf'} is not a GGUF file (it does not start with the bytes 'GGUF')"),
         (["--drafter", str(tmp_path / "nope"), "Hi"], f"no drafter at {tmp_path / 'nope'}: no such folder"),
-        (["--depth", "-1", "Hi"], "depth must be >= 0 (0: the root's children only), got -1"),
+        (["--set", "depth=-1", "Hi"], "depth must be >= 0 (0: the root's children only), got -1"),
         (["--seed", "x", "Hi"], "argument --seed: invalid int value: 'x'"),
         (["--max-new-tokens", "0", "Hi"], "max_new_tokens must be >= 1, got 0"),
     ]

@@ -5,6 +5,7 @@ options a mode does not read."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -174,20 +175,24 @@ def test_generate_and_bench_flag_rules_without_a_model(capsys):
 
     def notes(module, methods: list[str], label: str, *argv: str) -> list[str]:
         parser = module.build_parser()
-        args = parser.parse_args([*argv, "--prompts", "p.jsonl"] if module is bench else [*argv, "hi"])
+        args = cli.parse_command(parser, [*argv, "--prompts", "p.jsonl"] if module is bench else [*argv, "hi"],
+                                 *([bench.BenchOptions] if module is bench else []))
         return cli.note_ignored_flags(module.PROG, parser, args, methods, label)
 
-    assert notes(cli, ["sd"], "with method sd", "--total-tokens", "5", "--gamma", "3", "--drafter-dtype", "float32",
+    assert notes(cli, ["sd"], "with method sd", "--total-tokens", "5", "--set", "gamma=3", "--set",
+                 "drafter_dtype=float32",
                  "--temperature", "1", "--top-k", "4") == [
         "eagle-generate: warning: --total-tokens is ignored with method sd"]
-    assert notes(cli, ["eagle-tree"], "with method eagle-tree", "--drafter-dtype", "bfloat16", "--drafter-quant",
-                 "q8_0", "--device-rounds", "--temperature", "0.5") == [
-        "eagle-generate: warning: --drafter-dtype is ignored with --drafter-quant q8_0 (the quantized drafter "
+    assert notes(cli, ["eagle-tree"], "with method eagle-tree", "--set", "drafter_dtype=bfloat16", "--set",
+                 "drafter_quant=q8_0", "--set", "device_rounds=true", "--temperature", "0.5") == [
+        "eagle-generate: warning: drafter_dtype is ignored with drafter_quant q8_0 (the quantized drafter "
         "computes in float32)"]
-    assert notes(cli, ["eagle-tree"], "x", "--device-rounds", "--no-sampled-tree", "--temperature", "0.5") == []
-    assert notes(cli, ["eagle-tree"], "x", "--device-rounds", "--temperature", "0.5") == []  # drawn children too
+    assert notes(cli, ["eagle-tree"], "x", "--set", "device_rounds=true", "--set", "sampled_tree=false",
+                 "--temperature", "0.5") == []
+    assert notes(cli, ["eagle-tree"], "x", "--set", "device_rounds=true", "--temperature", "0.5") == []  # drawn too
     assert notes(bench, ["hf", "llama.cpp-eagle3"], "with --methods hf,llama.cpp-eagle3", "--drafter", "d",
-                 "--cuda-graphs") == ["eagle-bench: warning: --cuda-graphs is ignored with --methods hf,llama.cpp-eagle3"]
+                 "--set", "cuda_graphs=true") == [
+        "eagle-bench: warning: cuda_graphs is ignored with --methods hf,llama.cpp-eagle3"]
 
 
 def test_the_shared_parser_refuses_a_flag_given_twice_with_different_values():
@@ -200,3 +205,38 @@ def test_the_shared_parser_refuses_a_flag_given_twice_with_different_values():
     with pytest.raises(EagleError, match="--n is given twice, with different values: 3 and 4"):
         parser.parse_args(["--n", "3", "--n", "4"])
     assert parser.parse_args(["--n", "4"]).n == 4  # a new parse starts afresh
+
+
+def test_generate_bench_and_serve_take_tuning_options_as_config_keys(tmp_path):
+    """``--config FILE`` (YAML or JSON) and ``--set``: the API's option names; ``--set`` wins over the file;
+    an unknown key, a value of the wrong type and a knob given as a flag are one-line errors."""
+    from infer import bench, cli, serve
+
+    yaml_file, json_file = tmp_path / "tune.yaml", tmp_path / "tune.json"
+    yaml_file.write_text("depth: 3\ntop_k: 4\nsampled_tree: false\ndevice_rounds: true\n")
+    json_file.write_text(json.dumps({"lookup_tokens": 0, "drafter_quant": "none", "max_queue": 2}))
+    args = cli.parse_command(cli.build_parser(), ["--config", str(yaml_file), "--set", "depth=5", "hi"])
+    assert (args.depth, args.tree_top_k, args.sampled_tree, args.device_rounds) == (5, 4, False, True)
+    assert args.config_keys == {"depth", "top_k", "sampled_tree", "device_rounds"} and args.top_k == 0
+    assert cli.option_args(args)["top_k"] == 4  # the tree's top_k reaches from_pretrained under its own name
+    args = cli.parse_command(serve.build_parser(), ["--config", str(json_file)], serve.ServeOptions)
+    assert (args.lookup_tokens, args.drafter_quant, args.max_queue, args.warmup) == (0, "none", 2, True)
+    for argv, classes, message in [
+            (["--set", "max_queue=2", "hi"], (), "unknown config key(s) 'max_queue'"),
+            (["--set", "depth=two", "hi"], (), "depth must be an integer, got 'two'"),
+            (["--set", "drafter_dtype=int4", "hi"], (), "drafter_dtype must be one of auto, float32"),
+            (["--depth", "3", "hi"], (), "--depth is a config key: --set depth=VALUE (or in a --config file)"),
+            (["--no-sampled-tree", "hi"], (), "--no-sampled-tree is a config key: --set sampled_tree=false"),
+            (["--tree-top-k=2", "hi"], (), "--tree-top-k is a config key: --set top_k=VALUE"),
+            (["--config", str(tmp_path / "none.yaml"), "hi"], (), "config file not found")]:
+        with pytest.raises(EagleError, match=re.escape(message)):
+            cli.parse_command(cli.build_parser(), argv, *classes)
+    with pytest.raises(EagleError, match="--warmup is a config key: --set warmup=VALUE"):
+        cli.parse_command(bench.build_parser(), ["--prompts", "p", "--warmup", "0"], bench.BenchOptions)
+    assert cli.main(["--set", "depth=x", "hi"]) == 2  # one line through the command too
+
+
+def test_the_options_page_holds_the_generated_config_key_table():
+    from infer.config_keys import config_key_table
+
+    assert config_key_table() in (ROOT / "docs" / "options.md").read_text()

@@ -80,3 +80,22 @@ def test_a_gguf_path_of_the_default_target_gets_its_drafter(tmp_path):
     assert shipped_drafter_for(target) == shipped_drafter(DEFAULT_TARGET)
     model = EagleModel.from_pretrained(target=str(copy), total_tokens=8, depth=3)
     assert model.drafter is not None
+
+
+def test_sd_with_the_default_targets_name_as_draft_model_is_ar(model, capsys):
+    """``draft_model`` the default target's name, as ``--draft-model`` in ``eagle-generate`` too: loaded as a
+    target (its GGUF codes kept), it drafts by its own lean forward and cache; greedy ``sd`` gives ``ar``'s
+    tokens, and the target accepts most drafts of its own model."""
+    from eagle.runtime.target import Target
+    from infer import cli
+
+    drafting = EagleModel.from_pretrained(DEFAULT_TARGET, draft_model=DEFAULT_TARGET, gamma=4)
+    ar = model.generate(PROMPTS[1], method="ar", max_new_tokens=32)
+    sd = drafting.generate(PROMPTS[1], method="sd", max_new_tokens=32)
+    assert sd.token_ids == ar.token_ids and sd.mean_accept_length > 2.5
+    assert isinstance(drafting.draft_model, Target) and drafting.draft_model.lean is not None
+    args = ["--target", DEFAULT_TARGET, "--max-new-tokens", "16", PROMPTS[0]]
+    assert cli.main([*args, "--method", "ar"]) == 0
+    text = capsys.readouterr()[0]
+    assert cli.main([*args, "--method", "sd", "--draft-model", DEFAULT_TARGET]) == 0
+    assert capsys.readouterr()[0] == text

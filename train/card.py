@@ -10,7 +10,7 @@ from typing import Sequence
 
 from eagle.engine import SHIPPED_BY_KIND, shipped_drafter
 from eagle.errors import EagleError, Parser, command, given_flags, note_ignored
-from infer.bench import INT8, split_method
+from eagle.inputs import INT8, split_method
 
 PROG = "eagle-card"
 
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train-config", required=True)
     parser.add_argument("--fixed-tree-bench", action="extend", nargs="+", default=[], metavar="JSON",
                         help="eagle-bench --json outputs of eagle-tree with fixed tree flags (e.g. with and without "
-                             "--lookup-tokens 0)")
+                             "--set lookup_tokens=0)")
     parser.add_argument("--init-summary", action="extend", nargs="+", default=[], metavar="JSON",
                         help="summary.json of the runs a warm-started run began from, oldest first")
     parser.add_argument("--note", help="a paragraph appended under 'Notes' (what the records cannot say)")

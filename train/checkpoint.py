@@ -23,7 +23,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from eagle.atomic import fsync_path, fsync_tree, write_file
 
@@ -214,13 +214,34 @@ def examples_digest(examples: Iterable[dict]) -> str:
     return digest.hexdigest()
 
 
+def named_tensors(obj: Any, prefix: str = "", seen: set[int] | None = None) -> Iterator[tuple[str, Any]]:
+    """(dotted name, tensor) for every tensor an object holds in its attributes, lists and dicts,
+    recursively, each object once (a GGUF target's codes: ``eagle.runtime.gguf_weights.GGUFModel``)."""
+    import torch
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+        return
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else \
+        vars(obj).items() if hasattr(obj, "__dict__") else ()
+    for key, value in items:
+        yield from named_tensors(value, f"{prefix}.{key}" if prefix else str(key), seen)
+
+
 def weights_digest(model: Any, samples: int = 256) -> str:
     """A short hash of a model's weights: per parameter (by name) its shape and up to ``samples``
-    evenly spaced values rounded to bfloat16 (a float32 and a bfloat16 load of the same weights agree)."""
+    evenly spaced values rounded to bfloat16 (a float32 and a bfloat16 load of the same weights agree).
+    A model without parameters (a GGUF target's codes): its tensors (``named_tensors``) alike."""
     import torch
 
     digest = hashlib.sha256()
-    for name, param in sorted(model.named_parameters()):
+    weights = model.named_parameters() if isinstance(model, torch.nn.Module) else \
+        named_tensors({"model": model.model, "head": model.get_output_embeddings()})
+    for name, param in sorted(weights, key=lambda item: item[0]):
         flat = param.detach().flatten()
         count = min(samples, flat.numel())
         picks = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(1, count - 1)

@@ -20,8 +20,9 @@ from tqdm import tqdm
 
 from eagle.config import add_set_argument, changed_keys, check_bool, check_int, load_config_file
 from eagle.errors import EagleError, Parser, command, note_ignored
-from eagle.runtime.target import DEFAULT_TARGET, Target, load_target, model_features
+from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
 from train.data import load_all, load_chats, tokenize_all
+from train.packing import packed_features
 
 MANIFEST = "manifest.json"
 
@@ -78,30 +79,49 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def feature_target(spec: str, device: str | torch.device | None = None) -> Target:
+    """The target as training reads its features. A GGUF file (the default target's included) on a CPU
+    keeps its matrices as their codes, and its features come from the lean forward (``eagle.runtime.decoder``:
+    many rows per call, the compiled kernels), with transformers' tokenizer of the file (its offsets mark
+    the replies): no full-precision copy of the model is made. Any other target, or another device: the
+    transformers model and its forward (``load_target(lean=False)``)."""
+    from eagle.inputs import check_spec
+    from eagle.runtime.target import default_device_dtype, gguf_metadata_dir, load_gguf_target, smollm2_gguf_path
+
+    dev, _ = default_device_dtype(device)
+    kind = check_spec(str(spec))
+    if dev.type != "cpu" or kind not in ("default", "gguf"):
+        return load_target(spec, device=device, lean=False)
+    from transformers import AutoTokenizer
+
+    path = smollm2_gguf_path() if kind == "default" else Path(spec).expanduser()
+    return load_gguf_target(path, str(spec), tokenizer=AutoTokenizer.from_pretrained(gguf_metadata_dir(path)))
+
+
 @torch.inference_mode()
 def compute_features(target: Target, examples: list[dict], batch_tokens: int,
                      aux_layers: Sequence[int] = ()) -> list[torch.Tensor]:
     """Features [T_i, (1 + n) H] for each example: the last hidden state, then the outputs of the
-    n ``aux_layers`` (right-padded batches of similar length)."""
+    n ``aux_layers`` (right-padded batches of similar length, at most ``batch_tokens`` tokens each
+    but one example at least, each in one forward: ``train.packing.packed_features``, the padding a
+    segment of its own)."""
     order = sorted(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))
     out: list[torch.Tensor | None] = [None] * len(examples)
     i = 0
     while i < len(order):
-        longest = len(examples[order[i]]["input_ids"])
         j = i + 1
         while j < len(order) and len(examples[order[j]]["input_ids"]) * (j - i + 1) <= batch_tokens:
             j += 1
         chunk = order[i:j]
         longest = max(len(examples[k]["input_ids"]) for k in chunk)
         ids = torch.zeros(len(chunk), longest, dtype=torch.long)
-        attn = torch.zeros(len(chunk), longest, dtype=torch.long)
+        segment = torch.ones(len(chunk), longest, dtype=torch.long)
         for row, k in enumerate(chunk):
             n = len(examples[k]["input_ids"])
             ids[row, :n] = torch.tensor(examples[k]["input_ids"])
-            attn[row, :n] = 1
-        result = target.model.model(input_ids=ids.to(target.device), attention_mask=attn.to(target.device),
-                                    output_hidden_states=bool(aux_layers))
-        hidden = model_features(result, aux_layers)
+            segment[row, :n] = 0
+        positions = torch.arange(longest)[None].expand(len(chunk), -1)
+        hidden = packed_features(target, ids, positions, segment, aux_layers)
         for row, k in enumerate(chunk):
             out[k] = hidden[row, : len(examples[k]["input_ids"])].float().cpu()
         i = j
@@ -164,7 +184,7 @@ def examples_digest(examples: list[dict]) -> str:
 def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
     """Compute missing or corrupt shards; return the feature folder."""
     chats, replayed = load_all(cfg.data, cfg.skip_malformed), replay_draw(cfg.replay, cfg.replay_seed)
-    target = target or load_target(cfg.target, lean=False)
+    target = target or feature_target(cfg.target)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if chats.problems:

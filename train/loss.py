@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from eagle.decoding.tree_mask import additive_bias
+from eagle.runtime.masks import additive_bias
 
 
 @dataclasses.dataclass

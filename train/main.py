@@ -33,9 +33,10 @@ from eagle.drafting import draft_lm
 from eagle.config import add_set_argument, changed_keys, from_dict, load_config_file
 from eagle.drafting.drafter import Drafter, most_frequent
 from eagle.errors import EagleError, Parser, command, note_ignored
+from eagle.runtime.gguf_file import LLAMA_FAMILY
 from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
 from train import checkpoint
-from train.features import FeatureShards, OnlineFeatures, iter_batches, target_identity
+from train.features import FeatureShards, OnlineFeatures, feature_target, iter_batches, target_identity
 from train.packing import collate_packed, pack_rows, packed_features
 from train.loss import LossOutput, eagle_loss, soft_cross_entropy, unroll, uniform_noise
 
@@ -68,6 +69,8 @@ class TrainConfig:
     aux_layers: tuple[int, ...] = ()  # drafter: also fuse these target layers' outputs (EAGLE-3 style; the features
                                    # must hold them: eagle-features aux_layers). With init_from, layers it lacks are
                                    # added with zero fc columns (it predicts as before until trained)
+    layer_from_target: int | None = None  # drafter (new, EAGLE-1/2): start its first decoder layer as this target layer
+                                   # (negative: from the last; train.main.copy_target_layer); None: random
     num_layers: int = 0            # drafter: decoder layers (0 = as the architecture JSON says, or as the warm-start
                                    # drafter has); with init_from, layers it lacks are appended with zero output
                                    # projections (it predicts as before until trained)
@@ -130,6 +133,9 @@ class TrainConfig:
                              f"(a row holds whole conversations)")
         if self.pack_tokens and self.student != "drafter":
             raise EagleError("pack_tokens packs a drafter's micro-batches: student draft-lm trains padded")
+        if self.layer_from_target is not None and (isinstance(self.layer_from_target, bool)
+                                                   or not isinstance(self.layer_from_target, int)):
+            raise EagleError(f"layer_from_target must be a target layer index, got {self.layer_from_target!r}")
         if self.examples_from < 0 or self.replay_fraction < 0:
             raise EagleError(f"examples_from and replay_fraction must be >= 0, got {self.examples_from} and "
                              f"{self.replay_fraction}")
@@ -145,6 +151,28 @@ def deepspeed_dict(cfg: TrainConfig, device: torch.device, total_steps: int) -> 
     if "bf16" not in ds and "fp16" not in ds:
         ds["bf16"] = {"enabled": device.type == "cuda"}
     return ds
+
+
+class FrozenHead(torch.nn.Module):
+    """``y = x W^T (+ b)`` with a frozen ``weight`` [V, H] (and ``bias`` [V]) held as buffers."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def frozen_head(target: Target) -> torch.nn.Module:
+    """The target's LM head as the loss multiplies by it (frozen; gradients flow to the drafter's side):
+    the model's own head module, or a GGUF target's de-quantized once (fp32 [V, H]: the kernels that
+    multiply its codes give no gradient)."""
+    head = target.model.get_output_embeddings()
+    if isinstance(head, torch.nn.Module):
+        return head
+    return FrozenHead(head.weight, head.bias)
 
 
 def target_draft_logits(drafter: Drafter, lm_head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -224,11 +252,11 @@ def draft_lm_loss(model, target: Target, batch: dict, cfg: TrainConfig,
 
 
 def step_loss(model, drafter: Drafter, target: Target, batch: dict, cfg: TrainConfig,
-              generator: torch.Generator | None) -> LossOutput:
+              generator: torch.Generator | None, lm_head: torch.nn.Module | None = None) -> LossOutput:
     """The EAGLE loss of one micro-batch; with ``unroll_steps`` n > 1 the mean of the losses of n
     unrolled passes (``train.loss.unroll``) weighted by ``unroll_decay``**j. An eagle3 drafter is
     trained on the cross-entropy alone (its ``smooth_l1`` is 0), each pass feeding the previous
-    pass's output hidden states (EAGLE-3's training-time test)."""
+    pass's output hidden states (EAGLE-3's training-time test). ``lm_head``: ``frozen_head(target)``."""
     b = shift(batch, target.device, fuse=bool(drafter.config.aux_layers))
     dtype = next(drafter.parameters()).dtype
     feats = uniform_noise(b["features"].to(dtype), cfg.noise, generator)
@@ -237,7 +265,7 @@ def step_loss(model, drafter: Drafter, target: Target, batch: dict, cfg: TrainCo
     eagle3 = drafter.config.kind == "eagle3"
     preds = unroll(model, feats, embeds, b["positions"], cfg.unroll_steps, drafter.config.num_layers,
                    own_hidden=eagle3, segments=b["segments"])
-    lm_head = target.model.get_output_embeddings()
+    lm_head = lm_head if lm_head is not None else frozen_head(target)
     mask0 = b["mask"]
     target_m = b["target"][mask0].to(dtype)  # [N, H]: every pass targets the same features, a subset of these
     with torch.no_grad():  # the soft labels once for all passes, over the draft vocabulary only
@@ -276,15 +304,16 @@ def chain_accept_lengths(correct: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(student: torch.nn.Module, target: Target, dataset, indices: list[int], depth: int) -> dict:
+def evaluate(student: torch.nn.Module, target: Target, dataset, indices: list[int], depth: int,
+             lm_head: torch.nn.Module | None = None) -> dict:
     """Top-1 accuracy (teacher-forced) and expected accepted length of a depth-``depth`` chain.
 
     A drafter's chain is unrolled as at inference (``train.loss.unroll``): step k from root r
     sees the target features up to r and its own earlier drafts. A draft LM sees tokens only,
     so while its drafts are accepted they are the target's tokens and teacher forcing is exact.
-    A draft is accepted while every step's argmax equals the target's."""
+    A draft is accepted while every step's argmax equals the target's. ``lm_head``: ``frozen_head(target)``."""
     student.eval()
-    lm_head = target.model.get_output_embeddings()
+    lm_head = lm_head if lm_head is not None else frozen_head(target)
     hits = total = 0.0
     accept_sum = roots = 0.0
     for batch in iter_batches(dataset, indices, 4):
@@ -331,7 +360,8 @@ class Student:
     kind: str = ""
 
 
-def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
+def build_student(cfg: TrainConfig, target: Target, dataset, lm_head: torch.nn.Module | None = None) -> Student:
+    """What ``cfg`` trains for ``target`` (``lm_head``: ``frozen_head(target)``, when made already)."""
     if cfg.student == "drafter":
         if cfg.draft_vocab_data and not cfg.draft_vocab_size:
             raise EagleError("draft_vocab_data chooses a draft vocabulary: set draft_vocab_size too")
@@ -362,10 +392,13 @@ def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
             counts = (vocab_counts(cfg, target, dataset)
                       if overrides.get("draft_vocab_size") and (cfg.draft_vocab_data or not cfg.online) else None)
             drafter = Drafter.from_target(target, token_counts=counts, **overrides).float()
+            if cfg.layer_from_target is not None:
+                copy_target_layer(drafter, target, cfg.layer_from_target)
         drafter.check_target(target)
+        head = lm_head if lm_head is not None else frozen_head(target)
         architecture = {k: v for k, v in dataclasses.asdict(drafter.config).items() if k != "target"}
         return Student(drafter, list(drafter.parameters()), "drafter", drafter.save_pretrained,
-                       lambda engine, batch, gen: step_loss(engine, drafter, target, batch, cfg, gen),
+                       lambda engine, batch, gen: step_loss(engine, drafter, target, batch, cfg, gen, head),
                        architecture, aux_layers=drafter.config.aux_layers, kind=drafter.config.kind)
     if cfg.student == "draft-lm":
         if cfg.init_from:  # float32 layers; the shared embedding stays the target's (frozen) tensor
@@ -385,6 +418,32 @@ def build_student(cfg: TrainConfig, target: Target, dataset) -> Student:
     raise EagleError(f"unknown student {cfg.student!r}: choose drafter or draft-lm")
 
 
+LAYER_MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                  "mlp.up_proj", "mlp.down_proj")
+
+
+@torch.no_grad()
+def copy_target_layer(drafter: Drafter, target: Target, index: int) -> None:
+    """Start the drafter's first decoder layer as target layer ``index`` (negative: from the last): its
+    attention and MLP matrices and its post-attention norm, de-quantized from a GGUF target's codes. For
+    an EAGLE-1/2 drafter of a Llama-family target (Llama, Qwen2, Qwen3), whose layer has the target's
+    shapes; what the drafter's layer has no place for (a Qwen2's q/k/v biases, a Qwen3's per-head norms)
+    is not carried."""
+    layers = target.model.config.num_hidden_layers
+    if drafter.config.kind != "eagle" or target.model.config.model_type not in LLAMA_FAMILY:
+        raise EagleError(f"layer_from_target starts an EAGLE-1/2 drafter from a Llama-family target's layer "
+                         f"({', '.join(LLAMA_FAMILY)}); this is a {drafter.config.kind} drafter of a "
+                         f"{target.model.config.model_type} target")
+    if not -layers <= index < layers:
+        raise EagleError(f"layer_from_target {index} out of range: {target.name} has {layers} layers")
+    source, layer = target.model.model.layers[index], drafter.layers[0]
+    for name in LAYER_MATRICES:
+        weight = source.get_submodule(name).weight if isinstance(source, torch.nn.Module) else \
+            getattr(getattr(source, name.split(".")[0]), name.split(".")[1]).weight
+        layer.get_submodule(name).weight.copy_(weight)
+    layer.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight)
+
+
 def ignored_rules(cfg: TrainConfig, kind: str) -> list[tuple[tuple[str, ...], bool, str]]:
     """Which keys a run of ``cfg`` does not read, and when (rules of ``eagle.errors.note_ignored``);
     ``kind``: the drafter's kind ("" for a draft LM)."""
@@ -392,10 +451,11 @@ def ignored_rules(cfg: TrainConfig, kind: str) -> list[tuple[tuple[str, ...], bo
     return [
         (("features",), cfg.online, "with online: true (features are computed during training)"),
         (("data",), not cfg.online, "without online: true (the stored features are read)"),
-        (("drafter_config", "draft_vocab_size", "draft_vocab_data", "aux_layers", "num_layers", "unroll_steps",
-          "unroll_decay"), draft_lm_mode, "with student: draft-lm"),
+        (("drafter_config", "draft_vocab_size", "draft_vocab_data", "aux_layers", "num_layers", "layer_from_target",
+          "unroll_steps", "unroll_decay"), draft_lm_mode, "with student: draft-lm"),
         (("noise",), draft_lm_mode and cfg.noise != 0, "with student: draft-lm"),
         (("draft_lm_config", "lm_ce_positions"), not draft_lm_mode, "with student: drafter"),
+        (("layer_from_target",), bool(cfg.init_from), "with init_from (the warm start's weights are kept)"),
         (("drafter_config", "draft_lm_config"), bool(cfg.init_from),
          "with init_from (the warm start's architecture is kept)"),
         (("unroll_decay",), cfg.unroll_steps == 1, "with unroll_steps: 1"),
@@ -500,12 +560,15 @@ def train(cfg: TrainConfig, start_over: bool = False) -> dict:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device(deepspeed.get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", "0"))) \
         if torch.cuda.is_available() else torch.device("cpu")
-    target = load_target(cfg.target, device=device, lean=False)
+    # a drafter's run reads a GGUF target's features from the lean forward over its codes (``feature_target``)
+    target = feature_target(cfg.target, device) if cfg.student == "drafter" else \
+        load_target(cfg.target, device=device, lean=False)
+    head = frozen_head(target)
     if not cfg.online and not cfg.features:
         raise EagleError("set 'features' (a folder made by eagle-features) or 'online: true' with 'data'")
     dataset = None if cfg.online else FeatureShards(cfg.features, target)
     torch.manual_seed(cfg.seed)
-    student = build_student(cfg, target, dataset)  # online: no stored data to count tokens of (refused there)
+    student = build_student(cfg, target, dataset, head)  # online: no stored data to count tokens of (refused there)
     if cfg.online:
         dataset = online_dataset(target, cfg.data, cfg.max_length, student.aux_layers)
     elif student.aux_layers and student.aux_layers != dataset.aux_layers:
@@ -544,9 +607,9 @@ def train(cfg: TrainConfig, start_over: bool = False) -> dict:
     evaluates = rank == 0 and (bool(eval_idx) or dev is not None)
 
     def evaluate_all() -> dict:
-        metrics = evaluate(student.module, target, dataset, eval_idx, cfg.eval_chain_depth) if eval_idx else {}
+        metrics = evaluate(student.module, target, dataset, eval_idx, cfg.eval_chain_depth, head) if eval_idx else {}
         if dev is not None:
-            dev_metrics = evaluate(student.module, target, dev, list(range(len(dev))), cfg.eval_chain_depth)
+            dev_metrics = evaluate(student.module, target, dev, list(range(len(dev))), cfg.eval_chain_depth, head)
             metrics.update({f"dev_{k}": v for k, v in dev_metrics.items()})
         return metrics
 
@@ -564,9 +627,14 @@ def train(cfg: TrainConfig, start_over: bool = False) -> dict:
         resume = [tag]
     if world > 1:
         torch.distributed.broadcast_object_list(resume, src=0)
+    generator = torch.Generator(device).manual_seed(cfg.seed)  # the input noise, drawn on the device
     if resume[0] is not None:
         _, client = engine.load_checkpoint(str(ckpt_dir), tag=resume[0])
         state.update({k: client[k] for k in state if client and k in client})  # DeepSpeed adds its own keys
+        if client and "noise_rng" in client:  # the noise goes on as it would have without the stop
+            generator.set_state(client["noise_rng"].cpu())
+        else:  # a checkpoint written before the noise's state was kept
+            generator.manual_seed(cfg.seed + state["step"])
         if rank == 0:
             print(f"resumed from step {state['step']} (epoch {state['epoch']})", flush=True)
     run = None
@@ -574,7 +642,6 @@ def train(cfg: TrainConfig, start_over: bool = False) -> dict:
         import wandb
         run = wandb.init(project=cfg.wandb_project, dir=str(out), mode=os.environ.get("WANDB_MODE", "offline"),
                          config=dataclasses.asdict(cfg), resume="allow", id=f"eagle-{out.name}")
-    generator = torch.Generator(device).manual_seed(cfg.seed + state["step"])  # noise drawn on the device
 
     def out_of_time() -> bool:  # the same answer on every rank: rank 0's clock decides
         late = torch.tensor([float(bool(cfg.max_wall_s) and time.time() - start >= cfg.max_wall_s)], device=device)
@@ -638,8 +705,9 @@ def train(cfg: TrainConfig, start_over: bool = False) -> dict:
                 tag = f"step{step}"
                 if rank == 0:  # before the barrier DeepSpeed's save begins with
                     shutil.rmtree(ckpt_dir / checkpoint.partial_tag(tag), ignore_errors=True)
-                engine.save_checkpoint(str(ckpt_dir), tag=checkpoint.partial_tag(tag), client_state=dict(state),
-                                       save_latest=False)  # returns once every rank has written its files
+                engine.save_checkpoint(str(ckpt_dir), tag=checkpoint.partial_tag(tag), save_latest=False,
+                                       client_state={**state, "noise_rng": generator.get_state()})
+                # (returns once every rank has written its files)
                 if rank == 0:
                     checkpoint.publish(ckpt_dir, tag, cfg.keep_last)
                     student.save(out / student.name)

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from eagle.decoding.tree_mask import additive_bias
+from eagle.runtime.masks import additive_bias
 from eagle.runtime.target import Target, model_features
 
 
@@ -84,9 +84,15 @@ def packed_features(target: Target, input_ids: torch.Tensor, positions: torch.Te
                     aux_layers: Sequence[int] = ()) -> torch.Tensor:
     """The target's features of a packed batch, on its device, in its dtype: input_ids, positions,
     segment [B, T] -> [B, T, (1 + n) H] (last hidden state, then the outputs of the n ``aux_layers``),
-    each segment seeing only itself (a [B, 1, T, T] additive mask and per-segment positions)."""
+    each segment seeing only itself (a [B, 1, T, T] additive mask and per-segment positions; Gemma-3's
+    sliding windows count those positions). With a lean forward (a GGUF target:
+    ``train.features.feature_target``) all B x T rows go through it in one call (its matrices multiplied
+    from their codes by the compiled kernels), else through the transformers model's forward."""
     device = target.device
     mask = additive_bias(block_causal(segment.to(device)), target.dtype)
-    result = target.model.model(input_ids=input_ids.to(device), position_ids=positions.to(device),
-                                attention_mask=mask, output_hidden_states=bool(aux_layers), use_cache=False)
+    ids, positions = input_ids.to(device), positions.to(device)
+    if target.lean is not None:
+        return target.lean.forward(ids, positions, target.lean.new_cache(), mask, list(aux_layers))
+    result = target.model.model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                                output_hidden_states=bool(aux_layers), use_cache=False)
     return model_features(result, aux_layers)

@@ -134,19 +134,40 @@ def benchmark_prompts(spec: str) -> dict[str, frozenset[str]]:
     return out
 
 
+# words that make a request a coding one (whole words, any case), besides a fenced code block
+CODING_WORDS = frozenset("""python javascript typescript java c++ c# golang rust kotlin swift php ruby perl scala bash
+shell powershell sql mysql postgresql sqlite regex html css json yaml xml react vue angular django flask node.js nodejs
+npm pip
+pandas numpy pytorch tensorflow api function functions method class classes variable variables compile compiler
+compiling debug bug exception traceback stacktrace script scripts code coding program programming algorithm
+implement refactor snippet syntax library framework repository git docker kubernetes dockerfile endpoint query
+array arrays loop recursion""".split())
+
+
+def is_coding(users: list[str]) -> bool:
+    """Whether a conversation's first user turn asks about code: it holds a fenced code block or one of
+    ``CODING_WORDS``."""
+    first = users[0]
+    if "```" in first:
+        return True
+    words = {w.strip(".,;:!?()[]{}'\"`").lower() for w in first.split()}
+    return not CODING_WORDS.isdisjoint(words)
+
+
 def chat_id(system: str | None, users: list[str]) -> str:
     return hashlib.sha256(json.dumps([system, users], ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 def select_chats(records: list[Any], excluded: dict[str, frozenset[str]], heldout_fraction: float,
-                 max_turns: int) -> tuple[list[Chat], dict[str, Any]]:
+                 max_turns: int, topic: str = "all") -> tuple[list[Chat], dict[str, Any]]:
     """Source records -> the conversations to answer, in source order, and counts of what was dropped:
     ``malformed`` (not a conversation), ``no_user_turn``, ``excluded_benchmark`` (a user turn is a
     prompt of ``excluded``; per file too), ``duplicates`` (same system and user turns as an earlier
-    one), and ``turns_over_max_turns`` (user turns past ``max_turns``, 0 = all, cut off)."""
+    one), ``turns_over_max_turns`` (user turns past ``max_turns``, 0 = all, cut off) and, with ``topic``
+    "code", ``not_coding`` (the first user turn is not about code: ``is_coding``)."""
     stats: dict[str, Any] = {"records": len(records), "malformed": 0, "no_user_turn": 0, "excluded_benchmark": 0,
                              "excluded_by_file": {name: 0 for name in excluded}, "duplicates": 0,
-                             "turns_over_max_turns": 0}
+                             "turns_over_max_turns": 0, "not_coding": 0}
     seen: set[str] = set()
     chats = []
     for record in records:
@@ -157,6 +178,9 @@ def select_chats(records: list[Any], excluded: dict[str, frozenset[str]], heldou
             continue
         if not users:
             stats["no_user_turn"] += 1
+            continue
+        if topic == "code" and not is_coding(users):
+            stats["not_coding"] += 1
             continue
         plain = [normalized(u) for u in users]
         hits = [name for name, prompts in excluded.items() if any(u in prompts for u in plain)]
@@ -311,7 +335,7 @@ def run(cfg: Any) -> Path:
         raise EagleError(f"source {cfg.source!r}: no such file (or source=sharegpt for the PyPI package)")
     excluded = benchmark_prompts(cfg.exclude_prompts)
     records, bad_json, cut = read_elements(read_text(Path(source)))
-    chats, stats = select_chats(records, excluded, cfg.heldout_fraction, cfg.max_turns)
+    chats, stats = select_chats(records, excluded, cfg.heldout_fraction, cfg.max_turns, cfg.topic)
     stats.update(not_json=bad_json, source_cut_short=cut, source=cfg.source)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

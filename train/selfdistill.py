@@ -83,8 +83,12 @@ class SelfDistillConfig:
     # with source: stop after this many seconds (0 = never); conversations under way are written with the turns
     # answered by then
     max_wall_s: float = 0.0
+    # with source: "all" conversations, or "code": those whose first user turn is about code (train.regenerate.is_coding)
+    topic: str = "all"
 
     def __post_init__(self) -> None:
+        if self.topic not in ("all", "code"):
+            raise EagleError(f"topic must be all or code, got {self.topic!r}")
         for key in ("passage_fraction", "constraint_fraction", "heldout_fraction"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise EagleError(f"{key} must be in [0, 1], got {getattr(self, key)}")
@@ -392,6 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     note_ignored(PROG, given_flags(parser, args, ("--templates", "--exclude")) | changed_keys(cfg), [
         (("--templates", "--exclude"), args.compose is None, "without --compose"),
         (RUN_ONLY, mode == "--answer", "with --answer (keys of the self-distillation run)"),
+        (("topic",), not cfg.source and mode is None, "without source (it selects source conversations)"),
         ([f.name for f in dataclasses.fields(cfg) if f.name != "seed"], mode == "--compose", "with --compose")])
     if mode is None:
         run(cfg)

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from eagle.decoding.sampling import sample
-from eagle.decoding.tree import host_tensor
+from eagle.runtime.masks import host_tensor
 
 
 @dataclasses.dataclass

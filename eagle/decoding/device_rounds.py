@@ -40,7 +40,7 @@ from eagle.decoding.loop import Clock, GenerationResult, check_request, chunk_an
 from eagle.decoding.sampling import invert_cdf, logits_to_probs
 from eagle.decoding.tree import (drawn_children, grow_pools, kept_parents, kept_pool, pool_depths,
                                  topk_children)
-from eagle.decoding.tree_mask import additive_bias
+from eagle.runtime.masks import additive_bias
 from eagle.errors import EagleError
 from eagle.runtime import kv_cache
 from eagle.runtime.shapes import MAX_TREE  # noqa: F401 - the most tree tokens a round verifies

@@ -22,7 +22,7 @@ from typing import Any, Generator, Sequence
 import torch
 
 from eagle.decoding.tree import topk_children
-from eagle.decoding.tree_mask import attention_bias
+from eagle.runtime.masks import attention_bias
 from eagle.runtime import kv_cache
 from eagle.runtime.kv_cache import SlotCache
 from eagle.runtime.pooled import pooled_drafter_forward

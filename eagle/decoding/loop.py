@@ -18,7 +18,8 @@ from eagle.decoding.proposers import Proposal, Proposer
 from eagle.decoding.sampling import logits_to_probs, sample
 from eagle.runtime.target import Target
 from eagle.decoding.tree import DraftTree
-from eagle.decoding.tree_mask import attention_bias, tree_attention
+from eagle.decoding.tree_mask import tree_attention
+from eagle.runtime.masks import attention_bias
 
 STEPS = ("draft", "verify", "accept", "cache", "other")
 
@@ -26,7 +27,9 @@ STEPS = ("draft", "verify", "accept", "cache", "other")
 @dataclasses.dataclass
 class GenerationResult:
     """``token_ids``: new tokens only (an EOS that ended generation included); ``accept_lengths``:
-    tokens gained per target forward, bonus included; ``step_seconds``: time per loop step."""
+    tokens gained per target forward, bonus included; ``step_seconds``: time per loop step;
+    ``accepted_by_source``: accepted drafts by where they came from, for a proposer with several
+    sources (``Proposer.accepted_by_source``)."""
 
     text: str
     token_ids: list[int]
@@ -38,6 +41,7 @@ class GenerationResult:
     stop_reason: str = ""
     prefill_s: float = 0.0
     step_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    accepted_by_source: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def mean_accept_length(self) -> float:
@@ -118,14 +122,16 @@ def chunk_and_stop(tokens: list[int], target: Target, room: int, produced: int,
 
 
 def finish(target: Target, clock: Clock, new: list[int], accept_lengths: list[int], forwards: int, start: float,
-           prompt_tokens: int, stop: str, prefill_s: float, method: str) -> GenerationResult:
+           prompt_tokens: int, stop: str, prefill_s: float, method: str,
+           sources: dict[str, int] | None = None) -> GenerationResult:
     """The ``GenerationResult`` of a finished loop (the detokenizing timed too: a tiny model's whole
     decoding can cost less)."""
     text = target.tokenizer.decode(new, skip_special_tokens=True)
     clock.lap("other")
     return GenerationResult(text=text, token_ids=new, accept_lengths=accept_lengths, target_forwards=forwards,
                             elapsed_s=time.perf_counter() - start, method=method, prompt_tokens=prompt_tokens,
-                            stop_reason=stop, prefill_s=prefill_s, step_seconds=clock.step_seconds())
+                            stop_reason=stop, prefill_s=prefill_s, step_seconds=clock.step_seconds(),
+                            accepted_by_source=dict(sources or {}))
 
 
 def accept_round(proposal: Proposal, paths: torch.Tensor, logits: torch.Tensor | None, choices: torch.Tensor | None,
@@ -211,7 +217,9 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
         accept_lengths.append(len(chunk))
         yield chunk
         clock.lap("other")
-    yield finish(target, clock, new, accept_lengths, forwards, start, len(prompt_ids), stop, prefill_s, method)
+    proposer.finish(ids)
+    yield finish(target, clock, new, accept_lengths, forwards, start, len(prompt_ids), stop, prefill_s, method,
+                 proposer.accepted_by_source())
 
 
 @torch.inference_mode()

@@ -6,7 +6,10 @@ context token and is told what the target accepted.
 - ``DraftModel`` (``sd``): a separate small LM samples a chain (with its distributions q).
 - ``EagleDrafter`` (``eagle-tree``, ``eagle-chain``): the feature-level drafter grows an
   EAGLE-2 dynamic tree (a chain is the top_k = 1 case); with ``lookup_tokens`` prompt-lookup
-  chains are grafted onto it, so text copied from the context is verified in the same forward."""
+  chains are grafted onto it, so text copied from the context is verified in the same forward;
+  with ``suffix`` (``SuffixDrafts``) suffix drafts are grafted onto it too.
+- ``SuffixLookup`` (``suffix``): continuations of the context's longest suffix in the request,
+  earlier outputs and a corpus (``eagle.drafting.suffix``), as a tree scored by their frequencies."""
 
 from __future__ import annotations
 
@@ -22,12 +25,13 @@ from eagle.runtime import kv_cache
 from eagle.decoding.tree_sizing import CostCurve, Sizing, choose_tree_size, expansion_floor
 from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
 from eagle.drafting.drafter import LeanDrafter
+from eagle.drafting.suffix import SuffixIndex, SuffixStore, new_index
 from eagle.errors import EagleError
 from eagle.decoding.draft_steps import DraftStep, StepResult, run_alone
 from eagle.decoding.sampling import logits_to_probs, sample
-from eagle.decoding.tree_mask import bool_rows
+from eagle.runtime.masks import bool_rows
 from eagle.runtime.target import Target
-from eagle.decoding.tree import (DraftTree, Pool, best_frontier, chain_tree, drawn_children, graft_chains,
+from eagle.decoding.tree import (DraftTree, Pool, best_frontier, chain_tree, drawn_children, graft_chains, graft_tree,
                                  kept_indices, root_only, static_layout)
 
 
@@ -112,6 +116,14 @@ class Proposer:
     def commit(self, ids: list[int], path: list[int], features: torch.Tensor | None) -> None:
         """``ids`` now ends with the accepted drafts and the new root; ``path``: the accepted drafts'
         nodes in the proposed tree, from the root's child down (so ``len(path)`` drafts were kept)."""
+
+    def finish(self, ids: list[int]) -> None:
+        """The generation ended with ``ids`` (prompt and output): suffix drafts keep the output."""
+
+    def accepted_by_source(self) -> dict[str, int]:
+        """Accepted draft tokens so far by where they were drafted from (a tree node proposed by two
+        sources counts for the one that scored it higher); empty for a proposer with one source."""
+        return {}
 
 
 class NoDraft(Proposer):
@@ -216,24 +228,31 @@ class PromptLookup(Proposer):
 
 class DraftModel(Proposer):
     """A separate small causal LM (same tokenizer) drafting ``gamma`` tokens autoregressively,
-    with its own cache rolled back to the accepted prefix after each round."""
+    with its own cache rolled back to the accepted prefix after each round. ``model``: the draft's
+    forward, as a ``Target`` offers it (``new_cache()``, ``forward(input_ids, position_ids, cache,
+    logits_from=...)``, ``greedy_tokens(hidden)``, ``device``): a model spec loaded by ``load_target`` (its
+    lean forward, codes kept), or a transformers module wrapped as one (``eagle.engine.module_draft``)."""
 
-    def __init__(self, model: Any, cfg: SpeculativeConfig, sampling: SamplingConfig,
+    def __init__(self, model: Target, cfg: SpeculativeConfig, sampling: SamplingConfig,
                  generator: torch.Generator) -> None:
         self.model, self.cfg, self.sampling, self.generator = model, cfg, sampling, generator
-        self.cache = kv_cache.new_cache(model, "draft model")
+        self.cache = model.new_cache()
         self.gamma = cfg.gamma
         self.drafted = 0
-        self.device = next(model.parameters()).device
+        self.device = model.device
 
     @torch.inference_mode()
     def _step(self, tokens: list[int]) -> torch.Tensor:
+        """Feed ``tokens`` after the cached ones; greedy: the next token's id [] (the draft's argmax, its
+        logits not all made where its forward screens them), else its probabilities q [V]."""
         past = kv_cache.cache_length(self.cache)
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         pos = torch.arange(past, past + len(tokens), device=self.device)[None]
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1,
-                         **kv_cache.cache_argument(self.model, self.cache))
-        return out.logits[0, -1].float()
+        greedy = self.sampling.greedy
+        out = self.model.forward(ids, pos, self.cache, logits_from=len(tokens) if greedy else len(tokens) - 1)
+        if greedy:
+            return self.model.greedy_tokens(out.hidden[0, -1:])[0]
+        return logits_to_probs(out.logits[0, -1], self.sampling)
 
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         k = self.drafted = min(self.gamma, max_depth, max_nodes - 1)
@@ -242,13 +261,16 @@ class DraftModel(Proposer):
         pending = ids[kv_cache.cache_length(self.cache):]
         drafts, probs = [], []
         for _ in range(k):
-            q = logits_to_probs(self._step(pending), self.sampling)
-            token = int(q.argmax()) if self.sampling.greedy else int(sample(q, self.generator))
+            q = self._step(pending)
+            if self.sampling.greedy:  # greedy acceptance reads the tokens alone
+                token = int(q)
+            else:
+                token = int(sample(q, self.generator))
+                probs.append(q)
             drafts.append(token)
-            probs.append(q)
             pending = [token]
         tree = chain_tree(ids[-1], torch.tensor(drafts, dtype=torch.long, device=self.device))
-        return Proposal(tree, draft_probs=torch.stack(probs))
+        return Proposal(tree, draft_probs=torch.stack(probs) if probs else None)
 
     def commit(self, ids: list[int], path: list[int], features: torch.Tensor | None) -> None:
         accepted = len(path)
@@ -274,7 +296,8 @@ class EagleDrafter(Proposer):
     def __init__(self, drafter: LeanDrafter, target: Target, cfg: TreeConfig, cost: CostCurve | None = None,
                  lookup: PromptLookupConfig | None = None, sampling: SamplingConfig | None = None,
                  generator: torch.Generator | None = None, sizing: Sizing | None = None,
-                 new_cache: Callable[[], kv_cache.StaticCache] | None = None, host_trees: bool = False) -> None:
+                 new_cache: Callable[[], kv_cache.StaticCache] | None = None, host_trees: bool = False,
+                 suffix: "SuffixDrafts | None" = None) -> None:
         """``drafter``: the inference copy (its ``dtype`` is what it is fed the target's features
         and embeddings in); ``total_tokens`` "auto" sizes by ``sizing`` (what it learns as it
         decodes, updated in place, so that one kept across generations carries it) or, without one,
@@ -282,14 +305,16 @@ class EagleDrafter(Proposer):
         ``lookup``: the n-gram sizes for ``cfg.lookup_tokens``;
         ``sampling``/``generator``: with temperature > 0 and ``cfg.sampled_tree`` (dynamic tree) the
         children are drawn from the drafter (``tree.drawn_children``) with ``generator``; ``new_cache``: where
-        ``start`` takes the drafter's cache from (default: a cache of its own; ``BatchedEngine``: a slot
+        ``start`` takes the drafter's cache from (default: a cache of its own; ``ServingEngine``: a slot
         of a pool, given back by ``close``); ``host_trees``: greedy trees made on the host (from the
-        host values they are drafted as), for a caller that moves a round's trees to the device at once."""
+        host values they are drafted as), for a caller that moves a round's trees to the device at once;
+        ``suffix``: suffix drafts grafted onto each tree (``graft_suffix``)."""
         vocab = drafter.config.draft_vocab_size or drafter.config.vocab_size
         widest = max((r + 1 for c in cfg.choices or () for r in c), default=cfg.top_k)
         if max(cfg.top_k, widest) > vocab:
             raise EagleError(f"tree top_k / choice rank {max(cfg.top_k, widest)} exceeds the drafter's vocabulary ({vocab})")
         self.drafter, self.target, self.cfg = drafter, target, cfg
+        self.suffix, self.kept = suffix, []  # kept: the pool nodes of the last tree, by tree node
         self.dtype = drafter.dtype
         self.aux_layers = tuple(drafter.config.aux_layers)
         self.new_cache = new_cache or drafter.new_cache
@@ -335,6 +360,8 @@ class EagleDrafter(Proposer):
         ``propose``), so a sequence that never drafts (a batch's root-only rounds) costs it nothing."""
         self.close()
         self.cache = self.new_cache()
+        if self.suffix is not None:
+            self.suffix.start(ids)
         self.last_hidden = None
         self.pending = []
         self.prompt = (features, ids[1:]) if features is not None and len(ids) > 1 else None
@@ -364,6 +391,8 @@ class EagleDrafter(Proposer):
         for drafts, match in self.last_matches:  # judge each lookup whose node the target reached
             if produced[:len(drafts)] == drafts:
                 self.lookup_rates.update(match, produced[len(drafts):])
+        if self.suffix is not None:
+            self.suffix.commit(ids, path, self.kept)
         self.pending.append((features, produced))  # fed to the drafter when it next drafts (``catching_up``)
 
     def catching_up(self) -> Generator[DraftStep, StepResult, None]:
@@ -407,7 +436,7 @@ class EagleDrafter(Proposer):
         start = time.perf_counter()
         total = self.cfg.total_tokens if isinstance(self.cfg.total_tokens, int) else max_nodes
         total, levels = min(total, max_nodes), min(self.cfg.levels, max_depth)
-        self.last_matches, self.drawn_from = [], {}
+        self.last_matches, self.drawn_from, self.kept = [], {}, [0]
         if self.last_hidden is None or levels < 1 or total < 2:
             return Proposal(root_only(ids[-1], self.tree_device))
         committed = kv_cache.cache_length(self.cache)
@@ -421,13 +450,14 @@ class EagleDrafter(Proposer):
         kv_cache.roll_back(self.cache, committed)
         drafted = pool.size  # pool nodes from the drafter; grafts come after them, so they are tried after their siblings
         pool = self.graft_lookup(ids, pool, max_depth)
+        pool = self.graft_suffix(ids, pool, drafted, max_depth)
         if self.sizing is not None and not self.draw_temperature:  # "auto": the size with the most expected tokens/s
             best_first = sorted(pool.scores[1:], reverse=True)
             choice = choose_tree_size(best_first, self.sizing.costs, time.perf_counter() - start, calibration)
             total = min(total, choice.size)
         elif self.sizing is not None:  # drawn children: no size may depend on this round's draws, so they size the next
             self._size_next_round(pool, drafted, time.perf_counter() - start, calibration)
-        kept = kept_indices(pool.scores, total)
+        kept = self.kept = kept_indices(pool.scores, total)
         tree = pool.subtree(kept).tree(self.tree_device)
         if not self.draw_temperature or tree.size < 2:
             return Proposal(tree)
@@ -496,6 +526,22 @@ class EagleDrafter(Proposer):
                 self.last_matches.append((path, match))
                 chains.append((match.tokens, self.lookup_rates.scores(match), node))
         return graft_chains(pool, chains, share=not self.draw_temperature) if chains else pool
+
+    def graft_suffix(self, ids: list[int], pool: Pool, drafted: int, max_depth: int) -> Pool:
+        """The pool with suffix drafts below its root (``SuffixDrafts.graft``), scored by their frequencies
+        beside the drafter's path products. In a sampled tree they are new nodes after the drawn ones
+        and the lookup chains (as ``graft_lookup``'s): they depend on the context alone."""
+        if self.suffix is None:
+            return pool
+        labels = [""] + ["drafter"] * (drafted - 1) + ["lookup"] * (pool.size - drafted)
+        return self.suffix.graft(ids, pool, max_depth, pool.size if self.draw_temperature else 0, labels)
+
+    def finish(self, ids: list[int]) -> None:
+        if self.suffix is not None:
+            self.suffix.finish(ids, self.kept)
+
+    def accepted_by_source(self) -> dict[str, int]:
+        return dict(self.suffix.accepted) if self.suffix is not None else {}
 
     def _dynamic(self, root: int, levels: int, total: int, committed: int, start: float,
                  calibration: list[float]) -> Generator[DraftStep, StepResult, Pool]:
@@ -607,3 +653,124 @@ class EagleDrafter(Proposer):
                                             [ancestors[i] for i in grow], committed + d - 1, cached, [], None)
                 hidden_of.update(zip(grow, out.hidden))
         return Pool(tokens, parents, scores)
+
+
+class SuffixDrafts:
+    """Suffix drafts for one request at a time: the longest match of the context's suffix in the
+    request itself (a ``SuffixIndex`` of prompt and output, fed as it grows), in earlier outputs and
+    in a corpus (``store``), each a tree of continuations scored log(count / (occurrences + prior)),
+    grafted below a pool's root (``graft``). ``finish`` adds the request's output to the store.
+    Keeps which source proposed each node of the last tree, to count accepted tokens by source."""
+
+    def __init__(self, store: SuffixStore, capacity: int) -> None:
+        self.store, self.cfg, self.capacity = store, store.cfg, capacity
+        self.request: SuffixIndex | None = None
+        self.seen = self.prompt = 0
+        self.labels: list[str] = []  # the source of each pool node of the last ``graft`` (others: "")
+        self.pool_tokens: list[int] = []  # the last pool's tokens and parents
+        self.pool_parents: list[int] = []
+        self.accepted: dict[str, int] = {}
+
+    def start(self, ids: list[int]) -> None:
+        self.request = new_index(self.capacity, self.cfg)
+        self.request.extend(ids)
+        self.seen = self.prompt = len(ids)
+
+    def commit(self, ids: list[int], path: list[int], kept: list[int] | None = None) -> None:
+        """``path``: the accepted tree nodes (``kept``: the pool node of each tree node; None: the same)."""
+        self._count([kept[node] if kept is not None else node for node in path])
+        if self.request is not None:
+            self.request.extend(ids[self.seen:])
+            self.seen = len(ids)
+
+    def finish(self, ids: list[int], kept: list[int] | None = None) -> None:
+        """The generation ended with ``ids``: count the last round's accepted drafts (the loop commits no
+        round that ends it: they are the path of the last tree, ``kept`` of the last pool, that the new
+        tokens follow) and add the output to the store's history."""
+        nodes = kept if kept is not None else range(len(self.pool_parents))
+        at, path = 0, []
+        for token in ids[self.seen:]:
+            at = next((n for n in nodes if n and self.pool_parents[n] == at and self.pool_tokens[n] == token), None)
+            if at is None:
+                break
+            path.append(at)
+        self._count(path)
+        if self.request is not None and len(ids) > self.prompt:
+            self.store.history.add(ids[self.prompt:])
+        self.request, self.labels, self.pool_tokens, self.pool_parents = None, [], [], []
+
+    def _count(self, pool_nodes: list[int]) -> None:
+        for node in pool_nodes:
+            label = self.labels[node] if node < len(self.labels) else ""
+            if label:
+                self.accepted[label] = self.accepted.get(label, 0) + 1
+
+    def graft(self, ids: list[int], pool: Pool, max_depth: int, share_from: int = 0,
+              labels: list[str] | None = None) -> Pool:
+        """``pool`` with each source's continuations of ``ids`` below its root, at most ``max_depth`` deep.
+        ``labels``: the sources of ``pool``'s nodes so far (default: none)."""
+        cfg = self.cfg
+        self.labels = list(labels) if labels is not None else [""] * pool.size
+        self.pool_tokens, self.pool_parents = pool.tokens, pool.parents
+        if max_depth < 1:
+            return pool
+        sources = ([("request", self.request)] if self.request is not None else []) + self.store.sources()
+        for name, index in sources:
+            found = index.lookup(ids, min(cfg.max_depth, max_depth), cfg.min_token_prob, cfg.max_nodes,
+                                 cfg.max_spec_factor)
+            if not found.tokens:
+                continue
+            scale = found.occurrences + cfg.prior
+            before = list(pool.scores)
+            pool, places = graft_tree(pool, 0, found.tokens, found.parents,
+                                      [math.log(c / scale) for c in found.counts], share_from)
+            self.labels += [""] * (pool.size - len(self.labels))
+            for place in places:
+                if place >= len(before) or pool.scores[place] > before[place]:
+                    self.labels[place] = name
+        self.pool_tokens, self.pool_parents = pool.tokens, pool.parents
+        return pool
+
+
+class SuffixLookup(Proposer):
+    """Method ``suffix``: the tree of ``SuffixDrafts`` alone (no drafter), sized as ``eagle-tree``'s
+    "auto" trees are: the size with the most expected tokens per second (``choose_tree_size``) from
+    its scores and the target's measured cost (``sizing``; None: all of ``max_nodes``)."""
+
+    def __init__(self, drafts: SuffixDrafts, device: torch.device, sizing: Sizing | None = None) -> None:
+        self.drafts, self.device, self.sizing = drafts, device, sizing
+        self.proposed: tuple[DraftTree, list[int], float] | None = None
+
+    def start(self, ids: list[int], features: torch.Tensor | None) -> None:
+        self.drafts.start(ids)
+
+    def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
+        start = time.perf_counter()
+        pool = self.drafts.graft(ids, Pool([ids[-1]], [-1], [0.0]), max_depth)
+        total = max_nodes
+        if self.sizing is not None:
+            best_first = sorted(pool.scores[1:], reverse=True)
+            total = min(total, choose_tree_size(best_first, self.sizing.costs, time.perf_counter() - start,
+                                                self.sizing.calibration).size)
+        kept = kept_indices(pool.scores, total)
+        tree = pool.subtree(kept).tree(self.device)
+        self.proposed = (tree, kept, time.perf_counter())
+        return Proposal(tree)
+
+    def commit(self, ids: list[int], path: list[int], features: torch.Tensor | None) -> None:
+        kept = None
+        if self.proposed is not None:
+            tree, kept, made = self.proposed
+            if self.sizing is not None:
+                self.sizing.record_round(tree.size, time.perf_counter() - made)
+                scores, accepted = tree.scores.tolist(), set(path)
+                ranked = best_frontier(scores[1:], len(scores) - 1)
+                self.sizing.record_drafts([math.exp(scores[i + 1]) for i in ranked],
+                                          [i + 1 in accepted for i in ranked])
+        self.drafts.commit(ids, path, kept)
+
+    def finish(self, ids: list[int]) -> None:
+        self.drafts.finish(ids, self.proposed[1] if self.proposed is not None else None)
+
+    def accepted_by_source(self) -> dict[str, int]:
+        return dict(self.drafts.accepted)

@@ -7,10 +7,11 @@ index 0 followed by draft nodes in topological order."""
 from __future__ import annotations
 
 import dataclasses
-from array import array
 from typing import Callable, Sequence
 
 import torch
+
+from eagle.runtime.masks import host_tensor
 
 
 @dataclasses.dataclass
@@ -78,14 +79,6 @@ def drawn_children(parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int, 
     drawn = ranked(among_lp / temperature + gumbel, k)
     best = among_lp.gather(-1, ranked(among_lp, k))
     return among.gather(-1, drawn), parent_scores[:, None] + best, among, among_lp
-
-
-def host_tensor(values: Sequence[int] | Sequence[float], dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """``values`` as a host tensor [N] of ``dtype`` (long or float32) made from an array's bytes: a few times
-    cheaper than ``torch.tensor`` of a list, which each sequence of a batched round pays for its tree."""
-    if not values:
-        return torch.zeros(0, dtype=dtype)
-    return torch.frombuffer(array("q" if dtype == torch.long else "f", values), dtype=dtype)
 
 
 def best_frontier(scores: Sequence[float], k: int) -> list[int]:
@@ -269,3 +262,31 @@ def pool_depths(k: int, calls: int) -> list[int]:
     """The depth of each node of a pool grown by ``grow_pools`` (``calls`` expansions of k nodes with k
     children each): the root, its k children, then k^2 nodes per call [1 + k + calls k^2]."""
     return [0] + [1] * k + [d + 1 for d in range(1, calls + 1) for _ in range(k * k)]
+
+
+def graft_tree(pool: Pool, at: int, tokens: Sequence[int], parents: Sequence[int], offsets: Sequence[float],
+               share_from: int = 0) -> tuple[Pool, list[int]]:
+    """Hang a tree of draft tokens below node ``at`` of a candidate pool (suffix drafts onto the
+    drafter's tree): node j has token ``tokens[j]``, parent ``parents[j]`` (-1: ``at``; parents
+    come first) and score ``at``'s plus ``offsets[j]`` (<= 0, no higher than its parent's). A node
+    whose token is already a child of its parent's place reuses that child if its index is at least
+    ``share_from`` (its score becomes the higher of the two), as ``graft_chains`` does; else it is
+    new (``share_from=pool.size``: no node is merged with a drawn one, whose score must not depend
+    on which token was drawn).
+    Returns the pool (``pool`` is not changed) and the pool index of each grafted node [len(tokens)]."""
+    out = Pool(list(pool.tokens), list(pool.parents), list(pool.scores))
+    children = {(p, t): i for i, (p, t) in enumerate(zip(out.parents, out.tokens)) if p >= 0 and i >= share_from}
+    base, places = out.scores[at], []
+    for token, parent, offset in zip(tokens, parents, offsets):
+        above = at if parent < 0 else places[parent]
+        node = children.get((above, token))
+        if node is None:
+            node = len(out.tokens)
+            children[(above, token)] = node
+            out.tokens.append(token)
+            out.parents.append(above)
+            out.scores.append(base + offset)
+        else:
+            out.scores[node] = max(out.scores[node], base + offset)
+        places.append(node)
+    return out, places

@@ -228,7 +228,7 @@ def measure_cost_curve(target: Target, sizes: tuple[int, ...] = SIZES, context: 
     ``repeats`` rounds over all sizes (so a slow spell of the machine touches every size alike),
     the median per size, made non-decreasing in n (``non_decreasing``)."""
     from eagle.runtime import kv_cache
-    from eagle.decoding.tree_mask import causal_bias
+    from eagle.runtime.masks import causal_bias
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (1, context + max(sizes)), generator=gen).to(target.device)

@@ -22,7 +22,7 @@ from eagle.drafting.drafter_config import TargetInfo
 from eagle.drafting.weights import read_safetensors
 from eagle.errors import EagleError
 from eagle.inputs import DRAFT_LM_MARKER
-from eagle.runtime.block_codes import unpack_state
+from eagle.runtime.quant_blocks import unpack_state
 
 FORMAT = "eagle-draft-lm/1"
 MARKER = DRAFT_LM_MARKER

@@ -32,8 +32,8 @@ from eagle.runtime.kv_cache import StaticCache
 from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels
 from eagle.runtime.decoder import LayerWeights, PackedLinear, decoder_stack, rms_norm, rotate, to_huge_pages
 from eagle.runtime.layers import llama_layer, rotated
-from eagle.runtime.block_codes import BLOCK, CODES, FORMATS, SCALES, BlockCodes, decode, unpack_state
-from eagle.decoding.tree_mask import causal_bias
+from eagle.runtime.quant_blocks import BLOCK, CODES, FORMATS, SCALES, BlockCodes, decode, unpack_state
+from eagle.runtime.masks import causal_bias
 from eagle.drafting import checkpoint_formats
 from eagle.drafting.drafter_config import FORMAT, DrafterConfig, TargetInfo, default_eagle3_layers
 from eagle.drafting.weights import SafetensorsRows, check_state, read_safetensors
@@ -443,7 +443,7 @@ class _ModuleWeights:
 
 @dataclasses.dataclass(eq=False)
 class DrafterFile:
-    """A drafter folder in eagle's own format (plain, or packed by ``eagle.runtime.block_codes.pack_state``) for a
+    """A drafter folder in eagle's own format (plain, or packed by ``eagle.runtime.quant_blocks.pack_state``) for a
     target on a CPU, opened (``open``: the config, the checks ``Drafter.from_pretrained`` makes, the tensors'
     shapes from the file's header) without reading its weights into a module. ``LeanDrafter(file, quant=...)``
     reads them from the file one matrix at a time, a few rows at a time, so that its codes are all a decoding
@@ -567,7 +567,7 @@ class LeanDrafter(nn.Module):
 
     def __init__(self, drafter: "Drafter | DrafterFile", dtype: torch.dtype | None = None,
                  quant: str | None = None) -> None:
-        """``quant``: a format of ``eagle.runtime.block_codes.FORMATS`` ("q8_0", "q4_1"): the matrices rounded to
+        """``quant``: a format of ``eagle.runtime.quant_blocks.FORMATS`` ("q8_0", "q4_1"): the matrices rounded to
         it (lossy) and computed in fp32, read from their codes by the compiled kernels where they
         run; a matrix whose input size is not a multiple of 32 stays as it is. ``drafter``: a module, or a
         ``DrafterFile`` whose weights are read from the file one matrix at a time (8-bit codes stored by

@@ -8,7 +8,7 @@ stays usable (its own forward is the reference in the tests). In fp32 on AVX-512
 of 1-16 tokens (decoding, tree verification) runs each decoder layer as one compiled call
 (``eagle.runtime.kernels``) whose rows do not depend on each other, so a tree node gets the plain
 step's bits; weights that are exact block encodings (a dequantized GGUF target's) are streamed
-from their codes (``eagle.runtime.block_codes``). Greedy decoding takes the head's argmax from a bf16
+from their codes (``eagle.runtime.quant_blocks``). Greedy decoding takes the head's argmax from a bf16
 copy with an exact fp32 recheck (``GreedyHead``), or, for a large head of 8-bit codes, from the int8 products of
 the same codes with that recheck (``CodesGreedyHead``).
 
@@ -34,11 +34,12 @@ from eagle.errors import EagleError
 from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels, source_digest, stream_linear_op
 from eagle.runtime.kv_cache import StaticCache
 from eagle.runtime.huge_pages import huge_page_copies
-from eagle.runtime.block_codes import BlockCodes, block_encode, block_quantize, decode
+from eagle.runtime.quant_blocks import BlockCodes, block_encode, block_quantize, decode
 from eagle.runtime.gguf_file import LLAMA_FAMILY
-from eagle.runtime.gguf_weights import GGUFLinear, GGUFMatrix, GGUFModel, GGUFProjection, joined_rows
+from eagle.runtime.gguf_weights import (GGUFLinear, GGUFMatrix, GGUFModel, GGUFProjection, SPLIT_TYPES, int8_block,
+                                        joined_rows, split_norms)
 from eagle.runtime.layers import llama_layer, rms_norm, rotate, silu_mul, with_aux  # noqa: F401 - re-exported
-from eagle.decoding.tree_mask import causal_bias
+from eagle.runtime.masks import causal_bias
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -92,7 +93,7 @@ class PackedLinear(nn.Module):
         self.stream_op = stream_linear_op() if stream and weight.dtype == torch.float32 and (
             weight.device.type == "cpu") else None
         # a weight that is an exact block encoding (a dequantized GGUF target's) is streamed from its
-        # codes: the same bits for a sixth (4-bit) or 28% (8-bit) of the memory traffic (``eagle.runtime.block_codes``)
+        # codes: the same bits for a sixth (4-bit) or 28% (8-bit) of the memory traffic (``eagle.runtime.quant_blocks``)
         self.encoded = block_encode(weight) if self.stream_op is not None and encode else None
         self.pad_rows: tuple[int, ...] = ()
         # the unpacked weight, for the streamed kernel or the row counts ``F.linear`` computes faster
@@ -115,7 +116,7 @@ class PackedLinear(nn.Module):
 
     @classmethod
     def quantized(cls, weight: Any, bias: torch.Tensor | None, bits: int) -> "PackedLinear":
-        """``weight`` [out, in] rounded to its nearest block encoding (``eagle.runtime.block_codes.block_quantize``,
+        """``weight`` [out, in] rounded to its nearest block encoding (``eagle.runtime.quant_blocks.block_quantize``,
         lossy: for a drafter, whose precision never changes the output), in fp32: the product of the
         quantized weight, streamed from its codes where the compiled kernels run (1.125 or 0.625
         bytes a weight against bf16's 2; no fp32 copy is kept, so more than 16 rows are computed 16 at a time),
@@ -293,35 +294,43 @@ class GreedyHead:
 
 
 class CodesGreedyHead:
-    """The argmax of an LM head read from 8-bit codes (its fp32 logits, as ``head`` computes them), exactly, for about
-    half the arithmetic: logits from the same codes with x quantized to int8 per block of 32 (the compiled int8
-    products), a bound on how far each can be from the fp32 one, and the fp32 logits of only the tokens the bound
-    leaves within reach of the best (the true argmax is always among them), computed by the same kernel on their
-    rows of codes (an output's sum does not depend on the other rows: the same bits). ``head``: a ``PackedLinear``
-    of 8-bit block codes (a GGUF's Q8_0 head is loaded so; its other types' fp32 products decode in registers about
-    as fast as their int8 ones, docs/performance.md).
+    """The argmax of an LM head read from codes (its fp32 logits, as ``head`` computes them), exactly, for less
+    arithmetic: logits from the same codes with x quantized to int8 (the compiled int8 products), a bound on how far
+    each can be from the fp32 one, and the fp32 logits of only the tokens the bound leaves within reach of the best
+    (the true argmax is always among them), computed by the same kernel on their rows of codes (an output's sum does
+    not depend on the other rows: the same bits). ``head``: a ``PackedLinear`` of 8-bit block codes (a GGUF's Q8_0
+    head, Gemma-3's tied embedding) or a ``GGUFLinear`` of one GGUF matrix of a type ``split_norms`` knows (Qwen's
+    Q6_K head): ``screenable``.
 
     With A the int8 logits, r the fp32 ones, s the exact x w^T and x' x as the int8 products see it (each block's
-    codes times its scale): A sums products of w and x' (exact integer sums, then each block's scales) in fp32, so
-    |A_j - s_j| <= |x - x'| |w_j| + g |x'| |w_j|, and |r_j - s_j| <= g |x| |w_j| (g = 2 K u / (1 - K u), u = 2^-24:
-    twice a K-term sum's bound). With c = |x - x'| + g (|x'| + |x|), the argmax j* of r has
-    A_j* + c |w_j*| >= max_i (A_i - c |w_i|), per-token norms |w_j| computed once. Where x holds no finite value,
-    or the bound leaves an eighth of the vocabulary, the whole head decides; so it does for more than ``max_rows``
-    rows (None: no limit; ``codes_greedy_head`` sets it to where the screen measured faster)."""
+    codes times its scale): A sums products of x' and the two parts of w = a - b (a: codes times scales, b: the
+    minimums; exact integer sums, then their scales) in fp32, so |A_j - s_j| <= |x - x'| |w_j| + g |x'| (|a_j| +
+    |b_j|), and |r_j - s_j| <= g |x| |w_j| (g = 2 K u / (1 - K u), u = 2^-24: twice a K-term sum's bound). With
+    c = (|x - x'|, g (|x'| + |x|)) and per-token norms n = (|w_j|, |a_j| + |b_j|) computed once, the argmax j* of r
+    has A_j* + c n_j* >= max_i (A_i - c n_i). Where x holds no finite value, or the bound leaves an eighth of the
+    vocabulary, the whole head decides; so it does for more than ``max_rows`` rows (None: no limit;
+    ``codes_greedy_head`` sets it to where the screen measured faster)."""
 
     SLACK = 2.0 ** -20  # fp32 roundings of A +- c |w| and of their maximum, relative to the largest of them
 
-    def __init__(self, head: PackedLinear, max_rows: int | None = None) -> None:
+    def __init__(self, head: "PackedLinear | GGUFLinear", max_rows: int | None = None) -> None:
         compiled = cpu_kernels()
         if not screenable(head):
-            raise ValueError("CodesGreedyHead needs a head streamed from 8-bit block codes and the int8 products")
+            raise ValueError("CodesGreedyHead needs a head streamed from 8-bit block codes or one GGUF matrix of "
+                             f"{', '.join(SPLIT_TYPES)}, and the int8 products")
         self.head, self.compiled, self.max_rows = head, compiled, max_rows
-        self.norms = row_norms(head.encoded) * (1 + 2.0 ** -10)  # fp32 sums of K squares: within K u of the exact ones
+        gguf = isinstance(head, GGUFLinear)
+        # [2, V]; for block codes, whose two norms are one (no minimums), [V] with the radius' terms summed
+        norms = split_norms(head.parts[0]) if gguf else row_norms(head.encoded)
+        self.norms = (norms * (1 + 2.0 ** -10)).contiguous()  # fp32 sums of K squares: within K u of the exact ones
         self.gamma = twice_sum_rounding(head.in_features)
+        self.block = int8_block(head.parts[0].ggml_type) if gguf else 32
 
     def _approx(self, x: torch.Tensor) -> torch.Tensor:
         """The int8 logits [N, V]."""
         head = self.head
+        if isinstance(head, GGUFLinear):
+            return self.compiled.stream_linear_gguf_parts(x, head.raws, head.types, head.bias, True)
         return self.compiled.stream_linear_q(x, head.encoded.codes, head.encoded.scales, head.bias, True, True)
 
     def _exact(self, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
@@ -330,6 +339,9 @@ class CodesGreedyHead:
         if tokens is None:
             return head(x)
         bias = None if head.bias is None else head.bias.index_select(0, tokens)
+        if isinstance(head, GGUFLinear):
+            return self.compiled.stream_linear_gguf(x, head.raws[0].index_select(0, tokens), head.types[0], bias,
+                                                    False)
         codes = head.encoded  # read at each call: it may have moved (huge pages)
         return PackedLinear.from_codes(BlockCodes(codes.codes.index_select(0, tokens),
                                                   codes.scales.index_select(0, tokens)), bias)(x)
@@ -339,9 +351,16 @@ class CodesGreedyHead:
         return head_argmax(self.head, x, self.compiled.argmax_rows)
 
     def radius(self, x: torch.Tensor) -> torch.Tensor:
-        """c [N] (float64) for fp32 rows x [N, K]: each int8 logit is within c |w_j| of the fp32 one (with a margin),
-        x' taken as the int8 products quantize it."""
-        return self.compiled.int8_radius(x, self.gamma)
+        """c [N, 2] (float64) for fp32 rows x [N, K]: each int8 logit is within c0 n0_j + c1 n1_j of the fp32 one
+        (with a margin; n: ``norms`` [2, V]), x' taken as the int8 products quantize it; with ``norms`` [V] (block
+        codes) c [N], the two terms summed."""
+        c = self.compiled.int8_radius(x, self.gamma, self.block)
+        return c if self.norms.dim() == 2 else c.sum(dim=1)
+
+    def bound(self, x: torch.Tensor) -> torch.Tensor:
+        """How far each int8 logit of rows x [N, K] can be from the fp32 one: float64 [N, V]."""
+        c, n = self.radius(x), self.norms.double()
+        return c @ n if n.dim() == 2 else torch.outer(c, n)
 
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -354,7 +373,7 @@ class CodesGreedyHead:
         if self.max_rows is not None and n > self.max_rows:
             return self.whole(x)
         approx = self._approx(x)  # [N, V]
-        # the tokens within reach of each row's best (A_j + c |w_j| >= max_i (A_i - c |w_i|), with a slack for
+        # the tokens within reach of each row's best (A_j + c n_j >= max_i (A_i - c n_i), with a slack for
         # fp32 roundings), in one compiled pass; none where the whole head decides (an eighth of the vocabulary)
         tokens, keep = self.compiled.screen_candidates(approx, self.radius(x).float(), self.norms, self.SLACK,
                                                        approx.shape[1] // 8)
@@ -364,11 +383,13 @@ class CodesGreedyHead:
 
 
 def screenable(head: Any) -> bool:
-    """Whether ``CodesGreedyHead`` takes ``head``: fp32 products (not int8 activations) from 8-bit block codes, where
-    the compiled int8 products run."""
+    """Whether ``CodesGreedyHead`` takes ``head``: fp32 products (not int8 activations) from 8-bit block codes or
+    from one GGUF matrix of ``SPLIT_TYPES``, where the compiled int8 products run."""
     compiled = cpu_kernels()
-    if compiled is None or not compiled.int8_activations or isinstance(head, GGUFLinear) or head.int8:
+    if compiled is None or not compiled.int8_activations or head.int8:
         return False
+    if isinstance(head, GGUFLinear):
+        return len(head.parts) == 1 and head.parts[0].ggml_type in SPLIT_TYPES
     return head.encoded is not None and head.encoded.bits == 8
 
 
@@ -389,14 +410,20 @@ SCREENED_HEAD_WEIGHTS = 1 << 26  # smaller heads: the screen's fixed cost outwei
 SCREEN_TRIAL_ROWS = (1, 4, 16)  # row counts at which the screen is timed against the whole head
 
 
-def codes_greedy_head(head: PackedLinear) -> CodesGreedyHead | None:
+def head_rows(head: "PackedLinear | GGUFLinear") -> int:
+    """The vocabulary of a head read from codes (8-bit block codes or GGUF rows)."""
+    return head.out_features if isinstance(head, GGUFLinear) else head.encoded.codes.shape[0]
+
+
+def codes_greedy_head(head: "PackedLinear | GGUFLinear") -> CodesGreedyHead | None:
     """The ``CodesGreedyHead`` of a head of at least ``SCREENED_HEAD_WEIGHTS`` weights that ``screenable`` takes,
     screening as many rows as it measured faster at (``paying_rows``); None where it pays at none (or is not
     taken). Timings choose speed only: either way the argmax is the fp32 head's."""
-    if not screenable(head) or head.encoded.codes.numel() < SCREENED_HEAD_WEIGHTS:
+    if not screenable(head) or head_rows(head) * head.in_features < SCREENED_HEAD_WEIGHTS:
         return None
     screen = CodesGreedyHead(head)
-    key = json.dumps(["v1", list(head.encoded.codes.shape), head.bias is not None, screen.compiled.isa,
+    kind = head.describe() if isinstance(head, GGUFLinear) else "block8"
+    key = json.dumps(["v2", kind, head_rows(head), head.in_features, head.bias is not None, screen.compiled.isa,
                       source_digest(), torch.get_num_threads()])
     path = measurement_path("screen", key)
     if path.is_file():  # measured once per machine, head shape and thread count
@@ -578,18 +605,6 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
-def lean_decoder(model: Any, int8_activations: bool = False) -> Any:
-    """A lean forward for ``model`` when its architecture is supported, else None: a ``LeanDecoder``
-    (Llama, Qwen2, Qwen3) or an ``eagle.runtime.gemma.GemmaDecoder`` (Gemma-3). ``int8_activations``: see
-    ``LeanDecoder``."""
-    from eagle.runtime import gemma
-
-    if getattr(model.config, "model_type", None) in gemma.GEMMA_MODEL_TYPES:
-        return gemma.GemmaDecoder(model, int8_activations=int8_activations) if gemma.unsupported_reason(
-            model) is None else None
-    return LeanDecoder(model, int8_activations=int8_activations) if unsupported_reason(model) is None else None
-
-
 def product(linears: Sequence[Any], stream: bool, encode: bool, int8: bool = False) -> "PackedLinear | GGUFLinear":
     """One product for a lean forward's layer from a model's linears reading the same input (outputs
     side by side): ``nn.Linear`` modules -> a ``PackedLinear``; a GGUF target's projections
@@ -634,7 +649,8 @@ def lm_head(weight: Any, stream: bool, encode: bool,
     a head from codes takes int8 activations."""
     if isinstance(weight, GGUFProjection):
         if stream and isinstance(weight.matrix, GGUFMatrix):
-            return GGUFLinear([weight.matrix], weight.bias, int8), None
+            head = GGUFLinear([weight.matrix], weight.bias, int8)
+            return head, codes_greedy_head(head)
         if isinstance(weight.matrix, BlockCodes):
             head = PackedLinear.from_codes(weight.matrix, weight.bias, int8)
             return head, codes_greedy_head(head) if stream else None
@@ -735,7 +751,7 @@ class LeanDecoder(HeadAndCache):
     def __init__(self, model: Any, kernels: bool = True, encode: bool = True, int8_activations: bool = False) -> None:
         """``kernels``: in fp32 on CPU, the compiled kernels where they run (``eagle.runtime.kernels``: 1-16
         rows streamed, RMSNorm in one pass); ``encode``: with them, weights that are exact block
-        encodings (a dequantized GGUF target's) are streamed from their codes (``eagle.runtime.block_codes``);
+        encodings (a dequantized GGUF target's) are streamed from their codes (``eagle.runtime.quant_blocks``);
         ``int8_activations``: those products take x quantized to int8 per block of 32, as llama.cpp's do
         (faster; not the fp32 products' bits, so greedy output can differ from the fp32 forward's)."""
         reason = unsupported_reason(model)

@@ -25,7 +25,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from eagle.decoding.tree_mask import causal_bias
+from eagle.runtime.masks import causal_bias
 from eagle.runtime.decoder import (HeadAndCache, PackedLinear, check_int8_activations, coded_weights, head_is_fp32_cpu,
                                    head_weight, int8_activations_here, lm_head, product, screened)
 from eagle.runtime.gguf_weights import GGUFLinear

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from eagle.runtime.block_codes import BlockCodes, decode
+from eagle.runtime.quant_blocks import BlockCodes, decode
 from eagle.runtime.gguf_file import GGUFHeader, LLAMA_FAMILY, TensorInfo, check_gguf, tensor_storage, KEEP_BLOCKS
 from eagle.runtime.huge_pages import Arena
 from eagle.runtime.kernels import cpu_kernels
@@ -85,12 +85,57 @@ class GGUFMatrix:
         return torch.from_numpy(dequantize_numpy(self.raw.numpy(), self.ggml_type))
 
 
+SUPER_BLOCKED = ("Q4_K", "Q5_K", "Q6_K")  # their int8 products quantize x per super-block of 256 (ggml's Q8_K)
+SPLIT_TYPES = ("Q8_0", "Q5_0") + SUPER_BLOCKED  # the types ``split_norms`` knows
+
+
+def int8_block(ggml_type: str) -> int:
+    """How many values of x share one scale when the int8 products meet codes of this type."""
+    return 256 if ggml_type in SUPER_BLOCKED else 32
+
+
+def split_norms(matrix: GGUFMatrix, rows: int = 4096) -> torch.Tensor:
+    """fp32 [2, N]: each row's Euclidean norm |w_j|, and |a_j| + |b_j| for the two parts w_j = a_j - b_j the int8
+    products sum apart (a: the codes times their scales; b: the minimums, d dmin per 32 weights for Q4_K and Q5_K,
+    32 d sc per 16 for Q6_K, none for Q8_0 and Q5_0), in float64 from gguf-py's values, ``rows`` at a time.
+    Types of ``SPLIT_TYPES``."""
+    if matrix.ggml_type not in SPLIT_TYPES:
+        raise ValueError(f"split_norms: {matrix.ggml_type} is not one of {', '.join(SPLIT_TYPES)}")
+    n, out = matrix.out_features, torch.empty(2, matrix.out_features)
+    for i in range(0, n, rows):
+        index = torch.arange(i, min(n, i + rows))
+        w = matrix.rows(index).double()
+        b = _minimums(matrix.raw[i:i + rows].numpy(), matrix.ggml_type, w.shape[1])
+        out[0, i:i + w.shape[0]] = w.norm(dim=1).float()
+        if b is None:
+            out[1, i:i + w.shape[0]] = out[0, i:i + w.shape[0]]
+        else:
+            out[1, i:i + w.shape[0]] = ((w + b).norm(dim=1) + b.norm(dim=1)).float()
+    return out
+
+
+def _minimums(raw: np.ndarray, ggml_type: str, k: int) -> torch.Tensor | None:
+    """b of ``split_norms`` for GGUF rows raw uint8 [n, row bytes], float64 [n, K] (None: 0)."""
+    if ggml_type not in SUPER_BLOCKED:
+        return None
+    n = raw.shape[0]
+    blocks = raw.reshape(n, k // 256, -1)
+    if ggml_type == "Q6_K":
+        d = blocks[..., 208:210].copy().view(np.float16).astype(np.float64)  # [n, S, 1]
+        per16 = 32.0 * d * blocks[..., 192:208].view(np.int8).astype(np.float64)  # [n, S, 16]
+        return torch.from_numpy(np.repeat(per16, 16, axis=-1).reshape(n, k))
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float64)  # [n, S, 1]
+    q = blocks[..., 4:16].astype(np.int64)  # the 12 scale bytes
+    mins = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], axis=-1)  # [n, S, 8]
+    return torch.from_numpy(np.repeat(dmin * mins, 32, axis=-1).reshape(n, k))
+
+
 BLOCK_CODED = ("Q4_0", "Q4_1", "Q8_0")  # types read into ``BlockCodes``, streamed by ``stream_linear_q``
 CHUNK_BYTES = 8 << 20  # a block-coded tensor is read this much at a time (no whole copy of a large embedding)
 
 
 def codes_into(raw: torch.Tensor, ggml_type: str, codes: torch.Tensor, scales: torch.Tensor) -> None:
-    """Q4_0, Q4_1 or Q8_0 rows (uint8 [n, row bytes]) written as ``eagle.runtime.block_codes.BlockCodes``
+    """Q4_0, Q4_1 or Q8_0 rows (uint8 [n, row bytes]) written as ``eagle.runtime.quant_blocks.BlockCodes``
     into ``codes`` and ``scales`` (the layout ``stream_linear_q`` decodes in registers, faster than
     ``stream_linear_gguf``'s buffer), standing for the very weights gguf-py de-quantizes: Q4_1's codes and
     (d, m) as stored; Q4_0's d (c - 8) as d c + m with m = -8 d (exact in float16); Q8_0's codes with d

@@ -1,6 +1,6 @@
 """Compiled CPU kernels for decoding in fp32 (``eagle/runtime/csrc/cpu_kernels.cpp``): the few-row matrix
 products (``stream_linear``; ``stream_linear_q`` reads a weight from its exact block encoding,
-``eagle.runtime.block_codes``, with the same bits), Llama's RMSNorm (``rms_norm``), the gated MLP's activation
+``eagle.runtime.quant_blocks``, with the same bits), Llama's RMSNorm (``rms_norm``), the gated MLP's activation
 (``silu_mul``), and attention over the cache for a few rows (``rope_cache``: rotary queries and
 keys, keys and values written into the cache buffers; ``attention``: grouped-query, masked or
 causal, each row summed over its own keys in order so its result does not depend on the other rows
@@ -21,7 +21,8 @@ CPU runs as a CPU without AVX-512 would); both are read once per process (to com
 kernels out when debugging). AVX2 computes AVX-512's bits; the portable path rounds a multiply-add
 twice, so its bits differ from theirs, but on every path a row's result does not depend on the rows
 computed with it. ``stream_linear_q`` and ``stream_linear_gguf_parts`` take ``int8=True`` (the AVX builds; the
-module's ``int8_activations`` says whether it has them): x quantized to int8 per block of 32 meets the codes in
+module's ``int8_activations`` says whether it has them): x quantized to int8 per block of 32 (per super-block of
+256 for Q4_K, Q5_K and Q6_K, ggml's Q8_K; those also on the portable build, by plain loops) meets the codes in
 integers, as llama.cpp's products do, with other bits than the fp32 product but still row-independent
 (``load_target(..., int8_activations=True)``). ``eagle.runtime.decoder.PackedLinear`` uses ``stream_linear`` for
 1-16 rows, ``eagle.runtime.decoder.LeanDecoder`` and ``eagle.drafting.drafter.LeanDrafter`` a ``DecoderStack`` (for

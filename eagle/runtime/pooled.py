@@ -29,8 +29,7 @@ from eagle.runtime.layers import with_aux
 from eagle.runtime.rows import LayerPlan, gathered, rotary_tables
 from eagle.runtime.shapes import (ROW_BUCKETS, SEGMENT_BUCKETS, SPAN_BUCKETS, StaticRunner, StaticShape,  # noqa: F401
                                   bucket_for, keys_for)
-from eagle.decoding.tree import host_tensor
-from eagle.decoding.tree_mask import additive_bias
+from eagle.runtime.masks import additive_bias, host_tensor
 from eagle.drafting.drafter import fused_input
 from eagle.runtime.kv_cache import CachePool, SlotCache
 

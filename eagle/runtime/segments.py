@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from eagle.decoding.tree_mask import causal_bias
+from eagle.runtime.masks import causal_bias
 from eagle.runtime.decoder import LeanDecoder
 from eagle.runtime.gemma import GemmaDecoder
 from eagle.runtime.kernels import STREAM_MAX_ROWS

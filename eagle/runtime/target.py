@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -10,7 +12,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -18,8 +20,10 @@ from eagle.runtime import kv_cache
 from eagle.cache_dir import cache_root
 from eagle.errors import EagleError
 from eagle.inputs import DEFAULT_TARGET, check_prompt_text, check_spec  # noqa: F401 (names of this module too)
+from eagle.named_targets import named_gguf
 from eagle.prompts import has_chat_template
-from eagle.runtime.decoder import LeanDecoder, lean_decoder
+from eagle.runtime.architectures import lean_decoder
+from eagle.runtime.decoder import LeanDecoder
 from eagle.runtime.gguf_file import LLAMA_FAMILY, GGUFHeader, check_gguf, config_overrides, read_header
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -245,19 +249,45 @@ def gguf_metadata_dir(gguf_path: Path, tokenizer: bool = True, header: GGUFHeade
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     out = out if tokenizer else configs
-    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    for key, value in config_overrides(gguf_path, header or read_header(gguf_path)).items():
-        setattr(config, key, value)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.save_pretrained(tmp)
-    GenerationConfig.from_model_config(config).save_pretrained(tmp)
-    if tokenizer:
-        AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
+    with _gguf_metadata_read_once():
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        for key, value in config_overrides(gguf_path, header or read_header(gguf_path)).items():
+            setattr(config, key, value)
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        if tokenizer:
+            AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
     tmp.rename(out)
     return out
+
+
+@contextlib.contextmanager
+def _gguf_metadata_read_once() -> Iterator[None]:
+    """Within the block, transformers' whole-metadata GGUF reader (``load_gguf_checkpoint`` without tensors)
+    answers a file it has read before from a copy of its first answer: ``AutoConfig`` and ``AutoTokenizer``
+    each read it for the config, which for a 151,936-token vocabulary took 30-60 s a read on 2 busy cores."""
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    original = reader.load_gguf_checkpoint
+    answers: dict[str, Any] = {}
+
+    def read_once(path: Any, return_tensors: bool = False, **kwargs: Any) -> Any:
+        if return_tensors or kwargs:
+            return original(path, return_tensors=return_tensors, **kwargs)
+        key = os.path.realpath(path)
+        if key not in answers:
+            answers[key] = original(path, return_tensors=False)
+        return copy.deepcopy(answers[key])
+
+    reader.load_gguf_checkpoint = read_once
+    try:
+        yield
+    finally:
+        reader.load_gguf_checkpoint = original
 
 
 def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None, int8_activations: bool = False) -> Target:
@@ -318,36 +348,38 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
 
 def _resolve(spec: str) -> tuple[str, dict]:
     """Map a target spec to (path or hub id, extra from_pretrained kwargs)."""
-    kind = check_spec(spec)
-    if kind == "default":
-        return str(converted_gguf_dir(smollm2_gguf_path())), {}
-    if kind == "gguf":
+    gguf_path = spec_gguf(spec)
+    if gguf_path is not None:
         try:
-            return str(converted_gguf_dir(Path(spec).expanduser())), {}
+            return str(converted_gguf_dir(gguf_path)), {}
         except EagleError:
             raise
         except Exception as exc:  # noqa: BLE001 - the GGUF reader raises ValueError, KeyError, struct.error, ...
             raise EagleError(f"cannot read GGUF file {spec}: {type(exc).__name__}: {exc}") from None
-    if kind == "folder":
+    if check_spec(spec) == "folder":
         return str(Path(spec).expanduser()), {}
     return spec, {"local_files_only": True}
 
 
-def _gguf_file(spec: str) -> Path | None:
-    """The GGUF file a target spec names (the default target's included), or None."""
+def spec_gguf(spec: str) -> Path | None:
+    """The GGUF file a target spec names: the default target's, a named target's (assembled from its
+    installed PyPI parts into the cache on first use: ``eagle.named_targets``) or a ``.gguf`` path; else None."""
     kind = check_spec(spec)
     if kind == "default":
         return smollm2_gguf_path()
+    if kind == "named":
+        return named_gguf(spec)
     return Path(spec).expanduser() if kind == "gguf" else None
 
 
 def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device | None = None,
                 dtype: torch.dtype | None = None, lean: bool = True, cuda_graphs: bool | None = None,
                 int8_activations: bool = False) -> Target:
-    """Load a target from a local folder, a cached hub id (never the network), a ``.gguf`` file,
-    or the name ``smollm2-135m-instruct``. ``lean``: decode with ``eagle.runtime.decoder.LeanDecoder`` (Llama,
-    Qwen2) or ``eagle.runtime.gemma.GemmaDecoder`` (Gemma-3) when the architecture is supported, else
-    with the model's own forward. A GGUF file with the lean forward on the CPU in fp32 keeps its quantized
+    """Load a target from a local folder, a cached hub id (never the network), a ``.gguf`` file, the
+    name ``smollm2-135m-instruct`` or a named target assembled from PyPI parts (``eagle.named_targets``).
+    ``lean``: decode with ``eagle.runtime.decoder.LeanDecoder`` (Llama, Qwen2) or
+    ``eagle.runtime.gemma.GemmaDecoder`` (Gemma-3) when the architecture is supported, else with the model's
+    own forward. A GGUF file with the lean forward on the CPU in fp32 keeps its quantized
     matrices as their codes (``load_gguf_target``: ``Target.model`` is then a ``GGUFModel``, without a
     transformers forward); otherwise it is converted once to an fp32 transformers model (``lean=False``
     for what needs one: training, feature capture).
@@ -363,7 +395,7 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
     if int8_activations and not lean:
         raise EagleError("int8 activations are an option of the lean forward (lean=True)")
     dev, dt = default_device_dtype(device, dtype)
-    gguf_path = _gguf_file(str(spec))
+    gguf_path = spec_gguf(str(spec))
     if gguf_path is not None and lean and not cuda_graphs and dev.type == "cpu" and dt == torch.float32:
         try:
             return load_gguf_target(gguf_path, str(spec), int8_activations=int8_activations)
@@ -385,10 +417,50 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
     except Exception as exc:  # noqa: BLE001 - a damaged folder: SafetensorError, ValueError, KeyError, ...
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise EagleError(f"cannot load model {spec!r} (damaged files?): {type(exc).__name__}: {message}") from exc
-    model.to(dev).eval()
+    return target_from_model(model, tokenizer, str(spec), dev, dt, lean, cuda_graphs, int8_activations)
+
+
+def target_from_model(model: Any, tokenizer: Any, name: str, device: torch.device, dtype: torch.dtype,
+                      lean: bool = True, cuda_graphs: bool | None = None, int8_activations: bool = False) -> Target:
+    """A transformers causal LM (in ``dtype``) -> a ``Target`` on ``device`` for inference, with the lean forward
+    (``lean``) and static shapes (``cuda_graphs``) as ``load_target`` gives them."""
+    model.to(device).eval()
     model.requires_grad_(False)
-    return use_cuda_graphs(Target(model=model, tokenizer=tokenizer, name=str(spec), device=dev, dtype=dt,
+    return use_cuda_graphs(Target(model=model, tokenizer=tokenizer, name=name, device=device, dtype=dtype,
                                   lean=lean_decoder(model, int8_activations) if lean else None), cuda_graphs)
+
+
+class IdsOnly:
+    """The tokenizer of a target without one (``random_target``): prompts are token ids, text is not made."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def get_vocab(self) -> dict:
+        return {}
+
+    def decode(self, ids: Any, **kwargs: Any) -> str:
+        return ""
+
+    def __call__(self, text: str) -> dict:
+        raise EagleError("a target with random weights has no tokenizer: pass token ids")
+
+
+def random_target(config: dict, name: str, device: str | torch.device | None = None,
+                  dtype: torch.dtype | None = None, seed: int = 0, cuda_graphs: bool | None = None) -> Target:
+    """A target with random weights (transformers' initialization, ``seed``) in the architecture ``config`` (a
+    config.json's fields, ``model_type`` among them), built on the device in ``dtype`` (default: the device's) and
+    run as ``load_target`` runs a loaded one (``target_from_model``): for speed and shape checks where weights
+    cannot travel. Its tokenizer is ``IdsOnly``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(config)
+    dev, dt = default_device_dtype(device, dtype)
+    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(seed)
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dt)
+    return target_from_model(model, IdsOnly(), name, dev, dt, cuda_graphs=cuda_graphs)
 
 
 def use_cuda_graphs(target: Target, cuda_graphs: bool | None) -> Target:

@@ -10,7 +10,7 @@ from eagle import EagleModel
 from eagle.decoding import batch_trees
 from eagle.decoding.batch_trees import draft_together, grows_together
 from eagle.decoding.tree import pool_depths
-from eagle.decoding.batched import BatchedEngine, RequestOptions, generate_together
+from eagle.decoding.serving import ServingEngine, RequestOptions, generate_together
 from eagle.decoding.draft_steps import run_alone, run_together
 from eagle.decoding.tree_sizing import batch_tree_sizes
 from eagle.runtime.pooled import PooledGraphs
@@ -37,10 +37,10 @@ def paths(tree) -> dict[tuple[int, ...], float]:
     return out
 
 
-def running(model: EagleModel, n: int, rounds: int, seed: int, static: bool = False) -> BatchedEngine:
+def running(model: EagleModel, n: int, rounds: int, seed: int, static: bool = False) -> ServingEngine:
     """An engine of ``n`` greedy eagle-tree sequences in pooled caches after ``rounds`` rounds; ``static``: on
     static shapes (``PooledGraphs``, so the drafter's pool gets ``DrafterGraphs``)."""
-    engine = BatchedEngine(model, max_batch=n, load_sizing=False, cache_pool=True)
+    engine = ServingEngine(model, max_batch=n, load_sizing=False, cache_pool=True)
     if static:
         engine._pool.graphs = PooledGraphs(model.target.lean, engine._pool)
     for i, ids in enumerate(prompts(n, seed=seed)):
@@ -101,7 +101,7 @@ def test_a_batched_round_of_trees_grown_together_equals_each_request_alone():
     model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3,
                                        lookup_tokens=0)  # alone on CUDA: device rounds, which graft no lookups
     batch = prompts(6, seed=7)
-    engine = BatchedEngine(model, max_batch=6, load_sizing=False, cache_pool=True)
+    engine = ServingEngine(model, max_batch=6, load_sizing=False, cache_pool=True)
     for i, ids in enumerate(batch):
         engine.add(i, ids, RequestOptions(method="eagle-tree", max_new_tokens=16))
     tokens, lengths = {i: [] for i in range(6)}, {i: [] for i in range(6)}
@@ -144,11 +144,11 @@ def test_trees_grown_together_pay_their_phase_once_a_round():
 def test_the_engine_learns_a_groups_phase_and_lets_it_fade():
     """A batched engine of pooled greedy eagle-tree sequences records what its trees grown together took, once
     a round (``_phase_seconds``), sizes by it, and fades it in rounds without a tree."""
-    from eagle.decoding.batched import DRAFT_FADE
+    from eagle.decoding.serving import DRAFT_FADE
 
     target = tiny_target(eos=False, seed=10)
     model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3)
-    engine = BatchedEngine(model, max_batch=4, load_sizing=True, cache_pool=True, row_seconds=[1.0] * 64)
+    engine = ServingEngine(model, max_batch=4, load_sizing=True, cache_pool=True, row_seconds=[1.0] * 64)
     for i, ids in enumerate(prompts(4, seed=2)):
         engine.add(i, ids, RequestOptions(method="eagle-tree", max_new_tokens=30))
     engine.step()
@@ -172,10 +172,10 @@ def test_trees_grown_together_beside_sequences_drafting_alone(monkeypatch):
                RequestOptions(method="eagle-tree", max_new_tokens=14, temperature=0.8, seed=3),
                RequestOptions(method="eagle-chain", max_new_tokens=14),
                RequestOptions(method="eagle-tree", max_new_tokens=14)]
-    engine = BatchedEngine(model, max_batch=5, load_sizing=False, cache_pool=True)
+    engine = ServingEngine(model, max_batch=5, load_sizing=False, cache_pool=True)
     groups = []
     together = batch_trees.draft_together
-    monkeypatch.setattr("eagle.decoding.batched.draft_together",
+    monkeypatch.setattr("eagle.decoding.serving.draft_together",
                         lambda proposers, *a: groups.append(len(proposers)) or together(proposers, *a))
     results = generate_together(engine, batch, options)
     for ids, opts, result in zip(batch, options, results):

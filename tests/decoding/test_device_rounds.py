@@ -132,7 +132,8 @@ def test_device_draft_is_brute_force_eagle2(request, kind, total, graphs):
 @pytest.mark.parametrize("method", ["eagle-tree", "eagle-chain"])
 def test_greedy_device_rounds_equal_ar(kind_pair, graphs, method):
     target, drafter = kind_pair
-    for options in (dict(total_tokens=12, depth=4, top_k=3), dict(total_tokens=40, depth=5, top_k=4)):
+    for options in (dict(total_tokens=12, depth=4, top_k=3, lookup_tokens=0),
+                    dict(total_tokens=40, depth=5, top_k=4, lookup_tokens=0)):
         model = EagleModel.from_pretrained(target, drafter=drafter, cuda_graphs=graphs, device_rounds=True, **options)
         for ids in prompts(8, seed=4):
             got = model.generate(ids, method=method, max_new_tokens=24)
@@ -143,7 +144,8 @@ def test_greedy_device_rounds_equal_ar(kind_pair, graphs, method):
 def test_tree_and_chain_share_a_drafter_but_not_its_draft_phase(target, drafter):
     """One model's ``eagle-tree`` and ``eagle-chain`` draft through the same static drafter (one
     runner, one cache); each keeps its own tree shape whichever ran first."""
-    options = dict(drafter=drafter, total_tokens=12, depth=4, top_k=3, cuda_graphs=True, device_rounds=True)
+    options = dict(drafter=drafter, total_tokens=12, depth=4, top_k=3, lookup_tokens=0, cuda_graphs=True,
+                   device_rounds=True)
     ids = prompts(3, seed=11)
     alone = {m: [EagleModel.from_pretrained(target, **options).generate(p, method=m, max_new_tokens=24).accept_lengths
                  for p in ids] for m in ("eagle-chain", "eagle-tree")}
@@ -170,7 +172,7 @@ def test_device_rounds_accept_deep_paths():
 def test_generation_stops_at_eos_and_at_the_context_end():
     target = tiny_target(vocab_size=16, seed=2, eos=True, max_positions=48)
     model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target, seed=3), total_tokens=16, depth=5, top_k=3,
-                                       device_rounds=True, cuda_graphs=True)
+                                       lookup_tokens=0, device_rounds=True, cuda_graphs=True)
     for ids in prompts(6, vocab_size=16, seed=9):
         for budget in (1, 5, 60):
             got = model.generate(ids, method="eagle-tree", max_new_tokens=budget)
@@ -212,8 +214,8 @@ def test_a_round_reads_the_device_once(target, drafter, monkeypatch, temperature
     switched off (a GPU has none): one ``.tolist()`` a round and nothing else that waits, children
     drawn or not. The host path, the control, reads many times a round."""
     monkeypatch.setattr(target.lean, "greedy_head", None)
-    options = dict(drafter=drafter, total_tokens=12, depth=4, top_k=3, cuda_graphs=True, sampled_tree=sampled_tree,
-                   draw_support=8)
+    options = dict(drafter=drafter, total_tokens=12, depth=4, top_k=3, lookup_tokens=0, cuda_graphs=True,
+                   sampled_tree=sampled_tree, draw_support=8)
     device = EagleModel.from_pretrained(target, device_rounds=True, **options)
     host = EagleModel.from_pretrained(target, device_rounds=False, **options)
     generate = dict(prompt=[3, 4, 5, 6, 7, 3, 4], method="eagle-tree", max_new_tokens=20, temperature=temperature,
@@ -226,13 +228,25 @@ def test_a_round_reads_the_device_once(target, drafter, monkeypatch, temperature
 
 
 def test_device_rounds_default_on_cuda_only_and_fall_back_where_the_tree_needs_the_host(target, drafter):
-    """Drawn children (the default when sampling) run in device rounds too; static trees do not."""
+    """Drawn children (the default when sampling) run in device rounds too; static trees do not. Options device
+    rounds cannot honour (prompt-lookup grafts, total_tokens "auto") keep the host path by default and are an
+    error with device_rounds=True: an option means the same on every path."""
     model = EagleModel.from_pretrained(target, drafter=drafter)
     assert model.device_rounds == (target.device.type == "cuda")
     with pytest.raises(EagleError, match="device_rounds"):
         EagleModel.from_pretrained(target, drafter=drafter, device_rounds="yes")
-    on = EagleModel.from_pretrained(target, drafter=drafter, device_rounds=True)
+    on = EagleModel.from_pretrained(target, drafter=drafter, device_rounds=True, total_tokens=12, lookup_tokens=0)
     greedy, sampled = SamplingConfig(), SamplingConfig(temperature=1.0)
+    for options, message in ((dict(total_tokens=12), "set lookup_tokens=0 \\(it is 10\\)"),
+                             (dict(lookup_tokens=0), "give total_tokens an integer")):
+        asked = EagleModel.from_pretrained(target, drafter=drafter, device_rounds=True, **options)
+        with pytest.raises(EagleError, match="device_rounds: device rounds .*" + message):
+            asked._device_drafter("eagle-tree", greedy)
+        assert asked._device_drafter("eagle-chain", greedy) is not None  # a chain grafts nothing, has one size
+        by_default = asked._with(asked.drafter, asked.tree)
+        by_default.device_rounds_given, by_default.device_rounds = None, True  # what CUDA's default is
+        assert by_default._device_drafter("eagle-tree", greedy) is None  # the host path runs them
+        assert by_default._device_drafter("eagle-chain", greedy) is not None
     assert on._device_drafter("eagle-tree", greedy) is not None
     assert on._device_drafter("eagle-tree", sampled).draw_temperature == pytest.approx(0.85)  # drawn children
     assert on._device_drafter("eagle-chain", sampled).draw_temperature == pytest.approx(0.85)
@@ -240,7 +254,8 @@ def test_device_rounds_default_on_cuda_only_and_fall_back_where_the_tree_needs_t
     assert on._device_drafter("ar", greedy) is None
     assert not device_rounds_apply(TreeConfig(choices=((0,), (1,))), greedy)
     assert device_rounds_apply(TreeConfig(sampled_tree=False), sampled)
-    big = EagleModel.from_pretrained(target, drafter=drafter, device_rounds=True, total_tokens=200, depth=6, top_k=10)
+    big = EagleModel.from_pretrained(target, drafter=drafter, device_rounds=True, total_tokens=200, depth=6, top_k=10,
+                                     lookup_tokens=0)
     assert big._device_drafter("eagle-tree", greedy).total == 64  # the largest static bucket
 
 
@@ -421,7 +436,7 @@ def test_device_rounds_capture(fake_capture, kind, method):
     target = tiny_target() if kind == "eagle" else tiny_target(layers=8)
     drafter = tiny_drafter(target) if kind == "eagle" else tiny_drafter(target, kind="eagle3", draft_vocab_size=20)
     model = EagleModel.from_pretrained(target, drafter=drafter, cuda_graphs=True, device_rounds=True, total_tokens=12,
-                                       depth=4, top_k=3)
+                                       depth=4, top_k=3, lookup_tokens=0)
     for ids in prompts(3, seed=4)[1:]:
         got = model.generate(ids, method=method, max_new_tokens=16)
         assert got.token_ids == model.generate(ids, method="ar", max_new_tokens=16).token_ids

@@ -11,7 +11,7 @@ from eagle import EagleModel
 from eagle.config import SamplingConfig
 from eagle.decoding import draft_steps
 from eagle.decoding.draft_steps import run_alone, run_together
-from eagle.decoding.tree_mask import attention_bias
+from eagle.runtime.masks import attention_bias
 from eagle.drafting.drafter import LeanDrafter
 from eagle.runtime.kv_cache import CachePool
 from eagle.runtime.pooled import DrafterGraphs, pooled_drafter_forward

@@ -118,6 +118,39 @@ def test_speculative_sampling_is_lossless_and_the_check_has_teeth(model, monkeyp
     assert chi_square_p(sampled_triples(model, "sd", sampling, SAMPLES // 2), exact) < ALPHA
 
 
+@pytest.fixture(scope="module")
+def gguf_draft(model, tmp_path_factory, private_cost_curves):
+    """A draft model read from a GGUF file as a model spec is (``load_gguf_target``: its codes kept, run by
+    the lean forward): a random one-layer Llama over the target's 6 tokens, with the target's tokenizer."""
+    from eagle.runtime.target import load_gguf_target
+    from tests.runtime.test_gguf_weights import kernels_or_skip
+    from tests.test_draft_models import private_cache, tiny_llama, write_llama_gguf
+
+    kernels_or_skip()
+    root = tmp_path_factory.mktemp("gguf-draft")
+    with private_cache(root, private_cost_curves):
+        path = write_llama_gguf(root / "draft.gguf", tiny_llama(VOCAB, seed=9, hidden=32, layers=1), 9, size=1.0)
+        return load_gguf_target(path, "gguf-draft", tokenizer=model.target.tokenizer)
+
+
+def test_speculative_sampling_with_a_gguf_draft_model_is_lossless_and_the_check_has_teeth(model, gguf_draft,
+                                                                                        monkeypatch):
+    """``sd`` drafting by a GGUF draft model's own lean forward and cache, as ``draft_model`` given as a GGUF
+    file runs; the control resamples from p after a rejection."""
+    from eagle.runtime.gguf_weights import GGUFModel
+
+    sd = EagleModel.from_pretrained(model.target, draft_model=gguf_draft, gamma=2)
+    sampling = SamplingConfig(temperature=1.0)
+    assert isinstance(gguf_draft.model, GGUFModel) and sd._proposer("sd", sampling, None).model is gguf_draft
+    exact = exact_triples(model, sampling)
+    assert chi_square_p(sampled_triples(sd, "sd", sampling, SAMPLES), exact) > ALPHA
+    drafted = [sd.generate(PROMPT, method="sd", max_new_tokens=3, temperature=1.0, seed=s).accept_lengths
+               for s in range(200)]
+    assert sum(max(lengths) > 1 for lengths in drafted) > 50  # drafts were accepted, not only bonus tokens
+    monkeypatch.setattr(acceptance, "residual_distribution", skip_residual)
+    assert chi_square_p(sampled_triples(sd, "sd", sampling, SAMPLES // 2), exact) < ALPHA
+
+
 @pytest.mark.parametrize("top_p, lookup_tokens, sampled, temperature, total, scale, support",
                          [(1.0, 10, False, 1.0, 6, 1.0, 0), (0.8, 10, False, 1.0, 6, 1.0, 0),
                           (1.0, 0, False, 1.0, 6, 1.0, 0), (1.0, 10, True, 1.0, "auto", 0.85, 0),

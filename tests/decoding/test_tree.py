@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from eagle.decoding.tree import (Pool, best_frontier, chain_tree, graft_chains, host_tensor, kept_indices,
+from eagle.decoding.tree import (Pool, best_frontier, chain_tree, graft_chains, kept_indices,
                                  static_layout, topk_children)
 from eagle.decoding.tree_mask import tree_attention
+from eagle.runtime.masks import host_tensor
 
 from tests.conftest import test_device as device_under_test
 

@@ -1,6 +1,7 @@
 import torch
 
-from eagle.decoding.tree_mask import attention_bias, tree_attention
+from eagle.decoding.tree_mask import tree_attention
+from eagle.runtime.masks import attention_bias
 
 
 def random_parents(n: int, seed: int) -> torch.Tensor:

@@ -6,7 +6,8 @@ from transformers import DynamicCache
 
 from eagle import Drafter, EagleError, EagleModel
 from eagle.drafting.drafter import LeanDrafter
-from eagle.decoding.tree_mask import attention_bias, tree_attention
+from eagle.decoding.tree_mask import tree_attention
+from eagle.runtime.masks import attention_bias
 
 from tests.conftest import block_quantized, prompts, tiny_drafter, tiny_target
 
@@ -193,7 +194,7 @@ def test_a_lean_drafter_read_from_its_file_is_the_one_made_from_the_module(tmp_p
     from safetensors.torch import load_file, save_file
 
     from eagle.drafting.drafter import DrafterFile, _StackedRows
-    from eagle.runtime.block_codes import pack_state
+    from eagle.runtime.quant_blocks import pack_state
 
     tgt = target if kind == "eagle" else eagle3_target
     made = tiny_drafter(tgt, num_layers=2, draft_vocab_size=8) if kind == "eagle" else \
@@ -443,7 +444,7 @@ def test_eagle3_save_and_load_round_trip(tmp_path, eagle3_target, eagle3_drafter
     head, d2t); loaded from 8-bit block codes (``pack_state``), the matrices are their Q8_0 values."""
     from safetensors.torch import load_file, save_file
 
-    from eagle.runtime.block_codes import block_quantize, decode, pack_state
+    from eagle.runtime.quant_blocks import block_quantize, decode, pack_state
 
     drafter = eagle3_drafter
     drafter.save_pretrained(tmp_path)

@@ -91,10 +91,10 @@ def test_interactive_chat_keeps_the_history(saved, capsys, monkeypatch):
     (["--drafter", "{tmp}/no-such-drafter", "t3"], "no drafter at"),
     (["--method", "eagle-tree", "t3"], "needs a drafter"),
     (["--total-tokens", "0", "t3"], "total-tokens"),
-    (["--lookup-tokens", "-1", "t3"], "lookup_tokens must be >= 0"),
-    (["--draw-temperature-scale", "0", "t3"], "draw_temperature_scale must be > 0"),
-    (["--draw-support", "-1", "t3"], "draw_support must be >= 0"),
-    (["--int8-activations", "t3"], "int8 activations apply to weights kept as codes"),  # random fp32 weights
+    (["--set", "lookup_tokens=-1", "t3"], "lookup_tokens must be >= 0"),
+    (["--set", "draw_temperature_scale=0", "t3"], "draw_temperature_scale must be > 0"),
+    (["--set", "draw_support=-1", "t3"], "draw_support must be >= 0"),
+    (["--set", "int8_activations=true", "t3"], "int8 activations apply to weights kept as codes"),  # random weights
     (["--threads", "0", "t3"], "--threads must be >= 1, got 0"),
     ([], "give a prompt"),
 ])
@@ -135,7 +135,7 @@ def test_bench_writes_the_report(saved, tmp_path, capsys, monkeypatch):
     report, png = tmp_path / "out" / "b.json", tmp_path / "b.png"
     assert bench.main(["--target", target, "--drafter", drafter, "--prompts", prompts, "--methods",
                        "hf,ar,pld,eagle-tree", "--max-new-tokens", "16", "--json", str(report),
-                       "--plot", str(png), "--lookup-tokens", "4", "--drafter-dtype", "float32"]) == 0
+                       "--plot", str(png), "--set", "lookup_tokens=4", "--set", "drafter_dtype=float32"]) == 0
     out, _ = capsys.readouterr()
     assert ("| method | tokens/s | decode tokens/s | mean accept len | speedup vs ar | speedup vs hf | "
             "identical to ar |") in out
@@ -198,8 +198,9 @@ def test_bench_reports_graph_captures_and_fallbacks(saved, tmp_path, capsys, mon
     try:
         with cuda_graphs.capture_with(failing if fails else fake_capture):
             assert bench.main(["--target", saved[0], "--drafter", saved[1], "--prompts", prompts, "--methods",
-                               "ar,eagle-tree", "--max-new-tokens", "6", "--cuda-graphs", "--device-rounds",
-                               "--warmup", "0", "--total-tokens", "6", "--json", str(report)]) == 0
+                               "ar,eagle-tree", "--max-new-tokens", "6", "--set", "cuda_graphs=true", "--set",
+                               "device_rounds=true", "--set", "lookup_tokens=0", "--set", "warmup=0",
+                               "--total-tokens", "6", "--json", str(report)]) == 0
     finally:
         kernels.cpu_kernels.cache_clear()  # built again, as the environment gives, by the next user
     out, err = capsys.readouterr()
@@ -308,7 +309,8 @@ def test_bench_compares_drafters_in_one_process(saved, tmp_path, capsys):
     report = tmp_path / "b.json"
     methods = f"ar,eagle-tree,eagle-tree@{other}"
     assert bench.main(["--target", target_dir, "--drafter", drafter_dir, "--prompts", prompts, "--methods", methods,
-                       "--max-new-tokens", "24", "--json", str(report), "--warmup", "0", "--lookup-tokens", "0"]) == 0
+                       "--max-new-tokens", "24", "--json", str(report), "--set", "warmup=0", "--set",
+                       "lookup_tokens=0"]) == 0
     report = json.loads(report.read_text())
     data = report["methods"]
     assert list(data) == methods.split(",")
@@ -325,7 +327,7 @@ def test_bench_compares_int8_activations_in_one_process(saved, tmp_path):
 
     import torch
 
-    from eagle.runtime.block_codes import block_quantize, decode
+    from eagle.runtime.quant_blocks import block_quantize, decode
 
     target_dir, drafter_dir = saved
     coded = tmp_path / "coded"
@@ -340,7 +342,7 @@ def test_bench_compares_int8_activations_in_one_process(saved, tmp_path):
     report = tmp_path / "b.json"
     methods = "ar,ar+int8,eagle-tree+int8"
     assert bench.main(["--target", str(coded), "--drafter", drafter_dir, "--prompts", prompts, "--methods", methods,
-                       "--max-new-tokens", "16", "--json", str(report), "--warmup", "0"]) == 0
+                       "--max-new-tokens", "16", "--json", str(report), "--set", "warmup=0"]) == 0
     report = json.loads(report.read_text())
     data = report["methods"]
     assert list(data) == methods.split(",")
@@ -357,21 +359,22 @@ def warnings(err: str, prog: str) -> list[str]:
 
 def test_generate_names_each_option_its_method_or_greedy_decoding_ignores_once(saved, capsys):
     target, drafter = saved
-    assert cli.main(["--target", target, "--drafter", drafter, "--method", "ar", "--depth", "2", "--gamma", "3",
+    assert cli.main(["--target", target, "--drafter", drafter, "--method", "ar", "--set", "depth=2", "--set", "gamma=3",
                      "--top-p", "0.9", "--seed", "1", "--max-new-tokens", "3", "t3 t4"]) == 0
     assert warnings(capsys.readouterr().err, "eagle-generate") == [
-        "eagle-generate: warning: --drafter, --depth, --gamma are ignored with method ar",
+        "eagle-generate: warning: --drafter, depth, gamma are ignored with method ar",
         "eagle-generate: warning: --top-p, --seed are ignored at temperature 0 (greedy decoding)"]
     # the same flags where they are read: no word
-    assert cli.main(["--target", target, "--drafter", drafter, "--method", "eagle-tree", "--depth", "2",
+    assert cli.main(["--target", target, "--drafter", drafter, "--method", "eagle-tree", "--set", "depth=2",
                      "--temperature", "1", "--top-p", "0.9", "--seed", "1", "--max-new-tokens", "3", "t3 t4"]) == 0
     assert warnings(capsys.readouterr().err, "eagle-generate") == []
-    assert cli.main(["--target", target, "--drafter", drafter, "--method", "eagle-chain", "--tree-top-k", "2",
-                     "--temperature", "1", "--no-sampled-tree", "--draw-support", "8", "--max-new-tokens", "3",
+    assert cli.main(["--target", target, "--drafter", drafter, "--method", "eagle-chain", "--set", "top_k=2",
+                     "--temperature", "1", "--set", "sampled_tree=false", "--set", "draw_support=8",
+                     "--max-new-tokens", "3",
                      "t3"]) == 0
     assert warnings(capsys.readouterr().err, "eagle-generate") == [
-        "eagle-generate: warning: --tree-top-k is ignored with method eagle-chain",
-        "eagle-generate: warning: --draw-support is ignored with --no-sampled-tree"]
+        "eagle-generate: warning: top_k is ignored with method eagle-chain",
+        "eagle-generate: warning: draw_support is ignored with sampled_tree false"]
 
 
 def test_a_flag_given_twice_with_different_values_is_an_error_naming_both(saved, capsys):
@@ -385,13 +388,13 @@ def test_a_flag_given_twice_with_different_values_is_an_error_naming_both(saved,
 def test_bench_names_the_options_none_of_its_methods_reads(saved, tmp_path, capsys):
     prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt": "t3 t4"}])
     assert bench.main(["--target", saved[0], "--drafter", saved[1], "--prompts", prompts, "--methods", "hf,ar",
-                       "--max-new-tokens", "2", "--lookup-tokens", "0", "--llama-cpp", str(tmp_path),
-                       "--title", "t", "--temperature", "1", "--lenience", "0.5"]) == 0
+                       "--max-new-tokens", "2", "--set", "lookup_tokens=0", "--set", f"llama_cpp={tmp_path}",
+                       "--title", "t", "--temperature", "1", "--set", "lenience=0.5"]) == 0
     assert warnings(capsys.readouterr().err, "eagle-bench") == [
-        "eagle-bench: warning: --drafter, --lookup-tokens, --lenience, --llama-cpp are ignored with --methods hf,ar",
+        "eagle-bench: warning: --drafter, lookup_tokens, lenience, llama_cpp are ignored with --methods hf,ar",
         "eagle-bench: warning: --title is ignored without --json (it titles the JSON report)"]
     methods = f"ar,eagle-tree@{saved[1]}"  # a drafter folder of its own: --drafter is read by no method
     assert bench.main(["--target", saved[0], "--drafter", saved[1], "--prompts", prompts, "--methods", methods,
-                       "--max-new-tokens", "2", "--lookup-tokens", "0"]) == 0
+                       "--max-new-tokens", "2", "--set", "lookup_tokens=0"]) == 0
     assert warnings(capsys.readouterr().err, "eagle-bench") == [
         f"eagle-bench: warning: --drafter is ignored with --methods {methods}"]

@@ -166,7 +166,7 @@ def test_random_eagle3_checkpoint_has_the_specforge_layout(tmp_path):
 # ---- locating the build and starting the server --------------------------------------------------
 def test_build_folder_and_binary_errors(tmp_path, monkeypatch):
     monkeypatch.delenv(llama_cpp.ENV, raising=False)
-    with pytest.raises(EagleError, match="pass --llama-cpp DIR or set EAGLE_LLAMA_CPP"):
+    with pytest.raises(EagleError, match="pass --set llama_cpp=DIR or set EAGLE_LLAMA_CPP"):
         llama_cpp.build_folder(None)
     with pytest.raises(EagleError, match="no llama.cpp build at .*no such folder"):
         llama_cpp.build_folder(str(tmp_path / "none"))
@@ -244,7 +244,7 @@ def test_bench_runs_llama_cpp_methods_beside_ours(saved, fake_build, tmp_path, m
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     report = tmp_path / "r.json"
     assert bench.main(["--target", target, "--prompts", str(tmp_path / "p.jsonl"), "--methods",
-                       "llama.cpp,ar,llama.cpp-ngram", "--max-new-tokens", "6", "--llama-cpp", str(folder),
+                       "llama.cpp,ar,llama.cpp-ngram", "--max-new-tokens", "6", "--set", f"llama_cpp={folder}",
                        "--json", str(report)]) == 0
     out, _ = capsys.readouterr()
     assert "speedup vs llama.cpp" in out and "llama_cpp version: 1 (fake)" in out
@@ -269,23 +269,77 @@ def test_bench_eagle3_method_takes_a_draft_gguf(saved, fake_build, tmp_path, mon
     draft.write_bytes(b"GGUF")
     monkeypatch.setattr(llama_cpp, "target_gguf", lambda spec: draft)
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "t3 t4"}) + "\n")
-    base = ["--target", target, "--prompts", str(tmp_path / "p.jsonl"), "--max-new-tokens", "4", "--llama-cpp",
-            str(folder), "--warmup", "0"]
-    assert bench.main(base + ["--methods", "llama.cpp-eagle3", "--llama-cpp-draft", str(draft)]) == 0
+    base = ["--target", target, "--prompts", str(tmp_path / "p.jsonl"), "--max-new-tokens", "4", "--set",
+            f"llama_cpp={folder}", "--set", "warmup=0"]
+    assert bench.main(base + ["--methods", "llama.cpp-eagle3", "--set", f"llama_cpp_draft={draft}"]) == 0
     argv = logged(log)[0]["argv"]
     assert argv[argv.index("-md") + 1] == str(draft) and argv[argv.index("--spec-type") + 1] == "draft-eagle3"
     # without --llama-cpp-draft our drafter is exported: an EAGLE-1/2 drafter cannot be
     assert bench.main(base + ["--methods", "llama.cpp-eagle3", "--drafter", drafter]) == 2
 
 
+def test_bench_draft_method_serves_the_draft_models_gguf(saved, fake_build, tmp_path, monkeypatch, capsys):
+    """llama.cpp-draft: ``-md`` the GGUF file --draft-model names (resolved like a target), ``--spec-type
+    draft-simple`` and ``llama_cpp_draft_max`` as ``--spec-draft-n-max``; plain llama.cpp gets none of them, and
+    the draft model is not loaded in this process (no sd)."""
+    target, _ = saved
+    folder, log = fake_build()
+    files = {"target": tmp_path / "t.gguf", "qwen2.5-coder-0.5b-instruct": tmp_path / "d.gguf"}
+    asked = []
+
+    def gguf(spec, flag="--target"):
+        asked.append((spec, flag))
+        return files["target" if flag == "--target" else spec]
+
+    monkeypatch.setattr(llama_cpp, "target_gguf", gguf)
+    loaded = []
+    real_load = bench.load_model
+    monkeypatch.setattr(bench, "load_model", lambda a: loaded.append(a.draft_model) or real_load(a))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "t3 t4"}) + "\n")
+    report = tmp_path / "r.json"
+    assert bench.main(["--target", target, "--prompts", str(tmp_path / "p.jsonl"), "--max-new-tokens", "4",
+                       "--set", f"llama_cpp={folder}", "--set", "warmup=0", "--methods", "llama.cpp,llama.cpp-draft,ar",
+                       "--draft-model", "qwen2.5-coder-0.5b-instruct", "--set", "llama_cpp_draft_max=8",
+                       "--json", str(report)]) == 0
+    _, err = capsys.readouterr()
+    assert "--draft-model" not in err and loaded == [None]  # read by llama.cpp-draft, loaded by none of ours
+    assert asked == [(target, "--target"), ("qwen2.5-coder-0.5b-instruct", "--draft-model")]
+    argvs = {e["argv"][e["argv"].index("--spec-type") + 1] if "--spec-type" in e["argv"] else "none": e["argv"]
+             for e in logged(log) if "argv" in e}
+    draft = argvs["draft-simple"]
+    assert draft[draft.index("-md") + 1] == str(files["qwen2.5-coder-0.5b-instruct"])
+    assert draft[draft.index("--spec-draft-n-max") + 1] == "8"
+    assert "-md" not in argvs["none"] and "--spec-draft-n-max" not in argvs["none"]
+    data = json.loads(report.read_text())
+    assert data["config"]["draft_model"] == "qwen2.5-coder-0.5b-instruct"
+    assert data["methods"]["llama.cpp-draft"]["mean_accept_length"] == 2.0  # the fake accepts 2 of 4 tokens
+
+
+def test_server_args_of_the_draft_methods(tmp_path):
+    binary, model, draft = tmp_path / "llama-server", tmp_path / "t.gguf", tmp_path / "d.gguf"
+    args = llama_cpp.server_args(binary, model, 8080, 2, "llama.cpp-draft", draft)
+    assert args[args.index("-md") + 1] == str(draft) and args[-2:] == ["--spec-type", "draft-simple"]
+    assert "--spec-draft-n-max" not in args  # llama.cpp's default
+    args = llama_cpp.server_args(binary, model, 8080, 2, "llama.cpp-eagle3", draft, draft_max=16)
+    assert args[args.index("--spec-draft-n-max") + 1] == "16" and args[-1] == "draft-eagle3"
+    assert "-md" not in llama_cpp.server_args(binary, model, 8080, 2, "llama.cpp", draft, draft_max=4)
+    with pytest.raises(EagleError, match="'llama.cpp-draft' needs a draft model"):
+        llama_cpp.server_args(binary, model, 8080, 2, "llama.cpp-draft")
+
+
 @pytest.mark.parametrize("args, message", [
-    (["--methods", "llama.cpp"], "the llama.cpp methods need a llama.cpp build: pass --llama-cpp DIR"),
-    (["--methods", "llama.cpp", "--llama-cpp", "{tmp}/none"], "no llama.cpp build at {tmp}/none: no such folder"),
-    (["--methods", "llama.cpp", "--llama-cpp", "{tmp}"], "no llama-server in {tmp}"),
-    (["--methods", "llama.cpp", "--llama-cpp", "{build}"], "is a model folder, not a .gguf file"),
-    (["--methods", "ar", "--llama-cpp-draft", "x.gguf"], "is not in --methods"),
-    (["--methods", "llama.cpp-eagle3", "--llama-cpp", "{build}", "--llama-cpp-draft", "{tmp}"],
+    (["--methods", "llama.cpp"], "the llama.cpp methods need a llama.cpp build: pass --set llama_cpp=DIR"),
+    (["--methods", "llama.cpp", "--set", "llama_cpp={tmp}/none"], "no llama.cpp build at {tmp}/none: no such folder"),
+    (["--methods", "llama.cpp", "--set", "llama_cpp={tmp}"], "no llama-server in {tmp}"),
+    (["--methods", "llama.cpp", "--set", "llama_cpp={build}"], "is a model folder, not a .gguf file"),
+    (["--methods", "ar", "--set", "llama_cpp_draft=x.gguf"], "is not in --methods"),
+    (["--methods", "llama.cpp-eagle3", "--set", "llama_cpp={build}", "--set", "llama_cpp_draft={tmp}"],
      "not an EAGLE-3 checkpoint"),
+    (["--methods", "llama.cpp-draft", "--set", "llama_cpp={build}"], "method llama.cpp-draft needs --draft-model"),
+    (["--methods", "llama.cpp,ar", "--set", "llama_cpp={build}", "--set", "llama_cpp_draft_max=4"],
+     "llama_cpp_draft_max is for methods llama.cpp-draft and llama.cpp-eagle3"),
+    (["--methods", "llama.cpp-draft", "--set", "llama_cpp={build}", "--set", "llama_cpp_draft_max=0"],
+     "llama_cpp_draft_max must be"),
 ])
 def test_bench_refuses_llama_cpp_problems_before_loading(saved, fake_build, tmp_path, monkeypatch, capsys, args,
                                                          message):
@@ -293,7 +347,7 @@ def test_bench_refuses_llama_cpp_problems_before_loading(saved, fake_build, tmp_
     monkeypatch.delenv(llama_cpp.ENV, raising=False)
     monkeypatch.setattr(bench, "load_model", lambda a: pytest.fail("the model load was reached"))
     if "not a .gguf" not in message:  # past the target check (the tiny target is a folder)
-        monkeypatch.setattr(llama_cpp, "target_gguf", lambda spec: tmp_path / "t.gguf")
+        monkeypatch.setattr(llama_cpp, "target_gguf", lambda spec, flag="--target": tmp_path / "t.gguf")
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "t3"}) + "\n")
     fill = {"{tmp}": str(tmp_path), "{build}": str(folder)}
     args = [a.replace("{tmp}", fill["{tmp}"]).replace("{build}", fill["{build}"]) for a in args]
@@ -326,8 +380,8 @@ def test_real_llama_cpp_matches_ar_with_a_random_eagle3_drafter(tmp_path):
     draft = llama_cpp.random_eagle3(cfg, tmp_path / "e3")
     report = tmp_path / "r.json"
     assert bench.main(["--prompts", str(ROOT / "benchmarks/prompts/dev.jsonl"), "--limit", "2", "--methods",
-                       "ar,llama.cpp,llama.cpp-eagle3,llama.cpp-ngram", "--max-new-tokens", "32", "--llama-cpp",
-                       str(REAL), "--llama-cpp-draft", str(draft), "--json", str(report)]) == 0
+                       "ar,llama.cpp,llama.cpp-eagle3,llama.cpp-ngram", "--max-new-tokens", "32", "--set",
+                       f"llama_cpp={REAL}", "--set", f"llama_cpp_draft={draft}", "--json", str(report)]) == 0
     methods = json.loads(report.read_text())["methods"]
     # llama.cpp's numerics differ from ours (activations rounded to 8 bits for the Q4_1 products): a near tie
     # can go the other way, so its tokens need not equal ar's; its speculative methods must equal its own
@@ -335,3 +389,29 @@ def test_real_llama_cpp_matches_ar_with_a_random_eagle3_drafter(tmp_path):
         assert methods[name]["identical_to_llama_cpp"] is True, name
         assert methods[name]["tokens_per_second"] > 0
     assert methods["llama.cpp"]["identical_share"] is not None
+
+
+def real_server() -> Path | None:
+    """The real build's llama-server (``build/bin`` or ``build-avx2/bin``), or None."""
+    try:
+        return llama_cpp.server_binary(REAL) if REAL.is_dir() else None
+    except EagleError:
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.skipif(real_server() is None, reason="no llama.cpp build")
+def test_real_llama_cpp_draft_method_with_the_target_as_its_own_draft(tmp_path):
+    """The real llama-server with ``--model-draft``: the default target drafting for itself is accepted (mean
+    accepted length well above 1) and greedy output stays llama.cpp's own."""
+    report = tmp_path / "r.json"
+    assert bench.main(["--prompts", str(ROOT / "benchmarks/prompts/dev.jsonl"), "--limit", "1", "--methods",
+                       "llama.cpp,llama.cpp-draft", "--draft-model", "smollm2-135m-instruct", "--max-new-tokens", "24",
+                       "--set", f"llama_cpp={REAL}", "--set", "llama_cpp_draft_max=4", "--set", "warmup=0",
+                       "--json", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert "--spec-draft-n-max 4" in data["config"]["llama_cpp_servers"]["llama.cpp-draft"]
+    methods = data["methods"]
+    assert methods["llama.cpp-draft"]["identical_to_llama_cpp"] is True
+    assert methods["llama.cpp-draft"]["mean_accept_length"] > 2.0

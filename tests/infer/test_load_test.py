@@ -128,8 +128,8 @@ def test_bench_load_test_command_line(tmp_path, capsys):
             (["--concurrency", "1", "--methods", "hf,ar"], "the load test runs methods eagle-serve serves"),
             (["--concurrency", "1", "--methods", "eagle-tree@eagle3"], "not eagle-tree@eagle3"),
             (["--concurrency", "1", "--max-batch", "0"], "--max-batch must be >= 1"),
-            (["--requests-per-client", "2"], "--requests-per-client is an option of the load test"),
-            (["--concurrency", "1", "--requests-per-client", "0"], "--requests-per-client must be >= 1")]:
+            (["--set", "requests_per_client=2"], "requests_per_client is an option of the load test"),
+            (["--concurrency", "1", "--set", "requests_per_client=0"], "requests_per_client must be >= 1")]:
         assert bench_main(base + argv) == 2, argv
         assert message in capsys.readouterr().err
 
@@ -140,7 +140,7 @@ def test_bench_load_test_against_a_running_server(model, tmp_path, capsys):
     out = tmp_path / "load.json"
     with lt.LocalServer(create_app(model, api_key="k", max_batch=2)) as server:
         code = bench_main(["--prompts", str(prompts), "--methods", "ar", "--max-new-tokens", "6", "--concurrency",
-                           "1,2", "--url", server.base, "--api-key", "k", "--json", str(out), "--drafter", "x",
+                           "1,2", "--url", server.base, "--set", "api_key=k", "--json", str(out), "--drafter", "x",
                            "--plot", "p.png"])
         assert code == 0, capsys.readouterr().err
         err = capsys.readouterr().err
@@ -150,5 +150,5 @@ def test_bench_load_test_against_a_running_server(model, tmp_path, capsys):
         assert [(r["concurrency"], r["errors"], r["mismatches"]) for r in report["results"]] == [(1, 0, 0), (2, 0, 0)]
         # a wrong key: every request fails, and the command says so
         assert bench_main(["--prompts", str(prompts), "--methods", "ar", "--max-new-tokens", "6", "--concurrency",
-                           "1", "--url", server.base, "--api-key", "bad"]) == 2
+                           "1", "--url", server.base, "--set", "api_key=bad"]) == 2
         assert "HTTP 401" in capsys.readouterr().out

@@ -3,7 +3,10 @@ tiny random model."""
 
 from __future__ import annotations
 
+import pytest
+
 from eagle import EagleModel
+from eagle.errors import EagleError
 from infer.scheduler import Admission, BatchedBackend
 
 from tests.conftest import tiny_drafter, tiny_target
@@ -31,3 +34,26 @@ def test_batched_backend_cancel_and_close_leave_the_engine_empty():
             tokens += p.tokens
             ended = p.stop_reason
     assert tokens == model.generate([3, 4, 6], method="ar", max_new_tokens=8).token_ids
+
+
+def test_suffix_scopes_bound_the_tenants_answers():
+    """Scope "key": one store per API key, at most KEY_STORES of them (the least recently served
+    dropped), each within history_tokens / KEY_STORES, so all of them stay within the bound."""
+    import types
+
+    from eagle.config import SuffixConfig
+    from eagle.drafting.suffix import SuffixStore
+    from infer.scheduler import KEY_STORES, SuffixScopes
+
+    model = types.SimpleNamespace(suffix_store=SuffixStore(SuffixConfig(history_tokens=800)))
+    scopes = SuffixScopes(model, "key")
+    first = scopes.store("a")
+    assert scopes.store("a") is first and scopes.store("b") is not first
+    for i in range(KEY_STORES):
+        scopes.store(f"t{i}")
+    assert len(scopes.stores) == KEY_STORES and "a" not in scopes.stores
+    assert all(s.history.capacity == 800 // KEY_STORES for s in scopes.stores.values())
+    assert SuffixScopes(model, "server").store("x") is model.suffix_store
+    assert SuffixScopes(model, "request").store("x") is not SuffixScopes(model, "request").store("x")
+    with pytest.raises(EagleError, match="unknown suffix scope"):
+        SuffixScopes(model, "tenant")

@@ -452,15 +452,15 @@ def test_models_health_and_metrics(server):
 
 
 def test_command_line_errors_exit_2(capsys):
-    assert main(["--max-queue", "-1"]) == 2
-    assert "eagle-serve: error: --max-queue must be >= 0" in capsys.readouterr().err
+    assert main(["--set", "max_queue=-1"]) == 2
+    assert "eagle-serve: error: max_queue must be >= 0" in capsys.readouterr().err
     assert main(["--method", "beam"]) == 2
     for argv, message in [(["--max-batch", "0"], "--max-batch must be >= 1"),
-                          (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1"),
-                          (["--request-timeout-s", "0"], "--request-timeout-s must be > 0"),
-                          (["--request-timeout-s", "nan"], "--request-timeout-s must be > 0"),
-                          (["--api-key", ""], "--api-key must be a non-empty token"),
-                          (["--api-key", "a", "--api-key", "b"], "--api-key is given twice")]:
+                          (["--set", "max_body_bytes=0"], "max_body_bytes must be >= 1"),
+                          (["--set", "request_timeout_s=0"], "request_timeout_s must be > 0"),
+                          (["--set", "request_timeout_s=.nan"], "request_timeout_s must be a finite number"),
+                          (["--set", "api_key=''"], "api_key must be a non-empty token"),
+                          (["--set", "api_key=a", "--set", "api_key=b"], "api_key is set twice")]:
         assert main(argv) == 2
         assert message in capsys.readouterr().err
 
@@ -585,7 +585,7 @@ def test_the_server_takes_what_it_loaded_out_of_the_cycle_collector(tmp_path, mo
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: frozen.append(gc.get_freeze_count()))
     gc.unfreeze()
     try:
-        main(["--target", target, "--drafter", drafter, "--no-warmup", "--port", "0"])
+        main(["--target", target, "--drafter", drafter, "--set", "warmup=false", "--port", "0"])
     finally:
         gc.unfreeze()
     assert frozen and frozen[0] > 1000
@@ -777,3 +777,29 @@ def test_chat_page_streams_in_headless_chromium(server, tmp_path):
     assert int(page["chunks"]) > 1
     assert sum(len(d.split()) for d in page["drafted"]) == drafted
     assert "tokens/s" in page["stats"] and f"mean accepted length {ref.mean_accept_length:.2f}" in page["stats"]
+
+
+@pytest.mark.parametrize("scope", ["key", "server", "request"])
+def test_suffix_scope_decides_whose_answers_draft(scope):
+    """Two API keys ask the same: an earlier answer drafts for its own key (scope "key"), for anyone
+    ("server") or for no one ("request"); answers equal plain decoding; /metrics counts by source."""
+    target = tiny_target(max_positions=MAX_POSITIONS)
+    model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=12, depth=4, top_k=3)
+    srv = Server(create_app(model, method="suffix", max_queue=8, suffix_scope=scope), Paced(model))
+    try:
+        def ask(key: str) -> str:
+            response = srv.http.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                     json=dict(messages=chat("t3 t4 t5"), max_tokens=24, temperature=0))
+            return response.json()["choices"][0]["message"]["content"]
+
+        plain = model.generate(chat("t3 t4 t5"), method="ar", max_new_tokens=24).text
+        assert ask("alice") == plain
+        before = srv.metric('eagle_accepted_drafts_total{source="history"}')
+        assert ask("bob") == plain
+        other = srv.metric('eagle_accepted_drafts_total{source="history"}') - before
+        assert ask("alice") == plain
+        same = srv.metric('eagle_accepted_drafts_total{source="history"}') - before - other
+        assert (other > 0, same > 0) == {"key": (False, True), "server": (True, True), "request": (False, False)}[scope]
+        assert "eagle_accepted_drafts_share" in srv.http.get("/metrics").text
+    finally:
+        srv.close()

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from eagle import EagleError
-from eagle.decoding.tree_mask import attention_bias, tree_attention
+from eagle.decoding.tree_mask import tree_attention
+from eagle.runtime.masks import attention_bias
 from eagle.runtime.kv_cache import CachePool, StaticCache
 from eagle.runtime.pooled import pooled_forward
 from eagle.runtime.segments import segment_forward

@@ -11,7 +11,8 @@ from eagle.runtime.cuda_graphs import GraphCache, TargetGraphs, bucket_for, keys
 from eagle.runtime.kv_cache import StaticCache
 from eagle.engine import EagleModel
 from eagle.runtime.target import use_cuda_graphs
-from eagle.decoding.tree_mask import attention_bias, tree_attention
+from eagle.decoding.tree_mask import tree_attention
+from eagle.runtime.masks import attention_bias
 from tests.conftest import prompts, tiny_drafter, tiny_target
 from tests.conftest import test_device as device_under_test
 
@@ -63,7 +64,7 @@ def test_a_graphed_eagle3_drafter_computes_what_the_lean_drafter_does(eagle3_dra
     static path eagerly), as the tree proposer calls it: committed target features [.., 4 H]
     (padded to a bucket), two tree levels of its own hidden states [.., H] under a tree mask, the
     cache rolled back and extended again (a shape replayed): the lean drafter's outputs."""
-    from eagle.decoding.tree_mask import additive_bias
+    from eagle.runtime.masks import additive_bias
     from eagle.drafting.drafter import LeanDrafter
     from eagle.runtime.cuda_graphs import GraphedDrafter
 

@@ -8,7 +8,8 @@ from transformers import DynamicCache
 from eagle import EagleError, EagleModel
 from eagle.runtime import kv_cache
 from eagle.runtime.decoder import LeanDecoder, PackedLinear, cpu_has_fast_bf16, packed_copy, unsupported_reason
-from eagle.decoding.tree_mask import attention_bias, tree_attention
+from eagle.decoding.tree_mask import tree_attention
+from eagle.runtime.masks import attention_bias
 
 from tests.conftest import prompts, tiny_drafter, tiny_target
 

@@ -5,7 +5,8 @@ import torch
 from transformers import DynamicCache
 
 from eagle import EagleModel
-from eagle.decoding.tree_mask import attention_bias, tree_attention
+from eagle.decoding.tree_mask import tree_attention
+from eagle.runtime.masks import attention_bias
 from eagle.runtime.gemma import GemmaDecoder, sliding_bias, unsupported_reason
 
 from tests.conftest import prompts, tiny_drafter, tiny_gemma

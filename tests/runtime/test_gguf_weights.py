@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from eagle import EagleModel
-from eagle.decoding.tree_mask import attention_bias, tree_attention
+from eagle.decoding.tree_mask import tree_attention
+from eagle.runtime.masks import attention_bias
 from eagle.runtime import kernels
-from eagle.runtime.decoder import LeanDecoder, lean_decoder
+from eagle.runtime.architectures import lean_decoder
+from eagle.runtime.decoder import LeanDecoder
 from eagle.runtime.gemma import GemmaDecoder
 from eagle.runtime.gguf_weights import GGUFLinear, GGUFMatrix, llama_row_order, load_gguf_model
 from eagle.runtime.target import Target
@@ -107,18 +109,21 @@ HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v"
             "ffn_down": "mlp.down_proj"}
 
 
-def write_model_gguf(path, model, types: dict[str, str], seed: int = 0, extra_tensors: dict | None = None):
-    """Write ``model`` (a transformers Llama, Qwen3 or Gemma-3) as a GGUF file whose matrices are random codes of
-    ``types`` (per GGUF tensor name) and its norms the model's; the model's weights are set to what the codes
-    de-quantize to (in transformers' row order), so it is the reference for the streamed target. A Llama's or
-    Qwen3's hyperparameters go to the metadata as llama.cpp's converter writes them; ``extra_tensors``
-    {name: float32 array} are added as F32."""
+def write_model_gguf(path, model, types: dict[str, str], seed: int = 0, extra_tensors: dict | None = None,
+                     metadata=None):
+    """Write ``model`` (a transformers Llama, Qwen2, Qwen3 or Gemma-3) as a GGUF file whose matrices are random
+    codes of ``types`` (per GGUF tensor name) and its norms (and a Qwen2's q/k/v biases) the model's; the model's
+    weights are set to what the codes de-quantize to (in transformers' row order), so it is the reference for the
+    streamed target. A Llama's or Qwen's hyperparameters go to the metadata as llama.cpp's converter writes them;
+    ``extra_tensors`` {name: float32 array} are added as F32; ``metadata(writer)`` adds more keys (a tokenizer)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     cfg = model.config
-    gemma, qwen3 = cfg.model_type == "gemma3_text", cfg.model_type == "qwen3"
+    gemma, qwen3, qwen2 = cfg.model_type == "gemma3_text", cfg.model_type == "qwen3", cfg.model_type == "qwen2"
     rng = np.random.default_rng(seed)
-    writer = GGUFWriter(str(path), "gemma3" if gemma else "qwen3" if qwen3 else "llama")
+    writer = GGUFWriter(str(path), "gemma3" if gemma else "qwen3" if qwen3 else "qwen2" if qwen2 else "llama")
+    if metadata is not None:
+        metadata(writer)
     writer.add_block_count(cfg.num_hidden_layers)
     if qwen3:  # the head width is its own (transformers' reader leaves it at Qwen3Config's default)
         writer.add_key_length(cfg.head_dim)
@@ -160,9 +165,11 @@ def write_model_gguf(path, model, types: dict[str, str], seed: int = 0, extra_te
         for i, layer in enumerate(inner.layers):
             for name, hf in HF_NAMES.items():
                 heads = None
-                if not (gemma or qwen3) and name in ("attn_q", "attn_k"):  # llama.cpp permutes a llama's
+                if not (gemma or qwen3 or qwen2) and name in ("attn_q", "attn_k"):  # llama.cpp permutes a llama's
                     heads = cfg.num_attention_heads if name == "attn_q" else cfg.num_key_value_heads
                 matrix(f"blk.{i}.{name}.weight", layer.get_submodule(hf).weight, heads)
+                if qwen2 and name in ("attn_q", "attn_k", "attn_v"):
+                    tensors[f"blk.{i}.{name}.bias"] = (layer.get_submodule(hf).bias.float().numpy().copy(), None)
             norms = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
             if qwen3:
                 norms.update({"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"})

@@ -214,7 +214,7 @@ def test_rope_cache_rotates_as_torch_and_writes_the_cache_rows(d):
 
 @pytest.mark.parametrize("nh,nkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
 def test_attention_matches_a_float64_reference(nh, nkv, d):
-    from eagle.decoding.tree_mask import additive_bias
+    from eagle.runtime.masks import additive_bias
 
     module = module_or_skip()
     gen = torch.Generator().manual_seed(nh * d)
@@ -238,7 +238,7 @@ def test_an_attention_row_does_not_depend_on_other_rows_or_masked_keys():
     """Bit for bit: a row among 8 whose keys have masked keys between them (a tree node
     verified after its ancestors' siblings) equals that row alone over just its own keys in
     order (the same token in a plain decoding step)."""
-    from eagle.decoding.tree_mask import additive_bias
+    from eagle.runtime.masks import additive_bias
 
     module = module_or_skip()
     gen = torch.Generator().manual_seed(3)
@@ -341,7 +341,8 @@ def test_lean_decoder_attention_kernel_matches_the_model_and_keeps_rows_independ
     with the transformers model, and a tree's rows are bit-identical to the same tokens decoded
     one at a time."""
     from eagle.runtime.decoder import LeanDecoder
-    from eagle.decoding.tree_mask import attention_bias, tree_attention
+    from eagle.decoding.tree_mask import tree_attention
+    from eagle.runtime.masks import attention_bias
     from tests.conftest import tiny_target
 
     module_or_skip()
@@ -377,7 +378,8 @@ def test_lean_drafter_compiled_layers_match_the_drafter_on_a_tree():
     of the plain ``Drafter`` on each node's own path; greedy eagle-tree drafted that way is ar."""
     from eagle import EagleModel
     from eagle.drafting.drafter import LeanDrafter
-    from eagle.decoding.tree_mask import attention_bias, tree_attention
+    from eagle.decoding.tree_mask import tree_attention
+    from eagle.runtime.masks import attention_bias
     from tests.conftest import prompts, tiny_drafter, tiny_target
 
     module_or_skip()
@@ -440,7 +442,7 @@ def test_greedy_head_argmax_is_the_fp32_heads_even_on_near_ties():
 
 @pytest.mark.parametrize("bits,out_features,in_features", [(4, 53, 96), (8, 41, 64), (4, 7, 1536)])
 def test_stream_linear_q_gives_the_bits_of_the_fp32_kernel_on_the_decoded_weight(bits, out_features, in_features):
-    from eagle.runtime.block_codes import block_encode
+    from eagle.runtime.quant_blocks import block_encode
     from tests.conftest import block_quantized
 
     module = module_or_skip()
@@ -469,7 +471,8 @@ def test_lean_decoder_streams_block_coded_weights_with_the_same_bits():
     """A target whose weights are dequantized Q4_1 (layers) and Q8_0 (head), as the default GGUF
     target's: the forward from the codes equals the fp32 one bit for bit (decoding, a tree, the argmax)."""
     from eagle.runtime.decoder import LeanDecoder
-    from eagle.decoding.tree_mask import attention_bias, tree_attention
+    from eagle.decoding.tree_mask import tree_attention
+    from eagle.runtime.masks import attention_bias
     from tests.conftest import block_quantized, tiny_target
 
     module_or_skip()
@@ -581,10 +584,18 @@ def test_stream_linear_gguf_gives_the_bits_of_the_fp32_kernel_on_the_dequantized
         module.stream_linear_gguf(torch.randn(1, in_features), raw, 16, None)  # IQ2_XXS
 
 
-def int8_rows_reference(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the int8 products see it: each block of 32 quantized to codes -127..127 with scale
+SUPER_BLOCKED = ("Q4_K", "Q5_K", "Q6_K")  # their int8 products quantize x per super-block of 256 (ggml's Q8_K)
+
+
+def int8_block(name: str) -> int:
+    """How many of x's values share a scale in the int8 products with code type ``name``."""
+    return 256 if name in SUPER_BLOCKED else 32
+
+
+def int8_rows_reference(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [M, K] as the int8 products see it: each block of ``block`` quantized to codes -127..127 with scale
     max |x| / 127 (codes rounded to the nearest, ties to even), de-quantized (float64)."""
-    blocks = x.view(x.shape[0], -1, 32)
+    blocks = x.view(x.shape[0], -1, block)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     return (torch.round(blocks * inv).double() * (amax / 127.0).double()).view_as(x)
@@ -593,7 +604,7 @@ def int8_rows_reference(x: torch.Tensor) -> torch.Tensor:
 def int8_products(module, name: str):
     """(product(x) with int8 activations, product(x) without, the de-quantized weight) for GGUF type ``name`` or
     block codes (``block4``/``block8``, fp32 or ``-half`` scales) of a random 37 x 512 weight."""
-    from eagle.runtime.block_codes import block_quantize, decode
+    from eagle.runtime.quant_blocks import block_quantize, decode
 
     if name in GGML_BLOCKS:
         raw, type_id, weight = random_gguf_rows(name, 37, 512, seed=len(name))
@@ -607,21 +618,23 @@ def int8_products(module, name: str):
 
 
 @pytest.mark.parametrize("name", [*GGML_BLOCKS, "block4", "block4-half", "block8", "block8-half"])
-def test_int8_activations_multiply_the_codes_by_x_quantized_per_block_of_32(name, isa):
+def test_int8_activations_multiply_the_codes_by_x_quantized_per_block(name, isa):
     """Every code type with int8 activations: the float64 product of the de-quantized weight and x as quantized
-    (fp32 rounding only), any number of rows, each row's bits those of that row alone (a tree row gets a plain
-    step's); the fp32 product differs by far more (x's quantization error), so the comparison is not vacuous."""
+    (per block of 32, per super-block of 256 for Q4_K, Q5_K and Q6_K, as llama.cpp does; fp32 rounding only), any
+    number of rows, each row's bits those of that row alone (a tree row gets a plain step's); the fp32 product
+    differs by far more (x's quantization error), so the comparison is not vacuous."""
     module = module_or_skip()
     int8, exact, weight = int8_products(module, name)
-    if isa == "portable":
+    if isa == "portable" and name not in SUPER_BLOCKED:  # the K-quants' int8 products run there by plain loops
         with pytest.raises(RuntimeError, match="int8 activations need the AVX2"):
             int8(torch.randn(1, 512))
         return
     gen = torch.Generator().manual_seed(len(name))
     x = torch.randn(21, 512, generator=gen) * torch.rand(21, 512, generator=gen) * 3
     got = int8(x)
-    want = int8_rows_reference(x) @ weight.double().T
-    scale = (int8_rows_reference(x).abs() @ weight.double().abs().T)  # the size of each sum's terms
+    seen = int8_rows_reference(x, int8_block(name))
+    want = seen @ weight.double().T
+    scale = seen.abs() @ weight.double().abs().T  # the size of each sum's terms
     assert ((got.double() - want).abs() / scale).max() < 1e-5, name
     fp32 = torch.cat([exact(x[i:i + 16]) for i in range(0, 21, 16)])  # 16 rows a call: AVX-512 stream_linear_q's most
     assert ((fp32.double() - want).abs() / scale).max() > 1e-4, name  # int8's error is measurable
@@ -656,7 +669,7 @@ def test_codes_greedy_head_argmax_is_the_fp32_heads_even_on_near_ties(isa, monke
     the wrong token), exact ties (duplicate rows: the first index), crowds, 1-21 rows, with a bias; x that is not
     finite gets the whole head's answer. With the bound taken away it fails (the negative control)."""
     from eagle.runtime import decoder
-    from eagle.runtime.block_codes import block_quantize
+    from eagle.runtime.quant_blocks import block_quantize
     from eagle.runtime.decoder import CodesGreedyHead, codes_greedy_head
 
     op_or_skip()
@@ -703,7 +716,7 @@ def test_a_codes_heads_argmax_of_many_rows_is_made_a_group_of_rows_at_a_time(isa
     ``ARGMAX_LOGITS_BYTES`` of logits (at least 16 rows), and gives the argmax of all the rows' logits at once; a head
     whose logits of all the rows fit, or one with an fp32 weight, takes every row in one product."""
     from eagle.runtime import decoder
-    from eagle.runtime.block_codes import block_quantize
+    from eagle.runtime.quant_blocks import block_quantize
     from eagle.runtime.decoder import head_argmax
 
     op_or_skip()
@@ -734,7 +747,7 @@ def test_codes_greedy_head_screens_only_the_row_counts_it_measured_faster_at(isa
     row (a CPU without fast int8 dot products); the choice is kept in the cache, not measured again. Above
     ``max_rows`` the whole head answers."""
     from eagle.runtime import decoder
-    from eagle.runtime.block_codes import block_quantize
+    from eagle.runtime.quant_blocks import block_quantize
     from eagle.runtime.decoder import CodesGreedyHead, codes_greedy_head
 
     op_or_skip()
@@ -775,7 +788,78 @@ def bound_holds_and_is_not_vacuous(greedy, head, x: torch.Tensor) -> None:
     """Every int8 logit within ``radius(x) |w_j|`` of the fp32 one; the largest gap over a twentieth of that."""
     with torch.inference_mode():
         gap = (greedy._approx(x).double() - head(x).double()).abs()
-        bound = greedy.radius(x)[:, None] * greedy.norms.double()[None]
+        bound = greedy.bound(x)
     assert (gap <= bound).all()
     assert (gap > bound / 20).any()
 
+
+
+@pytest.mark.parametrize("name", ["Q6_K", "Q4_K", "Q5_K", "Q8_0", "Q5_0"])
+def test_a_gguf_heads_screened_argmax_is_the_fp32_heads(name, isa, monkeypatch):
+    """``CodesGreedyHead`` on a head of GGUF rows (Qwen's Q6_K output head; K-quants meet x quantized per
+    super-block of 256, with minimums summed apart): exactly the fp32 head's argmax on exact twins (the first
+    index), near-twins (one code apart), twins that int8 orders the other way round, 1-21 rows, with a bias; the
+    bound holds and is not vacuous; with the bound taken away it fails (the negative control)."""
+    from eagle.runtime import decoder
+    from eagle.runtime.decoder import CodesGreedyHead
+    from eagle.runtime.gguf_weights import GGUFLinear, GGUFMatrix, split_norms
+
+    op_or_skip()
+    if not kernels.cpu_kernels().int8_activations:
+        pytest.skip("no int8 products on this CPU build")
+    vocab, k = 2400, 512
+    raw, _, _ = random_gguf_rows(name, vocab, k, seed=11)
+    raw[800:900] = raw[:100]  # exact twins
+    raw[1600:1700] = raw[:100]
+    block_bytes, first = {"Q6_K": (210, 0), "Q4_K": (144, 16), "Q5_K": (176, 48), "Q8_0": (34, 2),
+                          "Q5_0": (22, 6)}[name]  # a block's size, where its codes start
+    raw[1600:1700, first] ^= 1  # near-twins: one code one apart
+    few = torch.arange(k) % 16 == 0  # x's support for rows base and 1700 (small logits: wide gaps beside them)
+    base = 100 + int(GGUFMatrix(raw[100:800], name).dequantize()[:, few].norm(dim=1).argmax())  # beats the others
+    raw[1700] = raw[base]
+    raw[1700, [first, raw.shape[1] - block_bytes + first]] ^= 1  # its twin but for one code in each half
+    gen = torch.Generator().manual_seed(12)
+    bias = 1e-3 * torch.randn(vocab, generator=gen)
+    bias[800:900] = bias[:100]
+    bias[1600:1700] = bias[:100]
+    bias[1700] = bias[base]
+    matrix = GGUFMatrix(raw, name)
+    head = GGUFLinear([matrix], bias)
+    w = matrix.dequantize()
+    w64 = w.double()
+    norms = split_norms(matrix).double()
+    assert torch.allclose(norms[0], w64.norm(dim=1)) and (norms[1] >= norms[0] * (1 - 1e-6)).all()
+    monkeypatch.setattr(decoder, "SCREENED_HEAD_WEIGHTS", vocab * k)
+    greedy = CodesGreedyHead(head)
+    scale = w.abs().mean()
+    x = torch.cat([w[:100] / scale + 0.01 * torch.randn(100, k, generator=gen),  # best logit among twins
+                   (w[base] / scale + 0.01 * torch.randn(60, k, generator=gen)) * few,  # base or its twin 1700
+                   torch.randn(40, k, generator=gen)])
+    # rows base and 1700 apart in fp32 and in int8, the other way round: where the twins differ, x at n + 0.49
+    # quantization steps (quantized to n) and at -(m + 0.51) (to -(m + 1)), the larger weight difference at the first
+    block = int8_block(name)
+    (k1, k2), delta = (w[1700] - w[base]).nonzero()[:, 0].tolist(), (w[1700] - w[base]).abs()
+    for row in x[100:160]:
+        row[[k1, k2]] = 0.0
+        step = row.view(-1, block).abs().amax(-1) / 127
+        size = {j: float(delta[j] * step[j // block]) for j in (k1, k2)}
+        big, small = sorted((k1, k2), key=size.get, reverse=True)
+        ratio = size[big] / size[small]
+        n, m = next((n, m) for n in range(40) for m in range(40)
+                    if (n + 0.49) * ratio > (m + 0.51) * 1.001 and n * ratio < (m + 1) * 0.999)
+        row[big] = (n + 0.49) * step[big // block] * torch.sign(w[1700, big] - w[base, big])
+        row[small] = -(m + 0.51) * step[small // block] * torch.sign(w[1700, small] - w[base, small])
+    with torch.inference_mode():
+        want = head(x).argmax(-1)
+        for rows in (x[:1], x[:4], x[:16], x[:21], x):
+            assert torch.equal(greedy(rows), want[:rows.shape[0]]), name
+        nan = x[100:103].clone()
+        nan[1, 4] = torch.nan
+        assert torch.equal(greedy(nan), head(nan).argmax(-1))
+        bound_holds_and_is_not_vacuous(greedy, head, torch.cat([x, x[:30] ** 3]))
+        blind = CodesGreedyHead(head)
+        blind.norms = torch.zeros_like(blind.norms)  # no bound: the int8 logits' best alone
+        approx = greedy._approx(x)
+        assert not torch.equal(blind(x), want), name
+    assert (approx.argmax(-1) != want).any()  # the int8 logits alone are not enough here
+    assert (want[:100] < 800).any() and (want[:100] >= 1600).any() and (want[100:160] == 1700).any()

@@ -108,3 +108,22 @@ def test_cache_goes_by_the_keyword_the_model_takes():
     ids = torch.tensor([[1, 2, 3]])
     tiny.forward(ids, torch.arange(3)[None], cache)
     assert kv_cache.cache_length(cache) == 3
+
+
+@pytest.mark.slow
+def test_gguf_metadata_is_read_once_for_config_and_tokenizer(tmp_path, monkeypatch):
+    """transformers' whole-metadata GGUF reader runs once for the config and the tokenizer's class (twice took
+    30-60 s a read for a 151,936-token vocabulary on 2 busy cores), and its answer is not left patched in."""
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils
+
+    from eagle.runtime.target import gguf_metadata_dir, smollm2_gguf_path
+
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
+    reads = []
+    original = gguf.GGUFReader.__init__
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda self, *a, **k: reads.append(a) or original(self, *a, **k))
+    before = modeling_gguf_pytorch_utils.load_gguf_checkpoint
+    out = gguf_metadata_dir(smollm2_gguf_path())
+    assert len(reads) == 1 and (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+    assert modeling_gguf_pytorch_utils.load_gguf_checkpoint is before

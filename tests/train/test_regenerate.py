@@ -62,6 +62,16 @@ def test_select_chats_drops_malformed_benchmark_and_duplicate_conversations(tmp_
     assert stats["excluded_by_file"] == {str(tmp_path / "dev.jsonl"): 1, str(tmp_path / "mt.jsonl"): 1}
 
 
+def test_topic_code_keeps_the_conversations_whose_first_turn_is_about_code():
+    records = [sharegpt(["Write a Python function that sorts a list.", "thanks"]), sharegpt(["```\nx = 1\n```"]),
+               sharegpt(["Why does my SQL query return nothing?"]), sharegpt(["Plan a trip to Rome.", "in python?"]),
+               sharegpt(["What is a good name for a cat?"])]
+    chats, stats = regenerate.select_chats(records, {}, 0.0, 0, topic="code")
+    assert [c.users[0][:12] for c in chats] == ["Write a Pyth", "```\nx = 1\n``", "Why does my "]
+    assert stats["not_coding"] == 2 and stats["kept"] == 3
+    assert len(regenerate.select_chats(records, {}, 0.0, 0)[0]) == 5  # topic "all"
+
+
 def test_heldout_split_is_fixed_by_the_conversation_not_its_place():
     records = [sharegpt([f"t{4 + i % 50} t{5 + i // 50}"]) for i in range(400)]
     chats, _ = regenerate.select_chats(records, {}, 0.25, 0)

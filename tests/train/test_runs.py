@@ -312,3 +312,64 @@ def test_a_run_into_the_folder_of_another_run_is_refused_in_one_line_until_start
     assert "resumed from" not in proc.stdout and logged_steps(proc.stdout.splitlines(keepends=True)) == [1, 2]
     assert json.loads((out / checkpoint.RUN).read_text())["architecture"]["num_layers"] == 2
     assert Drafter.from_pretrained(out / "drafter").config.num_layers == 2
+
+
+def run_state(ckpt: Path) -> dict:
+    """What a checkpoint holds of a run: the drafter's weights, the optimizer's state (Adam's moments and
+    step), the scheduler's, and the trainer's own (step, epoch, position in the epoch, tokens, noise RNG)."""
+    model = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)
+    optim = torch.load(ckpt / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    base = optim["optimizer_state_dict"]["base_optimizer_state"]
+    return {"module": model["module"], "lr_scheduler": model["lr_scheduler"],
+            "adam": {k: v for k, v in base["state"].items()}, "groups": base["param_groups"],
+            "client": {k: model[k] for k in ("step", "epoch", "micro_in_epoch", "tokens", "noise_rng")}}
+
+
+def assert_same(a, b, where: str = "") -> None:
+    """Nested dicts/lists of tensors and numbers equal, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.slow
+def test_a_stopped_run_resumes_to_the_state_of_an_uninterrupted_one(space):
+    """A run stopped twice (once by max_steps, once by max_wall_s), each time resumed from its last
+    checkpoint, ends with the weights, optimizer and scheduler state, step, epoch, position in the epoch
+    and noise RNG state of the same run uninterrupted, bit for bit; the epoch boundary (step 11) lies
+    between the stops and the end. The learning-rate schedule is fixed in the DeepSpeed config, so that
+    max_steps only says where to stop."""
+    total = 14
+    schedule = {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
+                                                                  "warmup_num_steps": 2, "total_num_steps": total}}}
+
+    def run(cfg: Path, *sets: str) -> str:
+        proc = subprocess.run([sys.executable, train.main.__file__, "--config", str(cfg), *sets], capture_output=True,
+                              text=True, env=single_rank(space), timeout=600, cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout
+
+    whole_cfg, whole = run_files(space, "whole", max_steps=total, save_every=100, noise=0.2, deepspeed=schedule)
+    stopped_cfg, stopped = run_files(space, "stopped", max_steps=total, save_every=100, noise=0.2,
+                                     deepspeed=schedule)
+    run(whole_cfg)
+    run(stopped_cfg, "--set", "max_steps=5")
+    out = run(stopped_cfg, "--set", "max_wall_s=0.000001")  # stops (with a checkpoint) after its first step
+    assert "resumed from step 5 " in out and checkpoint.read_latest(stopped / "checkpoints") == "step6"
+    out = run(stopped_cfg)
+    assert "resumed from step 6 " in out and logged_steps(out.splitlines(keepends=True)) == list(range(7, total + 1))
+    a, b = (run_state(run_dir / "checkpoints" / f"step{total}") for run_dir in (whole, stopped))
+    assert a["client"]["epoch"] == 1 and a["client"]["micro_in_epoch"] == total - 11
+    assert_same(a, b)
+    for run_dir in (whole, stopped):  # the drafters saved at the end are the checkpoints' weights
+        drafter = Drafter.from_pretrained(run_dir / "drafter")
+        assert_same(drafter.state_dict(), {k: v for k, v in a["module"].items() if k in drafter.state_dict()})

@@ -23,8 +23,9 @@
 // stream_linear_gguf: the same products with W in its GGUF block layouts; 1-4 rows decode each block of codes in
 // registers (the fused path), more rows decode a few rows of W at a time into a buffer that every row meets.
 // With int8 (an option of stream_linear_q and stream_linear_gguf; AVX2 and AVX-512 builds): x quantized to int8 per
-// block of 32 meets the codes in integers, as llama.cpp's dot products do: not the fp32 product's bits, but still
-// a row's bits whatever rows come with it.
+// block of 32 (per super-block of 256 for Q4_K, Q5_K and Q6_K, as ggml's Q8_K; those on every build) meets the codes
+// in integers, as llama.cpp's dot products do: not the fp32 product's bits, but still a row's bits whatever rows come
+// with it.
 //
 // DecoderStack, GemmaStack: a Llama/Qwen2/Qwen3 or a Gemma-3 target's decoder layers run by one call a forward.
 //
@@ -727,6 +728,10 @@ constexpr int64_t layout_weights(int64_t type) {
                                                                                                               : 32;
 }
 
+// the K-quants whose int8 products take x per super-block of 256, and whose fp32 scales fused_block hoists
+template <int64_t Type>
+constexpr bool kSuperInt8 = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;
+
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, sizeof bits);
@@ -1028,6 +1033,46 @@ inline void fused_weights(const uint8_t* p, int s, V& lo, V& hi) {
   }
 }
 
+// The 32 unsigned codes of chunk s (weights 32 s .. 32 s + 31) of the super-block at p, as bytes.
+template <int64_t Type>
+inline __m256i super_chunk(const uint8_t* p, int s) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  if constexpr (Type == kQ6_K) {
+    const int n = s / 4, r = s % 4;
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(load32(p + 64 * n + 32 * (r % 2)), 4 * (r / 2)), low4);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(load32(p + 128 + 32 * n), 2 * r), _mm256_set1_epi8(3));
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+  } else {
+    const __m256i q = load32(p + (Type == kQ4_K ? 16 : 48) + 32 * (s / 2));
+    __m256i c = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
+    if constexpr (Type == kQ5_K) {
+      const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << s));
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(load32(p + 16), bit), bit);
+      c = _mm256_or_si256(c, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
+    return c;
+  }
+}
+
+// A K-quant super-block's fp32 scales for fused_block, once for its 8 chunks: Q4_K and Q5_K dl[s] = d sc_s and
+// ml[s] = -(dmin mn_s) per 32 weights, Q6_K dl[g] = d sc_g per 16 (fused_codes' values: each product exact).
+template <int64_t Type>
+inline void super_fp32_scales(const uint8_t* p, float* dl, float* ml) {
+  if constexpr (Type == kQ6_K) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+    const float d = half_at(p + 208);
+    for (int g = 0; g < 16; ++g) dl[g] = d * static_cast<float>(sc[g]);
+  } else {
+    const float d = half_at(p), dmin = half_at(p + 2);
+    for (int j = 0; j < 8; ++j) {
+      int sc, mn;
+      scale_min_k4(j, p + 4, sc, mn);
+      dl[j] = d * static_cast<float>(sc);
+      ml[j] = -(dmin * static_cast<float>(mn));
+    }
+  }
+}
+
 // Outputs j0..j1 of the M rows of x [M, K] (rows K apart; out's ldo apart), W's rows raw + j row_bytes in GGUF
 // type Type, one row of W at a time (faster than 2 or 4 at a time on AVX2: docs/performance.md), each block of 32
 // weights decoded once for the M rows.
@@ -1043,9 +1088,21 @@ void fused_block(const float* x, int64_t K, const uint8_t* raw, int64_t row_byte
     const uint8_t* rp = raw + j * row_bytes;
     for (int64_t u = 0; u < units; ++u, rp += layout.bytes) {
       prefetch(rp + kPrefetchRows * row_bytes, true);
+      [[maybe_unused]] float dl[16], ml[8];
+      if constexpr (kSuperInt8<Type>) super_fp32_scales<Type>(rp, dl, ml);  // once for the super-block's 8 chunks
       for (int s = 0; s < kSub; ++s) {
         V lo, hi;
-        fused_weights<Type>(rp, s, lo, hi);
+        if constexpr (Type == kQ6_K) {
+          bytes_to_floats(_mm256_sub_epi8(super_chunk<Type>(rp, s), _mm256_set1_epi8(32)), lo, hi);
+          lo = scaled(dl[2 * s], lo);
+          hi = scaled(dl[2 * s + 1], hi);
+        } else if constexpr (kSuperInt8<Type>) {
+          bytes_to_floats(super_chunk<Type>(rp, s), lo, hi);
+          lo = scaled(dl[s], lo, ml[s]);
+          hi = scaled(dl[s], hi, ml[s]);
+        } else {
+          fused_weights<Type>(rp, s, lo, hi);
+        }
         const float* xp = x + u * layout.weights + 32 * s;
         for (int i = 0; i < M; ++i) acc[i] = vfma(vload(xp + i * K), lo, acc[i]);
         for (int i = 0; i < M; ++i) acc[i] = vfma(vload(xp + i * K + 16), hi, acc[i]);
@@ -1346,6 +1403,243 @@ void check_int8(bool int8, const char* who) {
   TORCH_CHECK(!int8 || kInt8, who, ": int8 activations need the AVX2 or AVX-512 kernels (these are ", kIsa, ")");
 }
 
+// ---- int8 activations for the K-quants: x quantized per super-block of 256 (ggml's Q8_K) ----------------------
+// Q4_K, Q5_K and Q6_K rows meet x quantized per super-block of 256 (d = max |x| / 127, codes x / d rounded to the
+// nearest, ties to even; every 16 codes' sum kept), as llama.cpp's dot products of these types do. Each super-block
+// of a weight row is an unsigned code c (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63) and an integer scale per 16 or 32
+// weights, w = d (sc c) - dm mn: Q4_K and Q5_K dm = dmin and mn their 6-bit minimum; Q6_K (w = d sc (c - 32))
+// dm = d and mn = 32 sc. So a row's super-block product is d dx sum(sc c q) - dm dx sum(mn q), two exact integer
+// sums (the second from the 16-code sums) in 8 lanes (lane l: bytes 4l..4l+3 of every 32 codes; minimums 2l and
+// 2l + 1), each lane scaled in fp32 by one multiply-add a part (Q6_K: one, the parts subtracted in integers as their
+// scales are equal) into 8 fp32 lanes, summed at the end. A row's operations do not depend on the other rows in the
+// call: the same bits alone or in a tree.
+// The AVX2/AVX-512 builds sum the bytes with vpmaddubsw/vpmaddwd; the portable one with plain loops (the same
+// integers; its fp32 roundings may differ, as its other products' do).
+constexpr int64_t kSuper = 256;
+
+
+// x [M, K] quantized per super-block: codes q [M, K]; d [M, K / 256]; sums [M, K / 16] of every 16 codes.
+struct SuperRows {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> sums;
+};
+
+// Plain loops on every build (the same codes everywhere): max and the product x (127 / max) are exact operations
+// of IEEE fp32, rounded to the nearest (ties to even) by nearbyint in the default rounding mode.
+SuperRows quantize_super(const float* x, int64_t M, int64_t K) {
+  const int64_t blocks = M * K / kSuper;
+  SuperRows r{std::vector<int8_t>(M * K), std::vector<float>(blocks), std::vector<int16_t>(M * K / 16)};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* p = x + kSuper * b;
+    float amax = 0.0f;
+    for (int64_t k = 0; k < kSuper; ++k) amax = std::max(amax, std::fabs(p[k]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    r.d[b] = amax / 127.0f;
+    int8_t* q = r.q.data() + kSuper * b;
+    for (int64_t k = 0; k < kSuper; ++k) q[k] = static_cast<int8_t>(std::nearbyint(p[k] * inv));
+    for (int64_t g = 0; g < kSuper / 16; ++g) {
+      int sum = 0;
+      for (int k = 0; k < 16; ++k) sum += q[16 * g + k];
+      r.sums[b * (kSuper / 16) + g] = static_cast<int16_t>(sum);
+    }
+  }
+  return r;
+}
+
+// A K-quant super-block's integer scales: sc[g] and mn[g] for each 16 weights g (0..15), d and dm.
+struct SuperScales {
+  int16_t sc[16], mn[16];
+  float d, dm;
+};
+
+template <int64_t Type>
+inline SuperScales super_scales(const uint8_t* p) {
+  SuperScales s;
+  if constexpr (Type == kQ6_K) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+    for (int g = 0; g < 16; ++g) {
+      s.sc[g] = sc[g];
+      s.mn[g] = static_cast<int16_t>(32 * sc[g]);
+    }
+    s.d = s.dm = half_at(p + 208);
+  } else {
+    for (int j = 0; j < 8; ++j) {
+      int sc, mn;
+      scale_min_k4(j, p + 4, sc, mn);
+      s.sc[2 * j] = s.sc[2 * j + 1] = static_cast<int16_t>(sc);
+      s.mn[2 * j] = s.mn[2 * j + 1] = static_cast<int16_t>(mn);
+    }
+    s.d = half_at(p);
+    s.dm = half_at(p + 2);
+  }
+  return s;
+}
+
+// The unsigned code of weight 32 s + l (l 0..31) of the super-block at p.
+template <int64_t Type>
+inline int super_code(const uint8_t* p, int s, int l) {
+  if constexpr (Type == kQ6_K) {
+    const int n = s / 4, r = s % 4;
+    return ((p[64 * n + 32 * (r % 2) + l] >> (4 * (r / 2))) & 15) | (((p[128 + 32 * n + l] >> (2 * r)) & 3) << 4);
+  } else {
+    const int low = (p[(Type == kQ4_K ? 16 : 48) + 32 * (s / 2) + l] >> (4 * (s % 2))) & 15;
+    return Type == kQ5_K ? low | (((p[16 + l] >> s) & 1) << 4) : low;
+  }
+}
+
+#if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1)));
+}
+
+// A super-block's integer scales as vectors: sc8[s], the scale of chunk s (Q4_K, Q5_K) or of its two halves
+// (Q6_K: sc16 per 16 weights); mn, the minimums' multipliers per 16 weights (16 int16); d and dm.
+struct SuperVectors {
+  __m256i mn;
+  alignas(16) uint8_t sc8[8];
+  alignas(32) int16_t sc16[16];
+  float d, dm;
+};
+
+template <int64_t Type>
+inline SuperVectors super_vectors(const uint8_t* p) {
+  SuperVectors v;
+  if constexpr (Type == kQ6_K) {
+    const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(v.sc16), sc);
+    v.mn = _mm256_slli_epi16(sc, 5);  // 32 sc
+    v.d = v.dm = half_at(p + 208);
+  } else {  // the 12 bytes of 6-bit scales and minimums unpacked to 8 + 8 bytes (ggml's trick)
+    uint32_t u[4];
+    std::memcpy(u, p + 4, 12);
+    constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t mins_low = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = mins_low;
+    u[0] &= k1;
+    std::memcpy(v.sc8, u, 8);
+    const __m128i mins = _mm_shuffle_epi8(_mm_set_epi32(0, 0, static_cast<int>(u[3]), static_cast<int>(u[2])),
+                                          _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+    v.mn = _mm256_cvtepu8_epi16(mins);
+    v.d = half_at(p);
+    v.dm = half_at(p + 2);
+  }
+  return v;
+}
+
+// out[i * ldo + j] for rows row0..row0+M-1 of x (quantized: xq) and W's rows j0..j1 (GGUF rows of Type).
+template <int64_t Type, int M>
+void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int64_t K, int64_t row0,
+                 const float* bias, float* out, int64_t ldo, int64_t j0, int64_t j1) {
+  constexpr int64_t unit = Type == kQ6_K ? 210 : (Type == kQ5_K ? 176 : 144);
+  const int64_t supers = K / kSuper;
+  const uint8_t* xq8 = reinterpret_cast<const uint8_t*>(xq.q.data()) + row0 * K;
+  for (int64_t j = j0; j < j1; ++j) {
+    __m256 acc[M];
+    for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+    const uint8_t* rp = raw + j * row_bytes;
+    for (int64_t u = 0; u < supers; ++u, rp += unit) {
+      for (int64_t b = 0; b < unit; b += 64) prefetch(rp + kPrefetchRows * row_bytes + b, true);
+      const SuperVectors sv = super_vectors<Type>(rp);
+      __m256i isum[M];
+      for (int i = 0; i < M; ++i) isum[i] = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s) {
+        const __m256i c = super_chunk<Type>(rp, s);
+        const __m256i scale = Type == kQ6_K
+            ? _mm256_set_m128i(_mm_set1_epi16(sv.sc16[2 * s + 1]), _mm_set1_epi16(sv.sc16[2 * s]))
+            : _mm256_set1_epi16(sv.sc8[s]);
+        for (int i = 0; i < M; ++i) {
+          const __m256i xv = load32(xq8 + i * K + u * kSuper + 32 * s);
+          isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(c, xv), scale));
+        }
+      }
+      for (int i = 0; i < M; ++i) {
+        const int64_t xb = (row0 + i) * supers + u;
+        const float dx = xq.d[xb];
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.sums.data() + 16 * xb));
+        const __m256i msum = _mm256_madd_epi16(sv.mn, sums);  // lane l: minimums 2l and 2l + 1
+        if constexpr (Type == kQ6_K) {  // the same scale d: subtracted in integers
+          acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(sv.d * dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i], msum)),
+                                   acc[i]);
+        } else {
+          acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(sv.d * dx), _mm256_cvtepi32_ps(isum[i]), acc[i]);
+          acc[i] = _mm256_fnmadd_ps(_mm256_set1_ps(sv.dm * dx), _mm256_cvtepi32_ps(msum), acc[i]);
+        }
+      }
+    }
+    for (int i = 0; i < M; ++i) out[i * ldo + j] = hsum8(acc[i]) + (bias ? bias[j] : 0.0f);
+  }
+}
+#else
+// Portable: the same integers by plain loops, in the vector builds' lanes (multiply and add rounded apart).
+template <int64_t Type, int M>
+void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int64_t K, int64_t row0,
+                 const float* bias, float* out, int64_t ldo, int64_t j0, int64_t j1) {
+  constexpr int64_t unit = Type == kQ6_K ? 210 : (Type == kQ5_K ? 176 : 144);
+  const int64_t supers = K / kSuper;
+  for (int64_t j = j0; j < j1; ++j) {
+    for (int i = 0; i < M; ++i) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      const uint8_t* rp = raw + j * row_bytes;
+      for (int64_t u = 0; u < supers; ++u, rp += unit) {
+        const SuperScales sc = super_scales<Type>(rp);
+        const int64_t xb = (row0 + i) * supers + u;
+        const int8_t* q = xq.q.data() + (row0 + i) * K + u * kSuper;
+        const int16_t* sums = xq.sums.data() + 16 * xb;
+        int32_t lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0}, mins[8];
+        for (int s = 0; s < 8; ++s)
+          for (int l = 0; l < 32; ++l) lanes[l / 4] += sc.sc[2 * s + l / 16] * super_code<Type>(rp, s, l) * q[32 * s + l];
+        for (int l = 0; l < 8; ++l) mins[l] = sc.mn[2 * l] * sums[2 * l] + sc.mn[2 * l + 1] * sums[2 * l + 1];
+        const float dx = xq.d[xb], scale = sc.d * dx, mscale = sc.dm * dx;
+        for (int l = 0; l < 8; ++l) {
+          if constexpr (Type == kQ6_K) {
+            acc[l] = acc[l] + scale * static_cast<float>(lanes[l] - mins[l]);
+          } else {
+            acc[l] = acc[l] + scale * static_cast<float>(lanes[l]);
+            acc[l] = acc[l] - mscale * static_cast<float>(mins[l]);
+          }
+        }
+      }
+      // hsum8's order: (l + (l + 4)), then (0 + 2) + (1 + 3)
+      float h[4];
+      for (int l = 0; l < 4; ++l) h[l] = acc[l] + acc[l + 4];
+      out[i * ldo + j] = ((h[0] + h[2]) + (h[1] + h[3])) + (bias ? bias[j] : 0.0f);
+    }
+  }
+}
+#endif
+
+constexpr int kSuperRows = 8;  // rows of x one pass over W serves
+constexpr int64_t kSuperTile = 16;  // rows of W met by every pass before the next ones
+
+// out [M, N] (rows ldo apart) = x W^T (+ bias), W GGUF rows of K-quant Type, x quantized per super-block.
+template <int64_t Type>
+void super_rows(const SuperRows& xq, int64_t M, int64_t K, const uint8_t* raw, int64_t row_bytes, int64_t N,
+                const float* bias, float* out, int64_t ldo) {
+  at::parallel_for(0, N, 16, [&](int64_t j0, int64_t j1) {
+    for (int64_t t = j0; t < j1; t += kSuperTile) {
+      const int64_t t1 = std::min(j1, t + kSuperTile);
+      for (int64_t r = 0; r < M; r += kSuperRows) {
+        float* o = out + r * ldo;
+        switch (std::min<int64_t>(kSuperRows, M - r)) {
+          case 1: super_block<Type, 1>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+          case 2: super_block<Type, 2>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+          case 3: super_block<Type, 3>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+          case 4: super_block<Type, 4>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+          case 5: super_block<Type, 5>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+          case 6: super_block<Type, 6>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+          case 7: super_block<Type, 7>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+          default: super_block<Type, 8>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // stream_linear_gguf: y = x W^T (+ b) for the rows of x [M, K] with W given as GGUF rows of one or more parts
@@ -1374,8 +1668,13 @@ torch::Tensor stream_linear_gguf_parts(const torch::Tensor& x, const std::vector
   auto out = torch::empty({M, total}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  check_int8(int8, "stream_linear_gguf");
-  const QuantizedRows xq = int8 ? quantize_rows(xp, M, K) : QuantizedRows{};  // once for every part
+  // x quantized once for every part: per block of 32, and per super-block of 256 for the K-quants that take it
+  // (those on every build: the portable one sums their integers by plain loops)
+  bool blocks32 = false, supers = false;
+  for (const int64_t t : types) (t == kQ4_K || t == kQ5_K || t == kQ6_K ? supers : blocks32) = true;
+  check_int8(int8 && blocks32, "stream_linear_gguf");
+  const QuantizedRows xq = int8 && blocks32 ? quantize_rows(xp, M, K) : QuantizedRows{};
+  const SuperRows xs = int8 && supers ? quantize_super(xp, M, K) : SuperRows{};
   int64_t col = 0;
   for (size_t i = 0; i < raws.size(); ++i) {
     const uint8_t* rp = raws[i].data_ptr<uint8_t>();
@@ -1384,6 +1683,12 @@ torch::Tensor stream_linear_gguf_parts(const torch::Tensor& x, const std::vector
     switch (types[i]) {
 #define EAGLE_GGML(t) \
   case t:             \
+    if constexpr (kSuperInt8<t>) {                                      \
+      if (int8) {                                                        \
+        super_rows<t>(xs, M, K, rp, rb, N, bp, op + col, total);         \
+        break;                                                           \
+      }                                                                  \
+    }                                                                    \
     if (int8) int8_gguf<t>(xq, M, K, rp, rb, N, bp, op + col, total); \
     else gguf_rows<t>(xp, M, K, rp, rb, N, bp, op + col, total); \
     break;
@@ -1860,36 +2165,51 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
-// int8_radius: for fp32 rows x [N, K], c [N] such that each logit of the int8 products (x quantized by quantize_rows,
-// x' its codes times their block scales) is within c |w_j| of the fp32 one: c = |x - x'| + gamma (|x'| + |x|)
-// (CodesGreedyHead), summed in double, times 1.001 plus 1e-12 for the roundings of these sums. NaN where x is not
-// finite. Float64 [N].
-torch::Tensor int8_radius(const torch::Tensor& x, double gamma) {
-  check_int8(true, "int8_radius");
+// int8_radius: for fp32 rows x [N, K], the two terms of how far each logit of the int8 products can be from the fp32
+// one (CodesGreedyHead): x quantized as those products quantize it (per block of `block`: 32, or 256 as the K-quants'
+// super-blocks), x' its codes times their scales, c [N, 2] = (|x - x'|, gamma (|x'| + |x|)), each summed in double,
+// times 1.001 plus 1e-12 for the roundings of these sums: logit j is within c0 |w_j| + c1 (|a_j| + |b_j|) of the
+// fp32 one, where the int8 product sums w_j = a_j - b_j as two parts (b_j: the minimums; 0 for codes without). NaN
+// where x is not finite. Float64 [N, 2].
+torch::Tensor int8_radius(const torch::Tensor& x, double gamma, int64_t block) {
+  TORCH_CHECK(block == 32 || block == kSuper, "int8_radius: blocks of 32 or 256");
+  if (block == 32) check_int8(true, "int8_radius");
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.device().is_cpu() &&
-              x.size(1) % 32 == 0, "int8_radius: contiguous fp32 CPU x [N, K], K a multiple of 32");
+              x.size(1) % block == 0, "int8_radius: contiguous fp32 CPU x [N, K], K a multiple of the block");
   const int64_t N = x.size(0), K = x.size(1);
-  auto out = torch::empty({N}, torch::kFloat64);
+  auto out = torch::empty({N, 2}, torch::kFloat64);
   double* op = out.data_ptr<double>();
-#if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)  // the builds with int8 products (check_int8 above)
   const float* xp = x.data_ptr<float>();
-  const QuantizedRows xq = quantize_rows(xp, N, K);
+  std::vector<int8_t> codes;
+  std::vector<float> scales;
+  if (block == kSuper) {
+    SuperRows xs = quantize_super(xp, N, K);
+    codes.swap(xs.q);
+    scales.swap(xs.d);
+  } else {
+#if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)  // the builds with int8 products (check_int8 above)
+    QuantizedRows xq = quantize_rows(xp, N, K);
+    codes.swap(xq.q);
+    scales.swap(xq.d);
+#endif
+  }
   for (int64_t i = 0; i < N; ++i) {
     double err = 0.0, seen = 0.0, own = 0.0;
     for (int64_t k = 0; k < K; ++k) {
-      const double v = xp[i * K + k], q = static_cast<double>(xq.q[i * K + k]) * xq.d[(i * K + k) / 32];
+      const double v = xp[i * K + k], q = static_cast<double>(codes[i * K + k]) * scales[(i * K + k) / block];
       err += (v - q) * (v - q);
       seen += q * q;
       own += v * v;
     }
-    op[i] = (std::sqrt(err) + gamma * (std::sqrt(seen) + std::sqrt(own))) * 1.001 + 1e-12;
+    op[2 * i] = std::sqrt(err) * 1.001 + 1e-12;
+    op[2 * i + 1] = gamma * (std::sqrt(seen) + std::sqrt(own)) * 1.001 + 1e-12;
   }
-#endif
   return out;
 }
 
 // screen_candidates: the tokens whose fp32 logit may be a row's largest, from approximate logits approx fp32 [N, V]
-// each within radius[i] * norms[j] of the fp32 one (CodesGreedyHead's bound). Per row, with c_j = radius * norms[j]:
+// each within c_j of the fp32 one (CodesGreedyHead's bound): c_j = radius[i] * norms[j] for radius [N] and norms [V],
+// or radius[i, 0] * norms[0, j] + radius[i, 1] * norms[1, j] for radius [N, 2] and norms [2, V]. Per row:
 // lowest = max_j (A_j - c_j) (no row's best is below it), and token j is a candidate where A_j + c_j >= lowest -
 // slack * max(max_j |A_j + c_j|, |lowest|) (the fp32 roundings of those sums), the arithmetic of the torch expressions
 // it replaces, in two passes over the row. Returns (the union of the rows' candidates in increasing order, int64 [T];
@@ -1900,30 +2220,38 @@ std::tuple<torch::Tensor, torch::Tensor> screen_candidates(const torch::Tensor& 
   TORCH_CHECK(approx.dtype() == torch::kFloat32 && approx.is_contiguous() && approx.dim() == 2 && approx.device().is_cpu(),
               "screen_candidates: contiguous fp32 CPU approx [N, V]");
   const int64_t N = approx.size(0), W = approx.size(1), whole = W / 16 * 16;
-  TORCH_CHECK(radius.dtype() == torch::kFloat32 && radius.is_contiguous() && radius.numel() == N &&
-              norms.dtype() == torch::kFloat32 && norms.is_contiguous() && norms.numel() == W,
-              "screen_candidates: fp32 radius [N] and norms [V]");
+  const int64_t terms = radius.dim() == 2 ? 2 : 1;
+  TORCH_CHECK(radius.dtype() == torch::kFloat32 && radius.is_contiguous() && radius.numel() == N * terms &&
+              norms.dtype() == torch::kFloat32 && norms.is_contiguous() && norms.numel() == W * terms &&
+              norms.dim() == radius.dim() && (terms == 1 || (radius.size(1) == 2 && norms.size(0) == 2)),
+              "screen_candidates: fp32 radius [N] and norms [V], or radius [N, 2] and norms [2, V]");
   const float* ap = approx.data_ptr<float>();
   const float* rp = radius.data_ptr<float>();
   const float* np = norms.data_ptr<float>();
+  const float* np1 = terms == 2 ? np + W : nullptr;
   std::vector<std::vector<int64_t>> rows(N);
   std::vector<char> usable(N, 1);
   at::parallel_for(0, N, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float* a = ap + i * W;
-      const float r = rp[i];
-      const V vr = vset1(r);
+      const float r = rp[terms * i], r1 = terms == 2 ? rp[2 * i + 1] : 0.0f;
+      const V vr = vset1(r), vr1 = vset1(r1);
+      // c_j as the torch expressions compute it: one product, or two products and their sum
+      auto reach = [&](int64_t k) {
+        return np1 ? vadd(vmul(vr, vload(np + k)), vmul(vr1, vload(np1 + k))) : vmul(vr, vload(np + k));
+      };
+      auto reach1 = [&](int64_t k) { return np1 ? r * np[k] + r1 * np1[k] : r * np[k]; };
       V lo = vset1(-INFINITY), top = vzero(), odd = vzero();  // odd: 0 while every value is finite
       for (int64_t k = 0; k < whole; k += 16) {
-        const V v = vload(a + k), c = vmul(vr, vload(np + k)), s = vadd(v, c);
+        const V v = vload(a + k), c = reach(k), s = vadd(v, c);
         lo = vmax(lo, vsub(v, c));
         top = vmax(top, vmax(s, vsub(vzero(), s)));
         odd = vadd(odd, vmul(s, vzero()));
       }
       float lowest = vmaxall(lo), high = vmaxall(top);
-      bool finite = std::isfinite(vsum(odd)) && std::isfinite(r);
+      bool finite = std::isfinite(vsum(odd)) && std::isfinite(r) && std::isfinite(r1);
       for (int64_t k = whole; k < W; ++k) {
-        const float c = r * np[k], s = a[k] + c;
+        const float c = reach1(k), s = a[k] + c;
         finite = finite && std::isfinite(s);
         lowest = std::max(lowest, a[k] - c);
         high = std::max(high, std::fabs(s));
@@ -1936,9 +2264,9 @@ std::tuple<torch::Tensor, torch::Tensor> screen_candidates(const torch::Tensor& 
       std::vector<int64_t>& kept = rows[i];
       for (int64_t k = 0; k < W; k += 16) {
         const int64_t n = std::min<int64_t>(16, W - k);
-        if (n == 16 && vmaxall(vadd(vload(a + k), vmul(vr, vload(np + k)))) < t) continue;  // none of the 16
+        if (n == 16 && vmaxall(vadd(vload(a + k), reach(k))) < t) continue;  // none of the 16
         for (int64_t j = k; j < k + n; ++j)
-          if (a[j] + r * np[j] >= t) kept.push_back(j);
+          if (a[j] + reach1(j) >= t) kept.push_back(j);
         if (static_cast<int64_t>(kept.size()) > most) break;
       }
       if (kept.empty() || static_cast<int64_t>(kept.size()) > most) usable[i] = 0;
@@ -2131,7 +2459,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "grouped-query attention of a few rows over the cache, fp32, row-independent");
   m.def("silu_mul", &silu_mul, "silu(gate) * up, fp32");
   m.def("int8_radius", &int8_radius, "how far each int8-product logit of rows x can be from the fp32 one, per unit "
-        "of the weight row's norm (float64)", py::arg("x"), py::arg("gamma"));
+        "of the weight row's norms (float64 [N, 2])", py::arg("x"), py::arg("gamma"), py::arg("block") = 32);
   m.def("screen_candidates", &screen_candidates, "the tokens an approximate head's bound leaves within reach of each "
         "row's best: (their union, which each row keeps), or empty ones where the whole head must decide",
         py::arg("approx"), py::arg("radius"), py::arg("norms"), py::arg("slack"), py::arg("most"));

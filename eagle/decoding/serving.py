@@ -1,4 +1,4 @@
-"""Continuous batching with draft trees: ``BatchedEngine``.
+"""Continuous batching with draft trees: ``ServingEngine``.
 
 Requests join (``add``) and leave (finished or ``cancel``) between rounds. Each ``step`` is one
 round for every running sequence: each proposes its own draft tree (``ar``: the root alone),
@@ -28,14 +28,15 @@ from typing import Any, Hashable, Sequence
 
 import torch
 
-from eagle.config import SamplingConfig, check_int
+from eagle.config import SamplingConfig, check_bool, check_int
 from eagle.decoding.batch_trees import draft_together, grows_together
 from eagle.decoding.draft_steps import run_together
 from eagle.decoding.loop import GenerationResult, accept_round, check_request, commit_round
 from eagle.decoding.proposers import Proposal, Proposer
 from eagle.decoding.sampling import make_generator
 from eagle.decoding.tree import DraftTree
-from eagle.decoding.tree_mask import TreeAttention, attention_bias, tree_attention
+from eagle.decoding.tree_mask import TreeAttention, tree_attention
+from eagle.runtime.masks import attention_bias
 from eagle.decoding.tree_sizing import AVERAGING, RankRates, batch_tree_sizes, cost_curve
 from eagle.errors import EagleError
 from eagle.inputs import METHODS
@@ -179,7 +180,7 @@ def on_host(trees: list[DraftTree]) -> list[DraftTree]:
     return out
 
 
-class BatchedEngine:
+class ServingEngine:
     """Decode many requests together, one round per ``step``, with the methods of ``model``
     (an ``eagle.engine.EagleModel``).
 
@@ -190,22 +191,20 @@ class BatchedEngine:
     target forward's seconds for 1 .. S rows, for ``load_sizing`` (default: ``cost_curve``, measured
     once per machine and cached); ``cache_pool``: the running sequences' caches as slots of one
     ``CachePool`` (``kv_cache``), so that a round's forward attends for all of them in one call per layer
-    (``pooled.pooled_forward``; None: where the target runs on CUDA, where per-sequence attention
-    would launch a few kernels per sequence and layer, or where its forward is captured as graphs);
+    (``pooled.pooled_forward``; off by default, a GPU layout checked with the CPU stand-in for CUDA capture
+    only: on CUDA per-sequence attention launches a few kernels per sequence and layer, which it saves);
     on static shapes replayed as CUDA graphs (``pooled.PooledGraphs``) where the target's forward is
     (``cuda_graphs``; on a CPU with ``EAGLE_FAKE_CAPTURE=1``, the stand-in capture: a rehearsal). With
     pooled caches the drafters' caches are pooled too (a pool per drafter), so that each drafter call of
     a round runs once for all sequences (``draft_steps``)."""
 
     def __init__(self, model: Any, max_batch: int = 8, load_sizing: bool = True, max_tree: int = MAX_TREE,
-                 row_seconds: Sequence[float] | None = None, cache_pool: bool | None = None) -> None:
+                 row_seconds: Sequence[float] | None = None, cache_pool: bool = False) -> None:
         check_int("max_batch", max_batch, 1)
         check_int("max_tree", max_tree, 1)
         self.model, self.target = model, model.target
         lean, graphs = self.target.lean, self.target.graphs
-        if cache_pool is None:
-            captured = graphs is not None and graphs.capture
-            cache_pool = lean is not None and (self.target.device.type == "cuda" or captured)
+        check_bool("cache_pool", cache_pool)
         if cache_pool and not runs_segments(lean, pooled=True):
             raise EagleError(f"{self.target.name} has no lean forward to run pooled caches")
         self._pool = kv_cache.CachePool(len(lean.layers), max_batch, lean.num_kv_heads, lean.head_dim,
@@ -514,13 +513,14 @@ class BatchedEngine:
         event = StepEvent(seq.request_id, chunk, bool(stop), stats, stop)
         if stop:
             del self._active[seq.request_id]
+            seq.proposer.finish(seq.ids)
             self._free(seq)
             text = target.tokenizer.decode(seq.new, skip_special_tokens=True)
             event.result = GenerationResult(
                 text=text[:seq.text_cut] if seq.text_cut >= 0 else text, token_ids=list(seq.new),
                 accept_lengths=list(stats.accept_lengths), target_forwards=stats.target_forwards,
                 elapsed_s=stats.elapsed_s, method=seq.options.method, prompt_tokens=stats.prompt_tokens,
-                stop_reason=stop)
+                stop_reason=stop, accepted_by_source=seq.proposer.accepted_by_source())
         return event
 
     def _stopped(self, seq: _Sequence) -> bool:
@@ -534,7 +534,7 @@ class BatchedEngine:
         return bool(found)
 
 
-def generate_together(engine: BatchedEngine, prompts: Sequence[Any],
+def generate_together(engine: ServingEngine, prompts: Sequence[Any],
                       options: RequestOptions | Sequence[RequestOptions] | None = None) -> list[GenerationResult]:
     """Decode ``prompts`` through ``engine`` until all are done -> their results, in order
     (``options``: one for all or one per prompt)."""

@@ -1,4 +1,4 @@
-"""Batched decoding (``BatchedEngine``) on tiny random models: each request's greedy output is its
+"""Batched decoding (``ServingEngine``) on tiny random models: each request's greedy output is its
 own decoding's, whatever joins and leaves the batch; sampled output keeps the target's
 distribution; tree sizes from the load (``batch_tree_sizes``) as a pure function."""
 
@@ -12,8 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagle import EagleError, EagleModel
 from eagle.decoding import acceptance, draft_steps
-from eagle.decoding.batched import BatchedEngine, RequestOptions, generate_together
-from eagle.decoding.tree_mask import attention_bias, tree_attention
+from eagle.decoding.serving import ServingEngine, RequestOptions, generate_together
+from eagle.decoding.tree_mask import tree_attention
+from eagle.runtime.masks import attention_bias
 from eagle.decoding.tree_sizing import RankRates, batch_tree_sizes
 from eagle.runtime import segments
 from eagle.runtime.fake_capture import syncs
@@ -40,7 +41,7 @@ def model():
                                       auto_length=False)  # pld alone: chains not sized by timing
 
 
-def run(engine: BatchedEngine, joins: dict[int, list[tuple]], trees: list | None = None) -> tuple[dict, dict]:
+def run(engine: ServingEngine, joins: dict[int, list[tuple]], trees: list | None = None) -> tuple[dict, dict]:
     """Step ``engine``, adding ``joins[step]`` = [(request id, prompt, options)] before that step,
     until nothing runs -> ({request id: all tokens}, {request id: final event}); ``trees`` gets
     (method, tree size) of every round."""
@@ -70,7 +71,7 @@ def test_greedy_requests_joining_at_different_rounds_equal_each_decoded_alone(mo
     for i, ids in enumerate(batch):
         options = RequestOptions(method=METHODS[i % len(METHODS)], max_new_tokens=6 + 2 * (i % 7))
         joins.setdefault((3 * i) % 10, []).append((i, ids, options))
-    engine, trees = BatchedEngine(model, max_batch=4, row_seconds=STEP), []
+    engine, trees = ServingEngine(model, max_batch=4, row_seconds=STEP), []
     tokens, final = run(engine, joins, trees)
     eagle = {size > 1 for method, size in trees if method == "eagle-tree"}
     assert eagle == {True, False}
@@ -88,7 +89,7 @@ def test_greedy_requests_joining_at_different_rounds_equal_each_decoded_alone(mo
 def test_eagle_tree_batch_equals_single_stream_tree_decoding(model):
     """Batched eagle-tree with the configured trees gives decode_loop's tokens and rounds."""
     batch = prompts(4, seed=7)
-    engine = BatchedEngine(model, max_batch=4, load_sizing=False)
+    engine = ServingEngine(model, max_batch=4, load_sizing=False)
     results = generate_together(engine, batch, RequestOptions(method="eagle-tree", max_new_tokens=10))
     for ids, result in zip(batch, results):
         alone = model.generate(ids, method="eagle-tree", max_new_tokens=10)
@@ -102,7 +103,7 @@ def test_seeded_sampled_requests_draw_what_they_draw_alone(model):
     batch = prompts(5, seed=8)
     options = [RequestOptions(method=METHODS[i % 5], max_new_tokens=8, temperature=1.0, seed=i)
                for i in range(len(batch))]
-    results = generate_together(BatchedEngine(model, max_batch=3, load_sizing=False), batch, options)
+    results = generate_together(ServingEngine(model, max_batch=3, load_sizing=False), batch, options)
     for ids, opts, result in zip(batch, options, results):
         alone = model.generate(ids, method=opts.method, max_new_tokens=8, temperature=1.0, seed=opts.seed)
         assert result.token_ids == alone.token_ids, opts.method
@@ -119,7 +120,7 @@ def test_a_requests_total_tokens_sizes_its_rounds_as_the_library_view_does(model
                RequestOptions(method="eagle-tree", max_new_tokens=10, total_tokens=5, temperature=1.0, seed=3)]
     trees = []
     joins = {0: [(i, ids, opts) for i, (ids, opts) in enumerate(zip(batch, options))]}
-    tokens, _ = run(BatchedEngine(model, max_batch=4, load_sizing=False), joins, trees)
+    tokens, _ = run(ServingEngine(model, max_batch=4, load_sizing=False), joins, trees)
     for i, (ids, opts) in enumerate(zip(batch, options)):
         view = model.with_round_size(opts.method, opts.total_tokens)
         alone = view.generate(ids, method=opts.method, max_new_tokens=10, temperature=opts.temperature,
@@ -244,7 +245,7 @@ def test_gemma_batch_runs_one_forward_a_round_and_equals_each_request_alone(monk
                         lambda self, *args, **kw: calls.append(list(args[3])) or together(self, *args, **kw))
     batch = prompts(6, seed=3)
     options = [RequestOptions(method=("ar", "pld", "eagle-tree")[i % 3], max_new_tokens=12) for i in range(6)]
-    results = generate_together(BatchedEngine(model, max_batch=4, load_sizing=False), batch, options)
+    results = generate_together(ServingEngine(model, max_batch=4, load_sizing=False), batch, options)
     for ids, opts, result in zip(batch, options, results):
         assert result.token_ids == model.generate(ids, method="ar", max_new_tokens=12).token_ids, opts.method
         assert result.accept_lengths == model.generate(ids, method=opts.method, max_new_tokens=12).accept_lengths
@@ -271,7 +272,7 @@ def test_pooled_batch_equals_each_request_alone(family, monkeypatch):
     batch = prompts(7, seed=3)
     options = [RequestOptions(method=("eagle-tree", "ar", "eagle-tree", "pld")[i % 4], max_new_tokens=12)
                for i in range(7)]
-    engine = BatchedEngine(model, max_batch=3, load_sizing=False, cache_pool=True)
+    engine = ServingEngine(model, max_batch=3, load_sizing=False, cache_pool=True)
     engine.add("gone", batch[0], options[0])
     engine.step()
     assert engine._pool.top == 1 and engine.cancel("gone") and engine._pool.top == 0
@@ -287,7 +288,7 @@ def test_pooled_batch_equals_each_request_alone(family, monkeypatch):
 
 
 def test_cancel_queue_counts_and_refusals(model):
-    engine = BatchedEngine(model, max_batch=2, row_seconds=CHEAP)
+    engine = ServingEngine(model, max_batch=2, row_seconds=CHEAP)
     for i in range(4):
         engine.add(i, [3, 4, 5 + i], RequestOptions(method="eagle-tree", max_new_tokens=30))
     assert (engine.active, engine.queued) == (0, 4) and 3 in engine
@@ -304,7 +305,7 @@ def test_cancel_queue_counts_and_refusals(model):
     with pytest.raises(EagleError, match="context"):
         engine.add("long", list(range(1, 20)) * 20)
     with pytest.raises(EagleError, match="draft model"):
-        BatchedEngine(EagleModel(model.target)).add("sd", [1, 2], RequestOptions(method="sd"))
+        ServingEngine(EagleModel(model.target)).add("sd", [1, 2], RequestOptions(method="sd"))
 
 
 def test_stop_strings_end_a_request_and_cut_its_text(model):
@@ -312,7 +313,7 @@ def test_stop_strings_end_a_request_and_cut_its_text(model):
                       if len((alone := model.generate(ids, method="ar", max_new_tokens=20)).token_ids) == 20)
     words = alone.text.split()
     stop = " ".join(words[3:5])
-    [result] = generate_together(BatchedEngine(model, row_seconds=CHEAP), [ids],
+    [result] = generate_together(ServingEngine(model, row_seconds=CHEAP), [ids],
                                  RequestOptions(method="eagle-tree", max_new_tokens=20, stop=stop))
     assert result.stop_reason == "stop" and result.text == alone.text[:alone.text.find(stop)]
     assert alone.token_ids[:len(result.token_ids)] == result.token_ids and len(result.token_ids) < 20
@@ -397,7 +398,7 @@ def test_a_seeded_sampled_tree_takes_its_rows_from_the_batchs_budget(model):
     batch = prompts(3, seed=4)
     options = [RequestOptions(method="eagle-tree", max_new_tokens=6, temperature=1.0, seed=3)] + [
         RequestOptions(method="eagle-tree", max_new_tokens=12)] * 2
-    engine = BatchedEngine(model, max_batch=3, row_seconds=RISING)
+    engine = ServingEngine(model, max_batch=3, row_seconds=RISING)
     beside, trees = [], {}
     for i, (ids, opts) in enumerate(zip(batch, options)):
         engine.add(i, ids, opts)
@@ -418,7 +419,7 @@ def test_a_seeded_sampled_tree_takes_its_rows_from_the_batchs_budget(model):
 def test_request_ids_and_close(model):
     """``request_ids`` lists the running requests, then the queued ones; ``close`` drops them all
     and the engine then serves new requests as before."""
-    engine = BatchedEngine(model, max_batch=2, row_seconds=CHEAP)
+    engine = ServingEngine(model, max_batch=2, row_seconds=CHEAP)
     assert engine.request_ids == []
     for i in range(4):
         engine.add(f"r{i}", [3, 4, 5 + i], RequestOptions(method="eagle-tree", max_new_tokens=30))
@@ -445,7 +446,7 @@ def test_rank_rates_learn_per_rank_and_stay_non_increasing():
 
 def test_load_sizing_gives_batched_ar_when_rows_are_dear(model):
     """Every extra row doubling a forward's cost: eagle-tree rounds verify the root alone."""
-    engine = BatchedEngine(model, max_batch=4, row_seconds=[float(2 ** n) for n in range(40)])
+    engine = ServingEngine(model, max_batch=4, row_seconds=[float(2 ** n) for n in range(40)])
     results = generate_together(engine, prompts(4, seed=3), RequestOptions(method="eagle-tree", max_new_tokens=8))
     assert all(set(r.accept_lengths) == {1} for r in results)
 
@@ -453,10 +454,10 @@ def test_load_sizing_gives_batched_ar_when_rows_are_dear(model):
 def test_drafting_time_fades_once_per_round_whatever_the_batch(model):
     """Rows too dear to draft: each round without a draft fades a method's drafting time once
     (``DRAFT_FADE``), for 1 sequence or 6, so a large batch does not go back to drafting sooner."""
-    from eagle.decoding.batched import DRAFT_FADE
+    from eagle.decoding.serving import DRAFT_FADE
 
     for batch in (1, 6):
-        engine = BatchedEngine(model, max_batch=batch, row_seconds=[float(2 ** n) for n in range(40)])
+        engine = ServingEngine(model, max_batch=batch, row_seconds=[float(2 ** n) for n in range(40)])
         for i, ids in enumerate(prompts(batch, seed=5)):
             engine.add(i, ids, RequestOptions(method="eagle-tree", max_new_tokens=20))
         engine._draft_seconds["eagle-tree"] = 1.0
@@ -480,7 +481,7 @@ def test_batched_sampling_keeps_the_target_distribution_and_the_check_has_teeth(
     exact = exact_triples(model, sampling)
 
     def counts(m: EagleModel, n: int) -> tuple[torch.Tensor, int]:
-        engine = BatchedEngine(m, max_batch=8, row_seconds=[1.0] * 12 + [4.0] * 52)
+        engine = ServingEngine(m, max_batch=8, row_seconds=[1.0] * 12 + [4.0] * 52)
         found, trees, roots = torch.zeros(VOCAB, VOCAB, VOCAB), 0, 0
         for seed in range(n):
             engine.add(seed, PROMPT, RequestOptions(method="eagle-tree", max_new_tokens=3, temperature=1.0, seed=seed))
@@ -518,11 +519,11 @@ def test_pooled_rounds_on_static_shapes_are_captured_and_equal_each_request_alon
                                        cuda_graphs=False, auto_length=False)  # pld alone: chains not sized by timing
     if family == "llama":  # the engine's own choice
         static = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), cuda_graphs=True)
-        assert BatchedEngine(static, cache_pool=True)._pool.graphs is not None
-        assert BatchedEngine(model, cache_pool=True)._pool.graphs is None
+        assert ServingEngine(static, cache_pool=True)._pool.graphs is not None
+        assert ServingEngine(model, cache_pool=True)._pool.graphs is None
     batch = prompts(7, seed=3)
     options = [RequestOptions(method=("eagle-tree", "ar", "eagle-tree", "pld")[i % 4], max_new_tokens=12) for i in range(7)]
-    engine = BatchedEngine(model, max_batch=3, load_sizing=False, cache_pool=True)
+    engine = ServingEngine(model, max_batch=3, load_sizing=False, cache_pool=True)
     lean = target.lean
     # a pool of 16 positions a slot: sequences outgrow it mid-run (a new buffer: the graphs made again)
     engine._pool = CachePool(len(lean.layers), 3, lean.num_kv_heads, lean.head_dim, target.dtype, target.device,
@@ -557,7 +558,7 @@ def test_sequences_of_a_graphed_drafter_keep_caches_of_their_own(fake_capture):
     model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3,
                                        cuda_graphs=True)
     batch = prompts(4, seed=7)
-    engine = BatchedEngine(model, max_batch=4, load_sizing=False, cache_pool=False)
+    engine = ServingEngine(model, max_batch=4, load_sizing=False, cache_pool=False)
     results = generate_together(engine, batch, RequestOptions(method="eagle-tree", max_new_tokens=10))
     for ids, result in zip(batch, results):
         alone = model.generate(ids, method="eagle-tree", max_new_tokens=10)
@@ -582,7 +583,7 @@ class DeviceReads(TorchDispatchMode):
         return out
 
 
-def device_reads(engine: BatchedEngine, monkeypatch, rounds: int) -> int:
+def device_reads(engine: ServingEngine, monkeypatch, rounds: int) -> int:
     """The device reads (``DeviceReads``, and ``tolist`` of a device tensor) of ``rounds`` rounds of ``engine``'s
     eight running sequences, after one uncounted round."""
     engine.step()
@@ -602,7 +603,7 @@ def test_a_batched_greedy_round_reads_the_device_twice(monkeypatch):
     the argmaxes in another; acceptance and compaction read nothing more from the device."""
     target = tiny_target(eos=False, seed=10)
     model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), auto_length=False)
-    engine = BatchedEngine(model, max_batch=8, load_sizing=False, cache_pool=True)
+    engine = ServingEngine(model, max_batch=8, load_sizing=False, cache_pool=True)
     for i, ids in enumerate(prompts(8, seed=2)):
         engine.add(i, ids, RequestOptions(method=("ar", "pld")[i % 2], max_new_tokens=20))
     assert device_reads(engine, monkeypatch, rounds=3) <= 2 * 3
@@ -616,7 +617,7 @@ def test_a_batched_eagle_round_reads_the_device_twice_for_all_sequences(monkeypa
     target = tiny_target(eos=False, seed=10)
     model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3,
                                        lookup_tokens=0)
-    engine = BatchedEngine(model, max_batch=8, load_sizing=False, cache_pool=True)
+    engine = ServingEngine(model, max_batch=8, load_sizing=False, cache_pool=True)
     for i, ids in enumerate(prompts(8, seed=2)):
         engine.add(i, ids, RequestOptions(method="eagle-tree", max_new_tokens=20))
     assert device_reads(engine, monkeypatch, rounds=3) <= 2 * 3

@@ -1,7 +1,7 @@
-"""Aggregate new tokens/s of ``BatchedEngine`` (continuous batching with draft trees) per method and
+"""Aggregate new tokens/s of ``ServingEngine`` (continuous batching with draft trees) per method and
 batch size, on one target.
 
-    python scripts/batched_speed.py --methods ar,eagle-tree --batch 1,4,8 --prompts 8 --max-new-tokens 64
+    python scripts/serving_speed.py --methods ar,eagle-tree --batch 1,4,8 --prompts 8 --max-new-tokens 64
 
 Prompts: the chat-templated dev prompts, cycled; all are queued at once and decoded ``--batch`` at a
 time, greedy. The process's CPU time is reported beside the wall time (on a machine shared with
@@ -9,8 +9,8 @@ other work, wall time measures the others too; with OMP_NUM_THREADS=1 CPU time i
 An untimed warm-up first (the cost curve is measured there if it is not cached). With ``--check``
 each output is compared with the same prompt decoded alone (``ar``). Prints one JSON line per
 (method, batch): new tokens, seconds, tokens/s, mean accepted length and tree size, identical
-outputs. ``--cache-pool on|off`` chooses the engine's cache layout (default: its own choice, pooled
-on CUDA). ``--count-ops N`` also counts the torch operations (each at least one kernel launch on a
+outputs. ``--cache-pool on|off`` chooses the engine's cache layout (default off: per-sequence caches;
+on: pooled, the GPU layout). ``--count-ops N`` also counts the torch operations (each at least one kernel launch on a
 GPU) of N rounds of a full batch, by phase of the round, with torch's dispatch mode: a machine-independent
 measure of what launching costs on a GPU, where a 135M target's round is launch-bound."""
 
@@ -25,12 +25,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagle import EagleModel
-from eagle.decoding.batched import BatchedEngine, RequestOptions
+from eagle.decoding.serving import ServingEngine, RequestOptions
 from eagle.prompts import read_prompts
 from eagle.runtime.target import DEFAULT_TARGET
 
 
-POOL = {"auto": None, "on": True, "off": False}
+POOL = {"on": True, "off": False}
 
 
 class OpCounter(TorchDispatchMode):
@@ -52,11 +52,11 @@ METADATA = {torch.ops.aten.detach, torch.ops.aten.lift_fresh, torch.ops.aten._lo
 
 
 def count_ops(model: EagleModel, prompts: list[list[int]], method: str, batch: int, rounds: int,
-              cache_pool: bool | None) -> dict:
+              cache_pool: bool) -> dict:
     """The torch operations of ``rounds`` rounds of ``batch`` running sequences (after two rounds
     uncounted), per round and by phase: propose (drafting), verify (the target forward), finish
     (acceptance, compaction, the proposer's update, the greedy head)."""
-    engine = BatchedEngine(model, max_batch=batch, load_sizing=False, cache_pool=cache_pool)
+    engine = ServingEngine(model, max_batch=batch, load_sizing=False, cache_pool=cache_pool)
     for i, ids in enumerate(prompts[:batch]):
         engine.add(i, ids, RequestOptions(method=method, max_new_tokens=rounds + 8))
     engine.step()
@@ -80,9 +80,9 @@ def count_ops(model: EagleModel, prompts: list[list[int]], method: str, batch: i
 
 
 def run(model: EagleModel, prompts: list[list[int]], method: str, batch: int, max_new_tokens: int,
-        load_sizing: bool, cache_pool: bool | None = None) -> dict:
+        load_sizing: bool, cache_pool: bool = False) -> dict:
     """Decode ``prompts`` ``batch`` at a time -> tokens per prompt, seconds, rounds' accepted lengths and tree sizes."""
-    engine = BatchedEngine(model, max_batch=batch, load_sizing=load_sizing, cache_pool=cache_pool)
+    engine = ServingEngine(model, max_batch=batch, load_sizing=load_sizing, cache_pool=cache_pool)
     for i, ids in enumerate(prompts):
         engine.add(i, ids, RequestOptions(method=method, max_new_tokens=max_new_tokens))
     tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="compare each output with the prompt decoded alone")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    parser.add_argument("--cache-pool", choices=sorted(POOL), default="auto")
+    parser.add_argument("--cache-pool", choices=sorted(POOL), default="off")
     parser.add_argument("--count-ops", type=int, default=0, metavar="ROUNDS",
                         help="count the torch operations of this many rounds of a full batch, not timed")
     args = parser.parse_args()

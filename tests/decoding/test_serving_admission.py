@@ -1,4 +1,4 @@
-"""Admission to ``BatchedEngine``: the prompts admitted in one step are prefilled together, and a
+"""Admission to ``ServingEngine``: the prompts admitted in one step are prefilled together, and a
 drafter is prefilled only when its sequence first drafts (root-only rounds cost it nothing)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 from eagle import EagleModel
 from eagle.config import SamplingConfig
-from eagle.decoding import batched
-from eagle.decoding.batched import BatchedEngine, RequestOptions
+from eagle.decoding import serving
+from eagle.decoding.serving import ServingEngine, RequestOptions
 from eagle.decoding.draft_steps import run_alone
 from eagle.decoding.proposers import EagleDrafter
 
@@ -25,7 +25,7 @@ def model():
     return EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=3)
 
 
-def decode(engine: BatchedEngine) -> dict:
+def decode(engine: ServingEngine) -> dict:
     """Step ``engine`` until nothing runs -> {request id: its final event}."""
     final = {}
     while engine.active or engine.queued:
@@ -45,17 +45,17 @@ def test_prompts_admitted_together_are_prefilled_by_one_forward(model, monkeypat
         calls.append((list(sizes), positions.tolist(), list(masks)))
         return segment_forward(lean, ids, positions, caches, sizes, masks, aux_layers)
 
-    segment_forward = batched.segment_forward
-    monkeypatch.setattr(batched, "segment_forward", spy)
+    segment_forward = serving.segment_forward
+    monkeypatch.setattr(serving, "segment_forward", spy)
     gen = torch.Generator().manual_seed(3)
     batch = [torch.randint(1, 32, (n,), generator=gen).tolist() for n in (5, 1, 19, 8, 3, 12)]
     methods = ["eagle-tree", "ar"] * 3
     alone = [model.generate(ids, method="ar", max_new_tokens=8).token_ids for ids in batch]
-    for budget, forwards, joined in ((batched.PREFILL_ROWS, [[4, 18, 7, 2, 11]], [6]),
+    for budget, forwards, joined in ((serving.PREFILL_ROWS, [[4, 18, 7, 2, 11]], [6]),
                                      (19, [[7, 2]], [2, 3, 5, 6])):  # one prompt alone: its own forward
-        monkeypatch.setattr(batched, "PREFILL_ROWS", budget)
+        monkeypatch.setattr(serving, "PREFILL_ROWS", budget)
         calls.clear()
-        engine = BatchedEngine(model, max_batch=8, row_seconds=CHEAP)
+        engine = ServingEngine(model, max_batch=8, row_seconds=CHEAP)
         for i, (ids, method) in enumerate(zip(batch, methods)):
             engine.add(i, ids, RequestOptions(method=method, max_new_tokens=8))
         final, running = {}, []
@@ -81,7 +81,7 @@ def test_root_only_sequences_never_run_their_drafter_and_catch_up_when_they_draf
     monkeypatch.setattr(EagleDrafter, "_feed", lambda self, f, tokens: (fed.append(len(tokens)),
                                                                         feed(self, f, tokens))[1])
     batch = [ids for ids in prompts(8, seed=6) if len(ids) > 2][:3]
-    engine = BatchedEngine(model, max_batch=4, row_seconds=DEAR)
+    engine = ServingEngine(model, max_batch=4, row_seconds=DEAR)
     for i, ids in enumerate(batch):
         engine.add(i, ids, RequestOptions(method="eagle-tree", max_new_tokens=16))
     for _ in range(4):

@@ -1,8 +1,9 @@
-"""New tokens/s of batched plain decoding (``train.generation.BatchDecoder``) on one target.
+"""New tokens/s of batched plain decoding (``train.generation.BatchDecoder``, what training-data
+generation runs) on one target.
 
-    python scripts/batch_speed.py --rows 256 --prompts 1024 --max-new-tokens 256   # a GPU
-    python scripts/batch_speed.py --rows 8 --prompts 8 --max-new-tokens 64          # a CPU
-    python scripts/batch_speed.py --random-weights --prompt-lengths 64:1536 --rows 256 --prompts 512
+    python scripts/data_generation_speed.py --rows 256 --prompts 1024 --max-new-tokens 256   # a GPU
+    python scripts/data_generation_speed.py --rows 8 --prompts 8 --max-new-tokens 64          # a CPU
+    python scripts/data_generation_speed.py --random-weights --prompt-lengths 64:1536 --rows 256 --prompts 512
 
 ``--random-weights``: no target file, random weights in SmolLM2-135M's architecture and prompts of
 random ids (lengths drawn from ``--prompt-lengths``): speed only (rows rarely end early), e.g. to
@@ -20,15 +21,14 @@ import argparse
 import dataclasses
 import json
 import time
-import types
 
 import torch
 
 from eagle.config import SamplingConfig
 from train.generation import ATTENTION, BatchDecoder, BatchStats, Request, request_seed
 from eagle.prompts import read_prompts
-from eagle.runtime.decoder import lean_decoder
-from eagle.runtime.target import DEFAULT_TARGET, Target, default_device_dtype, load_target
+from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
+from eagle.runtime.target import random_target as runtime_random_target
 
 SMOLLM2 = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
            "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
@@ -108,16 +108,7 @@ def profile(target: Target, decoder: BatchDecoder, requests: list[Request], top:
 def random_target(dtype: torch.dtype | None) -> Target:
     """Random weights in SmolLM2-135M-Instruct's architecture, with the lean forward, on the default
     device (CUDA when present)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    device, dtype = default_device_dtype(None, dtype)
-    cfg = AutoConfig.for_model("llama", **SMOLLM2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval().to(device=device, dtype=dtype)
-    model.requires_grad_(False)
-    return Target(model=model, tokenizer=types.SimpleNamespace(eos_token_id=SMOLLM2["eos_token_id"]),
-                  name="random-smollm2-135m", device=device, dtype=dtype,
-                  lean=lean_decoder(model))
+    return runtime_random_target(dict(SMOLLM2, model_type="llama"), "random-smollm2-135m", dtype=dtype)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""Block encodings of fp32 weights (eagle.runtime.block_codes): exact ones found only where decoding gives every value
+"""Block encodings of fp32 weights (eagle.runtime.quant_blocks): exact ones found only where decoding gives every value
 back; lossy ones (for drafters) on the nearest codes."""
 
 import pytest
 import torch
 
-from eagle.runtime.block_codes import block_encode, block_quantize, decode
+from eagle.runtime.quant_blocks import block_encode, block_quantize, decode
 from tests.conftest import block_quantized
 
 
@@ -91,7 +91,7 @@ def test_a_quantized_linear_computes_its_decoded_weight():
 
 
 def test_pack_state_stores_q8_codes_and_unpacks_to_their_values():
-    from eagle.runtime.block_codes import CODES, SCALES, pack_state, unpack_state
+    from eagle.runtime.quant_blocks import CODES, SCALES, pack_state, unpack_state
 
     torch.manual_seed(0)
     big, small, vec, ids = torch.randn(64, 1024), torch.randn(4, 32), torch.randn(64), torch.arange(10)
@@ -113,7 +113,7 @@ def test_a_packed_drafter_loads_with_its_quantized_weights(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from eagle import Drafter
-    from eagle.runtime.block_codes import pack_state
+    from eagle.runtime.quant_blocks import pack_state
     from tests.conftest import tiny_drafter, tiny_target
 
     target = tiny_target(vocab_size=64, hidden=64)

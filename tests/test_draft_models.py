@@ -1,0 +1,177 @@
+"""``sd`` with a draft model given as a model spec (a GGUF file, a model folder) or a loaded ``Target``: the
+draft runs by its own lean forward with its own cache (a GGUF draft's codes kept, never copied), greedy output
+is ``ar``'s in the API and in ``eagle-generate``, and a draft with another vocabulary is refused in one line."""
+
+import contextlib
+
+import pytest
+import torch
+
+from eagle import EagleError, EagleModel
+from eagle.config import SamplingConfig
+from eagle.runtime.gguf_weights import GGUFModel
+from eagle.runtime.target import Target
+from infer import cli
+
+from tests.conftest import prompts, tiny_target
+from tests.infer.test_cli import one_error_line
+from tests.runtime.test_gguf_tokenizer import tiny_vocabulary
+from tests.runtime.test_gguf_weights import LLAMA_TYPES, kernels_or_skip, write_model_gguf
+
+Q8 = {name: "Q8_0" for name in LLAMA_TYPES}  # blocks of 32 weights: a hidden size of 64 will do
+
+
+def tiny_llama(vocab_size: int, seed: int, hidden: int = 64, layers: int = 2) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def write_llama_gguf(path, model: torch.nn.Module, seed: int, tokens: list[str] | None = None,
+                     token_types: list[int] | None = None, size: float = 0.05):
+    """``model`` written as a Q8_0 GGUF file of random codes of weights about ``size`` (``write_model_gguf``:
+    the model takes the weights the codes give), with a SentencePiece vocabulary (``tokens``, their GGUF
+    types) that transformers reads as the file's tokenizer, or none."""
+    import tests.runtime.test_gguf_weights as gguf_weights
+
+    write = gguf_weights.write_tensors
+
+    def with_vocabulary(writer, tensors):
+        if tokens is not None:
+            writer.add_tokenizer_model("llama")
+            writer.add_token_list(tokens)
+            writer.add_token_types(token_types)
+            writer.add_token_scores([0.0] * len(tokens))
+            for add, token_id in ((writer.add_bos_token_id, 2), (writer.add_eos_token_id, 1),
+                                  (writer.add_unk_token_id, 3), (writer.add_pad_token_id, 0)):
+                add(token_id)
+        write(writer, tensors)
+
+    random_codes = gguf_weights.random_codes
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_weights, "write_tensors", with_vocabulary)
+        mp.setattr(gguf_weights, "random_codes", lambda *a, **k: random_codes(*a, **{**k, "size": size}))
+        return write_model_gguf(path, model, Q8, seed=seed)
+
+
+@contextlib.contextmanager
+def private_cache(root, shared):
+    """``EAGLE_CACHE`` set to a new cache under ``root`` for the block (what is derived from a test's GGUF files goes
+    there, not to the cache of converted targets), its compiled kernels those of ``shared``."""
+    cache = root / "cache"
+    cache.mkdir()
+    (cache / "extensions").symlink_to(shared / "extensions", target_is_directory=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EAGLE_CACHE", str(cache))
+        yield cache
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, private_cost_curves):
+    """{"target": a tiny Llama GGUF file with a vocabulary, "same": a copy of it, "near": a model folder of the
+    target's weights, a few of them changed (a draft agreeing with the target most of the time), "other": a
+    GGUF file of another random model with the same vocabulary}, in a cache of their own (what is derived from a
+    GGUF file goes there while the module runs: ``private_cache``)."""
+    kernels_or_skip()
+    root = tmp_path_factory.mktemp("draft-models")
+    tokens, types = tiny_vocabulary()
+    with private_cache(root, private_cost_curves):
+        model = tiny_llama(len(tokens), seed=0)
+        target = write_llama_gguf(root / "target.gguf", model, 0, tokens, types, size=0.3)
+        same = root / "same.gguf"
+        same.write_bytes(target.read_bytes())
+        other = write_llama_gguf(root / "other.gguf", tiny_llama(len(tokens), seed=1), 1, tokens, types, size=0.3)
+        with torch.no_grad():  # the target's de-quantized weights (``write_model_gguf`` set them), one layer changed
+            model.model.layers[1].mlp.down_proj.weight.mul_(0.5)
+        model.save_pretrained(root / "near")
+        EagleModel.from_pretrained(str(target)).target.tokenizer.save_pretrained(root / "near")
+        yield {"target": str(target), "same": str(same), "near": str(root / "near"), "other": str(other)}
+
+
+TEXTS = ["abc dé", "ab ab ab", "€<> d c"]
+
+
+@pytest.mark.parametrize("draft", ["same", "near", "other"])
+def test_sd_with_a_model_spec_as_draft_model_is_ar(files, draft):
+    """A GGUF file (the target's own model: every draft is accepted; another model's: most are rejected, so the
+    draft's cache is rolled back every round) and a folder of a model close to the target (some rejected): the
+    draft is loaded as a ``Target`` (a GGUF file's codes kept) and run as it is, greedy ``sd`` gives ``ar``'s
+    tokens, and a draft that agrees with the target has its drafts accepted (its cache holds the accepted text)."""
+    model = EagleModel.from_pretrained(files["target"], draft_model=files[draft], gamma=4)
+    accepted = []
+    for text in TEXTS:
+        ar = model.generate(text, method="ar", max_new_tokens=24)
+        sd = model.generate(text, method="sd", max_new_tokens=24)
+        assert sd.token_ids == ar.token_ids
+        accepted.append(sd.mean_accept_length)
+        assert model.generate(text, method="sd", max_new_tokens=24, temperature=1.0, seed=3).token_ids
+    mean = sum(accepted) / len(accepted)
+    assert isinstance(model.draft_model, Target) and model.draft_model.lean is not None
+    assert isinstance(model.draft_model.model, GGUFModel) == (draft != "near")
+    assert model._proposer("sd", SamplingConfig(), torch.Generator()).model is model.draft_model  # no copy
+    if draft == "same":
+        assert mean > 4  # gamma grows while every draft is accepted
+    elif draft == "near":
+        assert 1.5 < mean < 4.5, accepted
+    else:
+        assert mean < 2, accepted
+
+
+def test_eagle_generate_runs_sd_with_a_model_spec_as_draft_model(files, capsys):
+    """``--draft-model`` a GGUF file and a folder: the text of ``ar``."""
+    base = ["--target", files["target"], "--max-new-tokens", "16", TEXTS[0]]
+    assert cli.main([*base, "--method", "ar"]) == 0
+    ar, _ = capsys.readouterr()
+    for draft in ("other", "near"):
+        assert cli.main([*base, "--method", "sd", "--draft-model", files[draft]]) == 0
+        out, err = capsys.readouterr()
+        assert out == ar and "[sd] " in err
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_in_one_line(tmp_path, files, capsys):
+    """A folder whose tokenizer and vocabulary are not the target's: refused when loaded, in the API and as one
+    line with exit code 2 in ``eagle-generate``."""
+    other = tiny_target(vocab_size=40)
+    other.model.save_pretrained(tmp_path / "other")
+    other.tokenizer.save_pretrained(tmp_path / "other")
+    with pytest.raises(EagleError, match="another vocabulary or tokenizer"):
+        EagleModel.from_pretrained(files["target"], draft_model=str(tmp_path / "other"))
+    assert cli.main(["--target", files["target"], "--method", "sd", "--draft-model", str(tmp_path / "other"),
+                     "--max-new-tokens", "4", TEXTS[0]]) == 2
+    out, err = capsys.readouterr()
+    assert "another vocabulary or tokenizer" in one_error_line(err, "eagle-generate") and out == ""
+
+
+def test_a_folder_draft_model_of_a_tiny_target_is_ar(tmp_path):
+    """A transformers target in memory, a draft model folder with its tokenizer: the draft runs by the lean
+    forward of the folder's model; greedy ``sd`` is ``ar``; a loaded ``Target`` passed as draft model runs as it is."""
+    target = tiny_target()
+    draft = tiny_target(seed=5, hidden=16, layers=1)
+    draft.model.save_pretrained(tmp_path)
+    draft.tokenizer.save_pretrained(tmp_path)
+    for spec in (str(tmp_path), draft):
+        model = EagleModel.from_pretrained(target, draft_model=spec, gamma=3)
+        assert isinstance(model.draft_model, Target) and model.draft_model.lean is not None
+        for ids in prompts(6, seed=2):
+            ar = model.generate(ids, method="ar", max_new_tokens=20).token_ids
+            assert model.generate(ids, method="sd", max_new_tokens=20).token_ids == ar
+    assert model.draft_model is draft  # a Target without static-shape runner is kept as it is
+
+
+def test_a_module_draft_model_runs_through_the_same_proposer(target):
+    """A transformers module as draft model (what the draft LMs are) still drafts through ``DraftModel``, by its
+    inference copy held as a ``Target`` without a lean forward."""
+    module = tiny_target(seed=5, hidden=16, layers=1).model
+    model = EagleModel.from_pretrained(target, draft_model=module, gamma=3)
+    proposer = model._proposer("sd", SamplingConfig(), torch.Generator())
+    assert isinstance(proposer.model, Target) and proposer.model.lean is None and proposer.model.model is not module
+    for ids in prompts(4, seed=6):
+        ar = model.generate(ids, method="ar", max_new_tokens=16).token_ids
+        assert model.generate(ids, method="sd", max_new_tokens=16).token_ids == ar
+    assert len(model.generate([1, 2], method="sd", max_new_tokens=4, temperature=1.0, seed=1).token_ids) == 4
