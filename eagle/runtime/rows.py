@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from eagle.decoding.tree_mask import additive_bias
+from eagle.runtime.masks import additive_bias
 from eagle.runtime.gemma import GemmaDecoder
 from eagle.runtime.layers import run_layers
 
