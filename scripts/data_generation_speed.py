@@ -1,4 +1,4 @@
-"""New tokens/s of batched plain decoding (``eagle.decoding.batch.BatchDecoder``, what training-data
+"""New tokens/s of batched plain decoding (``train.generation.BatchDecoder``, what training-data
 generation runs) on one target.
 
     python scripts/data_generation_speed.py --rows 256 --prompts 1024 --max-new-tokens 256   # a GPU
@@ -25,7 +25,7 @@ import time
 import torch
 
 from eagle.config import SamplingConfig
-from eagle.decoding.batch import ATTENTION, BatchDecoder, BatchStats, Request, request_seed
+from train.generation import ATTENTION, BatchDecoder, BatchStats, Request, request_seed
 from eagle.prompts import read_prompts
 from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
 from eagle.runtime.target import random_target as runtime_random_target

@@ -10,10 +10,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("eagle", "train", "infer")
 
-# runtime -> decoding/drafting edges that remain until the batched model code (eagle/decoding/batch.py) and the
-# drafter's graph code move into the runtime; each must still exist (so that the list only shrinks)
+# runtime -> drafting edges that remain until the drafter's graph code moves into the runtime; each must still
+# exist (so that the list only shrinks)
 PENDING = {
-    ("eagle.runtime.pooled", "eagle.decoding.batch"),
     ("eagle.runtime.pooled", "eagle.drafting.drafter"),
     ("eagle.runtime.cuda_graphs", "eagle.drafting.drafter"),
 }

@@ -11,7 +11,7 @@ prompt of the benchmark prompt files (``exclude_prompts``: dev, MT-bench, HumanE
 fixed share (``heldout_fraction``, by a hash of the conversation) goes to ``heldout.jsonl``, the rest
 to ``data.jsonl`` (ShareGPT records, as ``train.data`` reads them). ``stats.json`` says what was
 dropped and why and what was generated. A killed run resumes: complete conversations already
-written are skipped. Generation: ``eagle.decoding.batch.BatchDecoder`` (continuous refill; follow-up
+written are skipped. Generation: ``train.generation.BatchDecoder`` (continuous refill; follow-up
 turns queued first). Commands and timings: docs/data.md."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any, Iterator
 from tqdm import tqdm
 
 from eagle.config import SamplingConfig
-from eagle.decoding.batch import BatchDecoder, Request, default_rows, request_seed
+from train.generation import BatchDecoder, Request, default_rows, request_seed
 from eagle.errors import EagleError, read_text
 from eagle.prompts import has_chat_template
 from eagle.runtime.target import Target, load_target

@@ -22,7 +22,7 @@ dev prompt set (a teacher-forced evaluation set for the trainer's ``dev_data``),
 requests that ``--compose N --out FILE`` makes from project-written templates in the way people
 ask (``configs/selfdistill/people.yaml``: roles to play, texts to work on, a form to follow).
 
-With a lean target forward, generation is batched by ``eagle.decoding.batch`` (finished rows are refilled).
+With a lean target forward, generation is batched by ``train.generation`` (finished rows are refilled).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from eagle.decoding.batch import generate_batch
+from train.generation import generate_batch
 from eagle.config import SamplingConfig, add_set_argument, changed_keys, load_config_file
 from eagle.errors import EagleError, Parser, command, given_flags, note_ignored
 from eagle.runtime.decoder import packed_copy
@@ -79,7 +79,7 @@ class SelfDistillConfig:
     context_tokens: int = 2048  # a turn is answered only if its prompt plus answer_max_tokens fit
     heldout_fraction: float = 0.02  # share of conversations (by a hash of each) written to heldout.jsonl
     exclude_prompts: str = "benchmarks/prompts"  # prompt files (a folder or comma-separated files) never used
-    attention: str = "auto"  # batched answering's attention (eagle.decoding.batch): auto, sdpa or varlen
+    attention: str = "auto"  # batched answering's attention (train.generation): auto, sdpa or varlen
     # with source: stop after this many seconds (0 = never); conversations under way are written with the turns
     # answered by then
     max_wall_s: float = 0.0
@@ -153,7 +153,7 @@ def passage_question(template: str, source: str, language: str, rng: random.Rand
 
 
 def generation_model(target: Target) -> Any:
-    """What ``_generate`` runs: None when the target has a lean forward (``eagle.decoding.batch``), else a
+    """What ``_generate`` runs: None when the target has a lean forward (``train.generation``), else a
     prepacked copy of its transformers model (faster batched ``generate()`` on CPU)."""
     return None if target.lean is not None else packed_copy(target.model)
 
@@ -162,7 +162,7 @@ def generation_model(target: Target) -> Any:
 def _generate(target: Target, model: Any, texts: list[str], max_new_tokens: int, temperature: float, top_p: float,
               seed: int) -> list[tuple[str, bool]]:
     """Batched generation; returns (continuation text, ended with EOS) per input. With the lean
-    forward (``model`` None): ``eagle.decoding.batch.generate_batch``, which refills finished rows; else
+    forward (``model`` None): ``train.generation.generate_batch``, which refills finished rows; else
     ``model.generate()`` with left padding."""
     tok = target.tokenizer
     if model is None:

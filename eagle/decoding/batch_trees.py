@@ -24,13 +24,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from eagle.decoding.batch import keys_for
-from eagle.decoding.device_rounds import kept_parents, kept_pool, pool_depths
 from eagle.decoding.proposers import EagleDrafter, Proposal
-from eagle.decoding.tree import Pool, kept_indices, root_only
+from eagle.decoding.tree import (Pool, grow_pools, kept_indices, kept_parents, kept_pool, pool_depths, root_only,
+                                 topk_children)
 from eagle.runtime import cuda_graphs, kv_cache
 from eagle.runtime.kv_cache import SlotCache
-from eagle.runtime.pooled import (ROW_BUCKETS, SEGMENT_BUCKETS, SPAN_BUCKETS, DrafterGraphs, StaticShape, extended,
+from eagle.runtime.shapes import ROW_BUCKETS, SEGMENT_BUCKETS, SPAN_BUCKETS, StaticShape, keys_for
+from eagle.runtime.pooled import (DrafterGraphs, extended,
                                   pooled_drafter_forward)
 
 
@@ -51,53 +51,29 @@ def grow(first: EagleDrafter, hidden: torch.Tensor, roots: torch.Tensor, committ
     key before its last d k and of those what ``seen`` allows) -> (tokens [B, M] target ids, parents [B, M]
     (root -1, parents < index), scores [B, M] cumulative draft log-probabilities, root 0), M = 1 + k + calls
     k^2. Device operations only: the whole phase can be one static function."""
-    drafter, target, k, draft_ids = first.drafter, first.target, first.cfg.top_k, first.draft_ids
+    drafter, target, k = first.drafter, first.target, first.cfg.top_k
     b, dev = hidden.shape[0], hidden.device
-
-    def children(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k most likely children (draft indices) of each row's prediction and their log-probs."""
-        logits = drafter.draft_logits(rows, lambda h: target.lm_head(h.to(target.dtype)))
-        child_lp, picks = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
-        return picks, child_lp
-
-    picks, frontier_scores = children(hidden)  # [B, k]: the root's children, scored 0 + log-prob
-    frontier_tokens = draft_ids[picks]
-    frontier = torch.arange(1, k + 1, device=dev).expand(b, k)  # pool indices of the nodes the next call runs
-    tokens = [roots[:, None], frontier_tokens]
-    parents = [torch.full((b, 1), -1, device=dev), torch.zeros(b, k, dtype=torch.long, device=dev)]
-    scores = [torch.zeros(b, 1, device=dev), frontier_scores]
-    inputs = hidden[:, None].expand(b, k, hidden.shape[1])
-    earlier = torch.zeros(b, k, calls * k, dtype=torch.bool, device=dev)  # ancestors among earlier calls' rows
     itself = torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k)
-    size = 1 + k
-    for d in range(1, calls + 1):
+
+    def logprobs(rows: torch.Tensor) -> torch.Tensor:
+        logits = drafter.draft_logits(rows, lambda h: target.lm_head(h.to(target.dtype)))
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def step(d: int, inputs: torch.Tensor, tokens: torch.Tensor, earlier: torch.Tensor) -> torch.Tensor:
         seen = torch.cat([earlier[:, :, :(d - 1) * k], itself], dim=2)  # [B, k, d k]: the round's rows it sees
-        embeds = target.embed(frontier_tokens.reshape(1, -1)).to(drafter.dtype)[0]
+        embeds = target.embed(tokens.reshape(1, -1)).to(drafter.dtype)[0]
         out = call(inputs.reshape(b * k, -1).to(drafter.dtype), embeds, (committed + d - 1).repeat_interleave(k),
                    committed + (d - 1) * k, seen)
-        picks, child_lp = children(out)  # [B k, k]
-        flat_scores = (frontier_scores[:, :, None] + child_lp.view(b, k, k)).reshape(b, k * k)
-        flat_tokens = draft_ids[picks].view(b, k * k)
-        tokens.append(flat_tokens)
-        parents.append(frontier.repeat_interleave(k, dim=1))
-        scores.append(flat_scores)
-        if d < calls:  # the next call runs each sequence's k best children (the first on ties, as the host path)
-            best = torch.sort(flat_scores, dim=1, descending=True, stable=True).indices[:, :k]
-            rows = torch.div(best, k, rounding_mode="floor")  # [B, k]: the row of this call each one's parent ran in
-            frontier = size + best
-            frontier_scores, frontier_tokens = flat_scores.gather(1, best), flat_tokens.gather(1, best)
-            out = out.view(b, k, -1)
-            inputs = out.gather(1, rows[:, :, None].expand(-1, -1, out.shape[2]))
-            earlier = earlier.gather(1, rows[:, :, None].expand(-1, -1, calls * k)).scatter(
-                2, ((d - 1) * k + rows)[:, :, None], True)
-        size += k * k
-    return torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
+        return out.view(b, k, -1)
+
+    return grow_pools(hidden, roots, k, calls, logprobs, lambda scores, lp, row: topk_children(scores, lp, k), step,
+                      first.draft_ids)[:3]
 
 
 def best_nodes(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, keep: int,
                levels: torch.Tensor, depths: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Each pool's root and its ``keep`` best nodes no deeper than its ``levels`` [B], in pool order,
-    re-indexed (``device_rounds.kept_pool`` and ``kept_parents`` per pool): (tokens, parents, scores)
+    re-indexed (``tree.kept_pool`` and ``tree.kept_parents`` per pool): (tokens, parents, scores)
     [B, 1 + keep] (a node deeper than its sequence's levels scores -inf, and so do its descendants: read up
     to the first -inf). Ties go to the lower index, as ``tree.kept_indices``: a kept node's parent is kept."""
     scores = scores.masked_fill(depths[None, :] > levels[:, None], -torch.inf)

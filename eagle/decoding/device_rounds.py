@@ -38,13 +38,14 @@ import torch
 from eagle.config import SamplingConfig, TreeConfig
 from eagle.decoding.loop import Clock, GenerationResult, check_request, chunk_and_stop, finish
 from eagle.decoding.sampling import invert_cdf, logits_to_probs
-from eagle.decoding.tree import topk_children
+from eagle.decoding.tree import (drawn_children, grow_pools, kept_parents, kept_pool, pool_depths,
+                                 topk_children)
 from eagle.runtime.masks import additive_bias
 from eagle.errors import EagleError
 from eagle.runtime import kv_cache
+from eagle.runtime.shapes import MAX_TREE  # noqa: F401 - the most tree tokens a round verifies
 from eagle.runtime.target import Target
 
-MAX_TREE = 64  # the most tree tokens a round verifies: the largest static bucket (``cuda_graphs.BUCKETS``)
 AUTO_COST = 1.3  # "auto": the largest tree whose verify costs at most this many one-token forwards
 
 
@@ -89,35 +90,12 @@ def select_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tenso
     return kept_tree(tokens, parents, scores, depths, kept_pool(scores, total), max_depth)
 
 
-def kept_pool(scores: torch.Tensor, total: int) -> torch.Tensor:
-    """``select_tree``'s choice: the pool indices [..., total] of the root and the ``total - 1`` best
-    nodes of ``scores`` [..., M] (each pool of a batch along the last dimension), increasing."""
-    best = torch.sort(scores[..., 1:], dim=-1, descending=True, stable=True).indices[..., :total - 1] + 1
-    root = torch.zeros(best.shape[:-1] + (1,), dtype=torch.long, device=scores.device)
-    return torch.cat([root, torch.sort(best, dim=-1).values], dim=-1)
-
-
-def kept_parents(parents: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """The parents [..., n] of a pool's nodes ``kept`` [..., n] (``kept_pool``'s: increasing, root first,
-    closed under parents), as indices among the kept (root -1); ``parents`` [..., M] the pool's."""
-    index = torch.arange(kept.shape[-1], device=kept.device).expand(kept.shape)
-    new_index = torch.full(parents.shape, -1, dtype=torch.long, device=parents.device).scatter(-1, kept, index)
-    pool_parents = parents.gather(-1, kept)
-    return torch.where(pool_parents >= 0, new_index.gather(-1, pool_parents.clamp(min=0)), pool_parents)
-
-
 def kept_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, depths: torch.Tensor,
               kept: torch.Tensor, max_depth: int) -> DeviceTree:
     """The pool nodes ``kept`` [n] (``kept_pool``: increasing, root first, closed under parents), re-indexed."""
     new_parents = kept_parents(parents, kept)
     return DeviceTree(tokens[kept], new_parents, scores[kept], depths[kept], ancestor_matrix(new_parents, max_depth),
                       max_depth)
-
-
-def pool_depths(k: int, calls: int) -> list[int]:
-    """The depth of each node of a pool grown by ``calls`` expansions of k nodes with k children each:
-    the root, its k children, then k^2 nodes per call [1 + k + calls k^2]."""
-    return [0] + [1] * k + [d + 1 for d in range(1, calls + 1) for _ in range(k * k)]
 
 
 @dataclasses.dataclass
@@ -164,23 +142,6 @@ class DeviceDraws:
     logprobs: torch.Tensor
     temperature: torch.Tensor
     width: int
-
-
-def drawn_children(parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int, temperature: torch.Tensor,
-                   support: int, uniform: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``EagleDrafter._children`` when drawing, on fixed shapes with its uniforms given: each of F
-    parents gets k children drawn without replacement (Gumbel-top-k, as ``tree.sampled_children``)
-    from softmax(logprobs / temperature) among its ``support`` most likely draft indices (all V when
-    ``support`` is V), scored by the parent's plus the k largest log-probabilities.
-    ``parent_scores`` [F], ``logprobs`` [F, V], ``temperature`` [], ``uniform`` [F, S] ->
-    (draft indices [F, k] in draw order, scores [F, k], the support [F, S], its log-probs [F, S])."""
-    if support < logprobs.shape[-1]:
-        among_lp, among = torch.topk(logprobs, support, dim=-1)
-    else:
-        among_lp, among = logprobs, torch.arange(logprobs.shape[-1], device=logprobs.device).expand_as(logprobs)
-    gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20)))
-    drawn = torch.topk(among_lp / temperature + gumbel, k, dim=-1).indices
-    return among.gather(1, drawn), parent_scores[:, None] + torch.topk(among_lp, k, dim=-1).values, among, among_lp
 
 
 def drawn_accept(tree: DeviceTree, probs: torch.Tensor, draws: DeviceDraws, uniform: torch.Tensor) -> DeviceAcceptance:
@@ -289,7 +250,7 @@ class DeviceTreeDrafter:
         self.temperature = torch.tensor(draw_temperature, device=self.device)  # [] made here, outside any capture
         self.cache: kv_cache.StaticCache | None = None  # from ``start`` (a graphed drafter has one)
         self.last_hidden: torch.Tensor | None = None  # the drafter's prediction at the root [H]
-        self._layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layouts: dict[int, torch.Tensor] = {}
 
     def start(self) -> None:
         self.cache = self.drafter.new_cache()
@@ -321,14 +282,11 @@ class DeviceTreeDrafter:
             calls = min(calls, max(0, (capacity - committed - padded) // self.top_k + 1))
         return calls
 
-    def _layout(self, calls: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What every tree of ``calls`` drafter calls shares, made once: the first level's parents
-        [1 + k] and the pool's depths [1 + k + calls k^2]."""
+    def _layout(self, calls: int) -> torch.Tensor:
+        """The depths [1 + k + calls k^2] of every pool of ``calls`` drafter calls, made once."""
         layout = self._layouts.get(calls)
         if layout is None:
-            k, dev = self.top_k, self.device
-            layout = self._layouts[calls] = (torch.tensor([-1] + [0] * k, device=dev),
-                                             torch.tensor(pool_depths(k, calls), device=dev))
+            layout = self._layouts[calls] = torch.tensor(pool_depths(self.top_k, calls), device=self.device)
         return layout
 
     @torch.inference_mode()
@@ -350,21 +308,21 @@ class DeviceTreeDrafter:
             out = self._grow(self.last_hidden, root, calls, self._cached_step(committed), self.temperature, noise)
             kv_cache.roll_back(self.cache, committed)
             return self._unpack(out, drawing)
-        from eagle.runtime.cuda_graphs import _Entry, keys_for
+        from eagle.runtime.shapes import StaticShape, keys_for
 
         keys_len = keys_for(committed + calls * self.top_k, runner.cache.capacity)
 
-        def make() -> _Entry:
+        def make() -> StaticShape:
             inputs = dict(hidden=torch.zeros_like(self.last_hidden), root=torch.zeros_like(root),
                           committed=torch.zeros((), dtype=torch.long, device=self.device),
                           temperature=torch.ones((), device=self.device))
             if drawing:
                 inputs["noise"] = torch.zeros(noise_shape, device=self.device)
             step = self._static_step(inputs["committed"], calls, keys_len)
-            return _Entry(inputs, lambda: self._grow(inputs["hidden"], inputs["root"], calls, step,
+            return StaticShape(inputs, lambda: self._grow(inputs["hidden"], inputs["root"], calls, step,
                                                      inputs["temperature"], inputs.get("noise")))
 
-        def fill(entry: _Entry) -> None:
+        def fill(entry: StaticShape) -> None:
             entry.inputs["hidden"].copy_(self.last_hidden)
             entry.inputs["root"].copy_(root)
             entry.inputs["committed"].fill_(committed)
@@ -374,7 +332,7 @@ class DeviceTreeDrafter:
 
         # every shape the phase depends on: tree and chain (k, total) share one drafter and its runner
         key = ("draft phase", self.top_k, self.total, calls, keys_len, self.support if drawing else 0)
-        return self._unpack(runner.run_static(key, make, fill), drawing)
+        return self._unpack(runner.run(key, make, fill), drawing)
 
     def _unpack(self, out: tuple, drawing: bool) -> tuple[DeviceTree, DeviceDraws | None]:
         """``_grow``'s output (a flat tuple of tensors) -> the tree and, when drawing, its draws."""
@@ -429,50 +387,33 @@ class DeviceTreeDrafter:
         themselves (a static function's output stays in the graph's memory), then when drawing the
         draws' rows [T], ids [R, S] and log-probs [R, S] (``DeviceDraws``)."""
         k, dev = self.top_k, self.device
-        first_parents, depths = self._layout(calls)
-        expanded, supports, support_lps = [torch.zeros(1, dtype=torch.long, device=dev)], [], []
+        depths = self._layout(calls)
+        supports, support_lps = [], []
 
         def children(parent_scores: torch.Tensor, logprobs: torch.Tensor, row: int) -> tuple[torch.Tensor, ...]:
             if noise is None:
                 return topk_children(parent_scores, logprobs, k)
-            uniform = noise[row:row + logprobs.shape[0]]
-            picks, child_scores, among, among_lp = drawn_children(parent_scores, logprobs, k, temperature,
+            uniform = noise[row:row + logprobs.shape[1]]
+            picks, child_scores, among, among_lp = drawn_children(parent_scores[0], logprobs[0], k, temperature,
                                                                   self.support, uniform)
             supports.append(among)
             support_lps.append(among_lp)
-            return picks, child_scores
+            return picks[None], child_scores[None]
 
-        picks, scores = children(torch.zeros(1, device=dev), self._logprobs(hidden[None]), 0)
-        frontier = torch.arange(1, k + 1, device=dev)  # pool indices of the nodes the next call runs
-        frontier_scores, frontier_tokens = scores[0], self.draft_ids[picks[0]]
-        inputs = hidden[None].expand(k, -1)
-        tokens, parents, pool_scores = [root, frontier_tokens], [first_parents], [scores.new_zeros(1), frontier_scores]
-        earlier = torch.zeros(k, calls * k, dtype=torch.bool, device=dev)
-        size = 1 + k
-        for d in range(1, calls + 1):
-            out = step(d, inputs, frontier_tokens, earlier)
-            expanded.append(frontier)
-            child_picks, child_scores = children(frontier_scores, self._logprobs(out), 1 + (d - 1) * k)  # [k, k]
-            flat_scores, flat_tokens = child_scores.reshape(-1), self.draft_ids[child_picks.reshape(-1)]
-            tokens.append(flat_tokens)
-            parents.append(frontier.repeat_interleave(k))
-            pool_scores.append(flat_scores)
-            if d < calls:  # the next call runs the k best children
-                best = torch.topk(flat_scores, k).indices
-                rows = torch.div(best, k, rounding_mode="floor")
-                frontier, frontier_scores, frontier_tokens = size + best, flat_scores[best], flat_tokens[best]
-                inputs = out[rows]
-                # each new frontier node's parent (row ``rows`` of this call) joins its ancestors; a scatter
-                # of a constant, not ``x[i] = True`` (whose host scalar a CUDA capture cannot copy)
-                earlier = earlier[rows].scatter(1, ((d - 1) * k + rows)[:, None], True)
-            size += k * k
-        pool_scores = torch.cat(pool_scores)
+        def one(d: int, inputs: torch.Tensor, tokens: torch.Tensor, earlier: torch.Tensor) -> torch.Tensor:
+            return step(d, inputs[0], tokens[0], earlier[0])[None]
+
+        tokens, parents, pool_scores, frontiers = grow_pools(hidden[None], root, k, calls, self._logprobs, children,
+                                                             one, self.draft_ids)
+        tokens, parents, pool_scores = tokens[0].long(), parents[0], pool_scores[0]
+        size = pool_scores.shape[0]
         kept = kept_pool(pool_scores, min(self.total, size))
-        tree = kept_tree(torch.cat(tokens).long(), torch.cat(parents), pool_scores, depths, kept, calls + 1)
+        tree = kept_tree(tokens, parents, pool_scores, depths, kept, calls + 1)
         fields = tuple(getattr(tree, f.name) for f in dataclasses.fields(tree))  # not astuple: it deep-copies
         if noise is None:
             return fields
-        expanded = torch.cat(expanded)  # the pool index of each draw row
+        # the pool index of each draw row: the root's, then each call's frontier
+        expanded = torch.cat([torch.zeros(1, dtype=torch.long, device=dev)] + [f[0] for f in frontiers])
         row_of = torch.full((size,), -1, dtype=torch.long, device=dev).scatter(
             0, expanded, torch.arange(expanded.shape[0], device=dev))
         return fields + (row_of[kept], self.draft_ids[torch.cat(supports)], torch.cat(support_lps))

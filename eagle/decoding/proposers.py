@@ -31,8 +31,8 @@ from eagle.decoding.draft_steps import DraftStep, StepResult, run_alone
 from eagle.decoding.sampling import logits_to_probs, sample
 from eagle.runtime.masks import bool_rows
 from eagle.runtime.target import Target
-from eagle.decoding.tree import (DraftTree, Pool, best_frontier, chain_tree, graft_chains, graft_tree, kept_indices,
-                                 root_only, sampled_children, static_layout)
+from eagle.decoding.tree import (DraftTree, Pool, best_frontier, chain_tree, drawn_children, graft_chains, graft_tree,
+                                 kept_indices, root_only, static_layout)
 
 
 @dataclasses.dataclass
@@ -304,7 +304,7 @@ class EagleDrafter(Proposer):
         by a new ``Sizing`` of ``cost``, the target's measured forward-time curve;
         ``lookup``: the n-gram sizes for ``cfg.lookup_tokens``;
         ``sampling``/``generator``: with temperature > 0 and ``cfg.sampled_tree`` (dynamic tree) the
-        children are drawn from the drafter (``sampled_children``) with ``generator``; ``new_cache``: where
+        children are drawn from the drafter (``tree.drawn_children``) with ``generator``; ``new_cache``: where
         ``start`` takes the drafter's cache from (default: a cache of its own; ``ServingEngine``: a slot
         of a pool, given back by ``close``); ``host_trees``: greedy trees made on the host (from the
         host values they are drafted as), for a caller that moves a round's trees to the device at once;
@@ -495,13 +495,13 @@ class EagleDrafter(Proposer):
         ``draw_support`` most likely tokens (those and their log-probs are kept for ``DrawDistributions``);
         children by rank come from ``run_steps``."""
         width, support = logprobs.shape[-1], max(k, self.cfg.draw_support)
-        if self.cfg.draw_support and support < width:
-            among_lp, among = torch.topk(logprobs, support, dim=-1)
-        else:
-            among_lp, among = logprobs, torch.arange(width, device=logprobs.device).expand(logprobs.shape[0], -1)
+        support = support if self.cfg.draw_support and support < width else width
+        uniform = torch.rand(logprobs.shape[0], support, generator=self.generator,
+                             device=self.generator.device).to(logprobs.device)
+        tokens, scores, among, among_lp = drawn_children(parent_scores, logprobs, k, self.draw_temperature, support,
+                                                         uniform)
         self.drawn_from.update(zip(nodes, zip(among, among_lp)))
-        drawn, scores = sampled_children(parent_scores, among_lp, k, self.draw_temperature, self.generator)
-        return among.gather(1, drawn), scores
+        return tokens, scores
 
     def graft_lookup(self, ids: list[int], pool: Pool, max_depth: int) -> Pool:
         """The pool with prompt-lookup continuations grafted on: of the context itself (at the

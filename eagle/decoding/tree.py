@@ -7,7 +7,7 @@ index 0 followed by draft nodes in topological order."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -45,40 +45,70 @@ def chain_tree(root_token: int, draft_tokens: torch.Tensor, scores: torch.Tensor
     return DraftTree(tokens=tokens, parents=parents, scores=torch.cat([torch.zeros(1, device=device), scores.float()]))
 
 
+def ranked(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices [..., k] of the k best of ``scores`` [..., N] along the last dimension, best first, the
+    lower index first on ties (a stable sort; ``torch.topk`` leaves ties' order unspecified): the one tie
+    order of every tree path, the host's ``best_frontier`` included."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def topk_children(parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each of F parents gets its k most likely children.
-    ``parent_scores`` [F], ``logprobs`` [F, V] -> (tokens [F, k], cumulative scores [F, k])."""
-    child_lp, child_tokens = torch.topk(logprobs, k, dim=-1)
-    return child_tokens, parent_scores[:, None] + child_lp
+    """Each of F parents gets its k most likely children (``ranked``).
+    ``parent_scores`` [..., F], ``logprobs`` [..., F, V] -> (tokens [..., F, k], cumulative scores [..., F, k])."""
+    child_tokens = ranked(logprobs, k)
+    return child_tokens, parent_scores[..., None] + logprobs.gather(-1, child_tokens)
 
 
-def sampled_children(parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int, temperature: float,
-                     generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each of F parents gets k children drawn without replacement from softmax(logprobs /
-    temperature) (Gumbel-top-k: the k largest of logprobs / temperature + Gumbel noise come out
-    in the order sequential draws without replacement would give). Their scores are the parent's
-    plus the k largest log-probabilities, best first: they rank the j-th drawn child as the j-th
-    most likely one, so siblings score non-increasing in draw order (a kept set of them is a
-    prefix of the draws) and no score depends on which tokens were drawn.
-    ``parent_scores`` [F], ``logprobs`` [F, V] -> (tokens [F, k] in draw order, scores [F, k])."""
-    uniform = torch.rand(logprobs.shape, generator=generator, device=generator.device).to(logprobs.device)
+def drawn_children(parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int, temperature: float | torch.Tensor,
+                   support: int, uniform: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each of F parents gets k children drawn without replacement from softmax(logprobs / temperature)
+    among its ``support`` most likely tokens (all V when ``support`` >= V), by Gumbel-top-k on the uniforms
+    given (the k largest of logprobs / temperature + Gumbel noise come out in the order sequential draws
+    without replacement would give). Their scores are the parent's plus the k largest log-probabilities,
+    best first: they rank the j-th drawn child as the j-th most likely one, so siblings score
+    non-increasing in draw order (a kept set of them is a prefix of the draws) and no score depends on
+    which tokens were drawn. ``parent_scores`` [F], ``logprobs`` [F, V], ``temperature`` (a float or a 0-dim
+    tensor), ``uniform`` [F, S] (S = min(support, V)) -> (tokens [F, k] in draw order, scores [F, k], the
+    support [F, S], its log-probs [F, S])."""
+    if support < logprobs.shape[-1]:
+        among = ranked(logprobs, support)
+        among_lp = logprobs.gather(-1, among)
+    else:
+        among_lp, among = logprobs, torch.arange(logprobs.shape[-1], device=logprobs.device).expand_as(logprobs)
     gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20)))
-    tokens = torch.topk(logprobs / temperature + gumbel, k, dim=-1).indices
-    return tokens, parent_scores[:, None] + torch.topk(logprobs, k, dim=-1).values
+    drawn = ranked(among_lp / temperature + gumbel, k)
+    best = among_lp.gather(-1, ranked(among_lp, k))
+    return among.gather(-1, drawn), parent_scores[:, None] + best, among, among_lp
 
 
 def best_frontier(scores: Sequence[float], k: int) -> list[int]:
-    """Indices of the k best of the candidate scores [M], best first (the first on ties)."""
+    """Indices of the k best of the candidate scores [M], best first (the first on ties: ``ranked``'s order,
+    on a host list)."""
     return sorted(range(len(scores)), key=scores.__getitem__, reverse=True)[:k]  # stable: the first on ties
 
 
-def kept_indices(scores: Sequence[float], total_tokens: int) -> list[int]:
-    """The root and the best ``total_tokens - 1`` nodes of a pool, in pool order.
+def kept_pool(scores: torch.Tensor, total: int) -> torch.Tensor:
+    """The node keeping of every tree path: the pool indices [..., total] of the root and the ``total - 1``
+    best nodes of ``scores`` [..., M] (each pool of a batch along the last dimension; index 0 the root,
+    parents[i] < i, no child scoring above its parent), increasing. Ties go to the lower index (``ranked``),
+    so a kept node's parent, which scores at least as high and comes first, is kept too: a subtree."""
+    best = ranked(scores[..., 1:], total - 1) + 1
+    root = torch.zeros(best.shape[:-1] + (1,), dtype=torch.long, device=scores.device)
+    return torch.cat([root, torch.sort(best, dim=-1).values], dim=-1)
 
-    Pool: ``scores`` [M], index 0 the root, parents[i] < i. A child never scores above its parent
-    and ties go to the lower (shallower) index, so the kept set always contains each kept node's
-    parent: it is a subtree."""
-    return [0] + sorted(i + 1 for i in best_frontier(scores[1:], total_tokens - 1))
+
+def kept_indices(scores: Sequence[float], total_tokens: int) -> list[int]:
+    """``kept_pool`` of a host pool's scores [M] (Python floats, compared in float64 as they are)."""
+    return kept_pool(torch.tensor(scores, dtype=torch.float64), min(total_tokens, len(scores))).tolist()
+
+
+def kept_parents(parents: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """The parents [..., n] of a pool's nodes ``kept`` [..., n] (``kept_pool``'s: increasing, root first,
+    closed under parents), as indices among the kept (root -1); ``parents`` [..., M] the pool's."""
+    index = torch.arange(kept.shape[-1], device=kept.device).expand(kept.shape)
+    new_index = torch.full(parents.shape, -1, dtype=torch.long, device=parents.device).scatter(-1, kept, index)
+    pool_parents = parents.gather(-1, kept)
+    return torch.where(pool_parents >= 0, new_index.gather(-1, pool_parents.clamp(min=0)), pool_parents)
 
 
 @dataclasses.dataclass
@@ -170,6 +200,68 @@ def static_layout(choices: Sequence[Sequence[int]]) -> StaticLayout:
         ranks.append(path[-1])
         depths.append(len(path))
     return StaticLayout(parents=torch.tensor(parents), ranks=torch.tensor(ranks), depths=torch.tensor(depths))
+
+
+Children = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+Step = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def grow_pools(hidden: torch.Tensor, roots: torch.Tensor, k: int, calls: int,
+               logprobs: Callable[[torch.Tensor], torch.Tensor], children: Children, step: Step,
+               draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The EAGLE-2 candidate pools of B sequences on fixed shapes (device operations only: the whole phase
+    can be one static function): below ``roots`` [B] (target ids), the root's k children from its prediction
+    ``hidden`` [B, H], then ``calls`` times each pool's k best newest nodes (``ranked``: the first on ties)
+    run through the drafter together and given k children each.
+
+    ``logprobs(rows [N, H]) -> [N, V]`` the drafter's log-probabilities; ``children(parent_scores [B, F],
+    logprobs [B, F, V], row) -> (draft indices [B, F, k], scores [B, F, k])`` (``topk_children``, or drawn:
+    ``drawn_children``; ``row``: the draw row of the first parent, 0 for the root, 1 + (d - 1) k for call
+    d's); ``step(d, inputs [B, k, H], tokens [B, k], earlier [B, k, calls k]) -> [B, k, H]``: call d's
+    predictions for the frontier (its parents' predictions ``inputs`` and its target ids ``tokens``;
+    ``earlier``: which rows of earlier calls are each node's ancestors); ``draft_ids`` [V] a draft index's
+    target id. -> (tokens [B, M] target ids, parents [B, M] (root -1, parents < index), scores [B, M]
+    cumulative draft log-probabilities (root 0), the pool indices [B, k] of each call's frontier),
+    M = 1 + k + calls k^2."""
+    b, dev = hidden.shape[0], hidden.device
+    picks, frontier_scores = children(torch.zeros(b, 1, device=dev), logprobs(hidden)[:, None], 0)
+    picks, frontier_scores = picks[:, 0], frontier_scores[:, 0]  # [B, k]: the root's children
+    frontier_tokens = draft_ids[picks]
+    frontier = torch.arange(1, k + 1, device=dev).expand(b, k)  # pool indices of the nodes the next call runs
+    tokens = [roots.reshape(b, 1).to(frontier_tokens.dtype), frontier_tokens]
+    parents = [torch.full((b, 1), -1, dtype=torch.long, device=dev), torch.zeros(b, k, dtype=torch.long, device=dev)]
+    scores = [torch.zeros(b, 1, dtype=frontier_scores.dtype, device=dev), frontier_scores]
+    inputs = hidden[:, None].expand(b, k, hidden.shape[-1])
+    earlier = torch.zeros(b, k, calls * k, dtype=torch.bool, device=dev)
+    expanded = []
+    size = 1 + k
+    for d in range(1, calls + 1):
+        out = step(d, inputs, frontier_tokens, earlier)  # [B, k, H]
+        expanded.append(frontier)
+        picks, child_scores = children(frontier_scores, logprobs(out.reshape(b * k, -1)).view(b, k, -1),
+                                       1 + (d - 1) * k)  # [B, k, k]
+        flat_scores, flat_tokens = child_scores.reshape(b, k * k), draft_ids[picks].reshape(b, k * k)
+        tokens.append(flat_tokens)
+        parents.append(frontier.repeat_interleave(k, dim=1))
+        scores.append(flat_scores)
+        if d < calls:  # the next call runs each pool's k best children
+            best = ranked(flat_scores, k)
+            rows = torch.div(best, k, rounding_mode="floor")  # [B, k]: the row of this call each one's parent ran in
+            frontier = size + best
+            frontier_scores, frontier_tokens = flat_scores.gather(1, best), flat_tokens.gather(1, best)
+            inputs = out.gather(1, rows[:, :, None].expand(-1, -1, out.shape[2]))
+            # each new frontier node's parent joins its ancestors; a scatter of a constant, not ``x[i] = True``
+            # (whose host scalar a CUDA capture cannot copy)
+            earlier = earlier.gather(1, rows[:, :, None].expand(-1, -1, calls * k)).scatter(
+                2, ((d - 1) * k + rows)[:, :, None], True)
+        size += k * k
+    return torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1), expanded
+
+
+def pool_depths(k: int, calls: int) -> list[int]:
+    """The depth of each node of a pool grown by ``grow_pools`` (``calls`` expansions of k nodes with k
+    children each): the root, its k children, then k^2 nodes per call [1 + k + calls k^2]."""
+    return [0] + [1] * k + [d + 1 for d in range(1, calls + 1) for _ in range(k * k)]
 
 
 def graft_tree(pool: Pool, at: int, tokens: Sequence[int], parents: Sequence[int], offsets: Sequence[float],

@@ -31,6 +31,7 @@ from eagle.errors import EagleError
 from eagle.runtime.kv_cache import StaticCache
 from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels
 from eagle.runtime.decoder import LayerWeights, PackedLinear, decoder_stack, rms_norm, rotate, to_huge_pages
+from eagle.runtime.layers import llama_layer, rotated
 from eagle.runtime.quant_blocks import BLOCK, CODES, FORMATS, SCALES, BlockCodes, decode, unpack_state
 from eagle.runtime.masks import causal_bias
 from eagle.drafting import checkpoint_formats
@@ -674,12 +675,7 @@ class LeanDrafter(nn.Module):
         output [B, T, heads d]. -> [B, T, H] (before the final norm, as ``forward``)."""
         cfg = self.config
         nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        b, t, _ = x.shape
         for i, layer in enumerate(self.layers):
-            h = layer.attention_input(x, token_embeds)
-            qk, v = layer.qkv(h).view(b, t, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
-            q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)  # queries and keys rotated together
-            x = x + layer.o(attend(i, q, k, v))
-            gate, up = layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps)).split(cfg.intermediate_size, dim=-1)
-            x = x + layer.down(nn.functional.silu(gate) * up)
+            x = llama_layer(layer, x, rotated(functools.partial(attend, i), cos, sin, nh, nkv, d), nh, nkv,
+                            embeds=token_embeds)
         return x

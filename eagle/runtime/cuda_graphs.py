@@ -8,7 +8,7 @@ in a ``torch.cuda.CUDAGraph`` and replayed with one launch:
   [2, layers, 1, kv_heads, capacity, head_dim] (capacity fixed at creation), written by position
   (``index_copy_``) and compacted by one gather (``compact``);
 - a call of n tokens is padded to the smallest bucket B >= n (``BUCKETS``); it attends over the
-  first Lk cache positions (Lk a power of two >= 256, or the capacity), with static input buffers
+  first Lk cache positions (Lk a power of two >= ``shapes.MIN_KEYS``, or the capacity), with static input buffers
   for token ids (or features and embeddings for the drafter), positions, the additive mask
   [1, 1, B, Lk] and the cache write positions [B]; the output lives in a static buffer. Padded
   rows write their keys and values at positions past the n real ones, which no real row attends to
@@ -28,107 +28,18 @@ without graphs: the graph-free path the tests compare with the plain forward. Ca
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import warnings
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from eagle.errors import EagleError
 from eagle.runtime.kv_cache import StaticCache
-from eagle.runtime.decoder import LayerWeights, rms_norm, rotate, silu_mul
-
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-MIN_KEYS = 256  # the shortest attended cache length; longer ones double up to the capacity
-WARMUP_RUNS = 3
-
-
-_STATS = {"captured": 0, "fallbacks": 0}
-_ERRORS: list[str] = []  # each fallback's error, in order
-_WARNED: set[str] = set()
-_CAPTURE: list[Callable] = []  # a capture installed by ``capture_with`` (the last one wins)
-
-
-def capture_stats() -> dict:
-    """Process-wide counts since import: ``captured`` (static functions captured as graphs),
-    ``fallbacks`` (captures that failed: those shapes run eagerly), ``errors`` (each fallback's
-    error text)."""
-    return dict(_STATS, errors=list(_ERRORS))
-
-
-@contextlib.contextmanager
-def capture_with(capture: Callable) -> Iterator[None]:
-    """Runners made inside capture with ``capture(run, device, pool) -> (graph, output)`` (a graph
-    has ``replay()``) instead of ``cuda_capture``, on any device."""
-    _CAPTURE.append(capture)
-    try:
-        yield
-    finally:
-        _CAPTURE.remove(capture)
-
-
-def _cpu_capture() -> Callable | None:
-    """``$EAGLE_FAKE_CAPTURE=1``: a CPU runner captures with ``eagle.runtime.fake_capture`` (a rehearsal of
-    what a GPU captures); else none."""
-    if os.environ.get("EAGLE_FAKE_CAPTURE") != "1":
-        return None
-    from eagle.runtime.kernels import cpu_kernels
-
-    if cpu_kernels() is not None:  # their calls bypass torch's dispatcher: a recording could not replay them
-        raise EagleError("EAGLE_FAKE_CAPTURE=1 records torch's operations only: set EAGLE_CPU_KERNELS=0 too")
-    from eagle.runtime.fake_capture import fake_capture
-
-    return fake_capture
-
-
-def capturer_for(device: torch.device) -> Callable | None:
-    """What captures a runner's static functions on ``device``: the installed capture (``capture_with``),
-    else ``cuda_capture`` on CUDA, else the CPU stand-in where ``$EAGLE_FAKE_CAPTURE=1``; None: they run
-    eagerly."""
-    return _CAPTURE[-1] if _CAPTURE else cuda_capture if device.type == "cuda" else _cpu_capture()
-
-
-def cuda_capture(run: Callable[[], Any], device: torch.device, pool: Any) -> tuple[Any, Any]:
-    """Warm ``run`` up on a side stream, then capture it (as PyTorch documents) and replay it once
-    (the capture itself computes nothing) -> (graph, its output in the graph's memory). Raises
-    what the capture raises."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(WARMUP_RUNS):
-            run()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        output = run()
-    graph.replay()
-    return graph, output
-
-
-def _fell_back(key: Any, exc: BaseException) -> None:
-    """Count a failed capture; warn once per distinct error."""
-    text = f"{type(exc).__name__}: {exc}"
-    _STATS["fallbacks"] += 1
-    _ERRORS.append(f"{key}: {text}")
-    if text not in _WARNED:
-        _WARNED.add(text)
-        warnings.warn(f"CUDA graph capture failed, running this shape eagerly (slow; see "
-                      f"eagle.runtime.cuda_graphs.capture_stats): {text}", stacklevel=4)
-
-
-def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int | None:
-    """The smallest bucket >= n, or None when n exceeds the largest."""
-    return next((b for b in buckets if b >= n), None)
-
-
-def keys_for(end: int, capacity: int, floor: int = MIN_KEYS) -> int:
-    """How many cache positions a call whose writes end at ``end`` attends over: the smallest power
-    of two >= max(end, ``floor``), at most ``capacity``."""
-    return min(capacity, max(floor, 1 << max(0, end - 1).bit_length()))
-
+from eagle.runtime.decoder import LayerWeights
+from eagle.runtime.layers import llama_layer, rms_norm, rotated
+from eagle.runtime.shapes import (BUCKETS, MIN_KEYS, StaticRunner, StaticShape, bucket_for, capture_graph,  # noqa: F401
+                                  capture_stats, capture_with, capturer_for, cuda_capture, keys_for)
 
 class GraphCache(StaticCache):
     """A ``StaticCache`` whose buffers are views of one preallocated tensor ``kv``
@@ -173,7 +84,7 @@ def layer_stack(layers: Sequence[LayerWeights], x: torch.Tensor, cos: torch.Tens
     ``mask`` additive [1, 1, B, Lk] over the first Lk positions. Returns x after the layers and the
     outputs of ``aux_layers``. ``embeds`` [1, B, H]: the token embeddings an EAGLE-3 drafter layer's
     attention reads too (``LayerWeights.attention_input``). The arithmetic of
-    ``eagle.runtime.decoder.LeanDecoder``'s torch layer."""
+    ``eagle.runtime.layers.llama_layer`` (torch's RMSNorm and activation: what a capture records)."""
     b, q_len = x.shape[:2]
     nh, nkv, d = num_heads, num_kv_heads, head_dim
     keys_len, group = mask.shape[-1], nh // nkv
@@ -182,69 +93,34 @@ def layer_stack(layers: Sequence[LayerWeights], x: torch.Tensor, cos: torch.Tens
     rows_mask = mask.repeat(1, 1, group, 1) if group > 1 else mask
     kept = []
     for i, layer in enumerate(layers):
-        h = layer.attention_input(x, embeds)
-        qkv = layer.normed_heads(layer.qkv(h), nh, nkv)
-        qk, v = qkv.view(b, q_len, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
-        q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)
-        keys, values = kv[0, i], kv[1, i]
-        keys.index_copy_(2, write, k)
-        values.index_copy_(2, write, v)
-        out = F.scaled_dot_product_attention(q.reshape(b, nkv, group * q_len, d), keys[:, :, :keys_len],
-                                             values[:, :, :keys_len], attn_mask=rows_mask, scale=d ** -0.5)
-        x = x + layer.o(out.reshape(b, nh, q_len, d).transpose(1, 2).reshape(b, q_len, nh * d))
-        x = x + layer.down(silu_mul(layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps))))
+        def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
+            keys, values = kv[0, i], kv[1, i]
+            keys.index_copy_(2, write, k)
+            values.index_copy_(2, write, v)
+            out = F.scaled_dot_product_attention(q.reshape(b, nkv, group * q_len, d), keys[:, :, :keys_len],
+                                                 values[:, :, :keys_len], attn_mask=rows_mask, scale=d ** -0.5)
+            return out.reshape(b, nh, q_len, d).transpose(1, 2).reshape(b, q_len, nh * d)
+
+        x = llama_layer(layer, x, rotated(core, cos, sin, nh, nkv, d), nh, nkv, embeds=embeds)
         if i in aux_layers:
             kept.append(x)
     return x, kept
 
 
-def capture_graph(run: Callable[[], Any], device: torch.device, pool: Any, key: Any = "",
-                  capturer: Callable | None = None) -> tuple[Any, Any]:
-    """Capture ``run`` with ``capturer`` (default: the installed capture, else ``cuda_capture``) ->
-    (graph, its output); a capture that fails is counted and warned as a runner's (``capture_stats``)
-    and gives (None, the output of an eager run)."""
-    capturer = capturer or (_CAPTURE[-1] if _CAPTURE else cuda_capture)
-    try:
-        graph, output = capturer(run, device, pool)
-    except Exception as exc:  # noqa: BLE001 - an operation that cannot be captured: run this shape eagerly
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        _fell_back(key, exc)
-        return None, run()
-    _STATS["captured"] += 1
-    return graph, output
-
-
-@dataclasses.dataclass
-class _Entry:
-    """One static shape: its input buffers, the function over them, its output, its graph."""
-
-    inputs: dict[str, torch.Tensor]
-    run: Callable[[], torch.Tensor]
-    output: torch.Tensor | None = None
-    graph: Any = None
-    eager: bool = False  # its capture failed: it runs eagerly
-
-
-class _Runner:
+class _Runner(StaticRunner):
     """What the target's and the drafter's runners share: the cache, the buckets, the mask
-    filling, and capture/replay."""
+    filling; capture and replay are ``StaticRunner``'s."""
 
     def __init__(self, cache: GraphCache, dtype: torch.dtype, device: torch.device, capture: bool,
                  buckets: Sequence[int]) -> None:
-        self.cache, self.dtype, self.device = cache, dtype, device
-        self.capturer = capturer_for(device)
-        self.capture = capture and self.capturer is not None
+        super().__init__(device, capture)
+        self.cache, self.dtype = cache, dtype
         self.buckets = tuple(buckets)
-        self.entries: dict[tuple, _Entry] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.capture and device.type == "cuda" else None
         self.min_value = torch.finfo(dtype).min
         top = self.buckets[-1]
         # [top, top] additive causal triangle; the cache positions as a device vector
         self.triangle = torch.full((top, top), self.min_value, dtype=dtype, device=device).triu(1)
         self.positions = torch.arange(cache.capacity + top, device=device)
-        self.captured = 0
-        self.fallbacks = 0
 
     def new_cache(self) -> GraphCache:
         self.cache.set_length(0)
@@ -265,46 +141,14 @@ class _Runner:
         if attention_mask is not None:
             m[:n, :past + n] = attention_mask[0, 0]
 
-    def _call(self, key: tuple, size: int, keys_len: int, make: Callable[[int, int], _Entry],
-              fill: Callable[[_Entry], None]) -> torch.Tensor:
+    def _call(self, key: tuple, size: int, keys_len: int, make: Callable[[int, int], StaticShape],
+              fill: Callable[[StaticShape], None]) -> torch.Tensor:
         """Fill the inputs of shape ``key`` (made on first use) and run it: replay its graph, or run it eagerly."""
         if size not in self.buckets:  # a prefill: eager, at its own size
             entry = make(size, keys_len)
             fill(entry)
             return entry.run()
-        return self.run_static(key, lambda: make(size, keys_len), fill)
-
-    def run_static(self, key: Any, make: Callable[[], _Entry], fill: Callable[[_Entry], None]) -> Any:
-        """Run the static function ``key`` (its entry made on first use) on inputs ``fill`` writes:
-        captured on first use and replayed after when capturing, else eagerly. Its output (a tensor
-        or a tuple of them) lives in static memory, overwritten by the next call of the same key."""
-        entry = self.entries.get(key)
-        if entry is None:
-            entry = self.entries[key] = make()
-        fill(entry)
-        if entry.graph is not None:
-            entry.graph.replay()
-        elif self.capture and not entry.eager:
-            entry.output = self._capture(key, entry)
-        else:
-            entry.output = entry.run()
-        return entry.output
-
-    def _capture(self, key: Any, entry: _Entry) -> Any:
-        """Capture ``entry`` (its run's result for this call); on failure count it, warn once and
-        run it eagerly from then on."""
-        try:
-            entry.graph, output = self.capturer(entry.run, self.device, self.pool)
-        except Exception as exc:  # noqa: BLE001 - an operation that cannot be captured: run this shape eagerly
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.fallbacks += 1
-            _fell_back(key, exc)
-            entry.eager = True
-            return entry.run()
-        self.captured += 1
-        _STATS["captured"] += 1
-        return output
+        return self.run(key, lambda: make(size, keys_len), fill)
 
     def _shape(self, n: int) -> tuple[int, int, int]:
         """(past, bucket or n, attended length) for a call of n tokens."""
@@ -314,7 +158,7 @@ class _Runner:
             raise EagleError(f"the static KV cache holds {self.cache.capacity} positions; {past + size} needed")
         return past, size, keys_for(past + size, self.cache.capacity)
 
-    def _common(self, entry: _Entry, past: int, n: int, positions: torch.Tensor,
+    def _common(self, entry: StaticShape, past: int, n: int, positions: torch.Tensor,
                 attention_mask: torch.Tensor | None) -> None:
         size = entry.inputs["write"].shape[0]
         entry.inputs["pos"][:, :n].copy_(positions)
@@ -346,7 +190,7 @@ class TargetGraphs(_Runner):
     def describe(self) -> str:
         return f"cuda graphs {list(self.buckets)}" if self.capture else f"static buckets {list(self.buckets)}"
 
-    def _make(self, size: int, keys_len: int, aux_layers: tuple[int, ...]) -> _Entry:
+    def _make(self, size: int, keys_len: int, aux_layers: tuple[int, ...]) -> StaticShape:
         dev = self.device
         inputs = dict(ids=torch.zeros(1, size, dtype=torch.long, device=dev),
                       pos=torch.zeros(1, size, dtype=torch.long, device=dev),
@@ -362,7 +206,7 @@ class TargetGraphs(_Runner):
                                  aux_layers)
             return torch.cat([rms_norm(x, lean.norm, lean.norm_eps)] + aux, dim=-1)
 
-        return _Entry(inputs, run)
+        return StaticShape(inputs, run)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: GraphCache,
                 attention_mask: torch.Tensor | None = None, aux_layers: Sequence[int] = ()) -> torch.Tensor:
@@ -374,7 +218,7 @@ class TargetGraphs(_Runner):
         past, size, keys_len = self._shape(n)
         aux = tuple(aux_layers)
 
-        def fill(entry: _Entry) -> None:
+        def fill(entry: StaticShape) -> None:
             entry.inputs["ids"][:, :n].copy_(input_ids)
             self._common(entry, past, n, position_ids, attention_mask)
 
@@ -398,7 +242,7 @@ class TargetGraphs(_Runner):
                                      past=torch.zeros((), dtype=torch.long, device=self.device))
         inputs, lean = self._step_inputs, self.lean
 
-        def make() -> _Entry:
+        def make() -> StaticShape:
             columns = self.positions[:keys_len]
 
             def run() -> torch.Tensor:
@@ -412,13 +256,13 @@ class TargetGraphs(_Runner):
                 # torch's argmax (a capture records torch's operations; a GPU's head has no greedy screen)
                 return lean.head(rms_norm(x, lean.norm, lean.norm_eps)[0]).argmax(-1)
 
-            return _Entry(inputs, run)
+            return StaticShape(inputs, run)
 
-        def fill(entry: _Entry) -> None:
+        def fill(entry: StaticShape) -> None:
             inputs["token"].copy_(token.reshape(1, 1))
             inputs["past"].fill_(past)
 
-        out = self.run_static(("greedy step", keys_len), make, fill)
+        out = self.run(("greedy step", keys_len), make, fill)
         self.cache.set_length(past + 1)
         return out
 
@@ -447,7 +291,7 @@ class GraphedDrafter:
     def new_cache(self) -> GraphCache:
         return self.runner.new_cache()
 
-    def _make(self, size: int, keys_len: int, width: int) -> _Entry:
+    def _make(self, size: int, keys_len: int, width: int) -> StaticShape:
         dev, h = self.runner.device, self.config.hidden_size
         inputs = dict(features=torch.zeros(1, size, width, dtype=self.dtype, device=dev),
                       embeds=torch.zeros(1, size, h, dtype=self.dtype, device=dev),
@@ -458,7 +302,7 @@ class GraphedDrafter:
         def run() -> torch.Tensor:
             return self.step(inputs["features"], inputs["embeds"], inputs["pos"][0], inputs["write"], inputs["mask"])
 
-        return _Entry(inputs, run)
+        return StaticShape(inputs, run)
 
     def step(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
              mask: torch.Tensor) -> torch.Tensor:
@@ -481,7 +325,7 @@ class GraphedDrafter:
         n, width = token_embeds.shape[1], features.shape[-1]
         past, size, keys_len = self.runner._shape(n)
 
-        def fill(entry: _Entry) -> None:
+        def fill(entry: StaticShape) -> None:
             entry.inputs["features"][:, :n].copy_(features)
             entry.inputs["embeds"][:, :n].copy_(token_embeds)
             self.runner._common(entry, past, n, positions, attention_bias)

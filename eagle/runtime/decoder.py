@@ -38,6 +38,7 @@ from eagle.runtime.quant_blocks import BlockCodes, block_encode, block_quantize,
 from eagle.runtime.gguf_file import LLAMA_FAMILY
 from eagle.runtime.gguf_weights import (GGUFLinear, GGUFMatrix, GGUFModel, GGUFProjection, SPLIT_TYPES, int8_block,
                                         joined_rows, split_norms)
+from eagle.runtime.layers import llama_layer, rms_norm, rotate, silu_mul, with_aux  # noqa: F401 - re-exported
 from eagle.runtime.masks import causal_bias
 
 
@@ -531,25 +532,6 @@ def packed_copy(module: nn.Module, dtype: torch.dtype | None = None) -> nn.Modul
     return clone
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm: normalize in fp32, scale in the input dtype. [..., H] -> [..., H]."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)  # same values (a compiled one: eagle.runtime.kernels)
-    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """The gated MLP's activation: [..., 2 I] (gate, then up) -> silu(gate) * up [..., I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE, rotate-half layout. x [1, heads, q, d]; cos/sin [1, 1, q, d]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 @dataclasses.dataclass
 class LayerWeights:
     """A Llama decoder layer for inference: RMSNorm weights (``input_norm`` None: the layer reads its
@@ -578,13 +560,15 @@ class LayerWeights:
         return torch.cat([norm(q.contiguous(), self.q_norm, self.input_eps),
                           norm(k.contiguous(), self.k_norm, self.input_eps), v], dim=-2).flatten(-2)
 
-    def attention_input(self, x: torch.Tensor, embeds: torch.Tensor | None) -> torch.Tensor:
+    def attention_input(self, x: torch.Tensor, embeds: torch.Tensor | None,
+                        norm: Callable | None = None) -> torch.Tensor:
         """What q/k/v read: x normed by ``input_norm`` (if any), after the normed token embeddings
-        when ``embed_norm`` is set. [..., H] -> [..., H or 2H]."""
-        h = x if self.input_norm is None else rms_norm(x, self.input_norm, self.input_eps)
+        when ``embed_norm`` is set (``norm``: ``rms_norm`` or the compiled one). [..., H] -> [..., H or 2H]."""
+        norm = norm or rms_norm
+        h = x if self.input_norm is None else norm(x, self.input_norm, self.input_eps)
         if self.embed_norm is None:
             return h
-        return torch.cat([rms_norm(embeds, self.embed_norm, self.input_eps), h], dim=-1)
+        return torch.cat([norm(embeds, self.embed_norm, self.input_eps), h], dim=-1)
 
     def matrices(self) -> tuple[PackedLinear, ...]:
         return self.qkv, self.o, self.gate_up, self.down
@@ -762,7 +746,7 @@ def argmax(logits: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor] | No
 
 class LeanDecoder(HeadAndCache):
     """The target's decoder stack + LM head as a few fused operations. Rows of a batch share
-    the cache length (left-pad them and mask the padding: ``eagle.decoding.batch``)."""
+    the cache length (left-pad them and mask the padding, or see ``eagle.runtime.rows``)."""
 
     def __init__(self, model: Any, kernels: bool = True, encode: bool = True, int8_activations: bool = False) -> None:
         """``kernels``: in fp32 on CPU, the compiled kernels where they run (``eagle.runtime.kernels``: 1-16
@@ -843,34 +827,27 @@ class LeanDecoder(HeadAndCache):
                                      cache.reserve_layers(like),
                                      None if attention_mask is None else attention_mask[0, 0].contiguous(), True,
                                      list(aux_layers))
-            aux = [a[None] for a in aux]
-        else:
-            if attention_mask is None and q_len > 1:
-                attention_mask = causal_bias(q_len, cache.get_seq_length(), x.dtype, x.device)
-            step = self._torch_layer(cos[:, None], sin[:, None], cache, attention_mask)
-            kept: dict[int, torch.Tensor] = {}
-            for i, layer in enumerate(self.layers):
-                x = step(i, layer, x)
-                if i in aux_layers:
-                    kept[i] = x  # each layer returns a new tensor
-            aux = [kept[i] for i in aux_layers]
-        return torch.cat([self.rms_norm(x, self.norm, self.norm_eps)] + aux, dim=-1)
-
-    def _torch_layer(self, cos: torch.Tensor, sin: torch.Tensor, cache: StaticCache,
-                     mask: torch.Tensor | None) -> Callable[[int, LayerWeights, torch.Tensor], torch.Tensor]:
-        """Decoder layer i by torch's operations (and the compiled products and RMSNorm where they
-        run): x [B, q, H] -> x after the layer. cos/sin [B, 1, q, d]."""
+            return torch.cat([self.rms_norm(x, self.norm, self.norm_eps)] + [a[None] for a in aux], dim=-1)
+        if attention_mask is None and q_len > 1:
+            attention_mask = causal_bias(q_len, cache.get_seq_length(), x.dtype, x.device)
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
 
-        def step(i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-            b, q_len = x.shape[:2]
-            qkv = layer.normed_heads(layer.qkv(self.rms_norm(x, layer.input_norm, layer.input_eps)), nh, nkv,
-                                     self.rms_norm)
-            qk, v = qkv.view(b, q_len, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
-            q, k = rotate(qk, cos, sin).split([nh, nkv], dim=1)  # queries and keys rotated together
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys, values = cache.update(i, k, v)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nkv != nh, scale=d ** -0.5)
-            x = x + layer.o(out.transpose(1, 2).reshape(b, q_len, nh * d))
-            return x + layer.down(self.silu_mul(layer.gate_up(self.rms_norm(x, layer.post_norm, layer.post_eps))))
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask, enable_gqa=nkv != nh,
+                                                 scale=d ** -0.5)
+            return out.transpose(1, 2).reshape(b, q_len, nh * d)
 
-        return step
+        return with_aux(self, x, {None: (cos[:, None], sin[:, None])}, attend, aux_layers)
+
+    def layer_body(self, layer: LayerWeights, x: torch.Tensor, attend: Callable) -> torch.Tensor:
+        """``eagle.runtime.layers.llama_layer`` with this forward's RMSNorm and activation."""
+        return llama_layer(layer, x, attend, self.num_heads, self.num_kv_heads, self.rms_norm, self.silu_mul)
+
+    def rope_key(self, layer: LayerWeights) -> None:
+        """Which rotary table a layer reads (one for all)."""
+        return None
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The features the head reads."""
+        return self.rms_norm(x, self.norm, self.norm_eps)

@@ -27,8 +27,9 @@ import torch.nn.functional as F
 
 from eagle.runtime.masks import causal_bias
 from eagle.runtime.decoder import (HeadAndCache, PackedLinear, check_int8_activations, coded_weights, head_is_fp32_cpu,
-                                   head_weight, int8_activations_here, lm_head, product, rotate, screened)
+                                   head_weight, int8_activations_here, lm_head, product, screened)
 from eagle.runtime.gguf_weights import GGUFLinear
+from eagle.runtime.layers import gelu_mul, gemma_layer, gemma_norm, with_aux  # noqa: F401 - re-exported
 from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_takes, cpu_kernels
 from eagle.runtime.kv_cache import StaticCache
 
@@ -36,21 +37,9 @@ GEMMA_MODEL_TYPES = ("gemma3_text",)
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
-def gemma_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm: normalize and multiply by ``scale`` (= 1 + w, fp32) in fp32, then cast to
-    the input dtype. [..., D] -> [..., D]."""
-    return (F.rms_norm(x.float(), scale.shape, None, eps) * scale).to(x.dtype)
-
-
 def norm_scale(norm: Any) -> torch.Tensor:
     """The fp32 factor a Gemma RMSNorm module applies after normalizing: 1 + its weight."""
     return 1.0 + norm.weight.detach().float()
-
-
-def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """Gemma's gated MLP activation: [..., 2 I] (gate, then up) -> gelu_tanh(gate) * up [..., I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
 
 
 def sliding_bias(bias: torch.Tensor | None, position_ids: torch.Tensor, past: int,
@@ -212,13 +201,17 @@ class GemmaDecoder(HeadAndCache):
         for layer in self.layers:
             if layer.window not in masks:
                 masks[layer.window] = sliding_bias(attention_mask, position_ids, past, layer.window)
-        kept: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            attend = self._cached_attention(i, cache, *masks[layer.window])
-            x = self.layer_with(layer, x, *rope[layer.layer_type], attend)
-            if i in aux_layers:
-                kept[i] = x
-        return torch.cat([gemma_norm(x, self.norm, self.eps)] + [kept[i] for i in aux_layers], dim=-1)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # every key stored; attention over the slots from the window's start, masked within it
+            mask, start = masks[self.layers[i].window]
+            keys, values = cache.update(i, k, v)
+            out = F.scaled_dot_product_attention(q, keys[..., start:, :], values[..., start:, :],
+                                                 attn_mask=None if mask is None else mask.to(q.dtype),
+                                                 enable_gqa=self.num_kv_heads != self.num_heads, scale=self.scale)
+            return out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim)
+
+        return with_aux(self, x, rope, attend, aux_layers)
 
     @torch.inference_mode()
     def segment_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[StaticCache],
@@ -269,31 +262,14 @@ class GemmaDecoder(HeadAndCache):
                 window_bias(mask, position_ids, past, window)[0, 0].contiguous()
                 for window in (self.windows[t] for t in self.layer_types)]
 
-    def _cached_attention(self, i: int, cache: StaticCache, mask: torch.Tensor | None,
-                          start: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-        """``layer_with``'s attention for layer i of a forward over ``cache``: the new keys and values
-        stored, then attention over the cache slots from ``start`` on with ``mask`` over them."""
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            b, _, q_len, _ = q.shape
-            keys, values = cache.update(i, k, v)
-            out = F.scaled_dot_product_attention(q, keys[..., start:, :], values[..., start:, :],
-                                                 attn_mask=None if mask is None else mask.to(q.dtype),
-                                                 enable_gqa=self.num_kv_heads != self.num_heads, scale=self.scale)
-            return out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim)
-        return attend
+    def layer_body(self, layer: GemmaLayer, x: torch.Tensor, attend: Callable) -> torch.Tensor:
+        """``eagle.runtime.layers.gemma_layer`` with this forward's heads and epsilon."""
+        return gemma_layer(layer, x, attend, self.num_heads, self.num_kv_heads, self.eps)
 
-    def layer_with(self, layer: GemmaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """A decoder layer over x [B, q, H] -> x after it, with rotary tables cos/sin (broadcasting to
-        [B, 1, q, d]); ``attend(q, k, v)`` (q [B, heads, q, d], k and v [B, kv_heads, q, d], normed and
-        rotated) stores the keys and values where its caller keeps them and returns the attention
-        output [B, q, heads d] (scaled by ``self.scale``, within the layer's window)."""
-        nh, nkv, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
-        b, q_len = x.shape[:2]
-        qkv = layer.qkv(gemma_norm(x, layer.input_norm, eps))
-        q, k, v = qkv.view(b, q_len, nh + 2 * nkv, d).transpose(1, 2).split([nh, nkv, nkv], dim=1)
-        q = rotate(gemma_norm(q, layer.q_norm, eps), cos, sin)
-        k = rotate(gemma_norm(k, layer.k_norm, eps), cos, sin)
-        x = x + gemma_norm(layer.o(attend(q, k, v)), layer.post_attention_norm, eps)
-        h = layer.down(gelu_mul(layer.gate_up(gemma_norm(x, layer.pre_feedforward_norm, eps))))
-        return x + gemma_norm(h, layer.post_feedforward_norm, eps)
+    def rope_key(self, layer: GemmaLayer) -> str:
+        """Which rotary table a layer reads: its layer type's (local or global theta)."""
+        return layer.layer_type
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The features the head reads."""
+        return gemma_norm(x, self.norm, self.eps)

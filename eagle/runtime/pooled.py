@@ -20,21 +20,19 @@ step's mask allows (``step_blocks``); ``DrafterGraphs`` runs it on static shapes
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from eagle.decoding.batch import LayerPlan, each_layer, final_norm, gathered, keys_for, rotary_tables
+from eagle.runtime.layers import with_aux
+from eagle.runtime.rows import LayerPlan, gathered, rotary_tables
+from eagle.runtime.shapes import (ROW_BUCKETS, SEGMENT_BUCKETS, SPAN_BUCKETS, StaticRunner, StaticShape,  # noqa: F401
+                                  bucket_for, keys_for)
 from eagle.runtime.masks import additive_bias, host_tensor
 from eagle.drafting.drafter import fused_input
-from eagle.runtime import cuda_graphs
 from eagle.runtime.kv_cache import CachePool, SlotCache
 
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # rows of a static call (all sequences' together)
-SEGMENT_BUCKETS = (1, 2, 4, 8, 16)  # one sequence's rows in a static call
-SPAN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the keys a drafter step's tree mask spans (the round's nodes and its rows)
 
 
 def batch_biases(windows: Sequence[int | None], group_rows: int, dtype: torch.dtype, sizes: torch.Tensor,
@@ -149,11 +147,7 @@ def pooled_layers(lean: Any, pool: CachePool, x: torch.Tensor, rope: dict, pos: 
                           block, positions, keys_len)
     attend = attention_step(pool, lean.num_heads, plan.scale, index[0], index[1], index[2], index[3], members, m,
                             keys_len, biases, plan.windows)
-    kept = {}
-    for i, x in enumerate(each_layer(lean, x, rope, attend)):
-        if i in aux_layers:
-            kept[i] = x
-    return torch.cat([final_norm(lean, x)] + [kept[i] for i in aux_layers], dim=-1)[0]
+    return with_aux(lean, x, rope, attend, aux_layers)[0]
 
 
 def extended(caches: Sequence[SlotCache], sizes: Sequence[int]) -> tuple[CachePool, list[int]]:
@@ -211,40 +205,23 @@ def pooled_forward(lean: Any, input_ids: torch.Tensor, position_ids: torch.Tenso
     return pooled_layers(lean, pool, x, rope, position_ids, index, table, block, gather, keys_len, aux_layers)
 
 
-@dataclasses.dataclass
-class StaticShape:
-    """One static call: its inputs, the function over them, its graph and output."""
-
-    inputs: dict[str, torch.Tensor]
-    run: Callable[[], torch.Tensor]
-    graph: Any = None
-    output: torch.Tensor | None = None
-    eager: bool = False  # its capture failed (counted in ``cuda_graphs.capture_stats``): it runs eagerly
-
-
-class _Static:
-    """Static shapes over a ``CachePool``, one CUDA graph per shape (``capture``: captured on CUDA, or with a
-    capture installed by ``cuda_graphs.capture_with``; else the same static functions run eagerly). A pool
-    that grows (a new buffer) drops its shapes; ``rope``: the rotary tables for the pool's positions,
-    made again with them (``tables``)."""
+class _Static(StaticRunner):
+    """Static shapes over a ``CachePool`` (``StaticRunner``'s capture, replay and fallback counting). A pool
+    that grows (a new buffer) drops its shapes; ``rope``: the rotary tables for the pool's positions, made
+    again with them (``tables``)."""
 
     def __init__(self, pool: CachePool, capture: bool = True) -> None:
+        super().__init__(pool.kv.device, capture)
         self.pool = pool
-        device = pool.kv.device
-        self.capturer = cuda_graphs.capturer_for(device)
-        self.capture = capture and self.capturer is not None
-        self.graph_pool = torch.cuda.graph_pool_handle() if self.capture and device.type == "cuda" else None
-        self.shapes: dict[tuple, StaticShape] = {}
         self.buffer: torch.Tensor | None = None  # the pool's buffer the shapes were made for
         self.rope: dict = {}
-        self.captured = self.fallbacks = 0
 
     def tables(self) -> dict:
         raise NotImplementedError
 
     def shape_of(self, rows: int, pasts: Sequence[int], sizes: Sequence[int]) -> tuple[int, int, int]:
-        """A call's (row bucket, segment bucket, keys read: ``batch.keys_for``)."""
-        return (cuda_graphs.bucket_for(rows, ROW_BUCKETS), cuda_graphs.bucket_for(max(sizes), SEGMENT_BUCKETS),
+        """A call's (row bucket, segment bucket, keys read: ``shapes.keys_for``)."""
+        return (bucket_for(rows, ROW_BUCKETS), bucket_for(max(sizes), SEGMENT_BUCKETS),
                 keys_for(max(p + n for p, n in zip(pasts, sizes)), self.pool.capacity))
 
     def index_of(self, caches: Sequence[SlotCache], pasts: Sequence[int], sizes: Sequence[int],
@@ -257,35 +234,19 @@ class _Static:
         return index
 
     def run(self, key: tuple, make: Callable[[], StaticShape], fill: Callable[[StaticShape], None]) -> torch.Tensor:
-        """The output of shape ``key`` (made by ``make`` at its first call) after ``fill`` set its inputs:
-        replayed, captured at its first call, or run eagerly."""
-        pool = self.pool
-        if self.buffer is not pool.kv:  # a new buffer: the graphs read the old one
+        """``StaticRunner.run``, the shapes dropped and the tables made again when the pool has a new buffer."""
+        if self.buffer is not self.pool.kv:  # a new buffer: the graphs read the old one
             self.shapes.clear()
-            self.buffer = pool.kv
+            self.buffer = self.pool.kv
             with torch.inference_mode():
                 self.rope = self.tables()
-        shape = self.shapes.get(key)
-        if shape is None:
-            shape = self.shapes[key] = make()
-        fill(shape)
-        if shape.graph is not None:
-            shape.graph.replay()
-        elif self.capture and not shape.eager:
-            graph, shape.output = cuda_graphs.capture_graph(shape.run, pool.kv.device, self.graph_pool, key=key,
-                                                            capturer=self.capturer)
-            shape.graph, shape.eager = graph, graph is None
-            self.captured += graph is not None
-            self.fallbacks += graph is None
-        else:
-            shape.output = shape.run()
-        return shape.output
+        return super().run(key, make, fill)
 
 
 class PooledGraphs(_Static):
     """``pooled_forward`` on static shapes, one CUDA graph per shape replayed each round. A call of R rows
     in segments of at most M rows attending to at most Lk keys runs the static function of (the row
-    bucket >= R, the segment bucket >= M, Lk a power of two >= 64: ``batch.keys_for``, the aux layers): its
+    bucket >= R, the segment bucket >= M, Lk a power of two >= 64: ``shapes.keys_for``, the aux layers): its
     attention's batch is every slot of the pool, scratch included; padding rows (token 0 at position
     0) write to the scratch slot. Inputs are filled by two copies and one copy per tree."""
 
@@ -442,7 +403,7 @@ class DrafterGraphs(_Static):
         """``pooled_drafter_forward``'s result [R, H] for caches already extended (``take``) from ``pasts``."""
         r = len(positions)
         rows, m, keys_len = self.shape_of(r, pasts, sizes)
-        key = (rows, m, cuda_graphs.bucket_for(max(step_spans(sizes, seen)), SPAN_BUCKETS), keys_len, features.shape[1])
+        key = (rows, m, bucket_for(max(step_spans(sizes, seen)), SPAN_BUCKETS), keys_len, features.shape[1])
 
         def fill(shape: StaticShape) -> None:
             inputs = shape.inputs
@@ -496,6 +457,6 @@ class DrafterGraphs(_Static):
         row = torch.arange(n, device=seen.device)
         row_slots = slots.repeat_interleave(n)
         index = torch.stack([row_slots, row_slots, row.repeat(b), (starts[:, None] + row).reshape(-1)])
-        table, block = uniform_blocks(self.pool.kv.shape[2], cuda_graphs.bucket_for(n, SEGMENT_BUCKETS), span, slots,
+        table, block = uniform_blocks(self.pool.kv.shape[2], bucket_for(n, SEGMENT_BUCKETS), span, slots,
                                       starts, seen)
         return self.call_rows(features, embeds, positions, index, table, block, keys_len)

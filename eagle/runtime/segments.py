@@ -22,10 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from eagle.runtime.masks import causal_bias
-from eagle.runtime.decoder import LeanDecoder, rotate
+from eagle.runtime.decoder import LeanDecoder
 from eagle.runtime.gemma import GemmaDecoder
 from eagle.runtime.kernels import STREAM_MAX_ROWS
 from eagle.runtime.kv_cache import SlotCache, StaticCache
+from eagle.runtime.layers import rotated, with_aux
 from eagle.runtime.pooled import pooled_forward
 
 
@@ -75,29 +76,26 @@ def segment_forward(lean: LeanDecoder | GemmaDecoder, input_ids: torch.Tensor, p
             past = cache.get_seq_length()
             mask = mask if mask is not None or n == 1 else causal_bias(n, past, x.dtype, x.device)
             segments.append((False, rows, cache, past, mask, cos[None, None, rows], sin[None, None, rows]))
-    kept: dict[int, torch.Tensor] = {}
-    for i, layer in enumerate(lean.layers):
-        qkv = layer.normed_heads(layer.qkv(lean.rms_norm(x, layer.input_norm, layer.input_eps)), nh, nkv,
-                                 lean.rms_norm)  # [R, (nh + 2 nkv) d]
+
+    def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:  # qkv [1, R, (nh + 2 nkv) d], before RoPE
         outs = []
         for fast, rows, held, past, mask, c, s in segments:
-            if fast:
+            if fast:  # the compiled rotary, cache write and attention
                 keys, values = held[i]
-                q = compiled.rope_cache(qkv[rows], c, s, keys, values, nh, past)
+                q = compiled.rope_cache(qkv[0, rows], c, s, keys, values, nh, past)
                 outs.append(compiled.attention(q, keys, values, past + c.shape[0], mask, scale))  # [n, nh d]
                 continue
-            n = c.shape[2]
-            qk, v = qkv[rows].view(1, n, nh + 2 * nkv, d).transpose(1, 2).split([nh + nkv, nkv], dim=1)
-            q, k = rotate(qk, c, s).split([nh, nkv], dim=1)
-            keys, values = held.update(i, k, v)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nkv != nh,
-                                                 scale=scale)  # [1, nh, n, d]
-            outs.append(out[0].transpose(0, 1).reshape(n, nh * d))
-        x = x + layer.o(torch.cat(outs) if len(outs) > 1 else outs[0])
-        x = x + layer.down(lean.silu_mul(layer.gate_up(lean.rms_norm(x, layer.post_norm, layer.post_eps))))
-        if i in aux_layers:
-            kept[i] = x
-    return torch.cat([lean.rms_norm(x, lean.norm, lean.norm_eps)] + [kept[i] for i in aux_layers], dim=-1)
+
+            def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, held=held, mask=mask) -> torch.Tensor:
+                keys, values = held.update(i, k, v)
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nkv != nh,
+                                                     scale=scale)  # [1, nh, n, d]
+                return out[0].transpose(0, 1).reshape(-1, nh * d)
+
+            outs.append(rotated(core, c, s, nh, nkv, d)(qkv[:, rows]))
+        return (torch.cat(outs) if len(outs) > 1 else outs[0])[None]
+
+    return with_aux(lean, x[None], None, attend, aux_layers)[0]
 
 
 def _gemma_segments(lean: GemmaDecoder, input_ids: torch.Tensor, position_ids: torch.Tensor,

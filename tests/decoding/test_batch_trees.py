@@ -9,7 +9,7 @@ import torch
 from eagle import EagleModel
 from eagle.decoding import batch_trees
 from eagle.decoding.batch_trees import draft_together, grows_together
-from eagle.decoding.device_rounds import pool_depths
+from eagle.decoding.tree import pool_depths
 from eagle.decoding.serving import ServingEngine, RequestOptions, generate_together
 from eagle.decoding.draft_steps import run_alone, run_together
 from eagle.decoding.tree_sizing import batch_tree_sizes

@@ -4,6 +4,7 @@ force, greedy output identical to ``ar``, and one host read per round."""
 from __future__ import annotations
 
 import collections
+import math
 import dataclasses
 import random
 
@@ -15,8 +16,8 @@ from eagle import EagleModel
 from eagle.config import SamplingConfig, TreeConfig
 from eagle.decoding import acceptance
 from eagle.decoding.device_rounds import (DeviceDraws, DeviceTree, ancestor_matrix, device_rounds_apply, drawn_accept,
-                                          drawn_children, greedy_accept, sampled_accept, select_tree)
-from eagle.decoding.tree import Pool, kept_indices, sampled_children
+                                          greedy_accept, sampled_accept, select_tree)
+from eagle.decoding.tree import Pool, drawn_children, kept_indices
 from eagle.decoding.tree_mask import tree_attention
 from eagle.errors import EagleError
 from eagle.runtime.fake_capture import syncs
@@ -115,7 +116,7 @@ def test_device_draft_is_brute_force_eagle2(request, kind, total, graphs):
     assert drafter.cache.get_seq_length() == len(ids) - 1  # the round's nodes are gone from the drafter's cache
     runner = getattr(drafter.drafter, "runner", None)
     assert (runner is not None) == graphs
-    assert not graphs or any(key[0] == "draft phase" for key in runner.entries)
+    assert not graphs or any(key[0] == "draft phase" for key in runner.shapes)
     paths, tokens, scores = {0: ()}, tree.tokens.tolist(), tree.scores.tolist()
     for i, parent in enumerate(tree.parents.tolist()[1:], start=1):
         paths[i] = paths[parent] + (tokens[i],)
@@ -319,20 +320,27 @@ def test_sampled_accept_follows_the_recursive_rule_in_distribution():
 
 
 @pytest.mark.parametrize("support", [0, 3])
-def test_drawn_children_are_the_host_draws(support):
-    """Given the same uniforms, the device's draws are ``EagleDrafter``'s: Gumbel-top-k among the
-    ``support`` most likely of 7 draft tokens (0: all), scored by the k largest log-probabilities."""
+def test_drawn_children_are_gumbel_top_k_among_the_support(support):
+    """``tree.drawn_children`` (the host's and the device's draws alike), against a brute force: among the
+    ``support`` most likely of 7 draft tokens (0: all; the first on ties), the k largest of log-prob / T plus
+    Gumbel noise of the given uniforms, in that order; scored by the k largest log-probabilities."""
     gen = torch.Generator().manual_seed(0)
     logprobs = torch.log_softmax(2 * torch.randn(4, 7, generator=gen), -1)
+    logprobs[0, 5] = logprobs[0, 2]  # a tie: the lower index ranks first
     parent_scores, k, temperature = torch.randn(4, generator=gen), 2, 0.85
     width = support or 7
-    among_lp, among = torch.topk(logprobs, width, -1) if support else (logprobs, torch.arange(7).expand(4, -1))
-    host, host_scores = sampled_children(parent_scores, among_lp, k, temperature, torch.Generator().manual_seed(5))
-    uniform = torch.rand(among_lp.shape, generator=torch.Generator().manual_seed(5))
+    uniform = torch.rand(4, width, generator=torch.Generator().manual_seed(5))
     tokens, scores, got_among, got_lp = drawn_children(parent_scores, logprobs, k, torch.tensor(temperature), width,
                                                        uniform)
-    assert torch.equal(tokens, among.gather(1, host)) and torch.equal(scores, host_scores)
-    assert torch.equal(got_among, among) and torch.equal(got_lp, among_lp)
+    for f in range(4):
+        best = sorted(range(7), key=lambda v: (-float(logprobs[f, v]), v))
+        order = best[:width] if support else list(range(7))  # the whole vocabulary in index order
+        assert got_among[f].tolist() == order and torch.equal(got_lp[f], logprobs[f, order])
+        keyed = [float(logprobs[f, v]) / temperature - math.log(-math.log(float(uniform[f, j])))
+                 for j, v in enumerate(order)]
+        drawn = sorted(range(width), key=lambda j: -keyed[j])[:k]
+        assert tokens[f].tolist() == [order[j] for j in drawn]
+        assert torch.allclose(scores[f], parent_scores[f] + logprobs[f, best[:k]])
 
 
 def exact_drawn_rule(tokens: list[int], parents: list[int], probs: torch.Tensor, draws: DeviceDraws) -> dict:
@@ -433,11 +441,11 @@ def test_device_rounds_capture(fake_capture, kind, method):
         got = model.generate(ids, method=method, max_new_tokens=16)
         assert got.token_ids == model.generate(ids, method="ar", max_new_tokens=16).token_ids
     runner = model._device_drafter(method, SamplingConfig()).drafter.runner
-    assert any(key[0] == "draft phase" and entry.graph is not None for key, entry in runner.entries.items())
+    assert any(key[0] == "draft phase" and entry.graph is not None for key, entry in runner.shapes.items())
     assert runner.fallbacks == 0 and model.target.graphs.fallbacks == 0
     # drawn children: the phase with its noise buffer captured too; each replay draws anew, seeded
     sampled = [model.generate(prompts(3, seed=4)[2], method=method, max_new_tokens=16, temperature=1.0, seed=seed)
                for seed in (0, 1, 0)]
     assert sampled[0].token_ids == sampled[2].token_ids != sampled[1].token_ids
-    drawn = [key for key, entry in runner.entries.items() if key[0] == "draft phase" and key[-1] and entry.graph]
+    drawn = [key for key, entry in runner.shapes.items() if key[0] == "draft phase" and key[-1] and entry.graph]
     assert drawn and runner.fallbacks == 0 and model.target.graphs.fallbacks == 0

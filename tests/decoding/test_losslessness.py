@@ -406,7 +406,7 @@ def test_device_rounds_drawn_children_are_lossless_and_the_check_has_teeth(model
     assert chi_square_p(sampled_triples(device, "eagle-tree", sampling, samples), exact) > ALPHA
     if capture:
         runner = device._device_drafter("eagle-tree", sampling).drafter.runner
-        assert any(key[0] == "draft phase" and entry.graph is not None for key, entry in runner.entries.items())
+        assert any(key[0] == "draft phase" and entry.graph is not None for key, entry in runner.shapes.items())
         return
     intact = device_rounds.drawn_accept
 

@@ -9,6 +9,8 @@ from eagle.decoding.tree import (Pool, best_frontier, chain_tree, graft_chains, 
 from eagle.decoding.tree_mask import tree_attention
 from eagle.runtime.masks import host_tensor
 
+from tests.conftest import test_device as device_under_test
+
 
 def test_topk_children_scores_add_parent_score():
     lp = torch.log_softmax(torch.randn(3, 10), -1)
@@ -272,15 +274,20 @@ def test_a_noisy_cost_curve_is_measured_again_a_few_times_the_least_noisy_kept(t
     assert len(list(tmp_path.rglob("*.json"))) == 2
 
 
-def test_sampled_children_are_draws_without_replacement_scored_by_rank():
+def drawn(parent_scores, lp, k, temperature, gen):
+    from eagle.decoding.tree import drawn_children
+
+    uniform = torch.rand(lp.shape, generator=gen)
+    return drawn_children(parent_scores, lp, k, temperature, lp.shape[-1], uniform)[:2]
+
+
+def test_drawn_children_are_draws_without_replacement_scored_by_rank():
     """First draw ~ softmax(logprobs / T); second draw ~ q(b | not a) summed over a; the scores
     are the parent's plus the top-k log-probabilities whatever was drawn."""
-    from eagle.decoding.tree import sampled_children
-
     q = torch.tensor([0.5, 0.3, 0.15, 0.05])
     lp = q.log()[None].expand(20000, -1)
     gen = torch.Generator().manual_seed(0)
-    tokens, scores = sampled_children(torch.full((20000,), -1.0), lp, 2, 1.0, gen)
+    tokens, scores = drawn(torch.full((20000,), -1.0), lp, 2, 1.0, gen)
     assert torch.allclose(scores, (-1.0 + q.log().topk(2).values).expand(20000, -1))
     assert (tokens[:, 0] != tokens[:, 1]).all()
     first = torch.bincount(tokens[:, 0], minlength=4) / 20000.0
@@ -288,7 +295,7 @@ def test_sampled_children_are_draws_without_replacement_scored_by_rank():
     expect_second = torch.stack([sum(q[a] * q[b] / (1 - q[a]) for a in range(4) if a != b) for b in range(4)])
     assert (first - q).abs().max() < 0.015 and (second - expect_second).abs().max() < 0.015
     cold = torch.softmax(q.log() / 0.5, -1)  # temperature 0.5 sharpens the draws
-    tokens, _ = sampled_children(torch.zeros(20000), lp, 1, 0.5, gen)
+    tokens, _ = drawn(torch.zeros(20000), lp, 1, 0.5, gen)
     assert (torch.bincount(tokens[:, 0], minlength=4) / 20000.0 - cold).abs().max() < 0.015
 
 
@@ -298,3 +305,76 @@ def test_host_tensor_is_torch_tensor_of_the_list():
         made = host_tensor(values, dtype)
         assert made.dtype == dtype and made.device.type == "cpu"
         assert torch.equal(made, torch.tensor(values, dtype=dtype))
+
+
+def toy_drafter(vocab: int = 6, seed: int = 0):
+    """A drafter of elementwise operations only (each row's values the same in any batch): a node's
+    prediction is f(its parent's prediction, its token); log-probabilities rounded to halves, so that
+    siblings and cousins tie often. -> (logprobs(rows [N, V]) -> [N, V], predict(h [..., V], token [...]))."""
+    gen = torch.Generator().manual_seed(seed)
+    embed, bias = torch.randn(vocab, vocab, generator=gen), torch.randn(vocab, generator=gen)
+
+    def logprobs(rows):
+        return -torch.round(2 * (rows + bias).abs()) / 2 - 0.5
+
+    def predict(h, token):
+        return torch.tanh(1.3 * h + embed[token])
+
+    return logprobs, predict
+
+
+def brute_force_pool(hidden, k, calls, logprobs, predict):
+    """EAGLE-2's pool by its definition, one node at a time, ties to the first in pool order: the
+    root's k best children, then ``calls`` times the k best of the newest level expanded ->
+    [(path, score)] in pool order (the root first)."""
+    def kids(path, h, score):
+        lp = logprobs(h[None])[0].tolist()
+        best = sorted(range(len(lp)), key=lambda v: (-lp[v], v))[:k]
+        return [(path + [v], h, score + lp[v]) for v in best]  # (path, its parent's prediction, score)
+
+    level = kids([], hidden, 0.0)
+    pool = [([], 0.0)] + [(p, s) for p, _, s in level]
+    for _ in range(calls):
+        frontier = sorted(range(len(level)), key=lambda i: -level[i][2])[:k]  # stable: the first on ties
+        level = [c for i in frontier
+                 for c in kids(level[i][0], predict(level[i][1], torch.tensor(level[i][0][-1])), level[i][2])]
+        pool += [(p, s) for p, _, s in level]
+    return pool
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("k, calls, total", [(2, 3, 6), (3, 2, 9), (3, 3, 30)])
+def test_grown_pools_are_brute_force_eagle2_ties_included(batch, k, calls, total):
+    """``tree.grow_pools`` (the device rounds' and the batched engine's grower) with ranked children,
+    then ``kept_pool``: each sequence of a batch gets the pool and the kept nodes of EAGLE-2 by its
+    definition, ties going to the first in pool order (the host path's order)."""
+    from eagle.decoding.tree import grow_pools, kept_pool, topk_children
+
+    device = device_under_test()
+    logprobs, predict = toy_drafter()
+    draft_ids = torch.arange(6) + 100
+    gen = torch.Generator().manual_seed(batch * 10 + k)
+    hidden = torch.randn(batch, 6, generator=gen)
+
+    def step(d, inputs, tokens, earlier):
+        return predict(inputs.cpu(), tokens.cpu() - 100).to(device)
+
+    tokens, parents, scores, frontiers = grow_pools(
+        hidden.to(device), torch.arange(batch, device=device), k, calls, lambda rows: logprobs(rows.cpu()).to(device),
+        lambda s, lp, row: topk_children(s, lp, k), step, draft_ids.to(device))
+    assert tokens.shape == parents.shape == scores.shape == (batch, 1 + k + calls * k * k)
+    assert len(frontiers) == calls
+    kept = kept_pool(scores, total).cpu()
+    tokens, parents, scores = tokens.cpu(), parents.cpu(), scores.cpu()
+    ties = 0
+    for b in range(batch):
+        want = brute_force_pool(hidden[b], k, calls, logprobs, predict)
+        paths = [[]]
+        for i in range(1, tokens.shape[1]):
+            paths.append(paths[int(parents[b, i])] + [int(tokens[b, i]) - 100])
+        assert int(tokens[b, 0]) == b
+        assert [(p, float(s)) for p, s in zip(paths, scores[b])] == want
+        keep = [0] + sorted(sorted(range(1, len(want)), key=lambda i: -want[i][1])[:total - 1])
+        assert kept[b].tolist() == keep
+        ties += len(set(s for _, s in want)) < len(want)
+    assert ties  # the case has ties: the order among them is checked

@@ -34,7 +34,7 @@ def models(target, drafter, **options):
 def test_buckets_and_key_lengths():
     assert [bucket_for(n) for n in (1, 2, 3, 5, 16, 17, 64)] == [1, 2, 4, 8, 16, 32, 64]
     assert bucket_for(65) is None
-    assert keys_for(10, 4096) == 256 and keys_for(257, 4096) == 512 and keys_for(5000, 4200) == 4200
+    assert keys_for(10, 4096) == 64 and keys_for(65, 4096) == 128 and keys_for(257, 4096) == 512 and keys_for(5000, 4200) == 4200
 
 
 def assert_static_path_gives_the_plain_paths_greedy_tokens(target, drafter, method: str) -> None:
@@ -260,7 +260,7 @@ def test_greedy_steps_as_one_graph_each_give_plain_decoding(request, capture):
         got = static.generate(ids, method="ar", max_new_tokens=budget)
         assert got.token_ids == want.token_ids and got.stop_reason == want.stop_reason
         assert got.accept_lengths == [1] * len(got.token_ids) == want.accept_lengths
-    steps = [key for key in static.target.graphs.entries if key[0] == "greedy step"]
+    steps = [key for key in static.target.graphs.shapes if key[0] == "greedy step"]
     assert sorted(key[1] for key in steps) == [256, static.target.graphs.cache.capacity]
     if capture or device_under_test().type == "cuda":
-        assert all(static.target.graphs.entries[key].graph is not None for key in steps)
+        assert all(static.target.graphs.shapes[key].graph is not None for key in steps)

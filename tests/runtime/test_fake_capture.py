@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eagle.runtime import cuda_graphs
-from eagle.runtime.cuda_graphs import GraphCache, _Entry, _Runner, capture_stats
+from eagle.runtime.shapes import StaticRunner, StaticShape, capture_stats
 from eagle.runtime.fake_capture import HostAccessError, fake_capture
 
 
@@ -88,9 +88,8 @@ def test_in_place_updates_of_static_buffers_are_replayed():
     assert cache.tolist() == [0, 2, 0, 0, 2, 0] and out.tolist() == [0, 2, 0, 0]
 
 
-def runner() -> _Runner:
-    return _Runner(GraphCache(1, 1, 2, 8, torch.float32, torch.device("cpu")), torch.float32, torch.device("cpu"),
-                   True, (1, 2))
+def runner() -> StaticRunner:
+    return StaticRunner(torch.device("cpu"), True)
 
 
 @pytest.mark.graph_fallback
@@ -103,16 +102,16 @@ def test_a_failed_capture_is_counted_warned_once_and_runs_eagerly():
         with warnings.catch_warnings(record=True) as caught, torch.inference_mode():
             warnings.simplefilter("always")
             for key in ("a", "b"):  # two shapes, the same error: one warning
-                out = static.run_static(key, lambda: _Entry({"x": x}, lambda: host_scalar_index_put(x)),
-                                        lambda entry: None)
-            good = static.run_static("c", lambda: _Entry({"x": x}, lambda: x * 2), lambda entry: None)
+                out = static.run(key, lambda: StaticShape({"x": x}, lambda: host_scalar_index_put(x)),
+                                 lambda entry: None)
+            good = static.run("c", lambda: StaticShape({"x": x}, lambda: x * 2), lambda entry: None)
         after = capture_stats()
     assert out.tolist() == [1.0, 1.0, 2.0, 3.0] and good.tolist() == [0.0, 2.0, 4.0, 6.0]
     assert static.fallbacks == 2 and static.captured == 1
     assert after["fallbacks"] - before["fallbacks"] == 2 and after["captured"] - before["captured"] == 1
     assert all("host scalar" in e for e in after["errors"][len(before["errors"]):])
     assert len([w for w in caught if "CUDA graph capture failed" in str(w.message)]) <= 1
-    assert static.entries["a"].eager and static.entries["c"].graph is not None
+    assert static.shapes["a"].eager and static.shapes["c"].graph is not None
 
 
 def test_without_a_capture_installed_a_cpu_runner_runs_eagerly():

@@ -7,7 +7,7 @@ import pytest
 
 from eagle import EagleError
 from eagle.config import SamplingConfig, load_config_file
-from eagle.decoding.batch import BatchDecoder, generate_batch
+from train.generation import BatchDecoder, generate_batch
 from eagle.prompts import has_chat_template
 from eagle.runtime.target import load_target
 from train import regenerate

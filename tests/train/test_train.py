@@ -22,7 +22,7 @@ from eagle.runtime.target import load_target
 from train.data import load_chats, tokenize_chat
 from train.features import FeatureShards, FeaturesConfig, build, load_manifest
 from train.loss import eagle_loss, unroll
-from eagle.decoding.batch import generate_batch
+from train.generation import generate_batch
 from eagle.config import SamplingConfig, load_config_file
 from train.main import TrainConfig
 from train import selfdistill
@@ -753,7 +753,7 @@ def test_shipped_templates_compose_and_copy_no_dev_prompt(name):
 
 
 def test_batched_generation_is_the_same_with_and_without_the_lean_forward(tmp_path):
-    """``_generate`` decodes with ``eagle.decoding.batch`` when the target has a lean forward, else with
+    """``_generate`` decodes with ``train.generation`` when the target has a lean forward, else with
     ``generate()`` on a packed copy: greedy, both give the same continuations and EOS flags."""
     target_dir = save_tiny_chat_target(tmp_path / "target", vocab_size=64)
     lean, plain = load_target(str(target_dir)), load_target(str(target_dir), lean=False)

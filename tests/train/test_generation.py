@@ -5,8 +5,8 @@ import torch
 
 from eagle import EagleError, EagleModel
 from eagle.config import SamplingConfig
-from eagle.decoding.batch import (BatchDecoder, Request, bucket_for, generate_batch, keys_for, prefill_groups,
-                                  request_noise, request_seed)
+from train.generation import (BatchDecoder, Request, bucket_for, generate_batch, keys_for, prefill_groups,
+                              request_noise, request_seed)
 
 from tests.conftest import prompts, tiny_gemma, tiny_target
 
@@ -158,10 +158,11 @@ def test_varlen_rows_attend_to_their_own_keys_only(monkeypatch):
     """``attention="varlen"`` (flash attention over each row's used keys; CUDA only, here its contract
     done by brute force): each row's greedy tokens are still decoding it alone, and it is one graph
     shape per bucket (the attended length no longer varies)."""
-    from eagle.decoding import batch as batch_module
+    from eagle.runtime import rows as rows_module
+    from train import generation as batch_module
 
     target = tiny_target(eos=True, seed=10)
-    monkeypatch.setattr(batch_module, "flash_varlen", flash_reference)
+    monkeypatch.setattr(rows_module, "flash_varlen", flash_reference)
     monkeypatch.setattr(batch_module, "varlen_works", lambda device, dtype: None)
     prompts_ = prompts(9, seed=4)
     decoder = BatchDecoder(target, rows=4, capacity=120, sampling=SamplingConfig(), attention="varlen",
@@ -190,7 +191,7 @@ def test_varlen_is_refused_where_flash_attention_is_missing():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention runs on CUDA only")
 def test_varlen_attention_matches_plain_attention_on_cuda():
-    from eagle.decoding.batch import varlen_works
+    from eagle.runtime.rows import varlen_works
 
     assert varlen_works(torch.device("cuda"), torch.bfloat16) is None
 
@@ -201,10 +202,11 @@ def test_a_next_turn_reuses_the_rows_cache_and_decodes_as_alone(monkeypatch, att
     answer fed back, then new tokens; or only part of the answer, or the prompt alone) goes to that
     row and prefills only its tail: every result is still what the request gives alone, and a
     prompt too short to share ``MIN_REUSE`` tokens is prefilled whole."""
-    from eagle.decoding import batch as batch_module
+    from eagle.runtime import rows as rows_module
+    from train import generation as batch_module
 
     if attention == "varlen":
-        monkeypatch.setattr(batch_module, "flash_varlen", flash_reference)
+        monkeypatch.setattr(rows_module, "flash_varlen", flash_reference)
         monkeypatch.setattr(batch_module, "varlen_works", lambda device, dtype: None)
     target = tiny_target(eos=True, seed=3, max_positions=256)
     gen = torch.Generator().manual_seed(1)
@@ -232,7 +234,7 @@ def test_a_prompt_tail_extended_onto_its_cached_head_is_the_whole_prompt_prefill
     """``extend_rows`` after ``prefill_rows`` of the heads gives the features and the cache rows that
     ``prefill_rows`` of the whole prompts gives (fp32), with tails of different lengths padded (Gemma-3:
     sliding-window layers with a window shorter than the heads)."""
-    from eagle.decoding.batch import extend_rows, prefill_rows, rotary_tables
+    from eagle.runtime.rows import extend_rows, prefill_rows, rotary_tables
 
     target = tiny_target(seed=4) if kind == "llama" else tiny_gemma(seed=4, window=8)
     lean, dev = target.lean, target.device
