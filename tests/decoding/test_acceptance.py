@@ -94,13 +94,13 @@ def test_speculative_chain_is_exact_for_one_step_and_lenience_is_not():
 
 
 def test_sampled_tree_rule_is_exact_for_one_level_and_needs_the_real_draft_distribution():
-    """Children drawn without replacement from q (``sampled_children``), tried by recursive
+    """Children drawn without replacement from q (``drawn_children``), tried by recursive
     speculative decoding: the first token follows p exactly, for 1-3 children and a q far from p.
     Teeth: drafts drawn from another distribution than the q the rule is given come out wrong.
     What the rule is for: it accepts a drawn child far more often than the deterministic-draft
     rule (also exact for any drafts chosen without the target: sum min(p, q) = 0.5 against
     sum q p = 0.15 for one child here)."""
-    from eagle.decoding.tree import sampled_children
+    from eagle.decoding.tree import drawn_children
 
     p = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
     q = torch.tensor([0.05, 0.15, 0.3, 0.3, 0.2])
@@ -108,7 +108,8 @@ def test_sampled_tree_rule_is_exact_for_one_level_and_needs_the_real_draft_distr
 
     def first(k, drawn_from, rule="sampled"):
         def draw(gen):
-            tokens = sampled_children(torch.zeros(1), drawn_from.log()[None], k, 1.0, gen)[0][0]
+            tokens = drawn_children(torch.zeros(1), drawn_from.log()[None], k, 1.0, drawn_from.numel(),
+                                    torch.rand(1, drawn_from.numel(), generator=gen))[0][0]
             tree_tokens, parents = torch.cat([torch.tensor([9]), tokens]), torch.tensor([-1] + [0] * k)
             if rule == "sampled":
                 child_probs = torch.zeros(k + 1, 5)
@@ -146,7 +147,7 @@ def test_tree_rule_with_deterministic_drafts_after_drawn_siblings_is_exact(deter
     grafts, tried after their drawn siblings; their token is often one already drawn and
     rejected): the first token follows p exactly. Teeth: judging a deterministic draft as if it
     were the next draw from q (ratio r / q_i) is not exact."""
-    from eagle.decoding.tree import sampled_children
+    from eagle.decoding.tree import drawn_children
 
     p = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
     q = torch.tensor([0.05, 0.15, 0.3, 0.3, 0.2])
@@ -157,7 +158,8 @@ def test_tree_rule_with_deterministic_drafts_after_drawn_siblings_is_exact(deter
 
     def first(drawn):
         def draw(gen):
-            tokens = sampled_children(torch.zeros(1), q.log()[None], 2, 1.0, gen)[0][0]
+            tokens = drawn_children(torch.zeros(1), q.log()[None], 2, 1.0, q.numel(),
+                                    torch.rand(1, q.numel(), generator=gen))[0][0]
             tree_tokens = torch.cat([torch.tensor([9]), tokens, torch.tensor(deterministic)])
             acc = acceptance.recursive_rejection_tree(tree_tokens, parents, torch.stack([p] * n), gen, child_probs, drawn)
             return int(tree_tokens[acc.nodes[1]]) if len(acc.nodes) > 1 else acc.next_token
