@@ -13,6 +13,7 @@ from eagle.engine import EagleModel
 from eagle.runtime.target import use_cuda_graphs
 from eagle.decoding.tree_mask import tree_attention
 from eagle.runtime.masks import attention_bias
+from eagle.runtime.shapes import MIN_KEYS
 from tests.conftest import prompts, tiny_drafter, tiny_target
 from tests.conftest import test_device as device_under_test
 
@@ -245,9 +246,9 @@ def test_cuda_targets_use_graphs_by_default(target):
 @pytest.mark.parametrize("capture", [False, True])
 def test_greedy_steps_as_one_graph_each_give_plain_decoding(request, capture):
     """``ar`` on the static path: one static function a token (captured by the CPU stand-in for
-    CUDA capture, or eagerly), past the first attended length (256) into the next; the same
-    tokens and stop reasons as plain decoding, one graph per attended length (256, then the
-    capacity: 384)."""
+    CUDA capture, or eagerly), past an attended length (256) into the next; the same tokens and stop
+    reasons as plain decoding, one graph per attended length (``shapes.MIN_KEYS`` = 64 for the short
+    prompt; 256, then the capacity 384, for the long one)."""
     if capture:
         request.getfixturevalue("fake_capture")
     target = tiny_target(seed=5, max_positions=320)
@@ -261,6 +262,6 @@ def test_greedy_steps_as_one_graph_each_give_plain_decoding(request, capture):
         assert got.token_ids == want.token_ids and got.stop_reason == want.stop_reason
         assert got.accept_lengths == [1] * len(got.token_ids) == want.accept_lengths
     steps = [key for key in static.target.graphs.shapes if key[0] == "greedy step"]
-    assert sorted(key[1] for key in steps) == [256, static.target.graphs.cache.capacity]
+    assert sorted(key[1] for key in steps) == [MIN_KEYS, 256, static.target.graphs.cache.capacity]
     if capture or device_under_test().type == "cuda":
         assert all(static.target.graphs.shapes[key].graph is not None for key in steps)
