@@ -155,7 +155,7 @@ def test_the_coder_recipe_runs_end_to_end_on_a_tiny_gguf_target(tmp_path, monkey
                                             ("Tell me about the sea.", "writing")]))
     bench = tmp_path / "bench.json"
     bench_main(["--prompts", str(prompts), "--target", str(gguf), "--drafter", str(drafter_dir), "--methods",
-                "ar,pld,eagle-tree", "--max-new-tokens", "16", "--warmup", "0", "--json", str(bench)])
+                "ar,pld,eagle-tree", "--max-new-tokens", "16", "--set", "warmup=0", "--json", str(bench)])
     methods = json.loads(bench.read_text())["methods"]
     assert methods["pld"]["identical_to_ar"] and methods["eagle-tree"]["identical_to_ar"]
     # 4. eagle-card writes the drafter's model card from the run's records
