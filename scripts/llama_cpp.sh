@@ -8,7 +8,7 @@
 #   scripts/llama_cpp.sh convert ARGS...
 #                                 run convert_hf_to_gguf.py ARGS... (e.g. DRAFT_DIR --target-model-dir TARGET_HF_DIR
 #                                 --outfile draft.gguf)
-#   scripts/llama_cpp.sh dir      print the build folder (what `eagle-bench --llama-cpp` takes)
+#   scripts/llama_cpp.sh dir      print the build folder (what `eagle-bench --set llama_cpp=DIR` takes)
 # The binaries need LD_LIBRARY_PATH=$DIR/build/bin (eagle-bench and llama_cpp_check.py set it).
 # The converter runs on $PYTHON (default .venv/bin/python, else python3) with numpy, torch and
 # transformers from it, gguf from the sdist's own gguf-py (the script puts it on sys.path itself) and sentencepiece,
@@ -17,7 +17,7 @@
 # LLAMA_CPP_ISA (avx512 or avx2; default: avx512 where /proc/cpuinfo lists avx512f, else avx2).
 # Build flags: GGML_NATIVE=OFF (a native build dies with "Illegal instruction" on machines of this kind) with
 # explicit instruction sets: AVX-512 on and AMX off, or (avx2) AVX-512 off with AVX2, FMA and F16C; no libcurl.
-# An avx2 build goes to $DIR/build-avx2, so one folder can hold both (eagle-bench --llama-cpp DIR runs the one
+# An avx2 build goes to $DIR/build-avx2, so one folder can hold both (eagle-bench --set llama_cpp=DIR runs the one
 # this CPU runs best).
 set -euo pipefail
 cd "$(dirname "$0")/.."
