@@ -64,6 +64,7 @@ DRAFT_VOCAB_SHARE = 12288 / 49152
 TREE = dict(total_tokens=60, depth=6, top_k=10)  # EAGLE's tree, where the accepted lengths below were measured
 ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 60, 64, 96, 128)
 DEPTHS = (1, 2, 3, 4, 5, 6)
+AUTO_COST = 1.3  # a fixed tree size read off a curve: the largest whose verify costs at most this many one-row forwards
 
 # accepted lengths (bonus token included) measured with real drafters in that tree, greedy
 ACCEPTED = [
@@ -120,7 +121,7 @@ def measure(name: str, shape: dict[str, Any], device: str | None, dtype: torch.d
             depths: tuple[int, ...] = DEPTHS) -> dict[str, Any]:
     """One shape's measurements and projection (module docstring); the model is freed before returning."""
     from eagle import EagleModel
-    from eagle.decoding.device_rounds import AUTO_COST, MAX_TREE
+    from eagle.decoding.device_rounds import MAX_TREE
     from eagle.decoding.tree_sizing import measure_cost_curve
     from eagle.drafting.drafter import Drafter
     from eagle.runtime.cuda_graphs import capture_stats
@@ -156,7 +157,7 @@ def measure(name: str, shape: dict[str, Any], device: str | None, dtype: torch.d
         "context": context, "new_tokens": new_tokens, "build_seconds": round(built_s, 2),
         "verify_seconds": verify,
         "verify_vs_one_row": {n: s / verify[rows[0]] for n, s in verify.items()},
-        # what total_tokens="auto" would verify on this curve (device rounds: the largest tree within AUTO_COST rows)
+        # a fixed tree size read off this curve: the largest tree whose verify costs at most AUTO_COST one-row forwards
         "auto_tree_size": max((n for n in range(2, MAX_TREE + 1) if curve.at(n) <= AUTO_COST * curve.at(1)), default=2),
         "ar_seconds_per_token": ar_s,
         "round_seconds_by_depth": by_depth,

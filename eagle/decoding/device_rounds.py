@@ -24,8 +24,8 @@ largest log-probabilities (so no node's place depends on what was drawn); the ro
 noise is drawn from the device generator into a static buffer before the draft phase runs (a
 graph replays with new noise), and ``drawn_accept`` is ``recursive_rejection_tree``'s rule on fixed
 shapes. Prompt-lookup grafts and static trees (``choices``) belong to the host path;
-``total_tokens="auto"`` is one size for the whole generation, the largest whose verify costs at
-most ``AUTO_COST`` times a one-token forward on the target's cost curve."""
+``total_tokens="auto"`` (a size measured each round) is the host path's too: device rounds run one
+fixed tree size (``eagle.engine.host_only``)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,6 @@ from eagle.runtime import kv_cache
 from eagle.runtime.shapes import MAX_TREE  # noqa: F401 - the most tree tokens a round verifies
 from eagle.runtime.target import Target
 
-AUTO_COST = 1.3  # "auto": the largest tree whose verify costs at most this many one-token forwards
 
 
 @dataclasses.dataclass
@@ -417,17 +416,6 @@ class DeviceTreeDrafter:
         row_of = torch.full((size,), -1, dtype=torch.long, device=dev).scatter(
             0, expanded, torch.arange(expanded.shape[0], device=dev))
         return fields + (row_of[kept], self.draft_ids[torch.cat(supports)], torch.cat(support_lps))
-
-
-def auto_total(target: Target, pool: int, greedy: bool) -> int:
-    """``total_tokens="auto"``: the largest tree (at most ``MAX_TREE``, ``pool``) whose verify costs
-    at most ``AUTO_COST`` one-token forwards on the target's measured cost curve (at least 2)."""
-    from eagle.decoding.tree_sizing import cost_curve
-
-    curve = cost_curve(target, greedy=greedy)
-    one = curve.at(1)
-    fits = [n for n in range(2, min(MAX_TREE, pool) + 1) if curve.at(n) <= AUTO_COST * one]
-    return max(fits, default=2)
 
 
 def device_rounds_apply(tree: TreeConfig, sampling: SamplingConfig) -> bool:

@@ -17,7 +17,7 @@ import dataclasses
 import math
 import time
 from array import array
-from typing import Any, Callable, Generator
+from typing import Callable, Generator
 
 import torch
 
