@@ -1531,52 +1531,70 @@ inline SuperVectors super_vectors(const uint8_t* p) {
   return v;
 }
 
-// out[i * ldo + j] for rows row0..row0+M-1 of x (quantized: xq) and W's rows j0..j1 (GGUF rows of Type).
-template <int64_t Type, int M>
+// out[i * ldo + j] for rows row0..row0+M-1 of x (quantized: xq) and W's rows j0..j1 (GGUF rows of Type), R rows
+// of W at a time: they share each load of x and interleave their chains of dependent operations (an R of 2 computes
+// about 1.5 times the codes per cycle of an R of 1 on these CPUs), while each row's sums stay its own.
+template <int64_t Type, int M, int R = 1>
 void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int64_t K, int64_t row0,
                  const float* bias, float* out, int64_t ldo, int64_t j0, int64_t j1) {
   constexpr int64_t unit = Type == kQ6_K ? 210 : (Type == kQ5_K ? 176 : 144);
   const int64_t supers = K / kSuper;
   const uint8_t* xq8 = reinterpret_cast<const uint8_t*>(xq.q.data()) + row0 * K;
-  for (int64_t j = j0; j < j1; ++j) {
-    __m256 acc[M];
-    for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+  int64_t j = j0;
+  for (; j + R <= j1; j += R) {
+    __m256 acc[R][M];
+    for (int w = 0; w < R; ++w)
+      for (int i = 0; i < M; ++i) acc[w][i] = _mm256_setzero_ps();
     const uint8_t* rp = raw + j * row_bytes;
     for (int64_t u = 0; u < supers; ++u, rp += unit) {
-      for (int64_t b = 0; b < unit; b += 64) prefetch(rp + kPrefetchRows * row_bytes + b, true);
-      const SuperVectors sv = super_vectors<Type>(rp);
-      __m256i isum[M];
-      for (int i = 0; i < M; ++i) isum[i] = _mm256_setzero_si256();
+      SuperVectors sv[R];
+      __m256i isum[R][M];
+      for (int w = 0; w < R; ++w) {
+        const uint8_t* wp = rp + w * row_bytes;
+        for (int64_t b = 0; b < unit; b += 64) prefetch(wp + kPrefetchRows * row_bytes + b, true);
+        sv[w] = super_vectors<Type>(wp);
+        for (int i = 0; i < M; ++i) isum[w][i] = _mm256_setzero_si256();
+      }
       for (int s = 0; s < 8; ++s) {
-        const __m256i c = super_chunk<Type>(rp, s);
-        const __m256i scale = Type == kQ6_K
-            ? _mm256_set_m128i(_mm_set1_epi16(sv.sc16[2 * s + 1]), _mm_set1_epi16(sv.sc16[2 * s]))
-            : _mm256_set1_epi16(sv.sc8[s]);
+        __m256i c[R], scale[R];
+        for (int w = 0; w < R; ++w) {
+          c[w] = super_chunk<Type>(rp + w * row_bytes, s);
+          scale[w] = Type == kQ6_K
+              ? _mm256_set_m128i(_mm_set1_epi16(sv[w].sc16[2 * s + 1]), _mm_set1_epi16(sv[w].sc16[2 * s]))
+              : _mm256_set1_epi16(sv[w].sc8[s]);
+        }
         for (int i = 0; i < M; ++i) {
           const __m256i xv = load32(xq8 + i * K + u * kSuper + 32 * s);
-          isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(c, xv), scale));
+          for (int w = 0; w < R; ++w)
+            isum[w][i] = _mm256_add_epi32(isum[w][i], _mm256_madd_epi16(_mm256_maddubs_epi16(c[w], xv), scale[w]));
         }
       }
       for (int i = 0; i < M; ++i) {
         const int64_t xb = (row0 + i) * supers + u;
         const float dx = xq.d[xb];
         const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.sums.data() + 16 * xb));
-        const __m256i msum = _mm256_madd_epi16(sv.mn, sums);  // lane l: minimums 2l and 2l + 1
-        if constexpr (Type == kQ6_K) {  // the same scale d: subtracted in integers
-          acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(sv.d * dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i], msum)),
-                                   acc[i]);
-        } else {
-          acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(sv.d * dx), _mm256_cvtepi32_ps(isum[i]), acc[i]);
-          acc[i] = _mm256_fnmadd_ps(_mm256_set1_ps(sv.dm * dx), _mm256_cvtepi32_ps(msum), acc[i]);
+        for (int w = 0; w < R; ++w) {
+          const __m256i msum = _mm256_madd_epi16(sv[w].mn, sums);  // lane l: minimums 2l and 2l + 1
+          if constexpr (Type == kQ6_K) {  // the same scale d: subtracted in integers
+            acc[w][i] = _mm256_fmadd_ps(_mm256_set1_ps(sv[w].d * dx),
+                                        _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[w][i], msum)), acc[w][i]);
+          } else {
+            acc[w][i] = _mm256_fmadd_ps(_mm256_set1_ps(sv[w].d * dx), _mm256_cvtepi32_ps(isum[w][i]), acc[w][i]);
+            acc[w][i] = _mm256_fnmadd_ps(_mm256_set1_ps(sv[w].dm * dx), _mm256_cvtepi32_ps(msum), acc[w][i]);
+          }
         }
       }
     }
-    for (int i = 0; i < M; ++i) out[i * ldo + j] = hsum8(acc[i]) + (bias ? bias[j] : 0.0f);
+    for (int w = 0; w < R; ++w)
+      for (int i = 0; i < M; ++i) out[i * ldo + j + w] = hsum8(acc[w][i]) + (bias ? bias[j + w] : 0.0f);
+  }
+  if constexpr (R > 1) {
+    if (j < j1) super_block<Type, M, 1>(raw, row_bytes, xq, K, row0, bias, out, ldo, j, j1);
   }
 }
 #else
 // Portable: the same integers by plain loops, in the vector builds' lanes (multiply and add rounded apart).
-template <int64_t Type, int M>
+template <int64_t Type, int M, int R = 1>
 void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int64_t K, int64_t row0,
                  const float* bias, float* out, int64_t ldo, int64_t j0, int64_t j1) {
   constexpr int64_t unit = Type == kQ6_K ? 210 : (Type == kQ5_K ? 176 : 144);
@@ -1625,9 +1643,9 @@ void super_rows(const SuperRows& xq, int64_t M, int64_t K, const uint8_t* raw, i
       const int64_t t1 = std::min(j1, t + kSuperTile);
       for (int64_t r = 0; r < M; r += kSuperRows) {
         float* o = out + r * ldo;
-        switch (std::min<int64_t>(kSuperRows, M - r)) {
-          case 1: super_block<Type, 1>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
-          case 2: super_block<Type, 2>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+        switch (std::min<int64_t>(kSuperRows, M - r)) {  // 1-2 rows of x: two rows of W a pass
+          case 1: super_block<Type, 1, 2>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+          case 2: super_block<Type, 2, 2>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
           case 3: super_block<Type, 3>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
           case 4: super_block<Type, 4>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
           case 5: super_block<Type, 5>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
