@@ -1313,37 +1313,50 @@ inline __m256i dot_fours(__m256i a, __m256i x) {
 #endif
 }
 
-// out[i * ldo + j] for rows row0..row0+M-1 of x (quantized: xq) and rows j0..j1 of W (src); once: as for
-// prefetch.
-template <class Src, int M>
+// out[i * ldo + j] for rows row0..row0+M-1 of x (quantized: xq) and rows j0..j1 of W (src), R rows of W at a
+// time (as super_block's); once: as for prefetch.
+template <class Src, int M, int R = 1>
 void int8_block(const Src& src, const QuantizedRows& xq, int64_t K, int64_t row0, const float* bias, float* out,
                 int64_t ldo, int64_t j0, int64_t j1, bool once) {
   const int64_t blocks = K / 32;
-  for (int64_t j = j0; j < j1; ++j) {
-    __m256 acc[M];
-    float mins[M];
-    for (int i = 0; i < M; ++i) {
-      acc[i] = _mm256_setzero_ps();
-      mins[i] = 0.0f;
-    }
+  int64_t j = j0;
+  for (; j + R <= j1; j += R) {
+    __m256 acc[R][M];
+    float mins[R][M];
+    for (int w = 0; w < R; ++w)
+      for (int i = 0; i < M; ++i) {
+        acc[w][i] = _mm256_setzero_ps();
+        mins[w][i] = 0.0f;
+      }
     for (int64_t b = 0; b < blocks; ++b) {
-      if (b % Src::kEvery == 0) prefetch(src.line(j + kPrefetchRows, b), once);
-      const Codes k = src.at(j, b);
-      const __m256i a = Src::kPlus ? k.c : _mm256_abs_epi8(k.c);
+      Codes k[R];
+      __m256i a[R];
+      for (int w = 0; w < R; ++w) {
+        if (b % Src::kEvery == 0) prefetch(src.line(j + w + kPrefetchRows, b), once);
+        k[w] = src.at(j + w, b);
+        a[w] = Src::kPlus ? k[w].c : _mm256_abs_epi8(k[w].c);
+      }
       for (int i = 0; i < M; ++i) {
         const int64_t xb = (row0 + i) * blocks + b;
-        __m256i xv = load32(reinterpret_cast<const uint8_t*>(xq.q.data()) + 32 * xb);
-        if constexpr (!Src::kPlus) xv = _mm256_sign_epi8(xv, k.c);
-        const __m256 sums = _mm256_cvtepi32_ps(dot_fours(a, xv));
+        const __m256i x0 = load32(reinterpret_cast<const uint8_t*>(xq.q.data()) + 32 * xb);
         const float dx = xq.d[xb];
-        const __m256 scale = Src::kHalf ? _mm256_set_m128(_mm_set1_ps(k.dh * dx), _mm_set1_ps(k.dl * dx))
-                                        : _mm256_set1_ps(k.dl * dx);
-        acc[i] = _mm256_fmadd_ps(sums, scale, acc[i]);
-        if constexpr (Src::kMin && Src::kHalf) mins[i] = mins[i] + (k.ml * xq.s[2 * xb] + k.mh * xq.s[2 * xb + 1]);
-        else if constexpr (Src::kMin) mins[i] = mins[i] + k.ml * xq.sb[xb];
+        for (int w = 0; w < R; ++w) {
+          const __m256i xv = Src::kPlus ? x0 : _mm256_sign_epi8(x0, k[w].c);
+          const __m256 sums = _mm256_cvtepi32_ps(dot_fours(a[w], xv));
+          const __m256 scale = Src::kHalf ? _mm256_set_m128(_mm_set1_ps(k[w].dh * dx), _mm_set1_ps(k[w].dl * dx))
+                                          : _mm256_set1_ps(k[w].dl * dx);
+          acc[w][i] = _mm256_fmadd_ps(sums, scale, acc[w][i]);
+          if constexpr (Src::kMin && Src::kHalf)
+            mins[w][i] = mins[w][i] + (k[w].ml * xq.s[2 * xb] + k[w].mh * xq.s[2 * xb + 1]);
+          else if constexpr (Src::kMin) mins[w][i] = mins[w][i] + k[w].ml * xq.sb[xb];
+        }
       }
     }
-    for (int i = 0; i < M; ++i) out[i * ldo + j] = hsum8(acc[i]) + mins[i] + (bias ? bias[j] : 0.0f);
+    for (int w = 0; w < R; ++w)
+      for (int i = 0; i < M; ++i) out[i * ldo + j + w] = hsum8(acc[w][i]) + mins[w][i] + (bias ? bias[j + w] : 0.0f);
+  }
+  if constexpr (R > 1) {
+    if (j < j1) int8_block<Src, M, 1>(src, xq, K, row0, bias, out, ldo, j, j1, once);
   }
 }
 
@@ -1357,8 +1370,8 @@ void int8_rows(const Src& src, const QuantizedRows& xq, int64_t M, int64_t K, in
       for (int64_t r = 0; r < M; r += kInt8Rows) {
         float* o = out + r * ldo;
         switch (std::min<int64_t>(kInt8Rows, M - r)) {
-          case 1: int8_block<Src, 1>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
-          case 2: int8_block<Src, 2>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
+          case 1: int8_block<Src, 1, 2>(src, xq, K, r, bias, o, ldo, t, t1, once); break;  // two rows of W a pass
+          case 2: int8_block<Src, 2, 2>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
           case 3: int8_block<Src, 3>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
           case 4: int8_block<Src, 4>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
           case 5: int8_block<Src, 5>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
