@@ -356,7 +356,7 @@ class LoadOptions:
     drafter_quant: str = "auto"
     cuda_graphs: Optional[bool] = None
     device_rounds: Optional[bool] = None
-    int8_activations: bool = False
+    int8_activations: Optional[bool] = None
 
     def __post_init__(self) -> None:
         from eagle.inputs import FORMATS

@@ -325,7 +325,7 @@ class EagleModel:
                         adaptive_gamma: bool | None = None,
                         drafter_dtype: torch.dtype | None = None, drafter_quant: str | None = None,
                         cuda_graphs: bool | None = None, device_rounds: bool | None = None,
-                        int8_activations: bool = False, suffix: SuffixConfig | dict | None = None,
+                        int8_activations: bool | None = None, suffix: SuffixConfig | dict | None = None,
                         suffix_corpus: str | None = None, **prompt_lookup: Any) -> "EagleModel":
         """``drafter``: a drafter folder or ``Drafter`` (default: the one shipped for the target,
         if any; "eagle3": the EAGLE-3 drafter shipped for it). ``draft_model`` for ``sd``: a model spec (as for
@@ -344,7 +344,8 @@ class EagleModel:
         drafter on static shapes replayed as CUDA graphs (``eagle.runtime.cuda_graphs``; default: on CUDA;
         ``True`` on a CPU runs that static path without graphs). ``device_rounds``: see ``EagleModel``.
         ``int8_activations``: the target's products from codes take activations quantized to int8, as llama.cpp's
-        do (``eagle.runtime.target.load_target``). ``suffix``: ``SuffixConfig`` (or its keys) of method
+        do (``eagle.runtime.target.load_target``; default: on for a GGUF target with k-quant matrices). ``suffix``:
+        ``SuffixConfig`` (or its keys) of method
         ``suffix``'s drafts; ``suffix_corpus``: a file or folder of text whose continuations they draft too
         (``eagle.drafting.suffix.read_corpus``: tokenized once, cached)."""
         if not isinstance(suffix, SuffixConfig):

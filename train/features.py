@@ -80,21 +80,19 @@ def sha256(path: Path) -> str:
 
 
 def feature_target(spec: str, device: str | torch.device | None = None) -> Target:
-    """The target as training reads its features. A GGUF file (the default target's included) on a CPU
-    keeps its matrices as their codes, and its features come from the lean forward (``eagle.runtime.decoder``:
-    many rows per call, the compiled kernels), with transformers' tokenizer of the file (its offsets mark
+    """The target as training reads its features. A GGUF file (the default target's or a named target's included)
+    on a CPU keeps its matrices as their codes, and its features come from the lean forward (``eagle.runtime.decoder``:
+    many rows per call, the compiled kernels; in the numerics inference gives the file, ``load_gguf_target``), with transformers' tokenizer of the file (its offsets mark
     the replies): no full-precision copy of the model is made. Any other target, or another device: the
     transformers model and its forward (``load_target(lean=False)``)."""
-    from eagle.inputs import check_spec
-    from eagle.runtime.target import default_device_dtype, gguf_metadata_dir, load_gguf_target, smollm2_gguf_path
+    from eagle.runtime.target import default_device_dtype, gguf_metadata_dir, load_gguf_target, spec_gguf
 
     dev, _ = default_device_dtype(device)
-    kind = check_spec(str(spec))
-    if dev.type != "cpu" or kind not in ("default", "gguf"):
+    path = spec_gguf(str(spec))  # the default target's, a named target's (assembled once) or a .gguf path
+    if dev.type != "cpu" or path is None:
         return load_target(spec, device=device, lean=False)
     from transformers import AutoTokenizer
 
-    path = smollm2_gguf_path() if kind == "default" else Path(spec).expanduser()
     return load_gguf_target(path, str(spec), tokenizer=AutoTokenizer.from_pretrained(gguf_metadata_dir(path)))
 
 

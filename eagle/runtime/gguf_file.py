@@ -28,6 +28,7 @@ TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q
                 "IQ4_NL", "IQ4_XS")
 DEQUANTIZE, KEEP_BLOCKS = "dequantize", "keep-blocks"
 # the types kept as their raw blocks (``stream_linear_gguf`` computes from them); the others are de-quantized
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # codes in super-blocks of 256 (llama.cpp's "k-quants")
 STREAMED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 _MAGIC = b"GGUF"
@@ -296,3 +297,9 @@ def check_gguf(path: str | Path) -> GGUFHeader:
     if reason is not None:
         raise EagleError(f"cannot run GGUF file {Path(path).name}: {reason}")
     return header
+
+
+def has_k_quants(header: GGUFHeader) -> bool:
+    """Whether any matrix of the file is a k-quant (``K_QUANTS``): the files whose products llama.cpp computes
+    against int8 activations, and which ``eagle.runtime.target.load_gguf_target`` runs that way by default."""
+    return any(t.ggml_type in K_QUANTS for t in header.tensors)

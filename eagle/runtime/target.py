@@ -24,7 +24,9 @@ from eagle.named_targets import named_gguf
 from eagle.prompts import has_chat_template
 from eagle.runtime.architectures import lean_decoder
 from eagle.runtime.decoder import LeanDecoder
-from eagle.runtime.gguf_file import LLAMA_FAMILY, GGUFHeader, check_gguf, config_overrides, read_header
+from eagle.runtime.gguf_file import (LLAMA_FAMILY, GGUFHeader, check_gguf, config_overrides, has_k_quants,
+                                     read_header)
+from eagle.runtime.kernels import cpu_kernels
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -290,13 +292,15 @@ def _gguf_metadata_read_once() -> Iterator[None]:
         reader.load_gguf_checkpoint = original
 
 
-def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None, int8_activations: bool = False) -> Target:
+def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None,
+                     int8_activations: bool | None = None) -> Target:
     """A GGUF target on the CPU in fp32 whose quantized matrices stay as their GGUF codes, multiplied by the
     compiled kernels (``eagle.runtime.gguf_weights``): memory about the file's size. Refused first when
     eagle cannot run the file (``check_gguf``). ``tokenizer``: instead of the file's own, which is
     ``eagle.runtime.gguf_tokenizer.SentencePieceBPE`` where that serves the file (a Gemma vocabulary, with its
     chat template if it has one: a sixth of the memory of transformers' tokenizer), else transformers'.
-    ``int8_activations``: see ``load_target``."""
+    ``int8_activations``: see ``load_target``; None: on for a file with k-quant matrices where the compiled int8
+    products run (``default_int8``)."""
     from transformers import AutoConfig, GenerationConfig
 
     from eagle.runtime.gguf_tokenizer import gguf_tokenizer
@@ -312,11 +316,20 @@ def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None, int8_act
 
         tokenizer = AutoTokenizer.from_pretrained(meta)
     model = load_gguf_model(gguf_path, config, GenerationConfig.from_pretrained(meta), header)
-    lean = lean_decoder(model, int8_activations)
+    lean = lean_decoder(model, default_int8(header) if int8_activations is None else int8_activations)
     if lean is None:
         raise EagleError(f"cannot run GGUF file {gguf_path.name}: its architecture has no lean forward here")
     return Target(model=model, tokenizer=tokenizer, name=name, device=torch.device("cpu"), dtype=torch.float32,
                   lean=lean)
+
+
+def default_int8(header: GGUFHeader) -> bool:
+    """A GGUF target's default numerics on the CPU: int8 activations for a file with k-quant matrices (Q4_K_M and
+    its kin, llama.cpp's numerics for them: 1.5x the float32 products' speed, docs/targets.md) where the compiled
+    int8 products run; float32 products otherwise (Q4_0, Q4_1, Q8_0 files: our float32 kernels already match
+    llama.cpp there)."""
+    kernels = cpu_kernels()
+    return has_k_quants(header) and kernels is not None and kernels.int8_activations
 
 
 def converted_gguf_dir(gguf_path: Path) -> Path:
@@ -374,7 +387,7 @@ def spec_gguf(spec: str) -> Path | None:
 
 def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device | None = None,
                 dtype: torch.dtype | None = None, lean: bool = True, cuda_graphs: bool | None = None,
-                int8_activations: bool = False) -> Target:
+                int8_activations: bool | None = None) -> Target:
     """Load a target from a local folder, a cached hub id (never the network), a ``.gguf`` file, the
     name ``smollm2-135m-instruct`` or a named target assembled from PyPI parts (``eagle.named_targets``).
     ``lean``: decode with ``eagle.runtime.decoder.LeanDecoder`` (Llama, Qwen2) or
@@ -386,7 +399,8 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
     ``cuda_graphs``: see ``use_cuda_graphs`` (a given ``Target`` gets them too). ``int8_activations``: the
     lean forward multiplies the weights it keeps as codes by activations quantized to int8 per block of 32, as
     llama.cpp does (CPU, float32, the compiled AVX2 or AVX-512 kernels): faster, and greedy output equals plain
-    decoding's with the same option, but not always the float32 products' (``eagle.runtime.decoder.LeanDecoder``)."""
+    decoding's with the same option, but not always the float32 products' (``eagle.runtime.decoder.LeanDecoder``);
+    None (the default): on for a GGUF file with k-quant matrices (``default_int8``), else off."""
     if isinstance(spec, Target):
         if int8_activations and not spec.int8_activations:
             raise EagleError(f"target {spec.name} was loaded without int8 activations: pass int8_activations to the "
@@ -417,7 +431,7 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
     except Exception as exc:  # noqa: BLE001 - a damaged folder: SafetensorError, ValueError, KeyError, ...
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise EagleError(f"cannot load model {spec!r} (damaged files?): {type(exc).__name__}: {message}") from exc
-    return target_from_model(model, tokenizer, str(spec), dev, dt, lean, cuda_graphs, int8_activations)
+    return target_from_model(model, tokenizer, str(spec), dev, dt, lean, cuda_graphs, bool(int8_activations))
 
 
 def target_from_model(model: Any, tokenizer: Any, name: str, device: torch.device, dtype: torch.dtype,

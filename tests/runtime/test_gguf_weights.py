@@ -330,7 +330,7 @@ def test_a_qwen3_gguf_loads_from_its_own_metadata(tmp_path, monkeypatch, qwen3_p
     monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "cache"))
     model = qwen3_pair[1].model
     path = write_model_gguf(tmp_path / "qwen3.gguf", model, QWEN3_TYPES)  # the fixture's codes again (same seed)
-    target = load_gguf_target(path, "qwen3", tokenizer=word_tokenizer(model.config.vocab_size))
+    target = load_gguf_target(path, "qwen3", tokenizer=word_tokenizer(model.config.vocab_size), int8_activations=False)
     assert target.model.config.model_type == "qwen3" and target.model.config.head_dim == 96
     ids = [3, 14, 15, 9, 2, 6, 21, 5, 8, 33]
     with torch.no_grad():
@@ -457,7 +457,7 @@ def test_a_llama3_gguf_runs_with_its_rope_scaling(tmp_path, context, monkeypatch
     logits = {}
     for name, extra in (("scaled", {"rope_freqs.weight": factors}), ("plain", {})):
         path = write_model_gguf(tmp_path / f"{name}.gguf", model, LLAMA_TYPES, extra_tensors=extra)
-        target = load_gguf_target(path, name, tokenizer=word_tokenizer(cfg.vocab_size))
+        target = load_gguf_target(path, name, tokenizer=word_tokenizer(cfg.vocab_size), int8_activations=False)
         logits[name] = target.forward(torch.tensor([ids]), torch.arange(len(ids))[None], target.new_cache()).logits[0]
         if name == "scaled":
             params = target.model.config.rope_parameters
@@ -555,6 +555,30 @@ def test_int8_activations_run_every_coded_product_and_keep_greedy_decoding_ar(re
     ar = model.generate(ids, method="ar", max_new_tokens=12).token_ids
     assert model.generate(ids, method="eagle-tree", max_new_tokens=12).token_ids == ar
     assert model.generate(ids, method="pld", max_new_tokens=12).token_ids == ar
+
+
+def test_a_k_quant_file_takes_int8_activations_by_default(tmp_path, monkeypatch, llama_pair):
+    """Loaded without a choice, a GGUF file with k-quant matrices runs with int8 activations (llama.cpp's numerics
+    for them), one without k-quants with the float32 products; an explicit choice overrides the default, and where
+    the int8 products do not run (the portable kernels) the default is float32."""
+    from eagle.runtime.target import load_gguf_target
+
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "cache"))
+    model = llama_pair[1].model
+    tokenizer = word_tokenizer(model.config.vocab_size)
+    k_quants = write_model_gguf(tmp_path / "k.gguf", model, LLAMA_TYPES)
+    blocks = write_model_gguf(tmp_path / "b.gguf", model, {name: "Q8_0" for name in LLAMA_TYPES})
+    assert load_gguf_target(k_quants, "k", tokenizer=tokenizer).int8_activations
+    assert not load_gguf_target(k_quants, "k", tokenizer=tokenizer, int8_activations=False).int8_activations
+    assert not load_gguf_target(blocks, "b", tokenizer=tokenizer).int8_activations
+    assert load_gguf_target(blocks, "b", tokenizer=tokenizer, int8_activations=True).int8_activations
+    monkeypatch.setenv(kernels.ISA_ENV, "portable")
+    kernels.cpu_kernels.cache_clear()
+    try:
+        assert not load_gguf_target(k_quants, "k", tokenizer=tokenizer).int8_activations
+    finally:
+        monkeypatch.delenv(kernels.ISA_ENV)
+        kernels.cpu_kernels.cache_clear()
 
 
 def test_int8_activations_are_refused_where_they_cannot_apply(llama_pair, monkeypatch):
