@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 import functools
 import hashlib
@@ -12,7 +10,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -24,7 +22,7 @@ from eagle.named_targets import named_gguf
 from eagle.prompts import has_chat_template
 from eagle.runtime.architectures import lean_decoder
 from eagle.runtime.decoder import LeanDecoder
-from eagle.runtime.gguf_file import LLAMA_FAMILY, GGUFHeader, check_gguf, config_overrides, read_header
+from eagle.runtime.gguf_file import LLAMA_FAMILY, GGUFHeader, check_gguf, config_fields, read_header
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -231,12 +229,11 @@ def _gguf_cache_dir(gguf_path: Path) -> Path:
 
 
 def gguf_metadata_dir(gguf_path: Path, tokenizer: bool = True, header: GGUFHeader | None = None) -> Path:
-    """A folder with the config, generation config and (with ``tokenizer``) the tokenizer transformers
-    derives from a GGUF file's metadata (its reader takes about a minute for a 262k-token vocabulary),
-    with what that reader leaves out (``gguf_file.config_overrides``), written once to the cache; no
-    tensor but ``rope_freqs`` is read. A folder converted by ``converted_gguf_dir`` serves as well;
-    without ``tokenizer``, one with the configs alone (``NAME-KEY.config``). ``header``: the file's,
-    when already read."""
+    """A folder with the config (``gguf_config``), generation config and (with ``tokenizer``) the tokenizer
+    transformers builds from a GGUF file's vocabulary (``gguf_file_tokenizer``), written once to the cache: the
+    later loads read the tokenizer's own file (about a second for 151,936 tokens). A folder converted by
+    ``converted_gguf_dir`` serves as well; without ``tokenizer``, one with the configs alone
+    (``NAME-KEY.config``). ``header``: the file's, when already read."""
     converted = _gguf_cache_dir(gguf_path)
     if (converted / "config.json").is_file() and (converted / "tokenizer_config.json").is_file():
         return converted
@@ -246,48 +243,40 @@ def gguf_metadata_dir(gguf_path: Path, tokenizer: bool = True, header: GGUFHeade
     configs = converted.with_name(converted.name + ".config")
     if not tokenizer and (configs / "generation_config.json").is_file():
         return configs
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     out = out if tokenizer else configs
-    with _gguf_metadata_read_once():
-        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        for key, value in config_overrides(gguf_path, header or read_header(gguf_path)).items():
-            setattr(config, key, value)
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.save_pretrained(tmp)
-        GenerationConfig.from_model_config(config).save_pretrained(tmp)
-        if tokenizer:
-            AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
+    config = gguf_config(gguf_path, header or read_header(gguf_path))
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(tmp)
+    GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    if tokenizer:
+        gguf_file_tokenizer(gguf_path, config.model_type).save_pretrained(tmp)
     tmp.rename(out)
     return out
 
 
-@contextlib.contextmanager
-def _gguf_metadata_read_once() -> Iterator[None]:
-    """Within the block, transformers' whole-metadata GGUF reader (``load_gguf_checkpoint`` without tensors)
-    answers a file it has read before from a copy of its first answer: ``AutoConfig`` and ``AutoTokenizer``
-    each read it for the config, which for a 151,936-token vocabulary took 30-60 s a read on 2 busy cores."""
-    from transformers import modeling_gguf_pytorch_utils as reader
+def gguf_config(gguf_path: Path, header: GGUFHeader) -> Any:
+    """The transformers config of a GGUF file eagle runs, from its metadata (``gguf_file.config_fields``: what
+    transformers' GGUF reader derives, without the minute its reader takes over a large vocabulary, and what that
+    reader leaves out)."""
+    from transformers import AutoConfig
 
-    original = reader.load_gguf_checkpoint
-    answers: dict[str, Any] = {}
+    fields = config_fields(gguf_path, header)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
-    def read_once(path: Any, return_tensors: bool = False, **kwargs: Any) -> Any:
-        if return_tensors or kwargs:
-            return original(path, return_tensors=return_tensors, **kwargs)
-        key = os.path.realpath(path)
-        if key not in answers:
-            answers[key] = original(path, return_tensors=False)
-        return copy.deepcopy(answers[key])
 
-    reader.load_gguf_checkpoint = read_once
-    try:
-        yield
-    finally:
-        reader.load_gguf_checkpoint = original
+def gguf_file_tokenizer(gguf_path: Path, model_type: str) -> Any:
+    """transformers' tokenizer of a GGUF file (its vocabulary, merges, special tokens and chat template) in the
+    class ``AutoTokenizer`` picks for ``model_type``'s config, without ``AutoTokenizer`` reading the config
+    from the file again."""
+    from transformers import AutoTokenizer, TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    if TOKENIZER_MAPPING_NAMES.get(model_type) is None:  # no class of its own (Llama): the generic one
+        return TokenizersBackend.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, tokenizer_type=model_type)
 
 
 def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None, int8_activations: bool = False) -> Target:

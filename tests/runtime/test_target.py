@@ -1,4 +1,5 @@
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -110,20 +111,60 @@ def test_cache_goes_by_the_keyword_the_model_takes():
     assert kv_cache.cache_length(cache) == 3
 
 
-@pytest.mark.slow
-def test_gguf_metadata_is_read_once_for_config_and_tokenizer(tmp_path, monkeypatch):
-    """transformers' whole-metadata GGUF reader runs once for the config and the tokenizer's class (twice took
-    30-60 s a read for a 151,936-token vocabulary on 2 busy cores), and its answer is not left patched in."""
+def tiny_gguf_files(directory):
+    """Tiny GGUF files of each architecture eagle runs: SentencePiece vocabularies with hyperparameters
+    (Gemma-3, Llama, Qwen2) and models with llama.cpp's hyperparameters (a Llama with an untied head, a
+    Qwen2, a Qwen3 with heads wider than its hidden size implies)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+
+    from tests.runtime.test_gguf_tokenizer import tiny_vocabulary, write_tokenizer_gguf
+    from tests.runtime.test_gguf_weights import LLAMA_TYPES, write_model_gguf
+
+    files = [write_tokenizer_gguf(directory / f"vocab-{arch}.gguf", *tiny_vocabulary(), arch=arch,
+                                  chat_template="{{ messages[0]['content'] }}")
+             for arch in ("gemma3", "llama", "qwen2")]
+    sizes = dict(vocab_size=48, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+    types = dict.fromkeys(LLAMA_TYPES, "Q8_0")
+    for name, model in (
+            ("llama", LlamaForCausalLM(LlamaConfig(**sizes, tie_word_embeddings=False, rope_theta=50000.0))),
+            ("qwen2", Qwen2ForCausalLM(Qwen2Config(**sizes, tie_word_embeddings=True))),
+            ("qwen3", Qwen3ForCausalLM(Qwen3Config(**sizes, head_dim=48, tie_word_embeddings=True)))):
+        files.append(write_model_gguf(directory / f"model-{name}.gguf", model, types))
+    return files
+
+
+def test_gguf_config_and_tokenizer_are_transformers_own_without_its_metadata_reader(tmp_path, monkeypatch):
+    """The config eagle reads from a GGUF file's header is the one transformers' GGUF reader derives (with
+    ``config_overrides``), and the tokenizer files written beside it are those transformers writes for its
+    tokenizer of the file, for every architecture eagle runs; transformers' whole-metadata reader (about a
+    minute for a 151,936-token vocabulary) never runs."""
     import gguf
-    from transformers import modeling_gguf_pytorch_utils
+    from transformers import AutoConfig, AutoTokenizer
 
-    from eagle.runtime.target import gguf_metadata_dir, smollm2_gguf_path
+    from eagle.runtime.gguf_file import config_overrides, read_header
+    from eagle.runtime.target import gguf_config, gguf_metadata_dir
 
-    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
-    reads = []
-    original = gguf.GGUFReader.__init__
-    monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda self, *a, **k: reads.append(a) or original(self, *a, **k))
-    before = modeling_gguf_pytorch_utils.load_gguf_checkpoint
-    out = gguf_metadata_dir(smollm2_gguf_path())
-    assert len(reads) == 1 and (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
-    assert modeling_gguf_pytorch_utils.load_gguf_checkpoint is before
+    files = tiny_gguf_files(tmp_path)
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "cache"))
+    drop = lambda d: {k: v for k, v in d.items() if k not in ("_name_or_path", "transformers_version")}
+    for path in files:
+        reference = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        for key, value in config_overrides(path, read_header(path)).items():
+            setattr(reference, key, value)
+        vocabulary = "tokenizer.ggml.model" in read_header(path).metadata
+        tokenizer_files = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(
+            tmp_path / "reference" / path.stem) if vocabulary else ()
+        reads = []
+        original = gguf.GGUFReader.__init__
+        with monkeypatch.context() as m:
+            m.setattr(gguf.GGUFReader, "__init__", lambda self, *a, **k: reads.append(a) or original(self, *a, **k))
+            config = gguf_config(path, read_header(path))
+            out = gguf_metadata_dir(path, tokenizer=vocabulary)
+        assert not reads, path.name
+        assert type(config) is type(reference) and drop(config.to_dict()) == drop(reference.to_dict()), path.name
+        assert drop(AutoConfig.from_pretrained(out).to_dict()) == drop(config.to_dict()), path.name
+        assert len(tokenizer_files) >= 3 or not vocabulary, tokenizer_files
+        for file in map(Path, tokenizer_files):
+            assert (out / file.name).read_bytes() == file.read_bytes(), (path.name, file.name)
