@@ -23,6 +23,7 @@ from eagle.prompts import has_chat_template
 from eagle.runtime.architectures import lean_decoder
 from eagle.runtime.decoder import LeanDecoder
 from eagle.runtime.gguf_file import LLAMA_FAMILY, GGUFHeader, check_gguf, config_fields, read_header
+from eagle.runtime.kernels import build_in_background
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -395,6 +396,8 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
     if int8_activations and not lean:
         raise EagleError("int8 activations are an option of the lean forward (lean=True)")
     dev, dt = default_device_dtype(device, dtype)
+    if lean and dev.type == "cpu":  # a first run compiles them while a named target's file is assembled and read
+        build_in_background()
     gguf_path = spec_gguf(str(spec))
     if gguf_path is not None and lean and not cuda_graphs and dev.type == "cpu" and dt == torch.float32:
         try:

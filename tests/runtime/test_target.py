@@ -168,3 +168,42 @@ def test_gguf_config_and_tokenizer_are_transformers_own_without_its_metadata_rea
         assert len(tokenizer_files) >= 3 or not vocabulary, tokenizer_files
         for file in map(Path, tokenizer_files):
             assert (out / file.name).read_bytes() == file.read_bytes(), (path.name, file.name)
+
+
+def test_a_caller_waits_for_the_kernel_build_started_in_the_background(monkeypatch):
+    """``build_in_background`` (a first run compiles the kernels while it assembles and reads a GGUF file) and a
+    caller that needs them meanwhile get the one module of one build: the caller waits for it (without the wait,
+    the caller, given a second to enter while the build runs, builds them again)."""
+    import functools
+    import threading
+
+    from eagle.runtime import kernels
+
+    builds, started, calling, release = [], threading.Event(), threading.Event(), threading.Event()
+
+    def slow_build(isa):
+        started.set()
+        release.wait(10)
+        builds.append(isa)
+        return object()
+
+    def caller():
+        calling.set()
+        got.append(kernels.cpu_kernels())
+
+    got = []
+    monkeypatch.setattr(kernels, "_kernels_for", functools.cache(slow_build))  # cached per ISA, as the real one
+    kernels.cpu_kernels.cache_clear()
+    try:
+        kernels.build_in_background()
+        assert started.wait(10)
+        thread = threading.Thread(target=caller)
+        thread.start()
+        assert calling.wait(10)
+        thread.join(1.0)  # the caller is left a second to enter the build (it waits for the running one)
+        release.set()
+        thread.join(10)
+        assert builds == [kernels.chosen_isa()] and got == [kernels.cpu_kernels()]
+    finally:
+        release.set()
+        kernels.cpu_kernels.cache_clear()
