@@ -207,3 +207,26 @@ def test_a_caller_waits_for_the_kernel_build_started_in_the_background(monkeypat
     finally:
         release.set()
         kernels.cpu_kernels.cache_clear()
+
+
+def test_the_free_heap_goes_back_to_the_system():
+    """Memory freed inside the heap (fragments kept apart by live ones, as a model load leaves them) is
+    returned by ``release_free_heap``; glibc keeps it without (Linux: resident memory from /proc)."""
+    import ctypes
+
+    from eagle.runtime.target import release_free_heap
+
+    if not hasattr(ctypes.CDLL(None), "malloc_trim"):
+        pytest.skip("no glibc malloc_trim here")
+
+    def resident() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+
+    blocks = [bytearray(4000) for _ in range(50_000)]  # 200 MB on the heap (below the mmap threshold)
+    kept = blocks[::50]  # every 50th stays: the heap's top cannot shrink
+    del blocks
+    before = resident()
+    release_free_heap()
+    assert before - resident() > 100e6, (before, resident())
+    del kept
