@@ -29,7 +29,7 @@ from eagle.runtime import kv_cache
 from eagle.runtime.quant_blocks import FORMATS
 from eagle.runtime.decoder import cpu_has_fast_bf16, packed_copy
 from eagle.runtime.kernels import stream_linear_op
-from eagle.runtime.target import DEFAULT_TARGET, Target, load_target
+from eagle.runtime.target import DEFAULT_TARGET, Target, load_target, spec_gguf
 
 SHIPPED = Path(__file__).parent / "shipped" / "drafters"  # the default drafter per target
 SHIPPED_BY_KIND = {"eagle": SHIPPED, "eagle3": Path(__file__).parent / "shipped" / "eagle3_drafters"}
@@ -371,9 +371,8 @@ class EagleModel:
         if draft_model is not None and not isinstance(draft_model, (torch.nn.Module, DeferredDraftLM)):
             if not isinstance(draft_model, Target) and draft_lm.is_draft_lm(draft_model):
                 draft_model = draft_lm.load(draft_model, tgt)
-            else:  # its own cache: never the target's static-shape runner
-                draft_model = load_target(draft_model, device=tgt.device, dtype=tgt.dtype, cuda_graphs=False)
-                check_same_tokenizer(tgt, draft_model)
+            else:
+                draft_model = load_draft_model(draft_model, tgt)
         store: SuffixStore | SuffixConfig = suffix
         if suffix_corpus is not None:
             corpus, _ = read_corpus(suffix_corpus, tgt.tokenizer, tgt.tokenizer_fingerprint, suffix)
@@ -542,6 +541,18 @@ def module_draft(module: torch.nn.Module, dtype: torch.dtype, tokenizer: Any) ->
     copy = packed_copy(module, dtype)
     return Target(model=copy, tokenizer=tokenizer, name="draft model", device=next(copy.parameters()).device,
                   dtype=dtype)
+
+
+def load_draft_model(spec: str | Target, target: Target) -> Target:
+    """A model spec (or a loaded ``Target``) as ``target``'s draft model, loaded by ``load_target`` on the target's
+    device and dtype with its own cache (never the target's static-shape runner); a GGUF file in the target's
+    numerics (int8 activations when the target has them) and with the target's tokenizer object when both were
+    built from the same tokenizer metadata. Refused unless its vocabulary and tokenizer are the target's."""
+    int8 = target.int8_activations and not isinstance(spec, Target) and spec_gguf(spec) is not None
+    draft = load_target(spec, device=target.device, dtype=target.dtype, cuda_graphs=False, int8_activations=int8,
+                        tokenizer_of=target)
+    check_same_tokenizer(target, draft)
+    return draft
 
 
 def check_same_tokenizer(target: Target, draft: Target) -> None:

@@ -115,12 +115,25 @@ def test_sd_with_a_model_spec_as_draft_model_is_ar(files, draft):
     assert isinstance(model.draft_model, Target) and model.draft_model.lean is not None
     assert isinstance(model.draft_model.model, GGUFModel) == (draft != "near")
     assert model._proposer("sd", SamplingConfig(), torch.Generator()).model is model.draft_model  # no copy
+    # a GGUF file of the target's tokenizer metadata holds no tokenizer of its own; a folder has its own
+    assert (model.draft_model.tokenizer is model.target.tokenizer) == (draft != "near")
     if draft == "same":
         assert mean > 4  # gamma grows while every draft is accepted
     elif draft == "near":
         assert 1.5 < mean < 4.5, accepted
     else:
         assert mean < 2, accepted
+
+
+@pytest.mark.parametrize("draft", ["other", "near"])
+def test_a_draft_model_takes_the_targets_int8_activations_where_it_keeps_codes(files, draft):
+    """A target with int8 activations: a GGUF draft model is loaded with them too (the numerics the target
+    decodes in), a folder's fp32 weights without; greedy ``sd`` gives ``ar``'s tokens in those numerics."""
+    model = EagleModel.from_pretrained(files["target"], draft_model=files[draft], gamma=4, int8_activations=True)
+    assert model.target.int8_activations and model.draft_model.int8_activations == (draft == "other")
+    for text in TEXTS:
+        ar = model.generate(text, method="ar", max_new_tokens=24)
+        assert model.generate(text, method="sd", max_new_tokens=24).token_ids == ar.token_ids
 
 
 def test_eagle_generate_runs_sd_with_a_model_spec_as_draft_model(files, capsys):

@@ -1,5 +1,6 @@
 """A GGUF file's metadata and tensor table, read without its tensors (about a second even with a
-262k-token vocabulary), what eagle runs of it, and how each tensor type is stored when loaded.
+262k-token vocabulary), what eagle runs of it, the transformers config it describes (``config_fields``) and
+how each tensor type is stored when loaded.
 
 ``check_gguf`` refuses a file eagle cannot run before any tensor is converted, with one line naming
 what is missing: an architecture without a lean forward, a tensor type without a converter, a
@@ -11,6 +12,7 @@ kept as its raw GGUF blocks, which the compiled kernels multiply from (``STREAME
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import mmap
 import struct
 from pathlib import Path
@@ -59,12 +61,16 @@ class TensorInfo:
 @dataclasses.dataclass
 class GGUFHeader:
     """``metadata``: key -> value (long arrays as ``Skipped``); ``tensors``: the tensor table;
-    ``data_offset``: where the tensor data starts in the file (tensor offsets count from there)."""
+    ``data_offset``: where the tensor data starts in the file (tensor offsets count from there);
+    ``tokenizer_digest``: a hash of the architecture and the stored bytes of every ``tokenizer.*`` entry but the
+    chat template (the vocabulary, merges, token types, special ids): two files with equal digests turn text into
+    the same ids and back (their chat templates may differ)."""
 
     version: int
     metadata: dict[str, Any]
     tensors: list[TensorInfo]
     data_offset: int = 0
+    tokenizer_digest: str = ""
 
     @property
     def architecture(self) -> str | None:
@@ -146,10 +152,15 @@ def read_header(path: str | Path, arrays: tuple[str, ...] = ()) -> GGUFHeader:
             raise ValueError(f"GGUF version {version} (eagle reads versions 2 and 3)")
         n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
         metadata = {}
+        tokenizer = hashlib.sha256()
         for _ in range(n_kv):
+            start = cur.pos
             key = cur.string()
             kind = cur.unpack("<I")
             metadata[key] = cur.array() if kind == _ARRAY and key in arrays else cur.value(kind)
+            if key.startswith("tokenizer.") and key != "tokenizer.chat_template":
+                tokenizer.update(buf[start:cur.pos])
+        tokenizer.update(str(metadata.get("general.architecture")).encode())
         tensors = []
         for _ in range(n_tensors):
             name = cur.string()
@@ -162,7 +173,7 @@ def read_header(path: str | Path, arrays: tuple[str, ...] = ()) -> GGUFHeader:
             tensors.append(TensorInfo(name, shape, type_name, cur.unpack("<Q")))
         alignment = int(metadata.get("general.alignment", 32))
         data_offset = (cur.pos + alignment - 1) // alignment * alignment
-    return GGUFHeader(version, metadata, tensors, data_offset)
+    return GGUFHeader(version, metadata, tensors, data_offset, tokenizer.hexdigest()[:16])
 
 
 def tensor_storage(ggml_type: str) -> str:
@@ -280,6 +291,41 @@ def config_overrides(path: str | Path, header: GGUFHeader) -> dict[str, Any]:
         if out["rope_parameters"] is None:
             raise ValueError(f"RoPE frequency factors ({ROPE_FREQS}) that are not Llama-3 rope scaling")
     return out
+
+
+# ``{architecture}.{key}`` -> the transformers config field it gives (the names of transformers' GGUF reader)
+_CONFIG_KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+                "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
+                "rope.freq_base": "rope_theta", "attention.head_count": "num_attention_heads",
+                "attention.head_count_kv": "num_key_value_heads", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+                "vocab_size": "vocab_size"}
+_ARCH_CONFIG_KEYS = {"llama": {"rope.dimension_count": "head_dim"},
+                     "gemma3": {"attention.key_length": "head_dim", "attention.sliding_window": "sliding_window"}}
+# config field -> ``tokenizer.ggml.{key}``
+_TOKEN_ID_KEYS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "unk_token_id": "unknown_token_id",
+                  "pad_token_id": "padding_token_id"}
+
+
+def config_fields(path: str | Path, header: GGUFHeader) -> dict[str, Any]:
+    """The fields of the transformers config of a file eagle runs (``AutoConfig.for_model(**fields)``): model
+    type, sizes, heads, rope, norm epsilon, tied LM head (no ``output.weight``), special token ids, the model's
+    name, the vocabulary's size (its token count when the metadata has none), read from the metadata as
+    transformers' GGUF reader reads them but without decoding the vocabulary, with ``config_overrides``."""
+    arch = header.architecture
+    fields: dict[str, Any] = {"model_type": ARCHITECTURES[arch],
+                              "tie_word_embeddings": all(t.name != "output.weight" for t in header.tensors)}
+    if "general.name" in header.metadata:
+        fields["_model_name_or_path"] = header.metadata["general.name"]
+    for key, field in {**_CONFIG_KEYS, **_ARCH_CONFIG_KEYS.get(arch, {})}.items():
+        if header.arch_value(key) is not None:
+            fields[field] = header.arch_value(key)
+    for field, key in _TOKEN_ID_KEYS.items():
+        if f"tokenizer.ggml.{key}" in header.metadata:
+            fields[field] = header.metadata[f"tokenizer.ggml.{key}"]
+    tokens = header.metadata.get("tokenizer.ggml.tokens")
+    if "vocab_size" not in fields and tokens is not None:
+        fields["vocab_size"] = tokens.length if isinstance(tokens, Skipped) else len(tokens)
+    return {**fields, **config_overrides(path, header)}
 
 
 def check_gguf(path: str | Path) -> GGUFHeader:

@@ -37,6 +37,7 @@ import hashlib
 import os
 import shutil
 import sys
+import threading
 import warnings
 import time
 from pathlib import Path
@@ -135,10 +136,24 @@ def cpu_kernels() -> Any | None:
     return kernels_for(chosen_isa())
 
 
-@functools.cache
+_BUILD = threading.Lock()  # one build or load at a time (``build_in_background``'s thread and a caller)
+
+
 def kernels_for(isa: str) -> Any | None:
     """The compiled module for one instruction set of ``cpu_isas()`` (tests run every one this CPU has),
-    or None when it does not build here."""
+    or None when it does not build here; a call while another thread builds it waits for that build."""
+    with _BUILD:
+        return _kernels_for(isa)
+
+
+def build_in_background() -> None:
+    """Build (or load) ``cpu_kernels()`` on a daemon thread: a first run compiles them (a minute) while it
+    assembles and reads a GGUF file; the first caller that needs them waits for the build."""
+    threading.Thread(target=cpu_kernels, name="eagle-kernel-build", daemon=True).start()
+
+
+@functools.cache
+def _kernels_for(isa: str) -> Any | None:
     if isa not in cpu_isas():
         raise ValueError(f"this CPU does not run the {isa} kernels (it runs {', '.join(cpu_isas())})")
     if not _ninja_on_path():

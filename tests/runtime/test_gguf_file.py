@@ -56,6 +56,18 @@ def test_the_header_is_read_without_the_long_arrays(tmp_path):
     assert check_gguf(path) is not None
 
 
+def test_the_tokenizer_digest_is_the_tokenizer_metadatas_alone(tmp_path):
+    """Files of one vocabulary and architecture have one tokenizer digest whatever their other metadata and chat
+    template; another token, another special token id or another architecture gives another digest."""
+    digest = lambda name, **kw: read_header(write_gguf(tmp_path / f"{name}.gguf", **kw)).tokenizer_digest
+    base = digest("base")
+    assert digest("wider", extra={"llama.context_length": 4096}) == base
+    assert digest("template", extra={"tokenizer.chat_template": "{{ messages }}"}) == base
+    assert digest("longer", vocab=301) != base
+    assert digest("eos", extra={"tokenizer.ggml.eos_token_id": 7}) != base
+    assert digest("qwen2", arch="qwen2") != base
+
+
 @pytest.mark.parametrize("arch, extra, raw, message", [
     ("mamba", {}, None, "architecture 'mamba' is not supported"),
     ("llama", {}, "IQ2_XXS", "tensor types without a converter: IQ2_XXS (blk.0.ffn_down.weight)"),

@@ -214,7 +214,7 @@ def varied_texts(seed: int = 0, n: int = 300) -> list[str]:
 @pytest.mark.skipif(not GEMMA_GGUF.is_file(), reason=f"no Gemma GGUF file at {GEMMA_GGUF} (EAGLE_GEMMA_GGUF)")
 def test_the_gemma3_vocabulary_tokenizes_as_transformers():
     """Gemma-3-270M's own file (262,144 tokens): a few hundred varied texts and random id sequences give
-    what transformers' tokenizer of the file gives (its first build takes about a minute, then cached)."""
+    what transformers' tokenizer of the file gives."""
     from transformers import AutoTokenizer
 
     from eagle.runtime.target import gguf_metadata_dir

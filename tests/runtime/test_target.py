@@ -1,4 +1,5 @@
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -110,20 +111,122 @@ def test_cache_goes_by_the_keyword_the_model_takes():
     assert kv_cache.cache_length(cache) == 3
 
 
-@pytest.mark.slow
-def test_gguf_metadata_is_read_once_for_config_and_tokenizer(tmp_path, monkeypatch):
-    """transformers' whole-metadata GGUF reader runs once for the config and the tokenizer's class (twice took
-    30-60 s a read for a 151,936-token vocabulary on 2 busy cores), and its answer is not left patched in."""
+def tiny_gguf_files(directory):
+    """Tiny GGUF files of each architecture eagle runs: SentencePiece vocabularies with hyperparameters
+    (Gemma-3, Llama, Qwen2) and models with llama.cpp's hyperparameters (a Llama with an untied head, a
+    Qwen2, a Qwen3 with heads wider than its hidden size implies)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+
+    from tests.runtime.test_gguf_tokenizer import tiny_vocabulary, write_tokenizer_gguf
+    from tests.runtime.test_gguf_weights import LLAMA_TYPES, write_model_gguf
+
+    files = [write_tokenizer_gguf(directory / f"vocab-{arch}.gguf", *tiny_vocabulary(), arch=arch,
+                                  chat_template="{{ messages[0]['content'] }}")
+             for arch in ("gemma3", "llama", "qwen2")]
+    sizes = dict(vocab_size=48, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+    types = dict.fromkeys(LLAMA_TYPES, "Q8_0")
+    for name, model in (
+            ("llama", LlamaForCausalLM(LlamaConfig(**sizes, tie_word_embeddings=False, rope_theta=50000.0))),
+            ("qwen2", Qwen2ForCausalLM(Qwen2Config(**sizes, tie_word_embeddings=True))),
+            ("qwen3", Qwen3ForCausalLM(Qwen3Config(**sizes, head_dim=48, tie_word_embeddings=True)))):
+        files.append(write_model_gguf(directory / f"model-{name}.gguf", model, types))
+    return files
+
+
+def test_gguf_config_and_tokenizer_are_transformers_own_without_its_metadata_reader(tmp_path, monkeypatch):
+    """The config eagle reads from a GGUF file's header is the one transformers' GGUF reader derives (with
+    ``config_overrides``), and the tokenizer files written beside it are those transformers writes for its
+    tokenizer of the file, for every architecture eagle runs; transformers' whole-metadata reader (about a
+    minute for a 151,936-token vocabulary) never runs."""
     import gguf
-    from transformers import modeling_gguf_pytorch_utils
+    from transformers import AutoConfig, AutoTokenizer
 
-    from eagle.runtime.target import gguf_metadata_dir, smollm2_gguf_path
+    from eagle.runtime.gguf_file import config_overrides, read_header
+    from eagle.runtime.target import gguf_config, gguf_metadata_dir
 
-    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
-    reads = []
-    original = gguf.GGUFReader.__init__
-    monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda self, *a, **k: reads.append(a) or original(self, *a, **k))
-    before = modeling_gguf_pytorch_utils.load_gguf_checkpoint
-    out = gguf_metadata_dir(smollm2_gguf_path())
-    assert len(reads) == 1 and (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
-    assert modeling_gguf_pytorch_utils.load_gguf_checkpoint is before
+    files = tiny_gguf_files(tmp_path)
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "cache"))
+    drop = lambda d: {k: v for k, v in d.items() if k not in ("_name_or_path", "transformers_version")}
+    for path in files:
+        reference = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        for key, value in config_overrides(path, read_header(path)).items():
+            setattr(reference, key, value)
+        vocabulary = "tokenizer.ggml.model" in read_header(path).metadata
+        tokenizer_files = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(
+            tmp_path / "reference" / path.stem) if vocabulary else ()
+        reads = []
+        original = gguf.GGUFReader.__init__
+        with monkeypatch.context() as m:
+            m.setattr(gguf.GGUFReader, "__init__", lambda self, *a, **k: reads.append(a) or original(self, *a, **k))
+            config = gguf_config(path, read_header(path))
+            out = gguf_metadata_dir(path, tokenizer=vocabulary)
+        assert not reads, path.name
+        assert type(config) is type(reference) and drop(config.to_dict()) == drop(reference.to_dict()), path.name
+        assert drop(AutoConfig.from_pretrained(out).to_dict()) == drop(config.to_dict()), path.name
+        assert len(tokenizer_files) >= 3 or not vocabulary, tokenizer_files
+        for file in map(Path, tokenizer_files):
+            assert (out / file.name).read_bytes() == file.read_bytes(), (path.name, file.name)
+
+
+def test_a_caller_waits_for_the_kernel_build_started_in_the_background(monkeypatch):
+    """``build_in_background`` (a first run compiles the kernels while it assembles and reads a GGUF file) and a
+    caller that needs them meanwhile get the one module of one build: the caller waits for it (without the wait,
+    the caller, given a second to enter while the build runs, builds them again)."""
+    import functools
+    import threading
+
+    from eagle.runtime import kernels
+
+    builds, started, calling, release = [], threading.Event(), threading.Event(), threading.Event()
+
+    def slow_build(isa):
+        started.set()
+        release.wait(10)
+        builds.append(isa)
+        return object()
+
+    def caller():
+        calling.set()
+        got.append(kernels.cpu_kernels())
+
+    got = []
+    monkeypatch.setattr(kernels, "_kernels_for", functools.cache(slow_build))  # cached per ISA, as the real one
+    kernels.cpu_kernels.cache_clear()
+    try:
+        kernels.build_in_background()
+        assert started.wait(10)
+        thread = threading.Thread(target=caller)
+        thread.start()
+        assert calling.wait(10)
+        thread.join(1.0)  # the caller is left a second to enter the build (it waits for the running one)
+        release.set()
+        thread.join(10)
+        assert builds == [kernels.chosen_isa()] and got == [kernels.cpu_kernels()]
+    finally:
+        release.set()
+        kernels.cpu_kernels.cache_clear()
+
+
+def test_the_free_heap_goes_back_to_the_system():
+    """Memory freed inside the heap (fragments kept apart by live ones, as a model load leaves them) is
+    returned by ``release_free_heap``; glibc keeps it without (Linux: resident memory from /proc)."""
+    import ctypes
+
+    from eagle.runtime.target import release_free_heap
+
+    if not hasattr(ctypes.CDLL(None), "malloc_trim"):
+        pytest.skip("no glibc malloc_trim here")
+
+    def resident() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+
+    blocks = [bytearray(4000) for _ in range(50_000)]  # 200 MB on the heap (below the mmap threshold)
+    kept = blocks[::50]  # every 50th stays: the heap's top cannot shrink
+    del blocks
+    before = resident()
+    release_free_heap()
+    assert before - resident() > 100e6, (before, resident())
+    del kept
