@@ -19,7 +19,9 @@ from tests.conftest import prompts, tiny_drafter, tiny_target
 @pytest.fixture(scope="module")
 def model():
     target = tiny_target(vocab_size=32)
-    return EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=2)
+    draft = tiny_target(vocab_size=32, seed=9)
+    return EagleModel.from_pretrained(target, drafter=tiny_drafter(target), draft_model=draft.model, total_tokens=8,
+                                      depth=3, top_k=2)
 
 
 def test_graft_tree_shares_and_keeps_a_subtree():
@@ -34,7 +36,7 @@ def test_graft_tree_shares_and_keeps_a_subtree():
     assert places == [3] and new.scores[1] == -0.5  # a drawn sibling is never merged
 
 
-@pytest.mark.parametrize("method", ["suffix", "eagle-tree"])
+@pytest.mark.parametrize("method", ["suffix", "eagle-tree", "sd"])
 def test_greedy_equals_ar_and_repeats_are_drafted(model, method):
     view = model.with_suffix(SuffixStore(SuffixConfig()))
     runs = prompts(3, seed=4) * 2  # each prompt again: its output is in the history the second time
@@ -47,7 +49,7 @@ def test_greedy_equals_ar_and_repeats_are_drafted(model, method):
     again = [ids[i] for i in range(3, 6)]
     assert sum(r.accepted_by_source.get("history", 0) for r in again) > 0
     assert all(r.target_forwards < 24 for r in again)
-    if method == "eagle-tree":
+    if method != "suffix":
         assert any(r.accepted_by_source.get("drafter", 0) for r in ids.values())
 
 
@@ -175,4 +177,35 @@ def test_suffix_drafts_beside_drawn_nodes_are_lossless(six, monkeypatch):
     assert chi_square_p(counts, exact) > ALPHA
     monkeypatch.setattr(acceptance, "recursive_rejection_tree", over_accepting)
     counts, _ = sampled_with_sources(mixed(), "eagle-tree", sampling, SAMPLES // 2, prompt)
+    assert chi_square_p(counts, exact) < ALPHA
+
+
+@pytest.fixture(scope="module")
+def six_sd():
+    from tests.decoding.test_losslessness import VOCAB
+
+    target = tiny_target(vocab_size=VOCAB, hidden=16, layers=1, init_std=0.5)
+    draft = tiny_target(vocab_size=VOCAB, hidden=16, layers=1, init_std=0.5, seed=9)
+    return EagleModel.from_pretrained(target, draft_model=draft.model, gamma=2)
+
+
+@pytest.mark.slow
+def test_suffix_drafts_in_sd_chains_are_lossless_and_the_check_has_teeth(six_sd, monkeypatch):
+    """``sd`` chains that start with suffix tokens (point masses) where those are more likely right
+    than the draft model's guess, the draft model's draws after them (judged by their q): the output
+    follows the target's distribution. The control (point masses and draws alike accepted with
+    sqrt(p)) must be rejected."""
+    from eagle.config import SamplingConfig
+    from eagle.decoding import acceptance
+    from tests.decoding.test_losslessness import ALPHA, SAMPLES, chi_square_p, exact_triples, over_accepting
+
+    sampling, prompt = SamplingConfig(temperature=1.0), [1, 2, 3, 1, 2]
+    exact = exact_triples(six_sd, sampling, prompt)
+    counts, sources = sampled_with_sources(six_sd.with_suffix(SuffixStore(SuffixConfig())), "sd", sampling,
+                                           SAMPLES, prompt)
+    assert sources.get("drafter", 0) > 100 and sources.get("request", 0) + sources.get("history", 0) > 100
+    assert chi_square_p(counts, exact) > ALPHA
+    monkeypatch.setattr(acceptance, "recursive_rejection_tree", over_accepting)
+    counts, _ = sampled_with_sources(six_sd.with_suffix(SuffixStore(SuffixConfig())), "sd", sampling,
+                                     SAMPLES // 2, prompt)
     assert chi_square_p(counts, exact) < ALPHA
