@@ -380,6 +380,7 @@ class EagleDrafter(Proposer):
             raise EagleError(f"tree top_k / choice rank {max(cfg.top_k, widest)} exceeds the drafter's vocabulary ({vocab})")
         self.drafter, self.target, self.cfg = drafter, target, cfg
         self.suffix, self.kept = suffix, []  # kept: the pool nodes of the last tree, by tree node
+        self.sources: list[str] = []  # each node's source in the last pool (``graft_lookup``), the root's ""
         self.dtype = drafter.dtype
         self.aux_layers = tuple(drafter.config.aux_layers)
         self.new_cache = new_cache or drafter.new_cache
@@ -574,7 +575,9 @@ class EagleDrafter(Proposer):
         nodes (a copied span often starts at a token the drafter guessed). In a sampled tree
         the chains are new nodes (``share=False``), after all drawn ones: a chain and its place
         depend only on nodes that outrank it and on its ancestors, so no drawn node's inclusion
-        comes to depend on its own token, and siblings are tried in an order the rule allows."""
+        comes to depend on its own token, and siblings are tried in an order the rule allows.
+        Sets ``sources``: "lookup" for the nodes a chain added or scored higher, else "drafter"."""
+        self.sources = [""] + ["drafter"] * (pool.size - 1)
         if self.cfg.lookup_tokens < 1:
             return pool
         tokens, parents = pool.tokens, pool.parents
@@ -590,7 +593,12 @@ class EagleDrafter(Proposer):
             if match.tokens:
                 self.last_matches.append((path, match))
                 chains.append((match.tokens, self.lookup_rates.scores(match), node))
-        return graft_chains(pool, chains, share=not self.draw_temperature) if chains else pool
+        if not chains:
+            return pool
+        out = graft_chains(pool, chains, share=not self.draw_temperature)
+        self.sources = [s if out.scores[i] <= pool.scores[i] else "lookup" for i, s in enumerate(self.sources)]
+        self.sources += ["lookup"] * (out.size - pool.size)
+        return out
 
     def graft_suffix(self, ids: list[int], pool: Pool, drafted: int, max_depth: int) -> Pool:
         """The pool with suffix drafts below its root (``SuffixDrafts.graft``), scored by their frequencies
@@ -598,8 +606,7 @@ class EagleDrafter(Proposer):
         and the lookup chains (as ``graft_lookup``'s): they depend on the context alone."""
         if self.suffix is None:
             return pool
-        labels = [""] + ["drafter"] * (drafted - 1) + ["lookup"] * (pool.size - drafted)
-        return self.suffix.graft(ids, pool, max_depth, pool.size if self.draw_temperature else 0, labels)
+        return self.suffix.graft(ids, pool, max_depth, pool.size if self.draw_temperature else 0, self.sources)
 
     def finish(self, ids: list[int]) -> None:
         if self.suffix is not None:

@@ -209,3 +209,38 @@ def test_suffix_drafts_in_sd_chains_are_lossless_and_the_check_has_teeth(six_sd,
     counts, _ = sampled_with_sources(six_sd.with_suffix(SuffixStore(SuffixConfig())), "sd", sampling,
                                      SAMPLES // 2, prompt)
     assert chi_square_p(counts, exact) < ALPHA
+
+
+def test_accepted_drafts_count_for_the_source_that_scored_them_higher(model):
+    """A pool of drafter nodes, prompt-lookup chains and suffix drafts from the request and from
+    earlier answers: each node is labelled by the source whose score it kept (by hand below: the
+    lookup chain raises the drafter's deep path 8 9 5 6, the request's continuation 8 9 5 raises
+    it further up to its depth, earlier answers add 30 31), and accepted drafts count so."""
+    from eagle.config import SamplingConfig
+    from eagle.decoding.sampling import make_generator
+
+    store = SuffixStore(SuffixConfig())
+    store.history.add([9, 5, 6, 7, 30, 31])
+    drafter = model.with_suffix(store)._proposer("eagle-tree", SamplingConfig(), make_generator(0))
+    ids = [5, 6, 7, 8, 9, 5, 6]
+    drafter.suffix.start(ids)
+    pool = Pool([6, 7, 3, 8, 9, 5, 6], [-1, 0, 0, 1, 3, 4, 5], [0.0, -0.1, -1.0, -3.0, -3.1, -3.2, -3.3])
+    pool = drafter.graft_suffix(ids, drafter.graft_lookup(ids, pool, 16), 7, 16)
+    labels = dict(zip(range(pool.size), drafter.suffix.labels))
+    assert [labels[n] for n in range(7)] == ["", "drafter", "drafter", "request", "request", "request", "lookup"]
+    assert [labels[n] for n in range(pool.size) if pool.parents[n] == 1 and pool.tokens[n] == 30] == ["history"]
+    drafter.suffix.commit(ids + [7, 8, 9, 5, 6, 11], [1, 3, 4, 5, 6], list(range(pool.size)))
+    assert drafter.accepted_by_source() == {"drafter": 1, "request": 3, "lookup": 1}
+
+
+@pytest.mark.parametrize("method", ["suffix", "eagle-tree", "sd"])
+def test_every_accepted_draft_counts_once(model, method):
+    """Accepted drafts by source add up to the drafts the target kept (the last round's counted at the
+    end, as many as its tokens when the length cut its bonus token off); the first answer has no
+    earlier ones to draft from."""
+    view = model.with_suffix(SuffixStore(SuffixConfig()))
+    for i, prompt in enumerate(prompts(4, seed=5) * 2):
+        out = view.generate(prompt, method=method, max_new_tokens=20)
+        kept = sum(n - 1 for n in out.accept_lengths)
+        assert kept <= sum(out.accepted_by_source.values()) <= kept + 1
+        assert i or not out.accepted_by_source.get("history")
