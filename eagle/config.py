@@ -341,7 +341,9 @@ class LoadOptions:
     """``EagleModel.from_pretrained``'s tuning options under their API names, as the config keys of
     eagle-generate, eagle-bench and eagle-serve (``--config FILE``, ``--set KEY=VALUE``); None: the
     default. ``top_k`` is the tree's (``TreeConfig.top_k``), not sampling's ``--top-k``;
-    ``drafter_dtype``: one of ``DTYPE_NAMES``; ``drafter_quant``: "auto", "none" or a block format."""
+    ``drafter_dtype``: one of ``DTYPE_NAMES``; ``drafter_quant``: "auto", "none" or a block format;
+    ``suffix``: suffix drafts' knobs, a mapping of ``SuffixConfig``'s keys (``--set 'suffix={max_depth: 24}'``),
+    kept as the ``SuffixConfig`` it makes."""
 
     depth: Optional[int] = None
     top_k: Optional[int] = None
@@ -357,9 +359,13 @@ class LoadOptions:
     cuda_graphs: Optional[bool] = None
     device_rounds: Optional[bool] = None
     int8_activations: Optional[bool] = None
+    suffix: Optional[SuffixConfig] = None
 
     def __post_init__(self) -> None:
         from eagle.inputs import FORMATS
+
+        if self.suffix is not None and not isinstance(self.suffix, SuffixConfig):
+            object.__setattr__(self, "suffix", from_dict(SuffixConfig, self.suffix, "suffix"))
 
         for name in ("sampled_tree", "adaptive_gamma", "cuda_graphs", "device_rounds", "int8_activations"):
             check_optional(check_bool, name, getattr(self, name))

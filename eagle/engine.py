@@ -477,7 +477,8 @@ class EagleModel:
             draft = self.draft_model.load() if isinstance(self.draft_model, DeferredDraftLM) else self.draft_model
             if not isinstance(draft, Target):  # a module: its inference copy; a loaded model spec runs as it is
                 draft = self._inference_copy(draft, self.drafter_dtype)
-            return DraftModel(draft, self.speculative, sampling, generator)
+            return DraftModel(draft, self.speculative, sampling, generator,
+                              suffix=self._suffix_drafts() if self.suffix_grafts else None)
         if method in ("eagle-tree", "eagle-chain"):
             if self._drafter is None:
                 raise EagleError(f"method {method!r} needs a drafter: pass drafter=... (--drafter)")

@@ -71,7 +71,7 @@ def add_config_args(parser: argparse.ArgumentParser, extra: str = "") -> None:
     g.add_argument("--config", metavar="FILE",
                    help="YAML or JSON file of config keys: the tree (depth, top_k, lookup_tokens, sampled_tree, ...), "
                         "sd (gamma, lenience, ...), the drafter (drafter_dtype, drafter_quant), the runtime "
-                        f"(cuda_graphs, device_rounds, int8_activations){extra}")
+                        f"(cuda_graphs, device_rounds, int8_activations), suffix drafts (suffix: a mapping){extra}")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="one config key (the value parsed as YAML), over --config's; repeat it for more")
 
@@ -117,7 +117,7 @@ FLAG_METHODS = {
     "sampled_tree": ("eagle-tree", "eagle-chain"), "draw_temperature_scale": ("eagle-tree", "eagle-chain"),
     "draw_support": ("eagle-tree", "eagle-chain"), "drafter_dtype": ("eagle-tree", "eagle-chain", "sd"),
     "drafter_quant": ("eagle-tree", "eagle-chain"), "gamma": ("sd",), "lenience": ("sd",),
-    "adaptive_gamma": ("sd",), "--suffix-corpus": ("suffix",),
+    "adaptive_gamma": ("sd",), "--suffix-corpus": ("suffix",), "suffix": ("suffix",),
 }
 SAMPLING_ONLY = ("--top-p", "--top-k", "--seed", "lenience", "sampled_tree", "draw_temperature_scale",
                  "draw_support")
@@ -231,7 +231,7 @@ def load_model(args: argparse.Namespace) -> Any:
         args.target, drafter=args.drafter, draft_model=args.draft_model, device=args.device, dtype=dtype,
         drafter_dtype=drafter_dtype, drafter_quant=None if args.drafter_quant == "auto" else args.drafter_quant,
         cuda_graphs=args.cuda_graphs, device_rounds=args.device_rounds, int8_activations=args.int8_activations,
-        suffix_corpus=getattr(args, "suffix_corpus", None), **option_args(args))
+        suffix=getattr(args, "suffix", None), suffix_corpus=getattr(args, "suffix_corpus", None), **option_args(args))
 
 
 def check_method(model: Any, method: str) -> None:

@@ -23,7 +23,10 @@ KEY_HELP = {  # one line per config key for docs/options.md (the full contracts:
     "cuda_graphs": "the target and drafter on static shapes, replayed as CUDA graphs (default: on CUDA)",
     "device_rounds": "tree rounds drafted, verified and accepted on the device (default: on CUDA where the tree "
                      "options allow it: an integer total_tokens, lookup_tokens 0; true otherwise is an error)",
-    "int8_activations": "the target's quantized products take int8 activations, as llama.cpp's (CPU, fp32; default: on for k-quant GGUF files)",
+    "int8_activations": "the target's quantized products take int8 activations, as llama.cpp's (CPU, fp32; "
+                        "default: on for GGUF files with k-quant matrices)",
+    "suffix": "suffix drafts' knobs, a mapping of history_tokens, corpus_tokens, max_pattern, max_depth, "
+              "max_spec_factor, min_token_prob, prior, max_nodes (eagle.config.SuffixConfig; docs/suffix.md)",
     "warmup": "bench: run every method on the first N prompts first, not counted; serve: decode a few tokens first",
     "requests_per_client": "load test: each level of N clients sends N * K requests (default: every prompt once)",
     "api_key": "bench: the Bearer token of the server at --url; serve: require it on /v1",

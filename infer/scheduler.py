@@ -132,7 +132,7 @@ class SuffixScopes:
         change from run to run): its tokens repeat, and equal the library's for the same seed."""
         if seeded:
             return model.with_suffix(self.model.suffix_store.fresh()) if method == "suffix" else model
-        if method in ("suffix", "eagle-tree", "eagle-chain"):
+        if method in ("suffix", "eagle-tree", "eagle-chain", "sd"):
             return model.with_suffix(self.store(tenant))
         return model
 

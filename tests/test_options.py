@@ -4,6 +4,7 @@ options a mode does not read."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -240,3 +241,25 @@ def test_the_options_page_holds_the_generated_config_key_table():
     from infer.config_keys import config_key_table
 
     assert config_key_table() in (ROOT / "docs" / "options.md").read_text()
+
+
+def test_suffix_knobs_are_one_config_key_as_in_the_api(tmp_path, monkeypatch):
+    """``suffix``: a mapping of ``SuffixConfig``'s keys, from ``--set`` or ``--config``, reaching
+    ``EagleModel.from_pretrained(suffix=...)`` as given; an unknown or bad inner key is a one-line error."""
+    from eagle.config import SuffixConfig
+    from eagle.engine import EagleModel
+    from infer import bench, cli
+
+    (tmp_path / "tune.yaml").write_text("suffix:\n  max_depth: 24\n  prior: 0.5\n")
+    args = cli.parse_command(cli.build_parser(), ["--config", str(tmp_path / "tune.yaml"), "hi"])
+    assert SuffixConfig(**args.suffix) == SuffixConfig(max_depth=24, prior=0.5) and "suffix" in args.config_keys
+    args = cli.parse_command(bench.build_parser(), ["--prompts", "p", "--set", "suffix={min_token_prob: 0.2}"],
+                             bench.BenchOptions)
+    seen = {}
+    monkeypatch.setattr(EagleModel, "from_pretrained", classmethod(lambda cls, *a, **k: seen.update(k)))
+    cli.load_model(args)
+    assert seen["suffix"] == {**dataclasses.asdict(SuffixConfig()), "min_token_prob": 0.2}
+    for value, message in [("{depth: 3}", "unknown config key(s) 'depth' in suffix"),
+                           ("{max_depth: 0}", "max_depth must be >= 1"), ("3", "expected a mapping")]:
+        with pytest.raises(EagleError, match=re.escape(message)):
+            cli.parse_command(cli.build_parser(), ["--set", f"suffix={value}", "hi"])

@@ -231,55 +231,120 @@ class DraftModel(Proposer):
     with its own cache rolled back to the accepted prefix after each round. ``model``: the draft's
     forward, as a ``Target`` offers it (``new_cache()``, ``forward(input_ids, position_ids, cache,
     logits_from=...)``, ``greedy_tokens(hidden)``, ``device``): a model spec loaded by ``load_target`` (its
-    lean forward, codes kept), or a transformers module wrapped as one (``eagle.engine.module_draft``)."""
+    lean forward, codes kept), or a transformers module wrapped as one (``eagle.engine.module_draft``).
+
+    With ``suffix`` (``SuffixDrafts``) the chain starts with the most likely suffix continuation, token
+    by token as long as each is more likely right than the draft model's own guess there (one scale:
+    the suffix token's frequency after the chain so far against the draft's probability of its most
+    likely token, which one forward over the continuation gives at every position); the draft model
+    then continues to ``gamma`` tokens. Suffix tokens are point-mass drafts, the draft model's are judged
+    by the q they were drawn from, and which one a position takes depends on the context and q, never
+    on a draw: sampling stays exact."""
 
     def __init__(self, model: Target, cfg: SpeculativeConfig, sampling: SamplingConfig,
-                 generator: torch.Generator) -> None:
+                 generator: torch.Generator, suffix: "SuffixDrafts | None" = None) -> None:
         self.model, self.cfg, self.sampling, self.generator = model, cfg, sampling, generator
         self.cache = model.new_cache()
         self.gamma = cfg.gamma
         self.drafted = 0
         self.device = model.device
+        self.suffix = suffix
+
+    def start(self, ids: list[int], features: torch.Tensor | None) -> None:
+        if self.suffix is not None:
+            self.suffix.start(ids)
 
     @torch.inference_mode()
-    def _step(self, tokens: list[int]) -> torch.Tensor:
-        """Feed ``tokens`` after the cached ones; greedy: the next token's id [] (the draft's argmax, its
-        logits not all made where its forward screens them), else its probabilities q [V]."""
+    def _step(self, tokens: list[int], rows: int = 0) -> torch.Tensor:
+        """Feed ``tokens`` after the cached ones. ``rows`` 0: the next token's id [] when greedy (the draft's
+        argmax, its logits not all made where its forward screens them), else its probabilities q [V];
+        ``rows`` > 0: the draft's logits [rows, V] after each of the last ``rows`` tokens."""
         past = kv_cache.cache_length(self.cache)
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         pos = torch.arange(past, past + len(tokens), device=self.device)[None]
-        greedy = self.sampling.greedy
-        out = self.model.forward(ids, pos, self.cache, logits_from=len(tokens) if greedy else len(tokens) - 1)
+        greedy = self.sampling.greedy and not rows
+        out = self.model.forward(ids, pos, self.cache, logits_from=len(tokens) - (rows or (0 if greedy else 1)))
+        if rows:
+            return out.logits[0]
         if greedy:
             return self.model.greedy_tokens(out.hidden[0, -1:])[0]
         return logits_to_probs(out.logits[0, -1], self.sampling)
+
+    def _suffix_start(self, ids: list[int], pending: list[int],
+                      limit: int) -> tuple[list[int], list[str], torch.Tensor | None]:
+        """The suffix tokens the chain starts with (at most ``limit``), their sources, and the draft's
+        distribution after them ([V]: q, or softmax of its logits when greedy; None: not computed)."""
+        tokens, scores, sources = self.suffix.best_chain(ids, limit)
+        if not tokens:
+            return [], [], None
+        past = kv_cache.cache_length(self.cache)
+        logits = self._step(pending + tokens, len(tokens) + 1)  # after the root, then after each suffix token
+        probs = torch.softmax(logits.float(), -1) if self.sampling.greedy else logits_to_probs(logits, self.sampling)
+        best, guess = probs.max(-1)
+        taken, labels, above = 0, [], 0.0
+        for token, score, source, q, g in zip(tokens, scores, sources, best.tolist(), guess.tolist()):
+            frequency = math.exp(score - above)  # the suffix token's, given the chain so far
+            if token != g and frequency <= q:
+                break
+            labels.append(source if frequency > q else "drafter")  # both propose it: the higher scores it
+            taken, above = taken + 1, score
+        kv_cache.roll_back(self.cache, past + len(pending) + taken)
+        return tokens[:taken], labels, probs[taken]
 
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         k = self.drafted = min(self.gamma, max_depth, max_nodes - 1)
         if k <= 0:
             return Proposal(root_only(ids[-1], self.device))
         pending = ids[kv_cache.cache_length(self.cache):]
-        drafts, probs = [], []
-        for _ in range(k):
-            q = self._step(pending)
+        drafts, labels, ahead = [], [], None
+        if self.suffix is not None:
+            drafts, labels, ahead = self._suffix_start(ids, pending, min(max_depth, max_nodes - 1))
+        probs: list[torch.Tensor | None] = [None] * len(drafts)
+        while len(drafts) < k:
+            q = self._step(pending) if ahead is None else ahead  # greedy without suffix: the token itself
             if self.sampling.greedy:  # greedy acceptance reads the tokens alone
-                token = int(q)
+                token = int(q.argmax()) if q.dim() else int(q)
             else:
                 token = int(sample(q, self.generator))
                 probs.append(q)
             drafts.append(token)
-            pending = [token]
+            labels.append("drafter")
+            pending, ahead = [token], None
+        self.drafted = len(drafts)
         tree = chain_tree(ids[-1], torch.tensor(drafts, dtype=torch.long, device=self.device))
-        return Proposal(tree, draft_probs=torch.stack(probs) if probs else None)
+        if self.suffix is not None:
+            self.suffix.proposed(tree.tokens.tolist(), tree.parents.tolist(), [""] + labels)
+        if self.sampling.greedy:
+            return Proposal(tree)
+        if all(q is not None for q in probs):
+            return Proposal(tree, draft_probs=torch.stack(probs))
+        if all(q is None for q in probs):
+            return Proposal(tree)
+        # suffix tokens first: point masses; the drawn ones after them, judged by their q
+        rows = torch.zeros(tree.size, next(q.shape[-1] for q in probs if q is not None), device=self.device)
+        for i, q in enumerate(probs):
+            if q is not None:
+                rows[i] = q
+        drawn = torch.tensor([False] + [q is not None for q in probs], device=self.device)
+        return Proposal(tree, child_probs=rows, drawn=drawn)
 
     def commit(self, ids: list[int], path: list[int], features: torch.Tensor | None) -> None:
         accepted = len(path)
         kv_cache.roll_back(self.cache, len(ids) - 1)  # keep entries of accepted tokens; the new root is pending
+        if self.suffix is not None:
+            self.suffix.commit(ids, path)
         if self.cfg.adaptive_gamma and self.drafted:  # grow when all drafts were accepted, shrink on an early rejection
             if accepted >= self.drafted:
                 self.gamma = min(self.gamma + 2, self.cfg.max_gamma)
             elif accepted < self.drafted // 2:
                 self.gamma = max(1, self.gamma - 1)
+
+    def finish(self, ids: list[int]) -> None:
+        if self.suffix is not None:
+            self.suffix.finish(ids)
+
+    def accepted_by_source(self) -> dict[str, int]:
+        return dict(self.suffix.accepted) if self.suffix is not None else {}
 
 
 LOOKUP_NODES = 3  # draft nodes (besides the root) whose paths are looked up in the context too
@@ -315,6 +380,7 @@ class EagleDrafter(Proposer):
             raise EagleError(f"tree top_k / choice rank {max(cfg.top_k, widest)} exceeds the drafter's vocabulary ({vocab})")
         self.drafter, self.target, self.cfg = drafter, target, cfg
         self.suffix, self.kept = suffix, []  # kept: the pool nodes of the last tree, by tree node
+        self.sources: list[str] = []  # each node's source in the last pool (``graft_lookup``), the root's ""
         self.dtype = drafter.dtype
         self.aux_layers = tuple(drafter.config.aux_layers)
         self.new_cache = new_cache or drafter.new_cache
@@ -509,7 +575,9 @@ class EagleDrafter(Proposer):
         nodes (a copied span often starts at a token the drafter guessed). In a sampled tree
         the chains are new nodes (``share=False``), after all drawn ones: a chain and its place
         depend only on nodes that outrank it and on its ancestors, so no drawn node's inclusion
-        comes to depend on its own token, and siblings are tried in an order the rule allows."""
+        comes to depend on its own token, and siblings are tried in an order the rule allows.
+        Sets ``sources``: "lookup" for the nodes a chain added or scored higher, else "drafter"."""
+        self.sources = [""] + ["drafter"] * (pool.size - 1)
         if self.cfg.lookup_tokens < 1:
             return pool
         tokens, parents = pool.tokens, pool.parents
@@ -525,7 +593,12 @@ class EagleDrafter(Proposer):
             if match.tokens:
                 self.last_matches.append((path, match))
                 chains.append((match.tokens, self.lookup_rates.scores(match), node))
-        return graft_chains(pool, chains, share=not self.draw_temperature) if chains else pool
+        if not chains:
+            return pool
+        out = graft_chains(pool, chains, share=not self.draw_temperature)
+        self.sources = [s if out.scores[i] <= pool.scores[i] else "lookup" for i, s in enumerate(self.sources)]
+        self.sources += ["lookup"] * (out.size - pool.size)
+        return out
 
     def graft_suffix(self, ids: list[int], pool: Pool, drafted: int, max_depth: int) -> Pool:
         """The pool with suffix drafts below its root (``SuffixDrafts.graft``), scored by their frequencies
@@ -533,8 +606,7 @@ class EagleDrafter(Proposer):
         and the lookup chains (as ``graft_lookup``'s): they depend on the context alone."""
         if self.suffix is None:
             return pool
-        labels = [""] + ["drafter"] * (drafted - 1) + ["lookup"] * (pool.size - drafted)
-        return self.suffix.graft(ids, pool, max_depth, pool.size if self.draw_temperature else 0, labels)
+        return self.suffix.graft(ids, pool, max_depth, pool.size if self.draw_temperature else 0, self.sources)
 
     def finish(self, ids: list[int]) -> None:
         if self.suffix is not None:
@@ -704,6 +776,25 @@ class SuffixDrafts:
             label = self.labels[node] if node < len(self.labels) else ""
             if label:
                 self.accepted[label] = self.accepted.get(label, 0) + 1
+
+    def best_chain(self, ids: list[int], depth: int) -> tuple[list[int], list[float], list[str]]:
+        """The most likely path (the best-scored child at each node) of the sources' continuations of
+        ``ids`` (``graft`` below a lone root), at most ``depth`` tokens: (tokens, cumulative log-scores,
+        sources)."""
+        pool = self.graft(ids, Pool([ids[-1]], [-1], [0.0]), depth)
+        path, node = [], 0
+        while True:
+            children = [i for i in range(node + 1, pool.size) if pool.parents[i] == node]
+            if not children:
+                break
+            node = max(children, key=pool.scores.__getitem__)  # the first on ties
+            path.append(node)
+        return [pool.tokens[n] for n in path], [pool.scores[n] for n in path], [self.labels[n] for n in path]
+
+    def proposed(self, tokens: list[int], parents: list[int], labels: list[str]) -> None:
+        """The tree a proposer made of its own (``labels``: each node's source, the root's ""), which
+        ``commit`` and ``finish`` count accepted drafts by, tree nodes being its nodes (``kept`` None)."""
+        self.pool_tokens, self.pool_parents, self.labels = tokens, parents, labels
 
     def graft(self, ids: list[int], pool: Pool, max_depth: int, share_from: int = 0,
               labels: list[str] | None = None) -> Pool:

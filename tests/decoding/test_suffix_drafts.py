@@ -19,7 +19,9 @@ from tests.conftest import prompts, tiny_drafter, tiny_target
 @pytest.fixture(scope="module")
 def model():
     target = tiny_target(vocab_size=32)
-    return EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=8, depth=3, top_k=2)
+    draft = tiny_target(vocab_size=32, seed=9)
+    return EagleModel.from_pretrained(target, drafter=tiny_drafter(target), draft_model=draft.model, total_tokens=8,
+                                      depth=3, top_k=2)
 
 
 def test_graft_tree_shares_and_keeps_a_subtree():
@@ -34,7 +36,7 @@ def test_graft_tree_shares_and_keeps_a_subtree():
     assert places == [3] and new.scores[1] == -0.5  # a drawn sibling is never merged
 
 
-@pytest.mark.parametrize("method", ["suffix", "eagle-tree"])
+@pytest.mark.parametrize("method", ["suffix", "eagle-tree", "sd"])
 def test_greedy_equals_ar_and_repeats_are_drafted(model, method):
     view = model.with_suffix(SuffixStore(SuffixConfig()))
     runs = prompts(3, seed=4) * 2  # each prompt again: its output is in the history the second time
@@ -47,7 +49,7 @@ def test_greedy_equals_ar_and_repeats_are_drafted(model, method):
     again = [ids[i] for i in range(3, 6)]
     assert sum(r.accepted_by_source.get("history", 0) for r in again) > 0
     assert all(r.target_forwards < 24 for r in again)
-    if method == "eagle-tree":
+    if method != "suffix":
         assert any(r.accepted_by_source.get("drafter", 0) for r in ids.values())
 
 
@@ -176,3 +178,69 @@ def test_suffix_drafts_beside_drawn_nodes_are_lossless(six, monkeypatch):
     monkeypatch.setattr(acceptance, "recursive_rejection_tree", over_accepting)
     counts, _ = sampled_with_sources(mixed(), "eagle-tree", sampling, SAMPLES // 2, prompt)
     assert chi_square_p(counts, exact) < ALPHA
+
+
+@pytest.fixture(scope="module")
+def six_sd():
+    from tests.decoding.test_losslessness import VOCAB
+
+    target = tiny_target(vocab_size=VOCAB, hidden=16, layers=1, init_std=0.5)
+    draft = tiny_target(vocab_size=VOCAB, hidden=16, layers=1, init_std=0.5, seed=9)
+    return EagleModel.from_pretrained(target, draft_model=draft.model, gamma=2)
+
+
+@pytest.mark.slow
+def test_suffix_drafts_in_sd_chains_are_lossless_and_the_check_has_teeth(six_sd, monkeypatch):
+    """``sd`` chains that start with suffix tokens (point masses) where those are more likely right
+    than the draft model's guess, the draft model's draws after them (judged by their q): the output
+    follows the target's distribution. The control (point masses and draws alike accepted with
+    sqrt(p)) must be rejected."""
+    from eagle.config import SamplingConfig
+    from eagle.decoding import acceptance
+    from tests.decoding.test_losslessness import ALPHA, SAMPLES, chi_square_p, exact_triples, over_accepting
+
+    sampling, prompt = SamplingConfig(temperature=1.0), [1, 2, 3, 1, 2]
+    exact = exact_triples(six_sd, sampling, prompt)
+    counts, sources = sampled_with_sources(six_sd.with_suffix(SuffixStore(SuffixConfig())), "sd", sampling,
+                                           SAMPLES, prompt)
+    assert sources.get("drafter", 0) > 100 and sources.get("request", 0) + sources.get("history", 0) > 100
+    assert chi_square_p(counts, exact) > ALPHA
+    monkeypatch.setattr(acceptance, "recursive_rejection_tree", over_accepting)
+    counts, _ = sampled_with_sources(six_sd.with_suffix(SuffixStore(SuffixConfig())), "sd", sampling,
+                                     SAMPLES // 2, prompt)
+    assert chi_square_p(counts, exact) < ALPHA
+
+
+def test_accepted_drafts_count_for_the_source_that_scored_them_higher(model):
+    """A pool of drafter nodes, prompt-lookup chains and suffix drafts from the request and from
+    earlier answers: each node is labelled by the source whose score it kept (by hand below: the
+    lookup chain raises the drafter's deep path 8 9 5 6, the request's continuation 8 9 5 raises
+    it further up to its depth, earlier answers add 30 31), and accepted drafts count so."""
+    from eagle.config import SamplingConfig
+    from eagle.decoding.sampling import make_generator
+
+    store = SuffixStore(SuffixConfig())
+    store.history.add([9, 5, 6, 7, 30, 31])
+    drafter = model.with_suffix(store)._proposer("eagle-tree", SamplingConfig(), make_generator(0))
+    ids = [5, 6, 7, 8, 9, 5, 6]
+    drafter.suffix.start(ids)
+    pool = Pool([6, 7, 3, 8, 9, 5, 6], [-1, 0, 0, 1, 3, 4, 5], [0.0, -0.1, -1.0, -3.0, -3.1, -3.2, -3.3])
+    pool = drafter.graft_suffix(ids, drafter.graft_lookup(ids, pool, 16), 7, 16)
+    labels = dict(zip(range(pool.size), drafter.suffix.labels))
+    assert [labels[n] for n in range(7)] == ["", "drafter", "drafter", "request", "request", "request", "lookup"]
+    assert [labels[n] for n in range(pool.size) if pool.parents[n] == 1 and pool.tokens[n] == 30] == ["history"]
+    drafter.suffix.commit(ids + [7, 8, 9, 5, 6, 11], [1, 3, 4, 5, 6], list(range(pool.size)))
+    assert drafter.accepted_by_source() == {"drafter": 1, "request": 3, "lookup": 1}
+
+
+@pytest.mark.parametrize("method", ["suffix", "eagle-tree", "sd"])
+def test_every_accepted_draft_counts_once(model, method):
+    """Accepted drafts by source add up to the drafts the target kept (the last round's counted at the
+    end, as many as its tokens when the length cut its bonus token off); the first answer has no
+    earlier ones to draft from."""
+    view = model.with_suffix(SuffixStore(SuffixConfig()))
+    for i, prompt in enumerate(prompts(4, seed=5) * 2):
+        out = view.generate(prompt, method=method, max_new_tokens=20)
+        kept = sum(n - 1 for n in out.accept_lengths)
+        assert kept <= sum(out.accepted_by_source.values()) <= kept + 1
+        assert i or not out.accepted_by_source.get("history")
