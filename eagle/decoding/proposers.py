@@ -570,15 +570,13 @@ class EagleDrafter(Proposer):
 
     def _to_expand(self, d: int, flat_scores: torch.Tensor, pool_scores: torch.Tensor, total: int, start: float,
                    calibration: list[float]) -> torch.Tensor:
-        """EAGLE-2's ``select`` for ``tree.growing``: of the k best children of expansion ``d`` (``flat_scores``
-        [1, F k]; ``pool_scores`` [1, M], the pool's, root first, those children last), those the next
-        drafter call expands. Sized ("auto", children ranked): those whose expected best child would be kept,
-        if the call pays for itself (``expansion_floor``, from the running averages). Else those that could
-        have a kept child: a child scores no higher than its parent and ranks after it, so its parent must be
-        among the best ``total - 2`` of the pool (the tree kept is the same, with fewer drafter rows). Not
-        sized for drawn children: a node's own draw shapes the scores below it, so a stop chosen from them
-        would make whether a drawn node is kept depend on its own token and bias it; with a fixed size only
-        nodes that outrank a node (never its own subtree) decide whether it is kept."""
+        """EAGLE-2's ``select`` (``tree.growing``): of expansion ``d``'s k best children (``flat_scores`` [1, F k];
+        ``pool_scores`` [1, M] the pool's, root first), those the next call expands. Sized ("auto", ranked
+        children): those whose expected best child would be kept, if the call pays for itself
+        (``expansion_floor``). Else those that could have a kept child: one among the best ``total - 2`` of
+        the pool (a child scores no higher than its parent and ranks after it; the tree kept is the same,
+        with fewer drafter rows). Never sized for drawn children: a stop chosen from a node's own draw
+        would make whether it is kept depend on its token and bias it."""
         best = ranked(flat_scores, self.cfg.top_k)[0].tolist()
         flat, scores = flat_scores[0].tolist(), pool_scores[0].tolist()[1:]
         if self.sizing is not None and not self.draw_temperature:

@@ -275,17 +275,13 @@ def growing(roots: torch.Tensor, k: int, calls: int, select: Select | None = Non
 def grow_pools(hidden: torch.Tensor, roots: torch.Tensor, k: int, calls: int,
                logprobs: Callable[[torch.Tensor], torch.Tensor], children: Children, step: Step,
                draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """``growing`` on fixed shapes (device operations only: the whole phase can be one static function):
-    below ``roots`` [B], the root's k children from its prediction ``hidden`` [B, H], then ``calls`` times
-    each pool's k best newest nodes run through the drafter together and given k children each.
-
-    ``logprobs(rows [N, H]) -> [N, V]`` the drafter's log-probabilities; ``children(parent_scores [B, F],
-    logprobs [B, F, V], row) -> (draft indices [B, F, k], scores [B, F, k])`` (``topk_children``, or drawn:
-    ``drawn_children``; ``row``: ``Expansion.row``); ``step(d, inputs [B, k, H], tokens [B, k], earlier
-    [B, k, calls k]) -> [B, k, H]``: call d's predictions for the frontier (its parents' predictions
-    ``inputs`` and its target ids ``tokens``; ``earlier``: which rows of earlier calls, k a call, are each
-    node's ancestors); ``draft_ids`` [V] a draft index's target id. -> ``growing``'s (tokens, parents,
-    scores) [B, M], M = 1 + k + calls k^2, and the pool indices [B, k] of each call's nodes."""
+    """``growing`` on fixed shapes, each pool's k best newest nodes expanded by every call (device operations
+    only: the whole phase can be one static function), from the roots' predictions ``hidden`` [B, H].
+    ``logprobs(rows [N, H]) -> [N, V]`` the drafter's; ``children(parent_scores [B, F], logprobs [B, F, V],
+    row) -> (draft indices [B, F, k], scores [B, F, k])`` (``topk_children`` or ``drawn_children``; ``row``:
+    ``Expansion.row``); ``step(d, inputs [B, k, H], tokens [B, k], earlier [B, k, calls k]) -> [B, k, H]``
+    call d's predictions (``Expansion``'s fields, ``inputs`` the parents' predictions); ``draft_ids`` [V] a
+    draft index's target id. -> ``growing``'s pools [B, M], M = 1 + k + calls k^2, and each call's nodes."""
     b = hidden.shape[0]
     run, out, expanded = growing(roots, k, calls), hidden[:, None], []
     node = next(run)
