@@ -14,6 +14,7 @@ context token and is told what the target accepted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from array import array
@@ -29,10 +30,9 @@ from eagle.drafting.suffix import SuffixIndex, SuffixStore, new_index
 from eagle.errors import EagleError
 from eagle.decoding.draft_steps import DraftStep, StepResult, run_alone
 from eagle.decoding.sampling import logits_to_probs, sample
-from eagle.runtime.masks import bool_rows
 from eagle.runtime.target import Target
 from eagle.decoding.tree import (DraftTree, Pool, best_frontier, chain_tree, drawn_children, graft_chains, graft_tree,
-                                 kept_indices, root_only, static_layout)
+                                 growing, kept_indices, ranked, root_only, static_layout)
 
 
 @dataclasses.dataclass
@@ -471,23 +471,6 @@ class EagleDrafter(Proposer):
             self.prompt, self.pending = None, []
             yield from self._feed([f for f, _ in pending], tokens)
 
-    def _node_step(self, inputs: torch.Tensor, pick: list[int] | None, tokens: list[int], ancestors: list[list[int]],
-                   position: int, cached: list[int], parent_scores: list[float], k: int | None) -> DraftStep:
-        """The drafter step of F tree nodes of one depth: rows ``pick`` [F] of ``inputs`` (None: all of them;
-        their parents' predicted features), ``tokens`` [F]; node f attends to the committed cache, its ancestors
-        already run this round and itself; its ``k`` best children after ``parent_scores`` (0: the
-        head's log-probs alone, for drawn children; None: no head). ``cached`` (node ids in cache
-        order) is extended."""
-        nodes = [a[-1] for a in ancestors]
-        seen = None  # causal: a lone node below every node run so far this round (a chain) sees them all
-        if len(nodes) > 1 or ancestors[0][:-1] != cached:
-            col = {node: j for j, node in enumerate(cached + nodes)}
-            seen = bool_rows([[col[a] for a in chain] for chain in ancestors], len(col))  # on the host
-        cached.extend(nodes)
-        return DraftStep(self.drafter, self.target, self.cache, rows=inputs, pick=pick, tokens=tokens,
-                         positions=[position] * len(nodes), seen=seen, head=k is not None, k=k or 0,
-                         parent_scores=parent_scores if k else None)
-
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         return run_alone(self.drafting(ids, max_depth, max_nodes))
 
@@ -512,7 +495,8 @@ class EagleDrafter(Proposer):
         if self.cfg.choices:
             pool = yield from self._static(ids[-1], min(levels, max(len(c) for c in self.cfg.choices)), committed)
         else:
-            pool = yield from self._dynamic(ids[-1], levels, total, committed, start, calibration)
+            select = functools.partial(self._to_expand, total=total, start=start, calibration=calibration)
+            pool = yield from self._grow(ids[-1], self.cfg.top_k, levels - 1, committed, select)
         kv_cache.roll_back(self.cache, committed)
         drafted = pool.size  # pool nodes from the drafter; grafts come after them, so they are tried after their siblings
         pool = self.graft_lookup(ids, pool, max_depth)
@@ -615,116 +599,96 @@ class EagleDrafter(Proposer):
     def accepted_by_source(self) -> dict[str, int]:
         return dict(self.suffix.accepted) if self.suffix is not None else {}
 
-    def _dynamic(self, root: int, levels: int, total: int, committed: int, start: float,
-                 calibration: list[float]) -> Generator[DraftStep, StepResult, Pool]:
-        """EAGLE-2: the root's top_k children, then the top_k best frontier nodes expanded per depth
-        down to ``levels`` draft tokens below the root; return the whole candidate pool.
-        A frontier node outside the best ``total - 2`` nodes of the pool so far is not expanded: a
-        child scores no higher than its parent and ranks after it, so none of its children could
-        be among the ``total - 1`` kept (the final tree is the same, with fewer drafter rows).
-        With ``total_tokens="auto"`` each depth is drafted only where it pays for its drafter call
-        (``_to_expand``). Not so for drawn children: a node's own draw shapes the scores below it,
-        so a size or a stop chosen from them would make whether a drawn node is kept depend on its
-        own token and bias it; with a fixed size only nodes that outrank a node (never its own
-        subtree) decide whether it is kept."""
-        k = self.cfg.top_k
-        sized = self.sizing is not None and not self.draw_temperature
-        # the pool in plain lists (node i: its target token, parent and score): a round's pool has a
-        # few dozen nodes, where each tensor operation costs more than the Python it replaces
-        out = yield DraftStep(self.drafter, self.target, hidden=self.last_hidden[None], k=self._ranked_k(k),
-                              parent_scores=[0.0])
-        child_tokens, child_scores = self._child_lists(out, [0.0], k, [0])
-        scores, tokens, parents = [0.0] + child_scores, [root] + child_tokens, [-1] + [0] * k
-        frontier = self._to_expand(list(range(1, k + 1)), scores, levels > 1, total, sized, start, calibration)
-        frontier_inputs, pick = self.last_hidden[None], [0] * len(frontier)  # the drafter's rows: its inputs[pick]
-        ancestors = {i: [i] for i in range(1, k + 1)}  # run-this-round ancestors of a node, itself last
-        cached: list[int] = []
-        for d in range(1, levels if frontier else 1):
-            step_start = time.perf_counter()
-            parent_scores = [scores[n] for n in frontier]
-            out = yield self._node_step(frontier_inputs, pick, [tokens[n] for n in frontier],
-                                        [ancestors[n] for n in frontier], committed + d - 1, cached, parent_scores,
-                                        self._ranked_k(k))
-            hidden = out.hidden
-            child_tokens, flat_scores = self._child_lists(out, parent_scores, k, frontier)  # F * k each
-            size = len(scores)
-            tokens += child_tokens
-            parents += [n for n in frontier for _ in range(k)]
-            scores += flat_scores
-            if self.sizing is not None:  # this call's seconds, each expanded node's best child (ranked first)
-                self.sizing.record_step(time.perf_counter() - step_start,
-                                        [math.exp(flat_scores[j * k] - scores[n]) for j, n in enumerate(frontier)])
-            best = [size + j for j in best_frontier(flat_scores, k)]
-            frontier = self._to_expand(best, scores, d + 1 < levels, total, sized, start, calibration)
-            if not frontier:
-                break
-            for n in frontier:
-                ancestors[n] = ancestors[parents[n]] + [n]
-            frontier_inputs, pick = hidden, [(n - size) // k for n in frontier]
-        return Pool(tokens, parents, scores)
+    def _grow(self, root: int, k: int, calls: int, committed: int,
+              select: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]) -> Generator[DraftStep, StepResult, Pool]:
+        """The candidate pool grown by ``tree.growing`` (B = 1, on the host) from ``last_hidden``, each of its
+        expansions one drafter step (the root's: the head alone); the nodes expanded after the root's are
+        ``select``'s. With a ``sizing``, each call's seconds and each expanded node's best child are recorded."""
+        run = growing(torch.tensor([root]), k, calls, select)
+        node, prev = next(run), self.last_hidden[None]
+        while True:
+            began = time.perf_counter()
+            f, parent_scores = node.nodes.shape[1], node.scores[0].tolist()
+            if node.d == 0:
+                out = yield DraftStep(self.drafter, self.target, hidden=prev, k=self._ranked_k(k),
+                                      parent_scores=parent_scores)
+            else:
+                earlier = node.earlier[0, :, :node.written]
+                chain = f == 1 and bool(earlier.all())  # a lone node below every row run so far: causal
+                seen = None if chain else torch.cat([earlier, torch.eye(f, dtype=torch.bool)], 1)
+                out = yield DraftStep(self.drafter, self.target, self.cache, rows=prev, pick=node.rows[0].tolist(),
+                                      tokens=node.tokens[0].tolist(), positions=[committed + node.d - 1] * f,
+                                      seen=seen, k=self._ranked_k(k), parent_scores=parent_scores)
+            prev = out.hidden
+            if out.child_tokens is not None:  # ranked by ``run_steps``
+                child_tokens, child_scores = torch.tensor(out.child_tokens), torch.tensor(out.child_scores)
+            else:
+                child_tokens, child_scores = self._children(torch.tensor(parent_scores, device=self.device),
+                                                            out.logprobs, k, node.nodes[0].tolist())
+                child_tokens, child_scores = self.drafter.to_target_ids(child_tokens).cpu(), child_scores.cpu()
+            if self.sizing is not None and node.d:  # this call's seconds, each expanded node's best child (first)
+                best = child_scores.view(f, k)[:, 0].tolist()
+                self.sizing.record_step(time.perf_counter() - began,
+                                        [math.exp(c - p) for c, p in zip(best, parent_scores)])
+            try:
+                node = run.send((child_tokens.view(1, f, k), child_scores.view(1, f, k).float()))
+            except StopIteration as stop:
+                tokens, parents, scores = stop.value
+                return Pool(tokens[0].tolist(), parents[0].tolist(), scores[0].tolist())
 
     def _ranked_k(self, k: int) -> int:
         """What a step asks ``run_steps`` for: ``k`` children by rank, or 0 (the log-probs alone) when they are drawn."""
         return 0 if self.draw_temperature else k
 
-    def _child_lists(self, out: StepResult, parent_scores: list[float], k: int,
-                     nodes: list[int]) -> tuple[list[int], list[float]]:
-        """The k children of pool nodes ``nodes`` [F] as host lists (target ids, scores; F * k each): those
-        ``run_steps`` ranked, or drawn here (``_children``)."""
-        if out.child_tokens is not None:
-            return out.child_tokens, out.child_scores
-        child_tokens, child_scores = self._children(torch.tensor(parent_scores, device=self.device), out.logprobs,
-                                                    k, nodes)
-        return self.drafter.to_target_ids(child_tokens.reshape(-1)).tolist(), child_scores.reshape(-1).tolist()
-
-    def _to_expand(self, candidates: list[int], scores: list[float], deeper: bool, total: int, sized: bool,
-                   start: float, calibration: list[float]) -> list[int]:
-        """Of the pool nodes ``candidates`` (indices into ``scores``, the pool's, root first), those the
-        next drafter call expands (none unless ``deeper``). Sized (auto): those whose expected best
-        child would be kept, if the call pays for itself (``expansion_floor``, from the running
-        averages). Else those that could have a kept child: a child scores no higher than its parent and
-        ranks after it, so its parent must be among the best ``total - 2`` of the pool."""
-        if not deeper:
-            return []
-        if sized:
-            floor = expansion_floor(scores[1:], [scores[n] for n in candidates], self.sizing.costs,
+    def _to_expand(self, d: int, flat_scores: torch.Tensor, pool_scores: torch.Tensor, total: int, start: float,
+                   calibration: list[float]) -> torch.Tensor:
+        """EAGLE-2's ``select`` (``tree.growing``): of expansion ``d``'s k best children (``flat_scores`` [1, F k];
+        ``pool_scores`` [1, M] the pool's, root first), those the next call expands. Sized ("auto", ranked
+        children): those whose expected best child would be kept, if the call pays for itself
+        (``expansion_floor``). Else those that could have a kept child: one among the best ``total - 2`` of
+        the pool (a child scores no higher than its parent and ranks after it; the tree kept is the same,
+        with fewer drafter rows). Never sized for drawn children: a stop chosen from a node's own draw
+        would make whether it is kept depend on its token and bias it."""
+        best = ranked(flat_scores, self.cfg.top_k)[0].tolist()
+        flat, scores = flat_scores[0].tolist(), pool_scores[0].tolist()[1:]
+        if self.sizing is not None and not self.draw_temperature:
+            floor = expansion_floor(scores, [flat[j] for j in best], self.sizing.costs,
                                     time.perf_counter() - start, self.sizing.step_seconds,
                                     math.log(self.sizing.child_prob), calibration)
         else:
-            ranked = sorted(scores[1:], reverse=True)
-            rank = min(total - 2, len(ranked))
-            floor = ranked[rank - 1] if rank > 0 else None
-        return [n for n in candidates if floor is not None and scores[n] >= floor]
+            rank = min(total - 2, len(scores))
+            floor = sorted(scores, reverse=True)[rank - 1] if rank > 0 else None
+        return torch.tensor([[j for j in best if floor is not None and flat[j] >= floor]], dtype=torch.long)
 
     def _static(self, root: int, levels: int, committed: int) -> Generator[DraftStep, StepResult, Pool]:
-        """EAGLE-1: fill a fixed tree shape (``choices``) with the drafter's ranked children."""
+        """EAGLE-1: a fixed tree shape (``choices``) filled with the drafter's ranked children: ``tree.growing``
+        with each layout node's rank among its parent's children, expanding the layout's nodes that have
+        children; the pool cut to the layout's nodes."""
         layout = static_layout(self.cfg.choices)
         n = int((layout.depths <= levels).sum())  # breadth-first order: shallow nodes come first
         parents, ranks, depths = layout.parents[:n].tolist(), layout.ranks[:n].tolist(), layout.depths[:n].tolist()
-        tokens, scores = [root] + [0] * (n - 1), [0.0] * n
+        k = max(ranks) + 1
         has_children = {p for p in parents if p >= 0}
-        hidden_of = {0: self.last_hidden}
-        ancestors: dict[int, list[int]] = {0: []}
-        cached: list[int] = []
-        for d in range(1, levels + 1):
-            level = [i for i in range(n) if depths[i] == d]
-            if not level:
-                break
-            heads = sorted({parents[i] for i in level})
-            width = max(ranks[i] for i in level) + 1
-            out = yield DraftStep(self.drafter, self.target, hidden=torch.stack([hidden_of[p] for p in heads]), k=width,
-                                  parent_scores=[scores[p] for p in heads])
+        column = {0: 0}  # layout node -> its column in its expansion's nodes
+        place = [0] * n  # layout node -> its pool index
+        width = [1]  # how many nodes the last expansion ran
+
+        def placed(level: list[int], start: int) -> None:  # the pool index of each node of a level
             for i in level:
-                at = heads.index(parents[i]) * width + ranks[i]
-                tokens[i], scores[i] = out.child_tokens[at], out.child_scores[at]
-                ancestors[i] = ancestors[parents[i]] + [i]
+                place[i] = start + column[parents[i]] * k + ranks[i]
+
+        def select(d: int, flat_scores: torch.Tensor, pool_scores: torch.Tensor) -> torch.Tensor:
+            start = pool_scores.shape[1] - flat_scores.shape[1]
+            level = [i for i in range(n) if depths[i] == d + 1]
+            placed(level, start)
             grow = [i for i in level if i in has_children]
-            if grow and d < levels:
-                inputs = torch.stack([hidden_of[parents[i]] for i in grow])
-                out = yield self._node_step(inputs, None, [tokens[i] for i in grow],
-                                            [ancestors[i] for i in grow], committed + d - 1, cached, [], None)
-                hidden_of.update(zip(grow, out.hidden))
-        return Pool(tokens, parents, scores)
+            column.update((i, c) for c, i in enumerate(grow))
+            width[0] = len(grow)
+            return torch.tensor([[place[i] - start for i in grow]], dtype=torch.long)
+
+        pool = yield from self._grow(root, k, levels - 1, committed, select)
+        placed([i for i in range(n) if depths[i] == levels], pool.size - width[0] * k)  # no select after the last
+        return pool.subtree(place)
 
 
 class SuffixDrafts:

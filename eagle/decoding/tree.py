@@ -7,7 +7,7 @@ index 0 followed by draft nodes in topological order."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, Generator, Sequence
 
 import torch
 
@@ -204,58 +204,98 @@ def static_layout(choices: Sequence[Sequence[int]]) -> StaticLayout:
 
 Children = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 Step = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Select = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass
+class Expansion:
+    """One expansion of ``growing``'s pools, to be answered with the nodes' children: ``d`` (0: the root,
+    whose prediction is given, no drafter rows; d >= 1: drafter call d), ``nodes`` [B, F] their pool
+    indices, ``rows`` [B, F] the row of the previous expansion's outputs (for d = 1, the root's prediction)
+    that is each one's parent's prediction, ``tokens`` [B, F] target ids, ``scores`` [B, F], ``earlier``
+    [B, F, W] which rows written before this call (in order, ``written`` of them) are each one's
+    ancestors (W >= ``written``: read the first ``written``), ``row`` the draw row of the first node (the
+    root 0, then every expanded node in order: 1 + ``written``)."""
+
+    d: int
+    nodes: torch.Tensor
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    scores: torch.Tensor
+    earlier: torch.Tensor
+    written: int
+
+    @property
+    def row(self) -> int:
+        return 0 if self.d == 0 else 1 + self.written
+
+
+def growing(roots: torch.Tensor, k: int, calls: int, select: Select | None = None,
+            ) -> Generator[Expansion, tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]:
+    """The one EAGLE-2 grower, as a generator: the pools of B sequences below ``roots`` [B] (target ids).
+    It yields each ``Expansion`` (the root, then up to ``calls`` drafter calls) and is sent the expanded
+    nodes' children (target ids [B, F, k], cumulative scores [B, F, k], parent by parent: ranked,
+    ``topk_children``, or drawn, ``drawn_children``). After each expansion but the last the next one's
+    nodes are ``select(d, scores [B, F k] of its children, pool scores [B, M] so far) -> [B, F']``
+    indices among those children (default: the k best, ``ranked``: the first on ties; a narrower choice,
+    or none to stop, on a host pool of B = 1). Returns (tokens [B, M] target ids, parents [B, M] (root -1,
+    parents < index), scores [B, M], root 0)."""
+    b, dev = roots.shape[0], roots.device
+    nodes = torch.zeros(b, 1, dtype=torch.long, device=dev)
+    rows, node_scores = nodes, torch.zeros(b, 1, device=dev)
+    node_tokens = roots.reshape(b, 1)
+    earlier = torch.zeros(b, 1, max(calls, 1) * k, dtype=torch.bool, device=dev)
+    tokens, parents, scores = [node_tokens], [torch.full((b, 1), -1, dtype=torch.long, device=dev)], [node_scores]
+    size = written = 0
+    for d in range(calls + 1):
+        child_tokens, child_scores = yield Expansion(d, nodes, rows, node_tokens, node_scores, earlier, written)
+        f = nodes.shape[1]
+        size, written = size + (d == 0), written + (f if d else 0)
+        flat_scores, flat_tokens = child_scores.reshape(b, f * k), child_tokens.reshape(b, f * k)
+        tokens.append(flat_tokens.to(node_tokens.dtype))
+        parents.append(nodes.repeat_interleave(k, dim=1))
+        scores.append(flat_scores)
+        if d == calls:
+            break
+        best = ranked(flat_scores, k) if select is None else select(d, flat_scores, torch.cat(scores, 1))
+        if best.shape[1] == 0:
+            break
+        parent_rows = torch.div(best, k, rounding_mode="floor")  # [B, F']: the row of this expansion each parent is
+        nodes, rows = size + best, parent_rows
+        node_scores, node_tokens = flat_scores.gather(1, best), flat_tokens.gather(1, best)
+        # each new node's parent joins its ancestors (a drafter call's rows only); a scatter of a constant, not
+        # ``x[i] = True`` (whose host scalar a CUDA capture cannot copy)
+        earlier = earlier.gather(1, parent_rows[:, :, None].expand(-1, -1, earlier.shape[2]))
+        if d:
+            earlier = earlier.scatter(2, (written - f + parent_rows)[:, :, None], True)
+        size += f * k
+    return torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
 
 
 def grow_pools(hidden: torch.Tensor, roots: torch.Tensor, k: int, calls: int,
                logprobs: Callable[[torch.Tensor], torch.Tensor], children: Children, step: Step,
                draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """The EAGLE-2 candidate pools of B sequences on fixed shapes (device operations only: the whole phase
-    can be one static function): below ``roots`` [B] (target ids), the root's k children from its prediction
-    ``hidden`` [B, H], then ``calls`` times each pool's k best newest nodes (``ranked``: the first on ties)
-    run through the drafter together and given k children each.
-
-    ``logprobs(rows [N, H]) -> [N, V]`` the drafter's log-probabilities; ``children(parent_scores [B, F],
-    logprobs [B, F, V], row) -> (draft indices [B, F, k], scores [B, F, k])`` (``topk_children``, or drawn:
-    ``drawn_children``; ``row``: the draw row of the first parent, 0 for the root, 1 + (d - 1) k for call
-    d's); ``step(d, inputs [B, k, H], tokens [B, k], earlier [B, k, calls k]) -> [B, k, H]``: call d's
-    predictions for the frontier (its parents' predictions ``inputs`` and its target ids ``tokens``;
-    ``earlier``: which rows of earlier calls are each node's ancestors); ``draft_ids`` [V] a draft index's
-    target id. -> (tokens [B, M] target ids, parents [B, M] (root -1, parents < index), scores [B, M]
-    cumulative draft log-probabilities (root 0), the pool indices [B, k] of each call's frontier),
-    M = 1 + k + calls k^2."""
-    b, dev = hidden.shape[0], hidden.device
-    picks, frontier_scores = children(torch.zeros(b, 1, device=dev), logprobs(hidden)[:, None], 0)
-    picks, frontier_scores = picks[:, 0], frontier_scores[:, 0]  # [B, k]: the root's children
-    frontier_tokens = draft_ids[picks]
-    frontier = torch.arange(1, k + 1, device=dev).expand(b, k)  # pool indices of the nodes the next call runs
-    tokens = [roots.reshape(b, 1).to(frontier_tokens.dtype), frontier_tokens]
-    parents = [torch.full((b, 1), -1, dtype=torch.long, device=dev), torch.zeros(b, k, dtype=torch.long, device=dev)]
-    scores = [torch.zeros(b, 1, dtype=frontier_scores.dtype, device=dev), frontier_scores]
-    inputs = hidden[:, None].expand(b, k, hidden.shape[-1])
-    earlier = torch.zeros(b, k, calls * k, dtype=torch.bool, device=dev)
-    expanded = []
-    size = 1 + k
-    for d in range(1, calls + 1):
-        out = step(d, inputs, frontier_tokens, earlier)  # [B, k, H]
-        expanded.append(frontier)
-        picks, child_scores = children(frontier_scores, logprobs(out.reshape(b * k, -1)).view(b, k, -1),
-                                       1 + (d - 1) * k)  # [B, k, k]
-        flat_scores, flat_tokens = child_scores.reshape(b, k * k), draft_ids[picks].reshape(b, k * k)
-        tokens.append(flat_tokens)
-        parents.append(frontier.repeat_interleave(k, dim=1))
-        scores.append(flat_scores)
-        if d < calls:  # the next call runs each pool's k best children
-            best = ranked(flat_scores, k)
-            rows = torch.div(best, k, rounding_mode="floor")  # [B, k]: the row of this call each one's parent ran in
-            frontier = size + best
-            frontier_scores, frontier_tokens = flat_scores.gather(1, best), flat_tokens.gather(1, best)
-            inputs = out.gather(1, rows[:, :, None].expand(-1, -1, out.shape[2]))
-            # each new frontier node's parent joins its ancestors; a scatter of a constant, not ``x[i] = True``
-            # (whose host scalar a CUDA capture cannot copy)
-            earlier = earlier.gather(1, rows[:, :, None].expand(-1, -1, calls * k)).scatter(
-                2, ((d - 1) * k + rows)[:, :, None], True)
-        size += k * k
-    return torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1), expanded
+    """``growing`` on fixed shapes, each pool's k best newest nodes expanded by every call (device operations
+    only: the whole phase can be one static function), from the roots' predictions ``hidden`` [B, H].
+    ``logprobs(rows [N, H]) -> [N, V]`` the drafter's; ``children(parent_scores [B, F], logprobs [B, F, V],
+    row) -> (draft indices [B, F, k], scores [B, F, k])`` (``topk_children`` or ``drawn_children``; ``row``:
+    ``Expansion.row``); ``step(d, inputs [B, k, H], tokens [B, k], earlier [B, k, calls k]) -> [B, k, H]``
+    call d's predictions (``Expansion``'s fields, ``inputs`` the parents' predictions); ``draft_ids`` [V] a
+    draft index's target id. -> ``growing``'s pools [B, M], M = 1 + k + calls k^2, and each call's nodes."""
+    b = hidden.shape[0]
+    run, out, expanded = growing(roots, k, calls), hidden[:, None], []
+    node = next(run)
+    while True:
+        if node.d:
+            inputs = out.gather(1, node.rows[:, :, None].expand(-1, -1, out.shape[2]))
+            out = step(node.d, inputs, node.tokens, node.earlier)  # [B, k, H]
+            expanded.append(node.nodes)
+        picks, child_scores = children(node.scores, logprobs(out.reshape(-1, out.shape[2])).view(b, out.shape[1], -1),
+                                       node.row)
+        try:
+            node = run.send((draft_ids[picks], child_scores))
+        except StopIteration as stop:
+            return stop.value + (expanded,)
 
 
 def pool_depths(k: int, calls: int) -> list[int]:

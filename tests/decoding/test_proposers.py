@@ -148,29 +148,37 @@ def test_greedy_without_lookup_matches_ar(kind_pair):
 
 
 
+def brute_force_prediction(proposer, ids: list[int], features: torch.Tensor, path: list[int],
+                           path_features: list[torch.Tensor]) -> torch.Tensor:
+    """A tree node's predicted feature [H], recomputed by running the drafter causally over the context and the
+    node's ``path`` (fed the predictions ``path_features`` along it). An EAGLE-3 drafter reads the target's
+    ``features`` [n, (1 + a) H] over the context and its own predictions along the path: two calls, the second
+    on the first's cache."""
+    drafter, target = proposer.drafter, proposer.target
+    dev = target.device
+    if drafter.config.kind == "eagle3":
+        cache, context = drafter.new_cache(), torch.tensor([ids[1:]], device=dev)
+        out = drafter(features[None], target.embed(context), torch.arange(context.shape[1], device=dev)[None], cache)
+        if path:
+            positions = torch.arange(context.shape[1], context.shape[1] + len(path), device=dev)[None]
+            out = drafter(torch.stack(path_features)[None], target.embed(torch.tensor([path], device=dev)),
+                          positions, cache)
+        return out[0, -1]
+    feats = torch.cat([features, torch.stack(path_features)]) if path_features else features
+    tokens = torch.tensor([ids[1:] + path], device=dev)
+    positions = torch.arange(tokens.shape[1], device=dev)[None]
+    return drafter(feats[None], target.embed(tokens), positions)[0, -1]
+
+
 def brute_force_eagle2(proposer, ids: list[int], features: torch.Tensor, depth: int, k: int,
                        total: int) -> dict[tuple[int, ...], float]:
-    """EAGLE-2 by its code, each node's predicted feature recomputed by running the drafter
-    causally over the context and the node's path: the root's k children, then ``depth``
-    expansions of the k best frontier nodes (paths of up to depth + 1 drafts); the kept paths
-    -> their scores. An EAGLE-3 drafter reads the target's ``features`` [n, (1 + a) H] over the
-    context and its own predictions [H] along the path: two calls, the second on the first's cache."""
+    """EAGLE-2 by its code, each node's predicted feature recomputed (``brute_force_prediction``): the root's
+    k children, then ``depth`` expansions of the k best frontier nodes (paths of up to depth + 1 drafts);
+    the kept paths -> their scores."""
     drafter, target = proposer.drafter, proposer.target
 
     def predict(path: list[int], path_features: list[torch.Tensor]) -> torch.Tensor:
-        dev = target.device
-        if drafter.config.kind == "eagle3":
-            cache, context = drafter.new_cache(), torch.tensor([ids[1:]], device=dev)
-            out = drafter(features[None], target.embed(context), torch.arange(context.shape[1], device=dev)[None], cache)
-            if path:
-                positions = torch.arange(context.shape[1], context.shape[1] + len(path), device=dev)[None]
-                out = drafter(torch.stack(path_features)[None], target.embed(torch.tensor([path], device=dev)),
-                              positions, cache)
-            return out[0, -1]
-        feats = torch.cat([features, torch.stack(path_features)]) if path_features else features
-        tokens = torch.tensor([ids[1:] + path], device=dev)
-        positions = torch.arange(tokens.shape[1], device=dev)[None]
-        return drafter(feats[None], target.embed(tokens), positions)[0, -1]
+        return brute_force_prediction(proposer, ids, features, path, path_features)
 
     def children(path, path_features, hidden, score):
         logprobs = torch.log_softmax(drafter.draft_logits(hidden, target.lm_head), -1)
@@ -188,6 +196,16 @@ def brute_force_eagle2(proposer, ids: list[int], features: torch.Tensor, depth: 
     return {tuple(pool[i][0]): pool[i][2] for i in kept}
 
 
+def drafter_rows(monkeypatch) -> list[int]:
+    """The rows of each drafter call that expands tree nodes from now on (a step with rows and a head), as they run."""
+    from eagle.decoding import draft_steps
+
+    rows, run_steps = [], draft_steps.run_steps
+    monkeypatch.setattr(draft_steps, "run_steps", lambda steps: rows.extend(
+        len(s.tokens) for s in steps if s.rows is not None and s.head) or run_steps(steps))
+    return rows
+
+
 def flat_pair(request, kind: str):
     """(target, drafter of ``kind`` with unscaled random weights): a flat draft distribution, where deep
     and shallow nodes compete. An EAGLE-3 drafter drafts over 20 of the 32 tokens."""
@@ -202,7 +220,7 @@ def flat_pair(request, kind: str):
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("total, frontier_rows", [(3, "first"), (5, "fewer"), (7, None), (9, None), (12, None),
                                                   (40, "all")])
-def test_dynamic_tree_equals_brute_force_eagle2_and_skips_nodes_that_cannot_be_kept(request, kind, total,
+def test_dynamic_tree_equals_brute_force_eagle2_and_skips_nodes_that_cannot_be_kept(request, monkeypatch, kind, total,
                                                                                     frontier_rows):
     """With a flat draft distribution (no weight scaling) deep and shallow nodes compete. An
     EAGLE-3 drafter (over a draft vocabulary) is fed the target's aux features at the root and its
@@ -215,10 +233,8 @@ def test_dynamic_tree_equals_brute_force_eagle2_and_skips_nodes_that_cannot_be_k
     prefill = target_prefill(target, ids, tuple(flat.config.aux_layers))
     proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
     proposer.start(ids, prefill.features[0])
-    rows = []
-    node_step = proposer._node_step
-    proposer._node_step = lambda inputs, pick, tokens, *rest: rows.append(len(tokens)) or node_step(
-        inputs, pick, tokens, *rest)
+    proposer.prepare()
+    rows = drafter_rows(monkeypatch)
     tree = proposer.propose(ids, max_depth=10, max_nodes=100).tree
     paths, tokens, scores = {0: ()}, tree.tokens.tolist(), tree.scores.tolist()
     for i, parent in enumerate(tree.parents.tolist()[1:], start=1):
@@ -233,6 +249,38 @@ def test_dynamic_tree_equals_brute_force_eagle2_and_skips_nodes_that_cannot_be_k
         assert sum(rows) < k * depth
     elif frontier_rows == "all":  # every node can be kept: all k frontier nodes run at every depth
         assert rows == [k] * depth
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_static_tree_is_its_layout_filled_with_ranked_children(request, monkeypatch, kind):
+    """An EAGLE-1 static tree (``choices``): node by node the drafter's ranked child (the first on ties) of
+    its parent's recomputed prediction at the node's rank, scored by its path's log-probability; only
+    nodes with children in the layout run through the drafter."""
+    choices = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 0, 1), (1, 0, 0))
+    target, flat = flat_pair(request, kind)
+    model = EagleModel.from_pretrained(target, drafter=flat, total_tokens=100, choices=[list(c) for c in choices],
+                                       lookup_tokens=0, drafter_dtype=torch.float32)
+    ids = [3, 9, 4, 17, 8, 2, 11]
+    prefill = target_prefill(target, ids, tuple(flat.config.aux_layers))
+    proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
+    proposer.start(ids, prefill.features[0])
+    proposer.prepare()
+    rows = drafter_rows(monkeypatch)
+    tree = proposer.propose(ids, max_depth=10, max_nodes=100).tree
+    want = {(): ([], [], 0.0)}  # rank path -> (tokens, predictions fed along it, score)
+    for choice in sorted(choices, key=lambda c: (len(c), c)):
+        tokens, fed, score = want[choice[:-1]]
+        hidden = brute_force_prediction(proposer, ids, prefill.features[0], tokens, fed)
+        lp = torch.log_softmax(proposer.drafter.draft_logits(hidden, target.lm_head), -1).tolist()
+        token = sorted(range(len(lp)), key=lambda v: (-lp[v], v))[choice[-1]]
+        want[choice] = (tokens + [token], fed + [hidden], score + lp[token])
+    layout = sorted(want, key=lambda c: (len(c), c))
+    assert tree.size == len(layout)
+    got_tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    assert parents == [-1] + [layout.index(c[:-1]) for c in layout[1:]]
+    assert got_tokens[1:] == [int(proposer.drafter.to_target_ids(torch.tensor(want[c][0][-1]))) for c in layout[1:]]
+    assert tree.scores.tolist() == pytest.approx([want[c][2] for c in layout], abs=1e-4)
+    assert rows == [3, 2]  # depth 1: (0,), (1,), (2,) have children; depth 2: (0, 0), (1, 0)
 
 
 def test_a_sampled_auto_tree_takes_the_size_chosen_before_its_draws(target, drafter, monkeypatch):
@@ -281,9 +329,8 @@ def test_greedy_auto_drafts_a_deeper_level_only_where_it_pays(target, drafter, m
         proposer = proposers.EagleDrafter(model._inference_copy(drafter, torch.float32), target, model.tree, cost=curve)
         proposer.sizing.step_seconds = step_seconds  # a drafter call that takes 100 s never pays, whatever the curve
         proposer.start(ids, prefill.hidden[0])
-        calls = []
-        node_step = proposer._node_step
-        monkeypatch.setattr(proposer, "_node_step", lambda *args: calls.append(args) or node_step(*args))
+        proposer.prepare()
+        calls = drafter_rows(monkeypatch)
         proposer.propose(ids, max_depth=10, max_nodes=100)
         assert bool(calls) == deeper
         assert (proposer.sizing.step_seconds != step_seconds) == deeper

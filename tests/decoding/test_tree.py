@@ -378,3 +378,48 @@ def test_grown_pools_are_brute_force_eagle2_ties_included(batch, k, calls, total
         assert kept[b].tolist() == keep
         ties += len(set(s for _, s in want)) < len(want)
     assert ties  # the case has ties: the order among them is checked
+
+
+@pytest.mark.parametrize("k, calls, total, rows_run", [(2, 3, 4, "fewer"), (3, 2, 5, "fewer"), (3, 3, 9, None),
+                                                       (3, 3, 30, "all")])
+def test_a_host_pool_expanding_only_what_can_be_kept_keeps_brute_force_eagle2(k, calls, total, rows_run):
+    """``tree.growing`` as the host drives it (B = 1, ``EagleDrafter._to_expand``'s rule: of each expansion's
+    k best children only those among the best ``total - 2`` of the pool so far run, and none when none
+    does): fewer drafter rows, the same kept paths as EAGLE-2 by its definition, ties included."""
+    logprobs, predict = toy_drafter()
+    for seed in range(6):
+        check_host_pool(torch.randn(6, generator=torch.Generator().manual_seed(seed)), k, calls, total, rows_run,
+                        logprobs, predict)
+
+
+def check_host_pool(hidden, k, calls, total, rows_run, logprobs, predict):
+    from eagle.decoding.tree import growing, kept_indices, ranked
+
+    def select(d, flat, pool):
+        best, scores = ranked(flat, k)[0].tolist(), sorted(pool[0, 1:].tolist(), reverse=True)
+        floor = scores[min(total - 2, len(scores)) - 1] if total > 2 else float("inf")
+        return torch.tensor([[j for j in best if flat[0, j] >= floor]], dtype=torch.long)
+
+    run, rows = growing(torch.tensor([0]), k, calls, select), 0
+    node, out = next(run), hidden[None, None]
+    while True:
+        if node.d:
+            out = predict(out.gather(1, node.rows[:, :, None].expand(-1, -1, 6)), node.tokens - 100)
+            rows += node.nodes.shape[1]
+        picks, scores = topk_children(node.scores, logprobs(out), k)
+        try:
+            node = run.send((picks + 100, scores))
+        except StopIteration as stop:
+            tokens, parents, scores = (t[0].tolist() for t in stop.value)
+            break
+    paths = [[]]
+    for i in range(1, len(tokens)):
+        paths.append(paths[parents[i]] + [tokens[i] - 100])
+    want = brute_force_pool(hidden, k, calls, logprobs, predict)
+    keep = sorted(range(1, len(want)), key=lambda i: -want[i][1])[:total - 1]
+    kept = kept_indices(scores, total)
+    assert sorted((paths[i], scores[i]) for i in kept[1:]) == sorted(want[i] for i in keep)
+    if rows_run == "fewer":
+        assert rows < calls * k
+    elif rows_run == "all":
+        assert rows == calls * k
