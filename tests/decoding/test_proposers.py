@@ -299,6 +299,8 @@ def test_auto_sizing_keeps_what_it_learns_across_generations(target, drafter, mo
 
     curve = CostCurve(sizes=[1, 16], seconds=[1.0, 1.0])  # every size as cheap as one token: large trees
     monkeypatch.setattr("eagle.decoding.tree_sizing.cost_curve", lambda target, greedy=False: curve)
+    # every round drafts (a random drafter's rounds lose to plain ones): this is about what drafting teaches
+    monkeypatch.setattr("eagle.decoding.tree_sizing.DraftGate.drafts", lambda self, estimate: True)
     model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens="auto", depth=4, top_k=3)
     trees = []
     propose = proposers.EagleDrafter.propose
