@@ -217,7 +217,7 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
         # 5. record stats and hand the chunk out
         new.extend(chunk)
         accept_lengths.append(len(chunk))
-        if sizing is not None:
+        if sizing is not None and forwards > 1:  # (a first drafting round also feeds the drafter the prompt)
             sizing.gate.record(drafts, len(chunk), time.perf_counter() - began, sizing.costs[0])
         yield chunk
         clock.lap("other")
