@@ -399,8 +399,8 @@ def build_parser() -> Parser:
                         "per level (e.g. 1,4,16), every answer checked against the request decoded alone (--methods "
                         "default: ar,pld,eagle-tree)")
     g.add_argument("--url", help="the eagle-serve to load (default: one started in this process with the model options)")
-    g.add_argument("--max-batch", type=int, default=1,
-                   help="the in-process server's --max-batch (default 1)")
+    g.add_argument("--max-batch", type=int, default=None,
+                   help="the in-process server's --max-batch (default: eagle-serve's)")
     add_sampling_args(parser, max_new_tokens=128, temperature=0.0)
     add_model_args(parser)
     add_config_args(parser, "; eagle-bench's own: warmup, requests_per_client, api_key, cache_pool, llama_cpp, "
@@ -633,7 +633,7 @@ def load_test(args: Any, argv: list[str], methods: list[str], prompts: list[dict
     for key in ("llama_cpp", "llama_cpp_draft", "llama_cpp_draft_max"):
         if key in args.config_keys:
             raise EagleError(f"{key} is for llama.cpp methods, which the load test does not run")
-    if args.max_batch < 1:
+    if args.max_batch is not None and args.max_batch < 1:
         raise EagleError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.json:
         check_writable(args.json, "--json")
@@ -658,13 +658,14 @@ def load_test(args: Any, argv: list[str], methods: list[str], prompts: list[dict
             model = load_model(args)
             for method in methods:
                 check_method(model, method)
-            from infer.serve import create_app
+            from infer.serve import create_app, default_max_batch
 
             info = machine(model)
-            app = create_app(model, method=methods[0], max_queue=max(levels), max_batch=args.max_batch,
+            max_batch = default_max_batch(model) if args.max_batch is None else args.max_batch
+            app = create_app(model, method=methods[0], max_queue=max(levels), max_batch=max_batch,
                              cache_pool=args.cache_pool)
             base = stack.enter_context(lt.LocalServer(app)).base
-            info["server"] = f"in-process, max_batch {args.max_batch}" + (", cache_pool" if args.cache_pool else "")
+            info["server"] = f"in-process, max_batch {max_batch}" + (", cache_pool" if args.cache_pool else "")
         else:
             base = args.url
             info = dict(server=base, client_cpu=cpu_name(), platform=platform.platform(),

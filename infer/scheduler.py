@@ -227,31 +227,48 @@ class BatchedBackend:
     drafts its own tree and ONE target forward verifies all of them each step; tree sizes come from
     the measured cost of the batch's rows (``load_sizing``), within an admission's ``total_tokens``
     (a seeded sampled request always gets all of it); ``cache_pool``: ``ServingEngine``'s (off by default).
+    A sequence that finds the backend empty when a step begins (none running, none joining beside it) runs on
+    ``SerialBackend`` (``suffix``: its ``SuffixScopes``), the one-sequence loop, so that one client alone pays
+    nothing for batching; those arriving while it runs join the engine, and a step runs a round of both.
     Stop strings stay the scheduler's."""
 
-    def __init__(self, model: Any, capacity: int, cache_pool: bool = False) -> None:
+    def __init__(self, model: Any, capacity: int, cache_pool: bool = False,
+                 suffix: SuffixScopes | None = None) -> None:
         from eagle.decoding.serving import ServingEngine
 
         if capacity < 1:
             raise EagleError(f"max_batch must be >= 1, got {capacity}")
         self.engine, self.capacity = ServingEngine(model, max_batch=capacity, cache_pool=cache_pool), capacity
+        self.serial = SerialBackend(model, suffix=suffix)
+        self.admissions: dict[int, Admission] = {}  # added since the last step (queued in the engine)
 
     def add(self, admission: Admission) -> None:
         from eagle.decoding.serving import RequestOptions
 
         a = admission
-        self.engine.add(a.key, list(a.ids), RequestOptions(
+        self.engine.add(a.key, list(a.ids), RequestOptions(  # refuses what cannot run, now
             method=a.method, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
             top_k=a.top_k, seed=a.seed, total_tokens=a.total_tokens))
+        self.admissions[a.key] = a
 
     def step(self) -> list[Progress]:
-        return [Progress(e.request_id, list(e.new_token_ids), (e.stop_reason or "eos") if e.finished else None)
-                for e in self.engine.step()]
+        if len(self.admissions) == 1 and not self.serial.streams and self.engine.request_ids == [*self.admissions]:
+            (key, alone), = self.admissions.items()
+            self.engine.cancel(key)
+            self.serial.add(alone)
+        self.admissions.clear()
+        out = self.serial.step() if self.serial.streams else []
+        return out + [Progress(e.request_id, list(e.new_token_ids), (e.stop_reason or "eos") if e.finished else None)
+                      for e in self.engine.step()]
 
     def cancel(self, key: int) -> None:
+        self.admissions.pop(key, None)
+        self.serial.cancel(key)
         self.engine.cancel(key)
 
     def close(self) -> None:
+        self.admissions.clear()
+        self.serial.close()
         self.engine.close()
 
 

@@ -48,6 +48,14 @@ SEEDED_TOTAL_TOKENS = 8
 # fast as auto_length on sampled chat, where the whole chain is far slower (docs/serving.md, Reproducibility)
 SEEDED_PLD_TOKENS = 4
 MAX_BODY_BYTES = 1 << 20  # the default --max-body-bytes
+# the default --max-batch on a CPU (elsewhere 1: the batched engine's GPU paths are not on by default). A lone
+# request still runs the one-sequence loop (``BatchedBackend``); 4 clients at once share one forward a round
+CPU_MAX_BATCH = 8
+
+
+def default_max_batch(model: Any) -> int:
+    """``--max-batch`` when none is given: ``CPU_MAX_BATCH`` for a target on a CPU, else 1."""
+    return CPU_MAX_BATCH if model.target.device.type == "cpu" else 1
 
 
 # ---------------------------------------------------------------- request validation
@@ -234,7 +242,7 @@ def round_size(model: Any, job: Job) -> int | str | None:
 
 def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_tokens: int | None = None,
                model_name: str | None = None, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               request_timeout_s: float | None = None, max_batch: int = 1, backend: Any = None,
+               request_timeout_s: float | None = None, max_batch: int | None = None, backend: Any = None,
                cache_pool: bool = False, suffix_scope: str = "key") -> Any:
     """The ASGI app serving an already-built ``EagleModel`` (or anything with its ``generate``,
     ``target``, ``drafter`` and ``draft_model``). ``method``: the default decoding method
@@ -243,11 +251,13 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
     the context); ``model_name``: the id ``/v1/models`` lists (default the target's name);
     ``api_key``: the Bearer token ``/v1`` requires (None: none); ``max_body_bytes``: larger request
     bodies get 413; ``request_timeout_s``: a request's time limit from its arrival (None: none);
-    ``backend``: the ``infer.scheduler.Backend`` that decodes (default: ``SerialBackend(model)`` for
-    ``max_batch`` 1, else ``BatchedBackend(model, max_batch, cache_pool)``; ``cache_pool``: the batch's caches as
-    slots of one pool, the GPU layout, off by default: ``eagle.decoding.serving.ServingEngine``); ``suffix_scope``:
-    whose earlier answers the suffix drafts of methods suffix, eagle-tree and eagle-chain come from
-    (``SuffixScopes``: "request", "key" (the request's API key's), "server"; with ``max_batch`` 1)."""
+    ``max_batch``: requests decoded together (None: ``default_max_batch``); ``backend``: the
+    ``infer.scheduler.Backend`` that decodes (default: ``SerialBackend(model)`` for ``max_batch`` 1, else
+    ``BatchedBackend(model, max_batch, cache_pool)``, where a lone request runs as on ``SerialBackend``;
+    ``cache_pool``: the batch's caches as slots of one pool, the GPU layout, off by default:
+    ``eagle.decoding.serving.ServingEngine``); ``suffix_scope``: whose earlier answers the suffix drafts of
+    methods suffix, eagle-tree and eagle-chain come from (``SuffixScopes``: "request", "key" (the request's
+    API key's), "server"; for requests on the one-sequence loop)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import Request
@@ -256,6 +266,8 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
 
     if method is None:
         method = "eagle-tree" if model.drafter_config is not None else "ar"
+    if max_batch is None:
+        max_batch = default_max_batch(model)
     check_serving(max_queue=max_queue, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout_s,
                   max_batch=max_batch, api_key=api_key)
     name = model_name or model.target.name
@@ -266,7 +278,7 @@ def create_app(model: Any, method: str | None = None, max_queue: int = 16, max_t
     scopes = SuffixScopes(model, suffix_scope) if isinstance(model, EagleModel) else None
     if backend is None:  # one request at a time on the fast single-stream path, else one batch
         backend = (SerialBackend(model, suffix=scopes) if max_batch == 1
-                   else BatchedBackend(model, max_batch, cache_pool))
+                   else BatchedBackend(model, max_batch, cache_pool, suffix=scopes))
     engine = Scheduler(backend, model.target.tokenizer, model.target.max_context, max_queue, metrics)
     release_workers()  # this thread hands decoding to the scheduler's: its idle OpenMP workers would slow it
     created = int(time.time())
@@ -531,10 +543,10 @@ def build_parser() -> Any:
     parser.add_argument("--method", choices=METHODS,
                         help="default decoding method; a request may pick another with its 'method' field "
                              "(default: eagle-tree when a drafter is available, else ar)")
-    parser.add_argument("--max-batch", type=int, default=1,
-                        help="requests decoded together in the running batch; others wait in the queue (default 1: one "
-                             "at a time on the fastest single-stream path; more: one target forward a round "
-                             "verifies every running request's draft tree)")
+    parser.add_argument("--max-batch", type=int, default=None,
+                        help="requests decoded together in the running batch, one target forward a round verifying "
+                             f"every running request's draft tree; others wait in the queue (default {CPU_MAX_BATCH} on "
+                             "a CPU, else 1: one at a time; a request alone runs the single-stream path)")
     parser.add_argument("--suffix-scope", choices=SUFFIX_SCOPES, default="key",
                         help="whose earlier answers suffix drafts (methods suffix, eagle-tree, eagle-chain) may come "
                              "from: the request alone, the same API key's requests (default), or every request")
@@ -587,7 +599,7 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 <= args.port <= 65535:
         raise EagleError(f"--port must be in 0..65535, got {args.port}")
     check_serving(max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                  request_timeout_s=args.request_timeout_s, max_batch=args.max_batch, api_key=args.api_key)
+                  request_timeout_s=args.request_timeout_s, max_batch=1 if args.max_batch is None else args.max_batch, api_key=args.api_key)
     try:
         import starlette  # noqa: F401
         import uvicorn

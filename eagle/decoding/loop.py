@@ -187,12 +187,14 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
     proposer.start(ids, features if proposer.needs_features else None)
     clock = Clock(device)  # synchronizes CUDA before its first reading
     prefill_s = clock.last - start
+    sizing = proposer.sizing  # "auto": its gate says whether a round drafts at all, from past rounds' rates
     while not stop:
-        past = len(ids) - 1
+        past, began = len(ids) - 1, time.perf_counter()
         # tokens still allowed: by max_new_tokens and by the context (the sequence never outgrows it)
         room = min(max_new_tokens - len(new), target.max_context - len(ids))
+        drafts = sizing is None or sizing.gate.drafts(sizing.costs[0])
         # 1. propose a draft tree rooted at the last token, no deeper than the tokens still allowed
-        proposal = proposer.propose(ids, max_depth=room - 1, max_nodes=target.max_context - past)
+        proposal = proposer.propose(ids, max_depth=room - 1, max_nodes=target.max_context - past if drafts else 1)
         tree = proposal.tree
         clock.lap("draft")
         # 2. verify the whole tree in one target forward (tree mask, positions by depth)
@@ -215,6 +217,8 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
         # 5. record stats and hand the chunk out
         new.extend(chunk)
         accept_lengths.append(len(chunk))
+        if sizing is not None and forwards > 1:  # (a first drafting round also feeds the drafter the prompt)
+            sizing.gate.record(drafts, len(chunk), time.perf_counter() - began, sizing.costs[0])
         yield chunk
         clock.lap("other")
     proposer.finish(ids)

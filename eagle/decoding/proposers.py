@@ -86,6 +86,7 @@ class Proposer:
 
     needs_features = False
     aux_layers: tuple[int, ...] = ()
+    sizing: Sizing | None = None  # what sizing by cost learns ("auto"), whose ``gate`` says whether a round drafts
 
     def start(self, ids: list[int], features: torch.Tensor | None) -> None:
         """Called once the target has prefilled ``ids[:-1]``."""

@@ -151,6 +151,49 @@ CHILD_PROB_PRIOR = 0.5  # before any drafter call is seen: an expanded node's be
 AVERAGING = 0.1  # the weight of each new observation in the running averages
 
 
+PROBE_ROUNDS = (8, 64)  # plain rounds before drafting is tried again: at first, and at most (doubling between)
+PROBE_WEIGHT = 0.5  # a probe's weight in the drafting averages: what drafting gave many rounds ago is stale
+
+
+@dataclasses.dataclass
+class DraftGate:
+    """Whether a round drafts at all: drafting pays while a drafting round's tokens per second (running
+    averages of its new tokens and its whole time, drafting to commit) beat a plain round's (1 token in
+    ``plain_seconds``, or before any plain round the ``estimate`` given). A round that does not draft
+    verifies the root alone (plain decoding: the drafter is not even fed). After ``patience`` plain rounds
+    one drafting round probes again (weighed ``PROBE_WEIGHT``); a probe that does not pay doubles the patience (up to
+    ``PROBE_ROUNDS[1]``), one that pays resets it. Only past rounds decide, so acceptance stays lossless
+    (every round verifies a tree fixed before its draws)."""
+
+    drafted_seconds: float = 0.0  # 0: no drafting round seen
+    drafted_tokens: float = 0.0
+    plain_seconds: float = 0.0  # 0: no plain round seen
+    waited: int = 0  # plain rounds since the last drafting round
+    patience: int = PROBE_ROUNDS[0]
+
+    def pays(self, estimate: float) -> bool:
+        """Whether drafting rounds so far beat plain ones (``estimate``: a plain round's seconds until one is seen)."""
+        plain = self.plain_seconds or estimate
+        return not self.drafted_seconds or self.drafted_tokens * plain >= self.drafted_seconds
+
+    def drafts(self, estimate: float) -> bool:
+        """Whether the next round drafts: it pays, or a probe is due."""
+        return self.pays(estimate) or self.waited >= self.patience
+
+    def record(self, drafted: bool, tokens: int, seconds: float, estimate: float) -> None:
+        """A round's new ``tokens`` and ``seconds``; ``drafted``: whether it drafted (``drafts`` said so)."""
+        if not drafted:
+            self.plain_seconds += AVERAGING * (seconds - self.plain_seconds) if self.plain_seconds else seconds
+            self.waited += 1
+            return
+        weight = 1.0 if not self.drafted_seconds else PROBE_WEIGHT if self.waited else AVERAGING
+        self.drafted_seconds += weight * (seconds - self.drafted_seconds)
+        self.drafted_tokens += weight * (tokens - self.drafted_tokens)
+        if self.waited:  # a probe
+            self.patience = PROBE_ROUNDS[0] if self.pays(estimate) else min(PROBE_ROUNDS[1], 2 * self.patience)
+        self.waited = 0
+
+
 @dataclasses.dataclass
 class Sizing:
     """What "auto" tree sizing learns while decoding; a model keeps one per kind of decoding (greedy,
@@ -168,7 +211,8 @@ class Sizing:
       (20 dev prompts, 3-token trees: predicted 0.199, accepted 0.159) while the best draft is
       accepted more often (0.347, 0.385): one factor for all let trees grow where they lost.
       Calibrating per bucket of draft probability instead did not pay (sampled 0.969x -> 0.944x
-      ``ar``)."""
+      ``ar``);
+    - ``gate``: whether a round drafts at all (``DraftGate``; ``decode_loop`` asks it)."""
 
     curve: CostCurve
     round_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
@@ -177,6 +221,7 @@ class Sizing:
     child_prob: float = CHILD_PROB_PRIOR
     predicted: list[float] = dataclasses.field(default_factory=lambda: [0.0] * CALIBRATED_RANKS)
     accepted: list[float] = dataclasses.field(default_factory=lambda: [0.0] * CALIBRATED_RANKS)
+    gate: DraftGate = dataclasses.field(default_factory=DraftGate)
 
     def __post_init__(self) -> None:
         self.costs = measured_costs(self.curve.per_token, self.round_seconds, self.rounds)

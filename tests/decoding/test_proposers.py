@@ -346,6 +346,8 @@ def test_auto_sizing_keeps_what_it_learns_across_generations(target, drafter, mo
 
     curve = CostCurve(sizes=[1, 16], seconds=[1.0, 1.0])  # every size as cheap as one token: large trees
     monkeypatch.setattr("eagle.decoding.tree_sizing.cost_curve", lambda target, greedy=False: curve)
+    # every round drafts (a random drafter's rounds lose to plain ones): this is about what drafting teaches
+    monkeypatch.setattr("eagle.decoding.tree_sizing.DraftGate.drafts", lambda self, estimate: True)
     model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens="auto", depth=4, top_k=3)
     trees = []
     propose = proposers.EagleDrafter.propose
@@ -367,6 +369,38 @@ def test_auto_sizing_keeps_what_it_learns_across_generations(target, drafter, mo
     assert sum(sizing.predicted) == pytest.approx(sum(float(t.scores[1:].exp().sum()) for t in trees[:-1]))
     assert sizing.predicted[0] == pytest.approx(sum(float(t.scores[1:].exp().max()) for t in trees[:-1] if t.size > 1))
     assert model._proposer("eagle-tree", SamplingConfig(), None).sizing is sizing
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_auto_drafts_none_while_drafting_rounds_lose_to_plain_ones(target, drafter, monkeypatch, temperature):
+    """"auto"'s gate (``Sizing.gate``): once drafting rounds are known to give fewer tokens per second than
+    plain ones (here 1 token in 1000 s), rounds verify the root alone but for probes, after 8 plain
+    rounds (the first not counted), then 16 more; greedy output stays ``ar``'s. Where drafting rounds pay (1000 tokens a round)
+    it drafts every round."""
+    import eagle.decoding.proposers as proposers
+    from eagle.decoding.tree_sizing import PROBE_ROUNDS, CostCurve
+
+    curve = CostCurve(sizes=[1, 16], seconds=[1e-3, 1e-3])
+    monkeypatch.setattr("eagle.decoding.tree_sizing.cost_curve", lambda target, greedy=False: curve)
+    asked = []
+    propose = proposers.EagleDrafter.propose
+    monkeypatch.setattr(proposers.EagleDrafter, "propose",
+                        lambda self, ids, max_depth, max_nodes: asked.append(max_nodes > 1) or propose(
+                            self, ids, max_depth, max_nodes))
+    ids = [5, 6, 7, 8]
+    for slow in (False, True):
+        model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens="auto", depth=4, top_k=3)
+        gate = model._cost_sizing("eagle", SamplingConfig(temperature=temperature)).gate
+        gate.drafted_seconds, gate.drafted_tokens = (1e3, 1.0) if slow else (1e-9, 1e3)
+        asked.clear()
+        out = model.generate(ids, method="eagle-tree", max_new_tokens=40, temperature=temperature, seed=1)
+        assert len(asked) == len(out.accept_lengths)
+        first = PROBE_ROUNDS[0] + 1  # a generation's first round (it feeds the drafter the prompt) is not counted
+        second = first + 2 * PROBE_ROUNDS[0] + 1
+        drafted = [i for i, d in enumerate(asked) if d]
+        assert drafted == ([i for i in (first, second) if i < len(asked)] if slow else list(range(len(asked))))
+        if temperature == 0:
+            assert out.token_ids == model.generate(ids, method="ar", max_new_tokens=40).token_ids
 
 
 def test_prompt_lookup_verifies_the_drafts_that_pay_for_their_rows(target, monkeypatch):

@@ -109,6 +109,30 @@ def test_seeded_sampled_requests_draw_what_they_draw_alone(model):
         assert result.token_ids == alone.token_ids, opts.method
 
 
+@pytest.mark.parametrize("method", ["eagle-tree", "pld", "sd", "ar"])
+def test_a_seeded_sampled_request_draws_the_same_at_max_batch_1_and_n(model, method):
+    """A seeded sampled request served alone at ``max_batch`` 1 and served at ``max_batch`` 4 beside
+    others (greedy, unseeded sampled, seeded sampled at another seed; joining before, with and after it)
+    with trees sized from the load gives the same tokens: it owns its generator, and its draws never
+    depend on its batch company. Another seed draws other tokens (it samples)."""
+    batch = prompts(5, seed=11)
+    mine = RequestOptions(method=method, max_new_tokens=12, temperature=1.0, top_p=0.95, seed=21)
+
+    def alone(options):
+        tokens, _ = run(ServingEngine(model, max_batch=1, row_seconds=STEP), {0: [("mine", batch[0], options)]})
+        return tokens["mine"]
+
+    others = [RequestOptions(method="eagle-tree", max_new_tokens=9),
+              RequestOptions(method=method, max_new_tokens=14, temperature=1.0),
+              RequestOptions(method="eagle-tree", max_new_tokens=7, temperature=0.7, seed=21),
+              RequestOptions(method="pld", max_new_tokens=10, temperature=1.0)]
+    joins = {0: [(0, batch[1], others[0]), (1, batch[2], others[1])],
+             1: [("mine", batch[0], mine), (2, batch[3], others[2])], 3: [(3, batch[4], others[3])]}
+    tokens, _ = run(ServingEngine(model, max_batch=4, row_seconds=STEP), joins)
+    assert tokens["mine"] == alone(mine)
+    assert any(alone(dataclasses.replace(mine, seed=seed)) != tokens["mine"] for seed in (22, 23, 24))
+
+
 def test_a_requests_total_tokens_sizes_its_rounds_as_the_library_view_does(model):
     """``RequestOptions.total_tokens`` decodes a request as ``model.with_round_size(method, size)`` does
     alone: eagle-tree trees of that many nodes at most, pld chains of that many drafts + 1; the others

@@ -194,6 +194,35 @@ def test_sizing_learns_calibration_per_rank_and_running_costs():
     assert sizing.step_seconds == 0.2 and sizing.child_prob > CHILD_PROB_PRIOR
 
 
+def test_draft_gate_stops_drafting_where_it_does_not_pay_and_probes_again():
+    """Drafting rounds of 1.5 tokens in 2 s lose to plain rounds of 1 token in 1 s: the gate stops
+    drafting, probes again after 8 plain rounds, then 16, 32 and 64 at most while probes lose;
+    once a round's drafts pay again (4 tokens in 2 s) the next probe finds it (a probe weighs more than a
+    round: what drafting gave long ago is stale), and it drafts every round, its patience reset."""
+    from eagle.decoding.tree_sizing import PROBE_ROUNDS, DraftGate
+
+    gate, plan = DraftGate(), []
+    assert gate.drafts(1.0)  # nothing seen: draft
+    for _ in range(400):
+        drafts = gate.drafts(1.0)
+        plan.append(drafts)
+        gate.record(drafts, 1 if not drafts else 1.5, 1.0 if not drafts else 2.0, 1.0)
+    probes = [i for i, d in enumerate(plan) if d]
+    assert probes[0] == 0 and all(not d for d in plan[1:9]) and plan[9]
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    assert gaps[:4] == [8, 16, 32, 64] and set(gaps[4:]) == {PROBE_ROUNDS[1]}
+    assert not gate.pays(1.0)
+    for _ in range(2 * PROBE_ROUNDS[1]):
+        drafts = gate.drafts(1.0)
+        plan.append(drafts)
+        gate.record(drafts, 1 if not drafts else 4, 1.0 if not drafts else 2.0, 1.0)
+    assert all(plan[-PROBE_ROUNDS[1]:]) and gate.patience == PROBE_ROUNDS[0]
+    # before any plain round the estimate stands for one: 1.5 tokens in 2 s pay against 2 s a token
+    gate = DraftGate()
+    gate.record(True, 1.5, 2.0, 2.0)
+    assert gate.drafts(2.0) and not gate.drafts(1.0)
+
+
 def test_measured_costs_are_fitted_non_decreasing_by_least_squares():
     """Against brute force: the best non-decreasing fit on a grid is no better than the PAV fit."""
     import itertools

@@ -90,7 +90,7 @@ def server():
     model = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=12, depth=4, top_k=3,
                                        auto_length=False)
     paced = Paced(model)
-    srv = Server(create_app(paced, max_queue=8), paced)
+    srv = Server(create_app(paced, max_queue=8, max_batch=1), paced)  # one at a time: paced rounds fill the queue
     yield srv
     srv.close()
 
@@ -470,7 +470,7 @@ def test_command_line_errors_exit_2(capsys):
 def another_server(server, **options):
     """One more server on the same model, with ``options`` of ``create_app``."""
     paced = Paced(server.model)
-    srv = Server(create_app(paced, max_queue=8, **options), paced)
+    srv = Server(create_app(paced, max_queue=8, **{"max_batch": 1, **options}), paced)
     yield srv
     srv.close()
 
@@ -522,6 +522,17 @@ def test_concurrent_requests_in_one_batch_are_correct_and_not_mixed(batched):
     assert [results.get(i) for i in range(len(jobs))] == refs
     assert batched.metric("eagle_batch_size_mean") > 1.2  # steps held several sequences
     assert batched.metric("eagle_batch_capacity") == 4
+
+
+def test_a_cpu_server_batches_by_default(server):
+    """Without ``max_batch`` a CPU target's server decodes up to ``CPU_MAX_BATCH`` requests together (a
+    request alone on the one-sequence loop: infer.scheduler's tests)."""
+    from starlette.testclient import TestClient
+
+    from infer.serve import CPU_MAX_BATCH
+
+    with TestClient(create_app(server.model)) as client:
+        assert client.get("/health").json()["max_batch"] == CPU_MAX_BATCH > 1
 
 
 def test_api_key_is_required_on_v1_only(server):
