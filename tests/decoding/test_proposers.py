@@ -196,6 +196,17 @@ def brute_force_eagle2(proposer, ids: list[int], features: torch.Tensor, depth: 
     return {tuple(pool[i][0]): pool[i][2] for i in kept}
 
 
+def grown_tree(model, target, flat, ids, monkeypatch):
+    """The greedy eagle-tree proposer after its prefill on ``ids``, the target's prefill, the drafter rows of each
+    call (``drafter_rows``) and the tree it proposes."""
+    prefill = target_prefill(target, ids, tuple(flat.config.aux_layers))
+    proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
+    proposer.start(ids, prefill.features[0])
+    proposer.prepare()
+    rows = drafter_rows(monkeypatch)
+    return proposer, prefill, rows, proposer.propose(ids, max_depth=10, max_nodes=100).tree
+
+
 def drafter_rows(monkeypatch) -> list[int]:
     """The rows of each drafter call that expands tree nodes from now on (a step with rows and a head), as they run."""
     from eagle.decoding import draft_steps
@@ -230,12 +241,7 @@ def test_dynamic_tree_equals_brute_force_eagle2_and_skips_nodes_that_cannot_be_k
     model = EagleModel.from_pretrained(target, drafter=flat, total_tokens=total, depth=depth, top_k=k, lookup_tokens=0,
                                        drafter_dtype=torch.float32)
     ids = [3, 9, 4, 17, 8, 2, 11]
-    prefill = target_prefill(target, ids, tuple(flat.config.aux_layers))
-    proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
-    proposer.start(ids, prefill.features[0])
-    proposer.prepare()
-    rows = drafter_rows(monkeypatch)
-    tree = proposer.propose(ids, max_depth=10, max_nodes=100).tree
+    proposer, prefill, rows, tree = grown_tree(model, target, flat, ids, monkeypatch)
     paths, tokens, scores = {0: ()}, tree.tokens.tolist(), tree.scores.tolist()
     for i, parent in enumerate(tree.parents.tolist()[1:], start=1):
         paths[i] = paths[parent] + (tokens[i],)
@@ -261,12 +267,7 @@ def test_static_tree_is_its_layout_filled_with_ranked_children(request, monkeypa
     model = EagleModel.from_pretrained(target, drafter=flat, total_tokens=100, choices=[list(c) for c in choices],
                                        lookup_tokens=0, drafter_dtype=torch.float32)
     ids = [3, 9, 4, 17, 8, 2, 11]
-    prefill = target_prefill(target, ids, tuple(flat.config.aux_layers))
-    proposer = model._proposer("eagle-tree", SamplingConfig(), torch.Generator())
-    proposer.start(ids, prefill.features[0])
-    proposer.prepare()
-    rows = drafter_rows(monkeypatch)
-    tree = proposer.propose(ids, max_depth=10, max_nodes=100).tree
+    proposer, prefill, rows, tree = grown_tree(model, target, flat, ids, monkeypatch)
     want = {(): ([], [], 0.0)}  # rank path -> (tokens, predictions fed along it, score)
     for choice in sorted(choices, key=lambda c: (len(c), c)):
         tokens, fed, score = want[choice[:-1]]
