@@ -86,15 +86,20 @@ def test_greedy_requests_joining_at_different_rounds_equal_each_decoded_alone(mo
     assert drafted > 3  # drafts were really accepted, not only each round's own token
 
 
-def test_eagle_tree_batch_equals_single_stream_tree_decoding(model):
-    """Batched eagle-tree with the configured trees gives decode_loop's tokens and rounds."""
-    batch = prompts(4, seed=7)
-    engine = ServingEngine(model, max_batch=4, load_sizing=False)
+def assert_batch_decodes_as_alone(model, engine, batch) -> None:
+    """Greedy eagle-tree requests served together give each one's tokens and rounds decoded alone."""
     results = generate_together(engine, batch, RequestOptions(method="eagle-tree", max_new_tokens=10))
     for ids, result in zip(batch, results):
         alone = model.generate(ids, method="eagle-tree", max_new_tokens=10)
         assert result.token_ids == alone.token_ids
         assert result.accept_lengths == alone.accept_lengths
+
+
+def test_eagle_tree_batch_equals_single_stream_tree_decoding(model):
+    """Batched eagle-tree with the configured trees gives decode_loop's tokens and rounds."""
+    batch = prompts(4, seed=7)
+    engine = ServingEngine(model, max_batch=4, load_sizing=False)
+    assert_batch_decodes_as_alone(model, engine, batch)
 
 
 def test_seeded_sampled_requests_draw_what_they_draw_alone(model):
@@ -583,11 +588,7 @@ def test_sequences_of_a_graphed_drafter_keep_caches_of_their_own(fake_capture):
                                        cuda_graphs=True)
     batch = prompts(4, seed=7)
     engine = ServingEngine(model, max_batch=4, load_sizing=False, cache_pool=False)
-    results = generate_together(engine, batch, RequestOptions(method="eagle-tree", max_new_tokens=10))
-    for ids, result in zip(batch, results):
-        alone = model.generate(ids, method="eagle-tree", max_new_tokens=10)
-        assert result.token_ids == alone.token_ids
-        assert result.accept_lengths == alone.accept_lengths
+    assert_batch_decodes_as_alone(model, engine, batch)
 
 
 class DeviceReads(TorchDispatchMode):

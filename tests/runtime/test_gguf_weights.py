@@ -193,18 +193,24 @@ def streamed_and_reference(tmp_path, model, types, name):
     return make(streamed), make(model)
 
 
-@pytest.fixture(scope="module")
-def llama_pair(tmp_path_factory):
+def tiny_llama_pair(tmp_path_factory, vocab_size: int = 48, layers: int = 2):
+    """(a tiny random Llama written with ``LLAMA_TYPES`` and streamed from its GGUF codes, the transformers model
+    with the de-quantized weights)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     kernels_or_skip()
-    cfg = LlamaConfig(vocab_size=48, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
     model.generation_config.eos_token_id = None
     return streamed_and_reference(tmp_path_factory.mktemp("gguf"), model, LLAMA_TYPES, "tiny-llama-gguf")
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory):
+    return tiny_llama_pair(tmp_path_factory)
 
 
 def test_the_loaded_llama_keeps_codes_and_decodes_with_the_references_bits(llama_pair):

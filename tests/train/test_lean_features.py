@@ -14,8 +14,7 @@ from train.main import TrainConfig, build_student, frozen_head
 from train.packing import collate_packed, packed_features
 from eagle.runtime.target import model_features
 
-from tests.runtime.test_gguf_weights import (LLAMA_TYPES, gemma_pair,  # noqa: F401 (a fixture)
-                                             kernels_or_skip, streamed_and_reference)
+from tests.runtime.test_gguf_weights import gemma_pair, tiny_llama_pair  # noqa: F401 (a fixture)
 
 VOCAB, LAYERS = 48, 4
 
@@ -23,16 +22,7 @@ VOCAB, LAYERS = 48, 4
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(a tiny Llama streamed from GGUF codes, the transformers model with the de-quantized weights)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    kernels_or_skip()
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
-    model.generation_config.eos_token_id = None
-    return streamed_and_reference(tmp_path_factory.mktemp("gguf"), model, LLAMA_TYPES, "tiny-llama-gguf")
+    return tiny_llama_pair(tmp_path_factory, VOCAB, LAYERS)
 
 
 def examples(lengths, seed=0):
