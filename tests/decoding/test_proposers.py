@@ -372,6 +372,7 @@ def test_auto_sizing_keeps_what_it_learns_across_generations(target, drafter, mo
     assert model._proposer("eagle-tree", SamplingConfig(), None).sizing is sizing
 
 
+@pytest.mark.timed_gate
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_auto_drafts_none_while_drafting_rounds_lose_to_plain_ones(target, drafter, monkeypatch, temperature):
     """"auto"'s gate (``Sizing.gate``): once drafting rounds are known to give fewer tokens per second than

@@ -194,6 +194,7 @@ def test_sizing_learns_calibration_per_rank_and_running_costs():
     assert sizing.step_seconds == 0.2 and sizing.child_prob > CHILD_PROB_PRIOR
 
 
+@pytest.mark.timed_gate
 def test_draft_gate_stops_drafting_where_it_does_not_pay_and_probes_again():
     """Drafting rounds of 1.5 tokens in 2 s lose to plain rounds of 1 token in 1 s: the gate stops
     drafting, probes again after 8 plain rounds, then 16, 32 and 64 at most while probes lose;
