@@ -222,11 +222,11 @@ repository's pipeline. {_loading_text(drafter_dir, cfg)}
 ({_epochs(summary['epochs'])}) on {summary['train_examples']} examples{_subset_text(summary)}; {_loss_text(summary, 'configs/deepspeed/cpu-small.json')}.
 Wall time {summary.get('wall_s', 0) / 60:.0f} minutes.{_speed_text(summary)}{_resized_text(summary)}
 {_lineage(summary, earlier or [])}{_heldout_text(summary)}{_dev_eval_text(summary)}
-{_curve_text(summary)}
-## Measured on the dev prompt set (`benchmarks/prompts/dev.jsonl`)
+{_curve_text(summary)}{_scaling_text(summary)}
+## Measured on the dev prompts (`{bench['config'].get('prompts', 'benchmarks/prompts/dev.jsonl')}`)
 {_bench_table(bench)}
 Mean accepted length of `eagle-tree`: **{tree.get('mean_accept_length', 0):.2f}** tokens per target forward.
-""" + "".join(_fixed_tree_text(b, drafter_dir) for b in fixed_trees)
+{_category_table(bench)}""" + "".join(_fixed_tree_text(b, drafter_dir) for b in fixed_trees)
 
 
 def _loading_text(drafter_dir: Path, cfg: dict) -> str:
@@ -264,6 +264,41 @@ Learning curve (training loss and top-1 accuracy averaged over each logging wind
 
 | step | tokens | minutes | loss | top-1 |
 |---|---|---|---|---|
+{rows}
+"""
+
+
+def _scaling_text(summary: dict) -> str:
+    """Data scaling: the held-out evaluations of the training log against the tokens trained on by then."""
+    points = [c for c in summary.get("curve") or [] if "eval" in c and "tokens" in c and "top1" in c["eval"]]
+    if not points:
+        return ""
+    rows = "\n".join(f"| {c['step']} | {c['tokens']:,} | {c['eval']['top1']:.3f} | "
+                     f"{c['eval'].get('chain5_accept_length', 0):.2f} |" for c in points)
+    return f"""
+Data scaling (held-out conversations, evaluated during training):
+
+| step | trained tokens | top-1 | depth-5 chain accepted length |
+|---|---|---|---|
+{rows}
+"""
+
+
+def _category_table(bench: dict) -> str:
+    """Tokens/s and mean accepted length of each method per prompt category (where the bench has categories)."""
+    methods = {m: s.get("per_category") or {} for m, s in bench["methods"].items()}
+    categories = list(dict.fromkeys(c for per in methods.values() for c in per))
+    if len(categories) < 2:
+        return ""
+    head = " | ".join(f"{c} tokens/s | {c} accepted" for c in categories)
+    rows = "\n".join(f"| {m} | " + " | ".join(
+        f"{per[c]['tokens_per_second']:.2f} | {per[c]['mean_accept_length']:.2f}" if c in per else "- | -"
+        for c in categories) + " |" for m, per in methods.items())
+    return f"""
+By category:
+
+| method | {head} |
+|---|{'---|' * 2 * len(categories)}
 {rows}
 """
 

@@ -697,7 +697,8 @@ def train(cfg: TrainConfig, start_over: bool = False) -> dict:
             if evaluates and not late and (step % cfg.eval_every == 0 or step == total_steps):
                 metrics = evaluate_all()
                 print(json.dumps({"step": step, "eval": metrics}), flush=True)
-                curve.append({"step": step, "eval": metrics, "elapsed_s": time.time() - start})
+                curve.append({"step": step, "tokens": state["tokens"], "eval": metrics,
+                              "elapsed_s": time.time() - start})
                 if run:
                     run.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
             if step % cfg.save_every == 0 or step == total_steps or late:

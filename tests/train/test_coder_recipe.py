@@ -1,6 +1,6 @@
 """The Qwen2.5-Coder recipe's steps end to end on a tiny Qwen2 GGUF target with a chat template: data (coding
-turns answered by the target), a drafter trained on features from the file's codes, eagle-bench, eagle-card,
-loading the drafter, and decoding identical to ``ar``."""
+turns answered by the target), features stored from the file's codes, a drafter trained on them, eagle-bench,
+eagle-card, loading the drafter, and decoding identical to ``ar``."""
 
 from __future__ import annotations
 
@@ -120,6 +120,7 @@ def test_the_coder_recipe_runs_end_to_end_on_a_tiny_gguf_target(tmp_path, monkey
     from infer.bench import main as bench_main
     from infer.cli import main as generate_main
     from train.card import main as card_main
+    from train.features import main as features_main
     from train.selfdistill import main as selfdistill_main
 
     kernels_or_skip()
@@ -135,12 +136,17 @@ def test_the_coder_recipe_runs_end_to_end_on_a_tiny_gguf_target(tmp_path, monkey
     chats = [json.loads(line) for line in (data / "data.jsonl").read_text().splitlines()]
     assert {c["conversations"][0]["value"] for c in chats} == set(CODING)
     assert all(c["conversations"][1]["value"] != "old" for c in chats)  # the target's own answers
-    # 2. the drafter: the recipe's train.yaml with the data, a few steps, rows and vocabulary for a tiny target
+    # 2. features: the recipe's features.yaml, stored once from the lean forward over the file's codes
+    features = tmp_path / "features"
+    features_main(["--config", str(RECIPE / "features.yaml"), "--set", f"target={gguf}",
+                   "--set", f"data={data / 'data.jsonl'}", "--set", f"out_dir={features}", "--set", "max_length=128"])
+    assert json.loads((features / "manifest.json").read_text())["num_examples"] == len(CODING)
+    # 3. the drafter: the recipe's train.yaml on those features, a few steps, rows and vocabulary for a tiny target
     train_yaml = yaml.safe_load((RECIPE / "train.yaml").read_text())
-    assert train_yaml["online"] and train_yaml["layer_from_target"] == -1 and train_yaml["pack_tokens"]
-    overrides = [f"target={gguf}", f"data={data / 'data.jsonl'}", f"draft_vocab_data=[{data / 'data.jsonl'}]",
-                 f"out_dir={run}", "draft_vocab_size=96", "max_length=128", "pack_tokens=128", "max_steps=3",
-                 "save_every=1", "max_wall_s=0", "eval_fraction=0.1", "report_to=none"]
+    assert train_yaml["features"] and train_yaml["layer_from_target"] == -1 and train_yaml["pack_tokens"]
+    overrides = [f"target={gguf}", f"features={features}", f"out_dir={run}", "draft_vocab_size=96", "max_length=128",
+                 "pack_tokens=128", "max_steps=3", "save_every=1", "max_wall_s=0", "eval_fraction=0.1",
+                 "report_to=none"]
     proc = subprocess.run([sys.executable, train.main.__file__, "--config", str(RECIPE / "train.yaml"),
                            *(a for o in overrides for a in ("--set", o))], capture_output=True, text=True,
                           env=environment(tmp_path), timeout=900, cwd=ROOT)
@@ -148,7 +154,7 @@ def test_the_coder_recipe_runs_end_to_end_on_a_tiny_gguf_target(tmp_path, monkey
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["train_tokens"] > 0
     drafter_dir = run / "drafter"
-    # 3. eagle-bench: ar, pld and eagle-tree with the drafter
+    # 4. eagle-bench: ar, pld and eagle-tree with the drafter
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n"
                                for p, c in [("Write a python function that adds two numbers.", "coding"),
@@ -158,12 +164,13 @@ def test_the_coder_recipe_runs_end_to_end_on_a_tiny_gguf_target(tmp_path, monkey
                 "ar,pld,eagle-tree", "--max-new-tokens", "16", "--set", "warmup=0", "--json", str(bench)])
     methods = json.loads(bench.read_text())["methods"]
     assert methods["pld"]["identical_to_ar"] and methods["eagle-tree"]["identical_to_ar"]
-    # 4. eagle-card writes the drafter's model card from the run's records
-    card_main(["--drafter", str(drafter_dir), "--selfdistill", str(data / "stats.json"), "--summary",
-               str(run / "summary.json"), "--bench", str(bench), "--train-config", str(RECIPE / "train.yaml")])
+    # 5. eagle-card writes the drafter's model card from the run's records
+    card_main(["--drafter", str(drafter_dir), "--selfdistill", str(data / "stats.json"), "--features",
+               str(features / "manifest.json"), "--summary", str(run / "summary.json"), "--bench", str(bench),
+               "--train-config", str(RECIPE / "train.yaml")])
     card = (drafter_dir / "README.md").read_text()
     assert "eagle-tree" in card and "real user prompts" in card
-    # 5. the drafter loads for its target (its layer started as the target's last: trained since), decodes as ar
+    # 6. the drafter loads for its target (its layer started as the target's last: trained since), decodes as ar
     target = load_target(str(gguf))
     assert isinstance(target.model, GGUFModel)
     drafter = Drafter.from_pretrained(drafter_dir, target=target)

@@ -412,6 +412,8 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
                       "source": ["data/a.jsonl", "data/b.jsonl"]},
         "summary.json": {"steps": 30, "epochs": 2, "train_examples": 46, "eval_examples": 2, "wall_s": 120.0,
                          "train_tokens": 90000, "tokens_per_s": 812.4,
+                         "curve": [{"step": 10, "tokens": 30000, "eval": {"top1": 0.4, "chain5_accept_length": 1.6}},
+                                   {"step": 20, "tokens": 60000, "eval": {"top1": 0.5, "chain5_accept_length": 1.9}}],
                          "eval": {"top1": 0.5, "chain5_accept_length": 1.9, "dev_top1": 0.25,
                                   "dev_chain5_accept_length": 1.4}, "init_from": "runs/b",
                          "config": {"unroll_steps": 2, "ce_weight": 0.1, "noise": 0.1, "init_from": "runs/b",
@@ -424,7 +426,11 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
                        "methods": {"ar": {"tokens_per_second": 10.0, "mean_accept_length": 1.0, "speedup_vs_ar": 1.0,
                                           "identical_to_ar": True},
                                    "eagle-tree": {"tokens_per_second": 15.0, "mean_accept_length": 2.5,
-                                                  "speedup_vs_ar": 1.5, "identical_to_ar": True}}},
+                                                  "speedup_vs_ar": 1.5, "identical_to_ar": True,
+                                                  "per_category": {
+                                                      "coding": {"tokens_per_second": 16.0, "mean_accept_length": 3.1},
+                                                      "chat": {"tokens_per_second": 14.0,
+                                                               "mean_accept_length": 1.9}}}}},
         "fixed.json": {"config": {"command": "eagle-bench --total-tokens 60 --lookup-tokens 0",
                                   "tree": {"lookup_tokens": 0}}, "prompts": 50,
                        "methods": {"eagle-tree": {"tokens_per_second": 9.0, "mean_accept_length": 2.75}}},
@@ -448,6 +454,8 @@ def test_model_card_is_rendered_from_the_run_records(tmp_path, target, drafter):
     assert "50 prompts; the drafter's tree alone): mean accepted length\n**2.75**, 9.00 tokens/s." in card
     assert "50 prompts; prompt-lookup chains of up to 10 tokens grafted on): mean accepted length\n**3.25**" in card
     assert "90000 tokens trained, 812 tokens/s of training, conversations packed into rows of 1024" in card
+    assert "| 10 | 30,000 | 0.400 | 1.60 |\n| 20 | 60,000 | 0.500 | 1.90 |" in card  # data scaling
+    assert "| eagle-tree | 16.00 | 3.10 | 14.00 | 1.90 |" in card and "| ar | - | - | - | - |" in card
     assert "fc 2H -> H," in card and "stored as float16, computed from `data/a.jsonl`, `data/b.jsonl`." in card
     drafter.with_aux_layers([0]).save_pretrained(tmp_path / "fused")  # an EAGLE-3 style fusing drafter says so
     (tmp_path / "feat1.json").write_text(json.dumps({**records["feat.json"], "source": "data/one.jsonl",
