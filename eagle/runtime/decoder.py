@@ -31,7 +31,8 @@ from torch import nn
 
 from eagle.cache_dir import keep_measurement, measurement_path
 from eagle.errors import EagleError
-from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_fits, cpu_kernels, source_digest, stream_linear_op
+from eagle.runtime.kernels import (STREAM_MAX_ROWS, attention_fits, cpu_kernels, runs_stack, source_digest,
+                                   stream_linear_op)
 from eagle.runtime.kv_cache import StaticCache
 from eagle.runtime.huge_pages import huge_page_copies
 from eagle.runtime.quant_blocks import BlockCodes, block_encode, block_quantize, decode
@@ -818,7 +819,7 @@ class LeanDecoder(HeadAndCache):
         b, q_len = input_ids.shape
         x = self.embed(input_ids)
         cos, sin = self.rotary(x, position_ids)  # [B, q, d]
-        if self.stack is not None and b == 1 and q_len <= STREAM_MAX_ROWS:
+        if self.stack is not None and b == 1 and runs_stack(q_len, attention_mask is not None):
             # every layer in one call of the compiled kernels, x updated in place; a row's result does not
             # depend on the other rows or on masked keys (``eagle.runtime.kernels``), so a token verified in a tree
             # gets the bits a plain step gives it

@@ -30,7 +30,7 @@ from eagle.runtime.decoder import (HeadAndCache, PackedLinear, check_int8_activa
                                    head_weight, int8_activations_here, lm_head, product, screened)
 from eagle.runtime.gguf_weights import GGUFLinear
 from eagle.runtime.layers import gelu_mul, gemma_layer, gemma_norm, with_aux  # noqa: F401 - re-exported
-from eagle.runtime.kernels import STREAM_MAX_ROWS, attention_takes, cpu_kernels
+from eagle.runtime.kernels import attention_takes, cpu_kernels, runs_stack
 from eagle.runtime.kv_cache import StaticCache
 
 GEMMA_MODEL_TYPES = ("gemma3_text",)
@@ -192,7 +192,7 @@ class GemmaDecoder(HeadAndCache):
         b, q_len = input_ids.shape
         past = cache.get_seq_length()
         x = self.embed(input_ids)
-        if self.compiled is not None and b == 1 and q_len <= STREAM_MAX_ROWS:
+        if self.compiled is not None and b == 1 and runs_stack(q_len, attention_mask is not None):
             return self._stack_rows(x[0], position_ids[0], [cache], [q_len], [attention_mask], aux_layers)[None]
         rope = {t: tuple(c[:, None] for c in self.rotary(x, position_ids, t)) for t in self.layer_types}
         if attention_mask is None and q_len > 1:
@@ -219,11 +219,11 @@ class GemmaDecoder(HeadAndCache):
                         aux_layers: Sequence[int] = ()) -> torch.Tensor:
         """``forward`` for several sequences in one call of the compiled ``GemmaStack`` (the weights read
         once for all rows): ``input_ids``/``position_ids`` [R], the rows of S sequences one after
-        another, ``sizes`` [S] (1-16 each, sum R); sequence s's rows extend ``caches[s]`` and attend
-        under ``masks[s]`` (as ``forward``'s mask; None: causal). Each row gets the bits of its
+        another, ``sizes`` [S] (sum R; each as ``runs_stack`` allows); sequence s's rows extend ``caches[s]`` and
+        attend under ``masks[s]`` (as ``forward``'s mask; None: causal). Each row gets the bits of its
         sequence's ``forward`` alone. Returns [R, (1 + n) H]."""
-        if self.stack is None or not all(0 < n <= STREAM_MAX_ROWS for n in sizes):
-            raise ValueError("GemmaDecoder.segment_forward: the compiled stack, 1-16 rows a sequence")
+        if self.stack is None or not all(runs_stack(n, m is not None) for n, m in zip(sizes, masks)):
+            raise ValueError("GemmaDecoder.segment_forward: the compiled stack, 1-16 rows a causal sequence")
         return self._stack_rows(self.embed(input_ids[None])[0], position_ids, caches, sizes, masks, aux_layers)
 
     def _stack_rows(self, x: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[StaticCache],

@@ -47,6 +47,13 @@ import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 STREAM_MAX_ROWS = 16  # the kernel's row limit (kMaxRows)
+
+
+def runs_stack(rows: int, masked: bool) -> bool:
+    """Whether one sequence's ``rows`` new rows go through a compiled decoder stack: up to ``STREAM_MAX_ROWS``
+    always, any number under a mask (a draft tree's, whose rows then get the bits each has alone: the products
+    take them 16 at a time); a longer causal run (a prompt) takes torch's products, faster there."""
+    return rows > 0 and (rows <= STREAM_MAX_ROWS or masked)
 NAME = "eagle_cpu_kernels"
 StreamOp = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", bool], torch.Tensor]
 

@@ -4,10 +4,9 @@ The rows of all sequences go through every matrix product together (the weights 
 for the whole batch); attention runs per sequence, each segment of rows against its own
 ``StaticCache`` (of its own length) with its own additive mask (a draft tree's ancestors).
 The arithmetic is ``LeanDecoder``'s (``eagle.runtime.decoder``), on its weights: where one
-sequence alone takes the compiled decoder stack (the compiled kernels run, at most
-``STREAM_MAX_ROWS`` rows), its segment takes the same compiled rotary, cache write and attention
+sequence alone takes the compiled decoder stack (the compiled kernels run; ``runs_stack``), its segment takes the same compiled rotary, cache write and attention
 (``rope_cache``, ``attention``), so each of its rows gets the bits it gets alone; else torch's.
-A Gemma-3 target (``GemmaDecoder``) runs its sequences of 1-16 rows in one call of its compiled stack
+A Gemma-3 target (``GemmaDecoder``) runs the sequences ``runs_stack`` takes in one call of its compiled stack
 (``GemmaDecoder.segment_forward``, the same bits as alone) and each longer one by its own forward.
 
 Caches that are slots of one ``CachePool`` (``kv_cache``; how a GPU batch keeps them) take one
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 from eagle.runtime.masks import causal_bias
 from eagle.runtime.decoder import LeanDecoder
 from eagle.runtime.gemma import GemmaDecoder
-from eagle.runtime.kernels import STREAM_MAX_ROWS
+from eagle.runtime.kernels import runs_stack
 from eagle.runtime.kv_cache import SlotCache, StaticCache
 from eagle.runtime.layers import rotated, with_aux
 from eagle.runtime.pooled import pooled_forward
@@ -38,10 +37,10 @@ def runs_segments(lean: object, pooled: bool = False) -> bool:
     return isinstance(lean, LeanDecoder) or isinstance(lean, GemmaDecoder) and lean.stack is not None
 
 
-def compiled_segments(lean: LeanDecoder, sizes: Sequence[int]) -> list[bool]:
+def compiled_segments(lean: LeanDecoder, sizes: Sequence[int], masks: Sequence[torch.Tensor | None]) -> list[bool]:
     """Which segments of ``sizes`` rows take the compiled attention: those one sequence alone
     would run through the compiled decoder stack (``LeanDecoder.forward``)."""
-    return [lean.stack is not None and 0 < n <= STREAM_MAX_ROWS for n in sizes]
+    return [lean.stack is not None and runs_stack(n, m is not None) for n, m in zip(sizes, masks)]
 
 
 @torch.inference_mode()
@@ -64,7 +63,7 @@ def segment_forward(lean: LeanDecoder | GemmaDecoder, input_ids: torch.Tensor, p
     compiled, scale = lean.compiled, d ** -0.5
     segments = []  # per sequence: (compiled, rows, its keys and values per layer or its cache, past, mask, cos, sin)
     start = 0
-    for cache, n, mask, fast in zip(caches, sizes, masks, compiled_segments(lean, sizes)):
+    for cache, n, mask, fast in zip(caches, sizes, masks, compiled_segments(lean, sizes, masks)):
         rows = slice(start, start + n)
         start += n
         if fast:  # the kernels write every layer's keys: their rows are reserved once
@@ -101,11 +100,11 @@ def segment_forward(lean: LeanDecoder | GemmaDecoder, input_ids: torch.Tensor, p
 def _gemma_segments(lean: GemmaDecoder, input_ids: torch.Tensor, position_ids: torch.Tensor,
                     caches: Sequence[StaticCache], sizes: Sequence[int], masks: Sequence[torch.Tensor | None],
                     aux_layers: Sequence[int]) -> torch.Tensor:
-    """``segment_forward`` for a Gemma-3 target: the sequences of 1-16 rows together in one call of the
-    compiled stack, each longer one by its own ``forward`` (as it runs alone)."""
+    """``segment_forward`` for a Gemma-3 target: the sequences ``runs_stack`` takes together in one call of the
+    compiled stack, each other one by its own ``forward`` (as it runs alone)."""
     parts = [(slice(end - n, end), cache, n, mask)
              for end, cache, n, mask in zip(itertools.accumulate(sizes), caches, sizes, masks)]
-    short = [p for p in parts if p[2] <= STREAM_MAX_ROWS]
+    short = [p for p in parts if runs_stack(p[2], p[3] is not None)]
     out: dict[int, torch.Tensor] = {}
     if short:
         rows = torch.cat([torch.arange(r.start, r.stop) for r, *_ in short]).to(input_ids.device)
@@ -113,6 +112,6 @@ def _gemma_segments(lean: GemmaDecoder, input_ids: torch.Tensor, position_ids: t
                                         [p[2] for p in short], [p[3] for p in short], aux_layers)
         out.update(zip((r.start for r, *_ in short), together.split([p[2] for p in short])))
     for rows, cache, n, mask in parts:
-        if n > STREAM_MAX_ROWS:
+        if not runs_stack(n, mask is not None):
             out[rows.start] = lean.forward(input_ids[None, rows], position_ids[None, rows], cache, mask, aux_layers)[0]
     return torch.cat([out[r.start] for r, *_ in parts])

@@ -246,17 +246,19 @@ def with_int8_activations(target: Target) -> Target:
                   dtype=target.dtype, lean=lean_decoder(target.model, int8_activations=True))
 
 
+@pytest.mark.parametrize("nodes", [8, 24])
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("pair", ["llama_pair", "gemma_pair", "qwen3_pair"])
-def test_a_tree_row_has_the_bits_of_its_own_sequence(request, pair, int8):
+def test_a_tree_row_has_the_bits_of_its_own_sequence(request, pair, int8, nodes):
     """Each node of a tree verified in one forward gets the logits of its own root-to-node sequence, bit for
     bit (Gemma: a prefix longer than the window of 8, so sliding layers mask part of it); with int8 activations
-    too."""
+    too, and for trees past the kernels' 16 rows a call."""
     streamed = request.getfixturevalue(pair)[0]
     streamed = with_int8_activations(streamed) if int8 else streamed
-    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 6])
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 6] + [(i - 1) // 3 for i in range(8, nodes)])
     attn = tree_attention(parents)
-    prefix, tokens = [3, 14, 15, 9, 2, 6, 21, 5, 8, 33, 2], [7, 11, 30, 4, 25, 1, 13, 38]
+    prefix = [3, 14, 15, 9, 2, 6, 21, 5, 8, 33, 2]
+    tokens = [7, 11, 30, 4, 25, 1, 13, 38] + [(7 * i + 3) % 40 for i in range(8, nodes)]
     cache = streamed.new_cache()
     streamed.forward(torch.tensor([prefix]), torch.arange(len(prefix))[None], cache)
     tree = streamed.forward(torch.tensor([tokens]), (len(prefix) + attn.depths)[None], cache,

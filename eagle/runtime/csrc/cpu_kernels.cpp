@@ -15,7 +15,7 @@
 // Every output is summed in one order (16 lanes along k, then the lanes), whatever the number of
 // rows, so a row's result is bit-identical whichever rows are computed with it.
 //
-// rope_cache, attention, silu_mul: the rest of a decoder layer for one sequence of 1-16 rows, where
+// rope_cache, attention, silu_mul: the rest of a decoder layer for one sequence of a few rows, where
 // torch's ~20 small operations per layer (views, rotary, cache writes, SDPA, SiLU) cost more than
 // their arithmetic. attention sums each row
 // over its own keys in order, so a tree node's row equals the plain decoding step's, bit for bit.
@@ -1788,6 +1788,16 @@ torch::Tensor linear(const torch::Tensor& x, const Product& p, bool once) {
   return p.s.has_value() ? stream_linear_q(x, *p.w, *p.s, p.b, once, p.int8) : stream_linear(x, *p.w, p.b, once);
 }
 
+// linear_rows: linear for any number of rows, a kernel that takes 1-16 rows a call given them 16 at a time (a
+// row's result does not depend on the rows computed with it).
+torch::Tensor linear_rows(const torch::Tensor& x, const Product& p, bool once = true) {
+  const int64_t M = x.size(0);
+  if (M <= kMaxRows || !p.raws.empty() || p.int8 || (kPanels && p.s.has_value())) return linear(x, p, once);
+  std::vector<torch::Tensor> parts;
+  for (int64_t r = 0; r < M; r += kMaxRows) parts.push_back(linear(x.narrow(0, r, std::min(kMaxRows, M - r)), p, once));
+  return torch::cat(parts);
+}
+
 // rms_norm: Llama's RMSNorm in fp32, w * (x * 1 / sqrt(mean(x^2) + eps)) per row of x [..., H], in one
 // pass over each row (torch's CPU rms_norm runs five operations).
 namespace {
@@ -2084,7 +2094,7 @@ void head_norms(torch::Tensor qkv, const torch::Tensor& q_norm, const torch::Ten
     }
 }
 
-// decoder_layer: one Llama decoder layer for one sequence of 1-16 rows, in place on x [q, H]:
+// decoder_layer: one Llama decoder layer for one sequence of any number of rows, in place on x [q, H]:
 // x += o(attention(rope(qkv(rms(x))))), then x += down(silu_mul(gate_up(rms(x)))), the same kernels
 // and sums as the separate calls (x += y gives x + y's bits). Keys and values go to rows start..start+q-1
 // of the buffers; bias and scale as for attention; once: the weights are read once per forward (a
@@ -2094,11 +2104,11 @@ void decoder_layer(torch::Tensor x, const LayerWeights& l, const torch::Tensor& 
                    const c10::optional<torch::Tensor>& bias, double scale, bool once) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "decoder_layer: x fp32 [q, H]");
   const torch::Tensor h = l.input_norm.has_value() ? rms_norm(x, *l.input_norm, l.input_eps) : x;
-  const torch::Tensor qkv = linear(h, l.qkv, once);
+  const torch::Tensor qkv = linear_rows(h, l.qkv, once);
   if (l.q_norm.has_value()) head_norms(qkv, *l.q_norm, *l.k_norm, nh, key_buf.size(0), l.input_eps);
   const torch::Tensor q = rope_cache(qkv, cos, sin, key_buf, value_buf, nh, start);
-  x.add_(linear(attention(q, key_buf, value_buf, start + x.size(0), bias, scale), l.o, once));
-  x.add_(linear(silu_mul(linear(rms_norm(x, l.post_norm, l.post_eps), l.gate_up, once)), l.down, once));
+  x.add_(linear_rows(attention(q, key_buf, value_buf, start + x.size(0), bias, scale), l.o, once));
+  x.add_(linear_rows(silu_mul(linear_rows(rms_norm(x, l.post_norm, l.post_eps), l.gate_up, once)), l.down, once));
 }
 
 // A layer's four products (qkv, o, gate_up, down) from their Python tuples, checked.
@@ -2331,17 +2341,7 @@ struct GemmaLayerWeights {
   int64_t kind;
 };
 
-// linear_rows: linear for any number of rows, a kernel that takes 1-16 rows a call given them 16 at a time (a
-// row's result does not depend on the rows computed with it).
-torch::Tensor linear_rows(const torch::Tensor& x, const Product& p) {
-  const int64_t M = x.size(0);
-  if (M <= kMaxRows || !p.raws.empty() || p.int8 || (kPanels && p.s.has_value())) return linear(x, p, true);
-  std::vector<torch::Tensor> parts;
-  for (int64_t r = 0; r < M; r += kMaxRows) parts.push_back(linear(x.narrow(0, r, std::min(kMaxRows, M - r)), p, true));
-  return torch::cat(parts);
-}
-
-// One sequence's rows in a Gemma-3 forward over several (GemmaStack.forward_segments): how many (1-16), the cache
+// One sequence's rows in a Gemma-3 forward over several (GemmaStack.forward_segments): how many, the cache
 // row its first new key goes to, its cache buffers per layer ([1, kv, capacity, d]) and its attention bias per
 // layer kind (none: causal).
 struct GemmaSegment {
@@ -2403,7 +2403,7 @@ class GemmaStack {
   }
 
   // Every layer in order on x [R, H], in place, for S sequences at once (one alone: S = 1): x holds their rows one
-  // after another, sizes[s] (1-16) each; sequence s writes its keys and values from row starts[s] of keys[s][i][0],
+  // after another, sizes[s] each; sequence s writes its keys and values from row starts[s] of keys[s][i][0],
   // values[s][i][0] (buffers [1, kv, capacity, d]) and attends under biases[s][t] (as for attention; none: causal)
   // in a layer of kind t; cos[t], sin[t] [R, d]. The weights are read once for all R rows. Returns copies of x
   // after each layer listed in aux, in aux's order.
@@ -2420,7 +2420,7 @@ class GemmaStack {
     std::vector<GemmaSegment> segs;
     int64_t rows = 0;
     for (size_t s = 0; s < n; ++s) {
-      TORCH_CHECK(sizes[s] >= 1 && sizes[s] <= kMaxRows, "GemmaStack.forward_segments: 1 to 16 rows a sequence");
+      TORCH_CHECK(sizes[s] >= 1, "GemmaStack.forward_segments: rows in every sequence");
       TORCH_CHECK(keys[s].size() == layers_.size() && values[s].size() == layers_.size() &&
                   biases[s].size() == cos.size(), "GemmaStack: a buffer per layer, a bias per layer kind");
       segs.push_back({sizes[s], starts[s], &keys[s], &values[s], &biases[s]});
