@@ -48,23 +48,24 @@ import torch
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 STREAM_MAX_ROWS = 16  # the kernel's row limit (kMaxRows)
 
+NAME = "eagle_cpu_kernels"
+StreamOp = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", bool], torch.Tensor]
+
+
+ISAS = ("avx512vnni", "avx512", "avx2", "portable")  # best first
+ISA_FLAGS = {"avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c",
+                            "-DEAGLE_ISA_AVX512", "-DEAGLE_VNNI"],
+             "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", "-DEAGLE_ISA_AVX512"],
+             "avx2": ["-mavx2", "-mfma", "-mf16c", "-DEAGLE_ISA_AVX2"],
+             "portable": []}
+ISA_ENV = "EAGLE_CPU_ISA"
+
 
 def runs_stack(rows: int, masked: bool) -> bool:
     """Whether one sequence's ``rows`` new rows go through a compiled decoder stack: up to ``STREAM_MAX_ROWS``
     always, any number under a mask (a draft tree's, whose rows then get the bits each has alone: the products
     take them 16 at a time); a longer causal run (a prompt) takes torch's products, faster there."""
     return rows > 0 and (rows <= STREAM_MAX_ROWS or masked)
-NAME = "eagle_cpu_kernels"
-StreamOp = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", bool], torch.Tensor]
-
-
-ISAS = ("avx512vnni", "avx512", "avx2", "portable")  # best first
-ISA_FLAGS = {"avx512vnni": ["-mavx512f", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c", "-DEAGLE_ISA_AVX512",
-                            "-DEAGLE_VNNI"],
-             "avx512": ["-mavx512f", "-mfma", "-mf16c", "-DEAGLE_ISA_AVX512"],
-             "avx2": ["-mavx2", "-mfma", "-mf16c", "-DEAGLE_ISA_AVX2"],
-             "portable": []}
-ISA_ENV = "EAGLE_CPU_ISA"
 
 
 def cpu_has_avx512() -> bool:

@@ -1360,6 +1360,13 @@ void int8_block(const Src& src, const QuantizedRows& xq, int64_t K, int64_t row0
   }
 }
 
+// Rows of W a pass takes for m rows of x (as kSuperWRows: the AVX-512 builds' 32 registers hold more sums).
+#if defined(EAGLE_ISA_AVX512)
+constexpr int kInt8WRows[9] = {0, 8, 4, 2, 2, 1, 1, 1, 1};
+#else
+constexpr int kInt8WRows[9] = {0, 2, 2, 1, 1, 1, 1, 1, 1};
+#endif
+
 // out [M, N] (rows ldo apart) = x W^T (+ bias) for any M >= 1, x given quantized: kInt8Rows rows of x a pass.
 template <class Src>
 void int8_rows(const Src& src, const QuantizedRows& xq, int64_t M, int64_t K, int64_t N, const float* bias,
@@ -1370,14 +1377,13 @@ void int8_rows(const Src& src, const QuantizedRows& xq, int64_t M, int64_t K, in
       for (int64_t r = 0; r < M; r += kInt8Rows) {
         float* o = out + r * ldo;
         switch (std::min<int64_t>(kInt8Rows, M - r)) {
-          case 1: int8_block<Src, 1, 2>(src, xq, K, r, bias, o, ldo, t, t1, once); break;  // two rows of W a pass
-          case 2: int8_block<Src, 2, 2>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
-          case 3: int8_block<Src, 3>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
-          case 4: int8_block<Src, 4>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
-          case 5: int8_block<Src, 5>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
-          case 6: int8_block<Src, 6>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
-          case 7: int8_block<Src, 7>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
-          default: int8_block<Src, 8>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
+#define EAGLE_INT8(m) \
+  case m:             \
+    int8_block<Src, m, kInt8WRows[m]>(src, xq, K, r, bias, o, ldo, t, t1, once); \
+    break;
+          EAGLE_INT8(1) EAGLE_INT8(2) EAGLE_INT8(3) EAGLE_INT8(4) EAGLE_INT8(5) EAGLE_INT8(6) EAGLE_INT8(7)
+          default: int8_block<Src, 8, kInt8WRows[8]>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
+#undef EAGLE_INT8
         }
       }
     }
@@ -1544,6 +1550,78 @@ inline SuperVectors super_vectors(const uint8_t* p) {
   return v;
 }
 
+#if defined(EAGLE_ISA_AVX512)
+// Chunks s and s + 1 (s even) of the super-block at p: the codes of chunk s in the low 256 bits, of s + 1 in the
+// high ones (super_chunk's bytes, two at a time).
+template <int64_t Type>
+inline __m512i super_pair(const uint8_t* p, int s) {
+  const __m512i low4 = _mm512_set1_epi8(15);
+  if constexpr (Type == kQ6_K) {  // chunks r, r + 1 (r = s % 4: 0 or 2): the 64 bytes at p + 64 n, one shift
+    const int n = s / 4, r = s % 4;
+    const __m512i low = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 64 * n), 4 * (r / 2)), low4);
+    const __m512i shifts = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(2 * r)),
+                                              _mm256_set1_epi16(static_cast<int16_t>(2 * r + 2)), 1);
+    const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(load32(p + 128 + 32 * n)), shifts),
+                                          _mm512_set1_epi8(3));
+    return _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
+  } else {  // the low and the high nibbles of the same 32 bytes
+    const __m256i q = load32(p + (Type == kQ4_K ? 16 : 48) + 32 * (s / 2));
+    __m512i c = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), low4);
+    if constexpr (Type == kQ5_K) {
+      const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << s)),
+                                             _mm256_set1_epi8(static_cast<char>(1 << (s + 1))), 1);
+      const __mmask64 set = _mm512_test_epi8_mask(_mm512_broadcast_i64x4(load32(p + 16)), bit);
+      c = _mm512_or_si512(c, _mm512_maskz_mov_epi8(set, _mm512_set1_epi8(16)));
+    }
+    return c;
+  }
+}
+
+// isum[w][i] += the integer sums of super_block's chunk loop for the super-block at rp (row w of W: rp + w
+// row_bytes) and x's codes xq8 + i K: two chunks a 512-bit operation, their lanes added at the end (the same
+// integers, so the same bits, as the 256-bit loop).
+template <int64_t Type, int M, int R>
+inline void super_sums(const uint8_t* rp, int64_t row_bytes, const SuperVectors* sv, const uint8_t* xq8, int64_t K,
+                       __m256i (*isum)[M]) {
+  __m512i wide[R][M], table[R];
+  for (int w = 0; w < R; ++w) {
+    table[w] = Type == kQ6_K ? _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(sv[w].sc16)))
+                             : _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_loadl_epi64(
+                                   reinterpret_cast<const __m128i*>(sv[w].sc8))));
+    for (int i = 0; i < M; ++i) wide[w][i] = _mm512_setzero_si512();
+  }
+  for (int s = 0; s < 8; s += 2) {
+    // 16-bit lane l of the pair's products meets the scale of its 16 (Q6_K) or 32 codes
+    const __m512i pick = Type == kQ6_K
+        ? _mm512_add_epi16(_mm512_set1_epi16(static_cast<int16_t>(2 * s)),
+                           _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
+                                                              17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                                                              1, 0), 3))
+        : _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(s)), _mm256_set1_epi16(static_cast<int16_t>(s + 1)),
+                             1);
+    __m512i c[R], scale[R];
+    for (int w = 0; w < R; ++w) {
+      c[w] = super_pair<Type>(rp + w * row_bytes, s);
+      scale[w] = _mm512_permutexvar_epi16(pick, table[w]);
+    }
+    for (int i = 0; i < M; ++i) {
+      const __m512i xv = _mm512_loadu_si512(xq8 + i * K + 32 * s);
+      for (int w = 0; w < R; ++w) {
+#if defined(EAGLE_VNNI)
+        wide[w][i] = _mm512_dpwssd_epi32(wide[w][i], _mm512_maddubs_epi16(c[w], xv), scale[w]);
+#else
+        wide[w][i] = _mm512_add_epi32(wide[w][i], _mm512_madd_epi16(_mm512_maddubs_epi16(c[w], xv), scale[w]));
+#endif
+      }
+    }
+  }
+  for (int w = 0; w < R; ++w)
+    for (int i = 0; i < M; ++i)
+      isum[w][i] = _mm256_add_epi32(isum[w][i], _mm256_add_epi32(_mm512_castsi512_si256(wide[w][i]),
+                                                                  _mm512_extracti64x4_epi64(wide[w][i], 1)));
+}
+#endif
+
 // out[i * ldo + j] for rows row0..row0+M-1 of x (quantized: xq) and W's rows j0..j1 (GGUF rows of Type), R rows
 // of W at a time: they share each load of x and interleave their chains of dependent operations (an R of 2 computes
 // about 1.5 times the codes per cycle of an R of 1 on these CPUs), while each row's sums stay its own.
@@ -1570,6 +1648,9 @@ void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int
         sv[w] = super_vectors<Type>(wp);
         for (int i = 0; i < M; ++i) isum[w][i] = _mm256_setzero_si256();
       }
+#if defined(EAGLE_ISA_AVX512)
+      super_sums<Type, M, R>(rp, row_bytes, sv, xq8 + u * kSuper, K, isum);
+#else
       for (int s = 0; s < 8; ++s) {
         __m256i c[R], scale[R];
         for (int w = 0; w < R; ++w) {
@@ -1584,6 +1665,7 @@ void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int
             isum[w][i] = _mm256_add_epi32(isum[w][i], _mm256_madd_epi16(_mm256_maddubs_epi16(c[w], xv), scale[w]));
         }
       }
+#endif
       for (int i = 0; i < M; ++i) {
         const int64_t xb = (row0 + i) * supers + u;
         const float dx = xq.d[xb];
@@ -1647,6 +1729,14 @@ void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int
 #endif
 
 constexpr int kSuperRows = 8;  // rows of x one pass over W serves
+// Rows of W a pass takes for m rows of x: few rows of x leave the integer units idle while one row of W is
+// unpacked, so several rows of W interleave (the 512-bit build holds their sums in its 32 registers; on a 2-core
+// Zen 5, one row of x: 8 rows of W took the 1.5B's layers 1.28x less time than 2; docs/performance.md).
+#if defined(EAGLE_ISA_AVX512)
+constexpr int kSuperWRows[9] = {0, 8, 4, 2, 2, 1, 1, 1, 1};
+#else
+constexpr int kSuperWRows[9] = {0, 2, 2, 1, 1, 1, 1, 1, 1};
+#endif
 constexpr int64_t kSuperTile = 16;  // rows of W met by every pass before the next ones
 
 // out [M, N] (rows ldo apart) = x W^T (+ bias), W GGUF rows of K-quant Type, x quantized per super-block.
@@ -1658,15 +1748,14 @@ void super_rows(const SuperRows& xq, int64_t M, int64_t K, const uint8_t* raw, i
       const int64_t t1 = std::min(j1, t + kSuperTile);
       for (int64_t r = 0; r < M; r += kSuperRows) {
         float* o = out + r * ldo;
-        switch (std::min<int64_t>(kSuperRows, M - r)) {  // 1-2 rows of x: two rows of W a pass
-          case 1: super_block<Type, 1, 2>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
-          case 2: super_block<Type, 2, 2>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
-          case 3: super_block<Type, 3>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
-          case 4: super_block<Type, 4>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
-          case 5: super_block<Type, 5>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
-          case 6: super_block<Type, 6>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
-          case 7: super_block<Type, 7>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
-          default: super_block<Type, 8>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+        switch (std::min<int64_t>(kSuperRows, M - r)) {
+#define EAGLE_SUPER(m) \
+  case m:              \
+    super_block<Type, m, kSuperWRows[m]>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); \
+    break;
+          EAGLE_SUPER(1) EAGLE_SUPER(2) EAGLE_SUPER(3) EAGLE_SUPER(4) EAGLE_SUPER(5) EAGLE_SUPER(6) EAGLE_SUPER(7)
+          default: super_block<Type, 8, kSuperWRows[8]>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
+#undef EAGLE_SUPER
         }
       }
     }
