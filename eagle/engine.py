@@ -419,7 +419,7 @@ class EagleModel:
                           self.device_rounds_given, self.suffix_store, self.suffix_grafts)
 
     def _cost_sizing(self, kind: str, sampling: SamplingConfig) -> Sizing:
-        """What sizing ``kind``'s rounds ("eagle" trees, "pld" chains) by cost has learned in this model's
+        """What sizing ``kind``'s rounds ("eagle" trees, "pld" chains, "sd"'s gate) by cost has learned in this model's
         decoding so far, greedy or sampled; new for a cost curve measured anew."""
         from eagle.decoding.tree_sizing import cost_curve
 
@@ -477,8 +477,10 @@ class EagleModel:
             draft = self.draft_model.load() if isinstance(self.draft_model, DeferredDraftLM) else self.draft_model
             if not isinstance(draft, Target):  # a module: its inference copy; a loaded model spec runs as it is
                 draft = self._inference_copy(draft, self.drafter_dtype)
+            gated = fixed_total is None  # drafting only while it pays (measured: ``DraftGate``)
             return DraftModel(draft, self.speculative, sampling, generator,
-                              suffix=self._suffix_drafts() if self.suffix_grafts else None)
+                              suffix=self._suffix_drafts() if self.suffix_grafts else None,
+                              sizing=self._cost_sizing(method, sampling) if gated else None)
         if method in ("eagle-tree", "eagle-chain"):
             if self._drafter is None:
                 raise EagleError(f"method {method!r} needs a drafter: pass drafter=... (--drafter)")

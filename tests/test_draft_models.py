@@ -188,3 +188,32 @@ def test_a_module_draft_model_runs_through_the_same_proposer(target):
         ar = model.generate(ids, method="ar", max_new_tokens=16).token_ids
         assert model.generate(ids, method="sd", max_new_tokens=16).token_ids == ar
     assert len(model.generate([1, 2], method="sd", max_new_tokens=4, temperature=1.0, seed=1).token_ids) == 4
+
+
+@pytest.mark.timed_gate
+def test_sd_drafts_only_while_drafting_rounds_pay(monkeypatch):
+    """``sd``'s gate (as ``eagle-tree``'s "auto"): once drafting rounds are known to give fewer tokens a second than
+    plain ones, rounds verify the root alone but for probes; where they pay, every round drafts. Greedy output
+    is ``ar``'s either way (the draft catches up on the tokens it skipped)."""
+    import eagle.decoding.proposers as proposers
+    from eagle.decoding.tree_sizing import PROBE_ROUNDS, CostCurve
+
+    curve = CostCurve(sizes=[1, 16], seconds=[1e-3, 1e-3])
+    monkeypatch.setattr("eagle.decoding.tree_sizing.cost_curve", lambda target, greedy=False: curve)
+    asked = []
+    propose = proposers.DraftModel.propose
+    monkeypatch.setattr(proposers.DraftModel, "propose", lambda self, ids, max_depth, max_nodes: asked.append(
+        max_nodes > 1) or propose(self, ids, max_depth, max_nodes))
+    target, draft = tiny_target(), tiny_target(seed=5, hidden=16, layers=1)
+    ids = [5, 6, 7, 8]
+    for slow in (False, True):
+        model = EagleModel.from_pretrained(target, draft_model=draft, gamma=3)
+        gate = model._cost_sizing("sd", SamplingConfig()).gate
+        gate.drafted_seconds, gate.drafted_tokens = (1e3, 1.0) if slow else (1e-9, 1e3)
+        asked.clear()
+        out = model.generate(ids, method="sd", max_new_tokens=40)
+        assert len(asked) == len(out.accept_lengths)
+        first = PROBE_ROUNDS[0] + 1  # a generation's first round is not counted
+        drafted = [i for i, d in enumerate(asked) if d]
+        assert drafted[:1] == ([first] if slow else [0]) and (slow or drafted == list(range(len(asked))))
+        assert out.token_ids == model.generate(ids, method="ar", max_new_tokens=40).token_ids

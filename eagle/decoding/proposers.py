@@ -240,11 +240,15 @@ class DraftModel(Proposer):
     likely token, which one forward over the continuation gives at every position); the draft model
     then continues to ``gamma`` tokens. Suffix tokens are point-mass drafts, the draft model's are judged
     by the q they were drawn from, and which one a position takes depends on the context and q, never
-    on a draw: sampling stays exact."""
+    on a draw: sampling stays exact. With ``sizing``, its ``gate`` stops drafting while drafting rounds
+    give fewer tokens a second than plain ones (a draft model whose steps cost too much for what is
+    accepted); the draft catches up on the skipped tokens when it drafts again."""
 
     def __init__(self, model: Target, cfg: SpeculativeConfig, sampling: SamplingConfig,
-                 generator: torch.Generator, suffix: "SuffixDrafts | None" = None) -> None:
+                 generator: torch.Generator, suffix: "SuffixDrafts | None" = None,
+                 sizing: Sizing | None = None) -> None:
         self.model, self.cfg, self.sampling, self.generator = model, cfg, sampling, generator
+        self.sizing = sizing
         self.cache = model.new_cache()
         self.gamma = cfg.gamma
         self.drafted = 0
