@@ -1198,6 +1198,41 @@ void gguf_rows(const float* x, int64_t M, int64_t K, const uint8_t* raw, int64_t
   });
 }
 
+// ---- passes of the integer products over W (int8 blocks of 32; K-quant super-blocks on every build) -----------
+constexpr int kPassXRows = 8;       // rows of x one pass over W serves
+constexpr int64_t kPassWTile = 16;  // rows of W met by every pass before the next ones (the L1 cache holds them)
+// Rows of W a pass takes for m rows of x: few rows of x leave the integer units idle while one row of W is
+// unpacked, so several rows of W interleave (the 512-bit build holds their sums in its 32 registers; on a 2-core
+// Zen 5, one row of x: 8 rows of W took the 1.5B's layers 1.28x less time than 2; docs/performance.md).
+#if defined(EAGLE_ISA_AVX512)
+constexpr int kPassWRows[kPassXRows + 1] = {0, 8, 4, 2, 2, 1, 1, 1, 1};
+#else
+constexpr int kPassWRows[kPassXRows + 1] = {0, 2, 2, 1, 1, 1, 1, 1, 1};
+#endif
+
+// f(std::integral_constant<int, m>(), r, t, t1) for every pass of a product of x [M, K] by W [N, K]: W's rows split
+// among torch's threads, rows t..t1-1 (kPassWTile at a time) met by the passes over x's rows r..r+m-1 (m up to
+// kPassXRows) before the next ones.
+template <typename F>
+void int8_passes(int64_t M, int64_t N, F&& f) {
+  at::parallel_for(0, N, 16, [&](int64_t j0, int64_t j1) {
+    for (int64_t t = j0; t < j1; t += kPassWTile) {
+      const int64_t t1 = std::min(j1, t + kPassWTile);
+      for (int64_t r = 0; r < M; r += kPassXRows) {
+        switch (std::min<int64_t>(kPassXRows, M - r)) {
+#define EAGLE_PASS(m) \
+  case m:             \
+    f(std::integral_constant<int, m>(), r, t, t1); \
+    break;
+          EAGLE_PASS(1) EAGLE_PASS(2) EAGLE_PASS(3) EAGLE_PASS(4) EAGLE_PASS(5) EAGLE_PASS(6) EAGLE_PASS(7)
+          default: f(std::integral_constant<int, kPassXRows>(), r, t, t1); break;
+#undef EAGLE_PASS
+        }
+      }
+    }
+  });
+}
+
 // ---- int8 activations: the products in the integer domain (an option: it changes the numerics) --------------
 // Each row of x is quantized per block of 32 as ggml quantizes activations for its dot products (d = max |x| / 127,
 // codes x / d rounded to the nearest, -127..127). A block's 32 codes meet W's codes in 16- and 32-bit integers
@@ -1206,8 +1241,6 @@ void gguf_rows(const float* x, int64_t M, int64_t K, const uint8_t* raw, int64_t
 // rows come with it, so a tree row gets a single row's bits. Only in the AVX2 and AVX-512 builds.
 #if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)
 constexpr bool kInt8 = true;
-constexpr int kInt8Rows = 8;      // rows of x one pass over W serves
-constexpr int64_t kInt8Tile = 16;  // rows of W met by every pass before the next ones (the L1 cache holds them)
 
 // x [M, K] quantized: codes q [M, K]; d [M, K / 32], each block's scale; s [M, K / 16], d times the sum of each
 // half block's codes; sb [M, K / 32], d times the sum of each block's.
@@ -1360,33 +1393,13 @@ void int8_block(const Src& src, const QuantizedRows& xq, int64_t K, int64_t row0
   }
 }
 
-// Rows of W a pass takes for m rows of x (as kSuperWRows: the AVX-512 builds' 32 registers hold more sums).
-#if defined(EAGLE_ISA_AVX512)
-constexpr int kInt8WRows[9] = {0, 8, 4, 2, 2, 1, 1, 1, 1};
-#else
-constexpr int kInt8WRows[9] = {0, 2, 2, 1, 1, 1, 1, 1, 1};
-#endif
-
-// out [M, N] (rows ldo apart) = x W^T (+ bias) for any M >= 1, x given quantized: kInt8Rows rows of x a pass.
+// out [M, N] (rows ldo apart) = x W^T (+ bias) for any M >= 1, x given quantized, in int8_passes.
 template <class Src>
 void int8_rows(const Src& src, const QuantizedRows& xq, int64_t M, int64_t K, int64_t N, const float* bias,
                float* out, int64_t ldo, bool once) {
-  at::parallel_for(0, N, 16, [&](int64_t j0, int64_t j1) {
-    for (int64_t t = j0; t < j1; t += kInt8Tile) {
-      const int64_t t1 = std::min(j1, t + kInt8Tile);
-      for (int64_t r = 0; r < M; r += kInt8Rows) {
-        float* o = out + r * ldo;
-        switch (std::min<int64_t>(kInt8Rows, M - r)) {
-#define EAGLE_INT8(m) \
-  case m:             \
-    int8_block<Src, m, kInt8WRows[m]>(src, xq, K, r, bias, o, ldo, t, t1, once); \
-    break;
-          EAGLE_INT8(1) EAGLE_INT8(2) EAGLE_INT8(3) EAGLE_INT8(4) EAGLE_INT8(5) EAGLE_INT8(6) EAGLE_INT8(7)
-          default: int8_block<Src, 8, kInt8WRows[8]>(src, xq, K, r, bias, o, ldo, t, t1, once); break;
-#undef EAGLE_INT8
-        }
-      }
-    }
+  int8_passes(M, N, [&](auto m, int64_t r, int64_t t, int64_t t1) {
+    constexpr int rows = decltype(m)::value;
+    int8_block<Src, rows, kPassWRows[rows]>(src, xq, K, r, bias, out + r * ldo, ldo, t, t1, once);
   });
 }
 
@@ -1728,37 +1741,14 @@ void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int
 }
 #endif
 
-constexpr int kSuperRows = 8;  // rows of x one pass over W serves
-// Rows of W a pass takes for m rows of x: few rows of x leave the integer units idle while one row of W is
-// unpacked, so several rows of W interleave (the 512-bit build holds their sums in its 32 registers; on a 2-core
-// Zen 5, one row of x: 8 rows of W took the 1.5B's layers 1.28x less time than 2; docs/performance.md).
-#if defined(EAGLE_ISA_AVX512)
-constexpr int kSuperWRows[9] = {0, 8, 4, 2, 2, 1, 1, 1, 1};
-#else
-constexpr int kSuperWRows[9] = {0, 2, 2, 1, 1, 1, 1, 1, 1};
-#endif
-constexpr int64_t kSuperTile = 16;  // rows of W met by every pass before the next ones
-
-// out [M, N] (rows ldo apart) = x W^T (+ bias), W GGUF rows of K-quant Type, x quantized per super-block.
+// out [M, N] (rows ldo apart) = x W^T (+ bias), W GGUF rows of K-quant Type, x quantized per super-block, in
+// int8_passes.
 template <int64_t Type>
 void super_rows(const SuperRows& xq, int64_t M, int64_t K, const uint8_t* raw, int64_t row_bytes, int64_t N,
                 const float* bias, float* out, int64_t ldo) {
-  at::parallel_for(0, N, 16, [&](int64_t j0, int64_t j1) {
-    for (int64_t t = j0; t < j1; t += kSuperTile) {
-      const int64_t t1 = std::min(j1, t + kSuperTile);
-      for (int64_t r = 0; r < M; r += kSuperRows) {
-        float* o = out + r * ldo;
-        switch (std::min<int64_t>(kSuperRows, M - r)) {
-#define EAGLE_SUPER(m) \
-  case m:              \
-    super_block<Type, m, kSuperWRows[m]>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); \
-    break;
-          EAGLE_SUPER(1) EAGLE_SUPER(2) EAGLE_SUPER(3) EAGLE_SUPER(4) EAGLE_SUPER(5) EAGLE_SUPER(6) EAGLE_SUPER(7)
-          default: super_block<Type, 8, kSuperWRows[8]>(raw, row_bytes, xq, K, r, bias, o, ldo, t, t1); break;
-#undef EAGLE_SUPER
-        }
-      }
-    }
+  int8_passes(M, N, [&](auto m, int64_t r, int64_t t, int64_t t1) {
+    constexpr int rows = decltype(m)::value;
+    super_block<Type, rows, kPassWRows[rows]>(raw, row_bytes, xq, K, r, bias, out + r * ldo, ldo, t, t1);
   });
 }
 
