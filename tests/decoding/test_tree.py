@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from eagle.decoding.tree import (Pool, best_frontier, chain_tree, graft_chains, kept_indices,
+from eagle.decoding.tree import (Pool, best_frontier, chain_tree, graft_chains, kept_indices, ranked,
                                  static_layout, topk_children)
 from eagle.decoding.tree_mask import tree_attention
 from eagle.runtime.masks import host_tensor
@@ -18,6 +18,24 @@ def test_topk_children_scores_add_parent_score():
     assert tokens.shape == scores.shape == (3, 4)
     assert torch.allclose(scores, torch.tensor([0.0, -1.0, -2.0])[:, None] + lp.gather(1, tokens))
     assert (scores[:, :-1] >= scores[:, 1:]).all()
+
+
+@pytest.mark.parametrize("shape", [(12288,), (1, 12288), (4, 5000), (2, 3, 1000), (3, 200)])
+def test_ranked_is_a_stable_descending_sort_ties_and_infinities_included(shape):
+    """``ranked`` (topk, then a sort of the k best, on long CPU rows) against the whole stable sort: the k best,
+    best first, the lower index first on ties; rows with many ties, -inf and NaN included."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        scores = torch.randn(*shape, generator=gen)
+        if trial % 3 == 0:
+            scores = (scores * 4).round()  # ties everywhere, the k-th value's included
+        if trial % 4 == 1:
+            scores[..., : shape[-1] // 2] = float("-inf")
+        if trial % 10 == 9:
+            scores.view(-1)[7] = float("nan")
+        for k in (1, 10, 64):
+            expected = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+            assert torch.equal(ranked(scores, k), expected), (trial, k)
 
 
 def brute_force_rerank(parents, scores, keep):
