@@ -735,7 +735,11 @@ constexpr bool kSuperInt8 = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, sizeof bits);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);  // one instruction; c10::Half converts in software here (exact either way)
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 // Q4_K and Q5_K: the 6-bit scale and minimum of sub-block j (0..7) from the super-block's 12 scale bytes.
@@ -1544,19 +1548,19 @@ inline SuperVectors super_vectors(const uint8_t* p) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(v.sc16), sc);
     v.mn = _mm256_slli_epi16(sc, 5);  // 32 sc
     v.d = v.dm = half_at(p + 208);
-  } else {  // the 12 bytes of 6-bit scales and minimums unpacked to 8 + 8 bytes (ggml's trick)
-    uint32_t u[4];
-    std::memcpy(u, p + 4, 12);
-    constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-    const uint32_t mins_low = u[1] & k1;
-    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-    u[2] = mins_low;
-    u[0] &= k1;
-    std::memcpy(v.sc8, u, 8);
-    const __m128i mins = _mm_shuffle_epi8(_mm_set_epi32(0, 0, static_cast<int>(u[3]), static_cast<int>(u[2])),
-                                          _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
-    v.mn = _mm256_cvtepu8_epi16(mins);
+  } else {  // the 12 bytes s of 6-bit scales and minimums unpacked to 8 + 8 bytes in one vector (ggml's
+    // get_scale_min_k4): scale j < 4 is s[j] & 63, j >= 4 (s[j + 4] & 15) | (s[j - 4] >> 6) << 4; minimum j < 4
+    // s[j + 4] & 63, j >= 4 (s[j + 4] >> 4) | (s[j] >> 6) << 4. The load's last 4 bytes are codes, unused.
+    const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
+    const __m128i lo = _mm_shuffle_epi8(s, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i hi = _mm_shuffle_epi8(s, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i low_bits = _mm_or_si128(
+        _mm_and_si128(lo, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
+        _mm_and_si128(_mm_srli_epi16(lo, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
+    const __m128i both = _mm_or_si128(low_bits, _mm_and_si128(_mm_srli_epi16(hi, 2), _mm_set1_epi8(0x30)));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(v.sc8), both);
+    v.mn = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(
+        both, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
     v.d = half_at(p);
     v.dm = half_at(p + 2);
   }
