@@ -218,7 +218,8 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
         new.extend(chunk)
         accept_lengths.append(len(chunk))
         if sizing is not None and forwards > 1:  # (a first drafting round also feeds the drafter the prompt)
-            sizing.gate.record(drafts, len(chunk), time.perf_counter() - began, sizing.costs[0])
+            seconds = time.perf_counter() - began - proposer.skipped_seconds  # less catching up on plain rounds
+            sizing.gate.record(drafts, len(chunk), seconds, sizing.costs[0])
         yield chunk
         clock.lap("other")
     proposer.finish(ids)

@@ -87,6 +87,7 @@ class Proposer:
     needs_features = False
     aux_layers: tuple[int, ...] = ()
     sizing: Sizing | None = None  # what sizing by cost learns ("auto"), whose ``gate`` says whether a round drafts
+    skipped_seconds = 0.0  # what the last ``propose`` spent catching up on rounds it did not draft (the gate's)
 
     def start(self, ids: list[int], features: torch.Tensor | None) -> None:
         """Called once the target has prefilled ``ids[:-1]``."""
@@ -471,15 +472,21 @@ class EagleDrafter(Proposer):
         in one call: ``commit`` defers it, so rounds that draft nothing (a batch's root-only rounds)
         cost the drafter nothing."""
         pending = ([self.prompt] if self.prompt is not None else []) + self.pending
+        self.skipped_seconds = 0.0
         if pending:
             tokens = [t for _, produced in pending for t in produced]
-            self.prompt, self.pending = None, []
+            last = len(self.pending[-1][1]) if self.pending and self.prompt is None else 0  # the last round's
+            self.prompt, self.pending, began = None, [], time.perf_counter()
             yield from self._feed([f for f, _ in pending], tokens)
+            # the share of the call that fed the prompt and rounds that did not draft: a cost of resuming
+            # drafting, not of this round (``DraftGate`` judges rounds without it)
+            self.skipped_seconds = (time.perf_counter() - began) * (1 - last / len(tokens))
 
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         return run_alone(self.drafting(ids, max_depth, max_nodes))
 
     def drafting(self, ids: list[int], max_depth: int, max_nodes: int) -> Generator[DraftStep, StepResult, Proposal]:
+        self.skipped_seconds = 0.0
         if max_depth >= 1 and max_nodes >= 2:  # a round that may draft
             yield from self.catching_up()
         proposal = yield from self._propose(ids, max_depth, max_nodes)

@@ -153,6 +153,7 @@ AVERAGING = 0.1  # the weight of each new observation in the running averages
 
 PROBE_ROUNDS = (8, 64)  # plain rounds before drafting is tried again: at first, and at most (doubling between)
 PROBE_WEIGHT = 0.5  # a probe's weight in the drafting averages: what drafting gave many rounds ago is stale
+PLAIN_EVERY = (4, 64)  # drafting rounds before a plain round measures what drafting must beat: the first, then again
 
 
 @dataclasses.dataclass
@@ -162,7 +163,9 @@ class DraftGate:
     ``plain_seconds``, or before any plain round the ``estimate`` given). A round that does not draft
     verifies the root alone (plain decoding: the drafter is not even fed). After ``patience`` plain rounds
     one drafting round probes again (weighed ``PROBE_WEIGHT``); a probe that does not pay doubles the patience (up to
-    ``PROBE_ROUNDS[1]``), one that pays resets it. Only past rounds decide, so acceptance stays lossless
+    ``PROBE_ROUNDS[1]``), one that pays resets it. While drafting pays, one plain round after the first
+    ``PLAIN_EVERY[0]`` drafting rounds and then every ``PLAIN_EVERY[1]`` measures what it must beat (an estimate
+    from the drafting rounds' own costs would follow them). Only past rounds decide, so acceptance stays lossless
     (every round verifies a tree fixed before its draws)."""
 
     drafted_seconds: float = 0.0  # 0: no drafting round seen
@@ -170,6 +173,8 @@ class DraftGate:
     plain_seconds: float = 0.0  # 0: no plain round seen
     waited: int = 0  # plain rounds since the last drafting round
     patience: int = PROBE_ROUNDS[0]
+    since_plain: int = 0  # drafting rounds since the last plain one
+    probing: bool = False  # the round ``drafts`` allowed is a probe (drafting did not pay)
 
     def pays(self, estimate: float) -> bool:
         """Whether drafting rounds so far beat plain ones (``estimate``: a plain round's seconds until one is seen)."""
@@ -177,21 +182,29 @@ class DraftGate:
         return not self.drafted_seconds or self.drafted_tokens * plain >= self.drafted_seconds
 
     def drafts(self, estimate: float) -> bool:
-        """Whether the next round drafts: it pays, or a probe is due."""
-        return self.pays(estimate) or self.waited >= self.patience
+        """Whether the next round drafts: it pays and no plain round is due to measure the reference, or a probe
+        is due."""
+        if self.drafted_seconds and self.since_plain >= PLAIN_EVERY[1 if self.plain_seconds else 0]:
+            self.probing = False
+            return False
+        pays = self.pays(estimate)
+        self.probing = not pays and self.waited >= self.patience
+        return pays or self.probing
 
     def record(self, drafted: bool, tokens: int, seconds: float, estimate: float) -> None:
         """A round's new ``tokens`` and ``seconds``; ``drafted``: whether it drafted (``drafts`` said so)."""
         if not drafted:
             self.plain_seconds += AVERAGING * (seconds - self.plain_seconds) if self.plain_seconds else seconds
             self.waited += 1
+            self.since_plain = 0
             return
-        weight = 1.0 if not self.drafted_seconds else PROBE_WEIGHT if self.waited else AVERAGING
+        weight = 1.0 if not self.drafted_seconds else PROBE_WEIGHT if self.probing else AVERAGING
         self.drafted_seconds += weight * (seconds - self.drafted_seconds)
         self.drafted_tokens += weight * (tokens - self.drafted_tokens)
-        if self.waited:  # a probe
+        if self.probing:
             self.patience = PROBE_ROUNDS[0] if self.pays(estimate) else min(PROBE_ROUNDS[1], 2 * self.patience)
-        self.waited = 0
+        self.waited, self.probing = 0, False
+        self.since_plain += 1
 
 
 @dataclasses.dataclass

@@ -378,9 +378,9 @@ def test_auto_drafts_none_while_drafting_rounds_lose_to_plain_ones(target, draft
     """"auto"'s gate (``Sizing.gate``): once drafting rounds are known to give fewer tokens per second than
     plain ones (here 1 token in 1000 s), rounds verify the root alone but for probes, after 8 plain
     rounds (the first not counted), then 16 more; greedy output stays ``ar``'s. Where drafting rounds pay (1000 tokens a round)
-    it drafts every round."""
+    it drafts every round but one plain round after the first ``PLAIN_EVERY[0]`` counted (what drafting must beat)."""
     import eagle.decoding.proposers as proposers
-    from eagle.decoding.tree_sizing import PROBE_ROUNDS, CostCurve
+    from eagle.decoding.tree_sizing import PLAIN_EVERY, PROBE_ROUNDS, CostCurve
 
     curve = CostCurve(sizes=[1, 16], seconds=[1e-3, 1e-3])
     monkeypatch.setattr("eagle.decoding.tree_sizing.cost_curve", lambda target, greedy=False: curve)
@@ -400,9 +400,39 @@ def test_auto_drafts_none_while_drafting_rounds_lose_to_plain_ones(target, draft
         first = PROBE_ROUNDS[0] + 1  # a generation's first round (it feeds the drafter the prompt) is not counted
         second = first + 2 * PROBE_ROUNDS[0] + 1
         drafted = [i for i, d in enumerate(asked) if d]
-        assert drafted == ([i for i in (first, second) if i < len(asked)] if slow else list(range(len(asked))))
+        fast = [i for i in range(len(asked)) if i != 1 + PLAIN_EVERY[0]]
+        assert drafted == ([i for i in (first, second) if i < len(asked)] if slow else fast)
         if temperature == 0:
             assert out.token_ids == model.generate(ids, method="ar", max_new_tokens=40).token_ids
+
+
+def test_the_gate_judges_a_round_without_the_catching_up_on_rounds_that_did_not_draft(target, drafter, monkeypatch):
+    """A drafting round after plain ones feeds the drafter what it skipped (and the prompt, the first time): that
+    share of the call is ``skipped_seconds``, left out of the time the gate judges; a drafting round after a
+    drafting one feeds only the last round's tokens and skips nothing."""
+    import eagle.decoding.proposers as proposers
+
+    pattern = iter([True, True, False, False, True, True] + [True] * 40)
+    monkeypatch.setattr("eagle.decoding.tree_sizing.DraftGate.drafts", lambda self, estimate: next(pattern))
+    recorded, skipped = [], []
+    monkeypatch.setattr("eagle.decoding.tree_sizing.DraftGate.record",
+                        lambda self, drafted, tokens, seconds, estimate: recorded.append(seconds))
+    propose = proposers.EagleDrafter.propose
+
+    def watched(self, ids, max_depth, max_nodes):
+        proposal = propose(self, ids, max_depth, max_nodes)
+        skipped.append((max_nodes > 1, self.skipped_seconds))
+        return proposal
+
+    monkeypatch.setattr(proposers.EagleDrafter, "propose", watched)
+    model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens="auto", depth=3, top_k=2)
+    model.generate(list(range(5, 30)), method="eagle-tree", max_new_tokens=8)
+    assert [d for d, _ in skipped[:6]] == [True, True, False, False, True, True]
+    assert skipped[0][1] > 0  # the prompt
+    assert skipped[1][1] == 0 and skipped[5][1] == 0  # the last round only
+    assert skipped[2][1] == skipped[3][1] == 0  # plain rounds feed nothing
+    assert skipped[4][1] > 0  # two plain rounds caught up on
+    assert all(seconds > 0 for seconds in recorded)
 
 
 def test_prompt_lookup_verifies_the_drafts_that_pay_for_their_rows(target, monkeypatch):

@@ -217,8 +217,9 @@ def test_draft_gate_stops_drafting_where_it_does_not_pay_and_probes_again():
     """Drafting rounds of 1.5 tokens in 2 s lose to plain rounds of 1 token in 1 s: the gate stops
     drafting, probes again after 8 plain rounds, then 16, 32 and 64 at most while probes lose;
     once a round's drafts pay again (4 tokens in 2 s) the next probe finds it (a probe weighs more than a
-    round: what drafting gave long ago is stale), and it drafts every round, its patience reset."""
-    from eagle.decoding.tree_sizing import PROBE_ROUNDS, DraftGate
+    round: what drafting gave long ago is stale), and it drafts every round but one plain round in
+    ``PLAIN_EVERY[1]`` (what drafting must beat, measured again), its patience reset."""
+    from eagle.decoding.tree_sizing import PLAIN_EVERY, PROBE_ROUNDS, DraftGate
 
     gate, plan = DraftGate(), []
     assert gate.drafts(1.0)  # nothing seen: draft
@@ -231,15 +232,39 @@ def test_draft_gate_stops_drafting_where_it_does_not_pay_and_probes_again():
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
     assert gaps[:4] == [8, 16, 32, 64] and set(gaps[4:]) == {PROBE_ROUNDS[1]}
     assert not gate.pays(1.0)
-    for _ in range(2 * PROBE_ROUNDS[1]):
+    for _ in range(PROBE_ROUNDS[1] + 4 * PLAIN_EVERY[1]):
         drafts = gate.drafts(1.0)
         plan.append(drafts)
         gate.record(drafts, 1 if not drafts else 4, 1.0 if not drafts else 2.0, 1.0)
-    assert all(plan[-PROBE_ROUNDS[1]:]) and gate.patience == PROBE_ROUNDS[0]
+    plain = [k for k, d in enumerate(plan[-3 * PLAIN_EVERY[1]:]) if not d]
+    assert len(plain) >= 2 and {b - a for a, b in zip(plain, plain[1:])} == {PLAIN_EVERY[1] + 1}
+    assert gate.patience == PROBE_ROUNDS[0]
     # before any plain round the estimate stands for one: 1.5 tokens in 2 s pay against 2 s a token
     gate = DraftGate()
     gate.record(True, 1.5, 2.0, 2.0)
     assert gate.drafts(2.0) and not gate.drafts(1.0)
+
+
+@pytest.mark.timed_gate
+def test_draft_gate_measures_a_plain_round_instead_of_trusting_the_estimate():
+    """An estimate of a plain round drawn from drafting rounds' own costs (3 s against drafting's 2 s for 1.5
+    tokens) would keep drafting forever; after ``PLAIN_EVERY[0]`` drafting rounds one plain round (1 s)
+    is measured, and the gate stops drafting. A negative control without the plain round keeps drafting."""
+    from eagle.decoding.tree_sizing import PLAIN_EVERY, DraftGate
+
+    def plan(gate: DraftGate, rounds: int) -> list[bool]:
+        out = []
+        for _ in range(rounds):
+            drafts = gate.drafts(3.0)
+            out.append(drafts)
+            gate.record(drafts, 1.5 if drafts else 1, 2.0 if drafts else 1.0, 3.0)
+        return out
+
+    drafted = plan(DraftGate(), 40)
+    assert drafted[:PLAIN_EVERY[0]] == [True] * PLAIN_EVERY[0] and not drafted[PLAIN_EVERY[0]]
+    assert drafted[PLAIN_EVERY[0]:].count(True) <= 3  # probes only
+    control = DraftGate(since_plain=-10**9)  # never due for a plain round
+    assert all(plan(control, 40))
 
 
 def test_measured_costs_are_fitted_non_decreasing_by_least_squares():
