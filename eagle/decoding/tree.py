@@ -12,6 +12,7 @@ from typing import Callable, Generator, Sequence
 import torch
 
 from eagle.runtime.masks import host_tensor
+from eagle.runtime.shapes import capture_installed
 
 RANKED_SORT_MAX = 256  # ``ranked`` sorts rows this long or shorter whole
 
@@ -52,9 +53,11 @@ def ranked(scores: torch.Tensor, k: int) -> torch.Tensor:
     lower index first on ties (a stable sort; ``torch.topk`` leaves ties' order unspecified): the one tie
     order of every tree path, the host's ``best_frontier`` included. On a CPU a long last dimension takes
     ``torch.topk`` for the k-th best value, then sorts only the k scores at or above it (a sort of a drafter's
-    12k-token vocabulary costs ~0.4 ms a row there, topk ~10 us); a tie at the k-th value falls back to the sort."""
+    12k-token vocabulary costs ~0.4 ms a row there, this ~50 us); a tie at the k-th value or a NaN falls back
+    to the whole sort, as does a capturable call (the check reads a value back to the host)."""
     n = scores.shape[-1]
-    if scores.device.type != "cpu" or n <= RANKED_SORT_MAX or k >= n or scores.numel() == 0:
+    if (scores.device.type != "cpu" or n <= RANKED_SORT_MAX or k >= n or scores.numel() == 0
+            or capture_installed()):
         return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     keep = scores >= torch.topk(scores, k, dim=-1).values[..., -1:]
     if not bool((keep.sum(-1) == k).all()):  # a tie at the k-th value, or NaN

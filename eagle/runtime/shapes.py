@@ -58,6 +58,12 @@ def capture_with(capture: Callable) -> Iterator[None]:
         _CAPTURE.remove(capture)
 
 
+def capture_installed() -> bool:
+    """Whether static functions may be captured on a CPU now (``capture_with``, or ``$EAGLE_FAKE_CAPTURE=1``):
+    code that would read a value back to the host there takes its capturable form."""
+    return bool(_CAPTURE) or os.environ.get("EAGLE_FAKE_CAPTURE") == "1"
+
+
 def _cpu_capture() -> Callable | None:
     """``$EAGLE_FAKE_CAPTURE=1``: a CPU runner captures with ``eagle.runtime.fake_capture`` (a rehearsal of
     what a GPU captures); else none."""
