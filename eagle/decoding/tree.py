@@ -56,14 +56,13 @@ def ranked(scores: torch.Tensor, k: int) -> torch.Tensor:
     12k-token vocabulary costs ~0.4 ms a row there, this ~50 us); a tie at the k-th value or a NaN falls back
     to the whole sort, as does a capturable call (the check reads a value back to the host)."""
     n = scores.shape[-1]
-    if (scores.device.type != "cpu" or n <= RANKED_SORT_MAX or k >= n or scores.numel() == 0
-            or capture_installed()):
-        return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-    keep = scores >= torch.topk(scores, k, dim=-1).values[..., -1:]
-    if not bool((keep.sum(-1) == k).all()):  # a tie at the k-th value, or NaN
-        return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-    best = keep.nonzero()[:, -1].view(*scores.shape[:-1], k)  # each row's k best, lower index first
-    return best.gather(-1, torch.sort(scores.gather(-1, best), dim=-1, descending=True, stable=True).indices)
+    if (scores.device.type == "cpu" and RANKED_SORT_MAX < n and k < n and scores.numel() > 0
+            and not capture_installed()):
+        keep = scores >= torch.topk(scores, k, dim=-1).values[..., -1:]
+        if bool((keep.sum(-1) == k).all()):  # else a tie at the k-th value, or NaN: the whole sort
+            best = keep.nonzero()[:, -1].view(*scores.shape[:-1], k)  # each row's k best, lower index first
+            return best.gather(-1, torch.sort(scores.gather(-1, best), dim=-1, descending=True, stable=True).indices)
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 def topk_children(parent_scores: torch.Tensor, logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
