@@ -231,16 +231,22 @@ class SpeculativeConfig:
     """Classic speculative sampling with a separate draft model (method ``sd``).
 
     ``lenience`` = 1.0 is exact (lossless). Values below 1 accept more drafts, which
-    changes the output distribution (lossy, documented as such)."""
+    changes the output distribution (lossy, documented as such). ``draft_vocab``: the draft model's
+    head computes the logits of its tokenizer's most frequent tokens, this many, where a frequency table
+    for that tokenizer is known (``eagle.drafting.token_frequencies``); 0: the whole vocabulary."""
 
     gamma: int = 4
     lenience: float = 1.0
     adaptive_gamma: bool = False
     max_gamma: int = 12
+    draft_vocab: int = 32768
 
     def __post_init__(self) -> None:
         check_int("gamma", self.gamma)
         check_int("max_gamma", self.max_gamma)
+        check_int("draft_vocab", self.draft_vocab)
+        if self.draft_vocab < 0:
+            raise EagleError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
         check_float("lenience", self.lenience)
         check_bool("adaptive_gamma", self.adaptive_gamma)
         if self.gamma < 1:
@@ -311,7 +317,7 @@ def option_configs(total_tokens: int | str | None = None, depth: int | None = No
                    choices: list[list[int]] | None = None, lookup_tokens: int | None = None,
                    sampled_tree: bool | None = None, draw_temperature_scale: float | None = None,
                    draw_support: int | None = None, gamma: int | None = None, lenience: float | None = None,
-                   adaptive_gamma: bool | None = None,
+                   adaptive_gamma: bool | None = None, draft_vocab: int | None = None,
                    **prompt_lookup: Any) -> tuple[TreeConfig, SpeculativeConfig, PromptLookupConfig]:
     """``EagleModel.from_pretrained``'s option names -> the configs they make (None: the default),
     checked without loading anything."""
@@ -320,7 +326,8 @@ def option_configs(total_tokens: int | str | None = None, depth: int | None = No
                                   sampled_tree=sampled_tree, draw_temperature_scale=draw_temperature_scale,
                                   draw_support=draw_support).items()
             if v is not None}
-    spec = {k: v for k, v in dict(gamma=gamma, lenience=lenience, adaptive_gamma=adaptive_gamma).items() if v is not None}
+    spec = {k: v for k, v in dict(gamma=gamma, lenience=lenience, adaptive_gamma=adaptive_gamma,
+                                  draft_vocab=draft_vocab).items() if v is not None}
     try:
         pl = PromptLookupConfig(**prompt_lookup)
     except TypeError as exc:
@@ -354,6 +361,7 @@ class LoadOptions:
     gamma: Optional[int] = None
     lenience: Optional[float] = None
     adaptive_gamma: Optional[bool] = None
+    draft_vocab: Optional[int] = None
     drafter_dtype: str = "auto"
     drafter_quant: str = "auto"
     cuda_graphs: Optional[bool] = None
@@ -369,7 +377,7 @@ class LoadOptions:
 
         for name in ("sampled_tree", "adaptive_gamma", "cuda_graphs", "device_rounds", "int8_activations"):
             check_optional(check_bool, name, getattr(self, name))
-        for name in ("depth", "top_k", "lookup_tokens", "draw_support", "gamma"):
+        for name in ("depth", "top_k", "lookup_tokens", "draw_support", "gamma", "draft_vocab"):
             check_optional(check_int, name, getattr(self, name))
         for name in ("draw_temperature_scale", "lenience"):
             check_optional(check_float, name, getattr(self, name))

@@ -23,6 +23,7 @@ from eagle.decoding.tree_sizing import Sizing
 from eagle.drafting import draft_lm
 from eagle.drafting.drafter import Drafter, DrafterConfig, DrafterFile, LeanDrafter
 from eagle.drafting.suffix import SuffixStore, read_corpus
+from eagle.drafting.token_frequencies import DraftVocab
 from eagle.errors import EagleError
 from eagle.inputs import METHODS
 from eagle.runtime import kv_cache
@@ -315,6 +316,14 @@ class EagleModel:
             entry = self._packed[key] = (module, copy)
         return entry[1]
 
+    def _draft_vocab(self, draft: Target) -> DraftVocab | None:
+        """The draft model's head on its ``draft_vocab`` most frequent tokens (made once per draft model)."""
+        key = (id(draft), None, f"draft_vocab={self.speculative.draft_vocab}")
+        entry = self._packed.get(key)
+        if entry is None or entry[0] is not draft:
+            entry = self._packed[key] = (draft, DraftVocab.of(draft, self.speculative.draft_vocab))
+        return entry[1]
+
     @classmethod
     def from_pretrained(cls, target: str | Target = DEFAULT_TARGET, drafter: str | Path | Drafter | None = None,
                         draft_model: str | Any = None, device: Any = None, dtype: torch.dtype | None = None,
@@ -322,7 +331,7 @@ class EagleModel:
                         choices: list[list[int]] | None = None, lookup_tokens: int | None = None,
                         sampled_tree: bool | None = None, draw_temperature_scale: float | None = None,
                         draw_support: int | None = None, gamma: int | None = None, lenience: float | None = None,
-                        adaptive_gamma: bool | None = None,
+                        adaptive_gamma: bool | None = None, draft_vocab: int | None = None,
                         drafter_dtype: torch.dtype | None = None, drafter_quant: str | None = None,
                         cuda_graphs: bool | None = None, device_rounds: bool | None = None,
                         int8_activations: bool | None = None, suffix: SuffixConfig | dict | None = None,
@@ -338,8 +347,8 @@ class EagleModel:
         grafted onto the tree; 0 turns it off), ``sampled_tree`` (when sampling, draw the children
         from the drafter instead of taking its top-k: ``TreeConfig.sampled_tree``),
         ``draw_temperature_scale``, ``draw_support`` (``TreeConfig``'s); ``sd`` options:
-        ``gamma``, ``lenience``, ``adaptive_gamma``; ``pld`` options: ``max_ngram``,
-        ``min_ngram``, ``num_draft_tokens`` (the n-gram sizes also apply to ``lookup_tokens``).
+        ``gamma``, ``lenience``, ``adaptive_gamma``, ``draft_vocab`` (``SpeculativeConfig``'s); ``pld``
+        options: ``max_ngram``, ``min_ngram``, ``num_draft_tokens`` (the n-gram sizes also apply to ``lookup_tokens``).
         ``drafter_dtype``, ``drafter_quant``: see ``EagleModel``. ``cuda_graphs``: the target and the
         drafter on static shapes replayed as CUDA graphs (``eagle.runtime.cuda_graphs``; default: on CUDA;
         ``True`` on a CPU runs that static path without graphs). ``device_rounds``: see ``EagleModel``.
@@ -353,7 +362,8 @@ class EagleModel:
         tree, spec, pl = option_configs(
             total_tokens=total_tokens, depth=depth, top_k=top_k, choices=choices,
             lookup_tokens=lookup_tokens, sampled_tree=sampled_tree, draw_temperature_scale=draw_temperature_scale,
-            draw_support=draw_support, gamma=gamma, lenience=lenience, adaptive_gamma=adaptive_gamma, **prompt_lookup)
+            draw_support=draw_support, gamma=gamma, lenience=lenience, adaptive_gamma=adaptive_gamma,
+            draft_vocab=draft_vocab, **prompt_lookup)
         tgt = load_target(target, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                           int8_activations=int8_activations)
         if drafter is None and isinstance(target, str):
@@ -480,7 +490,8 @@ class EagleModel:
             gated = fixed_total is None  # drafting only while it pays (measured: ``DraftGate``)
             return DraftModel(draft, self.speculative, sampling, generator,
                               suffix=self._suffix_drafts() if self.suffix_grafts else None,
-                              sizing=self._cost_sizing(method, sampling) if gated else None)
+                              sizing=self._cost_sizing(method, sampling) if gated else None,
+                              vocab=self._draft_vocab(draft))
         if method in ("eagle-tree", "eagle-chain"):
             if self._drafter is None:
                 raise EagleError(f"method {method!r} needs a drafter: pass drafter=... (--drafter)")

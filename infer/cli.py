@@ -117,7 +117,7 @@ FLAG_METHODS = {
     "sampled_tree": ("eagle-tree", "eagle-chain"), "draw_temperature_scale": ("eagle-tree", "eagle-chain"),
     "draw_support": ("eagle-tree", "eagle-chain"), "drafter_dtype": ("eagle-tree", "eagle-chain", "sd"),
     "drafter_quant": ("eagle-tree", "eagle-chain"), "gamma": ("sd",), "lenience": ("sd",),
-    "adaptive_gamma": ("sd",), "--suffix-corpus": ("suffix",), "suffix": ("suffix",),
+    "adaptive_gamma": ("sd",), "draft_vocab": ("sd",), "--suffix-corpus": ("suffix",), "suffix": ("suffix",),
 }
 SAMPLING_ONLY = ("--top-p", "--top-k", "--seed", "lenience", "sampled_tree", "draw_temperature_scale",
                  "draw_support")
@@ -184,7 +184,8 @@ def option_args(args: argparse.Namespace) -> dict:
     return dict(total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k,
                 lookup_tokens=args.lookup_tokens, sampled_tree=args.sampled_tree,
                 draw_temperature_scale=args.draw_temperature_scale, draw_support=args.draw_support,
-                gamma=args.gamma, lenience=args.lenience, adaptive_gamma=args.adaptive_gamma)
+                gamma=args.gamma, lenience=args.lenience, adaptive_gamma=args.adaptive_gamma,
+                draft_vocab=args.draft_vocab)
 
 
 def check_model_args(args: argparse.Namespace) -> None:

@@ -18,6 +18,8 @@ KEY_HELP = {  # one line per config key for docs/options.md (the full contracts:
     "gamma": "sd: draft tokens per step (default 4)",
     "lenience": "sd: below 1 accepts more drafts (lossy); 1 exact (default)",
     "adaptive_gamma": "sd: adapt gamma to the acceptance rate (default false)",
+    "draft_vocab": "sd: the draft model's head computes its N most frequent tokens, where a token-frequency "
+                   "table for its tokenizer is known; 0: all (default 32768)",
     "drafter_dtype": "what the drafter and sd's draft model compute in: auto, float32, bfloat16, float16",
     "drafter_quant": "the EAGLE drafter's weights as q8_0 or q4_1 blocks, computed in fp32; none; auto",
     "cuda_graphs": "the target and drafter on static shapes, replayed as CUDA graphs (default: on CUDA)",

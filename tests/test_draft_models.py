@@ -219,3 +219,49 @@ def test_sd_drafts_only_while_drafting_rounds_pay(monkeypatch):
         fast = [i for i in range(len(asked)) if i != 1 + PLAIN_EVERY[0]]
         assert drafted[:1] == ([first] if slow else [0]) and (slow or drafted == fast)
         assert out.token_ids == model.generate(ids, method="ar", max_new_tokens=40).token_ids
+
+
+@pytest.mark.parametrize("draft", ["same", "near"])
+def test_a_draft_vocabulary_keeps_sd_ar_and_drafts_only_its_tokens(files, draft, monkeypatch):
+    """With a token-frequency table for the tokenizer in the cache (``scripts/token_frequencies.py`` writes one
+    there), ``sd``'s draft model computes the logits of its ``draft_vocab`` most frequent tokens only, from a copy of
+    those rows of its head (the whole head's logits of them, bit for bit): every drafted token is among them (and
+    the end-of-sequence ids), greedy ``sd`` still gives ``ar``'s tokens, and sampled ``sd`` runs; ``draft_vocab=0``
+    and a tokenizer without a table compute the whole head."""
+    from eagle.cache_dir import cache_root
+    from eagle.decoding.proposers import DraftModel
+    from eagle.drafting import token_frequencies
+
+    model = EagleModel.from_pretrained(files["target"], draft_model=files[draft], gamma=4, draft_vocab=12)
+    sd = model._proposer("sd", SamplingConfig(), torch.Generator())
+    assert sd.head is None  # no table known for this tokenizer yet
+    vocab = model.target.vocab_size
+    counts = torch.arange(vocab)  # the higher the id, the more frequent
+    path = cache_root() / "token_frequencies" / "tiny.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token_frequencies.write_table(path, token_frequencies.table(counts, model.target.tokenizer_fingerprint, "test"))
+    try:
+        model = EagleModel.from_pretrained(files["target"], draft_model=files[draft], gamma=4, draft_vocab=12)
+        sd = model._proposer("sd", SamplingConfig(), torch.Generator())
+        allowed = set(range(vocab - 12, vocab)) | set(model.draft_model.eos_token_ids)
+        assert sd.head is not None and set(sd.vocab.tolist()) == allowed
+        hidden = torch.randn(3, model.draft_model.hidden_size)
+        assert torch.equal(sd.head(hidden), model.draft_model.lm_head(hidden)[:, sd.vocab])
+        drafted: list[int] = []
+        propose = DraftModel.propose
+
+        def recorded(self, ids, max_depth, max_nodes):
+            proposal = propose(self, ids, max_depth, max_nodes)
+            drafted.extend(proposal.tree.tokens[1:].tolist())
+            return proposal
+
+        monkeypatch.setattr(DraftModel, "propose", recorded)
+        for text in TEXTS:
+            ar = model.generate(text, method="ar", max_new_tokens=24)
+            assert model.generate(text, method="sd", max_new_tokens=24).token_ids == ar.token_ids
+            assert model.generate(text, method="sd", max_new_tokens=24, temperature=1.0, seed=3).token_ids
+        assert drafted and set(drafted) <= allowed
+        whole = EagleModel.from_pretrained(files["target"], draft_model=files[draft], draft_vocab=0)
+        assert whole._proposer("sd", SamplingConfig(), torch.Generator()).head is None
+    finally:
+        path.unlink()

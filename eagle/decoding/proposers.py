@@ -26,6 +26,7 @@ from eagle.runtime import kv_cache
 from eagle.decoding.tree_sizing import CostCurve, Sizing, choose_tree_size, expansion_floor
 from eagle.config import PromptLookupConfig, SamplingConfig, SpeculativeConfig, TreeConfig
 from eagle.drafting.drafter import LeanDrafter
+from eagle.drafting.token_frequencies import DraftVocab
 from eagle.drafting.suffix import SuffixIndex, SuffixStore, new_index
 from eagle.errors import EagleError
 from eagle.decoding.draft_steps import DraftStep, StepResult, run_alone
@@ -243,13 +244,17 @@ class DraftModel(Proposer):
     by the q they were drawn from, and which one a position takes depends on the context and q, never
     on a draw: sampling stays exact. With ``sizing``, its ``gate`` stops drafting while drafting rounds
     give fewer tokens a second than plain ones (a draft model whose steps cost too much for what is
-    accepted); the draft catches up on the skipped tokens when it drafts again."""
+    accepted); the draft catches up on the skipped tokens when it drafts again. With ``vocab``
+    (``DraftVocab``), the draft's head computes only its tokens' logits (``eagle.drafting.token_frequencies``): its
+    distributions are zero elsewhere, and the target judges its tokens as any others."""
 
     def __init__(self, model: Target, cfg: SpeculativeConfig, sampling: SamplingConfig,
                  generator: torch.Generator, suffix: "SuffixDrafts | None" = None,
-                 sizing: Sizing | None = None) -> None:
+                 sizing: Sizing | None = None, vocab: DraftVocab | None = None) -> None:
         self.model, self.cfg, self.sampling, self.generator = model, cfg, sampling, generator
         self.sizing = sizing
+        self.vocab = None if vocab is None else vocab.ids
+        self.head = None if vocab is None else vocab.head
         self.cache = model.new_cache()
         self.gamma = cfg.gamma
         self.drafted = 0
@@ -269,6 +274,15 @@ class DraftModel(Proposer):
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         pos = torch.arange(past, past + len(tokens), device=self.device)[None]
         greedy = self.sampling.greedy and not rows
+        if self.head is not None:  # the draft vocabulary's logits only
+            out = self.model.forward(ids, pos, self.cache, logits_from=len(tokens))
+            logits = self.head(out.hidden[0, -(rows or 1):]).float()
+            if greedy:
+                return self.vocab[logits[0].argmax()]
+            if rows:
+                return logits.new_full((rows, self.model.vocab_size), -torch.inf).index_copy_(1, self.vocab, logits)
+            q = logits_to_probs(logits[0], self.sampling)
+            return q.new_zeros(self.model.vocab_size).index_copy_(0, self.vocab, q)
         out = self.model.forward(ids, pos, self.cache, logits_from=len(tokens) - (rows or (0 if greedy else 1)))
         if rows:
             return out.logits[0]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -414,6 +415,28 @@ SCREEN_TRIAL_ROWS = (1, 4, 16)  # row counts at which the screen is timed agains
 def head_rows(head: "PackedLinear | GGUFLinear") -> int:
     """The vocabulary of a head read from codes (8-bit block codes or GGUF rows)."""
     return head.out_features if isinstance(head, GGUFLinear) else head.encoded.codes.shape[0]
+
+
+def head_subset(head: Any, ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``head`` (a lean forward's, or a module's ``nn.Linear``) restricted to its rows ``ids`` [n]: features [N, H]
+    -> logits [N, n], from a copy of those rows in the head's own form (codes, numerics: each logit as the whole
+    head computes it), so that a step reads n rows of the vocabulary instead of all."""
+    ids = ids.to(torch.long)
+    bias = None if getattr(head, "bias", None) is None else head.bias.index_select(0, ids.to(head.bias.device))
+    if isinstance(head, GGUFLinear) and len(head.parts) == 1:
+        part = head.parts[0]
+        return GGUFLinear([GGUFMatrix(part.raw.index_select(0, ids).contiguous(), part.ggml_type)], bias, head.int8)
+    if isinstance(head, PackedLinear) and head.encoded is not None:
+        codes = head.encoded
+        rows = BlockCodes(codes.codes.index_select(0, ids).contiguous(), codes.scales.index_select(0, ids).contiguous())
+        return PackedLinear.from_codes(rows, bias, head.int8, head.once)
+    weight = head.plain_weight if isinstance(head, PackedLinear) else getattr(head, "weight", None)
+    if weight is None or isinstance(head, GGUFLinear):  # rows not at hand: the whole head, then its columns
+        return lambda x: head(x).index_select(-1, ids.to(x.device))
+    ids = ids.to(weight.device)
+    if isinstance(head, PackedLinear):
+        return PackedLinear(weight.index_select(0, ids), bias, stream=head.stream_op is not None, once=head.once)
+    return functools.partial(F.linear, weight=weight.index_select(0, ids).contiguous(), bias=bias)
 
 
 def codes_greedy_head(head: "PackedLinear | GGUFLinear") -> CodesGreedyHead | None:

@@ -21,7 +21,7 @@ from eagle.inputs import DEFAULT_TARGET, check_prompt_text, check_spec  # noqa: 
 from eagle.named_targets import named_gguf
 from eagle.prompts import has_chat_template
 from eagle.runtime.architectures import lean_decoder
-from eagle.runtime.decoder import LeanDecoder
+from eagle.runtime.decoder import LeanDecoder, head_subset
 from eagle.runtime.gguf_file import (LLAMA_FAMILY, GGUFHeader, check_gguf, config_fields, has_k_quants,
                                      read_header)
 from eagle.runtime.kernels import build_in_background, cpu_kernels
@@ -98,6 +98,11 @@ class Target:
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self.lean.head if self.lean is not None else self.model.get_output_embeddings())(hidden)
+
+    def head_subset(self, ids: torch.Tensor) -> Any:
+        """The LM head restricted to the tokens ``ids`` [n]: features [N, H] -> their logits [N, n]
+        (``eagle.runtime.decoder.head_subset``)."""
+        return head_subset(self.lean.head if self.lean is not None else self.model.get_output_embeddings(), ids)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Features [N, H] -> the argmax of each row's logits [N] (the lean forward computes it

@@ -151,6 +151,27 @@ def test_speculative_sampling_with_a_gguf_draft_model_is_lossless_and_the_check_
     assert chi_square_p(sampled_triples(sd, "sd", sampling, SAMPLES // 2), exact) < ALPHA
 
 
+def test_speculative_sampling_with_a_draft_vocabulary_is_lossless_and_the_check_has_teeth(model, gguf_draft,
+                                                                                        tmp_path, monkeypatch):
+    """A draft model whose head computes 3 of the 6 tokens (a token-frequency table for the tokenizer,
+    ``draft_vocab=3``): its distributions are zero on the others, which the target then never gets as drafts, and
+    the first tokens still follow the target's; the control resamples from p after a rejection."""
+    from eagle.drafting import token_frequencies
+
+    counts = torch.tensor([5, 1, 4, 0, 3, 2])  # the draft vocabulary: tokens 0, 2 and 4
+    monkeypatch.setattr(token_frequencies, "table_dirs", lambda: [tmp_path])
+    token_frequencies.write_table(tmp_path / "tiny.pt",
+                                  token_frequencies.table(counts, gguf_draft.tokenizer_fingerprint, "test"))
+    sd = EagleModel.from_pretrained(model.target, draft_model=gguf_draft, gamma=2, draft_vocab=3)
+    sampling = SamplingConfig(temperature=1.0)
+    proposer = sd._proposer("sd", sampling, torch.Generator())
+    assert set(proposer.vocab.tolist()) == {0, 2, 4} | set(gguf_draft.eos_token_ids)
+    exact = exact_triples(model, sampling)
+    assert chi_square_p(sampled_triples(sd, "sd", sampling, SAMPLES), exact) > ALPHA
+    monkeypatch.setattr(acceptance, "residual_distribution", skip_residual)
+    assert chi_square_p(sampled_triples(sd, "sd", sampling, SAMPLES // 2), exact) < ALPHA
+
+
 @pytest.mark.parametrize("top_p, lookup_tokens, sampled, temperature, total, scale, support",
                          [(1.0, 10, False, 1.0, 6, 1.0, 0), (0.8, 10, False, 1.0, 6, 1.0, 0),
                           (1.0, 0, False, 1.0, 6, 1.0, 0), (1.0, 10, True, 1.0, "auto", 0.85, 0),
