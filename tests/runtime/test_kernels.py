@@ -601,13 +601,13 @@ def int8_rows_reference(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return (torch.round(blocks * inv).double() * (amax / 127.0).double()).view_as(x)
 
 
-def int8_products(module, name: str):
+def int8_products(module, name: str, in_features: int = 512):
     """(product(x) with int8 activations, product(x) without, the de-quantized weight) for GGUF type ``name`` or
-    block codes (``block4``/``block8``, fp32 or ``-half`` scales) of a random 37 x 512 weight."""
+    block codes (``block4``/``block8``, fp32 or ``-half`` scales) of a random 37 x ``in_features`` weight."""
     from eagle.runtime.quant_blocks import block_quantize, decode
 
     if name in GGML_BLOCKS:
-        raw, type_id, weight = random_gguf_rows(name, 37, 512, seed=len(name))
+        raw, type_id, weight = random_gguf_rows(name, 37, in_features, seed=len(name))
         return (lambda x: module.stream_linear_gguf(x, raw, type_id, None, int8=True),
                 lambda x: module.stream_linear_gguf(x, raw, type_id, None), weight)
     bits = 4 if name.startswith("block4") else 8
@@ -662,6 +662,13 @@ def test_int8_activations_give_the_same_bits_on_every_avx_instruction_set(name):
         results = {isa: int8_products(module, name)[0](x[:rows]) for isa, module in modules.items()}
         for isa, got in results.items():
             assert torch.equal(got, results["avx2"]), (name, isa, rows)
+    if name not in GGML_BLOCKS or GGML_BLOCKS[name][1] != 32:
+        return
+    x = torch.cat([x, x[:, :32]], dim=1)  # 17 blocks a row: AVX-512's Q5_0 takes two at a time, then the last alone
+    for rows in (19, 1):
+        results = {isa: int8_products(module, name, 544)[0](x[:rows]) for isa, module in modules.items()}
+        for isa, got in results.items():
+            assert torch.equal(got, results["avx2"]), (name, isa, rows, 544)
 
 
 def test_codes_greedy_head_argmax_is_the_fp32_heads_even_on_near_ties(isa, monkeypatch):

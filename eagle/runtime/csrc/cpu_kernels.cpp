@@ -1419,9 +1419,112 @@ void int8_linear_q(const float* x, int64_t M, int64_t K, const uint8_t* codes, c
   else run(BlockCodesRows<8, false>{codes, scales, row_bytes, row_scales});
 }
 
+#if defined(EAGLE_ISA_AVX512)
+// Q5_0 with int8 activations, two blocks a step in 512-bit registers: block b's codes in bytes 0-31 (in the order
+// int8_block gives them its 8 lanes), block b + 1's in bytes 32-63, their fifth bits set from one 64-bit mask, the
+// codes kept unsigned (c5 = (c5 - 16) + 16) with -16 times each lane's sum of x's codes as the integer sums' start
+// (`offsets`: the same integers as int8_block's signed products); then each block's 8 lanes are scaled and summed
+// into its row's sums in block order, as int8_block does: the same bits, with half the vector operations.
+struct Q5Offsets {
+  std::vector<int32_t> lanes;  // [M, K / 4]: -16 times the sum of x's codes 4l..4l+3
+};
+
+Q5Offsets q5_offsets(const QuantizedRows& xq, int64_t M, int64_t K) {
+  Q5Offsets r{std::vector<int32_t>(M * K / 4)};
+  for (int64_t l = 0; l < M * K / 4; ++l) {
+    const int8_t* q = xq.q.data() + 4 * l;
+    r.lanes[l] = -16 * (static_cast<int32_t>(q[0]) + q[1] + q[2] + q[3]);
+  }
+  return r;
+}
+
+template <int M, int R>
+void q5_0_pairs(const uint8_t* raw, int64_t row_bytes, const QuantizedRows& xq, const Q5Offsets& xo, int64_t K,
+                int64_t row0, const float* bias, float* out, int64_t ldo, int64_t j0, int64_t j1) {
+  constexpr int64_t unit = 22;
+  const int64_t blocks = K / 32;
+  const GgufCodes<kQ5_0> src{raw, row_bytes, unit};
+  const __m512i pick = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);  // [b lo, b hi, b+1 lo, b+1 hi] (16 bytes each)
+  const __m256i low4 = _mm256_set1_epi8(15);
+  const __m512i fifth = _mm512_set1_epi8(16);
+  int64_t j = j0;
+  for (; j + R <= j1; j += R) {
+    __m256 acc[R][M];
+    for (int w = 0; w < R; ++w)
+      for (int i = 0; i < M; ++i) acc[w][i] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+      __m512i c[R];
+      float d0[R], d1[R];
+      for (int w = 0; w < R; ++w) {
+        prefetch(src.line(j + w + kPrefetchRows, b), true);  // non-temporal, as int8_block's
+        prefetch(src.line(j + w + kPrefetchRows, b + 1), true);
+        const uint8_t* p = src.line(j + w, b);
+        const __m256i q = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 6))),
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + unit + 6)), 1);
+        const __m512i nib = _mm512_permutex2var_epi64(
+            _mm512_castsi256_si512(_mm256_and_si256(q, low4)), pick,
+            _mm512_castsi256_si512(_mm256_and_si256(_mm256_srli_epi16(q, 4), low4)));
+        uint32_t h0, h1;
+        std::memcpy(&h0, p + 2, 4);
+        std::memcpy(&h1, p + unit + 2, 4);
+        c[w] = _mm512_mask_add_epi8(nib, static_cast<__mmask64>(h0 | (static_cast<uint64_t>(h1) << 32)), nib, fifth);
+        d0[w] = half_at(p);
+        d1[w] = half_at(p + unit);
+      }
+      for (int i = 0; i < M; ++i) {
+        const int64_t xb = (row0 + i) * blocks + b;
+        const __m512i xv = _mm512_loadu_si512(xq.q.data() + 32 * xb);
+        const __m512i start = _mm512_loadu_si512(xo.lanes.data() + 8 * xb);
+        const float dx0 = xq.d[xb], dx1 = xq.d[xb + 1];
+        for (int w = 0; w < R; ++w) {
+#if defined(EAGLE_VNNI)
+          const __m512i sums = _mm512_dpbusd_epi32(start, c[w], xv);
+#else
+          const __m512i sums = _mm512_add_epi32(start, _mm512_madd_epi16(_mm512_maddubs_epi16(c[w], xv),
+                                                                          _mm512_set1_epi16(1)));
+#endif
+          const __m512 f = _mm512_cvtepi32_ps(sums);
+          acc[w][i] = _mm256_fmadd_ps(_mm512_castps512_ps256(f), _mm256_set1_ps(d0[w] * dx0), acc[w][i]);
+          acc[w][i] = _mm256_fmadd_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)), _mm256_set1_ps(d1[w] * dx1), acc[w][i]);
+        }
+      }
+    }
+    for (; b < blocks; ++b) {  // an odd last block: int8_block's operations
+      for (int w = 0; w < R; ++w) {
+        const Codes k = src.at(j + w, b);
+        const __m256i a = _mm256_abs_epi8(k.c);
+        for (int i = 0; i < M; ++i) {
+          const int64_t xb = (row0 + i) * blocks + b;
+          const __m256i xv = _mm256_sign_epi8(load32(reinterpret_cast<const uint8_t*>(xq.q.data()) + 32 * xb), k.c);
+          acc[w][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_fours(a, xv)), _mm256_set1_ps(k.dl * xq.d[xb]),
+                                      acc[w][i]);
+        }
+      }
+    }
+    for (int w = 0; w < R; ++w)
+      for (int i = 0; i < M; ++i) out[i * ldo + j + w] = hsum8(acc[w][i]) + 0.0f + (bias ? bias[j + w] : 0.0f);
+  }
+  if constexpr (R > 1) {
+    if (j < j1) q5_0_pairs<M, 1>(raw, row_bytes, xq, xo, K, row0, bias, out, ldo, j, j1);
+  }
+}
+#endif
+
 template <int64_t Type>
 void int8_gguf(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* raw, int64_t row_bytes, int64_t N,
                const float* bias, float* out, int64_t ldo) {
+#if defined(EAGLE_ISA_AVX512)
+  if constexpr (Type == kQ5_0) {
+    const Q5Offsets xo = q5_offsets(xq, M, K);
+    int8_passes(M, N, [&](auto m, int64_t r, int64_t t, int64_t t1) {
+      constexpr int rows = decltype(m)::value;
+      q5_0_pairs<rows, kPassWRows[rows]>(raw, row_bytes, xq, xo, K, r, bias, out + r * ldo, ldo, t, t1);
+    });
+    return;
+  }
+#endif
   int8_rows(GgufCodes<Type>{raw, row_bytes, ggml_layout(Type).bytes}, xq, M, K, N, bias, out, ldo, true);
 }
 #else
