@@ -233,13 +233,16 @@ class SpeculativeConfig:
     ``lenience`` = 1.0 is exact (lossless). Values below 1 accept more drafts, which
     changes the output distribution (lossy, documented as such). ``draft_vocab``: the draft model's
     head computes the logits of its tokenizer's most frequent tokens, this many, where a frequency table
-    for that tokenizer is known (``eagle.drafting.token_frequencies``); 0: the whole vocabulary."""
+    for that tokenizer is known (``eagle.drafting.token_frequencies``); 0: the whole vocabulary.
+    ``draft_confidence``: a chain stops after a draft token the draft model gives less than this
+    probability (up to ``gamma`` tokens; its own probabilities alone decide, so sampling stays exact)."""
 
-    gamma: int = 4
+    gamma: int = 8
     lenience: float = 1.0
     adaptive_gamma: bool = False
     max_gamma: int = 12
     draft_vocab: int = 32768
+    draft_confidence: float = 0.8
 
     def __post_init__(self) -> None:
         check_int("gamma", self.gamma)
@@ -248,6 +251,9 @@ class SpeculativeConfig:
         if self.draft_vocab < 0:
             raise EagleError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
         check_float("lenience", self.lenience)
+        check_float("draft_confidence", self.draft_confidence)
+        if not 0.0 <= self.draft_confidence < 1.0:
+            raise EagleError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
         check_bool("adaptive_gamma", self.adaptive_gamma)
         if self.gamma < 1:
             raise EagleError(f"gamma must be >= 1, got {self.gamma}")
@@ -318,6 +324,7 @@ def option_configs(total_tokens: int | str | None = None, depth: int | None = No
                    sampled_tree: bool | None = None, draw_temperature_scale: float | None = None,
                    draw_support: int | None = None, gamma: int | None = None, lenience: float | None = None,
                    adaptive_gamma: bool | None = None, draft_vocab: int | None = None,
+                   draft_confidence: float | None = None,
                    **prompt_lookup: Any) -> tuple[TreeConfig, SpeculativeConfig, PromptLookupConfig]:
     """``EagleModel.from_pretrained``'s option names -> the configs they make (None: the default),
     checked without loading anything."""
@@ -327,7 +334,8 @@ def option_configs(total_tokens: int | str | None = None, depth: int | None = No
                                   draw_support=draw_support).items()
             if v is not None}
     spec = {k: v for k, v in dict(gamma=gamma, lenience=lenience, adaptive_gamma=adaptive_gamma,
-                                  draft_vocab=draft_vocab).items() if v is not None}
+                                  draft_vocab=draft_vocab, draft_confidence=draft_confidence).items()
+            if v is not None}
     try:
         pl = PromptLookupConfig(**prompt_lookup)
     except TypeError as exc:
@@ -362,6 +370,7 @@ class LoadOptions:
     lenience: Optional[float] = None
     adaptive_gamma: Optional[bool] = None
     draft_vocab: Optional[int] = None
+    draft_confidence: Optional[float] = None
     drafter_dtype: str = "auto"
     drafter_quant: str = "auto"
     cuda_graphs: Optional[bool] = None
@@ -379,7 +388,7 @@ class LoadOptions:
             check_optional(check_bool, name, getattr(self, name))
         for name in ("depth", "top_k", "lookup_tokens", "draw_support", "gamma", "draft_vocab"):
             check_optional(check_int, name, getattr(self, name))
-        for name in ("draw_temperature_scale", "lenience"):
+        for name in ("draw_temperature_scale", "lenience", "draft_confidence"):
             check_optional(check_float, name, getattr(self, name))
         if self.drafter_dtype not in DTYPE_NAMES:
             raise EagleError(f"drafter_dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.drafter_dtype!r}")

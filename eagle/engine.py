@@ -332,6 +332,7 @@ class EagleModel:
                         sampled_tree: bool | None = None, draw_temperature_scale: float | None = None,
                         draw_support: int | None = None, gamma: int | None = None, lenience: float | None = None,
                         adaptive_gamma: bool | None = None, draft_vocab: int | None = None,
+                        draft_confidence: float | None = None,
                         drafter_dtype: torch.dtype | None = None, drafter_quant: str | None = None,
                         cuda_graphs: bool | None = None, device_rounds: bool | None = None,
                         int8_activations: bool | None = None, suffix: SuffixConfig | dict | None = None,
@@ -347,8 +348,9 @@ class EagleModel:
         grafted onto the tree; 0 turns it off), ``sampled_tree`` (when sampling, draw the children
         from the drafter instead of taking its top-k: ``TreeConfig.sampled_tree``),
         ``draw_temperature_scale``, ``draw_support`` (``TreeConfig``'s); ``sd`` options:
-        ``gamma``, ``lenience``, ``adaptive_gamma``, ``draft_vocab`` (``SpeculativeConfig``'s); ``pld``
-        options: ``max_ngram``, ``min_ngram``, ``num_draft_tokens`` (the n-gram sizes also apply to ``lookup_tokens``).
+        ``gamma``, ``lenience``, ``adaptive_gamma``, ``draft_vocab``, ``draft_confidence``
+        (``SpeculativeConfig``'s); ``pld`` options: ``max_ngram``, ``min_ngram``, ``num_draft_tokens`` (the
+        n-gram sizes also apply to ``lookup_tokens``).
         ``drafter_dtype``, ``drafter_quant``: see ``EagleModel``. ``cuda_graphs``: the target and the
         drafter on static shapes replayed as CUDA graphs (``eagle.runtime.cuda_graphs``; default: on CUDA;
         ``True`` on a CPU runs that static path without graphs). ``device_rounds``: see ``EagleModel``.
@@ -363,7 +365,7 @@ class EagleModel:
             total_tokens=total_tokens, depth=depth, top_k=top_k, choices=choices,
             lookup_tokens=lookup_tokens, sampled_tree=sampled_tree, draw_temperature_scale=draw_temperature_scale,
             draw_support=draw_support, gamma=gamma, lenience=lenience, adaptive_gamma=adaptive_gamma,
-            draft_vocab=draft_vocab, **prompt_lookup)
+            draft_vocab=draft_vocab, draft_confidence=draft_confidence, **prompt_lookup)
         tgt = load_target(target, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                           int8_activations=int8_activations)
         if drafter is None and isinstance(target, str):

@@ -117,7 +117,8 @@ FLAG_METHODS = {
     "sampled_tree": ("eagle-tree", "eagle-chain"), "draw_temperature_scale": ("eagle-tree", "eagle-chain"),
     "draw_support": ("eagle-tree", "eagle-chain"), "drafter_dtype": ("eagle-tree", "eagle-chain", "sd"),
     "drafter_quant": ("eagle-tree", "eagle-chain"), "gamma": ("sd",), "lenience": ("sd",),
-    "adaptive_gamma": ("sd",), "draft_vocab": ("sd",), "--suffix-corpus": ("suffix",), "suffix": ("suffix",),
+    "adaptive_gamma": ("sd",), "draft_vocab": ("sd",),
+    "draft_confidence": ("sd",), "--suffix-corpus": ("suffix",), "suffix": ("suffix",),
 }
 SAMPLING_ONLY = ("--top-p", "--top-k", "--seed", "lenience", "sampled_tree", "draw_temperature_scale",
                  "draw_support")
@@ -185,7 +186,7 @@ def option_args(args: argparse.Namespace) -> dict:
                 lookup_tokens=args.lookup_tokens, sampled_tree=args.sampled_tree,
                 draw_temperature_scale=args.draw_temperature_scale, draw_support=args.draw_support,
                 gamma=args.gamma, lenience=args.lenience, adaptive_gamma=args.adaptive_gamma,
-                draft_vocab=args.draft_vocab)
+                draft_vocab=args.draft_vocab, draft_confidence=args.draft_confidence)
 
 
 def check_model_args(args: argparse.Namespace) -> None:

@@ -15,11 +15,13 @@ KEY_HELP = {  # one line per config key for docs/options.md (the full contracts:
     "sampled_tree": "when sampling, draw the tree's children from the drafter (default true); false: its top_k",
     "draw_temperature_scale": "drawn children's temperature, times the sampling temperature (default 0.85)",
     "draw_support": "drawn children among the drafter's this many likeliest tokens; 0: all (default 64)",
-    "gamma": "sd: draft tokens per step (default 4)",
+    "gamma": "sd: the most draft tokens a step (default 8)",
     "lenience": "sd: below 1 accepts more drafts (lossy); 1 exact (default)",
     "adaptive_gamma": "sd: adapt gamma to the acceptance rate (default false)",
     "draft_vocab": "sd: the draft model's head computes its N most frequent tokens, where a token-frequency "
                    "table for its tokenizer is known; 0: all (default 32768)",
+    "draft_confidence": "sd: a chain stops after a draft token the draft model gives less than this probability "
+                        "(default 0.8; 0: always gamma tokens)",
     "drafter_dtype": "what the drafter and sd's draft model compute in: auto, float32, bfloat16, float16",
     "drafter_quant": "the EAGLE drafter's weights as q8_0 or q4_1 blocks, computed in fp32; none; auto",
     "cuda_graphs": "the target and drafter on static shapes, replayed as CUDA graphs (default: on CUDA)",

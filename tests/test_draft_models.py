@@ -3,6 +3,7 @@ draft runs by its own lean forward with its own cache (a GGUF draft's codes kept
 is ``ar``'s in the API and in ``eagle-generate``, and a draft with another vocabulary is refused in one line."""
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -103,7 +104,7 @@ def test_sd_with_a_model_spec_as_draft_model_is_ar(files, draft):
     draft's cache is rolled back every round) and a folder of a model close to the target (some rejected): the
     draft is loaded as a ``Target`` (a GGUF file's codes kept) and run as it is, greedy ``sd`` gives ``ar``'s
     tokens, and a draft that agrees with the target has its drafts accepted (its cache holds the accepted text)."""
-    model = EagleModel.from_pretrained(files["target"], draft_model=files[draft], gamma=4)
+    model = EagleModel.from_pretrained(files["target"], draft_model=files[draft], gamma=4, draft_confidence=0.0)
     accepted = []
     for text in TEXTS:
         ar = model.generate(text, method="ar", max_new_tokens=24)
@@ -193,7 +194,8 @@ def test_a_module_draft_model_runs_through_the_same_proposer(target):
 @pytest.mark.timed_gate
 def test_sd_drafts_only_while_drafting_rounds_pay(monkeypatch):
     """``sd``'s gate (as ``eagle-tree``'s "auto"): once drafting rounds are known to give fewer tokens a second than
-    plain ones, rounds verify the root alone but for probes; where they pay, every round drafts. Greedy output
+    plain ones, rounds verify the root alone but for probes (a generation's first two rounds, then after 16 plain
+    ones); where they pay, every round drafts. Greedy output
     is ``ar``'s either way (the draft catches up on the tokens it skipped); where they pay, one plain round after the
     first ``PLAIN_EVERY[0]`` counted measures what drafting must beat."""
     import eagle.decoding.proposers as proposers
@@ -201,10 +203,16 @@ def test_sd_drafts_only_while_drafting_rounds_pay(monkeypatch):
 
     curve = CostCurve(sizes=[1, 16], seconds=[1e-3, 1e-3])
     monkeypatch.setattr("eagle.decoding.tree_sizing.cost_curve", lambda target, greedy=False: curve)
-    asked = []
+    asked, slow = [], False
     propose = proposers.DraftModel.propose
-    monkeypatch.setattr(proposers.DraftModel, "propose", lambda self, ids, max_depth, max_nodes: asked.append(
-        max_nodes > 1) or propose(self, ids, max_depth, max_nodes))
+
+    def recorded(self, ids, max_depth, max_nodes):
+        asked.append(max_nodes > 1)
+        if slow and max_nodes > 1:
+            time.sleep(0.02)  # drafting rounds really slow: a generation's first probe finds them so
+        return propose(self, ids, max_depth, max_nodes)
+
+    monkeypatch.setattr(proposers.DraftModel, "propose", recorded)
     target, draft = tiny_target(), tiny_target(seed=5, hidden=16, layers=1)
     ids = [5, 6, 7, 8]
     for slow in (False, True):
@@ -214,10 +222,10 @@ def test_sd_drafts_only_while_drafting_rounds_pay(monkeypatch):
         asked.clear()
         out = model.generate(ids, method="sd", max_new_tokens=40)
         assert len(asked) == len(out.accept_lengths)
-        first = PROBE_ROUNDS[0] + 1  # a generation's first round is not counted
+        probes = [0, 1, 2 + 2 * PROBE_ROUNDS[0]]  # the generation's start (its first round not counted), then one
         drafted = [i for i, d in enumerate(asked) if d]
         fast = [i for i in range(len(asked)) if i != 1 + PLAIN_EVERY[0]]
-        assert drafted[:1] == ([first] if slow else [0]) and (slow or drafted == fast)
+        assert drafted[:3] == probes if slow else drafted == fast
         assert out.token_ids == model.generate(ids, method="ar", max_new_tokens=40).token_ids
 
 
@@ -265,3 +273,34 @@ def test_a_draft_vocabulary_keeps_sd_ar_and_drafts_only_its_tokens(files, draft,
         assert whole._proposer("sd", SamplingConfig(), torch.Generator()).head is None
     finally:
         path.unlink()
+
+
+def test_a_draft_chain_stops_after_a_token_the_draft_doubts(files, monkeypatch):
+    """``draft_confidence``: a chain ends after the first draft token whose probability under the draft model is
+    below it (greedy: the softmax of its logits at its argmax), so chains vary in length up to ``gamma``; greedy
+    ``sd`` still gives ``ar``'s tokens. Without it every chain has ``gamma`` tokens (the control)."""
+    from eagle.decoding.proposers import DraftModel
+
+    lengths: list[int] = []
+    propose = DraftModel.propose
+
+    def recorded(self, ids, max_depth, max_nodes):
+        proposal = propose(self, ids, max_depth, max_nodes)
+        if max_depth >= 6:
+            lengths.append(proposal.tree.size - 1)
+        return proposal
+
+    monkeypatch.setattr(DraftModel, "propose", recorded)
+    for confidence in (0.0, 0.9):
+        model = EagleModel.from_pretrained(files["target"], draft_model=files["near"], gamma=6,
+                                           draft_confidence=confidence)
+        lengths.clear()
+        for text in TEXTS:
+            ar = model.generate(text, method="ar", max_new_tokens=32)
+            assert model.generate(text, method="sd", max_new_tokens=32).token_ids == ar.token_ids
+        drafted = [n for n in lengths if n > 0]  # (the gate may skip drafting: 0)
+        assert drafted
+        if confidence == 0.0:
+            assert set(drafted) == {6}
+        else:
+            assert min(drafted) < 6 and max(drafted) > 1, drafted

@@ -53,8 +53,8 @@ def test_adaptive_gamma_is_still_exact(model, monkeypatch):
         return propose(self, *args, **kwargs)
 
     monkeypatch.setattr(DraftModel, "propose", spy)
-    adaptive = EagleModel(model.target, draft_model=model.draft_model,
-                          speculative=dataclasses.replace(model.speculative, adaptive_gamma=True))
+    adaptive = EagleModel(model.target, draft_model=model.draft_model,  # full chains: gamma's own rule
+                          speculative=dataclasses.replace(model.speculative, adaptive_gamma=True, draft_confidence=0.0))
     for ids in prompts(5, seed=3):
         assert adaptive.generate(ids, method="sd", max_new_tokens=20).token_ids == \
             model.generate(ids, method="ar", max_new_tokens=20).token_ids
@@ -63,10 +63,12 @@ def test_adaptive_gamma_is_still_exact(model, monkeypatch):
     # a perfect draft (the target itself) is always accepted: gamma grows by 2 a round up to max_gamma
     t = model.target
     perfect = EagleModel(t, draft_model=t.model, drafter_dtype=t.dtype,
-                         speculative=dataclasses.replace(model.speculative, gamma=4, max_gamma=9, adaptive_gamma=True))
+                         speculative=dataclasses.replace(model.speculative, gamma=4, max_gamma=9, adaptive_gamma=True,
+                                                           draft_confidence=0.0))
     out = perfect.generate([3, 4, 5], method="sd", max_new_tokens=60)
     assert out.accept_lengths[:5] == [5, 7, 9, 10, 10]
-    fixed = EagleModel(t, draft_model=t.model, speculative=dataclasses.replace(model.speculative, gamma=4),
+    fixed = EagleModel(t, draft_model=t.model, speculative=dataclasses.replace(model.speculative, gamma=4,
+                                                                               draft_confidence=0.0),
                        drafter_dtype=t.dtype)
     assert fixed.generate([3, 4, 5], method="sd", max_new_tokens=40).accept_lengths[:5] == [5] * 5
 
@@ -74,7 +76,7 @@ def test_adaptive_gamma_is_still_exact(model, monkeypatch):
 def test_accepted_drafts_with_a_self_draft():
     """The target drafting for itself (in its own precision) accepts everything: gamma + 1 tokens per forward."""
     t = tiny_target()
-    m = EagleModel.from_pretrained(t, draft_model=t.model, gamma=4, drafter_dtype=t.dtype)
+    m = EagleModel.from_pretrained(t, draft_model=t.model, gamma=4, drafter_dtype=t.dtype, draft_confidence=0.0)
     out = m.generate([3, 4, 5], method="sd", max_new_tokens=21)
     assert out.accept_lengths[:4] == [5, 5, 5, 5] and len(out.token_ids) == 21
 

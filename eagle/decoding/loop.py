@@ -188,6 +188,8 @@ def decode_loop(target: Target, proposer: Proposer, prompt_ids: list[int], max_n
     clock = Clock(device)  # synchronizes CUDA before its first reading
     prefill_s = clock.last - start
     sizing = proposer.sizing  # "auto": its gate says whether a round drafts at all, from past rounds' rates
+    if sizing is not None:
+        sizing.gate.start()
     while not stop:
         past, began = len(ids) - 1, time.perf_counter()
         # tokens still allowed: by max_new_tokens and by the context (the sequence never outgrows it)

@@ -255,6 +255,7 @@ class DraftModel(Proposer):
         self.sizing = sizing
         self.vocab = None if vocab is None else vocab.ids
         self.head = None if vocab is None else vocab.head
+        self.confidence = 1.0  # the draft's probability of its last greedy token (where ``draft_confidence`` asks)
         self.cache = model.new_cache()
         self.gamma = cfg.gamma
         self.drafted = 0
@@ -278,14 +279,23 @@ class DraftModel(Proposer):
             out = self.model.forward(ids, pos, self.cache, logits_from=len(tokens))
             logits = self.head(out.hidden[0, -(rows or 1):]).float()
             if greedy:
-                return self.vocab[logits[0].argmax()]
+                best = logits[0].argmax()
+                self.confidence = float(torch.softmax(logits[0], -1)[best]) if self.cfg.draft_confidence else 1.0
+                return self.vocab[best]
             if rows:
                 return logits.new_full((rows, self.model.vocab_size), -torch.inf).index_copy_(1, self.vocab, logits)
             q = logits_to_probs(logits[0], self.sampling)
             return q.new_zeros(self.model.vocab_size).index_copy_(0, self.vocab, q)
-        out = self.model.forward(ids, pos, self.cache, logits_from=len(tokens) - (rows or (0 if greedy else 1)))
+        scored = greedy and self.cfg.draft_confidence > 0  # the argmax's probability too: all its logits
+        out = self.model.forward(ids, pos, self.cache,
+                                 logits_from=len(tokens) - (rows or (0 if greedy and not scored else 1)))
         if rows:
             return out.logits[0]
+        if scored:
+            probs = torch.softmax(out.logits[0, -1], -1)
+            best = probs.argmax()
+            self.confidence = float(probs[best])
+            return best
         if greedy:
             return self.model.greedy_tokens(out.hidden[0, -1:])[0]
         return logits_to_probs(out.logits[0, -1], self.sampling)
@@ -330,6 +340,8 @@ class DraftModel(Proposer):
             drafts.append(token)
             labels.append("drafter")
             pending, ahead = [token], None
+            if (float(q[token]) if q.dim() else self.confidence) < self.cfg.draft_confidence:
+                break  # the draft doubts this token: the next would be accepted still less often
         self.drafted = len(drafts)
         tree = chain_tree(ids[-1], torch.tensor(drafts, dtype=torch.long, device=self.device))
         if self.suffix is not None:

@@ -165,8 +165,10 @@ class DraftGate:
     one drafting round probes again (weighed ``PROBE_WEIGHT``); a probe that does not pay doubles the patience (up to
     ``PROBE_ROUNDS[1]``), one that pays resets it. While drafting pays, one plain round after the first
     ``PLAIN_EVERY[0]`` drafting rounds and then every ``PLAIN_EVERY[1]`` measures what it must beat (an estimate
-    from the drafting rounds' own costs would follow them). Only past rounds decide, so acceptance stays lossless
-    (every round verifies a tree fixed before its draws)."""
+    from the drafting rounds' own costs would follow them). Each generation starts with a probe where drafting
+    did not pay (``start``): what drafting gave on another text says little about this one, so that probe alone
+    sets the drafting averages. Only past rounds decide, so acceptance stays lossless (every round verifies a
+    tree fixed before its draws)."""
 
     drafted_seconds: float = 0.0  # 0: no drafting round seen
     drafted_tokens: float = 0.0
@@ -175,6 +177,11 @@ class DraftGate:
     patience: int = PROBE_ROUNDS[0]
     since_plain: int = 0  # drafting rounds since the last plain one
     probing: bool = False  # the round ``drafts`` allowed is a probe (drafting did not pay)
+    fresh: bool = False  # no drafting round judged yet in this generation
+
+    def start(self) -> None:
+        """A new generation: while drafting does not pay, its first rounds probe."""
+        self.waited, self.fresh = max(self.waited, self.patience), True
 
     def pays(self, estimate: float) -> bool:
         """Whether drafting rounds so far beat plain ones (``estimate``: a plain round's seconds until one is seen)."""
@@ -198,7 +205,9 @@ class DraftGate:
             self.waited += 1
             self.since_plain = 0
             return
-        weight = 1.0 if not self.drafted_seconds else PROBE_WEIGHT if self.probing else AVERAGING
+        weight = 1.0 if not self.drafted_seconds or (self.probing and self.fresh) else (
+            PROBE_WEIGHT if self.probing else AVERAGING)
+        self.fresh = False
         self.drafted_seconds += weight * (seconds - self.drafted_seconds)
         self.drafted_tokens += weight * (tokens - self.drafted_tokens)
         if self.probing:

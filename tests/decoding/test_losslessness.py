@@ -172,6 +172,18 @@ def test_speculative_sampling_with_a_draft_vocabulary_is_lossless_and_the_check_
     assert chi_square_p(sampled_triples(sd, "sd", sampling, SAMPLES // 2), exact) < ALPHA
 
 
+def test_draft_chains_cut_by_the_drafts_confidence_are_lossless_and_the_check_has_teeth(model, gguf_draft,
+                                                                                      monkeypatch):
+    """``draft_confidence``: a chain stops after a drawn token whose q is below 0.5 (the draft's own draws decide
+    its length, never the target's); the first tokens still follow the target's distribution."""
+    sd = EagleModel.from_pretrained(model.target, draft_model=gguf_draft, gamma=3, draft_confidence=0.5)
+    sampling = SamplingConfig(temperature=1.0)
+    exact = exact_triples(model, sampling)
+    assert chi_square_p(sampled_triples(sd, "sd", sampling, SAMPLES), exact) > ALPHA
+    monkeypatch.setattr(acceptance, "residual_distribution", skip_residual)
+    assert chi_square_p(sampled_triples(sd, "sd", sampling, SAMPLES // 2), exact) < ALPHA
+
+
 @pytest.mark.parametrize("top_p, lookup_tokens, sampled, temperature, total, scale, support",
                          [(1.0, 10, False, 1.0, 6, 1.0, 0), (0.8, 10, False, 1.0, 6, 1.0, 0),
                           (1.0, 0, False, 1.0, 6, 1.0, 0), (1.0, 10, True, 1.0, "auto", 0.85, 0),

@@ -376,8 +376,9 @@ def test_auto_sizing_keeps_what_it_learns_across_generations(target, drafter, mo
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_auto_drafts_none_while_drafting_rounds_lose_to_plain_ones(target, drafter, monkeypatch, temperature):
     """"auto"'s gate (``Sizing.gate``): once drafting rounds are known to give fewer tokens per second than
-    plain ones (here 1 token in 1000 s), rounds verify the root alone but for probes, after 8 plain
-    rounds (the first not counted), then 16 more; greedy output stays ``ar``'s. Where drafting rounds pay (1000 tokens a round)
+    plain ones (here 1 token in 1000 s), rounds verify the root alone but for probes: a generation's first two
+    (the first, which feeds the drafter the prompt, not counted), then one after 16 plain rounds (the probe lost:
+    patience 8 doubled); greedy output stays ``ar``'s. Where drafting rounds pay (1000 tokens a round)
     it drafts every round but one plain round after the first ``PLAIN_EVERY[0]`` counted (what drafting must beat)."""
     import eagle.decoding.proposers as proposers
     from eagle.decoding.tree_sizing import PLAIN_EVERY, PROBE_ROUNDS, CostCurve
@@ -397,11 +398,10 @@ def test_auto_drafts_none_while_drafting_rounds_lose_to_plain_ones(target, draft
         asked.clear()
         out = model.generate(ids, method="eagle-tree", max_new_tokens=40, temperature=temperature, seed=1)
         assert len(asked) == len(out.accept_lengths)
-        first = PROBE_ROUNDS[0] + 1  # a generation's first round (it feeds the drafter the prompt) is not counted
-        second = first + 2 * PROBE_ROUNDS[0] + 1
+        probes = [0, 1, 2 + 2 * PROBE_ROUNDS[0]]  # the generation's start, then after 16 plain rounds
         drafted = [i for i, d in enumerate(asked) if d]
         fast = [i for i in range(len(asked)) if i != 1 + PLAIN_EVERY[0]]
-        assert drafted == ([i for i in (first, second) if i < len(asked)] if slow else fast)
+        assert drafted == ([i for i in probes if i < len(asked)] if slow else fast)
         if temperature == 0:
             assert out.token_ids == model.generate(ids, method="ar", max_new_tokens=40).token_ids
 

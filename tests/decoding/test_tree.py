@@ -496,3 +496,35 @@ def check_host_pool(hidden, k, calls, total, rows_run, logprobs, predict):
         assert rows < calls * k
     elif rows_run == "all":
         assert rows == calls * k
+
+
+@pytest.mark.timed_gate
+def test_draft_gate_probes_at_the_start_of_each_generation():
+    """A gate that stopped drafting (its patience grown to the most plain rounds) probes in a new generation's
+    first round, and that probe alone sets the drafting averages: 4 tokens in 2 s against 1 in 1 s resume drafting at
+    once. Without ``start`` (the control) the same generation waits out its patience."""
+    from eagle.decoding.tree_sizing import PROBE_ROUNDS, DraftGate
+
+    def stopped() -> DraftGate:
+        gate = DraftGate()
+        for _ in range(300):  # drafting rounds lose: probes every PROBE_ROUNDS[1] plain rounds at last
+            drafts = gate.drafts(1.0)
+            gate.record(drafts, 1 if not drafts else 1.5, 1.0 if not drafts else 2.0, 1.0)
+        assert gate.patience == PROBE_ROUNDS[1] and not gate.pays(1.0)
+        while gate.waited:  # just after a probe
+            drafts = gate.drafts(1.0)
+            gate.record(drafts, 1 if not drafts else 1.5, 1.0 if not drafts else 2.0, 1.0)
+        return gate
+
+    def plan(gate: DraftGate, rounds: int) -> list[bool]:
+        out = []
+        for _ in range(rounds):
+            drafts = gate.drafts(1.0)
+            out.append(drafts)
+            gate.record(drafts, 1 if not drafts else 4, 1.0 if not drafts else 2.0, 1.0)
+        return out
+
+    gate = stopped()
+    gate.start()
+    assert plan(gate, 4) == [True] * 4
+    assert not any(plan(stopped(), 4))
