@@ -256,6 +256,7 @@ class DraftModel(Proposer):
         self.vocab = None if vocab is None else vocab.ids
         self.head = None if vocab is None else vocab.head
         self.confidence = 1.0  # the draft's probability of its last greedy token (where ``draft_confidence`` asks)
+        self.last_round = 0  # tokens the last round added after drafting (0: it did not draft)
         self.cache = model.new_cache()
         self.gamma = cfg.gamma
         self.drafted = 0
@@ -323,15 +324,22 @@ class DraftModel(Proposer):
 
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         k = self.drafted = min(self.gamma, max_depth, max_nodes - 1)
+        self.skipped_seconds = 0.0
         if k <= 0:
             return Proposal(root_only(ids[-1], self.device))
         pending = ids[kv_cache.cache_length(self.cache):]
+        # the share of the first step that feeds the prompt and rounds that did not draft: a cost of resuming
+        # drafting, not of this round (``DraftGate`` judges rounds without it)
+        skipped = 1 - min(self.last_round, len(pending)) / len(pending)
         drafts, labels, ahead = [], [], None
         if self.suffix is not None:
             drafts, labels, ahead = self._suffix_start(ids, pending, min(max_depth, max_nodes - 1))
         probs: list[torch.Tensor | None] = [None] * len(drafts)
         while len(drafts) < k:
+            began = time.perf_counter()
             q = self._step(pending) if ahead is None else ahead  # greedy without suffix: the token itself
+            if not drafts and ahead is None and skipped:
+                self.skipped_seconds = (time.perf_counter() - began) * skipped
             if self.sampling.greedy:  # greedy acceptance reads the tokens alone
                 token = int(q.argmax()) if q.dim() else int(q)
             else:
@@ -362,6 +370,7 @@ class DraftModel(Proposer):
 
     def commit(self, ids: list[int], path: list[int], features: torch.Tensor | None) -> None:
         accepted = len(path)
+        self.last_round = accepted + 1 if self.drafted else 0
         kv_cache.roll_back(self.cache, len(ids) - 1)  # keep entries of accepted tokens; the new root is pending
         if self.suffix is not None:
             self.suffix.commit(ids, path)
