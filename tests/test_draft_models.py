@@ -305,29 +305,3 @@ def test_a_draft_chain_stops_after_a_token_the_draft_doubts(files, monkeypatch):
         else:
             assert min(drafted) < 6 and max(drafted) > 1, drafted
 
-
-def test_sds_gate_judges_a_round_without_the_catching_up_on_rounds_that_did_not_draft(monkeypatch):
-    """A drafting ``sd`` round after plain ones feeds the draft model what it skipped (and the prompt, the first
-    time): that share of its first step is ``skipped_seconds``, left out of the time the gate judges; a drafting
-    round after a drafting one feeds only the last round's tokens and skips nothing."""
-    import eagle.decoding.proposers as proposers
-
-    pattern = iter([True, True, False, False, True, True] + [True] * 40)
-    monkeypatch.setattr("eagle.decoding.tree_sizing.DraftGate.drafts", lambda self, estimate: next(pattern))
-    skipped = []
-    propose = proposers.DraftModel.propose
-
-    def watched(self, ids, max_depth, max_nodes):
-        proposal = propose(self, ids, max_depth, max_nodes)
-        skipped.append((max_nodes > 1, self.skipped_seconds))
-        return proposal
-
-    monkeypatch.setattr(proposers.DraftModel, "propose", watched)
-    target, draft = tiny_target(), tiny_target(seed=5, hidden=16, layers=1)
-    model = EagleModel.from_pretrained(target, draft_model=draft, gamma=2, draft_confidence=0.0)
-    model.generate(list(range(5, 30)), method="sd", max_new_tokens=12)
-    assert [d for d, _ in skipped[:6]] == [True, True, False, False, True, True]
-    assert skipped[0][1] > 0  # the prompt
-    assert skipped[1][1] == 0 and skipped[5][1] == 0  # the last round only
-    assert skipped[2][1] == skipped[3][1] == 0  # plain rounds feed nothing
-    assert skipped[4][1] > 0  # two plain rounds caught up on

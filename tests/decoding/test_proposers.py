@@ -11,7 +11,7 @@ from eagle.drafting.drafter import Drafter
 from eagle.decoding.proposers import LOOKUP_NODES, DrawDistributions, LookupMatch, LookupRates, prompt_lookup
 from eagle.decoding.tree import Pool
 
-from tests.conftest import prompts
+from tests.conftest import prompts, tiny_target
 
 
 def target_prefill(target, ids: list[int], aux_layers: tuple[int, ...] = ()):
@@ -406,10 +406,12 @@ def test_auto_drafts_none_while_drafting_rounds_lose_to_plain_ones(target, draft
             assert out.token_ids == model.generate(ids, method="ar", max_new_tokens=40).token_ids
 
 
-def test_the_gate_judges_a_round_without_the_catching_up_on_rounds_that_did_not_draft(target, drafter, monkeypatch):
-    """A drafting round after plain ones feeds the drafter what it skipped (and the prompt, the first time): that
-    share of the call is ``skipped_seconds``, left out of the time the gate judges; a drafting round after a
-    drafting one feeds only the last round's tokens and skips nothing."""
+@pytest.mark.parametrize("method", ["eagle-tree", "sd"])
+def test_the_gate_judges_a_round_without_the_catching_up_on_rounds_that_did_not_draft(target, drafter, monkeypatch,
+                                                                                      method):
+    """A drafting round after plain ones feeds the drafter (``sd``: the draft model, in its first step) what it
+    skipped (and the prompt, the first time): that share of the call is ``skipped_seconds``, left out of the time
+    the gate judges; a drafting round after a drafting one feeds only the last round's tokens and skips nothing."""
     import eagle.decoding.proposers as proposers
 
     pattern = iter([True, True, False, False, True, True] + [True] * 40)
@@ -417,16 +419,21 @@ def test_the_gate_judges_a_round_without_the_catching_up_on_rounds_that_did_not_
     recorded, skipped = [], []
     monkeypatch.setattr("eagle.decoding.tree_sizing.DraftGate.record",
                         lambda self, drafted, tokens, seconds, estimate: recorded.append(seconds))
-    propose = proposers.EagleDrafter.propose
+    cls = proposers.DraftModel if method == "sd" else proposers.EagleDrafter
+    propose = cls.propose
 
     def watched(self, ids, max_depth, max_nodes):
         proposal = propose(self, ids, max_depth, max_nodes)
         skipped.append((max_nodes > 1, self.skipped_seconds))
         return proposal
 
-    monkeypatch.setattr(proposers.EagleDrafter, "propose", watched)
-    model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens="auto", depth=3, top_k=2)
-    model.generate(list(range(5, 30)), method="eagle-tree", max_new_tokens=8)
+    monkeypatch.setattr(cls, "propose", watched)
+    if method == "sd":
+        draft = tiny_target(seed=5, hidden=16, layers=1)
+        model = EagleModel.from_pretrained(target, draft_model=draft, gamma=2, draft_confidence=0.0)
+    else:
+        model = EagleModel.from_pretrained(target, drafter=drafter, total_tokens="auto", depth=3, top_k=2)
+    model.generate(list(range(5, 30)), method=method, max_new_tokens=12)
     assert [d for d, _ in skipped[:6]] == [True, True, False, False, True, True]
     assert skipped[0][1] > 0  # the prompt
     assert skipped[1][1] == 0 and skipped[5][1] == 0  # the last round only
