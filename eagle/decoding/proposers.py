@@ -246,7 +246,8 @@ class DraftModel(Proposer):
     give fewer tokens a second than plain ones (a draft model whose steps cost too much for what is
     accepted); the draft catches up on the skipped tokens when it drafts again. With ``vocab``
     (``DraftVocab``), the draft's head computes only its tokens' logits (``eagle.drafting.token_frequencies``): its
-    distributions are zero elsewhere, and the target judges its tokens as any others."""
+    distributions are zero elsewhere, and the target judges its tokens as any others. A chain ends after a token
+    the draft gives less than ``cfg.draft_confidence`` (its own probability: the draft alone decides the length)."""
 
     def __init__(self, model: Target, cfg: SpeculativeConfig, sampling: SamplingConfig,
                  generator: torch.Generator, suffix: "SuffixDrafts | None" = None,
