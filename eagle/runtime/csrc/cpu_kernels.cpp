@@ -1215,23 +1215,27 @@ constexpr int kPassWRows[kPassXRows + 1] = {0, 2, 2, 1, 1, 1, 1, 1, 1};
 #endif
 
 // f(std::integral_constant<int, m>(), r, t, t1) for every pass of a product of x [M, K] by W [N, K]: W's rows split
-// among torch's threads, rows t..t1-1 (kPassWTile at a time) met by the passes over x's rows r..r+m-1 (m up to
-// kPassXRows) before the next ones.
+// among torch's threads, rows t..t1-1 (kPassWTile at a time) met by the passes over x's rows r..r+m-1 before the
+// next ones: as few passes as kPassXRows rows of x a pass allow, their rows as even as they go (9 rows as 5 and 4
+// took the 1.5B's layers 0.8x the time of 8 and 1, 2-core Zen 5).
 template <typename F>
 void int8_passes(int64_t M, int64_t N, F&& f) {
+  const int64_t passes = (M + kPassXRows - 1) / kPassXRows, base = M / passes, longer = M % passes;
   at::parallel_for(0, N, 16, [&](int64_t j0, int64_t j1) {
     for (int64_t t = j0; t < j1; t += kPassWTile) {
       const int64_t t1 = std::min(j1, t + kPassWTile);
-      for (int64_t r = 0; r < M; r += kPassXRows) {
-        switch (std::min<int64_t>(kPassXRows, M - r)) {
-#define EAGLE_PASS(m) \
-  case m:             \
-    f(std::integral_constant<int, m>(), r, t, t1); \
+      for (int64_t p = 0, r = 0; p < passes; ++p) {
+        const int64_t m = base + (p < longer ? 1 : 0);
+        switch (m) {
+#define EAGLE_PASS(n)                                              \
+  case n:                                                          \
+    f(std::integral_constant<int, n>(), r, t, t1); \
     break;
           EAGLE_PASS(1) EAGLE_PASS(2) EAGLE_PASS(3) EAGLE_PASS(4) EAGLE_PASS(5) EAGLE_PASS(6) EAGLE_PASS(7)
-          default: f(std::integral_constant<int, kPassXRows>(), r, t, t1); break;
+          EAGLE_PASS(8)
 #undef EAGLE_PASS
         }
+        r += m;
       }
     }
   });
@@ -1697,13 +1701,13 @@ inline __m512i super_pair(const uint8_t* p, int s) {
   }
 }
 
-// isum[w][i] += the integer sums of super_block's chunk loop for the super-block at rp (row w of W: rp + w
-// row_bytes) and x's codes xq8 + i K: two chunks a 512-bit operation, their lanes added at the end (the same
-// integers, so the same bits, as the 256-bit loop).
+// wide[w][i] = the integer sums of super_block's chunk loop for the super-block at rp (row w of W: rp + w row_bytes)
+// and x's codes xq8 + i K, two chunks a 512-bit operation: lanes l and l + 8 added give the 256-bit loop's lane l
+// (the same integers, so the same bits).
 template <int64_t Type, int M, int R>
-inline void super_sums(const uint8_t* rp, int64_t row_bytes, const SuperVectors* sv, const uint8_t* xq8, int64_t K,
-                       __m256i (*isum)[M]) {
-  __m512i wide[R][M], table[R];
+inline void super_wide(const uint8_t* rp, int64_t row_bytes, const SuperVectors* sv, const uint8_t* xq8, int64_t K,
+                       __m512i (*wide)[M]) {
+  __m512i table[R];
   for (int w = 0; w < R; ++w) {
     table[w] = Type == kQ6_K ? _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(sv[w].sc16)))
                              : _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_loadl_epi64(
@@ -1735,12 +1739,70 @@ inline void super_sums(const uint8_t* rp, int64_t row_bytes, const SuperVectors*
       }
     }
   }
-  for (int w = 0; w < R; ++w)
-    for (int i = 0; i < M; ++i)
-      isum[w][i] = _mm256_add_epi32(isum[w][i], _mm256_add_epi32(_mm512_castsi512_si256(wide[w][i]),
-                                                                  _mm512_extracti64x4_epi64(wide[w][i], 1)));
 }
-#endif
+
+// out[i * ldo + j] for rows row0..row0+M-1 of x (quantized: xq) and W's rows j0..j1 (GGUF rows of Type), R rows
+// of W at a time: they share each load of x and interleave their chains of dependent operations, while each row's
+// sums stay its own. Two rows of x share each floating-point operation (row i in lanes 0-7, i + 1 in 8-15): the
+// 256-bit loop's operations lane for lane, so the same bits (an odd last row takes that loop's own).
+template <int64_t Type, int M, int R = 1>
+void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int64_t K, int64_t row0,
+                 const float* bias, float* out, int64_t ldo, int64_t j0, int64_t j1) {
+  constexpr int64_t unit = Type == kQ6_K ? 210 : (Type == kQ5_K ? 176 : 144);
+  constexpr int P = M / 2;
+  const int64_t supers = K / kSuper;
+  const uint8_t* xq8 = reinterpret_cast<const uint8_t*>(xq.q.data()) + row0 * K;
+  int64_t j = j0;
+  for (; j + R <= j1; j += R) {
+    __m512 acc[R][P + 1];
+    for (int w = 0; w < R; ++w)
+      for (int p = 0; p <= P; ++p) acc[w][p] = _mm512_setzero_ps();
+    const uint8_t* rp = raw + j * row_bytes;
+    for (int64_t u = 0; u < supers; ++u, rp += unit) {
+      SuperVectors sv[R];
+      for (int w = 0; w < R; ++w) {
+        const uint8_t* wp = rp + w * row_bytes;
+        for (int64_t b = 0; b < unit; b += 64) prefetch(wp + kPrefetchRows * row_bytes + b, false);  // as below
+        sv[w] = super_vectors<Type>(wp);
+      }
+      __m512i wide[R][M];
+      super_wide<Type, M, R>(rp, row_bytes, sv, xq8 + u * kSuper, K, wide);
+      for (int p = 0; p < (M + 1) / 2; ++p) {
+        const int i = 2 * p;
+        const bool two = i + 1 < M;
+        const int64_t xb = (row0 + i) * supers + u, xb1 = two ? xb + supers : xb;
+        const __m512 dx = _mm512_mask_broadcastss_ps(_mm512_set1_ps(xq.d[xb]), 0xff00, _mm_set_ss(xq.d[xb1]));
+        const __m512i sums = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.sums.data() + 16 * xb))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.sums.data() + 16 * xb1)), 1);
+        for (int w = 0; w < R; ++w) {
+          const __m512i other = two ? wide[w][i + 1] : wide[w][i];
+          const __m512i isum = _mm512_add_epi32(_mm512_shuffle_i64x2(wide[w][i], other, 0x44),
+                                                _mm512_shuffle_i64x2(wide[w][i], other, 0xee));
+          const __m512i msum = _mm512_madd_epi16(_mm512_broadcast_i64x4(sv[w].mn), sums);  // as below
+          const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(sv[w].d), dx);
+          if constexpr (Type == kQ6_K) {
+            acc[w][p] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_sub_epi32(isum, msum)), acc[w][p]);
+          } else {
+            acc[w][p] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), acc[w][p]);
+            acc[w][p] = _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_set1_ps(sv[w].dm), dx), _mm512_cvtepi32_ps(msum),
+                                         acc[w][p]);
+          }
+        }
+      }
+    }
+    for (int w = 0; w < R; ++w) {
+      const float b = bias ? bias[j + w] : 0.0f;
+      for (int i = 0; i < M; ++i)
+        out[i * ldo + j + w] = hsum8(i % 2 ? _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(acc[w][i / 2]), 1))
+                                           : _mm512_castps512_ps256(acc[w][i / 2])) + b;
+    }
+  }
+  if constexpr (R > 1) {
+    if (j < j1) super_block<Type, M, 1>(raw, row_bytes, xq, K, row0, bias, out, ldo, j, j1);
+  }
+}
+#elif defined(EAGLE_ISA_AVX2)
 
 // out[i * ldo + j] for rows row0..row0+M-1 of x (quantized: xq) and W's rows j0..j1 (GGUF rows of Type), R rows
 // of W at a time: they share each load of x and interleave their chains of dependent operations (an R of 2 computes
@@ -1768,9 +1830,6 @@ void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int
         sv[w] = super_vectors<Type>(wp);
         for (int i = 0; i < M; ++i) isum[w][i] = _mm256_setzero_si256();
       }
-#if defined(EAGLE_ISA_AVX512)
-      super_sums<Type, M, R>(rp, row_bytes, sv, xq8 + u * kSuper, K, isum);
-#else
       for (int s = 0; s < 8; ++s) {
         __m256i c[R], scale[R];
         for (int w = 0; w < R; ++w) {
@@ -1785,7 +1844,6 @@ void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int
             isum[w][i] = _mm256_add_epi32(isum[w][i], _mm256_madd_epi16(_mm256_maddubs_epi16(c[w], xv), scale[w]));
         }
       }
-#endif
       for (int i = 0; i < M; ++i) {
         const int64_t xb = (row0 + i) * supers + u;
         const float dx = xq.d[xb];
@@ -1809,6 +1867,7 @@ void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int
     if (j < j1) super_block<Type, M, 1>(raw, row_bytes, xq, K, row0, bias, out, ldo, j, j1);
   }
 }
+#endif
 #else
 // Portable: the same integers by plain loops, in the vector builds' lanes (multiply and add rounded apart).
 template <int64_t Type, int M, int R = 1>
@@ -1848,6 +1907,15 @@ void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int
 }
 #endif
 
+// Rows of W a super-block pass takes for m rows of x: the 512-bit build's pair epilogue leaves registers for 2 rows
+// of W up to 8 rows of x (1.5B Q4_K_M layers, 2-core Zen 5: 5-8 rows 0.85-0.90x the time of 1 row of W;
+// docs/performance.md).
+#if defined(EAGLE_ISA_AVX512)
+constexpr int kSuperWRows[kPassXRows + 1] = {0, 8, 4, 2, 2, 2, 2, 2, 2};
+#else
+constexpr int kSuperWRows[kPassXRows + 1] = {0, 2, 2, 1, 1, 1, 1, 1, 1};
+#endif
+
 // out [M, N] (rows ldo apart) = x W^T (+ bias), W GGUF rows of K-quant Type, x quantized per super-block, in
 // int8_passes.
 template <int64_t Type>
@@ -1855,7 +1923,7 @@ void super_rows(const SuperRows& xq, int64_t M, int64_t K, const uint8_t* raw, i
                 const float* bias, float* out, int64_t ldo) {
   int8_passes(M, N, [&](auto m, int64_t r, int64_t t, int64_t t1) {
     constexpr int rows = decltype(m)::value;
-    super_block<Type, rows, kPassWRows[rows]>(raw, row_bytes, xq, K, r, bias, out + r * ldo, ldo, t, t1);
+    super_block<Type, rows, kSuperWRows[rows]>(raw, row_bytes, xq, K, r, bias, out + r * ldo, ldo, t, t1);
   });
 }
 
