@@ -256,7 +256,6 @@ class DraftModel(Proposer):
         self.sizing = sizing
         self.vocab = None if vocab is None else vocab.ids
         self.head = None if vocab is None else vocab.head
-        self.confidence = 1.0  # the draft's probability of its last greedy token (where ``draft_confidence`` asks)
         self.last_round = 0  # tokens the last round added after drafting (0: it did not draft)
         self.cache = model.new_cache()
         self.gamma = cfg.gamma
@@ -269,10 +268,11 @@ class DraftModel(Proposer):
             self.suffix.start(ids)
 
     @torch.inference_mode()
-    def _step(self, tokens: list[int], rows: int = 0) -> torch.Tensor:
-        """Feed ``tokens`` after the cached ones. ``rows`` 0: the next token's id [] when greedy (the draft's
-        argmax, its logits not all made where its forward screens them), else its probabilities q [V];
-        ``rows`` > 0: the draft's logits [rows, V] after each of the last ``rows`` tokens."""
+    def _step(self, tokens: list[int], rows: int = 0) -> "torch.Tensor | tuple[int, float]":
+        """Feed ``tokens`` after the cached ones. ``rows`` 0: greedy, the next token and the draft's probability
+        of it (1.0 where ``draft_confidence`` does not ask: the argmax alone, its logits not all made where its
+        forward screens them); sampling, its probabilities q [V]. ``rows`` > 0: the draft's logits [rows, V]
+        after each of the last ``rows`` tokens."""
         past = kv_cache.cache_length(self.cache)
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         pos = torch.arange(past, past + len(tokens), device=self.device)[None]
@@ -282,8 +282,8 @@ class DraftModel(Proposer):
             logits = self.head(out.hidden[0, -(rows or 1):]).float()
             if greedy:
                 best = logits[0].argmax()
-                self.confidence = float(torch.softmax(logits[0], -1)[best]) if self.cfg.draft_confidence else 1.0
-                return self.vocab[best]
+                sure = float(torch.softmax(logits[0], -1)[best]) if self.cfg.draft_confidence else 1.0
+                return int(self.vocab[best]), sure
             if rows:
                 return logits.new_full((rows, self.model.vocab_size), -torch.inf).index_copy_(1, self.vocab, logits)
             q = logits_to_probs(logits[0], self.sampling)
@@ -296,16 +296,15 @@ class DraftModel(Proposer):
         if scored:
             probs = torch.softmax(out.logits[0, -1], -1)
             best = probs.argmax()
-            self.confidence = float(probs[best])
-            return best
+            return int(best), float(probs[best])
         if greedy:
-            return self.model.greedy_tokens(out.hidden[0, -1:])[0]
+            return int(self.model.greedy_tokens(out.hidden[0, -1:])[0]), 1.0
         return logits_to_probs(out.logits[0, -1], self.sampling)
 
     def _suffix_start(self, ids: list[int], pending: list[int],
-                      limit: int) -> tuple[list[int], list[str], torch.Tensor | None]:
-        """The suffix tokens the chain starts with (at most ``limit``), their sources, and the draft's
-        distribution after them ([V]: q, or softmax of its logits when greedy; None: not computed)."""
+                      limit: int) -> "tuple[list[int], list[str], torch.Tensor | tuple[int, float] | None]":
+        """The suffix tokens the chain starts with (at most ``limit``), their sources, and the draft's next
+        step after them, as ``_step`` gives it (None: not computed)."""
         tokens, scores, sources = self.suffix.best_chain(ids, limit)
         if not tokens:
             return [], [], None
@@ -321,6 +320,8 @@ class DraftModel(Proposer):
             labels.append(source if frequency > q else "drafter")  # both propose it: the higher scores it
             taken, above = taken + 1, score
         kv_cache.roll_back(self.cache, past + len(pending) + taken)
+        if self.sampling.greedy:
+            return tokens[:taken], labels, (int(guess[taken]), float(best[taken]))
         return tokens[:taken], labels, probs[taken]
 
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
@@ -338,18 +339,19 @@ class DraftModel(Proposer):
         probs: list[torch.Tensor | None] = [None] * len(drafts)
         while len(drafts) < k:
             began = time.perf_counter()
-            q = self._step(pending) if ahead is None else ahead  # greedy without suffix: the token itself
+            step = self._step(pending) if ahead is None else ahead
             if not drafts and ahead is None and skipped:
                 self.skipped_seconds = (time.perf_counter() - began) * skipped
             if self.sampling.greedy:  # greedy acceptance reads the tokens alone
-                token = int(q.argmax()) if q.dim() else int(q)
+                token, sure = step
             else:
-                token = int(sample(q, self.generator))
-                probs.append(q)
+                token = int(sample(step, self.generator))
+                sure = float(step[token])
+                probs.append(step)
             drafts.append(token)
             labels.append("drafter")
             pending, ahead = [token], None
-            if (float(q[token]) if q.dim() else self.confidence) < self.cfg.draft_confidence:
+            if sure < self.cfg.draft_confidence:
                 break  # the draft doubts this token: the next would be accepted still less often
         self.drafted = len(drafts)
         tree = chain_tree(ids[-1], torch.tensor(drafts, dtype=torch.long, device=self.device))
