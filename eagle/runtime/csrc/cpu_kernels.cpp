@@ -1227,8 +1227,8 @@ void int8_passes(int64_t M, int64_t N, F&& f) {
       for (int64_t p = 0, r = 0; p < passes; ++p) {
         const int64_t m = base + (p < longer ? 1 : 0);
         switch (m) {
-#define EAGLE_PASS(n)                                              \
-  case n:                                                          \
+#define EAGLE_PASS(n)                              \
+  case n:                                          \
     f(std::integral_constant<int, n>(), r, t, t1); \
     break;
           EAGLE_PASS(1) EAGLE_PASS(2) EAGLE_PASS(3) EAGLE_PASS(4) EAGLE_PASS(5) EAGLE_PASS(6) EAGLE_PASS(7)
@@ -1744,19 +1744,19 @@ inline void super_wide(const uint8_t* rp, int64_t row_bytes, const SuperVectors*
 // out[i * ldo + j] for rows row0..row0+M-1 of x (quantized: xq) and W's rows j0..j1 (GGUF rows of Type), R rows
 // of W at a time: they share each load of x and interleave their chains of dependent operations, while each row's
 // sums stay its own. Two rows of x share each floating-point operation (row i in lanes 0-7, i + 1 in 8-15): the
-// 256-bit loop's operations lane for lane, so the same bits (an odd last row takes that loop's own).
+// 256-bit loop's operations lane for lane, so the same bits (an odd last row fills both halves, the low one kept).
 template <int64_t Type, int M, int R = 1>
 void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int64_t K, int64_t row0,
                  const float* bias, float* out, int64_t ldo, int64_t j0, int64_t j1) {
   constexpr int64_t unit = Type == kQ6_K ? 210 : (Type == kQ5_K ? 176 : 144);
-  constexpr int P = M / 2;
+  constexpr int P = (M + 1) / 2;  // pairs of rows of x
   const int64_t supers = K / kSuper;
   const uint8_t* xq8 = reinterpret_cast<const uint8_t*>(xq.q.data()) + row0 * K;
   int64_t j = j0;
   for (; j + R <= j1; j += R) {
-    __m512 acc[R][P + 1];
+    __m512 acc[R][P];
     for (int w = 0; w < R; ++w)
-      for (int p = 0; p <= P; ++p) acc[w][p] = _mm512_setzero_ps();
+      for (int p = 0; p < P; ++p) acc[w][p] = _mm512_setzero_ps();
     const uint8_t* rp = raw + j * row_bytes;
     for (int64_t u = 0; u < supers; ++u, rp += unit) {
       SuperVectors sv[R];
@@ -1767,7 +1767,7 @@ void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int
       }
       __m512i wide[R][M];
       super_wide<Type, M, R>(rp, row_bytes, sv, xq8 + u * kSuper, K, wide);
-      for (int p = 0; p < (M + 1) / 2; ++p) {
+      for (int p = 0; p < P; ++p) {
         const int i = 2 * p;
         const bool two = i + 1 < M;
         const int64_t xb = (row0 + i) * supers + u, xb1 = two ? xb + supers : xb;
@@ -1793,9 +1793,11 @@ void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int
     }
     for (int w = 0; w < R; ++w) {
       const float b = bias ? bias[j + w] : 0.0f;
-      for (int i = 0; i < M; ++i)
-        out[i * ldo + j + w] = hsum8(i % 2 ? _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(acc[w][i / 2]), 1))
-                                           : _mm512_castps512_ps256(acc[w][i / 2])) + b;
+      for (int i = 0; i < M; ++i) {
+        const __m512i pair = _mm512_castps_si512(acc[w][i / 2]);
+        out[i * ldo + j + w] = hsum8(_mm256_castsi256_ps(i % 2 ? _mm512_extracti64x4_epi64(pair, 1)
+                                                               : _mm512_castsi512_si256(pair))) + b;
+      }
     }
   }
   if constexpr (R > 1) {
