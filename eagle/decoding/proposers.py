@@ -77,6 +77,13 @@ class Proposal:
     drawn: torch.Tensor | None = None
 
 
+def catch_up_share(fed: int, last_round: int) -> float:
+    """The share of a drafter call feeding ``fed`` tokens that fed the prompt and rounds that did not draft
+    (all but the last round's ``last_round`` tokens): a cost of resuming drafting, not of this round
+    (``DraftGate`` judges rounds without it)."""
+    return 1 - min(last_round, fed) / fed
+
+
 class Proposer:
     """Interface. ``start`` after the prefill, ``propose`` each round, ``commit`` after acceptance.
 
@@ -330,9 +337,7 @@ class DraftModel(Proposer):
         if k <= 0:
             return Proposal(root_only(ids[-1], self.device))
         pending = ids[kv_cache.cache_length(self.cache):]
-        # the share of the first step that feeds the prompt and rounds that did not draft: a cost of resuming
-        # drafting, not of this round (``DraftGate`` judges rounds without it)
-        skipped = 1 - min(self.last_round, len(pending)) / len(pending)
+        skipped = catch_up_share(len(pending), self.last_round)
         drafts, labels, ahead = [], [], None
         if self.suffix is not None:
             drafts, labels, ahead = self._suffix_start(ids, pending, min(max_depth, max_nodes - 1))
@@ -516,9 +521,7 @@ class EagleDrafter(Proposer):
             last = len(self.pending[-1][1]) if self.pending and self.prompt is None else 0  # the last round's
             self.prompt, self.pending, began = None, [], time.perf_counter()
             yield from self._feed([f for f, _ in pending], tokens)
-            # the share of the call that fed the prompt and rounds that did not draft: a cost of resuming
-            # drafting, not of this round (``DraftGate`` judges rounds without it)
-            self.skipped_seconds = (time.perf_counter() - began) * (1 - last / len(tokens))
+            self.skipped_seconds = (time.perf_counter() - began) * catch_up_share(len(tokens), last)
 
     def propose(self, ids: list[int], max_depth: int, max_nodes: int) -> Proposal:
         return run_alone(self.drafting(ids, max_depth, max_nodes))

@@ -1915,7 +1915,7 @@ void super_block(const uint8_t* raw, int64_t row_bytes, const SuperRows& xq, int
 #if defined(EAGLE_ISA_AVX512)
 constexpr int kSuperWRows[kPassXRows + 1] = {0, 8, 4, 2, 2, 2, 2, 2, 2};
 #else
-constexpr int kSuperWRows[kPassXRows + 1] = {0, 2, 2, 1, 1, 1, 1, 1, 1};
+constexpr auto& kSuperWRows = kPassWRows;  // no pair epilogue: the block products' table
 #endif
 
 // out [M, N] (rows ldo apart) = x W^T (+ bias), W GGUF rows of K-quant Type, x quantized per super-block, in
