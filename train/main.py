@@ -52,7 +52,8 @@ DRAFT_LM_SHAPE = ("model_type", "num_hidden_layers", "hidden_size", "intermediat
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     target: str = DEFAULT_TARGET
-    features: str = ""             # feature folder made by eagle-features (offline mode)
+    features: str | tuple[str, ...] = ""  # feature folder made by eagle-features (offline mode), or several (their
+                                   # examples together, e.g. the target's answers and a source's own)
     data: str | tuple[str, ...] = ""  # chat data (one file, or several concatenated), for online mode (features
                                    # computed during training)
     online: bool = False
@@ -113,6 +114,8 @@ class TrainConfig:
         object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
         if not isinstance(self.data, str):
             object.__setattr__(self, "data", tuple(self.data))
+        if not isinstance(self.features, str):
+            object.__setattr__(self, "features", tuple(self.features))
         if isinstance(self.max_wall_s, bool) or not isinstance(self.max_wall_s, (int, float)) or self.max_wall_s < 0:
             raise EagleError(f"max_wall_s must be a number of seconds >= 0, got {self.max_wall_s!r}")
         if self.replay_fraction and not self.examples_from:

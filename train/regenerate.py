@@ -45,12 +45,14 @@ SAVE_EVERY = 100  # conversations written between two updates of stats.json
 @dataclasses.dataclass
 class Chat:
     """A source conversation kept for answering: its id (a hash of ``system`` and ``users``), the
-    system turn (or None), the user turns, and whether it is held out."""
+    system turn (or None), the user turns, whether it is held out, and the source's own answer to each
+    user turn ("" where none follows it)."""
 
     id: str
     system: str | None
     users: list[str]
     heldout: bool
+    answers: list[str] = dataclasses.field(default_factory=list)
 
 
 def sharegpt_path() -> Path:
@@ -96,9 +98,24 @@ def read_elements(text: str) -> tuple[list[Any], int, bool]:
 def user_turns(record: Any) -> tuple[str | None, list[str]]:
     """A ShareGPT or OpenAI record -> (its first turn if it is a system turn, its non-empty user
     turns); ValueError when it is not a conversation."""
+    system, users, _ = turns_of(record)
+    return system, users
+
+
+def turns_of(record: Any) -> tuple[str | None, list[str], list[str]]:
+    """``user_turns`` and the record's own answer to each of those user turns (the assistant turns up to the
+    next user turn, joined; "" where none follows)."""
     messages = to_messages(record)
     system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
-    return system, [m["content"] for m in messages if m["role"] == "user" and m["content"].strip()]
+    users: list[str] = []
+    answers: list[str] = []
+    for m in messages:
+        if m["role"] == "user" and m["content"].strip():
+            users.append(m["content"])
+            answers.append("")
+        elif m["role"] == "assistant" and users:
+            answers[-1] = (answers[-1] + "\n\n" + m["content"]) if answers[-1] else m["content"]
+    return system, users, answers
 
 
 def normalized(text: str) -> str:
@@ -172,7 +189,7 @@ def select_chats(records: list[Any], excluded: dict[str, frozenset[str]], heldou
     chats = []
     for record in records:
         try:
-            system, users = user_turns(record)
+            system, users, answers = turns_of(record)
         except (ValueError, KeyError, TypeError):
             stats["malformed"] += 1
             continue
@@ -191,13 +208,13 @@ def select_chats(records: list[Any], excluded: dict[str, frozenset[str]], heldou
             continue
         if max_turns and len(users) > max_turns:
             stats["turns_over_max_turns"] += len(users) - max_turns
-            users = users[:max_turns]
+            users, answers = users[:max_turns], answers[:max_turns]
         key = chat_id(system and normalized(system), [normalized(u) for u in users])
         if key in seen:
             stats["duplicates"] += 1
             continue
         seen.add(key)
-        chats.append(Chat(key, system, users, int(key[:8], 16) < heldout_fraction * 2 ** 32))
+        chats.append(Chat(key, system, users, int(key[:8], 16) < heldout_fraction * 2 ** 32, answers))
     stats["kept"] = len(chats)
     return chats, stats
 
@@ -260,6 +277,31 @@ def record_of(chat: Chat, answers: list[str], source: str) -> dict:
     for user, answer in zip(chat.users, answers):
         turns += [{"from": "human", "value": user}, {"from": "gpt", "value": answer}]
     return {"id": f"sg-{chat.id}", "source": source, "conversations": turns}
+
+
+def keep_source_answers(cfg: Any, todo: list[Chat], paths: dict[bool, Path], stats: dict[str, Any],
+                        written: dict[str, int]) -> Path:
+    """``answers: source``: write each conversation of ``todo`` with the source's own answers (nothing generated;
+    turns from the first user turn without an answer on are dropped, a conversation left with none is skipped)."""
+    skipped = 0
+    files = {held: path.open("a", encoding="utf-8") for held, path in paths.items()}
+    with files[False], files[True]:
+        for chat in todo:
+            answered = next((i for i, a in enumerate(chat.answers) if not a.strip()), len(chat.answers))
+            if not answered:
+                skipped += 1
+                continue
+            chat = dataclasses.replace(chat, users=chat.users[:answered])
+            files[chat.heldout].write(json.dumps(record_of(chat, chat.answers[:answered], cfg.source),
+                                                 ensure_ascii=False) + "\n")
+            written["heldout" if chat.heldout else "train"] += 1
+    body = {"target": cfg.target, "config": dataclasses.asdict(cfg), "source": stats, "written": written,
+            "generation": {"answers": "source", "no_answer": skipped}}
+    (paths[False].parent / "stats.json").write_text(json.dumps(body, indent=2))
+    print(f"eagle-selfdistill: {json.dumps(stats)}", file=sys.stderr)
+    print(f"eagle-selfdistill: written {written} with the source's own answers ({skipped} without one skipped)",
+          file=sys.stderr)
+    return paths[False]
 
 
 class Conversations:
@@ -353,6 +395,8 @@ def run(cfg: Any) -> Path:
                 "conversations_cut_by_time", "wall_s"):
         gen.setdefault(key, 0)
     todo = [c for c in chats[:cfg.num_conversations] if f"sg-{c.id}" not in done]
+    if cfg.answers == "source":
+        return keep_source_answers(cfg, todo, paths, stats, written)
     began = time.time()
     target = load_target(cfg.target)
     load_s = time.time() - began

@@ -85,10 +85,16 @@ class SelfDistillConfig:
     max_wall_s: float = 0.0
     # with source: "all" conversations, or "code": those whose first user turn is about code (train.regenerate.is_coding)
     topic: str = "all"
+    # with source: "target" answers every user turn (the data EAGLE-3 and SpecForge train on), "source" keeps the
+    # source's own answers and generates nothing (EAGLE-1's fixed data: a few times more tokens an hour, since
+    # only eagle-features then runs the target)
+    answers: str = "target"
 
     def __post_init__(self) -> None:
         if self.topic not in ("all", "code"):
             raise EagleError(f"topic must be all or code, got {self.topic!r}")
+        if self.answers not in ("target", "source"):
+            raise EagleError(f"answers must be target or source, got {self.answers!r}")
         for key in ("passage_fraction", "constraint_fraction", "heldout_fraction"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise EagleError(f"{key} must be in [0, 1], got {getattr(self, key)}")
@@ -396,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
     note_ignored(PROG, given_flags(parser, args, ("--templates", "--exclude")) | changed_keys(cfg), [
         (("--templates", "--exclude"), args.compose is None, "without --compose"),
         (RUN_ONLY, mode == "--answer", "with --answer (keys of the self-distillation run)"),
-        (("topic",), not cfg.source and mode is None, "without source (it selects source conversations)"),
+        (("topic", "answers"), not cfg.source and mode is None, "without source (it selects source conversations)"),
         ([f.name for f in dataclasses.fields(cfg) if f.name != "seed"], mode == "--compose", "with --compose")])
     if mode is None:
         run(cfg)

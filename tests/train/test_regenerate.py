@@ -138,6 +138,30 @@ def test_every_turn_is_the_targets_answer_given_the_regenerated_conversation(tmp
     assert sampled != run_regenerate(tmp_path, target_dir, source, tmp_path / "s3", "answer_temperature=1.0", "seed=5")
 
 
+def test_answers_source_keeps_the_sources_own_answers_and_loads_no_target(tmp_path, monkeypatch):
+    """``answers=source``: every kept conversation is written with the source's own answers (two assistant turns
+    in a row joined; turns from the first unanswered user turn on dropped; a conversation left with none
+    skipped), benchmark prompts and the held-out split as for the target's answers; no target is loaded."""
+    monkeypatch.setattr(regenerate, "load_target", lambda *a, **k: pytest.fail("answers=source loads no target"))
+    (tmp_path / "bench.jsonl").write_text(json.dumps({"prompt": "t40 t41"}) + "\n")
+    records = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"},
+                                                 {"from": "gpt", "value": f"b{i}"}, {"from": "human", "value": f"r{i}"},
+                                                 {"from": "gpt", "value": f"c{i}"}]} for i in range(20)]
+    records += [sharegpt(["t40 t41"]), {"id": "u", "conversations": [{"from": "human", "value": "unanswered"}]},
+                {"id": "v", "conversations": [{"from": "human", "value": "v1"}, {"from": "gpt", "value": "w1"},
+                                              {"from": "human", "value": "v2"}]}]
+    source = tmp_path / "sharegpt.json"
+    source.write_text(json.dumps(records))
+    made = run_regenerate(tmp_path, "unused-target", source, tmp_path / "out", "answers=source", "heldout_fraction=0.2")
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert stats["source"]["excluded_benchmark"] == 1 and stats["generation"]["no_answer"] == 1
+    assert len(made) == 21 and 0 < stats["written"]["heldout"] < 21
+    turns = sorted([m["value"] for m in r["conversations"]] for r in made.values())
+    assert turns == sorted([[f"q{i}", f"a{i}\n\nb{i}", f"r{i}", f"c{i}"] for i in range(20)] + [["v1", "w1"]])
+    with pytest.raises(EagleError):
+        SelfDistillConfig(answers="teacher")
+
+
 def test_the_sharegpt_recipe_parses_and_bad_settings_are_refused():
     root = Path(__file__).resolve().parents[2]
     for target in ("smollm2-135m-instruct", "gemma-3-270m"):

@@ -151,6 +151,24 @@ def test_features_of_several_chat_files_are_their_concatenation(workspace, tmp_p
     assert tok.decode(shards[54]["input_ids"]).count("t13 t6 t7") == 1  # the second file's last conversation is last
 
 
+def test_several_feature_folders_train_as_one_and_must_hold_the_same_layers(workspace, tmp_path):
+    part = numbered_chats(tmp_path / "more.jsonl", range(8, 11))
+    layers = FeatureShards(workspace["features"]).aux_layers
+    common = [f"target={workspace['target']}", "shard_size=2"]
+    second = build(load_config_file(FeaturesConfig, None, [*common, f"data={part}", f"out_dir={tmp_path / 'b'}",
+                                                           f"aux_layers={layers}"]))
+    both = FeatureShards([workspace["features"], second], load_target(str(workspace["target"])))
+    alone = [FeatureShards(workspace["features"]), FeatureShards(second)]
+    assert len(both) == 53 and [ex["input_ids"].tolist() for ex in both] == [
+        ex["input_ids"].tolist() for shards in alone for ex in shards]
+    assert load_config_file(TrainConfig, None, [f"features=[{workspace['features']}, {second}]"]).features == (
+        str(workspace["features"]), str(second))
+    aux = build(load_config_file(FeaturesConfig, None, [*common, f"data={part}", f"out_dir={tmp_path / 'c'}",
+                                                        f"aux_layers={layers + [1]}"]))
+    with pytest.raises(EagleError, match="same aux_layers"):
+        FeatureShards([workspace["features"], aux])
+
+
 def test_features_replay_a_seeded_draw_of_earlier_chats_before_the_data(workspace, tmp_path):
     part = numbered_chats(tmp_path / "new.jsonl", range(8, 11))
     common = [f"target={workspace['target']}", f"data={part}", "shard_size=4"]
@@ -553,6 +571,22 @@ def test_model_card_of_a_drafter_trained_online_on_real_user_turns(tmp_path, dra
     summary["config"]["online"] = False
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     assert card_main(args) == 2
+
+    # a run on two feature folders: the target's answers and a source's own answers, one section each
+    kept = {**stats, "written": {"train": 2934, "heldout": 62}, "generation": {"answers": "source", "no_answer": 4}}
+    manifests = [{"num_examples": n, "tokens": t, "source": [f], "config": {"max_length": 1024, "feature_dtype": "float16"}}
+                 for n, t, f in ((590, 150000, "runs/a/data.jsonl"), (2934, 1380000, "runs/b/data.jsonl"))]
+    for name, data in {"kept.json": kept, "fa.json": manifests[0], "fb.json": manifests[1]}.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    two = [*args, "--selfdistill", str(tmp_path / "kept.json"), "--features", str(tmp_path / "fa.json"),
+           str(tmp_path / "fb.json")]
+    assert card_main(two) == 0
+    card = (tmp_path / "drafter" / "README.md").read_text()
+    first, second = card.index("## Data (part 1 of 2"), card.index("## Data (part 2 of 2")
+    assert first < card.index("answered every user turn greedily") < second
+    assert "the source's own answers to them" in card[second:] and "2934 conversations to train on, 62 held out" in card
+    assert "590 examples, 150000 tokens" in card[first:second] and "2934 examples, 1380000 tokens" in card[second:]
+    assert card_main([*args, "--selfdistill", str(tmp_path / "kept.json"), "--features", str(tmp_path / "fa.json")]) == 2
 
 
 def test_draft_lm_is_made_of_target_layers_and_round_trips(tmp_path):
