@@ -44,11 +44,16 @@ class FeaturesConfig:
     # a data line that is not JSON or not a conversation: an error naming file:line (False), or skipped and
     # named on stderr (True)
     skip_malformed: bool = False
+    # stop once a shard ends past this many seconds (0 = never): the shards written by then are the features (a
+    # rerun with a larger bound continues with the next shard)
+    max_wall_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_length", "shard_size", "batch_tokens"):
             check_int(name, getattr(self, name), 1)
         check_bool("skip_malformed", self.skip_malformed)
+        if isinstance(self.max_wall_s, bool) or not isinstance(self.max_wall_s, (int, float)) or self.max_wall_s < 0:
+            raise EagleError(f"max_wall_s must be a number of seconds >= 0, got {self.max_wall_s!r}")
         if self.feature_dtype not in ("float16", "bfloat16", "float32"):
             raise EagleError(f"feature_dtype must be float16, bfloat16 or float32, got {self.feature_dtype!r}")
         object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
@@ -207,6 +212,16 @@ def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
     bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="features")
     start = time.time()
     for index, shard in enumerate(shards):
+        if cfg.max_wall_s and time.time() - start > cfg.max_wall_s:  # what the shards written hold
+            bar.close()
+            written = manifest["shards"].values()  # what FeatureShards reads
+            manifest["num_examples"] = sum(entry["examples"] for entry in written)
+            manifest["tokens"] = sum(entry["tokens"] for entry in written)
+            manifest["stopped_at_max_wall_s"] = True
+            manifest_path.write_text(json.dumps(manifest, indent=2))
+            print(f"eagle-features: stopped at max_wall_s with {len(manifest['shards'])} of {len(shards)} shards "
+                  f"({manifest['tokens']} tokens); a rerun continues", file=sys.stderr)
+            return out_dir
         name = f"shard-{index:05d}.safetensors"
         tokens = sum(len(ex["input_ids"]) for ex in shard)
         entry = manifest["shards"].get(name, {})
@@ -230,6 +245,7 @@ def build(cfg: FeaturesConfig, target: Target | None = None) -> Path:
         del manifest["shards"][stale]  # the data shrank: shards past its end no longer belong to it
         (out_dir / stale).unlink(missing_ok=True)
     manifest["tokens"] = total_tokens
+    manifest.pop("stopped_at_max_wall_s", None)
     manifest_path.write_text(json.dumps(manifest, indent=2))
     return out_dir
 

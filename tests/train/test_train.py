@@ -192,6 +192,25 @@ def test_features_replay_a_seeded_draw_of_earlier_chats_before_the_data(workspac
         load_config_file(FeaturesConfig, None, [*common, f"replay={{{part}: 0}}"])
 
 
+def test_features_stop_at_max_wall_s_with_the_shards_written_and_a_rerun_continues(workspace, tmp_path, monkeypatch):
+    import train.features as features
+
+    clock = iter(range(0, 10 ** 6, 10))  # every reading of the clock 10 s later than the last
+    monkeypatch.setattr(features.time, "time", lambda: float(next(clock)))
+    out = tmp_path / "f"
+    cfg = FeaturesConfig(target=str(workspace["target"]), data=str(workspace["data"]), out_dir=str(out), shard_size=8,
+                         max_wall_s=25)
+    build(cfg)
+    manifest = load_manifest(out)
+    assert manifest["stopped_at_max_wall_s"] and 0 < len(manifest["shards"]) < 7
+    assert manifest["num_examples"] == len(FeatureShards(out)) == 8 * len(manifest["shards"])
+    assert manifest["tokens"] == sum(len(ex["input_ids"]) for ex in FeatureShards(out))
+    build(dataclasses.replace(cfg, max_wall_s=0))
+    assert len(FeatureShards(out)) == 50 and "stopped_at_max_wall_s" not in load_manifest(out)
+    with pytest.raises(EagleError, match="max_wall_s"):
+        FeaturesConfig(max_wall_s=-1)
+
+
 def test_corrupt_shard_is_detected_and_regenerated(workspace, tmp_path):
     out = tmp_path / "features"
     cfg = FeaturesConfig(target=str(workspace["target"]), data=str(workspace["data"]), out_dir=str(out), shard_size=16)
