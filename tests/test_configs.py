@@ -38,7 +38,8 @@ def test_recipes_read_only_tracked_files_or_earlier_steps():
     assert recipes, "no recipes"
     for recipe in recipes:
         outputs: set[str] = set()
-        for step in ("selfdistill.yaml", "sharegpt.yaml", "features.yaml", "train.yaml", "draft-lm.yaml"):
+        for step in ("selfdistill.yaml", "sharegpt.yaml", "sharegpt-answers.yaml", "features.yaml",
+                     "features-answers.yaml", "train.yaml", "draft-lm.yaml"):
             path = recipe / step
             if not path.is_file():
                 continue

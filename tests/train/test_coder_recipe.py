@@ -127,7 +127,7 @@ def test_the_coder_recipe_runs_end_to_end_on_a_tiny_gguf_target(tmp_path, monkey
     monkeypatch.chdir(ROOT)  # the recipe's paths are relative to the repository root
     gguf = write_chat_gguf(tmp_path / "tiny-coder.gguf")
     data, run = tmp_path / "data", tmp_path / "run"
-    # 1. data: the recipe's config on the tiny target and a small ShareGPT file; only the coding turns are answered
+    # alternative step 1: the target answers the coding turns of a small ShareGPT file (sharegpt.yaml)
     selfdistill_main(["--config", str(RECIPE / "sharegpt.yaml"), "--set", f"target={gguf}",
                       f"source={sharegpt_file(tmp_path / 'sharegpt.json')}", f"out_dir={data}",
                       "answer_max_tokens=24", "context_tokens=160", "rows=2", "heldout_fraction=0.0", "max_wall_s=0"])
@@ -136,15 +136,26 @@ def test_the_coder_recipe_runs_end_to_end_on_a_tiny_gguf_target(tmp_path, monkey
     chats = [json.loads(line) for line in (data / "data.jsonl").read_text().splitlines()]
     assert {c["conversations"][0]["value"] for c in chats} == set(CODING)
     assert all(c["conversations"][1]["value"] != "old" for c in chats)  # the target's own answers
-    # 2. features: the recipe's features.yaml, stored once from the lean forward over the file's codes
+    # alternative step 2: features.yaml, stored once from the lean forward over the file's codes
     features = tmp_path / "features"
     features_main(["--config", str(RECIPE / "features.yaml"), "--set", f"target={gguf}",
                    "--set", f"data={data / 'data.jsonl'}", "--set", f"out_dir={features}", "--set", "max_length=128"])
     assert json.loads((features / "manifest.json").read_text())["num_examples"] == len(CODING)
-    # 3. the drafter: the recipe's train.yaml on those features, a few steps, rows and vocabulary for a tiny target
+    # steps 1 and 2: the same coding conversations with the source's own answers, and their features
+    kept = tmp_path / "kept"
+    selfdistill_main(["--config", str(RECIPE / "sharegpt-answers.yaml"), "--set", f"target={gguf}",
+                      f"source={tmp_path / 'sharegpt.json'}", f"out_dir={kept}", "heldout_fraction=0.0"])
+    assert [json.loads(line)["conversations"][1]["value"] for line in (kept / "data.jsonl").read_text().splitlines()
+            ] == ["old"] * len(CODING)
+    features_b = tmp_path / "features-b"
+    features_main(["--config", str(RECIPE / "features-answers.yaml"), "--set", f"target={gguf}",
+                   "--set", f"data={kept / 'data.jsonl'}", "--set", f"out_dir={features_b}", "--set", "max_length=128"])
+    assert json.loads((features_b / "manifest.json").read_text())["num_examples"] == len(CODING)
+    # 3. the drafter: train.yaml on both folders' features, a few steps, rows and vocabulary for a tiny target
     train_yaml = yaml.safe_load((RECIPE / "train.yaml").read_text())
     assert train_yaml["features"] and train_yaml["layer_from_target"] is None and train_yaml["pack_tokens"]
-    overrides = [f"target={gguf}", f"features={features}", f"out_dir={run}", "draft_vocab_size=96", "max_length=128",
+    overrides = [f"target={gguf}", f"features=[{features}, {features_b}]", f"dev_data={data / 'data.jsonl'}",
+                 f"out_dir={run}", "draft_vocab_size=96", "max_length=128",
                  "pack_tokens=128", "max_steps=3", "save_every=1", "max_wall_s=0", "eval_fraction=0.1",
                  "report_to=none"]
     proc = subprocess.run([sys.executable, train.main.__file__, "--config", str(RECIPE / "train.yaml"),
@@ -152,7 +163,7 @@ def test_the_coder_recipe_runs_end_to_end_on_a_tiny_gguf_target(tmp_path, monkey
                           env=environment(tmp_path), timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["train_tokens"] > 0
+    assert summary["steps"] == 3 and summary["train_tokens"] > 0 and summary["train_examples"] > len(CODING)
     drafter_dir = run / "drafter"
     # 4. eagle-bench: ar, pld and eagle-tree with the drafter
     prompts = tmp_path / "prompts.jsonl"
@@ -165,11 +176,11 @@ def test_the_coder_recipe_runs_end_to_end_on_a_tiny_gguf_target(tmp_path, monkey
     methods = json.loads(bench.read_text())["methods"]
     assert methods["pld"]["identical_to_ar"] and methods["eagle-tree"]["identical_to_ar"]
     # 5. eagle-card writes the drafter's model card from the run's records
-    card_main(["--drafter", str(drafter_dir), "--selfdistill", str(data / "stats.json"), "--features",
-               str(features / "manifest.json"), "--summary", str(run / "summary.json"), "--bench", str(bench),
-               "--train-config", str(RECIPE / "train.yaml")])
+    card_main(["--drafter", str(drafter_dir), "--selfdistill", str(data / "stats.json"), str(kept / "stats.json"),
+               "--features", str(features / "manifest.json"), str(features_b / "manifest.json"), "--summary",
+               str(run / "summary.json"), "--bench", str(bench), "--train-config", str(RECIPE / "train.yaml")])
     card = (drafter_dir / "README.md").read_text()
-    assert "eagle-tree" in card and "real user prompts" in card
+    assert "eagle-tree" in card and "real user prompts" in card and "the source's own answers" in card
     # 6. the drafter loads for its target and decodes as ar
     target = load_target(str(gguf))
     assert isinstance(target.model, GGUFModel)
