@@ -136,9 +136,9 @@ def test_the_coder_recipe_runs_end_to_end_on_a_tiny_gguf_target(tmp_path, monkey
     chats = [json.loads(line) for line in (data / "data.jsonl").read_text().splitlines()]
     assert {c["conversations"][0]["value"] for c in chats} == set(CODING)
     assert all(c["conversations"][1]["value"] != "old" for c in chats)  # the target's own answers
-    # alternative step 2: features.yaml, stored once from the lean forward over the file's codes
+    # alternative step 2: step 2's config on those chats, stored once from the lean forward over the file's codes
     features = tmp_path / "features"
-    features_main(["--config", str(RECIPE / "features.yaml"), "--set", f"target={gguf}",
+    features_main(["--config", str(RECIPE / "features-answers.yaml"), "--set", f"target={gguf}",
                    "--set", f"data={data / 'data.jsonl'}", "--set", f"out_dir={features}", "--set", "max_length=128"])
     assert json.loads((features / "manifest.json").read_text())["num_examples"] == len(CODING)
     # steps 1 and 2: the same coding conversations with the source's own answers, and their features
