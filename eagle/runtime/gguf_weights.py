@@ -52,14 +52,33 @@ def dequantize_numpy(raw: np.ndarray, ggml_type: str) -> np.ndarray:
 
 @dataclasses.dataclass
 class GGUFMatrix:
-    """A matrix [N, K] as its GGUF rows: ``raw`` uint8 [N, row bytes] of GGML type ``ggml_type``."""
+    """A matrix [N, K] as its GGUF rows: ``raw`` uint8 [N, row bytes] of GGML type ``ggml_type``; ``interleaved``:
+    a Q4_K or Q6_K matrix whose rows the compiled kernels rewrote in place 8 at a time (``interleave``)."""
 
     raw: torch.Tensor
     ggml_type: str
+    interleaved: bool = False
 
     @property
     def type_id(self) -> int:
-        return ggml_type_id(self.ggml_type)
+        return INTERLEAVED[self.ggml_type] if self.interleaved else ggml_type_id(self.ggml_type)
+
+    def interleave(self) -> bool:
+        """Rewrite a Q4_K or Q6_K matrix's rows in place as groups of 8 rows (``gguf_interleave`` in
+        ``eagle/runtime/csrc/cpu_kernels.cpp``, as llama.cpp repacks Q4_K): one load of codes serves 8 rows and
+        every sum lands in its row's lane, so the int8 products take far fewer instructions a weight, with the
+        same integers. Only where those products run and the rows come in eights; the values it stands for stay
+        the same (``rows``, ``dequantize``). Returns whether it is."""
+        module = cpu_kernels()
+        if not self.interleaved and self.ggml_type in INTERLEAVED and self.out_features % 8 == 0 and \
+                module is not None and module.int8_activations:
+            module.gguf_interleave(self.raw, ggml_type_id(self.ggml_type))
+            self.interleaved = True
+        return self.interleaved
+
+    def gguf_rows(self) -> torch.Tensor:
+        """The rows in GGUF's own layout (a copy when interleaved)."""
+        return cpu_kernels().gguf_deinterleave(self.raw, self.type_id) if self.interleaved else self.raw
 
     @property
     def out_features(self) -> int:
@@ -82,9 +101,10 @@ class GGUFMatrix:
 
     def dequantize(self) -> torch.Tensor:
         """The whole matrix in fp32 [N, K] (a full-precision copy: for references and fallbacks)."""
-        return torch.from_numpy(dequantize_numpy(self.raw.numpy(), self.ggml_type))
+        return torch.from_numpy(dequantize_numpy(self.gguf_rows().numpy(), self.ggml_type))
 
 
+INTERLEAVED = {"Q4_K": 1012, "Q6_K": 1014}  # the kernels' numbers of interleaved rows of these types (not GGML's)
 SUPER_BLOCKED = ("Q4_K", "Q5_K", "Q6_K")  # their int8 products quantize x per super-block of 256 (ggml's Q8_K)
 SPLIT_TYPES = ("Q8_0", "Q5_0") + SUPER_BLOCKED  # the types ``split_norms`` knows
 
@@ -105,7 +125,7 @@ def split_norms(matrix: GGUFMatrix, rows: int = 4096) -> torch.Tensor:
     for i in range(0, n, rows):
         index = torch.arange(i, min(n, i + rows))
         w = matrix.rows(index).double()
-        b = _minimums(matrix.raw[i:i + rows].numpy(), matrix.ggml_type, w.shape[1])
+        b = _minimums(matrix.gguf_rows()[i:i + rows].numpy(), matrix.ggml_type, w.shape[1])
         out[0, i:i + w.shape[0]] = w.norm(dim=1).float()
         if b is None:
             out[1, i:i + w.shape[0]] = out[0, i:i + w.shape[0]]
@@ -298,8 +318,10 @@ class GGUFLinear:
 
     def __init__(self, parts: Sequence[GGUFMatrix], bias: torch.Tensor | None = None, int8: bool = False) -> None:
         """``int8``: the codes meet x quantized to int8 per block of 32 (``int8_activations``: faster, not
-        the fp32 product's bits)."""
+        the fp32 product's bits); interleaved Q4_K parts (``GGUFMatrix.interleave``) take only those."""
         self.parts = list(parts)
+        if not int8 and any(p.interleaved for p in self.parts):
+            raise ValueError("GGUFLinear: interleaved Q4_K rows take int8 activations only")
         self.raws = [p.raw for p in self.parts]
         self.types = [p.type_id for p in self.parts]
         self.in_features = self.parts[0].in_features
@@ -338,7 +360,7 @@ class GGUFLinear:
         return ()
 
     def describe(self) -> str:
-        return "+".join(p.ggml_type for p in self.parts)
+        return "+".join(p.ggml_type + ("x8" if p.interleaved else "") for p in self.parts)
 
 
 class GGUFEmbedding:
@@ -530,13 +552,22 @@ def rotary_and_scale(config: Any) -> tuple[Any, float | None]:
 
 
 def load_gguf_model(path: str | Path, config: Any, generation_config: Any,
-                    header: GGUFHeader | None = None) -> GGUFModel:
+                    header: GGUFHeader | None = None, interleave: bool = False) -> GGUFModel:
     """The weights of GGUF file ``path`` (architectures of ``gguf_file.ARCHITECTURES``) for ``config``
-    (the transformers config its metadata gives), kept as codes where streamed."""
+    (the transformers config its metadata gives), kept as codes where streamed. ``interleave``: the decoder
+    layers' Q4_K and Q6_K matrices are interleaved (``GGUFMatrix.interleave``), for a model whose products take int8
+    activations only."""
     header = header or check_gguf(path)
     arena = Arena(arena_bytes(header))  # what the kernels stream, in huge pages (eagle.runtime.huge_pages)
     with open(path, "rb") as f:
-        return _load(_Reader(f, header, arena), path, config, generation_config)
+        model = _load(_Reader(f, header, arena), path, config, generation_config)
+    if interleave:
+        for layer in model.model.layers:
+            for group in (layer.self_attn, layer.mlp):
+                for projection in vars(group).values():
+                    if isinstance(projection, GGUFProjection) and isinstance(projection.matrix, GGUFMatrix):
+                        projection.matrix.interleave()
+    return model
 
 
 def _load(reader: _Reader, path: str | Path, config: Any, generation_config: Any) -> GGUFModel:

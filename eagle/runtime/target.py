@@ -317,8 +317,9 @@ def load_gguf_target(gguf_path: Path, name: str, tokenizer: Any = None,
         from transformers import AutoTokenizer  # its import alone: the tokenizers library, jinja2
 
         tokenizer = AutoTokenizer.from_pretrained(meta)
-    model = load_gguf_model(gguf_path, config, GenerationConfig.from_pretrained(meta), header)
-    lean = lean_decoder(model, default_int8(header) if int8_activations is None else int8_activations)
+    int8 = default_int8(header) if int8_activations is None else int8_activations
+    model = load_gguf_model(gguf_path, config, GenerationConfig.from_pretrained(meta), header, interleave=int8)
+    lean = lean_decoder(model, int8)
     if lean is None:
         raise EagleError(f"cannot run GGUF file {gguf_path.name}: its architecture has no lean forward here")
     release_free_heap()

@@ -254,7 +254,10 @@ def test_a_tree_row_has_the_bits_of_its_own_sequence(request, pair, int8, nodes)
     bit (Gemma: a prefix longer than the window of 8, so sliding layers mask part of it); with int8 activations
     too, and for trees past the kernels' 16 rows a call."""
     streamed = request.getfixturevalue(pair)[0]
-    streamed = with_int8_activations(streamed) if int8 else streamed
+    tree_rows_have_their_own_bits(with_int8_activations(streamed) if int8 else streamed, nodes)
+
+
+def tree_rows_have_their_own_bits(streamed: Target, nodes: int) -> None:
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 6] + [(i - 1) // 3 for i in range(8, nodes)])
     attn = tree_attention(parents)
     prefix = [3, 14, 15, 9, 2, 6, 21, 5, 8, 33, 2]
@@ -608,3 +611,50 @@ def test_int8_activations_are_refused_where_they_cannot_apply(llama_pair, monkey
     finally:
         monkeypatch.delenv(kernels.ISA_ENV)
         kernels.cpu_kernels.cache_clear()
+
+
+def test_a_model_loaded_for_int8_activations_interleaves_its_layers_k_quant_rows(tmp_path, llama_pair):
+    """Loaded for int8 activations (``load_gguf_model(..., interleave=True)``, as ``load_gguf_target`` loads a
+    target whose products take them), the layers' Q4_K and Q6_K matrices are interleaved 8 rows at a time, the others
+    (and the head) kept:
+    the same values, the logits of the same int8 products on GGUF's layout within int8's error, a tree row the bits
+    of its own sequence, greedy eagle-tree and pld ar's tokens; the float32 products refuse interleaved rows."""
+    if not kernels.cpu_kernels().int8_activations:
+        pytest.skip("no int8 products on this CPU build")
+    reference = llama_pair[1].model
+    path = write_model_gguf(tmp_path / "llama.gguf", reference, LLAMA_TYPES)
+    load = lambda interleave: load_gguf_model(path, reference.config, reference.generation_config,
+                                              interleave=interleave)
+    model, plain = load(True), load(False)
+    attention, up = model.model.layers[0].self_attn, model.model.layers[0].mlp.up_proj.matrix
+    q, o = attention.q_proj.matrix, attention.o_proj.matrix
+    assert q.interleaved and q.ggml_type == "Q4_K" and o.interleaved and o.ggml_type == "Q6_K"
+    assert not up.interleaved and not model.head.matrix.interleaved  # Q4_1; the head's rows are picked apart
+    for name in ("q_proj", "o_proj"):
+        matrix = getattr(attention, name).matrix
+        assert torch.equal(matrix.dequantize(), getattr(plain.model.layers[0].self_attn, name).matrix.dequantize())
+        assert torch.equal(matrix.rows(torch.tensor([9, 0])), matrix.dequantize()[[9, 0]])
+    with pytest.raises(ValueError, match="int8 activations only"):
+        lean_decoder(model)
+    tokenizer = llama_pair[0].tokenizer
+    make = lambda m: Target(model=m, tokenizer=tokenizer, name="tiny-llama-gguf", device=torch.device("cpu"),
+                            dtype=torch.float32, lean=lean_decoder(m, int8_activations=True))
+    target, layout = make(model), make(plain)
+    assert "Q4_Kx8" in target.lean.kernel_choice() and "Q6_Kx8" in target.lean.kernel_choice()
+    assert "x8" not in layout.lean.kernel_choice()
+    ids = [(7 * i + 3) % 47 + 1 for i in range(20)]
+    outs = []
+    for t in (target, layout):
+        cache = t.new_cache()
+        logits = [t.forward(torch.tensor([ids[:6]]), torch.arange(6)[None], cache).logits[0]]
+        logits += [t.forward(torch.tensor([[ids[i]]]), torch.tensor([[i]]), cache).logits[0] for i in range(6, 20)]
+        outs.append(torch.cat(logits))
+    # each product within fp32 rounding of the other layout's (tests/runtime/test_kernels.py), but a rounding that
+    # moves one of x's int8 codes in a later layer moves the logits by about 1/127 of that value's share
+    assert (outs[0] - outs[1]).abs().max() / outs[1].abs().max() < 0.02
+    tree_rows_have_their_own_bits(target, 24)
+    eagle = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=12, depth=4, top_k=3)
+    for prompt in prompts(2, vocab_size=48, seed=9):
+        ar = eagle.generate(prompt, method="ar", max_new_tokens=12).token_ids
+        assert eagle.generate(prompt, method="eagle-tree", max_new_tokens=12).token_ids == ar
+        assert eagle.generate(prompt, method="pld", max_new_tokens=12).token_ids == ar

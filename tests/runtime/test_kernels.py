@@ -606,6 +606,12 @@ def int8_products(module, name: str, in_features: int = 512):
     block codes (``block4``/``block8``, fp32 or ``-half`` scales) of a random 37 x ``in_features`` weight."""
     from eagle.runtime.quant_blocks import block_quantize, decode
 
+    if name.endswith("-interleaved"):  # rows in groups of 8 (GGUFMatrix.interleave)
+        raw, type_id, weight = random_gguf_rows(name.split("-")[0], 40, in_features, seed=len(name))
+        packed = raw.clone()
+        kind = module.gguf_interleave(packed, type_id)
+        return (lambda x: module.stream_linear_gguf(x, packed, kind, None, int8=True),
+                lambda x: module.stream_linear_gguf(x, raw, type_id, None), weight)
     if name in GGML_BLOCKS:
         raw, type_id, weight = random_gguf_rows(name, 37, in_features, seed=len(name))
         return (lambda x: module.stream_linear_gguf(x, raw, type_id, None, int8=True),
@@ -617,7 +623,7 @@ def int8_products(module, name: str, in_features: int = 512):
             lambda x: module.stream_linear_q(x, codes.codes, scales, None, True), decode(codes))
 
 
-@pytest.mark.parametrize("name", [*GGML_BLOCKS, "block4", "block4-half", "block8", "block8-half"])
+@pytest.mark.parametrize("name", [*GGML_BLOCKS, "Q4_K-interleaved", "Q6_K-interleaved", "block4", "block4-half", "block8", "block8-half"])
 def test_int8_activations_multiply_the_codes_by_x_quantized_per_block(name, isa):
     """Every code type with int8 activations: the float64 product of the de-quantized weight and x as quantized
     (per block of 32, per super-block of 256 for Q4_K, Q5_K and Q6_K, as llama.cpp does; fp32 rounding only), any
@@ -625,14 +631,14 @@ def test_int8_activations_multiply_the_codes_by_x_quantized_per_block(name, isa)
     differs by far more (x's quantization error), so the comparison is not vacuous."""
     module = module_or_skip()
     int8, exact, weight = int8_products(module, name)
-    if isa == "portable" and name not in SUPER_BLOCKED:  # the K-quants' int8 products run there by plain loops
+    if isa == "portable" and name.split("-")[0] not in SUPER_BLOCKED:  # the K-quants' run there by plain loops
         with pytest.raises(RuntimeError, match="int8 activations need the AVX2"):
             int8(torch.randn(1, 512))
         return
     gen = torch.Generator().manual_seed(len(name))
     x = torch.randn(21, 512, generator=gen) * torch.rand(21, 512, generator=gen) * 3
     got = int8(x)
-    seen = int8_rows_reference(x, int8_block(name))
+    seen = int8_rows_reference(x, int8_block(name.split("-")[0]))
     want = seen @ weight.double().T
     scale = seen.abs() @ weight.double().abs().T  # the size of each sum's terms
     assert ((got.double() - want).abs() / scale).max() < 1e-5, name
@@ -645,7 +651,7 @@ def test_int8_activations_multiply_the_codes_by_x_quantized_per_block(name, isa)
     assert torch.equal(zero, torch.zeros_like(zero)), name
 
 
-@pytest.mark.parametrize("name", [*GGML_BLOCKS, "block4", "block8-half"])
+@pytest.mark.parametrize("name", [*GGML_BLOCKS, "Q4_K-interleaved", "Q6_K-interleaved", "block4", "block8-half"])
 def test_int8_activations_give_the_same_bits_on_every_avx_instruction_set(name):
     """AVX2's two-step byte products (vpmaddubsw, vpmaddwd), AVX-512's and VNNI's one-step ones (vpdpbusd) sum the
     same integers: the same bits, also where the codes reach -128 and x's codes +-127 (every byte of a block
@@ -871,3 +877,24 @@ def test_a_gguf_heads_screened_argmax_is_the_fp32_heads(name, isa, monkeypatch):
         assert not torch.equal(blind(x), want), name
     assert (approx.argmax(-1) != want).any()  # the int8 logits alone are not enough here
     assert (want[:100] < 800).any() and (want[:100] >= 1600).any() and (want[100:160] == 1700).any()
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_interleaved_rows_stand_for_the_same_matrix(name):
+    """Q4_K and Q6_K rows interleaved 8 at a time (``gguf_interleave``, in place) give GGUF's bytes back
+    (``gguf_deinterleave``) and gguf-py's values row by row (``gguf_dequantize_rows``); their products take int8
+    activations only, and rows in groups of 8; other types have no such layout."""
+    module = module_or_skip()
+    raw, type_id, weight = random_gguf_rows(name, 24, 512, seed=7)
+    packed = raw.clone()
+    kind = module.gguf_interleave(packed, type_id)
+    assert kind != type_id and not torch.equal(packed, raw)
+    assert torch.equal(module.gguf_deinterleave(packed, kind), raw)
+    index = torch.tensor([0, 7, 8, 23, 13, 13])
+    assert torch.equal(module.gguf_dequantize_rows(packed, kind, index), weight[index])
+    with pytest.raises(RuntimeError, match="int8 activations only"):
+        module.stream_linear_gguf(torch.randn(2, 512), packed, kind, None)
+    with pytest.raises(RuntimeError, match="N a multiple of 8"):
+        module.gguf_interleave(raw[:12].clone(), type_id)
+    with pytest.raises(RuntimeError, match="no interleaved layout"):
+        module.gguf_interleave(random_gguf_rows("Q5_K", 8, 256, seed=1)[0], GGML_BLOCKS["Q5_K"][0])

@@ -692,7 +692,8 @@ namespace {
 
 enum GgmlType : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
-  kIQ4_NL = 20, kIQ4_XS = 23
+  kIQ4_NL = 20, kIQ4_XS = 23,
+  kQ4_Kx8 = 1012, kQ6_Kx8 = 1014  // not GGML's: Q4_K and Q6_K rows interleaved 8 at a time (gguf_interleave)
 };
 
 // IQ4_NL and IQ4_XS: a 4-bit code c stands for kIQ4Values[c] (times the block's scale)
@@ -712,6 +713,8 @@ GgmlLayout ggml_layout(int64_t type) {
     case kQ2_K: return {256, 84};
     case kQ3_K: return {256, 110};
     case kQ4_K: return {256, 144};
+    case kQ4_Kx8: return {256, 144};
+    case kQ6_Kx8: return {256, 210};
     case kQ5_K: return {256, 176};
     case kQ6_K: return {256, 210};
     case kIQ4_NL: return {32, 18};
@@ -1929,6 +1932,417 @@ void super_rows(const SuperRows& xq, int64_t M, int64_t K, const uint8_t* raw, i
   });
 }
 
+
+// ---- Q4_K interleaved 8 rows at a time (int8 activations) ------------------------------------------------------
+// gguf_interleave rewrites a Q4_K matrix in place, 8 rows (a group) at a time, as llama.cpp repacks Q4_K for its
+// AVX2 products: super-block u of a group (its 8 rows' 144 bytes, 1152) becomes d[8] and dmin[8] (fp16), the 6-bit
+// scale and minimum of each chunk c of 32 weights and row r as low nibbles (byte 32 + 8 c + r: scale & 15 | (min &
+// 15) << 4) and high bits (byte 96 + k, k < 32: H[k] | H[k + 32] << 4 with H[8 c + r] = scale >> 4 | (min >> 4) << 2),
+// then the codes: for chunk pair p (0..3) and quad q (0..7) the bytes qs[32 p + 4 q .. + 3] of rows 0..7 side by side
+// (32 bytes at 128 + 256 p + 32 q; low nibbles chunk 2 p, high nibbles 2 p + 1). One load then holds 4 codes of each
+// of 8 rows, which meet the same 4 codes of x: every sum lands in the lane of its row (no horizontal sums), and a
+// super-block's scales are unpacked once for 8 rows. The integers are those of super_block's (a row's chunk sums
+// times its scales, its minimums times x's chunk sums); per super-block the fp32 steps are acc = fma(d dx, isum,
+// acc), acc = fma(-(dmin dx), msum, acc), on every build (the portable one by plain loops): the same bits.
+constexpr int64_t kGroupBytes = 8 * 144;  // a group's super-block
+
+void interleave_q4k_group(const uint8_t* src, int64_t row_bytes, int64_t supers, uint8_t* dst) {
+  for (int64_t u = 0; u < supers; ++u) {
+    uint8_t* o = dst + u * kGroupBytes;
+    uint8_t high[64];
+    for (int r = 0; r < 8; ++r) {
+      const uint8_t* p = src + r * row_bytes + u * 144;
+      std::memcpy(o + 2 * r, p, 2);
+      std::memcpy(o + 16 + 2 * r, p + 2, 2);
+      for (int c = 0; c < 8; ++c) {
+        int sc, mn;
+        scale_min_k4(c, p + 4, sc, mn);
+        o[32 + 8 * c + r] = static_cast<uint8_t>((sc & 15) | ((mn & 15) << 4));
+        high[8 * c + r] = static_cast<uint8_t>((sc >> 4) | ((mn >> 4) << 2));
+      }
+      for (int pair = 0; pair < 4; ++pair)
+        for (int q = 0; q < 8; ++q) std::memcpy(o + 128 + 256 * pair + 32 * q + 4 * r, p + 16 + 32 * pair + 4 * q, 4);
+    }
+    for (int k = 0; k < 32; ++k) o[96 + k] = static_cast<uint8_t>(high[k] | (high[k + 32] << 4));
+  }
+}
+
+// chunk c's scale and minimum of row r in an interleaved super-block o
+inline void interleaved_scale(const uint8_t* o, int c, int r, int& sc, int& mn) {
+  const int k = 8 * c + r, lo = o[32 + k], hi = k < 32 ? o[96 + k] & 15 : o[96 + k - 32] >> 4;
+  sc = (lo & 15) | ((hi & 3) << 4);
+  mn = (lo >> 4) | ((hi >> 2) << 4);
+}
+
+void deinterleave_q4k_group(const uint8_t* src, int64_t supers, int64_t row_bytes, uint8_t* dst) {
+  for (int64_t u = 0; u < supers; ++u) {
+    const uint8_t* o = src + u * kGroupBytes;
+    for (int r = 0; r < 8; ++r) {
+      uint8_t* p = dst + r * row_bytes + u * 144;
+      std::memcpy(p, o + 2 * r, 2);
+      std::memcpy(p + 2, o + 16 + 2 * r, 2);
+      int sc[8], mn[8];
+      for (int c = 0; c < 8; ++c) interleaved_scale(o, c, r, sc[c], mn[c]);
+      uint8_t* q = p + 4;  // the inverse of scale_min_k4
+      for (int j = 0; j < 4; ++j) {
+        q[j] = static_cast<uint8_t>(sc[j] | ((sc[j + 4] >> 4) << 6));
+        q[j + 4] = static_cast<uint8_t>(mn[j] | ((mn[j + 4] >> 4) << 6));
+        q[j + 8] = static_cast<uint8_t>((sc[j + 4] & 15) | ((mn[j + 4] & 15) << 4));
+      }
+      for (int pair = 0; pair < 4; ++pair)
+        for (int qd = 0; qd < 8; ++qd) std::memcpy(p + 16 + 32 * pair + 4 * qd, o + 128 + 256 * pair + 32 * qd + 4 * r, 4);
+    }
+  }
+}
+
+#if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)
+// An interleaved super-block's scales for its 8 rows: sc[c] int16, row r's scale of chunk c in lanes 2r and 2r + 1;
+// mn[h] int16, row r's minimums of chunks 2h and 2h + 1 in lanes 2r, 2r + 1; d and dmin of each row.
+struct GroupScales {
+  __m256i sc[8], mn[4];
+  __m256 d, dm;
+};
+
+inline void group_scales(const uint8_t* o, GroupScales& s) {
+  const __m256i low4 = _mm256_set1_epi8(15), lo03 = load32(o + 32), lo47 = load32(o + 64), hi = load32(o + 96);
+  const __m256i sc03 = _mm256_or_si256(_mm256_and_si256(lo03, low4),
+                                       _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(3)), 4));
+  const __m256i mn03 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo03, 4), low4),
+                                       _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(12)), 2));
+  const __m256i sc47 = _mm256_or_si256(_mm256_and_si256(lo47, low4), _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+  const __m256i mn47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo47, 4), low4),
+                                       _mm256_srli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(-64)), 2));
+  const __m256i scs[2] = {sc03, sc47}, mns[2] = {mn03, mn47};
+  for (int h = 0; h < 2; ++h) {  // bytes 8 c + r of chunks 4 h .. 4 h + 3; a 128-bit lane holds two chunks
+    const __m256i even = _mm256_unpacklo_epi8(scs[h], scs[h]), odd = _mm256_unpackhi_epi8(scs[h], scs[h]);
+    s.sc[4 * h] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(even));
+    s.sc[4 * h + 1] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(odd));
+    s.sc[4 * h + 2] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(even, 1));
+    s.sc[4 * h + 3] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(odd, 1));
+    const __m256i pairs = _mm256_unpacklo_epi8(mns[h], _mm256_bsrli_epi128(mns[h], 8));
+    s.mn[2 * h] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(pairs));
+    s.mn[2 * h + 1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(pairs, 1));
+  }
+  s.d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
+  s.dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
+}
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// out[i * ldo + 8 g + r] for rows row0..row0+M-1 of x (quantized: xq) and groups g0..g1 of interleaved rows
+template <int M>
+void group_block(const uint8_t* raw, int64_t supers, const SuperRows& xq, int64_t K, int64_t row0, const float* bias,
+                 float* out, int64_t ldo, int64_t g0, int64_t g1) {
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const int8_t* x0 = xq.q.data() + row0 * K;
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256 acc[M];
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+    const uint8_t* gp = raw + g * supers * kGroupBytes;
+    for (int64_t u = 0; u < supers; ++u) {
+      const uint8_t* o = gp + u * kGroupBytes;
+      GroupScales s;
+      group_scales(o, s);
+      __m256i isum[M];
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) isum[i] = _mm256_setzero_si256();
+      // chunk c = 2 p + h, h a constant (the low or the high nibbles)
+      const auto chunk = [&](int p, auto constant) {
+        constexpr int h = decltype(constant)::value;
+        const int c = 2 * p + h;
+        const uint8_t* codes = o + 128 + 256 * p;
+        __m256i w[8];
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; ++q) {
+          const __m256i b = load32(codes + 32 * q);
+          if constexpr (h) w[q] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+          else w[q] = _mm256_and_si256(b, low4);
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < M; ++i) {
+          const int8_t* xc = x0 + i * K + u * kSuper + 32 * c;
+          __m256i a = _mm256_maddubs_epi16(w[0], broadcast4(xc));  // codes 0..15, x -127..127: no saturation
+#pragma GCC unroll 8
+          for (int q = 1; q < 8; ++q) a = _mm256_add_epi16(a, _mm256_maddubs_epi16(w[q], broadcast4(xc + 4 * q)));
+          isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(a, s.sc[c]));  // 16 products <= 30480 a lane
+        }
+      };
+      for (int p = 0; p < 4; ++p) {
+        chunk(p, std::integral_constant<int, 0>());
+        chunk(p, std::integral_constant<int, 1>());
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) {
+        const int64_t xb = (row0 + i) * supers + u;
+        // x's chunk sums [c0..c7] as int16 pairs (c0 c1 | c2 c3 in 32-bit lanes 0, 1; c4 c5 | c6 c7 in 4, 5)
+        const __m256i cs = _mm256_madd_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.sums.data() + 16 * xb)), ones);
+        const __m256i pk = _mm256_packs_epi32(cs, cs);
+        __m256i msum = _mm256_madd_epi16(s.mn[0], _mm256_permutevar8x32_epi32(pk, _mm256_set1_epi32(0)));
+        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(s.mn[1], _mm256_permutevar8x32_epi32(pk, _mm256_set1_epi32(1))));
+        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(s.mn[2], _mm256_permutevar8x32_epi32(pk, _mm256_set1_epi32(4))));
+        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(s.mn[3], _mm256_permutevar8x32_epi32(pk, _mm256_set1_epi32(5))));
+        const __m256 dx = _mm256_set1_ps(xq.d[xb]);
+        acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s.d, dx), _mm256_cvtepi32_ps(isum[i]), acc[i]);
+        acc[i] = _mm256_fnmadd_ps(_mm256_mul_ps(s.dm, dx), _mm256_cvtepi32_ps(msum), acc[i]);
+      }
+    }
+    const __m256 b = bias ? _mm256_loadu_ps(bias + 8 * g) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) _mm256_storeu_ps(out + i * ldo + 8 * g, _mm256_add_ps(acc[i], b));
+  }
+}
+#else
+template <int M>
+void group_block(const uint8_t* raw, int64_t supers, const SuperRows& xq, int64_t K, int64_t row0, const float* bias,
+                 float* out, int64_t ldo, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int i = 0; i < M; ++i) {
+      const int8_t* x = xq.q.data() + (row0 + i) * K;
+      for (int r = 0; r < 8; ++r) {
+        float acc = 0.0f;
+        for (int64_t u = 0; u < supers; ++u) {
+          const uint8_t* o = raw + (g * supers + u) * kGroupBytes;
+          const int64_t xb = (row0 + i) * supers + u;
+          int32_t isum = 0, msum = 0;
+          for (int c = 0; c < 8; ++c) {
+            int sc, mn, sum = 0;
+            interleaved_scale(o, c, r, sc, mn);
+            for (int l = 0; l < 32; ++l)
+              sum += ((o[128 + 256 * (c / 2) + 32 * (l / 4) + 4 * r + l % 4] >> (4 * (c % 2))) & 15) *
+                     x[u * kSuper + 32 * c + l];
+            isum += sc * sum;
+            msum += mn * (xq.sums[16 * xb + 2 * c] + xq.sums[16 * xb + 2 * c + 1]);
+          }
+          const float dx = xq.d[xb];
+          acc = std::fma(half_at(o + 2 * r) * dx, static_cast<float>(isum), acc);
+          acc = std::fma(-(half_at(o + 16 + 2 * r) * dx), static_cast<float>(msum), acc);
+        }
+        out[i * ldo + 8 * g + r] = acc + (bias ? bias[8 * g + r] : 0.0f);
+      }
+    }
+  }
+}
+#endif
+
+
+// ---- Q6_K interleaved 8 rows at a time (int8 activations) ------------------------------------------------------
+// gguf_interleave rewrites a Q6_K matrix alike, as four planes over the whole matrix so that every 32-byte load of codes
+// is aligned (a super-block of 8 rows is 1680 bytes, which would leave half of them across cache lines: 2.7x the time
+// a product on a Zen 4): for super-block u of group g (index i = g supers + u of n = groups x supers), the low code
+// bits at 1024 i: for half h (0, 1), part p (0: ql[64 h + l], 1: ql[64 h + 32 + l]) and quad q (0..7) the bytes
+// ql[64 h + 32 p + 4 q .. + 3] of rows 0..7 side by side (at 512 h + 256 p + 32 q); the high bits at 1024 n + 512 i:
+// qh[32 h + 4 q .. + 3] of rows 0..7 (at 256 h + 32 q); the int8 scale of each 16 weights b and row r at 1536 n +
+// 128 i + 8 b + r; d of row r (fp16) at 1664 n + 16 i + 2 r. Chunk 4 h + k of 32 weights takes the low (k < 2) or
+// high (k >= 2) nibbles of part k % 2 and bits 2 k, 2 k + 1 of qh. A row's integers are super_block's: sum(sc c x)
+// and 32 sum(sc xsum16), subtracted, then acc = fma(d dx, isum - msum, acc) per super-block.
+struct Q6Planes {
+  const uint8_t *ql, *qh, *sc, *d;
+};
+
+inline Q6Planes q6_planes(const uint8_t* base, int64_t blocks, int64_t i) {
+  return {base + 1024 * i, base + 1024 * blocks + 512 * i, base + 1536 * blocks + 128 * i,
+          base + 1664 * blocks + 16 * i};
+}
+
+// rows src (8 rows, row_bytes apart) as group g of the planes at base (groups x supers super-blocks in all)
+void interleave_q6k_group(const uint8_t* src, int64_t row_bytes, int64_t supers, uint8_t* base, int64_t groups,
+                          int64_t g) {
+  for (int64_t u = 0; u < supers; ++u) {
+    const Q6Planes o = q6_planes(base, groups * supers, g * supers + u);
+    for (int r = 0; r < 8; ++r) {
+      const uint8_t* p = src + r * row_bytes + u * 210;
+      std::memcpy(const_cast<uint8_t*>(o.d) + 2 * r, p + 208, 2);
+      for (int b = 0; b < 16; ++b) const_cast<uint8_t*>(o.sc)[8 * b + r] = p[192 + b];
+      for (int h = 0; h < 2; ++h)
+        for (int q = 0; q < 8; ++q) {
+          for (int part = 0; part < 2; ++part)
+            std::memcpy(const_cast<uint8_t*>(o.ql) + 512 * h + 256 * part + 32 * q + 4 * r, p + 64 * h + 32 * part + 4 * q, 4);
+          std::memcpy(const_cast<uint8_t*>(o.qh) + 256 * h + 32 * q + 4 * r, p + 128 + 32 * h + 4 * q, 4);
+        }
+    }
+  }
+}
+
+void deinterleave_q6k_group(const uint8_t* base, int64_t groups, int64_t g, int64_t supers, int64_t row_bytes,
+                            uint8_t* dst) {
+  for (int64_t u = 0; u < supers; ++u) {
+    const Q6Planes o = q6_planes(base, groups * supers, g * supers + u);
+    for (int r = 0; r < 8; ++r) {
+      uint8_t* p = dst + r * row_bytes + u * 210;
+      std::memcpy(p + 208, o.d + 2 * r, 2);
+      for (int b = 0; b < 16; ++b) p[192 + b] = o.sc[8 * b + r];
+      for (int h = 0; h < 2; ++h)
+        for (int q = 0; q < 8; ++q) {
+          for (int part = 0; part < 2; ++part)
+            std::memcpy(p + 64 * h + 32 * part + 4 * q, o.ql + 512 * h + 256 * part + 32 * q + 4 * r, 4);
+          std::memcpy(p + 128 + 32 * h + 4 * q, o.qh + 256 * h + 32 * q + 4 * r, 4);
+        }
+    }
+  }
+}
+
+#if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)
+// out[i * ldo + 8 g + r] for rows row0..row0+M-1 of x (quantized: xq) and groups g0..g1 of interleaved Q6_K rows
+template <int M>
+void group6_block(const uint8_t* raw, int64_t supers, int64_t groups, const SuperRows& xq, int64_t K, int64_t row0,
+                  const float* bias, float* out, int64_t ldo, int64_t g0, int64_t g1) {
+  const __m256i low4 = _mm256_set1_epi8(15), high2 = _mm256_set1_epi8(48);
+  const int8_t* x0 = xq.q.data() + row0 * K;
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256 acc[M];
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < supers; ++u) {
+      const Q6Planes o = q6_planes(raw, groups * supers, g * supers + u);
+      __m256i isum[M], msum[M];
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) isum[i] = msum[i] = _mm256_setzero_si256();
+      // chunk c = 4 n + k, k a constant (what a quad's code takes from its bytes)
+      const auto chunk = [&](int n, auto constant) {
+        constexpr int k = decltype(constant)::value;
+        const int c = 4 * n + k;
+        // the scales of sub-blocks 2c and 2c + 1: bytes 0-7 and 8-15 of one 128-bit lane
+        const __m256i bytes = load32(o.sc + 32 * (c / 2));
+        __m128i lane;
+        if constexpr (k % 2) lane = _mm256_extracti128_si256(bytes, 1);
+        else lane = _mm256_castsi256_si128(bytes);
+        const __m256i sc0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lane, lane));
+        const __m256i sc1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(lane, lane));
+        const __m256i pairs = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lane, _mm_srli_si128(lane, 8)));
+        __m256i w[8];
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; ++q) {
+          const __m256i lo = load32(o.ql + 512 * n + 256 * (k % 2) + 32 * q), hi = load32(o.qh + 256 * n + 32 * q);
+          __m256i low = lo, top = hi;
+          if constexpr (k >= 2) low = _mm256_srli_epi16(lo, 4);
+          if constexpr (k == 0) top = _mm256_slli_epi16(hi, 4);
+          if constexpr (k == 1) top = _mm256_slli_epi16(hi, 2);
+          if constexpr (k == 3) top = _mm256_srli_epi16(hi, 2);
+          w[q] = _mm256_or_si256(_mm256_and_si256(low, low4), _mm256_and_si256(top, high2));
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < M; ++i) {
+          const int8_t* xc = x0 + i * K + u * kSuper + 32 * c;
+          // two products a 16-bit sum: codes 0..63, x -127..127, at most 32004
+          const __m256i a0 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], broadcast4(xc)), _mm256_maddubs_epi16(w[1], broadcast4(xc + 4)));
+          const __m256i a1 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], broadcast4(xc + 8)), _mm256_maddubs_epi16(w[3], broadcast4(xc + 12)));
+          const __m256i a2 = _mm256_add_epi16(_mm256_maddubs_epi16(w[4], broadcast4(xc + 16)), _mm256_maddubs_epi16(w[5], broadcast4(xc + 20)));
+          const __m256i a3 = _mm256_add_epi16(_mm256_maddubs_epi16(w[6], broadcast4(xc + 24)), _mm256_maddubs_epi16(w[7], broadcast4(xc + 28)));
+          const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(a0, sc0), _mm256_madd_epi16(a1, sc0));
+          const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(a2, sc1), _mm256_madd_epi16(a3, sc1));
+          isum[i] = _mm256_add_epi32(isum[i], _mm256_add_epi32(s0, s1));
+          const int64_t xb = (row0 + i) * supers + u;
+          int32_t sums;  // x's sums of sub-blocks 2c and 2c + 1
+          std::memcpy(&sums, xq.sums.data() + 16 * xb + 2 * c, 4);
+          msum[i] = _mm256_add_epi32(msum[i], _mm256_madd_epi16(pairs, _mm256_set1_epi32(sums)));
+        }
+      };
+      for (int n = 0; n < 2; ++n) {
+        chunk(n, std::integral_constant<int, 0>());
+        chunk(n, std::integral_constant<int, 1>());
+        chunk(n, std::integral_constant<int, 2>());
+        chunk(n, std::integral_constant<int, 3>());
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o.d)));
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) {
+        const __m256 dx = _mm256_set1_ps(xq.d[(row0 + i) * supers + u]);
+        acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx),
+                                 _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i], _mm256_slli_epi32(msum[i], 5))), acc[i]);
+      }
+    }
+    const __m256 b = bias ? _mm256_loadu_ps(bias + 8 * g) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) _mm256_storeu_ps(out + i * ldo + 8 * g, _mm256_add_ps(acc[i], b));
+  }
+}
+#else
+template <int M>
+void group6_block(const uint8_t* raw, int64_t supers, int64_t groups, const SuperRows& xq, int64_t K, int64_t row0,
+                  const float* bias, float* out, int64_t ldo, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int i = 0; i < M; ++i) {
+      const int8_t* x = xq.q.data() + (row0 + i) * K;
+      for (int r = 0; r < 8; ++r) {
+        float acc = 0.0f;
+        for (int64_t u = 0; u < supers; ++u) {
+          const Q6Planes o = q6_planes(raw, groups * supers, g * supers + u);
+          const int64_t xb = (row0 + i) * supers + u;
+          int32_t isum = 0, msum = 0;
+          for (int c = 0; c < 8; ++c) {
+            const int n = c / 4, k = c % 4;
+            for (int half = 0; half < 2; ++half) {
+              const int sc = static_cast<int8_t>(o.sc[8 * (2 * c + half) + r]);
+              int sum = 0;
+              for (int l = 16 * half; l < 16 * half + 16; ++l) {
+                const int lo = (o.ql[512 * n + 256 * (k % 2) + 32 * (l / 4) + 4 * r + l % 4] >> (k < 2 ? 0 : 4)) & 15;
+                const int hi = (o.qh[256 * n + 32 * (l / 4) + 4 * r + l % 4] >> (2 * k)) & 3;
+                sum += (lo | (hi << 4)) * x[u * kSuper + 32 * c + l];
+              }
+              isum += sc * sum;
+              msum += sc * xq.sums[16 * xb + 2 * c + half];
+            }
+          }
+          acc = std::fma(half_at(o.d + 2 * r) * xq.d[xb], static_cast<float>(isum - 32 * msum), acc);
+        }
+        out[i * ldo + 8 * g + r] = acc + (bias ? bias[8 * g + r] : 0.0f);
+      }
+    }
+  }
+}
+#endif
+
+constexpr int kGroupRows = 4;    // rows of x a pass over a group takes
+constexpr int64_t kGroupTile = 2;  // groups every pass meets before the next ones (the L1 cache holds them)
+
+// out [M, N] (rows ldo apart) = x W^T (+ bias), W interleaved rows of Type (kQ4_Kx8 or kQ6_Kx8; N a multiple of
+// 8), x quantized per super-block
+template <int64_t Type>
+void group_rows(const SuperRows& xq, int64_t M, int64_t K, const uint8_t* raw, int64_t N, const float* bias,
+                float* out, int64_t ldo) {
+  const int64_t supers = K / kSuper;
+  at::parallel_for(0, N / 8, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t t = g0; t < g1; t += kGroupTile) {
+      const int64_t t1 = std::min(g1, t + kGroupTile);
+      for (int64_t r = 0; r < M; r += kGroupRows) {
+        const auto pass = [&](auto m) {
+          constexpr int rows = decltype(m)::value;
+          if constexpr (Type == kQ4_Kx8) group_block<rows>(raw, supers, xq, K, r, bias, out + r * ldo, ldo, t, t1);
+          else group6_block<rows>(raw, supers, N / 8, xq, K, r, bias, out + r * ldo, ldo, t, t1);
+        };
+        switch (std::min<int64_t>(kGroupRows, M - r)) {
+          case 1: pass(std::integral_constant<int, 1>()); break;
+          case 2: pass(std::integral_constant<int, 2>()); break;
+          case 3: pass(std::integral_constant<int, 3>()); break;
+          default: pass(std::integral_constant<int, 4>()); break;
+        }
+      }
+    }
+  });
+}
+
+// A GGUF type's interleaved type (kQ4_Kx8, kQ6_Kx8), or 0 where it has none
+constexpr int64_t interleaved_type(int64_t type) { return type == kQ4_K ? kQ4_Kx8 : type == kQ6_K ? kQ6_Kx8 : 0; }
+constexpr int64_t plain_type(int64_t type) { return type == kQ4_Kx8 ? kQ4_K : type == kQ6_Kx8 ? kQ6_K : type; }
+
+// group g's rows src (8 rows in GGUF's layout, row_bytes apart) into the interleaved matrix at base (groups in all)
+void interleave_group(int64_t type, const uint8_t* src, int64_t row_bytes, uint8_t* base, int64_t groups, int64_t g) {
+  if (type == kQ4_K) interleave_q4k_group(src, row_bytes, row_bytes / 144, base + g * 8 * row_bytes);
+  else interleave_q6k_group(src, row_bytes, row_bytes / 210, base, groups, g);
+}
+
+// group g of the interleaved matrix at base as 8 rows in GGUF's layout at dst
+void deinterleave_group(int64_t type, const uint8_t* base, int64_t groups, int64_t g, int64_t row_bytes, uint8_t* dst) {
+  if (type == kQ4_Kx8) deinterleave_q4k_group(base + g * 8 * row_bytes, row_bytes / 144, row_bytes, dst);
+  else deinterleave_q6k_group(base, groups, g, row_bytes / 210, row_bytes, dst);
+}
+
 }  // namespace
 
 // stream_linear_gguf: y = x W^T (+ b) for the rows of x [M, K] with W given as GGUF rows of one or more parts
@@ -1960,7 +2374,7 @@ torch::Tensor stream_linear_gguf_parts(const torch::Tensor& x, const std::vector
   // x quantized once for every part: per block of 32, and per super-block of 256 for the K-quants that take it
   // (those on every build: the portable one sums their integers by plain loops)
   bool blocks32 = false, supers = false;
-  for (const int64_t t : types) (t == kQ4_K || t == kQ5_K || t == kQ6_K ? supers : blocks32) = true;
+  for (const int64_t t : types) (t == kQ4_K || t == kQ5_K || t == kQ6_K || t == kQ4_Kx8 || t == kQ6_Kx8 ? supers : blocks32) = true;
   check_int8(int8 && blocks32, "stream_linear_gguf");
   const QuantizedRows xq = int8 && blocks32 ? quantize_rows(xp, M, K) : QuantizedRows{};
   const SuperRows xs = int8 && supers ? quantize_super(xp, M, K) : SuperRows{};
@@ -1969,6 +2383,14 @@ torch::Tensor stream_linear_gguf_parts(const torch::Tensor& x, const std::vector
     const uint8_t* rp = raws[i].data_ptr<uint8_t>();
     const int64_t N = raws[i].size(0), rb = raws[i].size(1);
     const float* bp = b ? b + col : nullptr;
+    if (types[i] == kQ4_Kx8 || types[i] == kQ6_Kx8) {
+      TORCH_CHECK(int8, "stream_linear_gguf: interleaved rows take int8 activations only");
+      TORCH_CHECK(N % 8 == 0, "stream_linear_gguf: interleaved rows come in groups of 8");
+      if (types[i] == kQ4_Kx8) group_rows<kQ4_Kx8>(xs, M, K, rp, N, bp, op + col, total);
+      else group_rows<kQ6_Kx8>(xs, M, K, rp, N, bp, op + col, total);
+      col += N;
+      continue;
+    }
     switch (types[i]) {
 #define EAGLE_GGML(t) \
   case t:             \
@@ -2012,6 +2434,16 @@ torch::Tensor gguf_dequantize_rows(const torch::Tensor& raw, int64_t type, const
   for (int64_t r = 0; r < n; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < N, "gguf_dequantize_rows: index out of range");
   const uint8_t* rp = raw.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+  if (type == kQ4_Kx8 || type == kQ6_Kx8) {  // each row from its group put back in GGUF's layout
+    TORCH_CHECK(N % 8 == 0, "gguf_dequantize_rows: interleaved rows come in groups of 8");
+    std::vector<uint8_t> group(8 * rb);
+    for (int64_t r = 0; r < n; ++r) {
+      deinterleave_group(type, rp, N / 8, ip[r] / 8, rb, group.data());
+      if (type == kQ4_Kx8) decode_row<kQ4_K>(group.data() + ip[r] % 8 * rb, K, op + r * K);
+      else decode_row<kQ6_K>(group.data() + ip[r] % 8 * rb, K, op + r * K);
+    }
+    return out;
+  }
   for (int64_t r = 0; r < n; ++r) {
     switch (type) {
 #define EAGLE_GGML(t) \
@@ -2023,6 +2455,40 @@ torch::Tensor gguf_dequantize_rows(const torch::Tensor& raw, int64_t type, const
 #undef EAGLE_GGML
     }
   }
+  return out;
+}
+
+// gguf_interleave: a Q4_K or Q6_K matrix's rows raw uint8 [N, row bytes] (N a multiple of 8) rewritten in place as
+// interleaved groups of 8; returns their type for the products (kQ4_Kx8, kQ6_Kx8). gguf_deinterleave: interleaved
+// rows of such a type as a copy in GGUF's layout again.
+int64_t gguf_interleave(torch::Tensor raw, int64_t type) {
+  const int64_t to = interleaved_type(type);
+  TORCH_CHECK(to != 0, "gguf_interleave: GGML type ", type, " has no interleaved layout (Q4_K and Q6_K have)");
+  TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.is_contiguous() && raw.dim() == 2 && raw.device().is_cpu() &&
+              raw.size(0) % 8 == 0 && raw.size(1) % ggml_layout(type).bytes == 0,
+              "gguf_interleave: contiguous uint8 CPU rows [N, row bytes], N a multiple of 8");
+  const int64_t rb = raw.size(1), groups = raw.size(0) / 8;
+  const torch::Tensor src = raw.clone();  // Q6_K's planes span the whole matrix
+  const uint8_t* sp = src.data_ptr<uint8_t>();
+  uint8_t* p = raw.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) interleave_group(type, sp + g * 8 * rb, rb, p, groups, g);
+  });
+  return to;
+}
+
+torch::Tensor gguf_deinterleave(const torch::Tensor& raw, int64_t type) {
+  TORCH_CHECK(plain_type(type) != type, "gguf_deinterleave: type ", type, " is not an interleaved one");
+  TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.is_contiguous() && raw.dim() == 2 && raw.device().is_cpu() &&
+              raw.size(0) % 8 == 0 && raw.size(1) % ggml_layout(type).bytes == 0,
+              "gguf_deinterleave: contiguous uint8 CPU rows [N, row bytes], N a multiple of 8");
+  const int64_t rb = raw.size(1);
+  auto out = torch::empty_like(raw);
+  const uint8_t* p = raw.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, raw.size(0) / 8, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) deinterleave_group(type, p, raw.size(0) / 8, g, rb, o + g * 8 * rb);
+  });
   return out;
 }
 
@@ -2741,6 +3207,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_linear_gguf_parts", &stream_linear_gguf_parts, "stream_linear_gguf of several GGUF parts, their "
         "outputs side by side", py::arg("x"), py::arg("raws"), py::arg("types"), py::arg("bias"),
         py::arg("int8") = false);
+  m.def("gguf_interleave", &gguf_interleave, "a Q4_K or Q6_K matrix's rows interleaved 8 at a time, in place; "
+        "returns the products' type for them", py::arg("raw"), py::arg("type"));
+  m.def("gguf_deinterleave", &gguf_deinterleave, "interleaved rows in GGUF's layout (a copy)", py::arg("raw"),
+        py::arg("type"));
   m.def("gguf_dequantize_rows", &gguf_dequantize_rows, "rows of a GGUF matrix de-quantized to fp32 (as gguf-py)",
         py::arg("raw"), py::arg("type"), py::arg("index"));
   m.def("rms_norm", &rms_norm, "Llama's RMSNorm, fp32, one pass per row");
