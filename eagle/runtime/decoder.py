@@ -342,8 +342,8 @@ class CodesGreedyHead:
             return head(x)
         bias = None if head.bias is None else head.bias.index_select(0, tokens)
         if isinstance(head, GGUFLinear):
-            return self.compiled.stream_linear_gguf(x, head.raws[0].index_select(0, tokens), head.types[0], bias,
-                                                    False)
+            rows = head.parts[0].pick(tokens)
+            return self.compiled.stream_linear_gguf(x, rows.raw, rows.type_id, bias, False)
         codes = head.encoded  # read at each call: it may have moved (huge pages)
         return PackedLinear.from_codes(BlockCodes(codes.codes.index_select(0, tokens),
                                                   codes.scales.index_select(0, tokens)), bias)(x)
@@ -425,7 +425,7 @@ def head_subset(head: Any, ids: torch.Tensor) -> Callable[[torch.Tensor], torch.
     bias = None if getattr(head, "bias", None) is None else head.bias.index_select(0, ids.to(head.bias.device))
     if isinstance(head, GGUFLinear) and len(head.parts) == 1:
         part = head.parts[0]
-        return GGUFLinear([GGUFMatrix(part.raw.index_select(0, ids).contiguous(), part.ggml_type)], bias, head.int8)
+        return GGUFLinear([part.pick(ids)], bias, head.int8)
     if isinstance(head, PackedLinear) and head.encoded is not None:
         codes = head.encoded
         rows = BlockCodes(codes.codes.index_select(0, ids).contiguous(), codes.scales.index_select(0, ids).contiguous())

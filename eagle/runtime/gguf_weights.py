@@ -80,6 +80,13 @@ class GGUFMatrix:
         """The rows in GGUF's own layout (a copy when interleaved)."""
         return cpu_kernels().gguf_deinterleave(self.raw, self.type_id) if self.interleaved else self.raw
 
+    def pick(self, index: torch.Tensor) -> "GGUFMatrix":
+        """Rows ``index`` [n] as a matrix of their own, in GGUF's layout."""
+        index = index.reshape(-1).long().cpu()
+        if self.interleaved:
+            return GGUFMatrix(cpu_kernels().gguf_interleaved_rows(self.raw, self.type_id, index), self.ggml_type)
+        return GGUFMatrix(self.raw.index_select(0, index), self.ggml_type)
+
     @property
     def out_features(self) -> int:
         return self.raw.shape[0]
@@ -486,7 +493,7 @@ def reorder_rows(t: GGUFMatrix | Pending | torch.Tensor | None, order: torch.Ten
     if isinstance(t, Pending):
         return Pending(t.info, order)
     if isinstance(t, GGUFMatrix):
-        return GGUFMatrix(t.raw.index_select(0, order), t.ggml_type)
+        return t.pick(order)
     return t.index_select(0, order)
 
 
@@ -555,18 +562,18 @@ def load_gguf_model(path: str | Path, config: Any, generation_config: Any,
                     header: GGUFHeader | None = None, interleave: bool = False) -> GGUFModel:
     """The weights of GGUF file ``path`` (architectures of ``gguf_file.ARCHITECTURES``) for ``config``
     (the transformers config its metadata gives), kept as codes where streamed. ``interleave``: the decoder
-    layers' Q4_K and Q6_K matrices are interleaved (``GGUFMatrix.interleave``), for a model whose products take int8
+    layers' and the head's Q4_K and Q6_K matrices are interleaved (``GGUFMatrix.interleave``), for a model whose products take int8
     activations only."""
     header = header or check_gguf(path)
     arena = Arena(arena_bytes(header))  # what the kernels stream, in huge pages (eagle.runtime.huge_pages)
     with open(path, "rb") as f:
         model = _load(_Reader(f, header, arena), path, config, generation_config)
     if interleave:
-        for layer in model.model.layers:
-            for group in (layer.self_attn, layer.mlp):
-                for projection in vars(group).values():
-                    if isinstance(projection, GGUFProjection) and isinstance(projection.matrix, GGUFMatrix):
-                        projection.matrix.interleave()
+        projections = [p for layer in model.model.layers for group in (layer.self_attn, layer.mlp)
+                       for p in vars(group).values()] + [model.head]
+        for projection in projections:
+            if isinstance(projection, GGUFProjection) and isinstance(projection.matrix, GGUFMatrix):
+                projection.matrix.interleave()
     return model
 
 

@@ -615,10 +615,11 @@ def test_int8_activations_are_refused_where_they_cannot_apply(llama_pair, monkey
 
 def test_a_model_loaded_for_int8_activations_interleaves_its_layers_k_quant_rows(tmp_path, llama_pair):
     """Loaded for int8 activations (``load_gguf_model(..., interleave=True)``, as ``load_gguf_target`` loads a
-    target whose products take them), the layers' Q4_K and Q6_K matrices are interleaved 8 rows at a time, the others
-    (and the head) kept:
+    target whose products take them), the layers' and the head's Q4_K and Q6_K matrices are interleaved 8 rows at a
+    time, the others kept:
     the same values, the logits of the same int8 products on GGUF's layout within int8's error, a tree row the bits
-    of its own sequence, greedy eagle-tree and pld ar's tokens; the float32 products refuse interleaved rows."""
+    of its own sequence, a draft vocabulary's head the whole head's logits, greedy eagle-tree and pld ar's tokens;
+    the float32 products refuse interleaved rows."""
     if not kernels.cpu_kernels().int8_activations:
         pytest.skip("no int8 products on this CPU build")
     reference = llama_pair[1].model
@@ -629,7 +630,7 @@ def test_a_model_loaded_for_int8_activations_interleaves_its_layers_k_quant_rows
     attention, up = model.model.layers[0].self_attn, model.model.layers[0].mlp.up_proj.matrix
     q, o = attention.q_proj.matrix, attention.o_proj.matrix
     assert q.interleaved and q.ggml_type == "Q4_K" and o.interleaved and o.ggml_type == "Q6_K"
-    assert not up.interleaved and not model.head.matrix.interleaved  # Q4_1; the head's rows are picked apart
+    assert not up.interleaved and model.head.matrix.interleaved  # Q4_1; the Q6_K head
     for name in ("q_proj", "o_proj"):
         matrix = getattr(attention, name).matrix
         assert torch.equal(matrix.dequantize(), getattr(plain.model.layers[0].self_attn, name).matrix.dequantize())
@@ -653,6 +654,10 @@ def test_a_model_loaded_for_int8_activations_interleaves_its_layers_k_quant_rows
     # moves one of x's int8 codes in a later layer moves the logits by about 1/127 of that value's share
     assert (outs[0] - outs[1]).abs().max() / outs[1].abs().max() < 0.02
     tree_rows_have_their_own_bits(target, 24)
+    ids = torch.tensor([5, 40, 3, 17])  # a draft vocabulary's rows of the head, picked from its groups
+    hidden = target.forward(torch.tensor([ids[:3].tolist()]), torch.arange(3)[None], target.new_cache()).hidden[0]
+    subset, whole = target.head_subset(ids)(hidden), target.lm_head(hidden)[:, ids]
+    assert ((subset - whole).abs().max() / whole.abs().max()) < 1e-5
     eagle = EagleModel.from_pretrained(target, drafter=tiny_drafter(target), total_tokens=12, depth=4, top_k=3)
     for prompt in prompts(2, vocab_size=48, seed=9):
         ar = eagle.generate(prompt, method="ar", max_new_tokens=12).token_ids

@@ -881,17 +881,19 @@ def test_a_gguf_heads_screened_argmax_is_the_fp32_heads(name, isa, monkeypatch):
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 def test_interleaved_rows_stand_for_the_same_matrix(name):
-    """Q4_K and Q6_K rows interleaved 8 at a time (``gguf_interleave``, in place) give GGUF's bytes back
-    (``gguf_deinterleave``) and gguf-py's values row by row (``gguf_dequantize_rows``); their products take int8
+    """Q4_K and Q6_K rows interleaved 8 at a time (``gguf_interleave``, in place) give GGUF's bytes back, all of them
+    (``gguf_deinterleave``) or some (``gguf_interleaved_rows``), and gguf-py's values row by row
+    (``gguf_dequantize_rows``); a matrix whose rows are not a multiple of 32 too (Q6_K's planes take 32); their products take int8
     activations only, and rows in groups of 8; other types have no such layout."""
     module = module_or_skip()
-    raw, type_id, weight = random_gguf_rows(name, 24, 512, seed=7)
+    raw, type_id, weight = random_gguf_rows(name, 40, 512, seed=7)
     packed = raw.clone()
     kind = module.gguf_interleave(packed, type_id)
     assert kind != type_id and not torch.equal(packed, raw)
     assert torch.equal(module.gguf_deinterleave(packed, kind), raw)
-    index = torch.tensor([0, 7, 8, 23, 13, 13])
+    index = torch.tensor([0, 7, 8, 39, 13, 13, 33])
     assert torch.equal(module.gguf_dequantize_rows(packed, kind, index), weight[index])
+    assert torch.equal(module.gguf_interleaved_rows(packed, kind, index), raw[index])
     with pytest.raises(RuntimeError, match="int8 activations only"):
         module.stream_linear_gguf(torch.randn(2, 512), packed, kind, None)
     with pytest.raises(RuntimeError, match="N a multiple of 8"):

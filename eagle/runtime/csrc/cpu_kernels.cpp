@@ -2132,10 +2132,10 @@ void group_block(const uint8_t* raw, int64_t supers, const SuperRows& xq, int64_
 
 
 // ---- Q6_K interleaved 8 rows at a time (int8 activations) ------------------------------------------------------
-// gguf_interleave rewrites a Q6_K matrix alike, as four planes over the whole matrix so that every 32-byte load of codes
-// is aligned (a super-block of 8 rows is 1680 bytes, which would leave half of them across cache lines: 2.7x the time
-// a product on a Zen 4): for super-block u of group g (index i = g supers + u of n = groups x supers), the low code
-// bits at 1024 i: for half h (0, 1), part p (0: ql[64 h + l], 1: ql[64 h + 32 + l]) and quad q (0..7) the bytes
+// gguf_interleave rewrites a Q6_K matrix alike, each block of 4 groups (32 rows, 6720 bytes a super-block column) as
+// four planes so that every 32-byte load of codes is aligned (a super-block of 8 rows is 1680 bytes, which would leave
+// half of them across cache lines: 2.7x the time a product on a Zen 4): for super-block u of the block's group j
+// (index i = j supers + u of n = its groups x supers), from the block's start the low code bits at 1024 i: for half h (0, 1), part p (0: ql[64 h + l], 1: ql[64 h + 32 + l]) and quad q (0..7) the bytes
 // ql[64 h + 32 p + 4 q .. + 3] of rows 0..7 side by side (at 512 h + 256 p + 32 q); the high bits at 1024 n + 512 i:
 // qh[32 h + 4 q .. + 3] of rows 0..7 (at 256 h + 32 q); the int8 scale of each 16 weights b and row r at 1536 n +
 // 128 i + 8 b + r; d of row r (fp16) at 1664 n + 16 i + 2 r. Chunk 4 h + k of 32 weights takes the low (k < 2) or
@@ -2145,16 +2145,21 @@ struct Q6Planes {
   const uint8_t *ql, *qh, *sc, *d;
 };
 
-inline Q6Planes q6_planes(const uint8_t* base, int64_t blocks, int64_t i) {
-  return {base + 1024 * i, base + 1024 * blocks + 512 * i, base + 1536 * blocks + 128 * i,
-          base + 1664 * blocks + 16 * i};
+constexpr int64_t kPlaneGroups = 4;  // groups a block of Q6_K planes holds
+
+// super-block u of group g of a Q6_K matrix interleaved at base (groups in all, supers a row)
+inline Q6Planes q6_planes(const uint8_t* base, int64_t groups, int64_t supers, int64_t g, int64_t u) {
+  const int64_t first = g / kPlaneGroups * kPlaneGroups, n = std::min(kPlaneGroups, groups - first) * supers;
+  const int64_t i = (g - first) * supers + u;
+  const uint8_t* block = base + first * 8 * 210 * supers;
+  return {block + 1024 * i, block + 1024 * n + 512 * i, block + 1536 * n + 128 * i, block + 1664 * n + 16 * i};
 }
 
 // rows src (8 rows, row_bytes apart) as group g of the planes at base (groups x supers super-blocks in all)
 void interleave_q6k_group(const uint8_t* src, int64_t row_bytes, int64_t supers, uint8_t* base, int64_t groups,
                           int64_t g) {
   for (int64_t u = 0; u < supers; ++u) {
-    const Q6Planes o = q6_planes(base, groups * supers, g * supers + u);
+    const Q6Planes o = q6_planes(base, groups, supers, g, u);
     for (int r = 0; r < 8; ++r) {
       const uint8_t* p = src + r * row_bytes + u * 210;
       std::memcpy(const_cast<uint8_t*>(o.d) + 2 * r, p + 208, 2);
@@ -2172,7 +2177,7 @@ void interleave_q6k_group(const uint8_t* src, int64_t row_bytes, int64_t supers,
 void deinterleave_q6k_group(const uint8_t* base, int64_t groups, int64_t g, int64_t supers, int64_t row_bytes,
                             uint8_t* dst) {
   for (int64_t u = 0; u < supers; ++u) {
-    const Q6Planes o = q6_planes(base, groups * supers, g * supers + u);
+    const Q6Planes o = q6_planes(base, groups, supers, g, u);
     for (int r = 0; r < 8; ++r) {
       uint8_t* p = dst + r * row_bytes + u * 210;
       std::memcpy(p + 208, o.d + 2 * r, 2);
@@ -2199,7 +2204,7 @@ void group6_block(const uint8_t* raw, int64_t supers, int64_t groups, const Supe
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t u = 0; u < supers; ++u) {
-      const Q6Planes o = q6_planes(raw, groups * supers, g * supers + u);
+      const Q6Planes o = q6_planes(raw, groups, supers, g, u);
       __m256i isum[M], msum[M];
 #pragma GCC unroll 8
       for (int i = 0; i < M; ++i) isum[i] = msum[i] = _mm256_setzero_si256();
@@ -2272,7 +2277,7 @@ void group6_block(const uint8_t* raw, int64_t supers, int64_t groups, const Supe
       for (int r = 0; r < 8; ++r) {
         float acc = 0.0f;
         for (int64_t u = 0; u < supers; ++u) {
-          const Q6Planes o = q6_planes(raw, groups * supers, g * supers + u);
+          const Q6Planes o = q6_planes(raw, groups, supers, g, u);
           const int64_t xb = (row0 + i) * supers + u;
           int32_t isum = 0, msum = 0;
           for (int c = 0; c < 8; ++c) {
@@ -2467,12 +2472,15 @@ int64_t gguf_interleave(torch::Tensor raw, int64_t type) {
   TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.is_contiguous() && raw.dim() == 2 && raw.device().is_cpu() &&
               raw.size(0) % 8 == 0 && raw.size(1) % ggml_layout(type).bytes == 0,
               "gguf_interleave: contiguous uint8 CPU rows [N, row bytes], N a multiple of 8");
-  const int64_t rb = raw.size(1), groups = raw.size(0) / 8;
-  const torch::Tensor src = raw.clone();  // Q6_K's planes span the whole matrix
-  const uint8_t* sp = src.data_ptr<uint8_t>();
+  const int64_t rb = raw.size(1), groups = raw.size(0) / 8, blocks = (groups + kPlaneGroups - 1) / kPlaneGroups;
   uint8_t* p = raw.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) interleave_group(type, sp + g * 8 * rb, rb, p, groups, g);
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {  // a block of groups is rewritten within its bytes
+    std::vector<uint8_t> rows(kPlaneGroups * 8 * rb);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t g0 = b * kPlaneGroups, g1 = std::min(groups, g0 + kPlaneGroups);
+      std::memcpy(rows.data(), p + g0 * 8 * rb, (g1 - g0) * 8 * rb);
+      for (int64_t g = g0; g < g1; ++g) interleave_group(type, rows.data() + (g - g0) * 8 * rb, rb, p, groups, g);
+    }
   });
   return to;
 }
@@ -2488,6 +2496,31 @@ torch::Tensor gguf_deinterleave(const torch::Tensor& raw, int64_t type) {
   uint8_t* o = out.data_ptr<uint8_t>();
   at::parallel_for(0, raw.size(0) / 8, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) deinterleave_group(type, p, raw.size(0) / 8, g, rb, o + g * 8 * rb);
+  });
+  return out;
+}
+
+// gguf_interleaved_rows: rows `index` (int64 [n]) of interleaved rows raw of such a type, in GGUF's layout [n, row bytes]
+torch::Tensor gguf_interleaved_rows(const torch::Tensor& raw, int64_t type, const torch::Tensor& index) {
+  TORCH_CHECK(plain_type(type) != type, "gguf_interleaved_rows: type ", type, " is not an interleaved one");
+  TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.is_contiguous() && raw.dim() == 2 && raw.device().is_cpu() &&
+              raw.size(0) % 8 == 0, "gguf_interleaved_rows: contiguous uint8 CPU rows [N, row bytes], N a multiple of 8");
+  TORCH_CHECK(index.dtype() == torch::kInt64 && index.dim() == 1 && index.device().is_cpu(),
+              "gguf_interleaved_rows: int64 CPU index [n]");
+  const int64_t N = raw.size(0), rb = raw.size(1), n = index.size(0);
+  const torch::Tensor idx = index.contiguous();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < N, "gguf_interleaved_rows: index out of range");
+  auto out = torch::empty({n, rb}, raw.options());
+  const uint8_t* p = raw.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<uint8_t> group(8 * rb);
+    int64_t held = -1;
+    for (int64_t r = r0; r < r1; ++r) {
+      if (ip[r] / 8 != held) deinterleave_group(type, p, N / 8, held = ip[r] / 8, rb, group.data());
+      std::memcpy(o + r * rb, group.data() + ip[r] % 8 * rb, rb);
+    }
   });
   return out;
 }
@@ -3211,6 +3244,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "returns the products' type for them", py::arg("raw"), py::arg("type"));
   m.def("gguf_deinterleave", &gguf_deinterleave, "interleaved rows in GGUF's layout (a copy)", py::arg("raw"),
         py::arg("type"));
+  m.def("gguf_interleaved_rows", &gguf_interleaved_rows, "rows of interleaved rows in GGUF's layout",
+        py::arg("raw"), py::arg("type"), py::arg("index"));
   m.def("gguf_dequantize_rows", &gguf_dequantize_rows, "rows of a GGUF matrix de-quantized to fp32 (as gguf-py)",
         py::arg("raw"), py::arg("type"), py::arg("index"));
   m.def("rms_norm", &rms_norm, "Llama's RMSNorm, fp32, one pass per row");
