@@ -454,11 +454,18 @@ def report_options(args: argparse.Namespace) -> dict:
 
 
 def cpu_name() -> str:
-    """The CPU's model name (Linux), else what ``platform`` knows."""
+    """The CPU's model name with its family and model numbers (Linux: a virtual machine may name a Zen 4 and a Zen 5
+    both "AMD EPYC"), else what ``platform`` knows."""
     try:
+        fields: dict[str, str] = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if not key.strip():
+                break  # the first processor's fields
+            fields.setdefault(key.strip(), value.strip())
+        if "model name" in fields:
+            numbers = [f"{k} {fields[k]}" for k in ("cpu family", "model") if k in fields]
+            return fields["model name"] + (f" ({', '.join(numbers)})" if numbers else "")
     except OSError:
         pass
     return platform.processor() or platform.machine()
