@@ -111,7 +111,7 @@ class GGUFMatrix:
         return torch.from_numpy(dequantize_numpy(self.gguf_rows().numpy(), self.ggml_type))
 
 
-INTERLEAVED = {"Q4_K": 1012, "Q6_K": 1014}  # the kernels' numbers of interleaved rows of these types (not GGML's)
+INTERLEAVED = {"Q4_K": 1012, "Q6_K": 1014, "Q5_0": 1006}  # the kernels' numbers of interleaved rows of these types (not GGML's)
 SUPER_BLOCKED = ("Q4_K", "Q5_K", "Q6_K")  # their int8 products quantize x per super-block of 256 (ggml's Q8_K)
 SPLIT_TYPES = ("Q8_0", "Q5_0") + SUPER_BLOCKED  # the types ``split_norms`` knows
 

@@ -623,7 +623,7 @@ def int8_products(module, name: str, in_features: int = 512):
             lambda x: module.stream_linear_q(x, codes.codes, scales, None, True), decode(codes))
 
 
-@pytest.mark.parametrize("name", [*GGML_BLOCKS, "Q4_K-interleaved", "Q6_K-interleaved", "block4", "block4-half", "block8", "block8-half"])
+@pytest.mark.parametrize("name", [*GGML_BLOCKS, "Q4_K-interleaved", "Q6_K-interleaved", "Q5_0-interleaved", "block4", "block4-half", "block8", "block8-half"])
 def test_int8_activations_multiply_the_codes_by_x_quantized_per_block(name, isa):
     """Every code type with int8 activations: the float64 product of the de-quantized weight and x as quantized
     (per block of 32, per super-block of 256 for Q4_K, Q5_K and Q6_K, as llama.cpp does; fp32 rounding only), any
@@ -651,7 +651,7 @@ def test_int8_activations_multiply_the_codes_by_x_quantized_per_block(name, isa)
     assert torch.equal(zero, torch.zeros_like(zero)), name
 
 
-@pytest.mark.parametrize("name", [*GGML_BLOCKS, "Q4_K-interleaved", "Q6_K-interleaved", "block4", "block8-half"])
+@pytest.mark.parametrize("name", [*GGML_BLOCKS, "Q4_K-interleaved", "Q6_K-interleaved", "Q5_0-interleaved", "block4", "block8-half"])
 def test_int8_activations_give_the_same_bits_on_every_avx_instruction_set(name):
     """AVX2's two-step byte products (vpmaddubsw, vpmaddwd), AVX-512's and VNNI's one-step ones (vpdpbusd) sum the
     same integers: the same bits, also where the codes reach -128 and x's codes +-127 (every byte of a block
@@ -879,11 +879,11 @@ def test_a_gguf_heads_screened_argmax_is_the_fp32_heads(name, isa, monkeypatch):
     assert (want[:100] < 800).any() and (want[:100] >= 1600).any() and (want[100:160] == 1700).any()
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q5_0"])
 def test_interleaved_rows_stand_for_the_same_matrix(name):
-    """Q4_K and Q6_K rows interleaved 8 at a time (``gguf_interleave``, in place) give GGUF's bytes back, all of them
+    """Q4_K, Q6_K and Q5_0 rows interleaved 8 at a time (``gguf_interleave``, in place) give GGUF's bytes back, all of them
     (``gguf_deinterleave``) or some (``gguf_interleaved_rows``), and gguf-py's values row by row
-    (``gguf_dequantize_rows``); a matrix whose rows are not a multiple of 32 too (Q6_K's planes take 32); their products take int8
+    (``gguf_dequantize_rows``); a matrix whose rows are not a multiple of 32 too (Q6_K's and Q5_0's planes take 32); their products take int8
     activations only, and rows in groups of 8; other types have no such layout."""
     module = module_or_skip()
     raw, type_id, weight = random_gguf_rows(name, 40, 512, seed=7)

@@ -693,7 +693,7 @@ namespace {
 enum GgmlType : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
   kIQ4_NL = 20, kIQ4_XS = 23,
-  kQ4_Kx8 = 1012, kQ6_Kx8 = 1014  // not GGML's: Q4_K and Q6_K rows interleaved 8 at a time (gguf_interleave)
+  kQ5_0x8 = 1006, kQ4_Kx8 = 1012, kQ6_Kx8 = 1014  // not GGML's: rows interleaved 8 at a time (gguf_interleave)
 };
 
 // IQ4_NL and IQ4_XS: a 4-bit code c stands for kIQ4Values[c] (times the block's scale)
@@ -715,6 +715,7 @@ GgmlLayout ggml_layout(int64_t type) {
     case kQ4_K: return {256, 144};
     case kQ4_Kx8: return {256, 144};
     case kQ6_Kx8: return {256, 210};
+    case kQ5_0x8: return {32, 22};
     case kQ5_K: return {256, 176};
     case kQ6_K: return {256, 210};
     case kIQ4_NL: return {32, 18};
@@ -1258,12 +1259,13 @@ constexpr bool kInt8 = true;
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d, s, sb;
+  std::vector<int32_t> sums;  // each block's sum of codes
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t blocks = M * K / 32;
   QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(blocks), std::vector<float>(2 * blocks),
-                  std::vector<float>(blocks)};
+                  std::vector<float>(blocks), std::vector<int32_t>(blocks)};
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   auto isum = [](__m256i v) {
     __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -1288,6 +1290,7 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
     r.s[2 * i] = d * static_cast<float>(lo);
     r.s[2 * i + 1] = d * static_cast<float>(hi);
     r.sb[i] = d * static_cast<float>(lo + hi);
+    r.sums[i] = lo + hi;
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q.data() + 32 * i),
                         _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
@@ -2332,20 +2335,153 @@ void group_rows(const SuperRows& xq, int64_t M, int64_t K, const uint8_t* raw, i
   });
 }
 
-// A GGUF type's interleaved type (kQ4_Kx8, kQ6_Kx8), or 0 where it has none
-constexpr int64_t interleaved_type(int64_t type) { return type == kQ4_K ? kQ4_Kx8 : type == kQ6_K ? kQ6_Kx8 : 0; }
-constexpr int64_t plain_type(int64_t type) { return type == kQ4_Kx8 ? kQ4_K : type == kQ6_Kx8 ? kQ6_K : type; }
+
+// ---- Q5_0 interleaved 8 rows at a time (int8 activations, x per block of 32) ----------------------------------
+// gguf_interleave rewrites a Q5_0 matrix as planes per block of 4 groups (as Q6_K; 176 bytes a block of 8 rows would
+// leave loads across cache lines): for block b of 32 weights of the block's group j (index i = j blocks + b of n),
+// from the block's start: the low code bits at 128 i, quad q (0..3) the bytes qs[4 q .. + 3] of rows 0..7 side by
+// side (low nibbles weights 4 q + k, high nibbles 16 + 4 q + k); each row's 32 fifth bits as one word at 128 n + 32 i
+// + 4 r, bit 8 k + 4 h + q that of weight 16 h + 4 q + k (so one shift and mask put a quad's four at bit 4 of its
+// bytes); d of row r (fp16) at 160 n + 16 i + 2 r. A row's block product is (dw dx) (sum(c x) - 16 sum(x)) with c the
+// unsigned 5-bit codes: acc = fma(dw dx, isum, acc) per block, in its own lane.
+inline int64_t q50_block_start(int64_t groups, int64_t blocks, int64_t g, int64_t& n, int64_t& i, int64_t b) {
+  const int64_t first = g / kPlaneGroups * kPlaneGroups;
+  n = std::min(kPlaneGroups, groups - first) * blocks;
+  i = (g - first) * blocks + b;
+  return first * 8 * 22 * blocks;
+}
+
+void interleave_q50_group(const uint8_t* src, int64_t row_bytes, int64_t blocks, uint8_t* base, int64_t groups,
+                          int64_t g) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    int64_t n, i;
+    uint8_t* o = base + q50_block_start(groups, blocks, g, n, i, b);
+    for (int r = 0; r < 8; ++r) {
+      const uint8_t* p = src + r * row_bytes + b * 22;
+      std::memcpy(o + 160 * n + 16 * i + 2 * r, p, 2);
+      uint32_t qh, word = 0;
+      std::memcpy(&qh, p + 2, 4);
+      for (int h = 0; h < 2; ++h)
+        for (int q = 0; q < 4; ++q)
+          for (int k = 0; k < 4; ++k) word |= ((qh >> (16 * h + 4 * q + k)) & 1u) << (8 * k + 4 * h + q);
+      std::memcpy(o + 128 * n + 32 * i + 4 * r, &word, 4);
+      for (int q = 0; q < 4; ++q) std::memcpy(o + 128 * i + 32 * q + 4 * r, p + 6 + 4 * q, 4);
+    }
+  }
+}
+
+void deinterleave_q50_group(const uint8_t* base, int64_t groups, int64_t g, int64_t blocks, int64_t row_bytes,
+                            uint8_t* dst) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    int64_t n, i;
+    const uint8_t* o = base + q50_block_start(groups, blocks, g, n, i, b);
+    for (int r = 0; r < 8; ++r) {
+      uint8_t* p = dst + r * row_bytes + b * 22;
+      std::memcpy(p, o + 160 * n + 16 * i + 2 * r, 2);
+      uint32_t word, qh = 0;
+      std::memcpy(&word, o + 128 * n + 32 * i + 4 * r, 4);
+      for (int h = 0; h < 2; ++h)
+        for (int q = 0; q < 4; ++q)
+          for (int k = 0; k < 4; ++k) qh |= ((word >> (8 * k + 4 * h + q)) & 1u) << (16 * h + 4 * q + k);
+      std::memcpy(p + 2, &qh, 4);
+      for (int q = 0; q < 4; ++q) std::memcpy(p + 6 + 4 * q, o + 128 * i + 32 * q + 4 * r, 4);
+    }
+  }
+}
+
+#if defined(EAGLE_ISA_AVX512) || defined(EAGLE_ISA_AVX2)
+// out[i * ldo + 8 g + r] for rows row0..row0+M-1 of x (quantized per block of 32: xq) and groups g0..g1 of
+// interleaved Q5_0 rows
+template <int M>
+void group5_block(const uint8_t* raw, int64_t blocks, int64_t groups, const QuantizedRows& xq, int64_t K,
+                  int64_t row0, const float* bias, float* out, int64_t ldo, int64_t g0, int64_t g1) {
+  const __m256i low4 = _mm256_set1_epi8(15), fifth = _mm256_set1_epi8(16), ones = _mm256_set1_epi16(1);
+  const int8_t* x0 = xq.q.data() + row0 * K;
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256 acc[M];
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      int64_t n, ix;
+      const uint8_t* o = raw + q50_block_start(groups, blocks, g, n, ix, b);
+      const __m256i word = load32(o + 128 * n + 32 * ix);
+      __m256i w[8];  // quads 0..7 of the block's 32 codes, 8 rows each
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) {
+        const __m256i bytes = load32(o + 128 * ix + 32 * q);
+        w[q] = _mm256_or_si256(_mm256_and_si256(bytes, low4),
+                               _mm256_and_si256(_mm256_sll_epi32(word, _mm_cvtsi32_si128(4 - q)), fifth));
+        w[4 + q] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4),
+                                   _mm256_and_si256(_mm256_srl_epi32(word, _mm_cvtsi32_si128(q)), fifth));
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 160 * n + 16 * ix)));
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) {
+        const int8_t* xc = x0 + i * K + 32 * b;
+        // four products a 16-bit sum: codes 0..31, x -127..127, at most 31496
+        __m256i a0 = _mm256_maddubs_epi16(w[0], broadcast4(xc)), a1 = _mm256_maddubs_epi16(w[4], broadcast4(xc + 16));
+#pragma GCC unroll 4
+        for (int q = 1; q < 4; ++q) {
+          a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(w[q], broadcast4(xc + 4 * q)));
+          a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(w[4 + q], broadcast4(xc + 16 + 4 * q)));
+        }
+        const int64_t xb = (row0 + i) * (K / 32) + b;
+        const __m256i isum = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(a0, ones), _mm256_madd_epi16(a1, ones)),
+                                              _mm256_set1_epi32(16 * xq.sums[xb]));
+        acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xq.d[xb])), _mm256_cvtepi32_ps(isum), acc[i]);
+      }
+    }
+    const __m256 bv = bias ? _mm256_loadu_ps(bias + 8 * g) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) _mm256_storeu_ps(out + i * ldo + 8 * g, _mm256_add_ps(acc[i], bv));
+  }
+}
+
+// out [M, N] (rows ldo apart) = x W^T (+ bias), W interleaved Q5_0 rows (N a multiple of 8), x quantized per block
+void group5_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* raw, int64_t N, const float* bias,
+                 float* out, int64_t ldo) {
+  at::parallel_for(0, N / 8, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t t = g0; t < g1; t += kGroupTile) {
+      const int64_t t1 = std::min(g1, t + kGroupTile);
+      for (int64_t r = 0; r < M; r += kGroupRows) {
+        const auto pass = [&](auto m) {
+          constexpr int rows = decltype(m)::value;
+          group5_block<rows>(raw, K / 32, N / 8, xq, K, r, bias, out + r * ldo, ldo, t, t1);
+        };
+        switch (std::min<int64_t>(kGroupRows, M - r)) {
+          case 1: pass(std::integral_constant<int, 1>()); break;
+          case 2: pass(std::integral_constant<int, 2>()); break;
+          case 3: pass(std::integral_constant<int, 3>()); break;
+          default: pass(std::integral_constant<int, 4>()); break;
+        }
+      }
+    }
+  });
+}
+#else
+void group5_rows(const QuantizedRows&, int64_t, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t) {}
+#endif
+
+// A GGUF type's interleaved type (kQ4_Kx8, kQ6_Kx8, kQ5_0x8), or 0 where it has none
+constexpr int64_t interleaved_type(int64_t type) {
+  return type == kQ4_K ? kQ4_Kx8 : type == kQ6_K ? kQ6_Kx8 : type == kQ5_0 ? kQ5_0x8 : 0;
+}
+constexpr int64_t plain_type(int64_t type) {
+  return type == kQ4_Kx8 ? kQ4_K : type == kQ6_Kx8 ? kQ6_K : type == kQ5_0x8 ? kQ5_0 : type;
+}
 
 // group g's rows src (8 rows in GGUF's layout, row_bytes apart) into the interleaved matrix at base (groups in all)
 void interleave_group(int64_t type, const uint8_t* src, int64_t row_bytes, uint8_t* base, int64_t groups, int64_t g) {
   if (type == kQ4_K) interleave_q4k_group(src, row_bytes, row_bytes / 144, base + g * 8 * row_bytes);
-  else interleave_q6k_group(src, row_bytes, row_bytes / 210, base, groups, g);
+  else if (type == kQ6_K) interleave_q6k_group(src, row_bytes, row_bytes / 210, base, groups, g);
+  else interleave_q50_group(src, row_bytes, row_bytes / 22, base, groups, g);
 }
 
 // group g of the interleaved matrix at base as 8 rows in GGUF's layout at dst
 void deinterleave_group(int64_t type, const uint8_t* base, int64_t groups, int64_t g, int64_t row_bytes, uint8_t* dst) {
   if (type == kQ4_Kx8) deinterleave_q4k_group(base + g * 8 * row_bytes, row_bytes / 144, row_bytes, dst);
-  else deinterleave_q6k_group(base, groups, g, row_bytes / 210, row_bytes, dst);
+  else if (type == kQ6_Kx8) deinterleave_q6k_group(base, groups, g, row_bytes / 210, row_bytes, dst);
+  else deinterleave_q50_group(base, groups, g, row_bytes / 22, row_bytes, dst);
 }
 
 }  // namespace
@@ -2388,11 +2524,12 @@ torch::Tensor stream_linear_gguf_parts(const torch::Tensor& x, const std::vector
     const uint8_t* rp = raws[i].data_ptr<uint8_t>();
     const int64_t N = raws[i].size(0), rb = raws[i].size(1);
     const float* bp = b ? b + col : nullptr;
-    if (types[i] == kQ4_Kx8 || types[i] == kQ6_Kx8) {
+    if (plain_type(types[i]) != types[i]) {
       TORCH_CHECK(int8, "stream_linear_gguf: interleaved rows take int8 activations only");
       TORCH_CHECK(N % 8 == 0, "stream_linear_gguf: interleaved rows come in groups of 8");
       if (types[i] == kQ4_Kx8) group_rows<kQ4_Kx8>(xs, M, K, rp, N, bp, op + col, total);
-      else group_rows<kQ6_Kx8>(xs, M, K, rp, N, bp, op + col, total);
+      else if (types[i] == kQ6_Kx8) group_rows<kQ6_Kx8>(xs, M, K, rp, N, bp, op + col, total);
+      else group5_rows(xq, M, K, rp, N, bp, op + col, total);
       col += N;
       continue;
     }
@@ -2439,13 +2576,14 @@ torch::Tensor gguf_dequantize_rows(const torch::Tensor& raw, int64_t type, const
   for (int64_t r = 0; r < n; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < N, "gguf_dequantize_rows: index out of range");
   const uint8_t* rp = raw.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  if (type == kQ4_Kx8 || type == kQ6_Kx8) {  // each row from its group put back in GGUF's layout
+  if (plain_type(type) != type) {  // each row from its group put back in GGUF's layout
     TORCH_CHECK(N % 8 == 0, "gguf_dequantize_rows: interleaved rows come in groups of 8");
     std::vector<uint8_t> group(8 * rb);
     for (int64_t r = 0; r < n; ++r) {
       deinterleave_group(type, rp, N / 8, ip[r] / 8, rb, group.data());
       if (type == kQ4_Kx8) decode_row<kQ4_K>(group.data() + ip[r] % 8 * rb, K, op + r * K);
-      else decode_row<kQ6_K>(group.data() + ip[r] % 8 * rb, K, op + r * K);
+      else if (type == kQ6_Kx8) decode_row<kQ6_K>(group.data() + ip[r] % 8 * rb, K, op + r * K);
+      else decode_row<kQ5_0>(group.data() + ip[r] % 8 * rb, K, op + r * K);
     }
     return out;
   }
@@ -2468,7 +2606,7 @@ torch::Tensor gguf_dequantize_rows(const torch::Tensor& raw, int64_t type, const
 // rows of such a type as a copy in GGUF's layout again.
 int64_t gguf_interleave(torch::Tensor raw, int64_t type) {
   const int64_t to = interleaved_type(type);
-  TORCH_CHECK(to != 0, "gguf_interleave: GGML type ", type, " has no interleaved layout (Q4_K and Q6_K have)");
+  TORCH_CHECK(to != 0, "gguf_interleave: GGML type ", type, " has no interleaved layout (Q4_K, Q6_K and Q5_0 have)");
   TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.is_contiguous() && raw.dim() == 2 && raw.device().is_cpu() &&
               raw.size(0) % 8 == 0 && raw.size(1) % ggml_layout(type).bytes == 0,
               "gguf_interleave: contiguous uint8 CPU rows [N, row bytes], N a multiple of 8");
